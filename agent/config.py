@@ -1,0 +1,208 @@
+"""Settings: defaults < TOML file (``--config`` / ``INFIRE_CONFIG``) < ``INFIRE_*`` env vars.
+
+Nested keys use ``__`` in the environment (``INFIRE_CACHE__MAX_BYTES=200GiB``); the model list
+may be given as JSON in ``INFIRE_MODELS``. ``INFIRE_ADMIN_TOKEN`` is accepted as a short alias of
+``INFIRE_SERVER__ADMIN_TOKEN``. Bad values fail at start with :class:`ConfigError`, one line per
+bad key, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from agent.units import parse_duration, parse_fraction_or_size, parse_size
+
+MODEL_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+Seconds = Annotated[float, BeforeValidator(parse_duration)]
+Budget = Annotated[float | int, BeforeValidator(parse_fraction_or_size)]
+
+
+class ConfigError(Exception):
+    """A setting is missing or wrong; the message names the key."""
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def default_runtime_dir() -> Path:
+    """systemd's RuntimeDirectory, else the user's XDG runtime dir, else /tmp."""
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "infire"
+    return Path("/tmp") / f"infire-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+
+
+def default_cache_dir() -> Path:
+    if os.environ.get("CACHE_DIRECTORY"):
+        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0])
+    if _is_root():
+        return Path("/var/cache/infire")
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "infire"
+
+
+def default_store_url() -> str:
+    if os.environ.get("STATE_DIRECTORY"):
+        return (Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / "store").as_uri()
+    if _is_root():
+        return "file:///var/lib/infire/store"
+    return (Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "infire" / "store").as_uri()
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    admin_socket: Path | None = None  # None → <runtime dir>/admin.sock
+    admin_token: SecretStr = SecretStr("")
+    api_keys: list[SecretStr] = Field(default_factory=list, max_length=1024)
+    max_body_bytes: ByteSize = 8 * 1024 * 1024
+    max_header_bytes: ByteSize = 16 * 1024
+    max_headers: int = Field(100, ge=8, le=1000)
+    keepalive_timeout: Seconds = 75.0
+    drain_timeout: Seconds = 30.0
+    runtime_dir: Path = Field(default_factory=default_runtime_dir)
+
+    def admin_socket_path(self) -> Path:
+        return self.admin_socket or self.runtime_dir / "admin.sock"
+
+
+class StoreSettings(_Section):
+    url: str = Field(default_factory=default_store_url)
+    endpoint_url: str = ""
+    region: str = "auto"
+    path_style: bool = False
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        if not (v.startswith("file://") or v.startswith("s3://")):
+            raise ValueError(f"{v!r}: the store URL must start with file:// or s3://")
+        return v
+
+
+class CacheSettings(_Section):
+    dir: Path = Field(default_factory=default_cache_dir)
+    max_bytes: ByteSize = parse_size("100GiB")
+
+
+class GpuSettings(_Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    memory_budget: Budget = 0.9  # fraction of the device, or bytes ("60GiB"); bytes on CPU
+    cpu_memory_budget: ByteSize = parse_size("4GiB")  # the budget when the engine runs on CPU
+    warm_tier_bytes: ByteSize = 0
+
+
+class EngineSettings(_Section):
+    max_num_batched_tokens: int = Field(2048, ge=16, le=1 << 20)
+    page_bytes: ByteSize = parse_size("2MiB")
+    cuda_graphs: bool = True
+    sandbox: bool = True
+
+
+class ModelSettings(_Section):
+    name: str
+    preload: bool = False
+    pin: bool = False
+    keep_alive: Seconds = 300.0  # -1: never unload when idle
+    max_model_len: int = Field(4096, ge=16, le=1 << 20)
+    max_num_seqs: int = Field(256, ge=1, le=4096)
+    weight: float = Field(1.0, gt=0, le=1000)  # share of GPU time when models compete
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not MODEL_NAME_RE.match(v):
+            raise ValueError(f"{v!r} is not a model name (^[a-z0-9][a-z0-9._-]{{0,127}}$)")
+        return v
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="INFIRE_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    gpu: GpuSettings = Field(default_factory=GpuSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    models: list[ModelSettings] = Field(default_factory=list, max_length=256)
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, v: list[ModelSettings]) -> list[ModelSettings]:
+        seen: set[str] = set()
+        for m in v:
+            if m.name in seen:
+                raise ValueError(f"model {m.name!r} is listed twice")
+            seen.add(m.name)
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # toml_file is None unless load_settings made a subclass naming one.
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+    def model(self, name: str) -> ModelSettings | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"config error: {key}: {msg}")
+    return "\n".join(lines)
+
+
+def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+    """Build Settings from defaults, the TOML file and the environment.
+
+    Raises ConfigError with one line per bad key.
+    """
+    path = config_file or os.environ.get("INFIRE_CONFIG") or None
+    toml_path: Path | None = None
+    if path:
+        toml_path = Path(path)
+        if not toml_path.is_file():
+            raise ConfigError(f"config error: config file {str(toml_path)!r} does not exist")
+    cls: type[Settings] = Settings
+    if toml_path is not None:
+
+        class FileSettings(Settings):
+            model_config = SettingsConfigDict(**{**Settings.model_config, "toml_file": toml_path})
+
+        cls = FileSettings
+    try:
+        settings = cls(**overrides)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+    except ValueError as e:  # TOML syntax errors surface as ValueError subclasses
+        raise ConfigError(f"config error: {toml_path}: {e}") from None
+    token_alias = os.environ.get("INFIRE_ADMIN_TOKEN")
+    if token_alias and not settings.server.admin_token.get_secret_value():
+        settings.server.admin_token = SecretStr(token_alias)
+    return settings

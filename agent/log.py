@@ -1,0 +1,73 @@
+"""Structured logging: JSON lines in production, readable console on a TTY.
+
+Request ids travel in a contextvar (``bind_request_id``) so every line logged while a request is
+handled carries it, across awaits, without threading it through every call.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import sys
+import uuid
+from typing import Any, Literal
+
+import structlog
+
+_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def bind_request_id(request_id: str | None = None) -> str:
+    """Set the request id for the current context (task); returns it."""
+    rid = request_id or new_request_id()
+    _request_id.set(rid)
+    return rid
+
+
+def current_request_id() -> str | None:
+    return _request_id.get()
+
+
+def _add_request_id(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    rid = _request_id.get()
+    if rid is not None and "request_id" not in event:
+        event["request_id"] = rid
+    return event
+
+
+def configure_logging(
+    fmt: Literal["auto", "json", "console"] = "auto", level: str = "info", stream: Any = None
+) -> None:
+    """Configure structlog (and stdlib logging, for libraries) once at process start."""
+    stream = stream or sys.stderr
+    if fmt == "auto":
+        fmt = "console" if getattr(stream, "isatty", lambda: False)() else "json"
+    lvl = getattr(logging, level.upper(), logging.INFO)
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        _add_request_id,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    if fmt == "json":
+        renderer: Any = structlog.processors.JSONRenderer()
+        shared.append(structlog.processors.format_exc_info)
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=getattr(stream, "isatty", lambda: False)())
+    structlog.configure(
+        processors=[*shared, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        cache_logger_on_first_use=False,
+    )
+    logging.basicConfig(level=max(lvl, logging.WARNING), stream=stream, format="%(levelname)s %(name)s: %(message)s")
+
+
+def get_logger(name: str | None = None, **bound: Any) -> Any:
+    log = structlog.get_logger(name)
+    return log.bind(**bound) if bound else log
