@@ -1,0 +1,325 @@
+"""The agent ↔ engine worker IPC protocol.
+
+Wire format: each frame is a 4-byte big-endian length followed by that many bytes of msgpack.
+The msgpack body is a map ``{"v": PROTOCOL_VERSION, "t": <type tag>, ...fields}``. Only plain
+msgpack types cross (ints, floats, strings, bytes, lists, maps, nil, bools): never pickle, so a
+compromised worker can at worst send a well-formed but wrong message, never run code in the
+agent.
+
+Every message is a small frozen dataclass registered under a short tag. Decoding is strict:
+an unknown version or tag, a missing field, a field of the wrong type or a frame longer than
+``MAX_FRAME_BYTES`` raises :class:`ProtocolError`; unknown *extra* fields are ignored so a newer
+peer may add optional fields within one protocol version.
+
+Direction: the agent sends Load, Unload, Add, Abort, Shutdown; the worker sends Hello (first),
+Loaded, Unloaded, Tokens (one per engine step, carrying every request's new ids), Status
+(periodic, doubles as the engine-progress heartbeat), Heartbeat (from a side thread, proves the
+process is alive even while the main loop is inside a long load) and Error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024 * 1024  # a 1M-token prompt as int32-ish msgpack fits with room
+_HEADER = struct.Struct(">I")
+HEADER_BYTES = _HEADER.size
+
+
+class ProtocolError(Exception):
+    """A frame or message that does not follow the protocol; the connection should be dropped."""
+
+
+# Filled once at import by @_register and read-only afterwards.
+_REGISTRY: dict[str, type[Message]] = {}
+_FIELDS: dict[str, list[tuple[str, Any, bool]]] = {}  # tag → [(name, type hint, required)]
+
+
+@dataclass(frozen=True)
+class Message:
+    TAG: ClassVar[str] = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        body = {"v": PROTOCOL_VERSION, "t": self.TAG}
+        for f in dataclasses.fields(self):
+            body[f.name] = getattr(self, f.name)
+        return body
+
+
+def _register(cls: type[Message]) -> type[Message]:
+    if not cls.TAG or cls.TAG in _REGISTRY:
+        raise ValueError(f"bad or duplicate message tag {cls.TAG!r}")  # programming error at import
+    _REGISTRY[cls.TAG] = cls
+    hints = get_type_hints(cls)
+    _FIELDS[cls.TAG] = [
+        (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in dataclasses.fields(cls)
+    ]
+    return cls
+
+
+# --- agent → worker ---------------------------------------------------------------------------
+
+
+@_register
+@dataclass(frozen=True)
+class Load(Message):
+    """Load a model from a local snapshot folder. Answered by Loaded or Error(op="load")."""
+
+    TAG: ClassVar[str] = "load"
+    model: str
+    model_dir: str
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    weight: float = 1.0
+
+
+@_register
+@dataclass(frozen=True)
+class Unload(Message):
+    """Unload a model; its remaining requests finish with "abort". Answered by Unloaded."""
+
+    TAG: ClassVar[str] = "unload"
+    model: str
+
+
+@_register
+@dataclass(frozen=True)
+class Add(Message):
+    """Admit one request; ``sampling`` is ``SamplingParams.to_dict()``."""
+
+    TAG: ClassVar[str] = "add"
+    req_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+
+
+@_register
+@dataclass(frozen=True)
+class Abort(Message):
+    """Abort requests by id (unknown or finished ids are ignored). Many per frame on purpose:
+    a burst of disconnects costs one frame."""
+
+    TAG: ClassVar[str] = "abort"
+    req_ids: list[str]
+
+
+@_register
+@dataclass(frozen=True)
+class Shutdown(Message):
+    TAG: ClassVar[str] = "shutdown"
+
+
+# --- worker → agent ---------------------------------------------------------------------------
+
+
+@_register
+@dataclass(frozen=True)
+class Hello(Message):
+    """First frame from the worker once its engine exists (or failed to exist: ``engine_error``)."""
+
+    TAG: ClassVar[str] = "hello"
+    pid: int
+    device: str
+    engine_error: str = ""
+
+
+@_register
+@dataclass(frozen=True)
+class Loaded(Message):
+    """``info`` is ``ModelInfo`` as a map (vocab_size, max_model_len, eos_token_ids, ...)."""
+
+    TAG: ClassVar[str] = "loaded"
+    model: str
+    info: dict[str, Any]
+    seconds: float
+
+
+@_register
+@dataclass(frozen=True)
+class Unloaded(Message):
+    TAG: ClassVar[str] = "unloaded"
+    model: str
+
+
+@_register
+@dataclass(frozen=True)
+class Tokens(Message):
+    """All outputs of one engine step. Each entry of ``outputs`` is
+    ``[req_id, new_token_ids, finish_reason | None, logprobs | None, num_prompt_tokens]``:
+    positional lists, not maps, because this is the hot message."""
+
+    TAG: ClassVar[str] = "tokens"
+    step: int
+    outputs: list[list[Any]]
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One request's share of a Tokens frame, unpacked."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[Any] | None
+    num_prompt_tokens: int
+
+
+def unpack_outputs(msg: Tokens) -> list[TokenOutput]:
+    out: list[TokenOutput] = []
+    for entry in msg.outputs:
+        if not isinstance(entry, list) or len(entry) != 5:
+            raise ProtocolError("tokens: each output must be a list of 5 items")
+        req_id, ids, finish, logprobs, n_prompt = entry
+        if not isinstance(req_id, str) or not isinstance(ids, list) or not isinstance(n_prompt, int):
+            raise ProtocolError("tokens: bad output entry")
+        if finish is not None and finish not in ("stop", "length", "abort"):
+            raise ProtocolError(f"tokens: bad finish_reason {finish!r}")
+        out.append(TokenOutput(req_id, ids, finish, logprobs, n_prompt))
+    return out
+
+
+def pack_output(req_id: str, ids: list[int], finish: str | None, logprobs: Any, n_prompt: int) -> list[Any]:
+    return [req_id, ids, finish, logprobs, n_prompt]
+
+
+@_register
+@dataclass(frozen=True)
+class Status(Message):
+    """Periodic engine state from the main loop. ``steps`` grows with every engine step, so an
+    agent that sees it stuck while ``busy`` knows the engine is wedged, not just alive."""
+
+    TAG: ClassVar[str] = "status"
+    steps: int
+    busy: bool
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@_register
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """From the worker's side thread. ``phase`` is "idle", "stepping" or "loading:<model>"."""
+
+    TAG: ClassVar[str] = "heartbeat"
+    seq: int
+    phase: str
+    phase_seconds: float
+
+
+@_register
+@dataclass(frozen=True)
+class Error(Message):
+    """A command failed. ``op`` is the command's tag; ``req_id``/``model`` say which one."""
+
+    TAG: ClassVar[str] = "error"
+    op: str
+    message: str
+    code: str = "internal"
+    req_id: str = ""
+    model: str = ""
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> bytes:
+    """One frame: length prefix + msgpack body."""
+    body = msgpack.packb(msg.to_wire(), use_bin_type=True)
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"{msg.TAG}: frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return _HEADER.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    """The body length from a 4-byte header, refusing oversize frames before reading them."""
+    if len(header) != HEADER_BYTES:
+        raise ProtocolError("short frame header")
+    (n,) = _HEADER.unpack(header)
+    if n > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
+    return n
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = get_origin(hint)
+    if hint is Any:
+        return True
+    if origin is Union:
+        return any(_type_ok(value, a) for a in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin in (list, dict):
+        return isinstance(value, origin)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def decode(body: bytes) -> Message:
+    """A message from one frame body (without the length prefix)."""
+    try:
+        obj = msgpack.unpackb(
+            body, raw=False, strict_map_key=True, use_list=True,
+            ext_hook=_refuse_ext,
+        )
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable frame: {type(e).__name__}: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("a frame must hold a map")
+    if obj.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {obj.get('v')!r}, expected {PROTOCOL_VERSION}")
+    cls = _REGISTRY.get(obj.get("t"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ProtocolError(f"unknown message type {obj.get('t')!r}")
+    kwargs: dict[str, Any] = {}
+    for name, hint, required in _FIELDS[cls.TAG]:
+        if name in obj:
+            value = obj[name]
+            if not _type_ok(value, hint):
+                raise ProtocolError(f"{cls.TAG}.{name}: unexpected type {type(value).__name__}")
+            kwargs[name] = value
+        elif required:
+            raise ProtocolError(f"{cls.TAG}: missing field {name!r}")
+    return cls(**kwargs)
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+class FrameDecoder:
+    """Incremental decoder for a byte stream: ``feed(data)`` returns the complete messages."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Message]:
+        self._buf += data
+        out: list[Message] = []
+        pos = 0
+        buf = self._buf
+        while len(buf) - pos >= HEADER_BYTES:
+            n = frame_length(bytes(buf[pos : pos + HEADER_BYTES]))
+            if len(buf) - pos - HEADER_BYTES < n:
+                break
+            start = pos + HEADER_BYTES
+            out.append(decode(bytes(buf[start : start + n])))
+            pos = start + n
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._buf)

@@ -1,0 +1,100 @@
+"""The IPC wire format: round trips, strict decoding, frame bounds, no pickle."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+
+import msgpack
+import pytest
+
+from engine import protocol as P
+
+
+def _body(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        P.Add(req_id="r1", model="m", prompt_token_ids=[1, 2, 3], sampling={"temperature": 0.0, "seed": 7}),
+        P.Abort(req_ids=["a", "b"]),
+        P.Load(model="m", model_dir="/x", max_model_len=128, max_num_seqs=4, weight=2.0),
+        P.Unload(model="m"),
+        P.Shutdown(),
+        P.Hello(pid=12, device="cpu"),
+        P.Loaded(model="m", info={"vocab_size": 100}, seconds=0.5),
+        P.Unloaded(model="m"),
+        P.Tokens(step=3, outputs=[P.pack_output("r1", [5, 6], None, None, 3), P.pack_output("r2", [], "abort", None, 1)]),
+        P.Status(steps=9, busy=True, models={"m": {"running": 2}}),
+        P.Heartbeat(seq=1, phase="loading:m", phase_seconds=1.5),
+        P.Error(op="add", message="bad", code="EngineError", req_id="r1"),
+    ],
+)
+def test_round_trip(msg: P.Message) -> None:
+    frame = P.encode(msg)
+    assert struct.unpack(">I", frame[:4])[0] == len(frame) - 4
+    assert P.decode(frame[4:]) == msg
+
+
+def test_decoder_handles_split_and_coalesced_frames() -> None:
+    msgs = [P.Abort(req_ids=[str(i)]) for i in range(5)]
+    stream = b"".join(P.encode(m) for m in msgs)
+    dec = P.FrameDecoder()
+    got: list[P.Message] = []
+    for i in range(0, len(stream), 3):  # 3-byte pieces cut through headers and bodies
+        got.extend(dec.feed(stream[i : i + 3]))
+    assert got == msgs and dec.pending_bytes == 0
+    assert P.FrameDecoder().feed(stream) == msgs
+
+
+def test_unpack_outputs() -> None:
+    msg = P.Tokens(step=1, outputs=[P.pack_output("r", [1], "length", [[-0.1]], 4)])
+    (out,) = P.unpack_outputs(msg)
+    assert out == P.TokenOutput("r", [1], "length", [[-0.1]], 4)
+    with pytest.raises(P.ProtocolError):
+        P.unpack_outputs(P.Tokens(step=1, outputs=[["r", [1], "exploded", None, 4]]))
+    with pytest.raises(P.ProtocolError):
+        P.unpack_outputs(P.Tokens(step=1, outputs=[["r", [1]]]))
+
+
+@pytest.mark.parametrize(
+    "obj, why",
+    [
+        ([1, 2], "map"),
+        ({"v": 99, "t": "abort", "req_ids": []}, "version"),
+        ({"t": "abort", "req_ids": []}, "version"),
+        ({"v": 1, "t": "launch_missiles"}, "unknown message type"),
+        ({"v": 1, "t": "add", "req_id": "r", "model": "m", "sampling": {}}, "missing field"),
+        ({"v": 1, "t": "add", "req_id": 5, "model": "m", "prompt_token_ids": [], "sampling": {}}, "unexpected type"),
+        ({"v": 1, "t": "hello", "pid": True, "device": "cpu"}, "unexpected type"),
+        ({"v": 1, "t": "status", "steps": 1, "busy": True, "models": {1: {}}}, "undecodable"),
+    ],
+)
+def test_strict_decoding(obj: object, why: str) -> None:
+    with pytest.raises(P.ProtocolError, match=why):
+        P.decode(_body(obj))
+
+
+def test_extra_fields_are_ignored_within_a_version() -> None:
+    body = _body({"v": 1, "t": "unload", "model": "m", "future_field": 1})
+    assert P.decode(body) == P.Unload(model="m")
+
+
+def test_refuses_pickle_and_extension_types() -> None:
+    with pytest.raises(P.ProtocolError):
+        P.decode(pickle.dumps(P.Unload(model="m")))
+    with pytest.raises(P.ProtocolError, match="extension"):
+        P.decode(_body({"v": 1, "t": "unload", "model": msgpack.ExtType(1, b"x")}))
+
+
+def test_frame_size_bounds() -> None:
+    with pytest.raises(P.ProtocolError, match="exceeds"):
+        P.frame_length(struct.pack(">I", P.MAX_FRAME_BYTES + 1))
+    with pytest.raises(P.ProtocolError, match="exceeds"):
+        P.FrameDecoder().feed(struct.pack(">I", 0xFFFFFFFF) + b"x")
+    with pytest.raises(P.ProtocolError, match="exceeds"):
+        P.encode(P.Add(req_id="r", model="m", prompt_token_ids=[], sampling={"x": b"\0" * (P.MAX_FRAME_BYTES + 1)}))
+    with pytest.raises(P.ProtocolError):
+        P.frame_length(b"\0\0")
