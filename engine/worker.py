@@ -1,0 +1,298 @@
+"""The engine worker process: ``python -m engine.worker --fd N --options JSON``.
+
+The agent starts this process with one end of a unix socketpair on fd N (no path on disk that
+anyone else could connect to). The main loop is a plain selector loop, no asyncio: it reads
+whatever commands have arrived without blocking (timeout 0 while the engine has work), runs one
+``EngineCore.step()``, and sends that step's outputs for all requests as one ``Tokens`` frame.
+A side thread sends ``Heartbeat`` frames so the agent can tell "alive but inside a long load"
+from "dead". The worker exits when the socket closes, so it never outlives the agent.
+
+``--engine none`` runs the loop with no EngineCore (loads are refused with a clear error); the
+agent's supervision tests use it to exercise the process and the protocol without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from engine import protocol as P
+
+STATUS_INTERVAL_S = 0.25
+HEARTBEAT_INTERVAL_S = 0.5
+RECV_BYTES = 1 << 20
+
+
+class _Conn:
+    """The socket, with a lock so the heartbeat thread and the main loop never interleave frames."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.decoder = P.FrameDecoder()
+
+    def send(self, msg: P.Message) -> None:
+        frame = P.encode(msg)
+        with self.lock:
+            self.sock.sendall(frame)
+
+    def read_available(self) -> list[P.Message] | None:
+        """All complete messages readable now; None once the peer has closed."""
+        msgs: list[P.Message] = []
+        while True:
+            try:
+                data = self.sock.recv(RECV_BYTES, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return msgs
+            except (ConnectionResetError, OSError):
+                return None
+            if not data:
+                return None
+            msgs.extend(self.decoder.feed(data))
+
+
+class _Phase:
+    """What the main loop is doing, for the heartbeat thread to report."""
+
+    def __init__(self) -> None:
+        self.name = "idle"
+        self.since = time.monotonic()
+
+    def set(self, name: str) -> None:
+        if name != self.name:
+            self.name, self.since = name, time.monotonic()
+
+
+def _plain(obj: Any) -> Any:
+    """msgpack-safe copy: map keys must be strings (the agent decodes with strict keys)."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        return obj.item()
+    return obj
+
+
+def _info_dict(info: Any) -> dict[str, Any]:
+    if isinstance(info, dict):
+        return _plain(info)
+    names = ("name", "vocab_size", "max_model_len", "eos_token_ids", "device_bytes", "kv_pages", "block_size")
+    return _plain({n: getattr(info, n) for n in names if hasattr(info, n)})
+
+
+class Worker:
+    def __init__(self, conn: _Conn, core: Any) -> None:
+        self.conn = conn
+        self.core = core
+        self.phase = _Phase()
+        self.steps = 0
+        self.running = True
+        self._last_status = 0.0
+
+    # --- commands ---------------------------------------------------------------------------
+
+    def handle(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Add):
+            self._add(msg)
+        elif isinstance(msg, P.Abort):
+            if self.core is not None:
+                for rid in msg.req_ids:
+                    self.core.abort_request(rid)
+        elif isinstance(msg, P.Load):
+            self._load(msg)
+        elif isinstance(msg, P.Unload):
+            self._unload(msg)
+        elif isinstance(msg, P.Shutdown):
+            self.running = False
+        else:
+            self.conn.send(P.Error(op=msg.TAG, message=f"the worker does not accept {msg.TAG!r}", code="protocol"))
+
+    def _no_engine(self, op: str, **ids: str) -> bool:
+        if self.core is None:
+            self.conn.send(P.Error(op=op, message="the worker runs without an engine", code="no_engine", **ids))
+            return True
+        return False
+
+    def _add(self, msg: P.Add) -> None:
+        if self._no_engine("add", req_id=msg.req_id, model=msg.model):
+            return
+        from engine.sampling import SamplingParams
+
+        try:
+            params = SamplingParams.from_dict(msg.sampling)
+            self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids, params)
+        except Exception as e:  # EngineError, SamplingParamsError: the request's fault, not ours
+            self.conn.send(P.Error(op="add", message=str(e), code=type(e).__name__, req_id=msg.req_id, model=msg.model))
+
+    def _load(self, msg: P.Load) -> None:
+        if self._no_engine("load", model=msg.model):
+            return
+        self.phase.set(f"loading:{msg.model}")
+        t0 = time.monotonic()
+        try:
+            info = self.core.load_model(
+                msg.model, msg.model_dir, max_model_len=msg.max_model_len,
+                max_num_seqs=msg.max_num_seqs, weight=msg.weight,
+            )
+        except Exception as e:
+            self.conn.send(P.Error(op="load", message=f"{type(e).__name__}: {e}", code=type(e).__name__, model=msg.model))
+        else:
+            self.conn.send(P.Loaded(model=msg.model, info=_info_dict(info), seconds=time.monotonic() - t0))
+        finally:
+            self.phase.set("idle")
+
+    def _unload(self, msg: P.Unload) -> None:
+        if self._no_engine("unload", model=msg.model):
+            return
+        try:
+            self.core.unload_model(msg.model)
+        except Exception as e:
+            self.conn.send(P.Error(op="unload", message=str(e), code=type(e).__name__, model=msg.model))
+            return
+        # Requests the unload aborted surface in the next step's outputs; flush them now so the
+        # agent is not left waiting on a model that is gone.
+        if self.core.has_unfinished_requests():
+            self._step()
+        self.conn.send(P.Unloaded(model=msg.model))
+
+    # --- loop -------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        self.phase.set("stepping")
+        outs = self.core.step()
+        self.steps += 1
+        if outs:
+            packed = [
+                P.pack_output(o.req_id, list(o.new_token_ids), o.finish_reason, _plain(o.logprobs), o.num_prompt_tokens)
+                for o in outs
+            ]
+            self.conn.send(P.Tokens(step=self.steps, outputs=packed))
+
+    def _busy(self) -> bool:
+        return self.core is not None and self.core.has_unfinished_requests()
+
+    def _maybe_status(self, busy: bool) -> None:
+        now = time.monotonic()
+        if now - self._last_status < STATUS_INTERVAL_S:
+            return
+        self._last_status = now
+        models = _plain(self.core.stats()) if self.core is not None else {}
+        self.conn.send(P.Status(steps=self.steps, busy=busy, models=models))
+
+    def run(self) -> int:
+        sel = selectors.DefaultSelector()
+        sel.register(self.conn.sock, selectors.EVENT_READ)
+        while self.running:
+            busy = self._busy()
+            if not busy:
+                self.phase.set("idle")
+            if sel.select(0 if busy else STATUS_INTERVAL_S):
+                msgs = self.conn.read_available()
+                if msgs is None:
+                    return 0  # the agent is gone: nothing left to serve
+                for m in msgs:
+                    self.handle(m)
+            if self._busy():
+                self._step()
+            self._maybe_status(self._busy())
+        return 0
+
+
+def _heartbeat_loop(conn: _Conn, phase: _Phase, stop: threading.Event) -> None:
+    seq = 0
+    while not stop.wait(HEARTBEAT_INTERVAL_S):
+        seq += 1
+        try:
+            conn.send(P.Heartbeat(seq=seq, phase=phase.name, phase_seconds=time.monotonic() - phase.since))
+        except OSError:
+            return
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL us if the agent dies (Linux), so a worker never lingers."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
+    """(core or None, device name, error text)."""
+    if options.get("engine") == "none":
+        return None, "none", ""
+    try:
+        from engine.core import EngineCore
+
+        core = EngineCore(
+            device=options.get("device", "auto"),
+            max_num_batched_tokens=int(options.get("max_num_batched_tokens", 2048)),
+            memory_budget_bytes=options.get("memory_budget_bytes"),
+        )
+    except Exception as e:  # report, do not crash-loop: the agent shows it in status
+        return None, "none", f"{type(e).__name__}: {e}"
+    return core, str(getattr(core, "device", options.get("device", "auto"))), ""
+
+
+def _confine(options: dict[str, Any]) -> str:
+    """Apply the sandbox after the device is initialised; '' or the reason it was skipped."""
+    if not options.get("sandbox", False):
+        return ""
+    try:
+        from sandbox import launch
+    except ImportError:
+        return "sandbox module unavailable"
+    fn = getattr(launch, "confine_worker", None) or getattr(launch, "confine", None)
+    if fn is None:
+        return "sandbox.launch has no confine function"
+    fn(**options.get("sandbox_options", {}))
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="engine.worker")
+    ap.add_argument("--fd", type=int, required=True, help="inherited unix socket")
+    ap.add_argument("--options", default="{}", help="JSON engine options")
+    ap.add_argument("--engine", choices=["core", "none"], default="core")
+    args = ap.parse_args(argv)
+    options = json.loads(args.options)
+    if not isinstance(options, dict):
+        print("--options must be a JSON object", file=sys.stderr)
+        return 2
+    options["engine"] = args.engine
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when we stop
+    sock = socket.socket(fileno=args.fd)
+    sock.setblocking(True)
+    conn = _Conn(sock)
+    core, device, err = _make_core(options)
+    skipped = _confine(options) if core is not None else ""
+    if skipped:
+        print(f"engine.worker: sandbox skipped: {skipped}", file=sys.stderr)
+    conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err))
+    worker = Worker(conn, core)
+    stop = threading.Event()
+    hb = threading.Thread(target=_heartbeat_loop, args=(conn, worker.phase, stop), daemon=True, name="heartbeat")
+    hb.start()
+    try:
+        return worker.run()
+    except (BrokenPipeError, ConnectionResetError):
+        return 0
+    finally:
+        stop.set()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
