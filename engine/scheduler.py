@@ -1,0 +1,275 @@
+"""Token-budget continuous-batching scheduler of one model (no torch import).
+
+Each :meth:`Scheduler.schedule` call fills one step under ``max_num_batched_tokens``:
+
+1. running sequences that are decoding (one token each), oldest first;
+2. running sequences still prefilling, one chunk each (at most ``max_prefill_chunk`` tokens);
+3. waiting sequences, admitted in order while pages, budget and ``max_num_seqs`` allow.
+
+So a long prompt is split across steps and shares them with decodes (chunked prefill). When a
+running sequence needs a page and none is free, the *newest* running sequence is preempted by
+recompute: its pages are freed, it keeps its output tokens and goes back to the front of the
+waiting queue, to be prefilled again (prompt + output) when pages are free. A preempted
+sequence is never dropped. Aborts free pages at once, whatever state the sequence is in.
+
+The output is a :class:`SchedulerOutput` of plain ints and lists. The scheduler is per model and
+holds no global state, so a multi-model EngineCore keeps one per model and picks which to step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sampling import SamplingParams
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class SchedulerConfigError(ValueError):
+    """The scheduler limits are inconsistent (e.g. one max-length sequence cannot fit)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    max_prefill_chunk: int | None = None  # None: limited by the budget only
+    eos_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> "SchedulerConfig":
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise SchedulerConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.max_prefill_chunk is not None and (not isinstance(self.max_prefill_chunk, int) or self.max_prefill_chunk < 1):
+            raise SchedulerConfigError(f"max_prefill_chunk must be None or >= 1, got {self.max_prefill_chunk!r}")
+        return self
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: compute ``token_ids`` at positions ``start_pos..``."""
+
+    seq_id: int
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]  # live table; valid for this step only
+    sample: bool  # the chunk reaches the end of the sequence: sample its next token
+    output_step: int  # output tokens so far: the counter of seeded sampling
+    params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step (cached + new)."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefill chunks
+    num_decodes: int = 0  # the first num_decodes entries are one-token decodes
+    num_batched_tokens: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Waiting and running queues of one model, over its :class:`BlockManager`."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config.validate()
+        self.blocks = block_manager
+        if block_manager.pages_for_tokens(config.max_model_len) > block_manager.num_total_pages:
+            raise SchedulerConfigError(
+                f"{block_manager.num_total_pages} KV pages of {block_manager.block_size} tokens cannot hold "
+                f"one sequence of max_model_len={config.max_model_len}"
+            )
+        self._eos = frozenset(config.eos_token_ids)
+        self._next_seq_id = 0
+        self._seqs: dict[str, Sequence] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival, oldest first
+
+    # -- requests --------------------------------------------------------------------------
+    def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request. The caller validated ids and params; lengths are checked here."""
+        if req_id in self._seqs:
+            raise ValueError(f"request id {req_id!r} is already live")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate "
+                f"(max_model_len={self.config.max_model_len})"
+            )
+        seq = Sequence(self._next_seq_id, req_id, list(prompt_token_ids), params, arrival=self._next_seq_id)
+        self._next_seq_id += 1
+        self._seqs[req_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, req_id: str) -> Sequence | None:
+        """Finish the request as aborted and free its pages; None when unknown or finished."""
+        seq = self._seqs.pop(req_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = FinishReason.ABORT
+        return seq
+
+    def get(self, req_id: str) -> Sequence | None:
+        return self._seqs.get(req_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        chunk_cap = cfg.max_prefill_chunk or budget
+        planned: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, tokens); insertion order
+        preempted: list[Sequence] = []
+
+        def reserve(seq: Sequence, n: int) -> bool:
+            """Pages for n more tokens of a running seq, preempting newer ones; False: seq itself went."""
+            nonlocal budget
+            while not self.blocks.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                if victim.seq_id in planned:
+                    budget += planned.pop(victim.seq_id)[1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    return False
+            return True
+
+        # 1. decodes, oldest first.
+        for seq in list(self.running):
+            if budget < 1:
+                break
+            if seq.status is not SequenceStatus.RUNNING or not seq.is_decoding:
+                continue
+            if reserve(seq, 1):
+                planned[seq.seq_id] = (seq, 1)
+                budget -= 1
+
+        # 2. running sequences still prefilling (chunked prefill continues).
+        for seq in list(self.running):
+            if budget < 1:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in planned:
+                continue
+            n = min(seq.num_uncomputed_tokens, chunk_cap, budget)
+            if reserve(seq, n):
+                planned[seq.seq_id] = (seq, n)
+                budget -= n
+
+        # 3. admissions; a sequence preempted in this very step waits for the next one.
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_preemptions and any(seq is p for p in preempted):
+                break
+            n = min(seq.num_uncomputed_tokens, chunk_cap, budget)
+            if not self.blocks.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            planned[seq.seq_id] = (seq, n)
+            budget -= n
+
+        out = SchedulerOutput(preempted_req_ids=[s.req_id for s in preempted])
+        entries = sorted(planned.values(), key=lambda e: not e[0].is_decoding)  # stable: decodes first
+        for seq, n in entries:
+            start = seq.num_computed_tokens
+            out.seqs.append(
+                ScheduledSeq(
+                    seq_id=seq.seq_id,
+                    req_id=seq.req_id,
+                    token_ids=seq.token_ids[start:start + n],
+                    start_pos=start,
+                    block_table=self.blocks.block_table(seq.seq_id),
+                    sample=start + n == seq.num_tokens,
+                    output_step=seq.num_output_tokens,
+                    params=seq.params,
+                )
+            )
+            out.num_batched_tokens += n
+            if seq.is_decoding:
+                out.num_decodes += 1
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """Apply a step's results; ``sampled`` holds one id per entry with ``sample`` set, in order.
+
+        Returns the sequences that got a new token (finished ones carry ``finish_reason``).
+        Entries whose request was aborted after scheduling are skipped.
+        """
+        want = sum(1 for s in out.seqs if s.sample)
+        if len(sampled) != want:
+            raise ValueError(f"expected {want} sampled ids, got {len(sampled)}")
+        it = iter(sampled)
+        got: list[Sequence] = []
+        for s in out.seqs:
+            tok = next(it) if s.sample else None
+            seq = self._seqs.get(s.req_id)
+            if seq is None or seq.seq_id != s.seq_id or seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += s.num_tokens
+            self.blocks.record_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if tok is None:
+                continue
+            seq.token_ids.append(tok)
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                self._finish(seq, reason)
+            got.append(seq)
+        return got
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+        p = seq.params
+        if (not p.ignore_eos and tok in self._eos) or tok in p.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        self._seqs.pop(seq.req_id, None)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

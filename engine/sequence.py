@@ -1,0 +1,75 @@
+"""One request's state inside the engine: tokens, progress, status (plain data, no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted (its pages were freed; recompute on resume)
+    RUNNING = "running"  # holds pages; prefilling or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos or a stop token id
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's tokens and how far the model has computed them.
+
+    ``token_ids`` is prompt + output so far. ``num_computed_tokens`` counts the tokens whose
+    K/V sit in the cache; the next step computes ``token_ids[num_computed_tokens:]`` (or a chunk
+    of it) and, once it reaches the end, samples one more token. Preemption resets
+    ``num_computed_tokens`` to 0: the output tokens are kept and recomputed like prompt tokens.
+    """
+
+    seq_id: int
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order; higher is newer (preemption victims are the newest)
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Exactly one token (the last sampled) is left to compute."""
+        return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

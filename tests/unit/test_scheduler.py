@@ -1,0 +1,271 @@
+"""Scheduler: budgets, chunked prefill, preemption by recompute, aborts, against a fake model.
+
+The fake model writes each new token into a slot array through the block table (as the real
+KV write does) and derives the next token from the tokens it *reads back* through the block
+table. A page shared by two live sequences, a stale page after preemption, or a wrong position
+therefore changes the output, and every schedule must give the same tokens as the reference.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager, PageAllocator
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError, SchedulerOutput
+from engine.sequence import FinishReason, SequenceStatus
+
+VOCAB = 50
+EOS = 0
+
+
+def next_token(tokens: list[int]) -> int:
+    return zlib.crc32(bytes(str(tokens), "ascii")) % VOCAB
+
+
+def reference(prompt: list[int], params: SamplingParams, max_model_len: int) -> tuple[list[int], str]:
+    toks = list(prompt)
+    out: list[int] = []
+    while True:
+        t = next_token(toks)
+        toks.append(t)
+        out.append(t)
+        if (not params.ignore_eos and t == EOS) or t in params.stop_token_ids:
+            return out, "stop"
+        if len(out) >= params.max_tokens or len(toks) >= max_model_len:
+            return out, "length"
+
+
+class FakeRunner:
+    def __init__(self, num_pages: int, block_size: int) -> None:
+        self.bs = block_size
+        self.slots: list[int | None] = [None] * (num_pages * block_size)
+
+    def run(self, sched: Scheduler, out: SchedulerOutput) -> list[int]:
+        cfg = sched.config
+        assert out.num_batched_tokens == sum(s.num_tokens for s in out.seqs) <= cfg.max_num_batched_tokens
+        assert len(out.seqs) <= cfg.max_num_seqs
+        assert len({s.seq_id for s in out.seqs}) == len(out.seqs)
+        assert all(s.num_tokens == 1 for s in out.seqs[: out.num_decodes])
+        sampled = []
+        for s in out.seqs:
+            assert len(s.block_table) * self.bs >= s.seq_len, "pages do not cover the step"
+            for j, tok in enumerate(s.token_ids):
+                pos = s.start_pos + j
+                self.slots[s.block_table[pos // self.bs] * self.bs + pos % self.bs] = tok
+            if s.sample:
+                ctx = [self.slots[s.block_table[p // self.bs] * self.bs + p % self.bs] for p in range(s.seq_len)]
+                sampled.append(next_token(ctx))
+        return sampled
+
+
+def check_pages(sched: Scheduler, alloc: PageAllocator) -> None:
+    bm = sched.blocks
+    live = bm.live_sequences()
+    pages = [p for sid in live for p in bm.block_table(sid)]
+    assert len(pages) == len(set(pages)), "page shared by two sequences"
+    assert alloc.num_free + len(pages) == alloc.num_total, "page leaked"
+    running_ids = {s.seq_id for s in sched.running}
+    assert set(live) <= running_ids, "a waiting or finished sequence holds pages"
+    assert len(sched.running) <= sched.config.max_num_seqs
+    for s in sched.running:
+        assert len(bm.block_table(s.seq_id)) * bm.block_size >= s.num_computed_tokens
+
+
+def make(num_pages=64, block_size=4, **cfg) -> tuple[Scheduler, PageAllocator, FakeRunner]:
+    alloc = PageAllocator(num_pages)
+    cfg.setdefault("eos_token_ids", (EOS,))
+    cfg.setdefault("max_model_len", 64)
+    sched = Scheduler(SchedulerConfig(**cfg), BlockManager(block_size, alloc))
+    return sched, alloc, FakeRunner(num_pages, block_size)
+
+
+def drive(sched, alloc, runner, requests, abort_at=None, max_steps=10_000):
+    """Run to completion; returns {req_id: (tokens, reason)}; checks invariants every step."""
+    results: dict[str, tuple[list[int], str]] = {}
+    pending = list(requests)
+    step = 0
+    while pending or sched.has_unfinished():
+        if pending:  # trickle requests in, two per step
+            for req_id, prompt, params in pending[:2]:
+                sched.add(req_id, prompt, params)
+                results[req_id] = ([], "")
+            pending = pending[2:]
+        if abort_at:
+            for req_id in abort_at.get(step, []):
+                seq = sched.abort(req_id)
+                if seq is not None:
+                    results[req_id] = (results[req_id][0], "abort")
+        out = sched.schedule()
+        running_arrivals = [s.arrival for s in sched.running]
+        for rid in out.preempted_req_ids:  # newest first: every victim is newer than every survivor
+            assert all(sched.get(rid).arrival > a for a in running_arrivals)
+        sampled = runner.run(sched, out)
+        for seq in sched.update(out, sampled):
+            toks, _ = results[seq.req_id]
+            toks.append(seq.token_ids[-1])
+            if seq.finish_reason is not None:
+                results[seq.req_id] = (toks, seq.finish_reason.value)
+        check_pages(sched, alloc)
+        step += 1
+        assert step < max_steps, "no progress"
+        if not out.seqs and sched.has_unfinished() and not pending:
+            raise AssertionError("scheduled nothing while requests wait")
+    assert alloc.num_free == alloc.num_total
+    return results
+
+
+def random_requests(rng: random.Random, n: int, max_prompt: int = 20, max_tokens: int = 12):
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, max_prompt))]
+        params = SamplingParams(temperature=0, max_tokens=rng.randint(1, max_tokens), ignore_eos=rng.random() < 0.5,
+                                stop_token_ids=[rng.randrange(VOCAB)] if rng.random() < 0.3 else [])
+        reqs.append((f"r{i}", prompt, params))
+    return reqs
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    budget=st.integers(1, 64),
+    max_num_seqs=st.integers(1, 8),
+    chunk=st.sampled_from([None, 1, 3, 17]),
+    spare_pages=st.integers(0, 30),
+    aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7)), max_size=3),
+)
+def test_any_schedule_gives_reference_tokens(seed, block_size, budget, max_num_seqs, chunk, spare_pages, aborts):
+    rng = random.Random(seed)
+    max_model_len = 40
+    reqs = random_requests(rng, rng.randint(1, 8))
+    abort_at: dict[int, list[str]] = {}
+    for step, i in aborts:
+        if i < len(reqs):
+            abort_at.setdefault(step, []).append(f"r{i}")
+    num_pages = -(-max_model_len // block_size) + spare_pages  # tight: forces preemption often
+    sched, alloc, runner = make(num_pages, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                max_model_len=max_model_len, max_prefill_chunk=chunk)
+    results = drive(sched, alloc, runner, reqs, abort_at=abort_at)
+    for req_id, prompt, params in reqs:
+        want = reference(prompt, params, max_model_len)
+        got = results[req_id]
+        if got[1] == "abort":  # whatever came out before the abort is a prefix of the truth
+            assert got[0] == want[0][: len(got[0])], req_id
+        else:
+            assert got == want, req_id
+
+
+def test_preemption_happens_and_resumes_without_loss():
+    rng = random.Random(1)
+    reqs = [(f"r{i}", [rng.randrange(1, VOCAB) for _ in range(6)], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+            for i in range(4)]
+    sched, alloc, runner = make(num_pages=8, block_size=4, max_model_len=32, max_num_batched_tokens=64)
+    preempted: list[str] = []
+    orig = sched.schedule
+
+    def spy():
+        out = orig()
+        preempted.extend(out.preempted_req_ids)
+        return out
+
+    sched.schedule = spy
+    results = drive(sched, alloc, runner, reqs)
+    assert preempted, "the tiny page budget should force preemption"
+    for req_id, prompt, params in reqs:
+        assert results[req_id] == reference(prompt, params, 32)
+    assert "r0" not in preempted  # the oldest is never the victim while newer ones run
+
+
+def test_decodes_first_then_prefill_chunks_share_a_step():
+    sched, alloc, runner = make(num_pages=64, block_size=4, max_num_batched_tokens=8, max_model_len=64)
+    sched.add("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    out = sched.schedule()
+    sched.update(out, runner.run(sched, out))
+    sched.add("b", list(range(1, 21)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    out = sched.schedule()
+    assert [s.req_id for s in out.seqs] == ["a", "b"] and out.num_decodes == 1
+    assert out.seqs[1].num_tokens == 7 and not out.seqs[1].sample  # chunk of the 20-token prompt
+    sched.update(out, runner.run(sched, out))
+    out = sched.schedule()
+    assert out.seqs[1].start_pos == 7 and out.seqs[1].num_tokens == 7
+
+
+def test_limits_max_num_seqs_and_budget():
+    sched, alloc, runner = make(max_num_seqs=2, max_num_batched_tokens=5, max_model_len=64)
+    for i in range(4):
+        sched.add(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=3))
+    out = sched.schedule()
+    assert [s.req_id for s in out.seqs] == ["r0", "r1"]
+    assert [s.num_tokens for s in out.seqs] == [3, 2] and out.num_batched_tokens == 5
+    assert sched.num_running == 2 and sched.num_waiting == 2
+
+
+@pytest.mark.parametrize("when", ["waiting", "mid_prefill", "mid_decode", "preempted", "twice"])
+def test_abort_frees_pages_at_any_point(when):
+    sched, alloc, runner = make(num_pages=16, block_size=2, max_num_batched_tokens=4, max_model_len=30)
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    sched.add("a", list(range(1, 11)), p)
+    if when != "waiting":
+        out = sched.schedule()
+        sched.update(out, runner.run(sched, out))
+        assert sched.get("a").num_computed_tokens == 4  # mid-prefill
+    if when in ("mid_decode", "preempted"):
+        for _ in range(3):
+            out = sched.schedule()
+            sched.update(out, runner.run(sched, out))
+        assert sched.get("a").num_output_tokens >= 1
+    if when == "preempted":
+        sched._preempt(sched.get("a"))
+        assert sched.get("a").status is SequenceStatus.WAITING
+    seq = sched.abort("a")
+    assert seq is not None and seq.finish_reason is FinishReason.ABORT
+    assert alloc.num_free == alloc.num_total and not sched.has_unfinished()
+    assert sched.abort("a") is None and sched.abort("never") is None
+    assert sched.schedule().is_empty
+
+
+def test_abort_between_schedule_and_update_is_skipped():
+    sched, alloc, runner = make()
+    sched.add("a", [1, 2], SamplingParams(max_tokens=4))
+    sched.add("b", [3, 4], SamplingParams(max_tokens=4))
+    out = sched.schedule()
+    sampled = runner.run(sched, out)
+    sched.abort("a")
+    got = sched.update(out, sampled)
+    assert [s.req_id for s in got] == ["b"]
+    check_pages(sched, alloc)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(SchedulerConfigError):
+        make(num_pages=2, block_size=4, max_model_len=64)  # one sequence cannot fit
+    with pytest.raises(SchedulerConfigError):
+        SchedulerConfig(max_num_seqs=0).validate()
+    sched, alloc, _ = make(max_model_len=8)
+    with pytest.raises(ValueError, match="empty"):
+        sched.add("x", [], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add("x", list(range(8)), SamplingParams())
+    sched.add("x", [1], SamplingParams())
+    with pytest.raises(ValueError, match="already live"):
+        sched.add("x", [1], SamplingParams())
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="sampled ids"):
+        sched.update(out, [])
+
+
+def test_context_length_stops_with_length():
+    sched, alloc, runner = make(max_model_len=6)
+    sched.add("b", [1, 2, 3, 4], SamplingParams(max_tokens=100, ignore_eos=True))
+    outs = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        outs += [(s.finish_reason, s.num_tokens) for s in sched.update(out, runner.run(sched, out))]
+    assert outs == [(None, 5), (FinishReason.LENGTH, 6)]
+    assert alloc.num_free == alloc.num_total
