@@ -1,0 +1,48 @@
+"""Triton KV write: one program per new token copies all its KV heads into the token's slot."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                     s_kn, s_kh, s_vn, s_vh,
+                     s_kcp, s_kcb, s_kch, s_vcp, s_vcb, s_vch,
+                     H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        page = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < H) & (d < D)
+        src = tok.to(tl.int64)
+        kv = tl.load(k_ptr + src * s_kn + h * s_kh + d, mask=mask)
+        tl.store(kc_ptr + page * s_kcp + off * s_kcb + h * s_kch + d, kv, mask=mask)
+        vv = tl.load(v_ptr + src * s_vn + h * s_vh + d, mask=mask)
+        tl.store(vc_ptr + page * s_vcp + off * s_vcb + h * s_vch + d, vv, mask=mask)
+
+
+def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
+    n, h, d = k.shape
+    # the kernel indexes the last dim with unit stride
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("KV cache views need a contiguous head_dim")
+    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
+    _kv_write_kernel[(n,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H=h, D=d, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d >= 1024 else 1,
+    )
