@@ -1,0 +1,223 @@
+"""config.json → :class:`ModelConfig` for the Llama family (no torch import).
+
+Reads both spellings in the wild: as model hubs publish it (``rope_theta``, ``rope_scaling``,
+``torch_dtype``) and as transformers 5 writes it (``rope_parameters`` holding the theta and the
+scaling, ``dtype``). Refuses remote code (``auto_map``), quantized checkpoints and anything
+outside Llama 3.x / Mistral / Qwen2 / Qwen3, with a :class:`ModelConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ModelConfigError
+
+MAX_CONFIG_BYTES = 1 << 20
+
+# architectures entry / model_type → family. Families differ only in flags set below.
+_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_DTYPES = {"bfloat16", "float16", "float32"}
+_ROPE_TYPES = {"default", "linear", "llama3"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None, or {"rope_type": "linear"|"llama3", ...}
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before rope
+    dtype: str  # the checkpoint's dtype name
+    sliding_window: int | None  # when set, sequences are capped at it (full attention inside)
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _int(cfg: dict, key: str, *, minimum: int = 1, default: Any = None) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ModelConfigError(f"config.json: {key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _float(cfg: dict, key: str, default: Any = None, *, positive: bool = True) -> float:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+        raise ModelConfigError(f"config.json: {key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _token_ids(v: Any, key: str) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    vals = v if isinstance(v, list) else [v]
+    for t in vals:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ModelConfigError(f"config.json: {key} must be a token id or a list of them, got {v!r}")
+    return tuple(vals)
+
+
+def _family(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ModelConfigError("config.json: architectures must be a list")
+    for a in archs:
+        if a in _ARCHS:
+            return _ARCHS[a]
+    mt = cfg.get("model_type")
+    if not archs and mt in _MODEL_TYPES:
+        return _MODEL_TYPES[mt]
+    raise ModelConfigError(
+        f"config.json: unsupported model (architectures={archs!r}, model_type={mt!r}); "
+        f"supported: {', '.join(sorted(_ARCHS))}"
+    )
+
+
+def _rope(cfg: dict) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from rope_parameters (transformers 5) or rope_theta + rope_scaling."""
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        raise ModelConfigError("config.json: rope_parameters must be an object")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ModelConfigError("config.json: rope_scaling must be an object or null")
+    merged: dict[str, Any] = {}
+    if scaling:
+        merged.update(scaling)
+    if params:
+        merged.update(params)
+    theta_src = merged if "rope_theta" in merged else cfg
+    theta = _float(theta_src, "rope_theta", 10000.0)
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise ModelConfigError(f"config.json: rope type {kind!r} is not supported (supported: {sorted(_ROPE_TYPES)})")
+    if kind == "default":
+        return theta, None
+    out = {k: v for k, v in merged.items() if k not in ("rope_theta", "type")}
+    out["rope_type"] = kind
+    need = ["factor"] + (["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"] if kind == "llama3" else [])
+    for k in need:
+        _float(out, k)  # present and a positive number
+    return theta, out
+
+
+def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    """Validate a parsed config.json (and optional generation_config.json) into a ModelConfig."""
+    if not isinstance(cfg, dict):
+        raise ModelConfigError("config.json must hold a JSON object")
+    if cfg.get("auto_map"):
+        raise ModelConfigError("config.json: auto_map asks for remote code, which this engine never runs")
+    if cfg.get("quantization_config"):
+        raise ModelConfigError("config.json: quantized checkpoints are not supported")
+    family = _family(cfg)
+    hidden = _int(cfg, "hidden_size")
+    heads = _int(cfg, "num_attention_heads")
+    kv_heads = _int(cfg, "num_key_value_heads", default=heads)
+    if heads % kv_heads:
+        raise ModelConfigError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if cfg.get("head_dim") is not None:
+        head_dim = _int(cfg, "head_dim")
+    else:
+        if hidden % heads:
+            raise ModelConfigError(f"config.json: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise ModelConfigError(f"config.json: head_dim {head_dim} must be even (rotary embeddings)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    if dtype not in _DTYPES:
+        raise ModelConfigError(f"config.json: dtype {dtype!r} is not supported ({sorted(_DTYPES)})")
+    theta, scaling = _rope(cfg)
+    attention_bias = bool(cfg.get("attention_bias", False))
+    if family == "qwen2":
+        qkv_bias, o_bias = True, False
+    elif family == "mistral":
+        qkv_bias = o_bias = False
+    else:
+        qkv_bias = o_bias = attention_bias
+    if family in ("qwen2", "qwen3"):
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    else:
+        window = cfg.get("sliding_window")
+    if window is not None:
+        window = _int({"sliding_window": window}, "sliding_window")
+    eos = _token_ids(cfg.get("eos_token_id"), "eos_token_id")
+    if generation_config and generation_config.get("eos_token_id") is not None:
+        eos = tuple(dict.fromkeys(eos + _token_ids(generation_config["eos_token_id"], "generation_config eos_token_id")))
+    bos = cfg.get("bos_token_id")
+    return ModelConfig(
+        family=family,
+        vocab_size=_int(cfg, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_int(cfg, "intermediate_size"),
+        num_layers=_int(cfg, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=_int(cfg, "max_position_embeddings", default=4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)) if family == "llama" else False,
+        qk_norm=family == "qwen3",
+        dtype=dtype,
+        sliding_window=window,
+        eos_token_ids=eos,
+        bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
+        raw=cfg,
+    )
+
+
+def _read_json(path: Path) -> Any:
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ModelConfigError(f"{path.name} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelConfigError(f"{path.name} is not valid JSON: {e}") from None
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read ``config.json`` (and ``generation_config.json`` for extra eos ids) of a model folder."""
+    d = Path(model_dir)
+    path = d / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{d}: no config.json")
+    gen_path = d / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else None
+    return parse_config(_read_json(path), gen if isinstance(gen, dict) else None)

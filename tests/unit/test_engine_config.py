@@ -1,0 +1,102 @@
+"""Model config parsing: hub and transformers-5 spellings, families, and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.config import load_model_config, parse_config
+from engine.errors import ModelConfigError
+
+LLAMA31_HUB = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
+
+def tf5(cfg: dict) -> dict:
+    """The same config as transformers 5 writes it."""
+    out = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    params = {"rope_theta": cfg["rope_theta"], **(cfg.get("rope_scaling") or {"rope_type": "default"})}
+    out.update(rope_parameters=params, dtype=cfg["torch_dtype"])
+    return out
+
+
+def test_llama31_hub_and_tf5_spellings_agree():
+    a = parse_config(LLAMA31_HUB)
+    b = parse_config(tf5(LLAMA31_HUB))
+    assert a == b
+    assert a.family == "llama" and a.head_dim == 128 and a.rope_theta == 500000.0
+    assert a.rope_scaling["rope_type"] == "llama3" and a.rope_scaling["factor"] == 8.0
+    assert "rope_theta" not in a.rope_scaling
+    assert a.eos_token_ids == (128001, 128008, 128009) and a.bos_token_id == 128000
+    assert a.dtype == "bfloat16" and not a.qkv_bias and not a.qk_norm and not a.tie_word_embeddings
+    assert a.q_size == 4096 and a.kv_size == 1024
+
+
+def test_default_rope_in_tf5_form_is_no_scaling():
+    cfg = tf5({**LLAMA31_HUB, "rope_scaling": None})
+    c = parse_config(cfg)
+    assert c.rope_scaling is None and c.rope_theta == 500000.0
+
+
+def test_families_set_their_flags():
+    base = {k: v for k, v in LLAMA31_HUB.items() if k not in ("architectures", "rope_scaling")}
+    q2 = parse_config({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False, "sliding_window": 4096})
+    assert q2.family == "qwen2" and q2.qkv_bias and not q2.o_bias and q2.sliding_window is None
+    q3 = parse_config({**base, "architectures": ["Qwen3ForCausalLM"], "head_dim": 256, "tie_word_embeddings": True})
+    assert q3.qk_norm and q3.head_dim == 256 and q3.q_size == 32 * 256 and q3.tie_word_embeddings and not q3.qkv_bias
+    m = parse_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096, "attention_bias": True})
+    assert m.family == "mistral" and m.sliding_window == 4096 and not m.qkv_bias
+    ll = parse_config({**base, "attention_bias": True, "mlp_bias": True})
+    assert ll.qkv_bias and ll.o_bias and ll.mlp_bias
+    by_type = parse_config({**base, "model_type": "qwen3", "architectures": None})
+    assert by_type.family == "qwen3"
+
+
+@pytest.mark.parametrize(
+    "patch,match",
+    [
+        ({"auto_map": {"AutoModelForCausalLM": "x.Model"}}, "remote code"),
+        ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported model"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantized"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"num_hidden_layers": "32"}, "num_hidden_layers"),
+        ({"num_key_value_heads": 5}, "multiple"),
+        ({"head_dim": 7}, "even"),
+        ({"torch_dtype": "int8"}, "dtype"),
+        ({"rope_theta": -1}, "rope_theta"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+        ({"rope_scaling": "big"}, "rope_scaling"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"eos_token_id": [-1]}, "eos_token_id"),
+        ({"vocab_size": True}, "vocab_size"),
+    ],
+)
+def test_bad_configs_are_refused_with_the_key_named(patch, match):
+    with pytest.raises(ModelConfigError, match=match):
+        parse_config({**LLAMA31_HUB, **patch})
+
+
+def test_load_from_folder_merges_generation_eos(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA31_HUB, "eos_token_id": 128001}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
+    assert load_model_config(tmp_path).eos_token_ids == (128001, 128009)
+
+
+def test_folder_errors(tmp_path):
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        load_model_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelConfigError, match="not valid JSON"):
+        load_model_config(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelConfigError, match="JSON object"):
+        load_model_config(tmp_path)
