@@ -1,0 +1,223 @@
+"""Triton paged attention.
+
+Two kernels share one page-gather scheme: a KV tile of BLOCK_N consecutive positions looks up
+each position's page in the block table (``pos // block_size``) and reads that token's row at
+``page * stride(0) + offset * stride(1) + kv_head * stride(2)``, so any block size (1, 16, ...)
+and any page stride (a page of a multi-layer pool) work, and nothing is assumed contiguous but
+head_dim.
+
+- ``_prefill_kernel`` (any step with a query longer than 1): grid (query tiles, B, Hkv). A tile's
+  BLOCK_M rows are (token, head-of-the-GQA-group) pairs, so the group's heads share each K/V tile
+  read. Online softmax in base 2, causal mask from the absolute positions (chunked prefill and
+  prefix hits: the first ``seq_len - q_len`` positions are cached context).
+- ``_decode_kernel`` (every query length <= 1): flash-decoding. grid (B, Hkv, splits); each
+  program reads one partition of the context once for all G heads of its KV head and writes a
+  partial (normalised output, log2-sum-exp); ``_reduce_kernel`` merges the splits. The split count
+  is a host int derived from B, Hkv, max_seq_len and the SM count, so the grid never depends on
+  device data (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_p, s_b, s_h, BLOCK_SIZE: tl.constexpr):
+    page = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+    return page * s_p + (j % BLOCK_SIZE).to(tl.int64) * s_b + kvh * s_h
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
+                    s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale,
+                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TPT: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
+    tile = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    kvh = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if tile * TPT < q_len:
+        seq_len = tl.load(sl_ptr + b)
+        ctx = seq_len - q_len
+        rows = tl.arange(0, BLOCK_M)
+        t = tile * TPT + rows // G
+        head = kvh * G + rows % G
+        row_ok = (rows < TPT * G) & (t < q_len)
+        qpos = ctx + t
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        tok = (q_start + t).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * s_qn + head[:, None] * s_qh + d[None, :],
+                    mask=row_ok[:, None] & dm[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kv_end = tl.minimum(seq_len, ctx + tl.minimum(q_len, (tile + 1) * TPT))
+        for start in range(0, kv_end, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            jm = j < kv_end
+            koff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_kp, s_kb, s_kh, BLOCK_SIZE)
+            voff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_vp, s_vb, s_vh, BLOCK_SIZE)
+            k = tl.load(kc_ptr + koff[None, :] + d[:, None], mask=jm[None, :] & dm[:, None], other=0.0)
+            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+            ok = jm[None, :] & (j[None, :] <= qpos[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # position 0 is visible to every row, so m_new is finite after the first tile
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + tok[:, None] * s_on + head[:, None] * s_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
+
+
+@triton.jit
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, bt_ptr,
+                   s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale,
+                   HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PART: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    seq_len = tl.load(sl_ptr + b)
+    lo = split * PART
+    if (q_len > 0) & (lo < seq_len):
+        hi = tl.minimum(seq_len, lo + PART)
+        g = tl.arange(0, BLOCK_G)
+        head = kvh * G + g
+        gm = g < G
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        tok = q_start.to(tl.int64)
+        q = tl.load(q_ptr + tok * s_qn + head[:, None] * s_qh + d[None, :], mask=gm[:, None] & dm[None, :],
+                    other=0.0)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            jm = j < hi
+            koff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_kp, s_kb, s_kh, BLOCK_SIZE)
+            voff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_vp, s_vb, s_vh, BLOCK_SIZE)
+            k = tl.load(kc_ptr + koff[None, :] + d[:, None], mask=jm[None, :] & dm[:, None], other=0.0)
+            v = tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
+            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+            s = tl.where(jm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + tok * s_on + head[:, None] * s_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=gm[:, None] & dm[None, :])
+        else:
+            row = (b * HQ + head) * NUM_SPLITS + split
+            tl.store(po_ptr + row[:, None] * D + d[None, :], o, mask=gm[:, None] & dm[None, :])
+            tl.store(plse_ptr + row, m_i + tl.log2(l_i), mask=gm)
+
+
+@triton.jit
+def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, s_on, s_oh,
+                   HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if q_len > 0:
+        seq_len = tl.load(sl_ptr + b)
+        n_active = (seq_len + PART - 1) // PART
+        sp = tl.arange(0, BLOCK_S)
+        sm = sp < n_active
+        row = (b * HQ + h) * NUM_SPLITS + sp
+        lse = tl.load(plse_ptr + row, mask=sm, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, axis=0))
+        w = tl.where(sm, w, 0.0)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        o = tl.load(po_ptr + row[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+        res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+        tl.store(out_ptr + q_start.to(tl.int64) * s_on + h * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter runs: a few splits so the reduce path is exercised
+
+
+def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count: int) -> tuple[int, int]:
+    """(num_splits, partition length): enough programs to fill the chip twice over, each partition a
+    whole number of KV tiles."""
+    tiles = max(1, triton.cdiv(max_seq_len, block_n))
+    want = max(1, triton.cdiv(2 * sm_count, batch * hkv))
+    splits = min(want, tiles, 64)
+    part = triton.cdiv(tiles, splits) * block_n
+    return triton.cdiv(max(max_seq_len, 1), part), part
+
+
+def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                           max_query_len, max_seq_len, num_splits: int | None = None):
+    """See attention.paged_attention. ``num_splits`` overrides the decode split heuristic (benchmarks)."""
+    n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    b = seq_lens.shape[0]
+    out = torch.empty_like(q)
+    block_d = triton.next_power_of_2(d)
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    qk_scale = float(scale) * LOG2E
+    common = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), qk_scale)
+    if max_query_len <= 1:
+        block_n = 64 if d <= 128 else 32
+        block_g = max(16, triton.next_power_of_2(g))
+        if num_splits is None:
+            splits, part = decode_splits(b, hkv, max_seq_len, block_n, _sm_count(q.device))
+        else:
+            tiles = max(1, triton.cdiv(max_seq_len, block_n))
+            part = triton.cdiv(tiles, max(1, min(num_splits, tiles))) * block_n
+            splits = triton.cdiv(max(max_seq_len, 1), part)
+        po = plse = out  # unused when there is one split
+        if splits > 1:
+            po = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
+            plse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
+        _decode_kernel[(b, hkv, splits)](
+            q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, *common,
+            HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
+            PART=part, NUM_SPLITS=splits, DOT_PREC=dot_prec, num_warps=4, num_stages=3,
+        )
+        if splits > 1:
+            _reduce_kernel[(b, hq)](out, po, plse, query_start_loc, seq_lens, out.stride(0), out.stride(1),
+                                    HQ=hq, D=d, BLOCK_D=block_d, PART=part, NUM_SPLITS=splits,
+                                    BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+        return out
+    block_m = max(64, triton.next_power_of_2(g))
+    block_n = 64 if d <= 64 else 32 if d > 128 else 64
+    tpt = block_m // g
+    grid = (triton.cdiv(max_query_len, tpt), b, hkv)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common,
+        G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
+        DOT_PREC=dot_prec, num_warps=4 if block_d <= 64 else 8, num_stages=2,
+    )
+    return out
