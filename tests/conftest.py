@@ -3,5 +3,39 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory ``make_tiny_model(arch, preset="tiny", seed=0) -> Path`` of generated folders.
+
+    Folders are made once per session (weights drawn on CPU, so they do not depend on the
+    machine having a GPU) and shared: treat them as read-only. Presets: tiny, small.
+    """
+    from engine.modelgen import make_model
+
+    root = tmp_path_factory.mktemp("models")
+    made: dict[tuple[str, str, int], Path] = {}
+
+    def make(arch: str, preset: str = "tiny", seed: int = 0) -> Path:
+        if preset not in ("tiny", "small"):
+            raise ValueError(f"make_tiny_model makes tiny or small presets, not {preset!r}")
+        key = (arch, preset, seed)
+        if key not in made:
+            made[key] = make_model(root / f"{arch}-{preset}-s{seed}", arch, preset, seed=seed,
+                                   device="cpu")
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(make_tiny_model: Callable[..., Path]) -> Path:
+    """The tiny Llama folder (seed 0)."""
+    return make_tiny_model("llama")

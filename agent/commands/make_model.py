@@ -1,0 +1,84 @@
+"""``infire-agent make-model``: write a random-weight model folder (test and benchmark model)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+PRESETS = ("tiny", "small", "llama-3.1-8b")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def _shard_size(text: str) -> int:
+    """``5GB`` (decimal, as Hugging Face counts), ``512MiB`` or plain bytes."""
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 512MiB, 1000000)")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return size
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"seed must be in [0, 2**63): {text}")
+    return value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "make-model",
+        help="write a random-weight Hugging Face model folder",
+        description="Write config.json, safetensors weights (normal, std 0.02), a byte-level "
+        "BPE tokenizer and a chat template: the model tests and benchmarks run on.",
+    )
+    p.add_argument("--arch", required=True, choices=ARCHS)
+    p.add_argument("--preset", required=True, choices=PRESETS)
+    p.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
+    p.add_argument("--seed", type=_seed, default=0, help="weights seed (default 0)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where random numbers are drawn (auto: CUDA when present); the same seed gives "
+        "the same weights on the same device type",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_shard_size,
+        default=5 * 10**9,
+        help="largest safetensors shard (default 5GB)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.modelgen import ModelGenError, make_model
+
+    try:
+        out = make_model(
+            args.out,
+            args.arch,
+            args.preset,
+            seed=args.seed,
+            device=args.device,
+            max_shard_bytes=args.max_shard_size,
+            progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+        )
+    except ModelGenError as e:
+        print(f"make-model: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
