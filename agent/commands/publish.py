@@ -1,0 +1,59 @@
+"""``infire-agent publish DIR --name NAME``: upload a model folder to the store.
+
+Blobs first (skipped when the store already has them), the manifest last. Exit codes: 0 done,
+1 store failure, 2 bad input (refused before anything was uploaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("publish", help="upload a model folder to the store")
+    p.add_argument("dir", help="model folder (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("--name", required=True, help="model name (^[a-z0-9][a-z0-9._-]{0,127}$)")
+    p.add_argument("--config", help="TOML config file (default: $INFIRE_CONFIG)")
+    p.add_argument("--store", help="store URL (default: settings store.url)")
+    p.add_argument("--part-size", help="multipart upload part size (default 64MiB, at least 5MiB)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent.config import ConfigError, load_settings
+    from agent.log import configure_logging
+    from agent.units import parse_size
+    from cache import CacheError, ManifestError, Progress, SafetensorsError, open_store
+    from cache.progress import BarPrinter
+    from cache.publish import publish_model
+
+    try:
+        settings = load_settings(args.config)
+        opts = {"multipart_part_size": parse_size(args.part_size)} if args.part_size else {}
+    except (ConfigError, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, "warning" if not args.quiet else "error")
+    url = args.store or settings.store.url
+    progress = Progress(args.name)
+    try:
+        store = open_store(url, settings.store.endpoint_url or None, settings.store.region,
+                           settings.store.path_style, **(opts if url.startswith("s3://") else {}))
+        try:
+            if args.quiet:
+                m = publish_model(store, args.dir, args.name, progress)
+            else:
+                with BarPrinter(progress, sys.stderr):
+                    m = publish_model(store, args.dir, args.name, progress)
+        finally:
+            store.close()
+    except (ManifestError, SafetensorsError) as e:
+        print(f"publish {args.name}: {e}", file=sys.stderr)
+        return 2
+    except CacheError as e:
+        print(f"publish {args.name}: {e}", file=sys.stderr)
+        return 1
+    print(f"published {m.name}: {len(m.files)} files, {m.total_size} bytes to {url}")
+    return 0

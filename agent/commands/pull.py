@@ -1,0 +1,84 @@
+"""``infire-agent pull NAME``: fetch a model into the disk cache.
+
+With no agent running this pulls straight into the cache (``pull_direct``, also the function the
+admin-API path falls back to). Exit codes: 0 done, 1 store/integrity/disk failure, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import TextIO
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pull", help="pull a model from the store into the disk cache")
+    p.add_argument("name", help="model name")
+    p.add_argument("--config", help="TOML config file (default: $INFIRE_CONFIG)")
+    p.add_argument("--store", help="store URL (default: settings store.url)")
+    p.add_argument("--cache-dir", help="cache folder (default: settings cache.dir)")
+    p.add_argument("--part-size", help="download part size, e.g. 32MiB")
+    p.add_argument("--concurrency", type=int, help="parts in flight at the start (default 16)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def pull_direct(name: str, *, store_url: str, cache_dir: str | Path, max_bytes: int, endpoint_url: str | None = None,
+                region: str = "auto", path_style: bool = False, part_size: int | None = None,
+                concurrency: int | None = None, progress_stream: TextIO | None = None) -> Path:
+    """Pull ``name`` into the cache at ``cache_dir`` without an agent; returns the snapshot folder.
+
+    Blocking (runs its own event loop); raises the typed errors of ``cache``.
+    """
+    from cache import DiskCache, DownloadConfig, Progress, open_store
+    from cache.progress import BarPrinter
+
+    fields = {}
+    if part_size:
+        fields["part_size"] = part_size
+    if concurrency:
+        fields.update(concurrency=concurrency, max_concurrency=max(concurrency, 32),
+                      min_concurrency=min(2, concurrency))
+    cfg = DownloadConfig(**fields)
+    store = open_store(store_url, endpoint_url, region, path_style,
+                       **({"max_connections": cfg.max_concurrency + 8} if store_url.startswith("s3://") else {}))
+    progress = Progress(name)
+    try:
+        cache = DiskCache(cache_dir, max_bytes, download=cfg)
+        if progress_stream is None:
+            return asyncio.run(cache.pull(store, name, progress))
+        with BarPrinter(progress, progress_stream):
+            return asyncio.run(cache.pull(store, name, progress))
+    finally:
+        store.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent.config import ConfigError, load_settings
+    from agent.log import configure_logging
+    from agent.units import parse_size
+    from cache import CacheError, ManifestError
+
+    try:
+        settings = load_settings(args.config)
+        part_size = parse_size(args.part_size) if args.part_size else None
+    except (ConfigError, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, "warning" if not args.quiet else "error")
+    try:
+        path = pull_direct(
+            args.name, store_url=args.store or settings.store.url, cache_dir=args.cache_dir or settings.cache.dir,
+            max_bytes=settings.cache.max_bytes, endpoint_url=settings.store.endpoint_url or None,
+            region=settings.store.region, path_style=settings.store.path_style, part_size=part_size,
+            concurrency=args.concurrency, progress_stream=None if args.quiet else sys.stderr)
+    except ManifestError as e:
+        print(f"pull {args.name}: {e}", file=sys.stderr)
+        return 2
+    except (CacheError, ValueError) as e:
+        print(f"pull {args.name}: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0

@@ -1,0 +1,400 @@
+"""DiskCache: verified, content-addressed model cache under a byte quota.
+
+Layout (docs/architecture.md, "Disk cache")::
+
+    blobs/sha256/<hex>                 verified, immutable blobs
+    partial/<hex>.partial, .state      resumable downloads
+    models/<name>/manifest.json        the committed version of a model
+    models/<name>/snapshot/...         HF folder of links into blobs (the engine loads this)
+    models/<name>/.last_used           its mtime drives LRU
+    locks/                             cross-process flock files
+
+All public coroutines keep the event loop free: store calls, hashing and file work run in
+threads. One pull per model and one download per blob run at a time, across coroutines (shared
+task) and across processes (flock). ``pin`` holds a shared flock, so a model pinned by the agent
+is safe from eviction by a CLI pull in another process too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from agent.log import get_logger
+from cache import eviction, snapshot
+from cache import manifest as mf
+from cache.downloader import DownloadConfig, download_blob
+from cache.errors import CacheError, CacheFullError, StoreError
+from cache.locks import FileLock
+from cache.progress import Progress
+from cache.retry import call_with_retries
+from cache.safetensors_check import check_file
+from cache.store import Store, manifest_key
+
+
+class DiskCache:
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int, *, high_watermark: float = 0.95,
+                 low_watermark: float = 0.85, download: DownloadConfig | None = None,
+                 partial_ttl_s: float = 24 * 3600.0, progress_log_interval_s: float = 5.0) -> None:
+        if max_bytes <= 0:
+            raise ValueError("max_bytes must be positive")
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
+        self.dir = Path(directory)
+        self.max_bytes = max_bytes
+        self.high, self.low = high_watermark, low_watermark
+        self.download = download or DownloadConfig()
+        self.partial_ttl_s = partial_ttl_s
+        self.progress_log_interval_s = progress_log_interval_s
+        self.blobs_dir = self.dir / "blobs" / "sha256"
+        self.partial_dir = self.dir / "partial"
+        self.models_dir = self.dir / "models"
+        self.locks_dir = self.dir / "locks"
+        for d in (self.blobs_dir, self.partial_dir, self.models_dir, self.locks_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self._log = get_logger("cache", cache_dir=str(self.dir))
+        self._pins: dict[str, tuple[int, FileLock]] = {}
+        self._inflight: dict[str, tuple[asyncio.Task, list[int]]] = {}
+        self._progress: dict[str, Progress] = {}
+        self._active_blobs: dict[str, int] = {}  # digests needed by pulls of this process
+
+    # ------------------------------------------------------------ queries
+
+    def snapshot_path(self, name: str) -> Path | None:
+        """The snapshot folder of a cached model (complete and verified at pull), else None."""
+        mf.validate_name(name)
+        p = self.models_dir / name / "snapshot"
+        return p if (self.models_dir / name / "manifest.json").is_file() and p.is_dir() else None
+
+    def manifest(self, name: str) -> mf.Manifest | None:
+        return snapshot.read_manifest(self.models_dir, mf.validate_name(name))
+
+    def model_names(self) -> list[str]:
+        return sorted(p.name for p in self.models_dir.iterdir()
+                      if not p.name.startswith(".") and (p / "manifest.json").is_file())
+
+    def pulls_in_progress(self) -> dict[str, dict]:
+        return {name: p.snapshot() for name, p in self._progress.items()}
+
+    def _blob_sizes(self) -> dict[str, int]:
+        out = {}
+        with os.scandir(self.blobs_dir) as it:
+            for e in it:
+                if not e.name.startswith("."):
+                    out[e.name] = e.stat().st_size
+        return out
+
+    def _partial_bytes(self) -> int:
+        with os.scandir(self.partial_dir) as it:
+            return sum(e.stat().st_blocks * 512 for e in it if e.name.endswith(".partial"))
+
+    def used_bytes(self) -> int:
+        return sum(self._blob_sizes().values()) + self._partial_bytes()
+
+    def stats(self) -> dict[str, Any]:
+        """``{"max_bytes", "used_bytes", "models": [{"name", "size_bytes", "last_used", "pinned", "files"}]}``."""
+        sizes = self._blob_sizes()
+        models = []
+        for name in self.model_names():
+            m = snapshot.read_manifest(self.models_dir, name)
+            if m is None:
+                continue
+            models.append({"name": name, "size_bytes": sum(m.unique_blobs().values()),
+                           "last_used": snapshot.last_used(self.models_dir, name),
+                           "pinned": name in self._pins, "files": len(m.files)})
+        return {"max_bytes": self.max_bytes, "used_bytes": sum(sizes.values()) + self._partial_bytes(),
+                "models": models, "pulls": self.pulls_in_progress()}
+
+    # ------------------------------------------------------------ pins and LRU
+
+    def pin(self, name: str) -> None:
+        """Mark a model loaded/loading: never evicted until the matching ``unpin``."""
+        mf.validate_name(name)
+        count, lock = self._pins.get(name, (0, None))
+        if lock is None:
+            lock = FileLock(self.locks_dir / f"pin-{name}.lock")
+            lock.acquire(timeout=10.0, shared=True)  # eviction holds it exclusively only briefly
+        self._pins[name] = (count + 1, lock)
+        snapshot.touch(self.models_dir, name)
+
+    def unpin(self, name: str) -> None:
+        count, lock = self._pins.get(name, (0, None))
+        if lock is None:
+            return
+        if count <= 1:
+            del self._pins[name]
+            lock.release()
+        else:
+            self._pins[name] = (count - 1, lock)
+        snapshot.touch(self.models_dir, name)
+
+    def is_pinned(self, name: str) -> bool:
+        return name in self._pins
+
+    def touch(self, name: str) -> None:
+        """Record a use (LRU)."""
+        snapshot.touch(self.models_dir, mf.validate_name(name))
+
+    async def evict_to_fit(self, incoming_bytes: int, keep: frozenset[str] = frozenset(),
+                           keep_blobs: frozenset[str] = frozenset()) -> list[str]:
+        """Make room for ``incoming_bytes`` under the watermarks; returns the evicted model names.
+
+        Raises CacheFullError (evicting nothing) when the room cannot be made.
+        """
+        async with FileLock(self.locks_dir / "cache.lock"):
+            return await asyncio.to_thread(self._evict_locked, incoming_bytes, keep, keep_blobs)
+
+    def _evict_locked(self, incoming: int, keep: frozenset[str], keep_blobs: frozenset[str]) -> list[str]:
+        sizes = self._blob_sizes()
+        uses: list[eviction.ModelUse] = []
+        referenced: set[str] = set()
+        for name in self.model_names():
+            m = snapshot.read_manifest(self.models_dir, name)
+            if m is None:
+                continue
+            blobs = frozenset(m.unique_blobs())
+            referenced |= blobs
+            uses.append(eviction.ModelUse(name, blobs, snapshot.last_used(self.models_dir, name),
+                                          pinned=self._pinned_anywhere(name)))
+        protected = keep_blobs | frozenset(self._active_blobs)
+        orphans = {}
+        for d in sizes:
+            if d not in referenced and d not in protected:
+                try:
+                    orphans[d] = (self.blobs_dir / d).stat().st_mtime
+                except FileNotFoundError:
+                    pass
+        used = sum(sizes.values()) + self._partial_bytes()
+        p = eviction.plan(uses, sizes, orphans, used, incoming, self.max_bytes, self.high, self.low,
+                          keep_blobs=protected, keep_models=keep)
+        for name in p.models:
+            lock = FileLock(self.locks_dir / f"pin-{name}.lock")
+            if not lock.try_acquire():  # pinned meanwhile by another process: leave it
+                continue
+            try:
+                snapshot.remove(self.models_dir, name)
+            finally:
+                lock.release()
+            self._log.info("cache.evict", model=name)
+        live: set[str] = set()
+        for name in self.model_names():
+            m = snapshot.read_manifest(self.models_dir, name)
+            if m is not None:
+                live |= set(m.unique_blobs())
+        for d in p.blobs:
+            if d not in live:
+                (self.blobs_dir / d).unlink(missing_ok=True)
+        return list(p.models)
+
+    def _pinned_anywhere(self, name: str) -> bool:
+        if name in self._pins:
+            return True
+        lock = FileLock(self.locks_dir / f"pin-{name}.lock")
+        if lock.try_acquire():
+            lock.release()
+            return False
+        return True
+
+    # ------------------------------------------------------------ pull
+
+    async def pull(self, store: Store, name: str, progress: Progress | None = None) -> Path:
+        """Make ``name`` complete and verified in the cache; returns its snapshot folder.
+
+        Concurrent calls for one model share a single pull; the pull is cancelled only when every
+        caller is. Raises ManifestError (nothing written), StoreError, IntegrityError,
+        CacheFullError, SafetensorsError.
+        """
+        mf.validate_name(name)
+        if name not in self._inflight:
+            task = asyncio.create_task(self._pull(store, name, progress or Progress(name)))
+            entry = (task, [0])
+            self._inflight[name] = entry
+            task.add_done_callback(lambda _t: self._inflight.pop(name, None)
+                                   if self._inflight.get(name) is entry else None)
+        task, waiters = self._inflight[name]
+        waiters[0] += 1
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if waiters[0] == 1 and not task.done():
+                task.cancel()
+            raise
+        finally:
+            waiters[0] -= 1
+
+    async def _pull(self, store: Store, name: str, progress: Progress) -> Path:
+        self._progress[name] = progress
+        started = time.monotonic()
+        logger = asyncio.create_task(self._log_progress(progress))
+        try:
+            async with FileLock(self.locks_dir / f"model-{name}.lock"):
+                path = await self._pull_locked(store, name, progress)
+            secs = time.monotonic() - started
+            got = progress.downloaded_bytes
+            self._log.info("pull.done", model=name, seconds=round(secs, 3), downloaded_bytes=got,
+                           mb_s=round(got / secs / 1e6, 1) if secs > 0 else None)
+            progress.set_state("done")
+            return path
+        except BaseException as e:
+            progress.set_state("failed")
+            self._log.warning("pull.failed", model=name, error=str(e) or type(e).__name__)
+            raise
+        finally:
+            logger.cancel()
+            self._progress.pop(name, None)
+
+    async def _log_progress(self, progress: Progress) -> None:
+        while True:
+            await asyncio.sleep(self.progress_log_interval_s)
+            self._log.info("pull.progress", **{k: v for k, v in progress.snapshot().items() if k != "elapsed_s"})
+
+    async def _pull_locked(self, store: Store, name: str, progress: Progress) -> Path:
+        cfg = self.download
+        progress.set_state("manifest")
+        raw = await asyncio.to_thread(call_with_retries, lambda: store.get_bytes(manifest_key(name), mf.MAX_MANIFEST_BYTES),
+                                      cfg.retry, f"manifest of {name}")
+        manifest = mf.parse(raw, expected_name=name)
+        progress.set_total(manifest.total_size)
+        current = snapshot.read_manifest(self.models_dir, name)
+        if current == manifest and self.snapshot_path(name) is not None:
+            progress.add_resumed(manifest.total_size)
+            self.touch(name)
+            return self.models_dir / name / "snapshot"
+        self._log.info("pull.start", model=name, files=len(manifest.files), total_bytes=manifest.total_size)
+        blobs = manifest.unique_blobs()
+        for d in blobs:
+            self._active_blobs[d] = self._active_blobs.get(d, 0) + 1
+        try:
+            await asyncio.to_thread(self._clean_partials)
+            for _round in range(3):
+                have = await asyncio.to_thread(self._present, blobs)
+                missing = {d: s for d, s in blobs.items() if d not in have}
+                await self._reserve(missing, frozenset({name}), frozenset(blobs))
+                for f in manifest.files:
+                    if f.sha256 in have:
+                        progress.add_resumed(f.size)
+                        have.discard(f.sha256)  # count a shared blob once
+                for d, size in missing.items():
+                    file_name = next(f.path for f in manifest.files if f.sha256 == d)
+                    progress.set_state("downloading", file_name)
+                    await self._fetch_blob(store, d, size, progress)
+                progress.set_state("verifying")
+                await asyncio.to_thread(self._check_safetensors, manifest)
+                async with FileLock(self.locks_dir / "cache.lock"):
+                    # Another process may have evicted an unreferenced blob of ours meanwhile.
+                    if len(await asyncio.to_thread(self._present, blobs)) == len(blobs):
+                        path = await asyncio.to_thread(snapshot.commit, self.models_dir, self.blobs_dir,
+                                                       manifest, cfg.fsync)
+                        return path
+            raise CacheError(f"{name}: blobs kept disappearing while the snapshot was committed")
+        finally:
+            for d in blobs:
+                self._active_blobs[d] -= 1
+                if not self._active_blobs[d]:
+                    del self._active_blobs[d]
+
+    def _present(self, blobs: dict[str, int]) -> set[str]:
+        out = set()
+        for d, size in blobs.items():
+            try:
+                if (self.blobs_dir / d).stat().st_size == size:
+                    out.add(d)
+            except FileNotFoundError:
+                pass
+        return out
+
+    async def _reserve(self, missing: dict[str, int], keep: frozenset[str], keep_blobs: frozenset[str]) -> None:
+        """Quota (evicting LRU models) and free disk space for the missing blobs, before any write."""
+        partial_have = 0
+        for d in missing:
+            try:
+                partial_have += (self.partial_dir / f"{d}.partial").stat().st_blocks * 512
+            except FileNotFoundError:
+                pass
+        incoming = max(0, sum(missing.values()) - partial_have)
+        if not incoming:
+            return
+        await self.evict_to_fit(incoming, keep, keep_blobs)
+        free = shutil.disk_usage(self.dir).free
+        if incoming > free:
+            raise CacheFullError(f"need {incoming} bytes, the cache disk has {free} free")
+
+    async def _fetch_blob(self, store: Store, digest: str, size: int, progress: Progress) -> None:
+        async with FileLock(self.locks_dir / f"blob-{digest}.lock"):
+            abort = threading.Event()
+            fut = asyncio.get_running_loop().run_in_executor(
+                None, lambda: download_blob(store, digest, size, self.partial_dir, self.blobs_dir, self.download,
+                                            progress, abort))
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                abort.set()  # stop the part threads before the blob lock is let go
+                try:
+                    await fut
+                except BaseException:  # noqa: BLE001 - it was cancelled; its error is moot
+                    pass
+                raise
+
+    def _check_safetensors(self, manifest: mf.Manifest) -> None:
+        for f in manifest.files:
+            if f.path.endswith(".safetensors"):
+                check_file(self.blobs_dir / f.sha256)
+
+    def _clean_partials(self) -> int:
+        """Remove partial downloads untouched for ``partial_ttl_s`` whose blob lock is free."""
+        removed = 0
+        now = time.time()
+        for p in self.partial_dir.glob("*.partial"):
+            digest = p.name[: -len(".partial")]
+            try:
+                if now - p.stat().st_mtime < self.partial_ttl_s:
+                    continue
+            except FileNotFoundError:
+                continue
+            lock = FileLock(self.locks_dir / f"blob-{digest}.lock")
+            if not lock.try_acquire():
+                continue
+            try:
+                p.unlink(missing_ok=True)
+                (self.partial_dir / f"{digest}.state").unlink(missing_ok=True)
+                removed += 1
+            finally:
+                lock.release()
+        snapshot.clean_leftovers(self.models_dir)
+        return removed
+
+    async def cleanup_partials(self) -> int:
+        return await asyncio.to_thread(self._clean_partials)
+
+    async def remove(self, name: str) -> None:
+        """Drop a model (refused while pinned); its blobs go when no other model uses them."""
+        mf.validate_name(name)
+        if self._pinned_anywhere(name):
+            raise CacheError(f"{name} is pinned (loaded or loading)")
+        async with FileLock(self.locks_dir / "cache.lock"):
+            await asyncio.to_thread(snapshot.remove, self.models_dir, name)
+            await asyncio.to_thread(self._drop_unreferenced_blobs)
+
+    def _drop_unreferenced_blobs(self) -> int:
+        live = set(self._active_blobs)
+        for name in self.model_names():
+            m = snapshot.read_manifest(self.models_dir, name)
+            if m is not None:
+                live |= set(m.unique_blobs())
+        dropped = 0
+        for d in self._blob_sizes():
+            if d not in live:
+                (self.blobs_dir / d).unlink(missing_ok=True)
+                dropped += 1
+        return dropped
+
+    async def scan(self, rehash: bool = False, repair: bool = False,
+                   on_file: Callable[[str], None] | None = None) -> dict[str, Any]:
+        from cache.scan import scan_cache
+
+        return await asyncio.to_thread(scan_cache, self, rehash, repair, on_file)

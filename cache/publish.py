@@ -1,0 +1,59 @@
+"""Publish a model folder to a store: blobs first (skipped when present), the manifest last.
+
+Readers find a model only through its manifest, so a publish that dies half-way leaves nothing a
+pull would use. Every file is validated before the first upload: names and paths, no pickle
+formats, and a well-formed header for every ``.safetensors`` file.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from agent.log import get_logger
+from cache import manifest as mf
+from cache.errors import IntegrityError
+from cache.progress import Progress
+from cache.retry import RetryPolicy, call_with_retries
+from cache.safetensors_check import check_file
+from cache.store import Store, blob_key, manifest_key
+
+
+def publish_model(store: Store, directory: str | Path, name: str, progress: Progress | None = None,
+                  retry: RetryPolicy | None = None, concurrency: int = 4) -> mf.Manifest:
+    """Upload ``directory`` as model ``name``; returns the manifest written. Blocking."""
+    log = get_logger("publish", model=name, store=store.url)
+    retry = retry or RetryPolicy()
+    progress = progress or Progress(name)
+    progress.set_state("hashing")
+    manifest, local = mf.from_directory(Path(directory), name)
+    for f in manifest.files:
+        if f.path.endswith(".safetensors"):
+            check_file(local[f.path])
+    progress.set_total(manifest.total_size)
+    uploads: dict[str, tuple[Path, int]] = {}
+    for f in manifest.files:
+        uploads.setdefault(f.sha256, (local[f.path], f.size))
+    log.info("publish.start", files=len(manifest.files), total_bytes=manifest.total_size)
+    progress.set_state("uploading")
+
+    def upload(item: tuple[str, tuple[Path, int]]) -> int:
+        digest, (path, size) = item
+        key = blob_key(digest)
+        have = call_with_retries(lambda: store.exists(key), retry, f"HEAD {key}")
+        if have is not None and have.size == size:
+            progress.add_resumed(size)
+            return 0
+        # The file could have changed since it was hashed; a blob must hold what its name says.
+        if path.stat().st_size != size:
+            raise IntegrityError(f"{path} changed size while it was published")
+        store.put_file(key, path, on_bytes=progress.add)
+        return size
+
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        sent = sum(pool.map(upload, sorted(uploads.items(), key=lambda kv: -kv[1][1])))
+    data = manifest.to_json()
+    call_with_retries(lambda: store.put_bytes(manifest_key(name), data), retry, f"manifest of {name}")
+    progress.set_state("done")
+    log.info("publish.done", uploaded_bytes=sent, skipped_bytes=manifest.total_size - sent)
+    return manifest
