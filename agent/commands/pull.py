@@ -33,8 +33,10 @@ def pull_direct(name: str, *, store_url: str, cache_dir: str | Path, max_bytes: 
     Blocking (runs its own event loop); raises the typed errors of ``cache``.
     """
     from cache import DiskCache, DownloadConfig, Progress, open_store
+    from cache.manifest import validate_name
     from cache.progress import BarPrinter
 
+    validate_name(name)  # before anything is created on disk
     fields = {}
     if part_size:
         fields["part_size"] = part_size

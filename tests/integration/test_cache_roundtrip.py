@@ -1,0 +1,105 @@
+"""publish → pull through real HTTP (moto behind the fault proxy), the file store, and the CLI."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+
+import pytest
+
+from agent.cli import main
+from cache import DiskCache, FileStore, NotFoundError
+from cache.publish import publish_model
+from tests.s3_fault_proxy import (bucket, fast_download, make_model, moto_endpoint, proxy, s3_store,  # noqa: F401
+                                  tree_files)
+
+
+def _same_tree(a, b) -> None:
+    for rel in ("config.json", "model.safetensors", "tokenizer/tokenizer.json"):
+        assert filecmp.cmp(a / rel, b / rel, shallow=False), rel
+
+
+async def test_s3_publish_pull_round_trip(tmp_path, proxy, bucket):
+    src = make_model(tmp_path / "src", data_bytes=1 << 20)
+    store = s3_store(proxy.url, bucket)
+    m = publish_model(store, src, "tiny")
+    assert {f.path for f in m.files} == {"config.json", "model.safetensors", "tokenizer/tokenizer.json"}
+    # Published again: every blob is already there, only the manifest is written.
+    proxy.clear()
+    publish_model(store, src, "tiny")
+    assert [x for x in proxy.log if x[0] == "PUT"] == [("PUT", f"/{bucket}/store/models/tiny/manifest.json", "", 200)]
+
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    proxy.clear()
+    path = await cache.pull(store, "tiny")
+    assert path == tmp_path / "cache" / "models" / "tiny" / "snapshot"
+    _same_tree(src, path)
+    assert proxy.total_blob_bytes() == m.total_size  # each byte once
+    # Parts were ranged GETs pinned to the ETag, all answered 206.
+    ranged = [x for x in proxy.log if x[0] == "GET" and "/blobs/" in x[1]]
+    assert len(ranged) >= m.total_size // (64 << 10) and all(s == 206 for *_, s in ranged)
+    st = cache.stats()
+    assert st["used_bytes"] == m.total_size and st["models"][0]["name"] == "tiny"
+    assert os.path.samefile(path / "model.safetensors",
+                            tmp_path / "cache/blobs/sha256" / next(f.sha256 for f in m.files
+                                                                   if f.path == "model.safetensors"))
+    # A second pull of an unchanged model downloads nothing.
+    proxy.clear()
+    assert await cache.pull(store, "tiny") == path
+    assert proxy.total_blob_bytes() == 0
+    report = await cache.scan(rehash=True)
+    assert report["models"][0]["ok"] and not report["partials"] and not report["orphan_blobs"]
+    store.close()
+
+
+async def test_multipart_publish_and_new_version(tmp_path, proxy, bucket):
+    src = make_model(tmp_path / "src", data_bytes=11 << 20)
+    store = s3_store(proxy.url, bucket)  # multipart above 8 MiB, 5 MiB parts
+    publish_model(store, src, "big")
+    assert any("uploadId" in x[1] or x[0] == "POST" for x in proxy.log)
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download(part_size=1 << 20))
+    path = await cache.pull(store, "big")
+    _same_tree(src, path)
+    # A new version replaces the snapshot; the old weights blob becomes unreferenced.
+    make_model(src, data_bytes=1 << 20, seed=1)
+    publish_model(store, src, "big")
+    path2 = await cache.pull(store, "big")
+    _same_tree(src, path2)
+    report = await cache.scan()
+    assert len(report["orphan_blobs"]) == 3  # old config, weights and tokenizer
+    store.close()
+
+
+async def test_file_store_round_trip_and_missing_model(tmp_path):
+    src = make_model(tmp_path / "src", data_bytes=300_000)
+    store = FileStore(tmp_path / "store")
+    publish_model(store, src, "tiny")
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    _same_tree(src, await cache.pull(store, "tiny"))
+    with pytest.raises(NotFoundError):
+        await cache.pull(store, "absent")
+    assert cache.snapshot_path("absent") is None
+
+
+def test_cli_publish_and_pull(tmp_path, proxy, bucket, monkeypatch, capsys):
+    src = make_model(tmp_path / "src", data_bytes=200_000)
+    monkeypatch.setenv("INFIRE_STORE__ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("INFIRE_STORE__PATH_STYLE", "true")
+    monkeypatch.setenv("INFIRE_STORE__REGION", "us-east-1")
+    url = f"s3://{bucket}/cli"
+    assert main(["publish", str(src), "--name", "cli-model", "--store", url]) == 0
+    cache_dir = tmp_path / "cache"
+    assert main(["pull", "cli-model", "--store", url, "--cache-dir", str(cache_dir), "--part-size", "64KiB"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip().endswith("models/cli-model/snapshot")
+    assert "cli-model [" in err and "100%" in err  # the progress bar
+    _same_tree(src, cache_dir / "models/cli-model/snapshot")
+    manifest = json.loads((cache_dir / "models/cli-model/manifest.json").read_text())
+    assert manifest["name"] == "cli-model" and manifest["version"] == 1
+    # Bad input: exit 2 and nothing written.
+    assert main(["pull", "Bad/Name", "--store", url, "--cache-dir", str(tmp_path / "c2")]) == 2
+    assert not (tmp_path / "c2").exists()
+    (src / "weights.bin").write_bytes(b"pickle")
+    assert main(["publish", str(src), "--name", "evil", "--store", url]) == 2
+    assert "pickle" in capsys.readouterr().err
