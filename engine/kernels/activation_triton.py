@@ -18,12 +18,13 @@ def _silu_mul_kernel(x_ptr, out_ptr, s_x, s_o, I: tl.constexpr, BLOCK: tl.conste
     tl.store(out_ptr + row * s_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     n, two_i = x.shape
     i = two_i // 2
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty((n, i), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((n, i), dtype=x.dtype, device=x.device)
     block = min(2048, triton.next_power_of_2(i))
     _silu_mul_kernel[(n, triton.cdiv(i, block))](x, out, x.stride(0), out.stride(0), I=i, BLOCK=block,
                                                  num_warps=4 if block >= 512 else 1)

@@ -1,0 +1,185 @@
+"""Triton kernels under TRITON_INTERPRET=1 on CPU against the torch references (small sizes,
+float32 and float16; bf16 only on the GPU, where tests/gpu/test_kernels.py covers real sizes).
+
+Outputs are poisoned with NaN (or -7 for ids) before each run so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # pragma: no cover - on a GPU the compiled kernels are tested in tests/gpu
+    pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # read when the @triton.jit modules below are first imported
+pytest.importorskip("triton")
+
+from engine.kernels import activation, attention, kv_write, norm, rope  # noqa: E402
+from engine.kernels.sample import sample as sample_api, sample_ref  # noqa: E402
+from engine.kernels.activation_triton import silu_and_mul_triton  # noqa: E402
+from engine.kernels.attention_triton import decode_splits, paged_attention_triton  # noqa: E402
+from engine.kernels.kv_write_triton import write_kv_triton  # noqa: E402
+from engine.kernels.norm_triton import rms_norm_triton  # noqa: E402
+from engine.kernels.rope_triton import apply_rope_triton  # noqa: E402
+from engine.kernels.sample_triton import sample_triton  # noqa: E402
+from tests.unit.test_kernels_ref import build_batch, make_pool  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    assert not torch.isnan(out).any(), "NaN in output (unwritten element?)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [1, 16])
+def test_write_kv(dtype, block):
+    pool, kc, vc = make_pool(6, 3, block, 2, 8, dtype, layer=2)
+    pool.fill_(float("nan"))
+    ref_pool = pool.clone()
+    n = 5
+    k, v = torch.randn(n, 2, 8).to(dtype), torch.randn(n, 2, 8).to(dtype)
+    slots = torch.randperm(6 * block)[:n]
+    slots[1] = -1
+    write_kv_triton(k, v, kc, vc, slots)
+    kv_write.write_kv_ref(k, v, ref_pool[:, 2, 0], ref_pool[:, 2, 1], slots)
+    assert torch.equal(pool.isnan(), ref_pool.isnan())
+    assert torch.equal(pool.nan_to_num(0), ref_pool.nan_to_num(0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [1, 16])
+def test_paged_attention_prefill_and_mixed(dtype, block):
+    torch.manual_seed(block)
+    gen = torch.Generator().manual_seed(block)
+    hq, hkv, d = 6, 2, 16  # GQA group of 3: not a power of two
+    q_lens, seq_lens = [7, 1, 4, 1, 2], [7, 33, 20, 1, 18]  # prefill, decode, chunked prefill, ...
+    pages = sum((s + block - 1) // block for s in seq_lens) + 2
+    _, kc, vc = make_pool(pages, 2, block, hkv, d, dtype)
+    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
+    q = torch.randn(sum(q_lens), hq, d).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    paged_attention_triton(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d), max(q_lens), max(seq_lens), out=out)
+    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d))
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_paged_attention_decode(dtype, splits):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    block, hq, hkv, d = 16, 8, 2, 32
+    seq_lens = [1, 16, 17, 150, 64]
+    q_lens = [1] * len(seq_lens)
+    pages = sum((s + block - 1) // block for s in seq_lens) + 2
+    _, kc, vc = make_pool(pages, 1, block, hkv, d, dtype, layer=0)
+    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
+    q = torch.randn(len(seq_lens), hq, d).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    # max_seq_len above the true max (as a CUDA graph captured for longer contexts would pass)
+    paged_attention_triton(q, kc, vc, qsl, sl, tables, 0.2, 1, 200, num_splits=splits, out=out)
+    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.2)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_decode_split_heuristic():
+    assert decode_splits(1, 8, 8192, 64, 132)[0] > 8  # batch 1: spread the context over the chip
+    assert decode_splits(256, 8, 2048, 64, 132)[0] == 1  # big batch: one pass, no reduce
+    n, part = decode_splits(3, 2, 1000, 64, 4)
+    assert part % 64 == 0 and n * part >= 1000 and (n - 1) * part < 1000
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(dtype, residual):
+    x, w = torch.randn(5, 72).to(dtype), torch.randn(72).to(dtype)
+    r = torch.randn(5, 72).to(dtype) if residual else None
+    out, res_out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    rms_norm_triton(x, r, w, 1e-5, out=out, res_out=res_out)
+    if residual:
+        ref, ref_res = norm.fused_add_rms_norm_ref(x, r, w, 1e-5)
+        torch.testing.assert_close(res_out, ref_res, atol=0, rtol=0)
+    else:
+        ref = norm.rms_norm_ref(x, w, 1e-5)
+    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = (torch.randn(3, 2 * 100) * 3).to(dtype)
+    out = torch.full((3, 100), float("nan"), dtype=dtype)
+    silu_and_mul_triton(x, out=out)
+    torch.testing.assert_close(out, activation.silu_and_mul_ref(x), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_on_strided_views(dtype):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    cache = rope.build_cos_sin_cache(16, 128, 5e5, scaling, "cpu")
+    qkv = torch.randn(5, (6 + 2 + 2) * 16).to(dtype)  # q, k, v of a fused projection
+    q, k = qkv[:, :96].view(5, 6, 16), qkv[:, 96:128].view(5, 2, 16)
+    v_before = qkv[:, 128:].clone()
+    q_ref, k_ref = q.clone(), k.clone()
+    pos = torch.tensor([0, 1, 31, 64, 127])
+    apply_rope_triton(q, k, pos, cache)
+    rope.apply_rope_ref(q_ref, k_ref, pos, cache)
+    torch.testing.assert_close(q, q_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k, k_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(qkv[:, 128:], v_before)
+
+
+def _sample_case(b, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, vocab, generator=g) * 3
+    temp = torch.rand(b, generator=g) * 1.5 + 0.2
+    temp[::5] = 0.0
+    top_k = torch.randint(0, 40, (b,), generator=g, dtype=torch.int32)
+    top_k[::3] = 0
+    top_p = torch.where(torch.rand(b, generator=g) < 0.5, torch.rand(b, generator=g), torch.ones(b))
+    min_p = torch.where(torch.rand(b, generator=g) < 0.3, torch.rand(b, generator=g) * 0.2, torch.zeros(b))
+    seeds = torch.randint(-2**62, 2**62, (b,), generator=g)
+    steps = torch.randint(0, 1000, (b,), generator=g)
+    return logits, temp, top_k, top_p, min_p, seeds, steps
+
+
+@pytest.mark.parametrize("b,vocab,seed", [(24, 700, 3), (10, 2500, 4)])
+def test_sample_matches_reference(b, vocab, seed):
+    args = _sample_case(b, vocab, seed)
+    args[0][1, :] = 0.5  # a row of ties
+    args[0][2, 17] = float("-inf")  # masked vocab entry
+    out = torch.full((b,), -7, dtype=torch.int64)
+    sample_triton(*args, out=out)
+    assert torch.equal(out, sample_ref(*args))
+
+
+def test_sample_is_batch_independent_and_respects_filters():
+    logits, temp, top_k, top_p, min_p, seeds, steps = _sample_case(6, 300, 5)
+    temp[:] = 1.0
+    a = sample_triton(logits, temp, top_k, top_p, min_p, seeds, steps)
+    order = torch.tensor([4, 0, 5])
+    b = sample_triton(logits[order], temp[order], top_k[order], top_p[order], min_p[order], seeds[order],
+                      steps[order])
+    assert torch.equal(a[order], b)
+    # many seeds of one row: the drawn set must be exactly the kept set (top_k=4, top_p on the rest)
+    n = 64
+    row = logits[:1].expand(n, -1).contiguous()
+    ones = torch.ones(n)
+    ids = sample_triton(row, ones, torch.full((n,), 4, dtype=torch.int32), ones, torch.zeros(n),
+                        torch.arange(n), torch.zeros(n, dtype=torch.int64))
+    assert set(ids.tolist()) <= set(torch.topk(logits[0], 4).indices.tolist())
+
+
+def test_public_api_forced_triton(monkeypatch):
+    monkeypatch.setenv("INFIRE_KERNELS", "triton")
+    x, w = torch.randn(3, 16), torch.randn(16)
+    torch.testing.assert_close(norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))
+    args = _sample_case(4, 64, 9)
+    assert torch.equal(sample_api(*args), sample_ref(*args))
