@@ -295,12 +295,16 @@ class WorkerClient:
             raise WorkerDied("the engine worker is not running")
         self._writer.write(P.encode(msg))
 
-    def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: dict[str, Any]) -> EngineRequest:
-        """Send one request to the engine; raises WorkerDied when no worker is up."""
+    def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: dict[str, Any],
+            queue: asyncio.Queue[P.TokenOutput | Exception] | None = None) -> EngineRequest:
+        """Send one request to the engine; raises WorkerDied when no worker is up.
+
+        Requests may share one ``queue`` (the choices of one HTTP request); outputs carry req_id.
+        """
         if req_id in self._streams:
             raise WorkerError(f"duplicate request id {req_id!r}", "duplicate")
         self._send(P.Add(req_id=req_id, model=model, prompt_token_ids=prompt_token_ids, sampling=sampling))
-        req = EngineRequest(req_id, model)
+        req = EngineRequest(req_id, model) if queue is None else EngineRequest(req_id, model, queue)
         self._streams[req_id] = req
         return req
 

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the daemon in the foreground")
     p.add_argument("--config", help="TOML config file (default: $INFIRE_CONFIG)")
+    p.add_argument("--engine", choices=["core", "none"], default="core",
+                   help="'none' runs the control plane with an engine-less worker (no models; for tests)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from agent.app import serve
     from agent.config import ConfigError, load_settings
     from agent.log import configure_logging, get_logger
 
@@ -24,21 +26,15 @@ def run(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level)
-    log = get_logger("serve")
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        log.info("started", host=settings.server.host, port=settings.server.port)
-        await stop.wait()
-        log.info("stopped")
-
     try:
         import uvloop
 
-        uvloop.run(main())
-    except ImportError:
-        asyncio.run(main())
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        runner = asyncio.run
+    try:
+        runner(serve(settings, engine=args.engine))
+    except (OSError, RuntimeError) as e:  # port in use, live agent on the socket
+        get_logger("serve").error("failed", error=str(e))
+        return 1
     return 0

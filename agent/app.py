@@ -1,0 +1,257 @@
+"""The agent's aiohttp application and its lifecycle.
+
+Start-up and tear-down are aiohttp cleanup contexts, declared once in :data:`LIFECYCLE` and torn
+down in reverse: runtime dir → engine worker → model manager (+ preload) → background tasks
+(canary, sd_notify/watchdog). :func:`serve` is the one shutdown path: on SIGTERM it tells
+systemd STOPPING=1, refuses new work (503), stops listening, lets in-flight requests finish up
+to ``server.drain_timeout``, cancels the rest (which aborts them in the engine), then stops the
+worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from agent.admin_api import AdminApi
+from agent.config import Settings
+from agent.health import Canary, Health
+from agent.log import get_logger
+from agent.manager import ModelManager
+from agent.metrics import CONTENT_TYPE, Metrics
+from agent.openai_api import OpenAIApi
+from agent.systemd import Notifier
+from agent.worker_client import WorkerClient
+
+CTX: web.AppKey["AgentContext"] = web.AppKey("ctx")
+TICK_S = 1.0
+
+
+@dataclass
+class AgentContext:
+    settings: Settings
+    metrics: Metrics
+    worker: WorkerClient
+    notifier: Notifier
+    engine: str = "core"
+    started: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
+    draining: bool = False
+    manager: ModelManager = None  # type: ignore[assignment]  # set by the manager context
+    health: Health = None  # type: ignore[assignment]
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    def budget(self) -> dict[str, Any]:
+        g = self.settings.gpu
+        on_cpu = self.worker.state.device.startswith("cpu")
+        total: int | None
+        if on_cpu:
+            total = int(g.memory_budget) if isinstance(g.memory_budget, int) else g.cpu_memory_budget
+        else:
+            total = int(g.memory_budget) if isinstance(g.memory_budget, int) else None
+        used = sum(int(s.get("device_bytes", 0) or 0) for s in self.worker.state.models.values())
+        out: dict[str, Any] = {"total_bytes": total, "used_bytes": used}
+        if isinstance(g.memory_budget, float):
+            out["fraction"] = g.memory_budget
+        return out
+
+
+def worker_options(settings: Settings) -> dict[str, Any]:
+    g, e = settings.gpu, settings.engine
+    budget = g.memory_budget if isinstance(g.memory_budget, int) else None
+    if g.device == "cpu" and budget is None:
+        budget = g.cpu_memory_budget
+    return {"device": g.device, "max_num_batched_tokens": e.max_num_batched_tokens,
+            "memory_budget_bytes": budget, "sandbox": e.sandbox}
+
+
+# --- lifecycle contexts, in start order ------------------------------------------------------
+
+
+async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[CTX]
+    ctx.settings.server.runtime_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+    yield
+    ctx.notifier.close()
+
+
+async def _worker_ctx(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[CTX]
+    await ctx.worker.start(wait=False)  # HTTP comes up at once; /readyz says 503 until ready
+    yield
+    await ctx.worker.stop()
+
+
+async def _manager_ctx(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[CTX]
+    source = None
+    if ctx.engine != "none":
+        from agent.model_source import CacheSource
+
+        source = CacheSource.from_settings(ctx.settings)
+    ctx.manager = ModelManager(ctx.settings, ctx.worker, source, ctx.metrics, _load_tokenizer)
+    ctx.worker.on_up = ctx.manager.on_worker_up
+    ctx.worker.on_down = ctx.manager.on_worker_down
+    ctx.tasks.append(asyncio.create_task(ctx.manager.preload(), name="preload"))
+    yield
+    await ctx.manager.close()
+    if source is not None:
+        source.close()
+
+
+async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[CTX]
+    ctx.tasks.append(asyncio.create_task(Canary(ctx).run(), name="canary"))
+    ctx.tasks.append(asyncio.create_task(_notify_loop(ctx), name="sd-notify"))
+    yield
+    for t in ctx.tasks:
+        t.cancel()
+    await asyncio.gather(*ctx.tasks, return_exceptions=True)
+    ctx.tasks.clear()
+
+
+LIFECYCLE: tuple[Callable[[web.Application], AsyncIterator[None]], ...] = (
+    _runtime_ctx, _worker_ctx, _manager_ctx, _background_ctx,
+)
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)
+
+
+async def _notify_loop(ctx: AgentContext) -> None:
+    """READY=1 once preload models are ready (or have failed: READY with a degraded STATUS, so
+    systemd does not restart-loop on a bad model), EXTEND_TIMEOUT_USEC while pulling or loading
+    before that, STATUS= on changes, WATCHDOG=1 only while the engine makes progress."""
+    n, log = ctx.notifier, get_logger("notify")
+    ready_sent, last_status, last_ping = False, "", 0.0
+    while True:
+        mgr = ctx.manager
+        if mgr is not None:
+            ctx.metrics.worker_up.set(1 if ctx.worker.alive else 0)
+            ctx.metrics.refresh_engine(ctx.worker.state.models)
+            status = _status_line(ctx)
+            preload = [mgr.models[m.name] for m in ctx.settings.models if m.preload]
+            settled = ctx.worker.alive and all(e.state.value in ("ready", "failed") for e in preload)
+            if not ready_sent and settled:
+                n.ready(status)
+                ready_sent, last_status = True, status
+                log.info("sd_ready", status=status)
+            elif not ready_sent and (mgr.busy() or not ctx.worker.alive):
+                n.extend_timeout(TICK_S * 30)
+            if status != last_status:
+                n.status(status)
+                last_status = status
+            now = time.monotonic()
+            if n.watchdog_interval_s and now - last_ping >= n.watchdog_interval_s and ctx.worker.progressing(now):
+                n.watchdog()
+                last_ping = now
+        await asyncio.sleep(min(TICK_S, n.watchdog_interval_s or TICK_S))
+
+
+def _status_line(ctx: AgentContext) -> str:
+    if not ctx.worker.alive:
+        return "engine worker starting" if not ctx.worker.state.restarts else "engine worker restarting"
+    parts = []
+    for e in sorted(ctx.manager.models.values(), key=lambda e: e.name):
+        if e.state.value not in ("absent", "cached"):
+            parts.append(f"{e.name} {e.state.value}")
+    return "serving: " + (", ".join(parts) if parts else "no models loaded")
+
+
+def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | None = None) -> web.Application:
+    metrics = Metrics()
+    ctx = AgentContext(settings=settings, metrics=metrics, notifier=notifier or Notifier(), engine=engine,
+                       worker=WorkerClient(worker_options(settings), engine=engine,
+                                           on_restart=metrics.worker_restarts.inc))
+    admin = AdminApi(ctx)
+    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[admin.middleware])
+    app[CTX] = ctx
+    ctx.health = Health(ctx)
+    app.add_routes(OpenAIApi(ctx).routes())
+    app.add_routes(admin.routes())
+    app.add_routes(ctx.health.routes())
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        metrics.worker_up.set(1 if ctx.worker.alive else 0)
+        metrics.refresh_engine(ctx.worker.state.models)
+        metrics.ready.set(1 if ctx.health.ready()[0] else 0)
+        b = ctx.budget()
+        metrics.gpu_budget.set(b["total_bytes"] or 0)
+        if ctx.manager is not None and ctx.manager.source is not None:
+            c = ctx.manager.source.stats()
+            metrics.cache_used.set(c["used_bytes"])
+            metrics.cache_max.set(c["max_bytes"])
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    app.router.add_get("/metrics", metrics_handler)
+
+    async def on_shutdown(app: web.Application) -> None:
+        ctx.draining = True  # before in-flight handlers are awaited: new requests get 503
+
+    app.on_shutdown.append(on_shutdown)
+    app.cleanup_ctx.extend(LIFECYCLE)
+    return app
+
+
+def _bind_admin_socket(path: Path) -> None:
+    """Refuse to start over a live agent's socket; remove a stale one."""
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink(missing_ok=True)
+        return
+    finally:
+        probe.close()
+    raise RuntimeError(f"another agent is listening on {path}")
+
+
+async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM/SIGINT (or ``stop``), then drain and shut down."""
+    log = get_logger("serve")
+    s = settings.server
+    app = build_app(settings, engine=engine)
+    ctx = app[CTX]
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=s.drain_timeout,
+        keepalive_timeout=s.keepalive_timeout, max_line_size=s.max_header_bytes,
+        max_field_size=s.max_header_bytes, max_headers=s.max_headers,
+    )
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await runner.setup()
+    try:
+        tcp = web.TCPSite(runner, s.host, s.port, backlog=1024)
+        await tcp.start()
+        sock_path = s.admin_socket_path()
+        sock_path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        _bind_admin_socket(sock_path)
+        await web.UnixSite(runner, str(sock_path)).start()
+        os.chmod(sock_path, 0o660)
+        port = tcp._server.sockets[0].getsockname()[1] if tcp._server and tcp._server.sockets else s.port
+        log.info("listening", host=s.host, port=port, admin_socket=str(sock_path), pid=os.getpid())
+        await stop.wait()
+        log.info("draining", in_flight=ctx.worker.in_flight(), deadline_s=s.drain_timeout)
+        ctx.draining = True
+        ctx.notifier.stopping()
+    finally:
+        await runner.cleanup()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        log.info("stopped")

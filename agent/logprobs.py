@@ -1,0 +1,48 @@
+"""Engine logprobs → OpenAI's two logprobs shapes (chat and legacy completions).
+
+The engine sends, per generated token, ``[chosen_logprob, [[token_id, logprob], ...]]`` with the
+top entries best first (``RequestOutput.logprobs`` as the worker packs it). Only token ids cross
+the IPC; the text of each token is decoded here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _entry(raw: Any) -> tuple[float, list[tuple[int, float]]]:
+    if isinstance(raw, (list, tuple)) and len(raw) == 2 and isinstance(raw[1], (list, tuple)):
+        return float(raw[0]), [(int(t), float(lp)) for t, lp in raw[1]]
+    if isinstance(raw, (int, float)):
+        return float(raw), []
+    raise ValueError(f"unexpected logprobs entry {raw!r}")
+
+
+def _text(tok: Any, token_id: int) -> str:
+    return tok.decode([token_id])
+
+
+def chat_logprobs(tok: Any, token_ids: list[int], entries: list[Any]) -> dict[str, Any]:
+    content = []
+    for tid, raw in zip(token_ids, entries):
+        lp, top = _entry(raw)
+        text = _text(tok, tid)
+        content.append({
+            "token": text, "logprob": lp, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := _text(tok, i)), "logprob": v, "bytes": list(t.encode())} for i, v in top],
+        })
+    return {"content": content}
+
+
+def completion_logprobs(tok: Any, token_ids: list[int], entries: list[Any]) -> dict[str, Any]:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = 0
+    for tid, raw in zip(token_ids, entries):
+        lp, top = _entry(raw)
+        text = _text(tok, tid)
+        tokens.append(text)
+        token_lps.append(lp)
+        tops.append({_text(tok, i): v for i, v in top} if top else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

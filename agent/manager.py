@@ -1,0 +1,365 @@
+"""ModelManager: the life of every model the agent knows about.
+
+Each model has one state::
+
+    absent → pulling → cached → loading → ready → draining → unloading → cached
+                  ↘         ↘          ↘                         ↘
+                   failed (with a reason; a later pull or load starts over)
+
+Pulls go through the disk cache (:class:`ModelSource`), loads and unloads through the engine
+worker. Long operations run as background tasks owned by the manager, one per model at a time,
+so a slow load never blocks another model's traffic; callers either poll the state or await the
+task. When the worker dies, models that were ready go back to loading and are loaded again once
+a new worker says hello.
+
+Budget, eviction and keep-alive are deliberately not here yet: they plug in before ``_load``
+asks the worker (make room) and beside ``admit`` (last use), without changing the states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Protocol
+
+from agent.config import MODEL_NAME_RE, ModelSettings, Settings
+from agent.log import get_logger
+from agent.metrics import Metrics
+from agent.worker_client import WorkerClient, WorkerError
+
+WORKER_WAIT_S = 180.0
+
+
+class State(str, Enum):
+    ABSENT = "absent"
+    PULLING = "pulling"
+    CACHED = "cached"
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    UNLOADING = "unloading"
+    FAILED = "failed"
+
+
+_NEXT: dict[State, set[State]] = {
+    State.ABSENT: {State.PULLING, State.CACHED, State.FAILED},
+    State.PULLING: {State.CACHED, State.FAILED},
+    State.CACHED: {State.PULLING, State.LOADING, State.ABSENT},
+    State.LOADING: {State.READY, State.FAILED, State.CACHED},
+    State.READY: {State.DRAINING, State.LOADING, State.FAILED},
+    State.DRAINING: {State.UNLOADING, State.LOADING, State.FAILED},
+    State.UNLOADING: {State.CACHED, State.LOADING, State.FAILED},
+    State.FAILED: {State.PULLING, State.LOADING, State.CACHED, State.ABSENT},
+}
+
+
+class ManagerError(Exception):
+    """A model operation was refused. ``status`` is the HTTP status the APIs answer with."""
+
+    status = 409
+    code = "conflict"
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class UnknownModel(ManagerError):
+    status, code = 404, "model_not_found"
+
+
+class ModelNotReady(ManagerError):
+    status, code = 503, "model_not_ready"
+
+
+class QueueFull(ManagerError):
+    status, code = 503, "queue_full"
+
+
+class ModelSource(Protocol):
+    """What the manager needs of the disk cache (``agent.model_source`` adapts DiskCache)."""
+
+    def snapshot(self, name: str) -> Path | None: ...
+    def cached_names(self) -> list[str]: ...
+    async def pull(self, name: str) -> Path: ...
+    def pin(self, name: str) -> None: ...
+    def unpin(self, name: str) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    settings: ModelSettings
+    state: State = State.ABSENT
+    reason: str = ""
+    snapshot: Path | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None
+    in_flight: int = 0
+    last_used: float | None = None  # wall clock, for humans
+    load_seconds: float | None = None
+    task: asyncio.Task[None] | None = None
+    want_loaded: bool = False  # reload after a worker restart
+    pinned: bool = False
+
+    @property
+    def queue_limit(self) -> int:
+        # Running plus as many waiting: past that, a client is better served by a 503 and a
+        # retry elsewhere than by a queue it cannot see the end of.
+        return 2 * self.settings.max_num_seqs
+
+
+TokenizerLoader = Callable[[Path], Any]
+
+
+class ModelManager:
+    def __init__(self, settings: Settings, worker: WorkerClient, source: ModelSource | None,
+                 metrics: Metrics, load_tokenizer: TokenizerLoader) -> None:
+        self.settings = settings
+        self.worker = worker
+        self.source = source
+        self.metrics = metrics
+        self.load_tokenizer = load_tokenizer
+        self.models: dict[str, ModelEntry] = {}
+        self._log = get_logger("manager")
+        for m in settings.models:
+            self._entry(m.name)
+        if source is not None:
+            for name in source.cached_names():
+                self._entry(name)
+
+    # --- registry ---------------------------------------------------------------------------
+
+    def _entry(self, name: str, create: bool = True) -> ModelEntry:
+        e = self.models.get(name)
+        if e is not None:
+            return e
+        if not create or not isinstance(name, str) or not MODEL_NAME_RE.match(name):
+            raise UnknownModel(f"the model {name!r} does not exist")
+        e = ModelEntry(name=name, settings=self.settings.model(name) or ModelSettings(name=name))
+        snap = self.source.snapshot(name) if self.source is not None else None
+        if snap is not None:
+            e.state, e.snapshot = State.CACHED, snap
+        self.models[name] = e
+        self.metrics.set_model_state(name, e.state.value)
+        return e
+
+    def get(self, name: str) -> ModelEntry:
+        """A known model (configured, cached or touched by the admin API), else UnknownModel."""
+        e = self.models.get(name)
+        if e is None:
+            raise UnknownModel(f"the model {name!r} does not exist")
+        return e
+
+    def _set(self, e: ModelEntry, state: State, reason: str = "") -> None:
+        if state != e.state and state not in _NEXT[e.state]:
+            raise ManagerError(f"{e.name}: cannot go from {e.state.value} to {state.value}")
+        if state != e.state:
+            self._log.info("model_state", model=e.name, state=state.value, previous=e.state.value, reason=reason or None)
+        e.state, e.reason = state, reason
+        self.metrics.set_model_state(e.name, state.value)
+
+    def ready_models(self) -> list[ModelEntry]:
+        return [e for e in self.models.values() if e.state is State.READY]
+
+    def busy(self) -> bool:
+        """Some model is being pulled or loaded (systemd wants EXTEND_TIMEOUT_USEC then)."""
+        return any(e.state in (State.PULLING, State.LOADING) for e in self.models.values())
+
+    # --- background operations --------------------------------------------------------------
+
+    def _start(self, e: ModelEntry, coro: Any) -> asyncio.Task[None]:
+        if e.task is not None and not e.task.done():
+            coro.close()
+            raise ManagerError(f"{e.name} is {e.state.value}; try again when that finishes", retry_after=1.0)
+        e.task = asyncio.create_task(coro, name=f"model-{e.name}")
+        return e.task
+
+    def pull(self, name: str) -> asyncio.Task[None]:
+        e = self._entry(name)
+        if self.source is None:
+            raise ManagerError("no model store is configured")
+        if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
+            raise ManagerError(f"{name} is {e.state.value}; a pull needs it absent, cached or failed")
+        return self._start(e, self._pull(e))
+
+    async def _pull(self, e: ModelEntry) -> None:
+        if self.source is None:
+            raise ManagerError("no model store is configured")
+        self._set(e, State.PULLING)
+        t0 = time.monotonic()
+        try:
+            e.snapshot = await self.source.pull(e.name)
+        except Exception as ex:
+            self.metrics.pull_failures.labels(model=e.name).inc()
+            self._set(e, State.FAILED, f"pull failed: {type(ex).__name__}: {ex}")
+            return
+        self.metrics.pull_seconds.labels(model=e.name).observe(time.monotonic() - t0)
+        self._set(e, State.CACHED)
+
+    def load(self, name: str) -> asyncio.Task[None] | None:
+        """Start loading (pulling first when needed); None when it is already ready."""
+        e = self._entry(name, create=self.source is not None)
+        if e.state is State.READY:
+            return None
+        if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
+            raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
+        return self._start(e, self._load(e))
+
+    async def _load(self, e: ModelEntry) -> None:
+        if e.snapshot is None or not e.snapshot.exists():
+            await self._pull(e)
+            if e.state is not State.CACHED:
+                return
+        self._set(e, State.LOADING)
+        e.want_loaded = True
+        self._pin(e, True)
+        try:
+            await self._wait_worker()
+            t0 = time.monotonic()
+            # The tokenizer loads in a thread while the worker loads weights.
+            tok_task = asyncio.ensure_future(asyncio.to_thread(self.load_tokenizer, e.snapshot))
+            s = e.settings
+            loaded = await self.worker.load(e.name, str(e.snapshot), max_model_len=s.max_model_len,
+                                            max_num_seqs=s.max_num_seqs, weight=s.weight)
+            e.tokenizer = await tok_task
+            e.info, e.load_seconds = dict(loaded.info), time.monotonic() - t0
+        except asyncio.CancelledError:
+            raise
+        except Exception as ex:
+            e.want_loaded = False
+            self._pin(e, False)
+            self._set(e, State.FAILED, f"load failed: {ex}")
+            return
+        self.metrics.load_seconds.labels(model=e.name).observe(e.load_seconds)
+        self._set(e, State.READY)
+
+    def _pin(self, e: ModelEntry, pinned: bool) -> None:
+        """Keep the cache from evicting a model that is loaded or loading (idempotent)."""
+        if self.source is None or e.pinned == pinned:
+            return
+        (self.source.pin if pinned else self.source.unpin)(e.name)
+        e.pinned = pinned
+
+    async def _wait_worker(self) -> None:
+        deadline = time.monotonic() + WORKER_WAIT_S
+        while not self.worker.alive:
+            if time.monotonic() > deadline:
+                raise WorkerError("the engine worker did not come up", "worker_down")
+            await asyncio.sleep(0.1)
+        if self.worker.state.engine_error:
+            raise WorkerError(f"the engine is unavailable: {self.worker.state.engine_error}", "no_engine")
+
+    def unload(self, name: str) -> asyncio.Task[None] | None:
+        """Start draining then unloading; None when it is not loaded."""
+        e = self.get(name)
+        if e.state in (State.CACHED, State.ABSENT) or (e.state is State.FAILED and not e.want_loaded):
+            return None
+        if e.state is not State.READY:
+            raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
+        return self._start(e, self._unload(e))
+
+    async def _unload(self, e: ModelEntry, drain_s: float | None = None) -> None:
+        self._set(e, State.DRAINING)
+        e.want_loaded = False
+        deadline = time.monotonic() + (self.settings.server.drain_timeout if drain_s is None else drain_s)
+        while e.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._set(e, State.UNLOADING)
+        try:
+            if self.worker.alive:
+                await self.worker.unload(e.name)  # aborts whatever did not drain in time
+        except WorkerError as ex:
+            self._log.warning("unload_error", model=e.name, error=str(ex))
+        e.tokenizer, e.info = None, {}
+        self._pin(e, False)
+        self.metrics.forget_model(e.name)
+        self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT)
+
+    async def preload(self) -> None:
+        """Load every ``preload`` model; returns when each is ready or failed."""
+        tasks = []
+        for m in self.settings.models:
+            if m.preload:
+                t = self.load(m.name)
+                if t is not None:
+                    tasks.append(t)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def preload_ready(self) -> bool:
+        return all(self.models[m.name].state is State.READY for m in self.settings.models if m.preload)
+
+    # --- worker events ----------------------------------------------------------------------
+
+    async def on_worker_down(self) -> None:
+        for e in self.models.values():
+            if e.state in (State.READY, State.DRAINING, State.UNLOADING) or (e.state is State.LOADING and e.want_loaded):
+                if e.task is not None and not e.task.done():
+                    e.task.cancel()
+                if e.want_loaded:
+                    self._set(e, State.LOADING, "the engine worker restarted; reloading")
+                else:
+                    self._set(e, State.UNLOADING, "the engine worker exited")
+                    self._set(e, State.CACHED)
+
+    async def on_worker_up(self) -> None:
+        for e in list(self.models.values()):
+            if e.state is State.LOADING and e.want_loaded and (e.task is None or e.task.done()):
+                e.task = asyncio.create_task(self._load(e), name=f"reload-{e.name}")
+
+    # --- admission --------------------------------------------------------------------------
+
+    def admit(self, name: str) -> "Admission":
+        """Reserve a slot for one request; raise UnknownModel, ModelNotReady or QueueFull."""
+        e = self.models.get(name)
+        if e is None:
+            raise UnknownModel(f"the model {name!r} does not exist")
+        if e.state is not State.READY:
+            retry = 2.0 if e.state in (State.LOADING, State.PULLING) else None
+            why = f" ({e.reason})" if e.reason else ""
+            raise ModelNotReady(f"the model {name!r} is {e.state.value}{why}", retry_after=retry)
+        if e.in_flight >= e.queue_limit:
+            raise QueueFull(f"the model {name!r} has {e.in_flight} requests in flight; try again shortly",
+                            retry_after=1.0)
+        return Admission(e)
+
+    async def close(self) -> None:
+        for e in self.models.values():
+            if e.task is not None and not e.task.done():
+                e.task.cancel()
+        await asyncio.gather(*(e.task for e in self.models.values() if e.task is not None), return_exceptions=True)
+
+    # --- views ------------------------------------------------------------------------------
+
+    def describe(self, e: ModelEntry) -> dict[str, Any]:
+        stats = self.worker.state.models.get(e.name, {}) if e.state is State.READY else {}
+        return {
+            "name": e.name, "state": e.state.value, "reason": e.reason or None,
+            "device_bytes": int(stats.get("device_bytes", e.info.get("device_bytes", 0)) or 0),
+            "kv_pages": {"used": int(stats.get("kv_pages_used", 0)), "total": int(stats.get("kv_pages_total", e.info.get("kv_pages", 0)) or 0)},
+            "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
+            "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len)),
+            "preload": e.settings.preload, "queue_limit": e.queue_limit,
+        }
+
+
+class Admission:
+    """One admitted request's slot; use as a context manager so the slot is always returned."""
+
+    def __init__(self, entry: ModelEntry) -> None:
+        self.entry = entry
+
+    def __enter__(self) -> ModelEntry:
+        self.entry.in_flight += 1
+        self.entry.last_used = time.time()
+        return self.entry
+
+    def __exit__(self, *exc: Any) -> None:
+        self.entry.in_flight -= 1
+        self.entry.last_used = time.time()

@@ -1,0 +1,81 @@
+"""Prometheus metrics of one agent (names fixed in docs/architecture.md; ops/ depends on them).
+
+Each :class:`Metrics` owns its own ``CollectorRegistry``, so two apps in one process (tests)
+never share counters. Gauges that mirror engine or manager state are refreshed by
+``refresh()`` right before a scrape instead of on every change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
+_LOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 600)
+
+MODEL_STATES = ("absent", "pulling", "cached", "loading", "ready", "draining", "unloading", "failed")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("infire_requests", "Finished HTTP API requests", ["model", "status"], registry=r)
+        self.prompt_tokens = Counter("infire_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.generation_tokens = Counter("infire_generation_tokens", "Tokens generated", ["model"], registry=r)
+        self.ttft = Histogram("infire_time_to_first_token_seconds", "Time to first token", ["model"],
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("infire_inter_token_latency_seconds", "Time between output chunks", ["model"],
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("infire_e2e_request_latency_seconds", "Request latency", ["model"],
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("infire_queue_depth", "Requests waiting in the engine", ["model"], registry=r)
+        self.running = Gauge("infire_running_sequences", "Sequences running in the engine", ["model"], registry=r)
+        self.kv_used = Gauge("infire_kv_pages_used", "KV-cache pages in use", ["model"], registry=r)
+        self.kv_total = Gauge("infire_kv_pages_total", "KV-cache pages available", ["model"], registry=r)
+        self.gpu_memory = Gauge("infire_gpu_memory_bytes", "Device memory held by a model", ["model"], registry=r)
+        self.gpu_budget = Gauge("infire_gpu_budget_bytes", "Device memory budget", registry=r)
+        self.gpu_used = Gauge("infire_gpu_used_bytes", "Device memory in use by models", registry=r)
+        self.model_state = Gauge("infire_model_state", "1 for the model's current state", ["model", "state"], registry=r)
+        self.load_seconds = Histogram("infire_model_load_seconds", "Model load time", ["model"],
+                                      buckets=_LOAD_BUCKETS, registry=r)
+        self.pull_seconds = Histogram("infire_pull_seconds", "Model pull time", ["model"],
+                                      buckets=_LOAD_BUCKETS, registry=r)
+        self.pull_failures = Counter("infire_pull_failures", "Failed pulls", ["model"], registry=r)
+        self.worker_restarts = Counter("infire_worker_restarts", "Engine worker restarts", registry=r)
+        self.worker_up = Gauge("infire_worker_up", "1 while the engine worker is up", registry=r)
+        self.ready = Gauge("infire_ready", "1 while /readyz answers 200", registry=r)
+        self.cache_used = Gauge("infire_cache_used_bytes", "Disk cache bytes in use", registry=r)
+        self.cache_max = Gauge("infire_cache_max_bytes", "Disk cache quota", registry=r)
+
+    def set_model_state(self, model: str, state: str) -> None:
+        for s in MODEL_STATES:
+            self.model_state.labels(model=model, state=s).set(1.0 if s == state else 0.0)
+
+    def refresh_engine(self, stats: dict[str, dict[str, Any]]) -> None:
+        """Mirror the worker's last ``EngineCore.stats()``."""
+        used = 0
+        for model, s in stats.items():
+            self.queue_depth.labels(model=model).set(s.get("waiting", 0))
+            self.running.labels(model=model).set(s.get("running", 0))
+            self.kv_used.labels(model=model).set(s.get("kv_pages_used", 0))
+            self.kv_total.labels(model=model).set(s.get("kv_pages_total", 0))
+            dev = s.get("device_bytes", 0) or 0
+            self.gpu_memory.labels(model=model).set(dev)
+            used += dev
+        self.gpu_used.set(used)
+
+    def forget_model(self, model: str) -> None:
+        """Drop per-model engine gauges after an unload, so dashboards do not show ghosts."""
+        for g in (self.queue_depth, self.running, self.kv_used, self.kv_total, self.gpu_memory):
+            try:
+                g.remove(model)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,46 @@
+"""The model manager's view of the disk cache and the store (``ModelSource`` over ``DiskCache``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from agent.config import Settings
+
+
+class CacheSource:
+    """Pull through ``DiskCache`` from the configured store; pins keep loaded models cached."""
+
+    def __init__(self, cache: Any, store: Any) -> None:
+        self.cache = cache
+        self.store = store
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "CacheSource":
+        from cache import DiskCache, open_store
+
+        store = open_store(settings.store.url, settings.store.endpoint_url or None, settings.store.region,
+                           settings.store.path_style)
+        return cls(DiskCache(settings.cache.dir, settings.cache.max_bytes), store)
+
+    def snapshot(self, name: str) -> Path | None:
+        return self.cache.snapshot_path(name)
+
+    def cached_names(self) -> list[str]:
+        return self.cache.model_names()
+
+    async def pull(self, name: str) -> Path:
+        return await self.cache.pull(self.store, name)
+
+    def pin(self, name: str) -> None:
+        self.cache.pin(name)
+
+    def unpin(self, name: str) -> None:
+        self.cache.unpin(name)
+
+    def stats(self) -> dict[str, int]:
+        s = self.cache.stats()
+        return {"max_bytes": int(s["max_bytes"]), "used_bytes": int(s["used_bytes"])}
+
+    def close(self) -> None:
+        self.store.close()

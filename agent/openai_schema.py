@@ -1,0 +1,182 @@
+"""Request bodies of the OpenAI-compatible API, with a bound on every field.
+
+Validation errors become 400s in OpenAI's error shape with ``param`` naming the field
+(:func:`first_error`). Bounds that depend on the model (prompt plus ``max_tokens`` against the
+context length) are checked after tokenization, in ``openai_api``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+
+MAX_N = 8
+MAX_LOGPROBS = 20
+MAX_STOP = 8
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 1024
+MAX_MESSAGE_CHARS = 1_000_000
+MAX_CONTENT_PARTS = 64
+MAX_PROMPT_CHARS = 4_000_000
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_TOKENS = 1 << 20
+MAX_JSON_DEPTH = 32
+SEED_MAX = (1 << 63) - 1
+
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by both endpoints."""
+
+    model: ModelName
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, le=1 << 20)  # -1 and 0 both mean off (vLLM uses -1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: StopString | list[StopString] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=0)
+    user: str | None = Field(None, max_length=256)
+
+    @field_validator("stop")
+    @classmethod
+    def _bound_stop(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("penalties are not supported; send 0 or leave it out")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Annotated[str, StringConstraints(max_length=MAX_PROMPT_CHARS)] | list[Any]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = Field(None, max_length=0)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> str | list[int]:
+        """A string or a list of token ids; a batch of one is unwrapped, larger batches refused."""
+        if isinstance(v, str):
+            return v
+        if len(v) == 1 and isinstance(v[0], (str, list)):
+            return cls._one_prompt(v[0])
+        if not v:
+            raise ValueError("the prompt is empty")
+        if len(v) > MAX_PROMPT_TOKENS:
+            raise ValueError(f"at most {MAX_PROMPT_TOKENS} prompt tokens")
+        if all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < (1 << 31) for t in v):
+            return v
+        if all(isinstance(t, (str, list)) for t in v):
+            raise ValueError("send one prompt per request (use n for several completions)")
+        raise ValueError("must be a string or a list of token ids (integers >= 0)")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: Annotated[str, StringConstraints(max_length=MAX_MESSAGE_CHARS)]
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, StringConstraints(max_length=MAX_MESSAGE_CHARS)] | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=64)
+
+    @field_validator("content")
+    @classmethod
+    def _bound_parts(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > MAX_CONTENT_PARTS:
+            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts")
+        return v
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+def first_error(err: ValidationError) -> tuple[str, str]:
+    """(param, message) of the first validation error, in words a client can act on."""
+    e = err.errors()[0]
+    loc = [str(p) for p in e["loc"] if not str(p).startswith(("function-", "constrained-"))]
+    # Pydantic names union branches in loc ("str", "list[...]"); they mean nothing to a client.
+    loc = [p for p in loc if not (p in ("str", "int", "float", "bool", "list") or p.startswith(("list[", "dict[", "tagged-union")))]
+    param = ".".join(loc) if loc else None
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        msg = "unknown or unsupported parameter"
+    return param or "body", f"{param}: {msg}" if param else msg
+
+
+def json_depth_ok(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether parsed JSON nests at most ``limit`` levels (iterative: no recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            if depth > limit:
+                return False
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            if depth > limit:
+                return False
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
+    return True
