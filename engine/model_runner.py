@@ -1,0 +1,173 @@
+"""SchedulerOutput → tensors → model → logits → sampled ids. The only place objects become tensors.
+
+One step: the flat inputs (token ids, positions, slot mapping) and the attention metadata
+(query_start_loc, seq_lens, block_tables) are built on the host as plain lists, copied once
+into persistent device buffers sized for the largest step, and the model runs on views of
+those buffers. The hidden rows of the last token of each sequence that samples this step go
+through the LM head and the sampler; copying the chosen ids back (plus the requested
+logprobs) is the step's only host sync.
+
+Persistent buffers are what decode CUDA graphs need: a graph captured for a batch bucket
+reads the same addresses every replay. Decode steps (every sequence one token) are flagged
+in :meth:`ModelRunner.prepare` so a graph path can take them; the eager path serves the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import kernels
+from engine.kv_cache import KVCache
+from engine.models.llama import AttentionMetadata, LlamaModel
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class PreparedStep:
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # [S] rows of the hidden states to sample from
+    sample_entries: list[int]  # index into SchedulerOutput.seqs for each sampled row
+    is_decode_only: bool
+
+
+@dataclass
+class StepResult:
+    token_ids: list[int]  # one per scheduled entry with ``sample`` set, in order
+    logprobs: list[dict | None]  # aligned with token_ids; None where not requested
+
+
+class ModelRunner:
+    """Runs one model's steps over its KV cache."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+        self.block_size = kv.block_size
+        self.max_tokens = max_num_batched_tokens
+        self.max_seqs = max_num_seqs
+        self.max_pages = -(-max_model_len // self.block_size)
+        dev = self.device
+        i32, i64 = torch.int32, torch.int64
+        self._input_ids = torch.zeros(self.max_tokens, dtype=i64, device=dev)
+        self._positions = torch.zeros(self.max_tokens, dtype=i64, device=dev)
+        self._slots = torch.full((self.max_tokens,), -1, dtype=i64, device=dev)
+        self._qsl = torch.zeros(self.max_seqs + 1, dtype=i32, device=dev)
+        self._seq_lens = torch.zeros(self.max_seqs, dtype=i32, device=dev)
+        self._block_tables = torch.zeros(self.max_seqs, self.max_pages, dtype=i32, device=dev)
+        self._rows = torch.zeros(self.max_seqs, dtype=i64, device=dev)
+        self._pin = dev.type == "cuda"
+
+    def _to_device(self, dst: torch.Tensor, values: list, dtype: torch.dtype) -> torch.Tensor:
+        src = torch.tensor(values, dtype=dtype)
+        if self._pin:
+            src = src.pin_memory()
+        # A contiguous prefix of the flat buffer, whatever the step's shape.
+        view = dst.view(-1)[: src.numel()].view(src.shape)
+        view.copy_(src, non_blocking=self._pin)
+        return view
+
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        rows: list[int] = []
+        entries: list[int] = []
+        max_q = max_seq = max_pages = 0
+        for i, s in enumerate(out.seqs):
+            n = s.num_tokens
+            ids.extend(s.token_ids)
+            table = s.block_table
+            for p in range(s.start_pos, s.start_pos + n):
+                slots.append(table[p // bs] * bs + p % bs)
+            pos.extend(range(s.start_pos, s.start_pos + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(s.seq_len)
+            max_q, max_seq = max(max_q, n), max(max_seq, s.seq_len)
+            max_pages = max(max_pages, -(-s.seq_len // bs))
+            if s.sample:
+                rows.append(qsl[-1] - 1)
+                entries.append(i)
+        if len(ids) > self.max_tokens or len(out.seqs) > self.max_seqs or max_pages > self.max_pages:
+            raise ValueError("step larger than the runner's buffers (scheduler limits disagree with the runner)")
+        tables = [list(s.block_table[:max_pages]) + [0] * (max_pages - min(len(s.block_table), max_pages))
+                  for s in out.seqs]
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(self._slots, slots, torch.int64),
+            query_start_loc=self._to_device(self._qsl, qsl, torch.int32),
+            seq_lens=self._to_device(self._seq_lens, seq_lens, torch.int32),
+            block_tables=self._to_device(self._block_tables, tables, torch.int32),
+            max_query_len=max_q,
+            max_seq_len=max_seq,
+        )
+        return PreparedStep(
+            input_ids=self._to_device(self._input_ids, ids, torch.int64),
+            positions=self._to_device(self._positions, pos, torch.int64),
+            meta=meta,
+            logits_rows=self._to_device(self._rows, rows, torch.int64),
+            sample_entries=entries,
+            is_decode_only=out.num_decodes == len(out.seqs),
+        )
+
+    @torch.inference_mode()
+    def forward_logits(self, step: PreparedStep) -> torch.Tensor:
+        """[S, vocab] float32 logits of the sampled rows."""
+        hidden = self.model(step.input_ids, step.positions, self.kv, step.meta)
+        return self.model.compute_logits(hidden.index_select(0, step.logits_rows))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        if not out.seqs:
+            return StepResult([], [])
+        step = self.prepare(out)
+        logits = self.forward_logits(step)
+        if not step.sample_entries:
+            return StepResult([], [])
+        params = [out.seqs[i].params for i in step.sample_entries]
+        if all(p.temperature == 0 for p in params):
+            ids = logits.argmax(dim=-1)  # greedy batch: skip the sampler's sort
+        else:
+            dev = logits.device
+            ids = kernels.sample(
+                logits,
+                torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev, non_blocking=True),
+                torch.tensor([p.top_k for p in params], dtype=torch.int32).to(dev, non_blocking=True),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32).to(dev, non_blocking=True),
+                torch.tensor([p.seed or 0 for p in params], dtype=torch.int64).to(dev, non_blocking=True),
+                torch.tensor([out.seqs[i].output_step for i in step.sample_entries],
+                             dtype=torch.int64).to(dev, non_blocking=True),
+            )
+        want_lp = [p.logprobs for p in params]
+        if not any(n is not None for n in want_lp):
+            return StepResult(ids.tolist(), [None] * len(params))
+        return self._with_logprobs(logits, ids, want_lp)
+
+    def _with_logprobs(self, logits: torch.Tensor, ids: torch.Tensor, want: list[int | None]) -> StepResult:
+        """Logprobs of the raw model distribution (before temperature and filters)."""
+        lp = torch.log_softmax(logits, dim=-1)
+        k = max(n or 0 for n in want)
+        chosen = lp.gather(1, ids[:, None])[:, 0]
+        top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], ids[:, None][:, :0])
+        # One transfer for everything the host needs from this step.
+        host = torch.cat([ids[:, None].to(torch.float64), chosen[:, None].double(), top_ids.double(), top_lp.double()], 1).cpu()
+        token_ids: list[int] = []
+        out: list[dict | None] = []
+        for r, n in enumerate(want):
+            row = host[r].tolist()
+            tid = int(row[0])
+            token_ids.append(tid)
+            if n is None:
+                out.append(None)
+                continue
+            tops = [{"token_id": int(row[2 + j]), "logprob": row[2 + k + j]} for j in range(n)]
+            out.append({"token_id": tid, "logprob": row[1], "top_logprobs": tops})
+        return StepResult(token_ids, out)

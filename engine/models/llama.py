@@ -1,0 +1,177 @@
+"""One decoder for Llama 3.x, Mistral, Qwen2 and Qwen3, over the paged KV cache.
+
+Inputs are flat: N new tokens of B sequences, one after the other, with their positions and
+the attention metadata of docs/architecture.md. The model knows nothing of pages except
+through :func:`paged_attention_step`, which writes the new K/V into the cache and attends over
+it. Weights are fused where the matmuls allow: one QKV projection (with Qwen2's bias) and one
+gate-up projection; the loader fills their row ranges in place (:meth:`LlamaModel.weight_slots`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine import kernels
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch layout (tensors on the model's device; the two maxima are host ints)."""
+
+    slot_mapping: torch.Tensor  # [N] int64, -1 = padding
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32, context length after this step
+    block_tables: torch.Tensor  # [B, max_pages] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+def paged_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend q over cached + new tokens."""
+    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                   meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        self.cfg = cfg
+        self.input_norm = _empty(h, dtype=dtype, device=device)
+        self.qkv_w = _empty(q + 2 * kv, h, dtype=dtype, device=device)
+        self.qkv_b = _empty(q + 2 * kv, dtype=dtype, device=device) if cfg.qkv_bias else None
+        self.q_norm = _empty(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.k_norm = _empty(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.o_w = _empty(h, q, dtype=dtype, device=device)
+        self.o_b = _empty(h, dtype=dtype, device=device) if cfg.o_bias else None
+        self.post_norm = _empty(h, dtype=dtype, device=device)
+        self.gate_up_w = _empty(2 * inter, h, dtype=dtype, device=device)
+        self.gate_up_b = _empty(2 * inter, dtype=dtype, device=device) if cfg.mlp_bias else None
+        self.down_w = _empty(h, inter, dtype=dtype, device=device)
+        self.down_b = _empty(h, dtype=dtype, device=device) if cfg.mlp_bias else None
+        self.scale = cfg.head_dim ** -0.5
+
+    def attention(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        n = x.shape[0]
+        qkv = nn.functional.linear(x, self.qkv_w, self.qkv_b)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(n, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            # Qwen3 normalises each head's vector before rotating it.
+            q = kernels.rms_norm(q.reshape(-1, cfg.head_dim), self.q_norm, cfg.rms_norm_eps).view_as(q)
+            k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, cfg.rms_norm_eps).view_as(k)
+        else:
+            # split() views share qkv's row stride; rope rotates in place and wants its own rows.
+            q, k = q.contiguous(), k.contiguous()
+        q, k = kernels.apply_rope(q, k, positions, cos_sin)
+        out = paged_attention_step(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+        return nn.functional.linear(out.reshape(n, cfg.q_size), self.o_w, self.o_b)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gu = nn.functional.linear(x, self.gate_up_w, self.gate_up_b)
+        return nn.functional.linear(kernels.silu_and_mul(gu), self.down_w, self.down_b)
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack and LM head; parameters are allocated empty and filled by the loader."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.embed = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = _empty(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.cos_sin: torch.Tensor | None = None
+
+    def build_rope_cache(self, max_position: int) -> None:
+        """cos/sin rows for positions < max_position (float32: rope is precision-sensitive)."""
+        self.cos_sin = kernels.build_cos_sin_cache(self.cfg.head_dim, max_position, self.cfg.rope_theta,
+                                                   self.cfg.rope_scaling, self.device, torch.float32)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [N, hidden] after the final norm, for every new token."""
+        if self.cos_sin is None:
+            raise RuntimeError("build_rope_cache() must run before forward()")
+        eps = self.cfg.rms_norm_eps
+        residual = nn.functional.embedding(input_ids, self.embed)
+        h = kernels.rms_norm(residual, self.layers[0].input_norm, eps)
+        mlp_out = None
+        for i, layer in enumerate(self.layers):
+            if mlp_out is not None:
+                h, residual = kernels.fused_add_rms_norm(mlp_out, residual, layer.input_norm, eps)
+            attn_out = layer.attention(h, positions, kv.k(i), kv.v(i), meta, self.cos_sin)
+            h, residual = kernels.fused_add_rms_norm(attn_out, residual, layer.post_norm, eps)
+            mlp_out = layer.mlp(h)
+        h, _ = kernels.fused_add_rms_norm(mlp_out, residual, self.norm, eps)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, vocab] float32 logits of the given hidden rows."""
+        return nn.functional.linear(hidden, self.lm_head).float()
+
+    def weight_slots(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """Checkpoint tensor name (HF naming) → (destination, first row, row count).
+
+        Fused weights appear once per part: q/k/v go to row ranges of ``qkv_w``, gate/up to
+        halves of ``gate_up_w``. A tied LM head has no slot of its own.
+        """
+        cfg = self.cfg
+        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        slots: dict[str, tuple[torch.Tensor, int, int]] = {"model.embed_tokens.weight": (self.embed, 0, cfg.vocab_size),
+                                                           "model.norm.weight": (self.norm, 0, cfg.hidden_size)}
+        if not cfg.tie_word_embeddings:
+            slots["lm_head.weight"] = (self.lm_head, 0, cfg.vocab_size)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            slots[p + "input_layernorm.weight"] = (layer.input_norm, 0, cfg.hidden_size)
+            slots[p + "post_attention_layernorm.weight"] = (layer.post_norm, 0, cfg.hidden_size)
+            for part, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                slots[a + f"{part}_proj.weight"] = (layer.qkv_w, start, rows)
+                if layer.qkv_b is not None:
+                    slots[a + f"{part}_proj.bias"] = (layer.qkv_b, start, rows)
+            slots[a + "o_proj.weight"] = (layer.o_w, 0, cfg.hidden_size)
+            if layer.o_b is not None:
+                slots[a + "o_proj.bias"] = (layer.o_b, 0, cfg.hidden_size)
+            if layer.q_norm is not None:
+                slots[a + "q_norm.weight"] = (layer.q_norm, 0, cfg.head_dim)
+                slots[a + "k_norm.weight"] = (layer.k_norm, 0, cfg.head_dim)
+            slots[m + "gate_proj.weight"] = (layer.gate_up_w, 0, inter)
+            slots[m + "up_proj.weight"] = (layer.gate_up_w, inter, inter)
+            if layer.gate_up_b is not None:
+                slots[m + "gate_proj.bias"] = (layer.gate_up_b, 0, inter)
+                slots[m + "up_proj.bias"] = (layer.gate_up_b, inter, inter)
+            slots[m + "down_proj.weight"] = (layer.down_w, 0, cfg.hidden_size)
+            if layer.down_b is not None:
+                slots[m + "down_proj.bias"] = (layer.down_b, 0, cfg.hidden_size)
+        return slots
+
+    @property
+    def nbytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
