@@ -1,7 +1,7 @@
 """Engine logprobs → OpenAI's two logprobs shapes (chat and legacy completions).
 
-The engine sends, per generated token, ``[chosen_logprob, [[token_id, logprob], ...]]`` with the
-top entries best first (``RequestOutput.logprobs`` as the worker packs it). Only token ids cross
+The engine sends, per generated token, ``{"token_id", "logprob", "top_logprobs": [{"token_id",
+"logprob"}, ...]}`` with the top entries best first (``RequestOutput.logprobs``). Only token ids cross
 the IPC; the text of each token is decoded here.
 """
 
@@ -11,10 +11,9 @@ from typing import Any
 
 
 def _entry(raw: Any) -> tuple[float, list[tuple[int, float]]]:
-    if isinstance(raw, (list, tuple)) and len(raw) == 2 and isinstance(raw[1], (list, tuple)):
-        return float(raw[0]), [(int(t), float(lp)) for t, lp in raw[1]]
-    if isinstance(raw, (int, float)):
-        return float(raw), []
+    if isinstance(raw, dict):
+        tops = raw.get("top_logprobs") or []
+        return float(raw["logprob"]), [(int(t["token_id"]), float(t["logprob"])) for t in tops]
     raise ValueError(f"unexpected logprobs entry {raw!r}")
 
 

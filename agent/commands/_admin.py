@@ -1,0 +1,75 @@
+"""Shared bits of the admin CLI commands: settings → client, human formatting, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (default: $INFIRE_CONFIG)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the agent")
+
+
+def client(args: argparse.Namespace) -> Any:
+    """An AdminClient from the settings, or None (message printed) when the config is bad."""
+    from agent.admin_client import AdminClient
+    from agent.config import ConfigError, load_settings
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return None
+    return AdminClient.from_settings(settings, timeout=args.timeout)
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{n} B"
+
+
+def human_duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def ago(wall: float | None) -> str:
+    return "never" if wall is None else human_duration(max(0.0, time.time() - wall)) + " ago"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def model_rows(models: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for m in models:
+        kv = m.get("kv_pages") or {}
+        state = m["state"] + (f" ({m['reason']})" if m.get("reason") and m["state"] == "failed" else "")
+        rows.append([m["name"], state, human_bytes(m.get("device_bytes")),
+                     f"{kv.get('used', 0)}/{kv.get('total', 0)}", str(m.get("in_flight", 0)), ago(m.get("last_used"))])
+    return rows
+
+
+MODEL_HEADERS = ["MODEL", "STATE", "GPU", "KV PAGES", "IN-FLIGHT", "LAST USE"]
