@@ -49,7 +49,8 @@ def translate(e: Exception, what: str) -> StoreError:
             return NotFoundError(msg, status=404)
         if status == 412 or code == "PreconditionFailed":
             return ETagChangedError(msg, status=412, retryable=False)
-        retryable = status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES
+        client_fault = status is not None and 400 <= status < 500 and status not in _RETRYABLE_STATUS
+        retryable = status in _RETRYABLE_STATUS or (code in _RETRYABLE_CODES and not client_fault)
         return StoreError(msg, retryable=retryable, retry_after=_retry_after(meta.get("HTTPHeaders", {})),
                           status=status)
     if isinstance(e, (botocore.exceptions.NoCredentialsError, botocore.exceptions.ParamValidationError)):

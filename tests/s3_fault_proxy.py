@@ -111,7 +111,7 @@ class FaultProxy:
                                               connector=aiohttp.TCPConnector(limit=0, force_close=False))
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -138,7 +138,7 @@ class FaultProxy:
             await asyncio.to_thread(fault.hook)
         if kind == "status":
             self._record(request, fault.status)
-            code = {503: "SlowDown", 429: "TooManyRequests"}.get(fault.status, "InternalError")
+            code = {503: "SlowDown", 429: "TooManyRequests", 403: "AccessDenied"}.get(fault.status, "InternalError")
             body = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>injected</Message></Error>"
             return web.Response(status=fault.status, text=body, content_type="application/xml",
                                 headers=fault.headers)
@@ -149,12 +149,13 @@ class FaultProxy:
         async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
                                          data=data if data else None, allow_redirects=False) as up:
             out = {k: v for k, v in up.headers.items() if k.lower() not in _DROP_RESP}
-            if kind == "wrong_range" and "Content-Range" in out:
-                a, rest = out["Content-Range"].removeprefix("bytes ").split("-", 1)
+            names = {k.lower(): k for k in out}
+            if kind == "wrong_range" and "content-range" in names:
+                a, rest = out[names["content-range"]].removeprefix("bytes ").split("-", 1)
                 b, total = rest.split("/")
-                out["Content-Range"] = f"bytes {int(a) + 1}-{int(b) + 1}/{total}"
-            if kind == "etag" and "ETag" in out:
-                out["ETag"] = '"0123456789abcdef0123456789abcdef"'
+                out[names["content-range"]] = f"bytes {int(a) + 1}-{int(b) + 1}/{total}"
+            if kind == "etag" and "etag" in names:
+                out[names["etag"]] = '"0123456789abcdef0123456789abcdef"'
             resp = web.StreamResponse(status=up.status, headers=out)
             self._record(request, up.status)
             await resp.prepare(request)
