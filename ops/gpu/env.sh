@@ -1,0 +1,10 @@
+# Source at the top of every command on the GPU machine (no registry there):
+#   . ops/gpu/env.sh
+# Installs the carried wheels (.whl/, made here by ../shared/gpu/fetch-wheels.sh) into
+# /tmp/site, puts the repo on PYTHONPATH, and keeps Triton's compile cache in the run's folder.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed" >&2
+export PYTHONPATH=/tmp/site:$PWD
+export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
