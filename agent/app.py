@@ -71,7 +71,9 @@ def worker_options(settings: Settings) -> dict[str, Any]:
     if g.device == "cpu" and budget is None:
         budget = g.cpu_memory_budget
     return {"device": g.device, "max_num_batched_tokens": e.max_num_batched_tokens,
-            "memory_budget_bytes": budget, "sandbox": e.sandbox}
+            "memory_budget_bytes": budget, "sandbox": e.sandbox,
+            "sandbox_options": {"cache_dir": str(settings.cache.dir), "runtime_dir": str(settings.server.runtime_dir),
+                                "parent_pid": os.getpid()}}
 
 
 # --- lifecycle contexts, in start order ------------------------------------------------------

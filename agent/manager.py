@@ -343,6 +343,7 @@ class ModelManager:
             "name": e.name, "state": e.state.value, "reason": e.reason or None,
             "device_bytes": int(stats.get("device_bytes", e.info.get("device_bytes", 0)) or 0),
             "kv_pages": {"used": int(stats.get("kv_pages_used", 0)), "total": int(stats.get("kv_pages_total", e.info.get("kv_pages", 0)) or 0)},
+            "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
             "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
             "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len)),
             "preload": e.settings.preload, "queue_limit": e.queue_limit,

@@ -254,10 +254,12 @@ def _confine(options: dict[str, Any]) -> str:
         from sandbox import launch
     except ImportError:
         return "sandbox module unavailable"
-    fn = getattr(launch, "confine_worker", None) or getattr(launch, "confine", None)
+    fn = getattr(launch, "confine_worker", None)
     if fn is None:
-        return "sandbox.launch has no confine function"
-    fn(**options.get("sandbox_options", {}))
+        return "sandbox.launch has no confine_worker"
+    report = fn(**options.get("sandbox_options", {}))
+    to_dict = getattr(report, "to_dict", None)
+    print(f"engine.worker: sandbox: {json.dumps(to_dict() if to_dict else str(report), default=str)}", file=sys.stderr)
     return ""
 
 

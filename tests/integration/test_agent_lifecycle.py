@@ -1,0 +1,139 @@
+"""Daemon lifecycle: worker death mid-stream, SIGTERM drain, sd_notify, with a real daemon (CPU)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.integration.agent_harness import Daemon, publish_tiny
+
+MODEL = "tiny"
+CTX = 256
+
+
+def _open_stream(d: Daemon, max_tokens: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    return conn, resp
+
+
+def _events(resp: http.client.HTTPResponse) -> list[str]:
+    """Every SSE data payload until the server ends the response."""
+    out = []
+    for line in resp.fp:
+        if line.startswith(b"data: "):
+            out.append(line[6:].decode().strip())
+    return out
+
+
+def test_worker_sigkill_mid_stream_then_recovers(make_tiny_model, tmp_path) -> None:
+    url = publish_tiny(make_tiny_model, tmp_path / "store", MODEL)
+    d = Daemon(tmp_path, store_url=url, models=[{"name": MODEL, "preload": True, "max_model_len": CTX}]).start(timeout=120)
+    try:
+        pid = d.status()["worker"]["pid"]
+        conn, resp = _open_stream(d, CTX - 16)
+        first = resp.fp.readline()
+        assert first.startswith(b"data: ")
+        os.kill(pid, signal.SIGKILL)
+        events = _events(resp)
+        conn.close()
+        assert events and "[DONE]" not in events
+        err = json.loads(events[-1])["error"]
+        assert err["code"] == "worker_died" and "signal 9" in err["message"]
+        # Not ready while the worker is gone or the model reloads; ready again afterwards.
+        d.wait_for("/readyz", 503, timeout=10)
+        d.wait_for("/readyz", 200, timeout=90)
+        st = d.status()
+        assert st["worker"]["pid"] != pid and st["worker"]["restarts"] == 1
+        assert next(m for m in st["models"] if m["name"] == MODEL)["state"] == "ready"
+        code, body = d.post("/v1/completions", {"model": MODEL, "prompt": "again", "max_tokens": 3,
+                                                "temperature": 0, "ignore_eos": True})
+        assert code == 200 and body["usage"]["completion_tokens"] == 3
+        _, metrics = d.get("/metrics")
+        assert "infire_worker_restarts_total 1.0" in metrics
+    finally:
+        d.stop()
+
+
+class _NotifyListener:
+    """A datagram socket standing in for systemd's NOTIFY_SOCKET."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except (TimeoutError, socket.timeout):
+                continue
+
+    def keys(self) -> list[str]:
+        return [line.split("=", 1)[0] + ("=1" if line.startswith(("READY=1", "STOPPING=1", "WATCHDOG=1")) else "")
+                for m in list(self.messages) for line in m.splitlines() if not line.startswith("STATUS=")]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join()
+        self.sock.close()
+
+
+def test_sigterm_drains_and_sd_notify_order(make_tiny_model, tmp_path) -> None:
+    url = publish_tiny(make_tiny_model, tmp_path / "store", MODEL)
+    listener = _NotifyListener(str(tmp_path / "notify.sock"))
+    d = Daemon(tmp_path, store_url=url, models=[{"name": MODEL, "preload": True, "max_model_len": CTX}],
+               env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "1000000"})
+    try:
+        d.start(timeout=120)
+        time.sleep(1.2)  # at least one watchdog period after READY
+        conn, resp = _open_stream(d, 48)
+        assert resp.fp.readline().startswith(b"data: ")
+        d.proc.send_signal(signal.SIGTERM)
+        events = _events(resp)  # the in-flight stream is allowed to finish
+        conn.close()
+        assert events[-1] == "[DONE]"
+        usage_free = [json.loads(e) for e in events[:-1]]
+        finish = [c["choices"][0]["finish_reason"] for c in usage_free if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert finish == ["length"]
+        assert d.proc.wait(30) == 0
+    finally:
+        d.stop()
+        listener.close()
+    keys = listener.keys()
+    assert "READY=1" in keys and "STOPPING=1" in keys, keys
+    ready, stopping = keys.index("READY=1"), keys.index("STOPPING=1")
+    assert ready < stopping and keys.count("READY=1") == 1
+    assert "EXTEND_TIMEOUT_USEC" in keys[:ready]  # the worker start and model load took a while
+    assert "WATCHDOG=1" in keys[ready:stopping]
+    statuses = [line for m in listener.messages for line in m.splitlines() if line.startswith("STATUS=")]
+    assert any(f"{MODEL} ready" in s for s in statuses), statuses
+
+
+def test_engine_less_worker_supervision_via_daemon(tmp_path) -> None:
+    """Without an engine the daemon still serves probes and restarts a killed worker."""
+    d = Daemon(tmp_path, engine="none").start(ready=True, timeout=60)
+    try:
+        pid = d.status()["worker"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        d.wait_for("/livez", 503, timeout=10)
+        d.wait_for("/readyz", 200, timeout=30)
+        assert d.status()["worker"]["pid"] != pid
+    finally:
+        assert d.stop() == 0
