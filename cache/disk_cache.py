@@ -223,6 +223,8 @@ class DiskCache:
         except asyncio.CancelledError:
             if waiters[0] == 1 and not task.done():
                 task.cancel()
+                # Return only once the download threads have stopped and the locks are free.
+                await asyncio.wait([task])
             raise
         finally:
             waiters[0] -= 1

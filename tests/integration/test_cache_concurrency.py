@@ -1,0 +1,102 @@
+"""Single flight: concurrent pulls of one model fetch each byte once (coroutines and processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import filecmp
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cache import DiskCache
+from cache.publish import publish_model
+from tests.s3_fault_proxy import (Fault, bucket, fast_download, make_model, moto_endpoint, proxy,  # noqa: F401
+                                  s3_store)
+
+REPO = Path(__file__).resolve().parents[2]
+PULLER = """
+import asyncio, sys
+from cache import DiskCache
+from tests.s3_fault_proxy import fast_download, s3_store
+store = s3_store(sys.argv[1], sys.argv[2])
+print(asyncio.run(DiskCache(sys.argv[3], 1 << 30, download=fast_download()).pull(store, "m")))
+"""
+
+
+@pytest.fixture
+def published(tmp_path, proxy, bucket):
+    src = make_model(tmp_path / "src", data_bytes=1 << 20)
+    store = s3_store(proxy.url, bucket)
+    m = publish_model(store, src, "m")
+    proxy.clear()
+    yield src, store, m
+    store.close()
+
+
+async def test_coroutines_share_one_pull(tmp_path, proxy, published):
+    src, store, m = published
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    paths = await asyncio.gather(*(cache.pull(store, "m") for _ in range(5)))
+    assert len(set(paths)) == 1
+    assert proxy.total_blob_bytes() == m.total_size
+    manifests = [x for x in proxy.log if x[1].endswith("manifest.json")]
+    assert len(manifests) == 1  # one pull ran; the others waited on it
+
+
+async def test_two_cache_objects_on_one_dir_use_the_file_locks(tmp_path, proxy, published):
+    src, store, m = published
+    # Slow the first blob so the second pull arrives while the first holds the model lock.
+    proxy.add(Fault("hook", hook=lambda: time.sleep(0.3), match="/blobs/"))
+    a = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    b = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    pa, pb = await asyncio.gather(a.pull(store, "m"), b.pull(store, "m"))
+    assert pa == pb
+    assert proxy.total_blob_bytes() == m.total_size
+
+
+async def test_cancelled_waiter_does_not_cancel_the_others(tmp_path, proxy, published):
+    src, store, m = published
+    proxy.add(Fault("hook", hook=lambda: time.sleep(0.3), match="/blobs/"))
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    first = asyncio.create_task(cache.pull(store, "m"))
+    second = asyncio.create_task(cache.pull(store, "m"))
+    await asyncio.sleep(0.1)
+    first.cancel()
+    path = await second
+    assert filecmp.cmp(src / "model.safetensors", path / "model.safetensors", shallow=False)
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+
+async def test_cancelling_the_only_waiter_stops_the_pull(tmp_path, proxy, published):
+    src, store, m = published
+    proxy.add(Fault("hook", hook=lambda: time.sleep(0.2), match="/blobs/", times=1000))
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    task = asyncio.create_task(cache.pull(store, "m"))
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cache.snapshot_path("m") is None and not cache._inflight
+    sent = proxy.total_blob_bytes()
+    await asyncio.sleep(0.5)
+    assert proxy.total_blob_bytes() == sent  # no thread kept downloading after the cancel
+
+
+async def test_two_processes_download_each_byte_once(tmp_path, proxy, published, bucket):
+    src, store, m = published
+    proxy.add(Fault("hook", hook=lambda: time.sleep(0.5), match="/blobs/"))
+    cache_dir = tmp_path / "cache"
+    procs = [subprocess.Popen([sys.executable, "-c", PULLER, proxy.url, bucket, str(cache_dir)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = []
+    for p in procs:
+        out, err = await asyncio.to_thread(p.communicate, timeout=60)
+        assert p.returncode == 0, err.decode()[-2000:]
+        outs.append(out.decode().strip().splitlines()[-1])  # log lines come first
+    assert outs[0] == outs[1] == str(cache_dir / "models" / "m" / "snapshot")
+    assert proxy.total_blob_bytes() == m.total_size
+    assert filecmp.cmp(src / "model.safetensors", Path(outs[0]) / "model.safetensors", shallow=False)
