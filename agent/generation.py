@@ -49,14 +49,16 @@ class Choice:
         self.token_ids.extend(ids)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
-        new_text = self.detok.push(ids) if ids else ""
-        emit, stopped = self.matcher.push(new_text) if self.matcher is not None else (new_text, False)
         finish = out.finish_reason
-        if stopped:
-            finish = "stop"
-        elif finish == "abort":
+        if finish == "abort":
             # Not ours (ours are dropped before they arrive): the model was unloaded under it.
             raise WorkerError("the request was aborted in the engine (the model was unloaded)", "aborted")
+        new_text = self.detok.push(ids) if ids else ""
+        if finish is not None:
+            new_text += self.detok.flush()
+        emit, stopped = self.matcher.push(new_text) if self.matcher is not None else (new_text, False)
+        if stopped:
+            finish = "stop"
         elif finish is not None and self.matcher is not None:
             emit += self.matcher.flush()  # nothing more can complete a stop string
         self.finish_reason = finish
@@ -89,7 +91,9 @@ class Generation:
         for i, sampling in enumerate(samplings):
             req_id = f"{self.base_id}-{i}"
             matcher = self._make_matcher(self.stops) if self.stops else None
-            self.choices[req_id] = Choice(i, req_id, self._make_detok(self.tokenizer), matcher)
+            # The prompt's tail gives non-byte-level detokenizers their leading-space context.
+            detok = self._make_detok(self.tokenizer, context_ids=prompt_token_ids[-8:])
+            self.choices[req_id] = Choice(i, req_id, detok, matcher)
             self._requests.append(self.worker.add(req_id, self.model, prompt_token_ids, sampling, queue=self.queue))
 
     @property

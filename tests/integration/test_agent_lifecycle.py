@@ -31,7 +31,7 @@ def _open_stream(d: Daemon, max_tokens: int) -> tuple[http.client.HTTPConnection
 def _events(resp: http.client.HTTPResponse) -> list[str]:
     """Every SSE data payload until the server ends the response."""
     out = []
-    for line in resp.fp:
+    for line in resp:
         if line.startswith(b"data: "):
             out.append(line[6:].decode().strip())
     return out
@@ -43,7 +43,7 @@ def test_worker_sigkill_mid_stream_then_recovers(make_tiny_model, tmp_path) -> N
     try:
         pid = d.status()["worker"]["pid"]
         conn, resp = _open_stream(d, CTX - 16)
-        first = resp.fp.readline()
+        first = resp.readline()
         assert first.startswith(b"data: ")
         os.kill(pid, signal.SIGKILL)
         events = _events(resp)
@@ -104,7 +104,7 @@ def test_sigterm_drains_and_sd_notify_order(make_tiny_model, tmp_path) -> None:
         d.start(timeout=120)
         time.sleep(1.2)  # at least one watchdog period after READY
         conn, resp = _open_stream(d, 48)
-        assert resp.fp.readline().startswith(b"data: ")
+        assert resp.readline().startswith(b"data: ")
         d.proc.send_signal(signal.SIGTERM)
         events = _events(resp)  # the in-flight stream is allowed to finish
         conn.close()

@@ -177,7 +177,7 @@ def test_disconnect_mid_stream_frees_the_request(daemon) -> None:
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
-    assert resp.fp.readline().startswith(b"data: ")
+    assert resp.readline().startswith(b"data: ")
     assert daemon.engine_stats(MODEL)["in_flight"] == 1
     conn.sock.shutdown(2)
     conn.close()
