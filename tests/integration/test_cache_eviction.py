@@ -1,0 +1,184 @@
+"""Quota, LRU eviction with pins, stale partials, scan, and a full disk (tmpfs or an ENOSPC quota)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from cache import CacheError, CacheFullError, DiskCache, FileStore
+from cache.publish import publish_model
+from tests.s3_fault_proxy import fast_download, make_model, tree_files
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = FileStore(tmp_path / "store")
+    sizes = {}
+    for i, name in enumerate("abcde"):
+        m = publish_model(s, make_model(tmp_path / f"src-{name}", data_bytes=MIB, seed=i), name)
+        sizes[name] = m.total_size
+    s.sizes = sizes
+    return s
+
+
+def _cache(tmp_path, max_bytes, **kw) -> DiskCache:
+    return DiskCache(tmp_path / "cache", max_bytes, download=fast_download(part_size=256 << 10), **kw)
+
+
+async def test_lru_eviction_keeps_pinned_and_recent(tmp_path, store):
+    one = store.sizes["a"]
+    cache = _cache(tmp_path, int(one * 4), high_watermark=0.95, low_watermark=0.85)
+    for name in "abc":
+        await cache.pull(store, name)
+        time.sleep(0.02)
+    cache.pin("b")  # b is the least recently pulled, but loaded
+    time.sleep(0.02)
+    cache.touch("a")
+    await cache.pull(store, "d")  # 4 models > 95 %: evict down to 85 %, i.e. one model
+    assert [m["name"] for m in cache.stats()["models"]] == ["a", "b", "d"]
+    assert cache.snapshot_path("c") is None
+    blobs = set(os.listdir(tmp_path / "cache/blobs/sha256"))
+    assert blobs == {f.sha256 for n in "abd" for f in cache.manifest(n).files}  # c's blobs went too
+    st = cache.stats()
+    assert st["used_bytes"] == sum(store.sizes[n] for n in "abd") and st["max_bytes"] == int(one * 4)
+    assert next(m for m in st["models"] if m["name"] == "b")["pinned"]
+
+
+async def test_everything_pinned_means_cache_full_and_nothing_changes(tmp_path, store):
+    cache = _cache(tmp_path, int(store.sizes["a"] * 2.5))
+    for name in "ab":
+        await cache.pull(store, name)
+        cache.pin(name)
+    before = tree_files(tmp_path / "cache")
+    with pytest.raises(CacheFullError, match="pinned: a, b"):
+        await cache.pull(store, "c")
+    assert tree_files(tmp_path / "cache") == before
+    cache.unpin("a")
+    await cache.pull(store, "c")  # now a may go
+    assert cache.snapshot_path("a") is None and cache.snapshot_path("b") and cache.snapshot_path("c")
+
+
+async def test_pin_held_by_another_process_blocks_eviction(tmp_path, store):
+    cache = _cache(tmp_path, int(store.sizes["a"] * 2.5))
+    await cache.pull(store, "a")
+    await cache.pull(store, "b")
+    agent = _cache(tmp_path, int(store.sizes["a"] * 2.5))  # another holder of the same folder
+    agent.pin("a")
+    agent.pin("b")
+    with pytest.raises(CacheFullError):
+        await cache.pull(store, "c")
+    with pytest.raises(CacheError, match="pinned"):
+        await cache.remove("a")
+    agent.unpin("b")
+    await cache.pull(store, "c")
+    assert cache.snapshot_path("b") is None and cache.snapshot_path("a") is not None
+
+
+async def test_model_larger_than_quota_writes_nothing(tmp_path, store):
+    cache = _cache(tmp_path, MIB // 2)
+    with pytest.raises(CacheFullError, match="do not fit"):
+        await cache.pull(store, "a")
+    assert tree_files(tmp_path / "cache") == []
+
+
+async def test_stale_partials_are_cleaned_after_ttl(tmp_path, store):
+    cache = _cache(tmp_path, 100 * MIB, partial_ttl_s=3600)
+    part = tmp_path / "cache/partial"
+    stale, fresh = part / f"{'1' * 64}.partial", part / f"{'2' * 64}.partial"
+    for p in (stale, fresh):
+        p.write_bytes(b"x" * 1000)
+        p.with_suffix(".state").write_text("{}\n")
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    await cache.pull(store, "a")
+    assert not stale.exists() and not stale.with_suffix(".state").exists()
+    assert fresh.exists()
+
+
+async def test_scan_finds_corruption_and_repair_refetches(tmp_path, store):
+    cache = _cache(tmp_path, 100 * MIB)
+    await cache.pull(store, "a")
+    w = next(f for f in cache.manifest("a").files if f.path == "model.safetensors")
+    blob = tmp_path / "cache/blobs/sha256" / w.sha256
+    with open(blob, "r+b") as f:
+        f.seek(5000)
+        b = f.read(1)
+        f.seek(5000)
+        f.write(bytes([b[0] ^ 1]))
+    assert (await cache.scan())["models"][0]["ok"]  # sizes agree: only a re-hash can tell
+    report = await cache.scan(rehash=True, repair=True)
+    assert not report["models"][0]["ok"] and "sha256 mismatch" in report["models"][0]["problems"][0]
+    assert report["removed"] == ["a"] and not blob.exists() and cache.snapshot_path("a") is None
+    await cache.pull(store, "a")
+    assert (await cache.scan(rehash=True))["models"][0]["ok"]
+
+
+# ------------------------------------------------------------------ a full disk
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 768 KiB tmpfs (needs CAP_SYS_ADMIN); skipped where mounting is not allowed."""
+    mnt = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=768k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+async def test_disk_smaller_than_quota_fails_before_writing(small_fs, store):
+    cache = DiskCache(small_fs / "cache", 100 * MIB, download=fast_download())
+    with pytest.raises(CacheFullError, match="free"):
+        await cache.pull(store, "a")
+    assert tree_files(small_fs / "cache") == []
+
+
+async def test_enospc_mid_download_on_tmpfs(small_fs, store, monkeypatch):
+    """Space vanishes after the free-space check (another writer): real ENOSPC from pwrite."""
+    import shutil
+
+    import cache.disk_cache as dc
+    import cache.downloader as dl
+
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(dc.shutil, "disk_usage", lambda p: real_usage(p)._replace(free=1 << 40))
+    # No preallocation (as on filesystems without fallocate), so the write itself hits the wall.
+    monkeypatch.setattr(dl.os, "posix_fallocate", lambda fd, o, n: (_ for _ in ()).throw(OSError(errno.EOPNOTSUPP, "no")))
+    cache = DiskCache(small_fs / "cache", 100 * MIB, download=fast_download())
+    with pytest.raises(CacheFullError, match="no space"):
+        await cache.pull(store, "a")
+    files = tree_files(small_fs / "cache")
+    assert not any(f.startswith(("models/", "partial/")) for f in files), files
+    assert cache.snapshot_path("a") is None
+
+
+async def test_enospc_under_an_emulated_quota(tmp_path, store, monkeypatch):
+    """Where no tmpfs can be mounted: pwrite raises ENOSPC once 600 KiB were written."""
+    import cache.downloader as dl
+
+    real_pwrite = os.pwrite
+    budget = [600 << 10]
+
+    def pwrite(fd, data, offset):
+        if budget[0] < len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        budget[0] -= len(data)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(dl.os, "pwrite", pwrite)
+    cache = _cache(tmp_path, 100 * MIB)
+    with pytest.raises(CacheFullError):
+        await cache.pull(store, "a")
+    files = tree_files(tmp_path / "cache")
+    assert not any(f.startswith(("models/", "partial/")) for f in files), files
