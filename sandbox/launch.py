@@ -43,6 +43,7 @@ __all__ = [
     "SandboxReport",
     "SandboxUnavailableError",
     "confine",
+    "confine_worker",
     "default_policy",
     "die_with_parent",
 ]
@@ -68,7 +69,10 @@ def _load_seccomp(policy: SandboxPolicy) -> str:
     return bpf.load(rules)
 
 
-def _apply(report: SandboxReport, name: str, step: Callable[[], str]) -> None:
+def _apply(report: SandboxReport, name: str, step: Callable[[], str], disabled: frozenset[str] = frozenset()) -> None:
+    if name in disabled:
+        report.add(name, False, "disabled by policy")
+        return
     try:
         detail = step()
     except OSError as e:
@@ -93,16 +97,11 @@ def confine(policy: SandboxPolicy) -> SandboxReport:
     report = SandboxReport()
     threads_before = limits.thread_count()
 
-    if policy.parent_pid is not None:
-        _apply(report, "die_with_parent", lambda: limits.die_with_parent(policy.parent_pid))
-    else:
-        _apply(report, "die_with_parent", limits.die_with_parent)
-    _apply(report, "rlimits", lambda: limits.set_rlimits(policy.max_open_files, policy.max_processes))
-    if policy.unshare_network:
-        _apply(report, "net_namespace", limits.unshare_network)
-    else:
-        report.add("net_namespace", False, "disabled by policy")
-    _apply(report, "no_new_privs", limits.set_no_new_privs)
+    off = policy.disabled | (frozenset() if policy.unshare_network else frozenset({"net_namespace"}))
+    _apply(report, "die_with_parent", lambda: limits.die_with_parent(policy.parent_pid), off)
+    _apply(report, "rlimits", lambda: limits.set_rlimits(policy.max_open_files, policy.max_processes), off)
+    _apply(report, "net_namespace", limits.unshare_network, off)
+    _apply(report, "no_new_privs", limits.set_no_new_privs, off)
 
     def do_landlock() -> str:
         if not report.is_active("no_new_privs"):
@@ -117,9 +116,9 @@ def confine(policy: SandboxPolicy) -> SandboxReport:
         report.skipped_paths.extend(result.skipped)
         return result.detail()
 
-    _apply(report, "landlock", do_landlock)
-    _apply(report, "seccomp", lambda: _load_seccomp(policy))
-    _apply(report, "capabilities", limits.drop_capabilities)
+    _apply(report, "landlock", do_landlock, off)
+    _apply(report, "seccomp", lambda: _load_seccomp(policy), off)
+    _apply(report, "capabilities", limits.drop_capabilities, off)
 
     if report.inactive:
         _log.warning("sandbox partly active: active=%s inactive=%s", report.active, report.inactive)
@@ -127,4 +126,36 @@ def confine(policy: SandboxPolicy) -> SandboxReport:
     if missing:
         details = "; ".join(f"{n}: {report.protections[n].detail}" for n in missing if n in report.protections)
         raise SandboxUnavailableError(f"required sandbox layer(s) inactive: {', '.join(missing)} ({details})")
+    return report
+
+
+def confine_worker(
+    cache_dir: str | None = None,
+    runtime_dir: str | None = None,
+    parent_pid: int | None = None,
+    required: list[str] | tuple[str, ...] = (),
+    read_only: list[str] | tuple[str, ...] = (),
+    read_write: list[str] | tuple[str, ...] = (),
+) -> SandboxReport:
+    """:func:`confine` with :func:`default_policy`, from JSON-friendly keyword arguments.
+
+    This is what ``engine.worker`` calls with its ``sandbox_options``. Missing dirs fall back to
+    the agent's defaults (``$CACHE_DIRECTORY`` / ``$RUNTIME_DIRECTORY`` under systemd). The
+    report is logged at info level (warnings for inactive layers come from :func:`confine`).
+    """
+    if cache_dir is None or runtime_dir is None:
+        from agent.config import default_cache_dir, default_runtime_dir
+
+        cache_dir = cache_dir or str(default_cache_dir())
+        runtime_dir = runtime_dir or str(default_runtime_dir())
+    policy = default_policy(
+        cache_dir,
+        runtime_dir,
+        extra_read_only=tuple(read_only),
+        extra_read_write=tuple(read_write),
+        parent_pid=parent_pid,
+        required=frozenset(required),
+    )
+    report = confine(policy)
+    _log.info("sandbox active=%s inactive=%s detail=%s", report.active, report.inactive, report.detail_line())
     return report

@@ -65,6 +65,7 @@ class SandboxPolicy:
     parent_pid: int | None = None  # die_with_parent checks the parent is still this one
     seccomp_backend: str = "auto"  # "auto" (libseccomp if present, else raw BPF), "libseccomp", "bpf"
     required: frozenset[str] = frozenset()
+    disabled: frozenset[str] = frozenset()  # layers to skip (operators debugging a host, tests)
 
     def validate(self) -> None:
         """Raise :class:`SandboxPolicyError` naming the first bad field."""
@@ -72,9 +73,13 @@ class SandboxPolicy:
             for p in getattr(self, name):
                 if not isinstance(p, str) or not os.path.isabs(p) or "\0" in p:
                     raise SandboxPolicyError(f"{name}: {p!r} is not an absolute path")
-        unknown = set(self.required) - set(PROTECTIONS)
-        if unknown:
-            raise SandboxPolicyError(f"required: unknown protection(s) {sorted(unknown)}; known: {PROTECTIONS}")
+        for name in ("required", "disabled"):
+            unknown = set(getattr(self, name)) - set(PROTECTIONS)
+            if unknown:
+                raise SandboxPolicyError(f"{name}: unknown protection(s) {sorted(unknown)}; known: {PROTECTIONS}")
+        both = set(self.required) & set(self.disabled)
+        if both:
+            raise SandboxPolicyError(f"required and disabled both name {sorted(both)}")
         if not 16 <= self.max_open_files <= 1 << 20:
             raise SandboxPolicyError(f"max_open_files: {self.max_open_files} is outside 16..1048576")
         if not 16 <= self.max_processes <= 1 << 22:
@@ -113,6 +118,9 @@ class SandboxReport:
     @property
     def inactive(self) -> list[str]:
         return [n for n, p in self.protections.items() if not p.active]
+
+    def detail_line(self) -> str:
+        return "; ".join(f"{n}: {p.detail}" for n, p in self.protections.items())
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form for logs and the agent's status endpoint."""

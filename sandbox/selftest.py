@@ -9,10 +9,12 @@ gives them; the integration tests run it to prove each layer from inside a confi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ctypes
 import errno
 import json
 import os
+import resource
 import socket
 import sys
 import tempfile
@@ -52,11 +54,26 @@ def _ptrace_attach_child() -> str:
     try:
         lib = _libc.libc()
         _raw(lib.ptrace(ctypes.c_long(_PTRACE_ATTACH), ctypes.c_long(pid), None, None), "ptrace(ATTACH)")
+        os.waitpid(pid, 0)  # the attach stop; detaching needs the tracee stopped
         lib.ptrace(ctypes.c_long(_PTRACE_DETACH), ctypes.c_long(pid), None, None)
         return f"attached to {pid}"
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
+
+
+def _ptrace_traceme_in_child() -> str:
+    # In a child: if TRACEME succeeded in this process, whoever started us (a test runner,
+    # a shell) would become our tracer and see us stop at the next signal.
+    pid = os.fork()
+    if pid == 0:
+        ret = _libc.libc().ptrace(ctypes.c_long(_PTRACE_TRACEME), 0, None, None)
+        os._exit(0 if ret == 0 else min(ctypes.get_errno(), 255))
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise OSError(code, f"ptrace(TRACEME): {os.strerror(code)}")
+    return "traced"
 
 
 def _unix_roundtrip(rw_dir: str) -> str:
@@ -148,7 +165,7 @@ def run_probes(policy: SandboxPolicy, ro_dir: str, rw_dir: str, outside: str, wi
         "af_netlink_socket": lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW).close(),
         "af_inet_socket_new_thread": lambda: _in_new_thread(lambda: socket.socket(socket.AF_INET).close()),
         "af_unix": lambda: _unix_roundtrip(rw_dir),
-        "ptrace_traceme": lambda: _raw(lib.ptrace(ctypes.c_long(_PTRACE_TRACEME), 0, None, None), "ptrace(TRACEME)"),
+        "ptrace_traceme": _ptrace_traceme_in_child,
         "ptrace_attach_child": _ptrace_attach_child,
         "mount_tmpfs": lambda: _raw(lib.mount(b"none", rw_dir.encode(), b"tmpfs", 0, None), "mount"),
         "unshare_user": lambda: _raw(lib.unshare(0x10000000), "unshare(CLONE_NEWUSER)"),
@@ -156,10 +173,22 @@ def run_probes(policy: SandboxPolicy, ro_dir: str, rw_dir: str, outside: str, wi
         "io_uring_setup": lambda: _syscall("io_uring_setup"),
         "net_devices": lambda: " ".join(line.split(":")[0].strip() for line in open("/proc/self/net/dev").readlines()[2:]),
         "fork_and_exit": lambda: os.waitpid(_fork_exit(), 0)[1],
+        "rlimits": lambda: json.dumps({n: resource.getrlimit(getattr(resource, "RLIMIT_" + n.upper())) for n in ("core", "nofile", "nproc")}),
+        "cap_eff": lambda: _status_field("CapEff"),
+        "no_new_privs": lambda: _status_field("NoNewPrivs"),
+        "seccomp_mode": lambda: _status_field("Seccomp"),
     }
     if matmul is not None:
         probes["torch_matmul"] = matmul
     return {"report": report.to_dict(), "probes": {name: _probe(fn) for name, fn in probes.items()}}
+
+
+def _status_field(name: str) -> str:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(name + ":"):
+                return line.split()[1]
+    raise OSError(errno.ENOENT, f"{name} not in /proc/self/status")
 
 
 def _fork_exit() -> int:
@@ -176,11 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outside", default="/etc/hostname", help="a file it must not read")
     ap.add_argument("--torch", action="store_true", help="also check a torch CPU matmul still runs")
     ap.add_argument("--seccomp-backend", default="auto", choices=("auto", "libseccomp", "bpf"))
+    ap.add_argument("--disable", default="", help="comma-separated layers to skip, e.g. landlock,capabilities")
     args = ap.parse_args(argv)
     ro = args.ro or sys.prefix
     rw = args.rw or tempfile.mkdtemp(prefix="infire-selftest-")
     base = default_policy(ro, rw)
-    policy = SandboxPolicy(**{**base.__dict__, "seccomp_backend": args.seccomp_backend})
+    disabled = frozenset(x for x in args.disable.split(",") if x)
+    policy = dataclasses.replace(base, seccomp_backend=args.seccomp_backend, disabled=disabled)
     out = run_probes(policy, ro, rw, args.outside, args.torch)
     json.dump(out, sys.stdout, indent=1)
     sys.stdout.write("\n")
