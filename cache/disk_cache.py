@@ -282,9 +282,11 @@ class DiskCache:
                         progress.add_resumed(f.size)
                         have.discard(f.sha256)  # count a shared blob once
                 for d, size in missing.items():
-                    file_name = next(f.path for f in manifest.files if f.sha256 == d)
-                    progress.set_state("downloading", file_name)
-                    await self._fetch_blob(store, d, size, progress)
+                    paths = [f.path for f in manifest.files if f.sha256 == d]
+                    progress.set_state("downloading", paths[0])
+                    # A bad safetensors header is refused before the blob enters the cache.
+                    is_st = any(p.endswith(".safetensors") for p in paths)
+                    await self._fetch_blob(store, d, size, progress, check_file if is_st else None)
                 progress.set_state("verifying")
                 await asyncio.to_thread(self._check_safetensors, manifest)
                 async with FileLock(self.locks_dir / "cache.lock"):
@@ -326,12 +328,13 @@ class DiskCache:
         if incoming > free:
             raise CacheFullError(f"need {incoming} bytes, the cache disk has {free} free")
 
-    async def _fetch_blob(self, store: Store, digest: str, size: int, progress: Progress) -> None:
+    async def _fetch_blob(self, store: Store, digest: str, size: int, progress: Progress,
+                          check: Callable[[Path], Any] | None) -> None:
         async with FileLock(self.locks_dir / f"blob-{digest}.lock"):
             abort = threading.Event()
             fut = asyncio.get_running_loop().run_in_executor(
                 None, lambda: download_blob(store, digest, size, self.partial_dir, self.blobs_dir, self.download,
-                                            progress, abort))
+                                            progress, abort, check))
             try:
                 await asyncio.shield(fut)
             except asyncio.CancelledError:

@@ -22,8 +22,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from cache.errors import CacheError, CacheFullError, ETagChangedError, IntegrityError, StoreError
+from cache.errors import (CacheError, CacheFullError, ETagChangedError, IntegrityError, SafetensorsError,
+                          StoreError)
 from cache.progress import Progress
 from cache.retry import RetryPolicy, call_with_retries
 from cache.store import ObjectInfo, Store, blob_key
@@ -136,12 +138,14 @@ class _State:
 
 def download_blob(store: Store, digest: str, size: int, partial_dir: Path, blobs_dir: Path,
                   cfg: DownloadConfig | None = None, progress: Progress | None = None,
-                  abort: threading.Event | None = None) -> Path:
+                  abort: threading.Event | None = None, check: Callable[[Path], None] | None = None) -> Path:
     """Fetch blob ``digest`` of ``size`` bytes into ``blobs_dir/<digest>`` and return that path.
 
     Raises IntegrityError (digest or size mismatch), CacheFullError (ENOSPC), StoreError (after
-    retries), Aborted (``abort`` set). On any failure nothing appears in ``blobs_dir``; a partial
-    file stays only when resuming it later can help (transient store errors, cancellation).
+    retries), Aborted (``abort`` set), or whatever ``check`` raises: it sees the verified file
+    before the rename (the safetensors header check). On any failure nothing appears in
+    ``blobs_dir``; a partial file stays only when resuming it later can help (transient store
+    errors, cancellation).
     """
     cfg = cfg or DownloadConfig()
     progress = progress or Progress()
@@ -159,7 +163,7 @@ def download_blob(store: Store, digest: str, size: int, partial_dir: Path, blobs
         return dest
     for restart in range(cfg.max_restarts + 1):
         try:
-            return _download_once(store, digest, size, partial_dir, dest, cfg, progress, abort)
+            return _download_once(store, digest, size, partial_dir, dest, cfg, progress, abort, check)
         except ETagChangedError:
             # The object was replaced mid-pull: none of the bytes can be trusted to belong together.
             _discard(partial_dir, digest)
@@ -185,7 +189,7 @@ def _commit_empty(dest: Path, cfg: DownloadConfig) -> None:
 
 
 def _download_once(store: Store, digest: str, size: int, partial_dir: Path, dest: Path, cfg: DownloadConfig,
-                   progress: Progress, abort: threading.Event) -> Path:
+                   progress: Progress, abort: threading.Event, check: Callable[[Path], None] | None) -> Path:
     key = blob_key(digest)
     info: ObjectInfo = call_with_retries(lambda: store.head(key), cfg.retry, f"HEAD {key}")
     if info.size != size:
@@ -217,9 +221,11 @@ def _download_once(store: Store, digest: str, size: int, partial_dir: Path, dest
         progress.add_resumed(sum(min(cfg.part_size, size - i * cfg.part_size) for i in done))
     try:
         _fetch_and_hash(store, key, info, digest, size, fd, state, done, nparts, cfg, progress, abort)
+        if check is not None:
+            check(partial)
         if cfg.fsync:
             os.fsync(fd)
-    except (IntegrityError, CacheFullError):
+    except (IntegrityError, CacheFullError, SafetensorsError):
         _discard(partial_dir, digest)
         raise
     finally:
