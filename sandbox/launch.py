@@ -94,6 +94,8 @@ def confine(policy: SandboxPolicy) -> SandboxReport:
     :class:`SandboxUnavailableError` when a layer in ``policy.required`` is inactive.
     """
     policy.validate()
+    # dlopen libseccomp now: once Landlock is on, /etc/ld.so.cache may be out of reach.
+    seccomp.libseccomp_available()
     report = SandboxReport()
     threads_before = limits.thread_count()
 
@@ -105,7 +107,7 @@ def confine(policy: SandboxPolicy) -> SandboxReport:
 
     def do_landlock() -> str:
         if not report.is_active("no_new_privs"):
-            raise OSError(errno.EPERM, "needs no_new_privs")
+            raise OSError(errno.EOPNOTSUPP, "needs no_new_privs")
         result = landlock.restrict(
             _landlock_rules(policy),
             deny_tcp=True,
