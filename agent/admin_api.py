@@ -146,4 +146,5 @@ class AdminApi:
         return await self._operate(request, "unload", {State.CACHED, State.ABSENT})
 
     async def pull(self, request: web.Request) -> web.Response:
-        return await self._operate(request, "pull", {State.CACHED})
+        return await self._operate(request, "pull", {State.CACHED, State.LOADING, State.READY, State.DRAINING,
+                                                     State.UNLOADING})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -101,4 +102,4 @@ class AdminClient:
 
     def operate(self, name: str, op: str, wait: bool = True, timeout: float = 3600.0) -> tuple[int, dict[str, Any]]:
         q = f"?wait=true&timeout={timeout:g}" if wait else ""
-        return self.request("POST", f"/admin/v1/models/{name}/{op}{q}", timeout=timeout + 10 if wait else None)
+        return self.request("POST", f"/admin/v1/models/{urllib.parse.quote(name, safe='')}/{op}{q}", timeout=timeout + 10 if wait else None)

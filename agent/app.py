@@ -100,7 +100,8 @@ async def _manager_ctx(app: web.Application) -> AsyncIterator[None]:
         from agent.model_source import CacheSource
 
         source = CacheSource.from_settings(ctx.settings)
-    ctx.manager = ModelManager(ctx.settings, ctx.worker, source, ctx.metrics, _load_tokenizer)
+    canary = Canary(ctx)
+    ctx.manager = ModelManager(ctx.settings, ctx.worker, source, ctx.metrics, _load_tokenizer, verify=canary.probe)
     ctx.worker.on_up = ctx.manager.on_worker_up
     ctx.worker.on_down = ctx.manager.on_worker_down
     ctx.tasks.append(asyncio.create_task(ctx.manager.preload(), name="preload"))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -115,16 +115,18 @@ class ModelEntry:
 
 
 TokenizerLoader = Callable[[Path], Any]
+Verifier = Callable[[ModelEntry], Awaitable[bool]]
 
 
 class ModelManager:
     def __init__(self, settings: Settings, worker: WorkerClient, source: ModelSource | None,
-                 metrics: Metrics, load_tokenizer: TokenizerLoader) -> None:
+                 metrics: Metrics, load_tokenizer: TokenizerLoader, verify: Verifier | None = None) -> None:
         self.settings = settings
         self.worker = worker
         self.source = source
         self.metrics = metrics
         self.load_tokenizer = load_tokenizer
+        self.verify = verify  # a one-token decode after a load: "ready" means it can generate
         self.models: dict[str, ModelEntry] = {}
         self._log = get_logger("manager")
         for m in settings.models:
@@ -180,13 +182,18 @@ class ModelManager:
         e.task = asyncio.create_task(coro, name=f"model-{e.name}")
         return e.task
 
-    def pull(self, name: str) -> asyncio.Task[None]:
-        e = self._entry(name)
+    def pull(self, name: str) -> asyncio.Task[None] | None:
+        """Start a pull; None when the model is loaded or on its way (its files are cached)."""
         if self.source is None:
             raise ManagerError("no model store is configured")
-        if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
-            raise ManagerError(f"{name} is {e.state.value}; a pull needs it absent, cached or failed")
-        return self._start(e, self._pull(e))
+        e = self._entry(name)
+        if e.state in (State.LOADING, State.READY, State.DRAINING, State.UNLOADING):
+            return None
+        if e.state is State.PULLING:
+            raise ManagerError(f"{name} is being pulled", retry_after=1.0)
+        task = self._start(e, self._pull(e))
+        self._set(e, State.PULLING)  # visible to the caller before the task first runs
+        return task
 
     async def _pull(self, e: ModelEntry) -> None:
         if self.source is None:
@@ -209,7 +216,9 @@ class ModelManager:
             return None
         if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
-        return self._start(e, self._load(e))
+        task = self._start(e, self._load(e))
+        self._set(e, State.LOADING if e.snapshot is not None and e.snapshot.exists() else State.PULLING)
+        return task
 
     async def _load(self, e: ModelEntry) -> None:
         if e.snapshot is None or not e.snapshot.exists():
@@ -219,6 +228,7 @@ class ModelManager:
         self._set(e, State.LOADING)
         e.want_loaded = True
         self._pin(e, True)
+        in_engine = False
         try:
             await self._wait_worker()
             t0 = time.monotonic()
@@ -227,12 +237,21 @@ class ModelManager:
             s = e.settings
             loaded = await self.worker.load(e.name, str(e.snapshot), max_model_len=s.max_model_len,
                                             max_num_seqs=s.max_num_seqs, weight=s.weight)
+            in_engine = True
             e.tokenizer = await tok_task
             e.info, e.load_seconds = dict(loaded.info), time.monotonic() - t0
+            if self.verify is not None and not await self.verify(e):
+                raise WorkerError("the model loaded but could not decode a token", "decode_failed")
         except asyncio.CancelledError:
             raise
         except Exception as ex:
             e.want_loaded = False
+            if in_engine and self.worker.alive:
+                try:
+                    await self.worker.unload(e.name)  # do not leave a half-good model holding memory
+                except WorkerError:
+                    pass
+            e.tokenizer = None
             self._pin(e, False)
             self._set(e, State.FAILED, f"load failed: {ex}")
             return
@@ -262,7 +281,9 @@ class ModelManager:
             return None
         if e.state is not State.READY:
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
-        return self._start(e, self._unload(e))
+        task = self._start(e, self._unload(e))
+        self._set(e, State.DRAINING)
+        return task
 
     async def _unload(self, e: ModelEntry, drain_s: float | None = None) -> None:
         self._set(e, State.DRAINING)
@@ -347,6 +368,7 @@ class ModelManager:
             "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
             "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len)),
             "preload": e.settings.preload, "queue_limit": e.queue_limit,
+            "snapshot": str(e.snapshot) if e.snapshot is not None else None,
         }
 
 

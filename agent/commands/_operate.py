@@ -19,7 +19,11 @@ def add_parser(sub: argparse._SubParsersAction, op: str, help: str) -> None:
 
 def run(args: argparse.Namespace, op: str) -> int:
     from agent.admin_client import AgentDown
+    from agent.config import MODEL_NAME_RE
 
+    if not MODEL_NAME_RE.match(args.name):
+        print(f"{op}: {args.name!r} is not a model name (^[a-z0-9][a-z0-9._-]{{0,127}}$)", file=sys.stderr)
+        return EXIT_USAGE
     c = client(args)
     if c is None:
         return EXIT_USAGE

@@ -1,7 +1,8 @@
 """``infire-agent pull NAME``: fetch a model into the disk cache.
 
-With no agent running this pulls straight into the cache (``pull_direct``, also the function the
-admin-API path falls back to). Exit codes: 0 done, 1 store/integrity/disk failure, 2 bad input.
+With an agent running (its admin socket answers) the pull goes through the admin API; with none
+it pulls straight into the cache (``pull_direct``). ``--store``/``--cache-dir`` always pull
+directly. Exit codes: 0 done, 1 store/integrity/disk failure, 2 bad input.
 """
 
 from __future__ import annotations
@@ -57,6 +58,24 @@ def pull_direct(name: str, *, store_url: str, cache_dir: str | Path, max_bytes: 
         store.close()
 
 
+def _pull_via_agent(name: str, settings) -> int | None:
+    """Pull through a running agent's admin API (so its cache state stays in one process);
+    None when no agent answers."""
+    from agent.admin_client import AdminClient, AgentDown
+
+    try:
+        status, body = AdminClient.from_settings(settings, timeout=5.0).operate(name, "pull", wait=True)
+    except AgentDown:
+        return None
+    model = body.get("model") or {}
+    if status >= 400:
+        err = (body.get("error") or {}).get("message") or body
+        print(f"pull {name}: {err}", file=sys.stderr)
+        return 2 if status in (400, 404) else 1
+    print(model.get("snapshot") or f"{name}: {model.get('state')}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from agent.config import ConfigError, load_settings
     from agent.log import configure_logging
@@ -70,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     configure_logging(settings.log_format, "warning" if not args.quiet else "error")
+    if not (args.store or args.cache_dir):
+        done = _pull_via_agent(args.name, settings)
+        if done is not None:
+            return done
     try:
         path = pull_direct(
             args.name, store_url=args.store or settings.store.url, cache_dir=args.cache_dir or settings.cache.dir,

@@ -1,0 +1,117 @@
+"""Admin API and CLI against a real daemon: pull, load, unload (with drain), failures, API keys."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.integration.agent_harness import REPO, Daemon, publish_tiny
+
+MODEL = "tiny"
+TOKEN = {"Authorization": "Bearer test-admin-token"}
+KEY = {"Authorization": "Bearer key-two"}
+
+
+@pytest.fixture(scope="module")
+def daemon(make_tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agent-admin")
+    url = publish_tiny(make_tiny_model, tmp / "store", MODEL)
+    d = Daemon(tmp, store_url=url, models=[{"name": MODEL, "max_model_len": 256}],
+               env={"INFIRE_SERVER__API_KEYS": json.dumps(["key-one", "key-two"])})
+    d.start(timeout=120)
+    yield d
+    d.stop()
+
+
+def _model(d: Daemon) -> dict:
+    code, body = d.get(f"/admin/v1/models/{MODEL}", TOKEN)
+    assert code == 200
+    return body["model"]
+
+
+def _cli(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in d.env.items() if k != "INFIRE_SERVER__ADMIN_TOKEN"}
+    return subprocess.run([sys.executable, "-m", "agent.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_pull_load_unload_cycle(daemon) -> None:
+    assert _model(daemon)["state"] == "absent"
+    code, body = daemon.post(f"/admin/v1/models/{MODEL}/pull", headers=TOKEN)
+    assert code in (200, 202) and body["model"]["state"] in ("pulling", "cached")
+    deadline = time.monotonic() + 30
+    while _model(daemon)["state"] != "cached":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    code, body = daemon.post(f"/admin/v1/models/{MODEL}/load?wait=true", headers=TOKEN, timeout=120)
+    assert code == 200 and body["model"]["state"] == "ready", body
+    # "ready" includes one decode, so the model's probe is green at once.
+    assert daemon.get(f"/readyz/{MODEL}")[0] == 200
+    code, body = daemon.post(f"/admin/v1/models/{MODEL}/load", headers=TOKEN)
+    assert code == 200 and body["model"]["state"] == "ready"  # idempotent
+    code, body = daemon.post(f"/admin/v1/models/{MODEL}/unload?wait=true", headers=TOKEN, timeout=60)
+    assert code == 200 and body["model"]["state"] == "cached"
+    assert daemon.get(f"/readyz/{MODEL}")[0] == 503
+    code, body = daemon.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}, headers=KEY)
+    assert code == 503 and body["error"]["code"] == "model_not_ready"
+
+
+def test_cli_load_unload_pull(daemon) -> None:
+    r = _cli(daemon, "load", MODEL)
+    assert r.returncode == 0 and f"{MODEL}: ready" in r.stdout, r.stderr
+    r = _cli(daemon, "pull", MODEL)  # through the agent: already cached and loaded
+    assert r.returncode == 0 and "snapshot" in r.stdout, r.stderr
+    r = _cli(daemon, "unload", MODEL)
+    assert r.returncode == 0 and f"{MODEL}: cached" in r.stdout
+    r = _cli(daemon, "load", "no-such-model")
+    assert r.returncode == 1 and "pull failed" in r.stderr, r.stderr
+    r = _cli(daemon, "load", "Bad Name")
+    assert r.returncode == 2
+
+
+def test_load_failure_is_reported(daemon) -> None:
+    code, body = daemon.post("/admin/v1/models/missing-model/load?wait=true", headers=TOKEN, timeout=60)
+    assert code == 500 and body["model"]["state"] == "failed"
+    assert body["error"]["code"] == "load_failed" and body["model"]["reason"]
+    code, body = daemon.get("/admin/v1/models/missing-model", TOKEN)
+    assert body["model"]["state"] == "failed"
+    assert daemon.get("/admin/v1/models/never-heard-of", TOKEN)[0] == 404
+
+
+def test_unload_drains_in_flight_requests(daemon) -> None:
+    code, _ = daemon.post(f"/admin/v1/models/{MODEL}/load?wait=true", headers=TOKEN, timeout=120)
+    assert code == 200
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60)
+    body = {"model": MODEL, "prompt": "drain", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **KEY})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(
+        r=daemon.post(f"/admin/v1/models/{MODEL}/unload?wait=true", headers=TOKEN, timeout=60)))
+    t.start()
+    time.sleep(0.2)
+    assert _model(daemon)["state"] in ("draining", "unloading", "cached")
+    events = [line[6:].strip() for line in resp if line.startswith(b"data: ")]
+    conn.close()
+    t.join(60)
+    assert events[-1] == b"[DONE]"
+    finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert finishes[-1] == "length"
+    assert result["r"][0] == 200 and result["r"][1]["model"]["state"] == "cached"
+
+
+def test_api_keys(daemon) -> None:
+    code, body = daemon.get("/v1/models")
+    assert code == 401 and body["error"]["code"] == "invalid_api_key"
+    assert daemon.get("/v1/models", {"Authorization": "Bearer key-three"})[0] == 401
+    assert daemon.get("/v1/models", KEY)[0] == 200
+    assert daemon.get("/v1/models", {"Authorization": "Bearer key-one"})[0] == 200
+    # Probes and metrics stay open for the orchestrator.
+    assert daemon.get("/livez")[0] == 200 and daemon.get("/metrics")[0] == 200
