@@ -1,0 +1,358 @@
+"""MemoryLedger: the GPU budget of the engine worker, split into what each loaded model holds.
+
+Every byte the engine puts on the device is booked here first:
+
+- **weights** of each model, exact (the sum of the tensors the loader will create);
+- **workspace** of each model: activations, sampler buffers and CUDA-graph pools, booked from an
+  estimate at load and replaced by the peak the caller measured during warm-up at the largest
+  batch. Booked as a sum over models, because each model's captured graphs keep a private pool;
+- **KV**: the one shared PagePool (``kv_pool_bytes``), of which each model holds a guaranteed
+  minimum (``kv_min``); the part of the pool above the sum of minimums is *elastic*: the pool may
+  be shrunk to give it to a model being loaded.
+
+``check_load`` decides a load before anything touches the GPU and returns a ``LoadPlan`` (which
+idle models to evict first and how large the KV pool becomes), or raises ``LoadRefused`` with the
+numbers. ``verify_against_allocator`` compares the books with torch's caching allocator.
+
+Bookkeeping only, O(models) at worst; a lock makes each call atomic, so the agent-facing thread
+of the worker may read ``snapshot()`` while the engine thread books.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from engine.errors import EngineError
+
+GiB = 1024**3
+
+
+class LedgerError(EngineError):
+    """A bad budget or a booking that breaks the ledger's rules (unknown model, negative bytes)."""
+
+
+def format_bytes(n: int) -> str:
+    """``"12.50 GiB (13421772800 B)"``: readable and exact, for messages people act on."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit} ({sign}{n} B)"
+    return f"{sign}{n} B"
+
+
+class LoadRefused(EngineError):
+    """A load that does not fit the budget, even after evicting every idle model offered.
+
+    Fields, all bytes: ``needed`` (weights + workspace + minimum KV of the new model), ``free``
+    (what the budget has for it now, elastic KV included), ``evictable`` (what evicting
+    ``evictable_models`` would add), ``budget``; ``short`` = needed - free - evictable.
+    """
+
+    def __init__(self, model: str, *, needed: int, free: int, evictable: int, budget: int,
+                 evictable_models: tuple[str, ...], parts: Mapping[str, int]) -> None:
+        self.model = model
+        self.needed = needed
+        self.free = free
+        self.evictable = evictable
+        self.budget = budget
+        self.evictable_models = evictable_models
+        self.parts = dict(parts)
+        self.short = needed - free - evictable
+        detail = " + ".join(f"{k} {format_bytes(v)}" for k, v in self.parts.items())
+        if evictable_models:
+            names = ", ".join(evictable_models)
+            evict = f"evicting idle {names} would free {format_bytes(evictable)}"
+        else:
+            evict = "no idle model may be evicted (0 B)"
+        super().__init__(
+            f"cannot load {model!r}: needs {format_bytes(needed)} ({detail}); "
+            f"{format_bytes(free)} free of a {format_bytes(budget)} budget; {evict}; "
+            f"short by {format_bytes(self.short)}"
+        )
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What to do for a load that fits: evict ``evict`` (in order), then book and load.
+
+    ``kv_pool_bytes_after`` is the largest the shared KV pool may be once the model is loaded
+    (the budget minus every model's weights and workspace); the engine resizes the pool to
+    ``kv_pool_bytes_after // page_bytes`` pages, or leaves it smaller.
+    """
+
+    model: str
+    weight_bytes: int
+    workspace_bytes: int
+    min_kv_bytes: int
+    needed: int
+    free: int
+    evict: tuple[str, ...]
+    evict_frees: int
+    kv_pool_bytes_after: int
+
+
+@dataclass(frozen=True)
+class LedgerSnapshot:
+    """A consistent copy of the books (for stats, metrics and tests)."""
+
+    budget: int
+    weights: dict[str, int]
+    workspace: dict[str, int]
+    kv_min: dict[str, int]
+    kv_pool_bytes: int
+    used: int  # weights + workspace + the whole KV pool: what should be on the device
+    free: int  # budget - used
+
+
+@dataclass(frozen=True)
+class AllocatorCheck:
+    """The ledger against torch's caching allocator; ``ok`` when the drift is within tolerance."""
+
+    ledger_bytes: int
+    allocator_reserved: int | None  # None: no CUDA allocator to compare with
+    drift: int  # allocator_reserved - ledger_bytes (0 without CUDA)
+    tolerance: int
+    ok: bool
+
+
+@dataclass
+class _Model:
+    weights: int = 0
+    workspace: int = 0
+    kv_min: int = 0
+
+
+def _nonneg(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LedgerError(f"{name} must be a non-negative int of bytes, got {value!r}")
+    return value
+
+
+def resolve_budget(budget: int | float, *, device_total: int | None,
+                   device_free: int | None = None) -> int:
+    """Bytes from a byte count or a fraction in (0, 1] of ``device_total``.
+
+    A budget larger than the device, or than what is free on it when ``device_free`` is given
+    (another process holds the rest), is refused: the worker must never plan on memory that is
+    not there.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise LedgerError(f"memory budget must be bytes or a fraction, got {budget!r}")
+    if isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise LedgerError(f"a fractional memory budget must be in (0, 1], got {budget!r}")
+        if device_total is None:
+            raise LedgerError("a fractional memory budget needs the device's total memory; "
+                              "on CPU give the budget in bytes")
+        nbytes = int(budget * device_total)
+    else:
+        nbytes = budget
+    if nbytes <= 0:
+        raise LedgerError(f"memory budget must be > 0 bytes, got {nbytes}")
+    if device_total is not None and nbytes > device_total:
+        raise LedgerError(f"memory budget {format_bytes(nbytes)} exceeds the device's "
+                          f"{format_bytes(device_total)}")
+    if device_free is not None and nbytes > device_free:
+        raise LedgerError(f"memory budget {format_bytes(nbytes)} exceeds the "
+                          f"{format_bytes(device_free)} free on the device (another process "
+                          "holds the rest)")
+    return nbytes
+
+
+class MemoryLedger:
+    """The worker's GPU budget and who holds what of it.
+
+    ``MemoryLedger(budget, device="cuda:0")`` resolves a fractional budget with
+    ``torch.cuda.mem_get_info``; on CPU the budget is bytes. ``device_total``/``device_free``
+    may be given instead of querying the device (tests, or a caller that already knows).
+    """
+
+    def __init__(self, budget: int | float, *, device: str = "cpu",
+                 device_total: int | None = None, device_free: int | None = None) -> None:
+        self.device = str(device)
+        if self.device.startswith("cuda") and device_total is None:
+            import torch  # only here and in verify: the ledger is otherwise torch-free
+
+            device_free, device_total = torch.cuda.mem_get_info(torch.device(self.device))
+        self.budget = resolve_budget(budget, device_total=device_total, device_free=device_free)
+        self._models: dict[str, _Model] = {}
+        self._kv_pool = 0
+        self._lock = threading.Lock()
+
+    # -- totals (call with the lock held) ---------------------------------------------------------
+    def _non_kv(self) -> int:
+        return sum(m.weights + m.workspace for m in self._models.values())
+
+    def _committed(self) -> int:
+        """Bytes nobody else may take: weights, workspace and every guaranteed KV minimum."""
+        return sum(m.weights + m.workspace + m.kv_min for m in self._models.values())
+
+    def _used(self) -> int:
+        return self._non_kv() + self._kv_pool
+
+    # -- deciding ---------------------------------------------------------------------------------
+    def check_load(self, model: str, weight_bytes: int, workspace_estimate: int, min_kv_bytes: int,
+                   evictable: Iterable[str] = ()) -> LoadPlan:
+        """Decide a load without touching the GPU.
+
+        ``evictable``: idle, unpinned, loaded models the caller is willing to evict, least recently
+        used first; the plan evicts the shortest prefix that makes room. Raises ``LoadRefused``
+        when even evicting all of them is not enough, and ``LedgerError`` when ``model`` is
+        already booked.
+        """
+        _nonneg("weight_bytes", weight_bytes)
+        _nonneg("workspace_estimate", workspace_estimate)
+        _nonneg("min_kv_bytes", min_kv_bytes)
+        needed = weight_bytes + workspace_estimate + min_kv_bytes
+        with self._lock:
+            if model in self._models:
+                raise LedgerError(f"model {model!r} is already booked in the ledger")
+            free = self.budget - self._committed()
+            candidates: list[tuple[str, int]] = []
+            for name in dict.fromkeys(evictable):  # dedupe, keep LRU order
+                m = self._models.get(name)
+                if m is None:
+                    raise LedgerError(f"evictable model {name!r} is not booked in the ledger")
+                candidates.append((name, m.weights + m.workspace + m.kv_min))
+            evict: list[str] = []
+            frees = 0
+            for name, nbytes in candidates:
+                if free + frees >= needed:
+                    break
+                evict.append(name)
+                frees += nbytes
+            if free + frees < needed:
+                raise LoadRefused(
+                    model, needed=needed, free=free, evictable=sum(b for _, b in candidates),
+                    budget=self.budget, evictable_models=tuple(n for n, _ in candidates),
+                    parts={"weights": weight_bytes, "workspace": workspace_estimate,
+                           "min KV": min_kv_bytes})
+            evicted_non_kv = sum(self._models[n].weights + self._models[n].workspace for n in evict)
+            pool_after = self.budget - (self._non_kv() - evicted_non_kv) - weight_bytes - workspace_estimate
+            return LoadPlan(model=model, weight_bytes=weight_bytes,
+                            workspace_bytes=workspace_estimate, min_kv_bytes=min_kv_bytes,
+                            needed=needed, free=free, evict=tuple(evict), evict_frees=frees,
+                            kv_pool_bytes_after=pool_after)
+
+    # -- booking ----------------------------------------------------------------------------------
+    def reserve_weights(self, model: str, nbytes: int, *, workspace_estimate: int = 0,
+                        min_kv_bytes: int = 0) -> None:
+        """Book a model's exact weight bytes (and its workspace estimate and KV minimum) before
+        the first weight is copied. Raises ``LoadRefused`` if it does not fit any more (another
+        booking happened since ``check_load``): nothing is booked then."""
+        _nonneg("nbytes", nbytes)
+        _nonneg("workspace_estimate", workspace_estimate)
+        _nonneg("min_kv_bytes", min_kv_bytes)
+        with self._lock:
+            if model in self._models:
+                raise LedgerError(f"model {model!r} is already booked in the ledger")
+            needed = nbytes + workspace_estimate + min_kv_bytes
+            free = self.budget - self._committed()
+            # The non-elastic part must also fit beside the pool as it is now, or the copy would
+            # run out of memory before the pool is shrunk.
+            beside_pool = self.budget - self._used()
+            if needed > free or nbytes + workspace_estimate > beside_pool:
+                raise LoadRefused(model, needed=needed, free=min(free, beside_pool + min_kv_bytes),
+                                  evictable=0, budget=self.budget, evictable_models=(),
+                                  parts={"weights": nbytes, "workspace": workspace_estimate,
+                                         "min KV": min_kv_bytes})
+            self._models[model] = _Model(weights=nbytes, workspace=workspace_estimate,
+                                         kv_min=min_kv_bytes)
+
+    def record_workspace(self, model: str, nbytes: int) -> int:
+        """Replace the workspace estimate with the peak measured during warm-up; returns the
+        change (positive: the estimate was low). The memory is already in use, so this never
+        refuses; a low estimate shows up as a smaller ``free`` and in ``verify``."""
+        _nonneg("nbytes", nbytes)
+        with self._lock:
+            m = self._get(model)
+            delta = nbytes - m.workspace
+            m.workspace = nbytes
+            return delta
+
+    def set_kv_minimum(self, model: str, nbytes: int) -> None:
+        """The KV bytes guaranteed to ``model`` (its PagePool minimum × page bytes)."""
+        _nonneg("nbytes", nbytes)
+        with self._lock:
+            m = self._get(model)
+            others = self._committed() - m.kv_min
+            if others + nbytes > self.budget:
+                raise LedgerError(f"a KV minimum of {format_bytes(nbytes)} for {model!r} exceeds "
+                                  f"the budget's {format_bytes(self.budget - others)} left")
+            m.kv_min = nbytes
+
+    def set_kv_pool(self, nbytes: int) -> None:
+        """Book the shared KV pool's size (call before allocating a larger pool). It must hold
+        every model's minimum and fit beside all weights and workspace."""
+        _nonneg("nbytes", nbytes)
+        with self._lock:
+            kv_min = sum(m.kv_min for m in self._models.values())
+            room = self.budget - self._non_kv()
+            if nbytes > room:
+                raise LedgerError(f"a KV pool of {format_bytes(nbytes)} does not fit: "
+                                  f"{format_bytes(room)} left beside weights and workspace")
+            if nbytes < kv_min:
+                raise LedgerError(f"a KV pool of {format_bytes(nbytes)} cannot hold the models' "
+                                  f"guaranteed minimums ({format_bytes(kv_min)})")
+            self._kv_pool = nbytes
+
+    def release(self, model: str) -> int:
+        """Forget a model (after its weights and pages are freed); returns the bytes released
+        from weights, workspace and its KV minimum. The pool keeps its size until resized."""
+        with self._lock:
+            m = self._models.pop(model, None)
+            if m is None:
+                raise LedgerError(f"model {model!r} is not booked in the ledger")
+            return m.weights + m.workspace + m.kv_min
+
+    # -- reading ----------------------------------------------------------------------------------
+    def __contains__(self, model: object) -> bool:
+        with self._lock:
+            return model in self._models
+
+    def model_bytes(self, model: str) -> int:
+        """Weights + workspace of ``model`` (its KV lives in the shared pool)."""
+        with self._lock:
+            m = self._get(model)
+            return m.weights + m.workspace
+
+    def snapshot(self) -> LedgerSnapshot:
+        with self._lock:
+            used = self._used()
+            return LedgerSnapshot(
+                budget=self.budget,
+                weights={n: m.weights for n, m in self._models.items()},
+                workspace={n: m.workspace for n, m in self._models.items()},
+                kv_min={n: m.kv_min for n, m in self._models.items()},
+                kv_pool_bytes=self._kv_pool, used=used, free=self.budget - used)
+
+    def verify_against_allocator(self, *, tolerance: int = 256 * 1024**2,
+                                 reserved_bytes: int | None = None) -> AllocatorCheck:
+        """Compare the books with ``torch.cuda.memory_reserved`` (or ``reserved_bytes``).
+
+        The allocator holding more than booked + ``tolerance`` means something on the device is
+        not in the ledger (a leak, or a workspace estimate that was never replaced by a
+        measurement); that is the only direction that can lead to out-of-memory, so it alone
+        makes ``ok`` false. Without CUDA and without ``reserved_bytes`` there is nothing to
+        compare: ``allocator_reserved`` is None and ``ok`` is true.
+        """
+        _nonneg("tolerance", tolerance)
+        if reserved_bytes is None and self.device.startswith("cuda"):
+            import torch
+
+            reserved_bytes = int(torch.cuda.memory_reserved(torch.device(self.device)))
+        with self._lock:
+            ledger_bytes = self._used()
+        if reserved_bytes is None:
+            return AllocatorCheck(ledger_bytes, None, 0, tolerance, True)
+        drift = reserved_bytes - ledger_bytes
+        return AllocatorCheck(ledger_bytes, reserved_bytes, drift, tolerance, drift <= tolerance)
+
+    def _get(self, model: str) -> _Model:
+        try:
+            return self._models[model]
+        except KeyError:
+            raise LedgerError(f"model {model!r} is not booked in the ledger") from None
