@@ -232,3 +232,23 @@ def test_failure_leaves_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         make_model(tmp_path / "m", "llama", "tiny", device="cpu")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bf16_model_with_vocab_past_the_tokenizer(tmp_path, monkeypatch):
+    """The 8B preset's traits (bf16, 128256-row vocab over a 512-token tokenizer) at a
+    size a test can write: transformers loads it and our tokenizer decodes any id."""
+    from engine.tokenizer import REPLACEMENT, Tokenizer
+
+    small_8b = modelgen.Shape(64, 1, 4, 2, 128, 2048, 4096, "bfloat16", 16)
+    monkeypatch.setitem(modelgen._PRESETS, "llama-3.1-8b", small_8b)
+    path = make_model(tmp_path / "m", "llama", "llama-3.1-8b", device="cpu")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["vocab_size"] == 4096 and cfg["torch_dtype"] == "bfloat16"
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert model.dtype == torch.bfloat16
+    with torch.no_grad():
+        logits = model(torch.tensor([[cfg["bos_token_id"], 4000]])).logits
+    assert logits.shape == (1, 2, 4096)
+    tok = Tokenizer.from_dir(path)
+    assert tok.vocab_size == 512
+    assert tok.decode([4000, 4095]) == REPLACEMENT * 2
