@@ -175,9 +175,12 @@ def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count
 
 
 def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                           max_query_len, max_seq_len, num_splits: int | None = None, out=None):
-    """See attention.paged_attention. ``num_splits`` overrides the decode split heuristic (benchmarks);
-    ``out`` lets tests pass a poisoned output buffer."""
+                           max_query_len, max_seq_len, num_splits: int | None = None, out=None,
+                           config: dict | None = None):
+    """See attention.paged_attention. For benchmarks and tests: ``num_splits`` overrides the decode
+    split heuristic, ``config`` the launch shape (``block_n``, ``num_warps``, ``num_stages``) and
+    ``out`` supplies a (poisoned) output buffer."""
+    cfg = config or {}
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
@@ -190,7 +193,7 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), qk_scale)
     if max_query_len <= 1:
-        block_n = 64 if d <= 128 else 32
+        block_n = cfg.get("block_n", 64 if d <= 128 else 32)
         block_g = max(16, triton.next_power_of_2(g))
         if num_splits is None:
             splits, part = decode_splits(b, hkv, max_seq_len, block_n, _sm_count(q.device))
@@ -205,7 +208,8 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
         _decode_kernel[(b, hkv, splits)](
             q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, *common,
             HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
-            PART=part, NUM_SPLITS=splits, DOT_PREC=dot_prec, num_warps=4, num_stages=3,
+            PART=part, NUM_SPLITS=splits, DOT_PREC=dot_prec, num_warps=cfg.get("num_warps", 4),
+            num_stages=cfg.get("num_stages", 3),
         )
         if splits > 1:
             _reduce_kernel[(b, hq)](out, po, plse, query_start_loc, seq_lens, out.stride(0), out.stride(1),
@@ -213,12 +217,13 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
                                     BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
         return out
     block_m = max(64, triton.next_power_of_2(g))
-    block_n = 64 if d <= 64 else 32 if d > 128 else 64
+    block_n = cfg.get("block_n", 32 if d > 128 else 64)
     tpt = block_m // g
     grid = (triton.cdiv(max_query_len, tpt), b, hkv)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common,
         G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
-        DOT_PREC=dot_prec, num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        DOT_PREC=dot_prec, num_warps=cfg.get("num_warps", 4 if block_d <= 64 else 8),
+        num_stages=cfg.get("num_stages", 2),
     )
     return out

@@ -32,7 +32,7 @@ def _mix32(x):
 def _order_key(z):
     # int32 key whose order is the float order: negative floats get their magnitude bits flipped
     bits = z.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @triton.jit
@@ -43,13 +43,14 @@ def _pivots(lo, hi, NP: tl.constexpr):
 
 @triton.jit
 def _sample_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, out_ptr,
-                   s_row, V, BLOCK: tl.constexpr, NP: tl.constexpr):
+                   s_row, V, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, NP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * s_row
     temp = tl.load(temp_ptr + row).to(tl.float32)
     greedy = temp <= 0.0
     t = tl.where(greedy, 1.0, temp)
     offs = tl.arange(0, BLOCK)
+    offs_p = tl.arange(0, BLOCK_P)
 
     # pass 1: max and its first index
     best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -70,20 +71,22 @@ def _sample_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr,
         # top-k: largest key t_k with count(key >= t_k) >= k (invariant: lo passes, hi fails)
         lo = tl.full((), -2147483648, tl.int64)
         if (k > 0) & (k < V):
-            hi = _order_key(m) + 1
+            hi = _order_key(m).to(tl.int64) + 1
             while hi - lo > 1:
-                piv = _pivots(lo, hi, NP)
-                cnt = tl.zeros([NP], tl.int64)
-                for start in range(0, V, BLOCK):
-                    idx = start + offs
+                # pivots lie strictly inside (lo, hi), so they fit in int32 like the keys
+                piv = _pivots(lo, hi, NP).to(tl.int32)
+                cnt2 = tl.zeros([NP, BLOCK_P], tl.int32)  # reduced once after the sweep, not per tile
+                for start in range(0, V, BLOCK_P):
+                    idx = start + offs_p
                     valid = idx < V
                     z = tl.load(base + idx, mask=valid, other=float("-inf")) / t
                     hit = (_order_key(z)[None, :] >= piv[:, None]) & valid[None, :]
-                    cnt += tl.sum(hit.to(tl.int64), axis=1)
-                ok = cnt >= k
+                    cnt2 += hit.to(tl.int32)
+                ok = tl.sum(cnt2, axis=1) >= k
+                piv = piv.to(tl.int64)
                 lo = tl.max(tl.where(ok, piv, lo), axis=0)
                 hi = tl.min(tl.where(ok, hi, piv), axis=0)
-        tk = lo
+        tk = lo.to(tl.int32)
         tp = tl.load(topp_ptr + row).to(tl.float32)
         p_lo = tl.full((), 0, tl.int32)
         if tp < 1.0:
@@ -99,16 +102,17 @@ def _sample_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr,
             plo = tl.full((), -1, tl.int64)
             phi = tl.full((), 0x3F800000, tl.int64)
             while phi - plo > 1:
-                piv = _pivots(plo, phi, NP)
-                mass = tl.zeros([NP], tl.float32)
-                for start in range(0, V, BLOCK):
-                    idx = start + offs
+                piv = _pivots(plo, phi, NP).to(tl.int32)
+                mass2 = tl.zeros([NP, BLOCK_P], tl.float32)
+                for start in range(0, V, BLOCK_P):
+                    idx = start + offs_p
                     valid = idx < V
                     z = tl.load(base + idx, mask=valid, other=float("-inf")) / t
                     p = tl.where(valid & (_order_key(z) >= tk), tl.exp(z - m), 0.0)
-                    pb = p.to(tl.int32, bitcast=True).to(tl.int64)
-                    mass += tl.sum(tl.where(pb[None, :] > piv[:, None], p[None, :], 0.0), axis=1)
-                ok = mass < target
+                    pb = p.to(tl.int32, bitcast=True)
+                    mass2 += tl.where(pb[None, :] > piv[:, None], p[None, :], 0.0)
+                ok = tl.sum(mass2, axis=1) < target
+                piv = piv.to(tl.int64)
                 phi = tl.min(tl.where(ok, piv, phi), axis=0)
                 plo = tl.max(tl.where(ok, plo, piv), axis=0)
             p_lo = phi.to(tl.int32)
@@ -147,6 +151,6 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, steps, out=No
         logits, temperature.to(torch.float32), top_k.to(torch.int32), top_p.to(torch.float32),
         min_p.to(torch.float32), seeds.to(torch.int64), steps.to(torch.int64), out,
         logits.stride(0), vocab, BLOCK=1024 if vocab >= 1024 else triton.next_power_of_2(vocab),
-        NP=NUM_PIVOTS, num_warps=8 if vocab >= 1024 else 4,
+        BLOCK_P=256 if vocab >= 256 else triton.next_power_of_2(vocab), NP=NUM_PIVOTS, num_warps=8 if vocab >= 1024 else 4,
     )
     return out

@@ -42,6 +42,9 @@ SMOKE = os.environ.get("INFIRE_BENCH_SMOKE") == "1"
 DEV = "cpu" if SMOKE else "cuda"
 BF = torch.float16 if SMOKE else torch.bfloat16  # the interpreter computes bf16 dots wrongly
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
+# launch shapes tried for decode b64x2k besides the default (block_n 64, 4 warps, 3 stages)
+DECODE_CONFIGS = ({"num_stages": 2}, {"num_stages": 4}, {"block_n": 32, "num_stages": 4},
+                  {"block_n": 128, "num_stages": 2}, {"num_warps": 8}, {"block_n": 128, "num_warps": 8, "num_stages": 3})
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
 
@@ -92,7 +95,7 @@ def bench_copy(results, n):
     return gbs
 
 
-def bench_decode(results, name, batch, ctx, copy_gbs, splits_variants=(None,)):
+def bench_decode(results, name, batch, ctx, copy_gbs, splits_variants=(None,), configs=({},)):
     seq_lens = [ctx] * batch
     q, kc, vc, qsl, sl, tables = attn_setup([1] * batch, seq_lens)
     scale = 1 / math.sqrt(D)
@@ -101,12 +104,20 @@ def bench_decode(results, name, batch, ctx, copy_gbs, splits_variants=(None,)):
     err = rel_err(out, attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, scale))
     nbytes = 2 * batch * ctx * HKV * D * 2 + 2 * q.numel() * 2
     auto = decode_splits(batch, HKV, ctx, 64, sm_count())[0]
-    for s in splits_variants:
-        ms = median_ms(lambda: paged_attention_triton(q, kc, vc, qsl, sl, tables, scale, 1, ctx, num_splits=s))
+    variants = [(s, {}) for s in splits_variants] + [(None, c) for c in configs if c]
+    for s, cfg in variants:
+        ms = median_ms(lambda: paged_attention_triton(q, kc, vc, qsl, sl, tables, scale, 1, ctx, num_splits=s,
+                                                      config=cfg))
         gbs = nbytes / ms / 1e6
         label = f"{name} splits={'auto(' + str(auto) + ')' if s is None else s}"
+        if cfg:
+            o2 = paged_attention_triton(q, kc, vc, qsl, sl, tables, scale, 1, ctx, config=cfg)
+            label += " " + ",".join(f"{k[4:] if k.startswith('num_') else k}={v}" for k, v in cfg.items())
+            e2 = rel_err(o2, out)
+        else:
+            e2 = err
         results.append({"kernel": label, "ms": ms, "GB/s": gbs, "pct_copy": 100 * gbs / copy_gbs,
-                        "check": f"rel {err:.1e}", "ok": err < 1e-2})
+                        "check": f"rel {e2:.1e}", "ok": e2 < 1e-2, "config": cfg, "splits": s})
 
 
 def bench_prefill(results, name, q_lens, seq_lens):
@@ -200,7 +211,7 @@ def main() -> int:
     copy_gbs = bench_copy(results, (1 << 30) // k ** 3)
     steps = [
         ("decode b64x2k", lambda: bench_decode(results, "decode b64x2k", 64 // k, 2048 // k, copy_gbs,
-                                               (None, 1, 2, 4, 8))),
+                                               (None, 1, 2, 4, 8), DECODE_CONFIGS)),
         ("decode b1x8k", lambda: bench_decode(results, "decode b1x8k", 1, 8192 // k, copy_gbs, (None, 16, 64))),
         ("decode b256x1k", lambda: bench_decode(results, "decode b256x1k", 256 // k, 1024 // k, copy_gbs, (None, 2))),
         ("prefill", lambda: bench_prefill(results, "prefill 4x2048", [2048 // k] * 4, [2048 // k] * 4)),
