@@ -61,18 +61,32 @@ class ModelRunner:
         self._seq_lens = torch.zeros(self.max_seqs, dtype=i32, device=dev)
         self._block_tables = torch.zeros(self.max_seqs, self.max_pages, dtype=i32, device=dev)
         self._rows = torch.zeros(self.max_seqs, dtype=i64, device=dev)
+        # Host staging of the same sizes, pinned on CUDA so the copies are async; an event marks
+        # when the last step's copies have left the staging memory, before it is overwritten.
         self._pin = dev.type == "cuda"
+        self._copies_done = torch.cuda.Event() if self._pin else None
+        self._staging: dict[int, torch.Tensor] = {}
+        for buf in (self._input_ids, self._positions, self._slots, self._qsl, self._seq_lens, self._block_tables,
+                    self._rows):
+            host = torch.empty(buf.numel(), dtype=buf.dtype)
+            self._staging[id(buf)] = host.pin_memory() if self._pin else host
 
     def _to_device(self, dst: torch.Tensor, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """Copy host values into a contiguous prefix of the persistent buffer ``dst``; return that view."""
         src = torch.tensor(values, dtype=dtype)
+        n = src.numel()
+        view = dst.view(-1)[:n].view(src.shape)
         if self._pin:
-            src = src.pin_memory()
-        # A contiguous prefix of the flat buffer, whatever the step's shape.
-        view = dst.view(-1)[: src.numel()].view(src.shape)
-        view.copy_(src, non_blocking=self._pin)
+            stage = self._staging[id(dst)][:n].view(src.shape)
+            stage.copy_(src)
+            view.copy_(stage, non_blocking=True)
+        else:
+            view.copy_(src)
         return view
 
     def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -108,7 +122,7 @@ class ModelRunner:
             max_query_len=max_q,
             max_seq_len=max_seq,
         )
-        return PreparedStep(
+        step = PreparedStep(
             input_ids=self._to_device(self._input_ids, ids, torch.int64),
             positions=self._to_device(self._positions, pos, torch.int64),
             meta=meta,
@@ -116,6 +130,9 @@ class ModelRunner:
             sample_entries=entries,
             is_decode_only=out.num_decodes == len(out.seqs),
         )
+        if self._copies_done is not None:
+            self._copies_done.record()
+        return step
 
     @torch.inference_mode()
     def forward_logits(self, step: PreparedStep) -> torch.Tensor:

@@ -1,0 +1,160 @@
+"""Offline engine throughput on the sharegpt-like workload (DESIGN §7), no HTTP in the way.
+
+Every request is added to one in-process EngineCore at t0 (mode "offline"), then the engine is
+stepped until all finish. Prints and saves one JSON result with the DESIGN §7 keys:
+req/s, output and total tok/s, TTFT and TPOT p50/p99 (TTFT counts from t0, so in this mode it
+includes queueing), and CPU cores used (process CPU seconds per wall second).
+
+    python -m ops.bench.engine_bench --model-dir DIR [--num-requests 1000] [--device auto]
+    python -m ops.bench.engine_bench --arch llama --preset tiny --num-requests 100 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ops.bench.workload import NAME as WORKLOAD, sharegpt_like, summary
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def _device_name(core) -> str:
+    if core.device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(core.device)
+    return f"CPU ({os.cpu_count()}-core)"
+
+
+def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seqs: int, max_num_batched_tokens: int,
+              max_model_len: int, block_size: int, seed: int = 0) -> dict:
+    from engine.core import EngineCore
+    from engine.sampling import SamplingParams
+
+    core = EngineCore(device=device, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed)
+    info = core.load_model("bench", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    reqs = sharegpt_like(num_requests, info.vocab_size, seed)
+    too_long = [r for r in reqs if r.input_len + r.output_len > info.max_model_len]
+    if too_long:
+        raise SystemExit(f"{len(too_long)} requests exceed max_model_len={info.max_model_len}; raise --max-model-len")
+    # Warm-up outside the clock (first-call allocations, kernel compiles).
+    core.add_request("warmup", "bench", reqs[0].prompt_token_ids[:8],
+                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while core.has_unfinished_requests():
+        core.step()
+
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    n_out: dict[str, int] = {}
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    for i, r in enumerate(reqs):
+        core.add_request(f"r{i}", "bench", r.prompt_token_ids,
+                         SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
+    steps = 0
+    while core.has_unfinished_requests():
+        outs = core.step()
+        now = time.perf_counter()
+        steps += 1
+        for o in outs:
+            if o.new_token_ids:
+                first.setdefault(o.req_id, now)
+                last[o.req_id] = now
+                n_out[o.req_id] = n_out.get(o.req_id, 0) + len(o.new_token_ids)
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
+    total_out = sum(n_out.values())
+    total_in = sum(r.input_len for r in reqs)
+    ttft = [(first[k] - t0) * 1e3 for k in first]
+    tpot = [(last[k] - first[k]) * 1e3 / (n_out[k] - 1) for k in first if n_out[k] > 1]
+    return {
+        "gpu": _device_name(core),
+        "requests": len(reqs),
+        "req_s": len(reqs) / wall,
+        "output_tok_s": total_out / wall,
+        "total_tok_s": (total_out + total_in) / wall,
+        "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
+        "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
+        "cpu_cores": cpu / wall,
+        "wall_s": wall,
+        "steps": steps,
+        "output_tokens": total_out,
+        "input_tokens": total_in,
+        "workload_summary": summary(reqs),
+        "engine": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                   "max_model_len": info.max_model_len, "block_size": block_size, "kv_pages": info.kv_pages},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="offline engine throughput (sharegpt-like workload)")
+    ap.add_argument("--model-dir", help="model folder; without it one is generated from --arch/--preset")
+    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-engine-<model>-<commit>.json)")
+    ap.add_argument("--no-save", action="store_true")
+    a = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = a.model_dir
+        model_name = Path(model_dir).name if model_dir else f"{a.arch}-{a.preset} (random, make-model)"
+        if not model_dir:
+            from engine.modelgen import make_model
+
+            model_dir = make_model(Path(tmp) / "model", a.arch, a.preset, seed=0)
+        res = run_bench(model_dir, a.num_requests, a.device, a.max_num_seqs, a.max_num_batched_tokens,
+                        a.max_model_len, a.block_size)
+    commit = _commit()
+    now = dt.datetime.now(dt.timezone.utc)
+    result = {
+        "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit,
+        "command": "python -m ops.bench.engine_bench " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])),
+        "model": model_name,
+        "workload": WORKLOAD,
+        "mode": "offline",
+        **res,
+        "peer": None,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if not a.no_save:
+        slug = "".join(c if c.isalnum() or c in "-." else "-" for c in model_name.split(" ")[0])
+        out = Path(a.out) if a.out else REPO / "docs" / "perf" / f"{now:%Y%m%d-%H%M}-engine-{slug}-{commit}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        print(f"saved {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
