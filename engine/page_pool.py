@@ -19,8 +19,8 @@ drain as sequences finish; ``resize(n)`` then re-creates the memory, copying the
 through host memory so page ids and contents survive and device peak is max(old, new), never
 old + new. ``generation`` changes on every resize and cached views are invalidated.
 
-The module imports no torch at import time (the block manager imports ``PageAllocator`` from here
-and stays torch-free); a pool built with ``device=None`` does the accounting only.
+The module imports no torch at import time, so torch-free code (block manager, scheduler tests)
+may use it; a pool built with ``device=None`` does the accounting only.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from engine.block_manager import OutOfPages, PageError
 from engine.errors import EngineError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,30 +51,43 @@ class PoolBusyError(PagePoolError):
     """The operation needs pages or views that are still in use (unregister, resize)."""
 
 
-@runtime_checkable
-class PageAllocator(Protocol):
-    """What a block manager needs from the pool, bound to one model.
+class PageOwnershipError(PagePoolError, PageError):
+    """A page freed by a model that does not hold it (double free, or another model's page)."""
 
-    ``allocate()`` returns a global page id or ``None`` when this model may not take another page
-    now (pool empty for it, or its cap reached); ``free(page_id)`` gives one back at once (a page
-    the model does not hold raises ``PagePoolError``); ``num_free_for_me()`` is how many pages
-    ``allocate`` would hand out in a row right now; ``can_allocate(n)`` is
-    ``num_free_for_me() >= n``; ``num_used()`` counts the pages it holds; ``block_size`` is the
-    model's tokens per page (``slot = page_id * block_size + offset``).
+
+@runtime_checkable
+class ModelPageSource(Protocol):
+    """One model's view of the pool: what its ``BlockManager`` is given as its page source.
+
+    A superset of ``engine.block_manager.PageSource``: ``num_free`` is how many pages this
+    model may take right now (its held-back minimum included, its cap and other models'
+    minimums respected); ``num_total`` = ``num_used + num_free``, the most it could hold now;
+    ``allocate()`` returns a global page id or raises ``OutOfPages``; ``try_allocate()``
+    returns ``None`` instead; ``free(page_id)`` gives a page back at once (one the model does
+    not hold raises ``PageOwnershipError``, a ``PageError``); ``can_allocate(n)`` is
+    ``num_free >= n``; ``block_size`` is the model's tokens per page
+    (``slot = page_id * block_size + offset``).
     """
 
     @property
     def block_size(self) -> int: ...
 
-    def allocate(self) -> int | None: ...
+    @property
+    def num_free(self) -> int: ...
+
+    @property
+    def num_total(self) -> int: ...
+
+    @property
+    def num_used(self) -> int: ...
+
+    def allocate(self) -> int: ...
+
+    def try_allocate(self) -> int | None: ...
 
     def free(self, page_id: int) -> None: ...
 
-    def num_free_for_me(self) -> int: ...
-
     def can_allocate(self, n: int) -> bool: ...
-
-    def num_used(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -122,7 +136,7 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
 
 
 class _ModelAllocator:
-    """``PageAllocator`` for one model registration."""
+    """``ModelPageSource`` for one model registration."""
 
     def __init__(self, pool: PagePool, slot: _Slot) -> None:
         self._pool = pool
@@ -132,20 +146,33 @@ class _ModelAllocator:
     def block_size(self) -> int:
         return self._slot.layout.tokens_per_page
 
-    def allocate(self) -> int | None:
+    @property
+    def num_free(self) -> int:
+        return self._pool._available(self._live())
+
+    @property
+    def num_total(self) -> int:
+        slot = self._live()
+        return slot.used + self._pool._available(slot)
+
+    @property
+    def num_used(self) -> int:
+        return self._live().used
+
+    def allocate(self) -> int:
+        page_id = self._pool._allocate(self._live())
+        if page_id is None:
+            raise OutOfPages(f"no KV page free for {self._slot.name!r}")
+        return page_id
+
+    def try_allocate(self) -> int | None:
         return self._pool._allocate(self._live())
 
     def free(self, page_id: int) -> None:
         self._pool._free(self._live(), page_id)
 
-    def num_free_for_me(self) -> int:
-        return self._pool._available(self._live())
-
     def can_allocate(self, n: int) -> bool:
         return self._pool._available(self._live()) >= n
-
-    def num_used(self) -> int:
-        return self._live().used
 
     def _live(self) -> _Slot:
         if not self._slot.active:
@@ -217,7 +244,7 @@ class PagePool:
         del self._slots[model]
         self._views.pop(model, None)
 
-    def allocator_for(self, model: str) -> PageAllocator:
+    def allocator_for(self, model: str) -> ModelPageSource:
         return _ModelAllocator(self, self._slot(model))
 
     def layout(self, model: str) -> KVLayout:
@@ -257,7 +284,7 @@ class PagePool:
         if self._owner[page_id] is not slot:
             owner = self._owner[page_id]
             who = "nobody (double free)" if owner is None else repr(owner.name)
-            raise PagePoolError(f"{slot.name!r} frees page {page_id}, which is held by {who}")
+            raise PageOwnershipError(f"{slot.name!r} frees page {page_id}, held by {who}")
         self._owner[page_id] = None
         slot.pages.discard(page_id)
         slot.used -= 1
@@ -396,6 +423,21 @@ class PagePool:
                           torch.as_strided(flat, size, stride, flat.storage_offset() + v_off)))
         self._views[model] = views
         return views
+
+    def flat_buffer(self, model: str) -> torch.Tensor:
+        """The whole pool as one 1-D tensor of the model's dtype: the buffer
+        ``engine.kv_cache.KVCache.from_buffer`` takes. Only for a layout that fills its page
+        exactly (``tokens_per_page * bytes_per_token == page_bytes``), because ``KVCache``
+        assumes a page stride of exactly one page of its own data."""
+        lay = self._slot(model).layout
+        if lay.tokens_per_page * lay.bytes_per_token != self.page_bytes:
+            raise PagePoolError(f"{model!r} fills {lay.tokens_per_page * lay.bytes_per_token} of "
+                                f"{self.page_bytes} page bytes; use kv_views for padded pages")
+        if self._storage is None:
+            raise PagePoolError("this pool has no memory (built with device=None)")
+        import torch
+
+        return self._storage.view(getattr(torch, lay.dtype)).view(-1)
 
     # -- reading ------------------------------------------------------------------------------------
     @property
