@@ -38,12 +38,17 @@ class SchedulerConfig:
     max_model_len: int = 4096
     max_prefill_chunk: int | None = None  # None: limited by the budget only
     eos_token_ids: tuple[int, ...] = ()
+    # Free pages a new admission must leave for the running sequences to grow into, as a
+    # fraction of all pages; without it a fresh admission is often preempted the next step.
+    admission_watermark: float = 0.01
 
     def validate(self) -> "SchedulerConfig":
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise SchedulerConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.admission_watermark, (int, float)) or not 0 <= self.admission_watermark < 1:
+            raise SchedulerConfigError(f"admission_watermark must be in [0, 1), got {self.admission_watermark!r}")
         if self.max_prefill_chunk is not None and (not isinstance(self.max_prefill_chunk, int) or self.max_prefill_chunk < 1):
             raise SchedulerConfigError(f"max_prefill_chunk must be None or >= 1, got {self.max_prefill_chunk!r}")
         return self
@@ -96,6 +101,7 @@ class Scheduler:
                 f"one sequence of max_model_len={config.max_model_len}"
             )
         self._eos = frozenset(config.eos_token_ids)
+        self._watermark = int(block_manager.num_total_pages * config.admission_watermark)
         self._next_seq_id = 0
         self._seqs: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
@@ -195,6 +201,10 @@ class Scheduler:
             if seq.num_preemptions and any(seq is p for p in preempted):
                 break
             n = min(seq.num_uncomputed_tokens, chunk_cap, budget)
+            reserve_pages = self._watermark if self.running else 0
+            need = self.blocks.num_new_pages(seq.seq_id, seq.num_computed_tokens + n)
+            if not self.blocks.can_allocate(need + reserve_pages):
+                break
             if not self.blocks.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n):
                 break
             self.waiting.popleft()
