@@ -165,3 +165,13 @@ def test_llm_rejects_bad_params_before_queueing(make_tiny_model):
         llm.generate([[1, 10**7]], SamplingParams(max_tokens=1))
     assert not llm.core.has_unfinished_requests()
     assert llm.core.stats()["default"]["kv_pages_used"] == 0
+
+
+def test_tied_head_saved_anyway_is_ignored(model_copy):
+    d = model_copy("qwen3")
+    f = sorted(d.glob("*.safetensors"))[0]
+    t = load_file(f)
+    t["lm_head.weight"] = torch.zeros_like(t["model.embed_tokens.weight"])
+    save_file(t, f, metadata={"format": "pt"})
+    m = load(d)
+    assert m.lm_head is m.embed and m.embed.abs().sum() > 0
