@@ -145,11 +145,17 @@ class Tokenizer:
         self._bytes: list[bytes | None] | None = None
         if byte_level:
             table: list[bytes | None] = [None] * self.vocab_size
-            inverse = {ch: b for b, ch in byte_to_unicode().items()}
+            # Symbol → the Latin-1 character of its byte, so a whole token converts with one
+            # translate + encode (a 128k vocabulary in well under a second).
+            to_latin1 = {ord(ch): b for b, ch in byte_to_unicode().items()}
             for token, i in backend.get_vocab(with_added_tokens=False).items():
-                table[i] = b"".join(
-                    bytes([inverse[c]]) if c in inverse else c.encode() for c in token
-                )
+                try:
+                    table[i] = token.translate(to_latin1).encode("latin-1")
+                except UnicodeEncodeError:  # a symbol outside the byte alphabet: keep as text
+                    table[i] = b"".join(
+                        bytes([to_latin1[ord(c)]]) if ord(c) in to_latin1 else c.encode()
+                        for c in token
+                    )
             for i, t in added.items():
                 table[i] = t.content.encode()
             self._bytes = table
