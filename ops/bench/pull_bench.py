@@ -140,6 +140,9 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir under /work or /tmp)")
     ap.add_argument("--no-record", action="store_true", help="do not write docs/perf")
     args = ap.parse_args()
+    from agent.log import configure_logging
+
+    configure_logging("console", "warning", stream=sys.stderr)
     size, shard, part = parse_size(args.size), parse_size(args.shard_size), parse_size(args.part_size)
     base = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="pull-bench-",
                                                                           dir="/work" if os.access("/work", os.W_OK) else None))
