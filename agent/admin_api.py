@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,7 @@ class AdminApi:
         cache = ctx.manager.source.stats() if ctx.manager.source is not None else {}
         return {
             "version": agent.__version__,
+            "pid": os.getpid(),
             "uptime_s": round(now - ctx.started, 3),
             "ready": ctx.health.ready()[0],
             "draining": ctx.draining,

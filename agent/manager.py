@@ -367,6 +367,7 @@ class ModelManager:
             "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
             "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
             "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len)),
+            "vocab_size": int(e.info["vocab_size"]) if "vocab_size" in e.info else None,
             "preload": e.settings.preload, "queue_limit": e.queue_limit,
             "snapshot": str(e.snapshot) if e.snapshot is not None else None,
         }

@@ -1,0 +1,228 @@
+"""Serving benchmark: the sharegpt-like workload (DESIGN §7) through the agent's HTTP API.
+
+Streams ``POST /v1/completions`` (prompt as token ids, ``ignore_eos``, ``max_tokens`` = the
+drawn output length, usage in the last chunk) at a fixed concurrency or an arrival rate
+(``inf`` = all at once), and reports req/s, output and total tok/s, TTFT and TPOT p50/p99, and
+the CPU cores used by the agent and the worker (utime + stime from /proc per wall second).
+Either point it at a running agent (``--url``; CPU figures need it to be on this machine) or let
+it start one on a generated model (``--arch/--preset`` or ``--model-dir``).
+
+    python -m ops.bench.serve_bench --arch llama --preset tiny --num-requests 50 --concurrency 8
+    python -m ops.bench.serve_bench --url http://127.0.0.1:8080 --model NAME --concurrency 200
+
+The load generator runs in this process; on a small machine it competes with the agent for CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import random
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ops.bench.engine_bench import REPO, _commit, _pct
+from ops.bench.workload import NAME as WORKLOAD, sharegpt_like, summary
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """utime + stime of a process (0 when it is gone or not on this machine)."""
+    if not pid:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _one(session: Any, url: str, model: str, ids: list[int], out_len: int, seed: int, headers: dict) -> dict:
+    body = {"model": model, "prompt": ids, "max_tokens": out_len, "ignore_eos": True, "temperature": 1.0,
+            "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = None
+    usage: dict = {}
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
+        if resp.status != 200:
+            return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
+        async for line in resp.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                return {"error": chunk["error"]["message"]}
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            elif first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    n_out = usage.get("completion_tokens", 0)
+    first = first or end
+    return {"ttft": first - t0, "e2e": end - t0, "out": n_out, "in": usage.get("prompt_tokens", len(ids)),
+            "tpot": (end - first) / (n_out - 1) if n_out > 1 else None}
+
+
+async def drive(url: str, model: str, reqs: list[Any], concurrency: int | None, rate: float | None,
+                api_key: str = "", seed: int = 0) -> tuple[list[dict], float]:
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
+    rng = random.Random(seed)
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+
+        async def run(i: int, r: Any) -> dict:
+            if sem is None:
+                return await _one(session, url, model, r.prompt_token_ids, r.output_len, i, headers)
+            async with sem:
+                return await _one(session, url, model, r.prompt_token_ids, r.output_len, i, headers)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for i, r in enumerate(reqs):
+            tasks.append(asyncio.create_task(run(i, r)))
+            if rate and rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        wall = time.perf_counter() - t0
+    return [r if isinstance(r, dict) else {"error": repr(r)} for r in results], wall
+
+
+def report(results: list[dict], wall: float, cpu: dict[str, float]) -> dict[str, Any]:
+    ok = [r for r in results if "error" not in r]
+    out_tok = sum(r["out"] for r in ok)
+    in_tok = sum(r["in"] for r in ok)
+    ttft = [r["ttft"] * 1e3 for r in ok]
+    tpot = [r["tpot"] * 1e3 for r in ok if r["tpot"] is not None]
+    rnd = lambda x: None if x is None else round(x, 3)  # noqa: E731
+    return {
+        "requests": len(results), "errors": len(results) - len(ok),
+        "first_error": next((r["error"] for r in results if "error" in r), None),
+        "duration_s": round(wall, 3), "req_s": round(len(ok) / wall, 3),
+        "output_tok_s": round(out_tok / wall, 2), "total_tok_s": round((out_tok + in_tok) / wall, 2),
+        "ttft_ms_p50": rnd(_pct(ttft, 50)), "ttft_ms_p99": rnd(_pct(ttft, 99)),
+        "tpot_ms_p50": rnd(_pct(tpot, 50)), "tpot_ms_p99": rnd(_pct(tpot, 99)),
+        "cpu_cores_agent": round(cpu["agent"] / wall, 3), "cpu_cores_worker": round(cpu["worker"] / wall, 3),
+        "cpu_cores": round((cpu["agent"] + cpu["worker"]) / wall, 3),
+    }
+
+
+def _admin_status(url: str, token: str) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(url + "/admin/v1/status", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _start_agent(args: argparse.Namespace, root: Path) -> tuple[Any, str, str, str]:
+    """Seed a store and start a daemon; returns (process, url, model name, admin token)."""
+    from agent.commands.demo import _pick_port, seed_store, start_daemon, wait_ready
+
+    name = "bench-" + (Path(args.model_dir).name.lower() if args.model_dir else f"{args.arch}-{args.preset}")
+    if args.model_dir:
+        from cache import open_store
+        from cache.publish import publish_model
+
+        store_url = (root / "store").as_uri()
+        store = open_store(store_url)
+        publish_model(store, args.model_dir, name)
+        store.close()
+    else:
+        store_url = seed_store(root, name, args.arch, args.preset)
+    port = _pick_port(18080)
+    token = "bench-token"
+    cfg = root / "agent.toml"
+    cfg.write_text(
+        f'[server]\nport = {port}\nruntime_dir = "{root / "run"}"\nadmin_token = "{token}"\n\n'
+        f'[store]\nurl = "{store_url}"\n\n[cache]\ndir = "{root / "cache"}"\n\n'
+        f'[gpu]\ndevice = "{args.device}"\n\n'
+        f'[[models]]\nname = "{name}"\npreload = true\nmax_model_len = {args.max_model_len}\n'
+        f'max_num_seqs = {args.max_num_seqs}\n'
+    )
+    proc = start_daemon(root, cfg)
+    wait_ready(port, name, proc, 1800, root / "agent.log")
+    return proc, f"http://127.0.0.1:{port}", name, token
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", help="a running agent (default: start one)")
+    ap.add_argument("--model", help="model name on --url")
+    ap.add_argument("--admin-token", default=os.environ.get("INFIRE_ADMIN_TOKEN", ""), help="for pids and vocab")
+    ap.add_argument("--api-key", default="")
+    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--model-dir", help="serve this model folder instead of a generated one")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--max-model-len", type=int, default=2048 + 16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--concurrency", type=int, help="requests in flight (DESIGN §7: 200)")
+    ap.add_argument("--rate", type=float, help="arrivals per second (inf: all at once)")
+    ap.add_argument("--vocab-size", type=int, help="default: the model's")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-serve-<model>-<mode>-<commit>.json)")
+    ap.add_argument("--no-save", action="store_true")
+    a = ap.parse_args(argv)
+    if (a.concurrency is None) == (a.rate is None):
+        ap.error("give exactly one of --concurrency N or --rate R")
+    tmp = None
+    proc = None
+    try:
+        if a.url:
+            url, model, token = a.url.rstrip("/"), a.model, a.admin_token
+            if not model:
+                ap.error("--model is needed with --url")
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="serve-bench-")
+            proc, url, model, token = _start_agent(a, Path(tmp.name))
+        st = _admin_status(url, token) if token else {}
+        info = next((m for m in st.get("models", []) if m["name"] == model), {})
+        vocab = a.vocab_size or info.get("vocab_size")
+        if not vocab:
+            ap.error("--vocab-size is needed (no admin token to read it from the agent)")
+        reqs = sharegpt_like(a.num_requests, vocab, a.seed)
+        pids = {"agent": st.get("pid") or (proc.pid if proc else None), "worker": (st.get("worker") or {}).get("pid")}
+        before = {k: cpu_seconds(p) for k, p in pids.items()}
+        results, wall = asyncio.run(drive(url, model, reqs, a.concurrency, a.rate, a.api_key, a.seed))
+        cpu = {k: cpu_seconds(p) - before[k] for k, p in pids.items()}
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+        if tmp is not None:
+            tmp.cleanup()
+    mode = f"concurrency-{a.concurrency}" if a.concurrency else f"rate-{'inf' if a.rate == float('inf') else a.rate:g}"
+    now = dt.datetime.now(dt.timezone.utc)
+    commit = _commit()
+    device = (st.get("worker") or {}).get("device") or a.device
+    result = {
+        "date": now.isoformat(timespec="seconds"), "gpu": device if "cuda" in str(device) else f"none ({device})",
+        "commit": commit, "command": "python -m ops.bench.serve_bench " + shlex.join(argv or sys.argv[1:]),
+        "model": model, "workload": {"name": WORKLOAD, **summary(reqs), "seed": a.seed, "vocab_size": vocab},
+        "mode": mode, **report(results, wall, cpu),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if not a.no_save:
+        out = Path(a.out) if a.out else REPO / "docs" / "perf" / f"{now:%Y%m%d-%H%M}-serve-{model}-{mode}-{commit}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    return 0 if result["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
