@@ -69,13 +69,20 @@ def byte_to_unicode() -> dict[int, str]:
     return table
 
 
-def _read_json(path: Path, limit: int) -> Any:
+def _read_text(path: Path, limit: int) -> str:
     try:
         size = path.stat().st_size
         if size > limit:
             raise TokenizerError(f"{path} is {size} bytes (at most {limit})")
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"cannot read {path}: {e}") from None
+
+
+def _read_json(path: Path, limit: int, text: str | None = None) -> Any:
+    try:
+        return json.loads(_read_text(path, limit) if text is None else text)
+    except json.JSONDecodeError as e:
         raise TokenizerError(f"cannot read {path}: {e}") from None
 
 
@@ -171,9 +178,12 @@ class Tokenizer:
         path = d / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{d} has no tokenizer.json (only fast tokenizers are supported)")
-        spec = _read_json(path, _MAX_TOKENIZER_JSON_BYTES)
+        raw = _read_text(path, _MAX_TOKENIZER_JSON_BYTES)
+        spec = _read_json(path, _MAX_TOKENIZER_JSON_BYTES, raw)
+        if not isinstance(spec, dict):
+            raise TokenizerError(f"{path} must hold a JSON object")
         try:
-            backend = Backend.from_str(json.dumps(spec))
+            backend = Backend.from_str(raw)
         except Exception as e:  # the Rust side raises plain Exception subclasses
             raise TokenizerError(f"{path} is not a valid tokenizer: {e}") from None
 
@@ -211,10 +221,7 @@ class Tokenizer:
 
         template_file = d / "chat_template.jinja"
         if template_file.is_file():
-            try:
-                template: Any = template_file.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise TokenizerError(f"cannot read {template_file}: {e}") from None
+            template: Any = _read_text(template_file, _MAX_CONFIG_JSON_BYTES)
         else:
             template = config.get("chat_template")
         if isinstance(template, list):  # named templates: use the default one

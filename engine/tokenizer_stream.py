@@ -89,6 +89,10 @@ class StopMatcher:
     stop string *first completes*; at one position the longest stop wins. That makes the
     result independent of how the text was chunked. ``flush()`` at the end of a stream that
     did not stop returns the held-back tail.
+
+    The held tail is the longest suffix that is a prefix of some stop, so any occurrence
+    that ends in new text starts inside ``held + text``: each push is a few ``str.find``
+    calls over that window, not a loop over characters.
     """
 
     def __init__(self, stops: Sequence[str] = (), *, max_stops: int = 16,
@@ -103,8 +107,6 @@ class StopMatcher:
             if len(s) > max_stop_chars:
                 raise StopStringError(f"stop strings are at most {max_stop_chars} characters")
         self._stops = list(dict.fromkeys(stops))
-        self._fail = [_failure(s) for s in self._stops]
-        self._state = [0] * len(self._stops)
         self._held = ""
         self.matched: str | None = None
 
@@ -119,42 +121,34 @@ class StopMatcher:
             return "", True
         if not self._stops:
             return text, False
-        pending = self._held + text
-        base = len(self._held)
-        for j, ch in enumerate(text):
-            best = None
-            for k, stop in enumerate(self._stops):
-                n = self._state[k]
-                while n and stop[n] != ch:
-                    n = self._fail[k][n - 1]
-                if stop[n] == ch:
-                    n += 1
-                if n == len(stop):
-                    if best is None or len(stop) > len(best):
-                        best = stop
-                    n = self._fail[k][n - 1]
-                self._state[k] = n
-            if best is not None:
-                self.matched = best
-                self._held = ""
-                return pending[: base + j + 1 - len(best)], True
-        keep = max(self._state)
-        self._held = pending[len(pending) - keep :] if keep else ""
-        return pending[: len(pending) - keep], False
+        window = self._held + text
+        best: str | None = None
+        best_end = 0
+        for stop in self._stops:
+            at = window.find(stop)
+            if at < 0:
+                continue
+            end = at + len(stop)
+            if best is None or end < best_end or (end == best_end and len(stop) > len(best)):
+                best, best_end = stop, end
+        if best is not None:
+            self.matched = best
+            self._held = ""
+            return window[: best_end - len(best)], True
+        keep = max(_partial_len(window, stop) for stop in self._stops)
+        self._held = window[len(window) - keep :] if keep else ""
+        return window[: len(window) - keep], False
 
     def flush(self) -> str:
         held, self._held = self._held, ""
         return "" if self.matched is not None else held
 
 
-def _failure(s: str) -> list[int]:
-    """KMP failure table: fail[i] = length of the longest proper border of s[: i + 1]."""
-    fail = [0] * len(s)
-    n = 0
-    for i in range(1, len(s)):
-        while n and s[i] != s[n]:
-            n = fail[n - 1]
-        if s[i] == s[n]:
-            n += 1
-        fail[i] = n
-    return fail
+def _partial_len(window: str, stop: str) -> int:
+    """Length of the longest suffix of ``window`` that is a proper prefix of ``stop``."""
+    i = window.find(stop[0], max(0, len(window) - len(stop) + 1))
+    while i >= 0:
+        if stop.startswith(window[i:]):
+            return len(window) - i
+        i = window.find(stop[0], i + 1)
+    return 0
