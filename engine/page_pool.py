@@ -34,6 +34,8 @@ from engine.errors import EngineError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from engine.page_memory import PoolMemory
+
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1,
              "float8_e5m2": 1, "int8": 1, "uint8": 1}
 PAGE_ALIGN = 16  # every dtype view of a page must start on an element boundary
@@ -195,8 +197,11 @@ class PagePool:
         self._owner: list[_Slot | None] = [None] * num_pages
         self._slots: dict[str, _Slot] = {}
         self._reserve = 0  # sum of slot.reserve(): free pages held back for minimums
-        self._views: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._storage: torch.Tensor | None = self._new_storage(num_pages)
+        self._memory: PoolMemory | None = None
+        if device is not None:
+            from engine.page_memory import PoolMemory
+
+            self._memory = PoolMemory(num_pages, page_bytes, device)
 
     # -- models -----------------------------------------------------------------------------------
     def register(self, model: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -242,7 +247,8 @@ class PagePool:
         self._reserve -= slot.reserve()
         slot.active = False
         del self._slots[model]
-        self._views.pop(model, None)
+        if self._memory is not None:
+            self._memory.forget(model)
 
     def allocator_for(self, model: str) -> ModelPageSource:
         return _ModelAllocator(self, self._slot(model))
@@ -338,8 +344,8 @@ class PagePool:
         if num_pages - used < reserve:
             raise PoolExhausted(f"{num_pages} pages cannot hold {used} live pages plus "
                                 f"{reserve} guaranteed to models")
-        if self._storage is not None:
-            self._storage = self._swap_storage(num_pages)
+        if self._memory is not None:
+            self._memory.resize(num_pages, [p for s in self._slots.values() for p in s.pages])
         self._owner = self._owner[:num_pages] + [None] * max(0, num_pages - self.num_pages)
         self.num_pages = self._limit = num_pages
         for s in self._slots.values():
@@ -348,52 +354,7 @@ class PagePool:
         self._free_ids = [p for p in range(num_pages - 1, -1, -1) if self._owner[p] is None]
         self.generation += 1
 
-    def _swap_storage(self, num_pages: int) -> torch.Tensor:
-        import torch
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        old = self._storage
-        live = sorted(p for s in self._slots.values() for p in s.pages)
-        index = torch.tensor(live, dtype=torch.long, device=old.device)  # type: ignore[union-attr]
-        saved = old.index_select(0, index).to("cpu") if live else None
-        self._views.clear()
-        # Views are not autograd views of the byte tensor (dtype changes), so watch the storage.
-        ref = StorageWeakRef(old.untyped_storage())  # type: ignore[union-attr]
-        keep = old
-        self._storage = None
-        del old, keep
-        if not ref.expired():
-            # Someone still holds a view: the memory would stay allocated beside the new pool.
-            self._storage = self._reclaim(ref)
-            raise PoolBusyError("views of the pool are still referenced outside it; drop them "
-                                "(re-fetch kv_views after the resize) before resizing")
-        if self._device_is_cuda():
-            torch.cuda.empty_cache()  # give the old block back before asking for the new one
-        new = self._new_storage(num_pages)
-        if new is not None and saved is not None:
-            new.index_copy_(0, index.to(new.device), saved.to(new.device))
-        return new  # type: ignore[return-value]
-
-    def _reclaim(self, ref: Any) -> torch.Tensor:
-        """The pool's byte tensor again, from the storage that outside views keep alive."""
-        import torch
-
-        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-        t = torch.empty((0,), dtype=torch.uint8, device=storage.device)
-        return t.set_(storage, 0, (self.num_pages, self.page_bytes))
-
-    # -- memory and views -----------------------------------------------------------------------------
-    def _device_is_cuda(self) -> bool:
-        return self.device is not None and str(self.device).startswith("cuda")
-
-    def _new_storage(self, num_pages: int) -> torch.Tensor | None:
-        if self.device is None:
-            return None
-        import torch
-
-        # Zeroed, so a kernel that reads a masked, never-written slot sees no NaN bit patterns.
-        return torch.zeros((num_pages, self.page_bytes), dtype=torch.uint8, device=self.device)
-
+    # -- memory and views -----------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
         return self.num_pages * self.page_bytes
@@ -403,26 +364,7 @@ class PagePool:
         head_dim]`` over the shared memory; page stride = ``page_bytes // itemsize`` elements.
         Valid until the next ``resize`` (``generation`` changes): do not keep them across one."""
         slot = self._slot(model)
-        if self._storage is None:
-            raise PagePoolError("this pool has no memory (built with device=None)")
-        cached = self._views.get(model)
-        if cached is not None:
-            return cached
-        import torch
-
-        lay = slot.layout
-        flat = self._storage.view(getattr(torch, lay.dtype))  # [num_pages, page_elems]
-        page_elems = self.page_bytes // lay.itemsize
-        block = lay.tokens_per_page * lay.num_kv_heads * lay.head_dim
-        size = (self.num_pages, lay.tokens_per_page, lay.num_kv_heads, lay.head_dim)
-        stride = (page_elems, lay.num_kv_heads * lay.head_dim, lay.head_dim, 1)
-        views = []
-        for layer in range(lay.num_layers):
-            k_off, v_off = (2 * layer) * block, (2 * layer + 1) * block
-            views.append((torch.as_strided(flat, size, stride, flat.storage_offset() + k_off),
-                          torch.as_strided(flat, size, stride, flat.storage_offset() + v_off)))
-        self._views[model] = views
-        return views
+        return self._require_memory().views(model, slot.layout)
 
     def flat_buffer(self, model: str) -> torch.Tensor:
         """The whole pool as one 1-D tensor of the model's dtype: the buffer
@@ -433,11 +375,12 @@ class PagePool:
         if lay.tokens_per_page * lay.bytes_per_token != self.page_bytes:
             raise PagePoolError(f"{model!r} fills {lay.tokens_per_page * lay.bytes_per_token} of "
                                 f"{self.page_bytes} page bytes; use kv_views for padded pages")
-        if self._storage is None:
-            raise PagePoolError("this pool has no memory (built with device=None)")
-        import torch
+        return self._require_memory().flat(lay)
 
-        return self._storage.view(getattr(torch, lay.dtype)).view(-1)
+    def _require_memory(self) -> PoolMemory:
+        if self._memory is None:
+            raise PagePoolError("this pool has no memory (built with device=None)")
+        return self._memory
 
     # -- reading ------------------------------------------------------------------------------------
     @property

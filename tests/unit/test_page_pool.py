@@ -1,0 +1,312 @@
+"""PagePool: page geometry and strides, isolation of models with different token sizes, exclusive
+ownership and no leaks over random traces, guaranteed minimums under a burst, caps, fencing and
+resizing with live pages, and the block manager running on it."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager, OutOfPages, PageError
+from engine.page_pool import (
+    ModelPageSource,
+    PagePool,
+    PagePoolError,
+    PageOwnershipError,
+    PoolBusyError,
+    PoolExhausted,
+)
+
+# Model "big": 2 layers x 2 x 2 heads x 8 dims x fp16 = 128 B/token; "small": 1 x 2 x 1 x 4 x fp32.
+BIG = dict(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
+SMALL = dict(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+
+
+def test_geometry_and_strides():
+    pool = PagePool(6, 4096 + 64, device="cpu")  # 64 B of padding a page: views must not care
+    lay = pool.register("big", **BIG)
+    assert lay.bytes_per_token == 2 * 2 * 2 * 8 * 2 == 128
+    assert lay.tokens_per_page == 32 and pool.allocator_for("big").block_size == 32
+    views = pool.kv_views("big")
+    assert len(views) == 2
+    page_elems = (4096 + 64) // 2
+    for k, v in views:
+        assert k.shape == v.shape == (6, 32, 2, 8) and k.dtype == torch.float16
+        assert k.stride() == v.stride() == (page_elems, 16, 8, 1)
+    # Write one value through each view and find it at the byte offset of the page layout
+    # [layers, 2, tokens, kv_heads, head_dim].
+    raw = pool._memory.tensor
+    for layer in range(2):
+        for kind in range(2):
+            view = views[layer][kind]
+            page, tok, head, dim = 4, 17, 1, 5
+            view[page, tok, head, dim] = 1.5
+            elem = (((layer * 2 + kind) * 32 + tok) * 2 + head) * 8 + dim
+            off = page * (4096 + 64) + elem * 2
+            assert raw[page, elem * 2:elem * 2 + 2].view(torch.float16).item() == 1.5
+            assert raw.view(-1)[off:off + 2].view(torch.float16).item() == 1.5
+    assert int((raw != 0).sum()) <= 4 * 2  # nothing else was touched
+
+
+def test_register_rejects_bad_geometry():
+    pool = PagePool(4, 256, device=None)
+    with pytest.raises(PagePoolError, match="more than a 256 B page"):
+        pool.register("huge", num_layers=4, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    with pytest.raises(PagePoolError, match="do not fit a page"):
+        pool.register("m", **BIG, tokens_per_page=3)  # 2 fit
+    with pytest.raises(PagePoolError, match="unsupported KV dtype"):
+        pool.register("m", num_layers=1, num_kv_heads=1, head_dim=4, dtype="complex64")
+    with pytest.raises(PagePoolError, match="num_layers"):
+        pool.register("m", num_layers=0, num_kv_heads=1, head_dim=4, dtype="float16")
+    with pytest.raises(PagePoolError, match="max_pages 1 < min_pages 2"):
+        pool.register("m", **SMALL, min_pages=2, max_pages=1)
+    with pytest.raises(PagePoolError, match="multiple of 16"):
+        PagePool(4, 100)
+    assert pool.register("m", **SMALL, tokens_per_page=8).tokens_per_page == 8
+    with pytest.raises(PagePoolError, match="already registered"):
+        pool.register("m", **SMALL)
+    with pytest.raises(PagePoolError, match="no memory"):
+        pool.kv_views("m")
+
+
+def test_two_models_with_different_token_sizes_do_not_corrupt_each_other():
+    gen = torch.Generator().manual_seed(0)
+    pool = PagePool(16, 4096, device="cpu")
+    pool.register("big", **BIG, min_pages=2)
+    pool.register("small", **SMALL, min_pages=2)
+    assert pool.layout("small").tokens_per_page == 4096 // 32
+    big, small = pool.allocator_for("big"), pool.allocator_for("small")
+    rng = random.Random(1)
+    pages = {"big": [], "small": []}
+    for _ in range(14):  # interleave, so the two models' pages alternate in the pool
+        name = rng.choice(["big", "small"])
+        pages[name].append((big if name == "big" else small).allocate())
+    assert not set(pages["big"]) & set(pages["small"])
+    written = {}
+    for name in ("small", "big"):
+        for layer, (k, v) in enumerate(pool.kv_views(name)):
+            for kind, view in enumerate((k, v)):
+                idx = torch.tensor(pages[name], dtype=torch.long)
+                data = torch.randn((len(idx),) + tuple(view.shape[1:]), generator=gen).to(view.dtype)
+                view[idx] = data
+                written[name, layer, kind] = data
+        if name == "small":
+            small_bytes = pool._memory.tensor[torch.tensor(pages["small"])].clone()
+    # The big model's writes left every byte of the small model's pages as it was ...
+    assert torch.equal(pool._memory.tensor[torch.tensor(pages["small"])], small_bytes)
+    # ... and each model reads back exactly what it wrote.
+    for (name, layer, kind), data in written.items():
+        view = pool.kv_views(name)[layer][kind]
+        assert torch.equal(view[torch.tensor(pages[name])], data)
+
+
+def check_state(pool: PagePool, held: dict[str, set[int]]) -> None:
+    pool.audit()
+    seen: set[int] = set()
+    for name, pages in held.items():
+        assert not pages & seen, "a page has two owners"
+        seen |= pages
+        src = pool.allocator_for(name)
+        assert src.num_used == len(pages)
+        s = pool.stats()[name]
+        # Whatever the others did, a model can still reach its guaranteed minimum.
+        assert src.num_free >= s["min"] - len(pages)
+        if s["max"] >= 0:
+            assert len(pages) <= s["max"]
+    assert pool.num_free == pool.num_pages - len(seen)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.booleans(), st.integers(0, 1000)),
+                max_size=300))
+def test_random_traces_keep_ownership_minimums_and_free_everything(ops):
+    pool = PagePool(24, 1024, device=None)
+    pool.register("a", **SMALL, min_pages=4)
+    pool.register("b", **SMALL, min_pages=6, max_pages=10)
+    pool.register("c", **SMALL)
+    held = {n: set() for n in "abc"}
+    for name, alloc, pick in ops:
+        src = pool.allocator_for(name)
+        if alloc or not held[name]:
+            expect = src.num_free
+            page = src.try_allocate()
+            assert (page is None) == (expect == 0)
+            if page is not None:
+                held[name].add(page)
+        else:
+            page = sorted(held[name])[pick % len(held[name])]
+            src.free(page)
+            held[name].discard(page)
+        check_state(pool, held)
+    for name in "abc":
+        assert pool.free_all(name) == len(held[name])
+        pool.unregister(name)
+    assert pool.num_free == 24 and pool.num_reserved == 0
+    pool.audit()
+
+
+def test_burst_cannot_lock_another_model_out():
+    pool = PagePool(20, 1024, device=None)
+    pool.register("flood", **SMALL, min_pages=2)
+    pool.register("quiet", **SMALL, min_pages=5)
+    flood = pool.allocator_for("flood")
+    got = []
+    while (p := flood.try_allocate()) is not None:
+        got.append(p)
+    assert len(got) == 15 and pool.num_free == 5 and flood.num_free == 0
+    with pytest.raises(OutOfPages):
+        flood.allocate()
+    quiet = pool.allocator_for("quiet")
+    assert quiet.can_allocate(5) and not quiet.can_allocate(6)
+    mine = [quiet.allocate() for _ in range(5)]
+    assert quiet.try_allocate() is None and not set(mine) & set(got)
+    flood.free(got.pop())  # above their minimums, pages go to whoever asks first
+    assert quiet.num_free == 1 and flood.num_free == 1
+    assert quiet.allocate() not in got
+
+
+def test_cap_and_minimum_admission():
+    pool = PagePool(10, 1024, device=None)
+    pool.register("a", **SMALL, min_pages=6)
+    with pytest.raises(PoolExhausted, match="cannot guarantee 5 pages to 'b': 4 free"):
+        pool.register("b", **SMALL, min_pages=5)
+    pool.register("b", **SMALL, min_pages=1, max_pages=3)
+    b = pool.allocator_for("b")
+    assert b.num_free == 3 and b.num_total == 3
+    for _ in range(3):
+        b.allocate()
+    assert b.try_allocate() is None and b.num_total == 3
+    assert pool.allocator_for("a").num_free == 7  # its 6 held back + the 1 nobody holds
+
+
+def test_ownership_errors():
+    pool = PagePool(4, 1024, device=None)
+    pool.register("a", **SMALL)
+    pool.register("b", **SMALL)
+    a, b = pool.allocator_for("a"), pool.allocator_for("b")
+    page = a.allocate()
+    with pytest.raises(PageOwnershipError, match="'b' frees page 0, held by 'a'"):
+        b.free(page)
+    a.free(page)
+    with pytest.raises(PageError, match="double free"):  # the block manager's error type too
+        a.free(page)
+    for bad in (-1, 4, True, "0"):
+        with pytest.raises(PagePoolError, match="not a page id"):
+            a.free(bad)
+    a.allocate()
+    with pytest.raises(PoolBusyError, match="still holds 1 pages"):
+        pool.unregister("a")
+    pool.free_all("a")
+    pool.unregister("a")
+    with pytest.raises(PagePoolError, match="no longer registered"):
+        a.allocate()
+    pool.register("a", **SMALL)  # a new registration does not revive the old allocator
+    with pytest.raises(PagePoolError, match="no longer registered"):
+        a.num_free
+    pool.audit()
+
+
+def test_fence_and_resize_keep_live_pages():
+    pool = PagePool(8, 1024, device="cpu")
+    pool.register("a", **SMALL, min_pages=2)
+    a = pool.allocator_for("a")
+    pages = [a.allocate() for _ in range(8)]
+    k = pool.kv_views("a")[0][0]
+    for p in pages:
+        k[p].fill_(float(p))
+    del k
+    with pytest.raises(PoolBusyError, match="4 pages above are still held"):
+        pool.resize(4)
+    assert pool.fence(4) == 4
+    for p in (1, 6, 7, 5):
+        a.free(p)
+    assert pool.num_free == 1 and a.try_allocate() == 1  # only pages below the fence come back
+    assert pool.num_fenced_in_use() == 1
+    a.free(4)
+    pool.resize(4)
+    assert pool.num_pages == 4 and pool.generation == 1 and pool.nbytes == 4096
+    k = pool.kv_views("a")[0][0]
+    for p in (0, 1, 2, 3):
+        assert torch.all(k[p] == float(p))
+    del k
+    pool.audit()
+    pool.resize(10)  # grow: live pages kept, new ones free
+    assert pool.num_free == 6 and pool.num_pages == 10
+    assert torch.all(pool.kv_views("a")[0][0][3] == 3.0)
+    pool.audit()
+
+
+def test_resize_refuses_while_views_are_held_and_changes_nothing():
+    pool = PagePool(4, 1024, device="cpu")
+    pool.register("a", **SMALL)
+    page = pool.allocator_for("a").allocate()
+    k = pool.kv_views("a")[0][0]
+    k[page].fill_(7.0)
+    with pytest.raises(PoolBusyError, match="still referenced"):
+        pool.resize(8)
+    assert pool.num_pages == 4 and pool.generation == 0
+    fresh = pool.kv_views("a")[0][0]
+    fresh[page].fill_(9.0)
+    assert torch.all(k[page] == 9.0)  # still the same memory
+    del k, fresh
+    pool.resize(8)
+    assert torch.all(pool.kv_views("a")[0][0][page] == 9.0)
+
+
+def test_resize_and_fence_respect_minimums():
+    pool = PagePool(8, 1024, device=None)
+    pool.register("a", **SMALL, min_pages=3)
+    pool.register("b", **SMALL, min_pages=3)
+    with pytest.raises(PoolExhausted, match="guaranteed"):
+        pool.fence(5)
+    with pytest.raises(PoolExhausted, match="guaranteed"):
+        pool.resize(5)
+    pool.resize(6)
+    assert pool.num_free == 6 and pool.num_reserved == 6
+
+
+def test_block_manager_runs_on_the_pool():
+    pool = PagePool(6, 1024, device=None)
+    pool.register("a", **SMALL, min_pages=2)
+    pool.register("b", **SMALL, min_pages=2)
+    src = pool.allocator_for("a")
+    assert isinstance(src, ModelPageSource)
+    bm = BlockManager(src.block_size, src)
+    bs = src.block_size
+    assert bm.num_free_pages == 4 and bm.num_total_pages == 4
+    assert bm.ensure_capacity(1, 3 * bs) and bm.num_used_pages == 3
+    assert not bm.ensure_capacity(2, 2 * bs)  # b's two held-back pages are not a's
+    assert bm.ensure_capacity(2, bs)
+    assert pool.num_used("a") == 4 and pool.allocator_for("b").num_free == 2
+    assert bm.free(1) == 3 and bm.free(2) == 1
+    assert pool.num_free == 6
+    pool.audit()
+
+
+def test_flat_buffer_matches_the_engine_kv_cache_layout():
+    from engine.kv_cache import KVCache, KVSpec
+
+    pool = PagePool(5, 4096, device="cpu")
+    lay = pool.register("big", **BIG)
+    spec = KVSpec(lay.num_layers, lay.tokens_per_page, lay.num_kv_heads, lay.head_dim, torch.float16)
+    kv = KVCache.from_buffer(spec, pool.flat_buffer("big"))
+    assert kv.num_pages == 5
+    for layer, (k, v) in enumerate(pool.kv_views("big")):
+        assert kv.k(layer).data_ptr() == k.data_ptr() and kv.k(layer).stride() == k.stride()
+        assert kv.v(layer).data_ptr() == v.data_ptr() and kv.v(layer).stride() == v.stride()
+    padded = PagePool(5, 4096 + 16, device="cpu")
+    padded.register("big", **BIG)
+    with pytest.raises(PagePoolError, match="use kv_views"):
+        padded.flat_buffer("big")
+
+
+def test_import_stays_torch_free():
+    code = "import sys, engine.page_pool; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
