@@ -182,3 +182,43 @@ async def test_enospc_under_an_emulated_quota(tmp_path, store, monkeypatch):
         await cache.pull(store, "a")
     files = tree_files(tmp_path / "cache")
     assert not any(f.startswith(("models/", "partial/")) for f in files), files
+
+
+# ------------------------------------------------------------------ the planner alone
+
+
+def _uses(*spec):
+    from cache.eviction import ModelUse
+
+    return [ModelUse(n, frozenset({f"{n}1", f"{n}2"}), t, p) for n, t, p in spec]
+
+
+def test_planner_watermarks_and_shared_blobs():
+    from cache.eviction import ModelUse, plan
+
+    sizes = {f"{n}{i}": 10 for n in "abc" for i in (1, 2)}
+    models = _uses(("a", 1.0, False), ("b", 2.0, False), ("c", 3.0, False))
+    # 60 used + 30 incoming = 90 <= 95 % of 100: below the high watermark, nothing goes.
+    assert plan(models, sizes, {}, 60, 30, 100, 0.95, 0.5).models == ()
+    # 60 + 40 = 100 > 95: evict LRU until <= 60 % (two models of 20).
+    p = plan(models, sizes, {}, 60, 40, 100, 0.95, 0.6)
+    assert p.models == ("a", "b") and p.freed == 40 and set(p.blobs) == {"a1", "a2", "b1", "b2"}
+    # A blob shared with a surviving model is kept; an orphan goes before any model.
+    shared = models + [ModelUse("d", frozenset({"a1"}), 9.0, True)]
+    p = plan(shared, {**sizes, "o": 10}, {"o": 0.0}, 70, 30, 100, 0.95, 0.9)
+    assert p.blobs[0] == "o" and "a1" not in p.blobs
+
+
+def test_planner_refuses_without_evicting_when_it_cannot_fit():
+    from cache.eviction import plan
+
+    sizes = {f"{n}{i}": 10 for n in "ab" for i in (1, 2)}
+    models = _uses(("a", 1.0, True), ("b", 2.0, False))
+    with pytest.raises(CacheFullError, match="pinned: a"):
+        plan(models, sizes, {}, 40, 85, 100, 0.95, 0.85)  # b goes, a stays: 20 + 85 > 100
+    assert plan(models, sizes, {}, 40, 70, 100, 0.95, 0.85).models == ("b",)  # over low, under max: fine
+    with pytest.raises(CacheFullError, match="do not fit"):
+        plan(models, sizes, {}, 0, 101, 100, 0.95, 0.85)
+    # The model being pulled is never a victim.
+    with pytest.raises(CacheFullError):
+        plan(_uses(("a", 1.0, False)), sizes, {}, 20, 90, 100, 0.95, 0.85, keep_models=frozenset({"a"}))
