@@ -1,0 +1,203 @@
+"""Warm tier: recently unloaded models' weights kept in (pinned) host RAM under a byte budget.
+
+``put(name, tensors)`` packs a model's tensors into one host buffer (page-locked with
+``cudaHostRegister`` when CUDA is there, so the way back runs at pinned PCIe speed; torch's
+pinned allocator is avoided because it rounds to powers of two and keeps freed blocks), evicting least-recently-used models until it fits;
+``restore(name, dst)`` copies the packed bytes straight into the new device tensors on a few
+CUDA streams and returns when they have landed. A model bigger than the whole budget is refused
+(``put`` returns False) without evicting anything. Thread-safe (one lock); the copies run outside
+the lock only for ``restore``'s device transfers of an entry that is pinned against eviction.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import EngineError
+
+_ALIGN = 256  # each tensor starts on a 256-byte boundary of the packed buffer
+log = logging.getLogger(__name__)
+
+
+class WarmTierError(EngineError):
+    """A restore does not match what was stored (names, shapes, dtypes), or a bad budget."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class _Entry:
+    buffer: torch.Tensor  # uint8, host
+    slots: dict[str, _Slot]
+    nbytes: int
+    users: int = 0  # restores in progress: not evictable meanwhile
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, _Slot], int]:
+    slots, off = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        slots[name] = _Slot(off, n, tuple(t.shape), t.dtype)
+        off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    return slots, off
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A host uint8 buffer, page-locked for its lifetime when ``pin`` (unpinned if that fails)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if pin and nbytes:
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            log.warning("warm tier: cudaHostRegister of %d bytes failed (%s); keeping it pageable", nbytes, err)
+        else:
+            # unregistered when the buffer object dies, before its memory is freed
+            weakref.finalize(buf, _unregister, buf.data_ptr())
+    return buf
+
+
+class WarmTier:
+    """LRU store of host copies of model weights, bounded by ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int, pin: bool | None = None):
+        if budget_bytes < 0:
+            raise WarmTierError(f"warm tier budget must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def models(self) -> list[str]:
+        """Stored model names, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        with self._lock:
+            return name in self._entries
+
+    def _evict_for(self, need: int) -> bool:
+        """Drop least recently used idle entries until ``need`` more bytes fit; False if impossible
+        (then nothing is dropped)."""
+        used = sum(e.nbytes for e in self._entries.values())
+        busy = sum(e.nbytes for e in self._entries.values() if e.users)
+        if busy + need > self.budget_bytes:
+            return False
+        for name in list(self._entries):
+            if used + need <= self.budget_bytes:
+                break
+            e = self._entries[name]
+            if not e.users:
+                used -= e.nbytes
+                del self._entries[name]
+                log.info("warm tier: evicted %s (%d bytes)", name, e.nbytes)
+        return True
+
+    def put(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
+        """Store host copies of ``tensors`` (any device) under ``name``, replacing an older copy.
+
+        Returns False, storing nothing and evicting nothing, when it cannot fit the budget.
+        """
+        slots, total = _layout(tensors)
+        with self._lock:
+            if total > self.budget_bytes:
+                return False
+            old = self._entries.pop(name, None)  # the new copy replaces it
+            if not self._evict_for(total):
+                if old is not None:
+                    self._entries[name] = old
+                return False
+            # reserve the bytes now so a concurrent put cannot overshoot the budget
+            entry = _Entry(torch.empty(0, dtype=torch.uint8), slots, total, users=1)
+            self._entries[name] = entry
+        try:
+            buf = _host_buffer(total, self.pin)
+            for n, t in tensors.items():
+                s = slots[n]
+                buf[s.offset:s.offset + s.nbytes].copy_(_bytes_of(t), non_blocking=t.is_cuda)
+            if any(t.is_cuda for t in tensors.values()):
+                torch.cuda.synchronize()
+        except BaseException:
+            with self._lock:
+                if self._entries.get(name) is entry:
+                    del self._entries[name]
+            raise
+        with self._lock:
+            entry.buffer = buf
+            entry.users = 0
+        return True
+
+    def get(self, name: str) -> dict[str, torch.Tensor] | None:
+        """Host tensors (views of the stored buffer) of ``name``, marking it most recently used."""
+        with self._lock:
+            e = self._entries.get(name)
+            if e is None or e.users:
+                return None
+            self._entries.move_to_end(name)
+            return {n: e.buffer[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for n, s in e.slots.items()}
+
+    def discard(self, name: str) -> bool:
+        with self._lock:
+            return self._entries.pop(name, None) is not None
+
+    def restore(self, name: str, dst: dict[str, torch.Tensor], streams: int = 2) -> bool:
+        """Copy ``name``'s stored bytes into ``dst`` (same names, shapes, dtypes; contiguous).
+
+        Returns False when ``name`` is not stored; raises WarmTierError on a mismatch. The entry
+        stays stored (and becomes most recently used): the caller discards it if it wants the RAM.
+        """
+        with self._lock:
+            e = self._entries.get(name)
+            if e is None or e.users:
+                return False
+            if set(dst) != set(e.slots):
+                missing = sorted(set(e.slots) ^ set(dst))[:3]
+                raise WarmTierError(f"restore of {name!r}: tensor names differ from the stored copy ({missing})")
+            for n, t in dst.items():
+                s = e.slots[n]
+                if tuple(t.shape) != s.shape or t.dtype != s.dtype or not t.is_contiguous():
+                    raise WarmTierError(f"restore of {name!r}: {n} is {tuple(t.shape)} {t.dtype}, stored "
+                                        f"{s.shape} {s.dtype} (destination must be contiguous)")
+            e.users += 1
+            self._entries.move_to_end(name)
+        try:
+            cuda = [t for t in dst.values() if t.is_cuda]
+            ss = [torch.cuda.Stream(device=cuda[0].device) for _ in range(max(1, streams))] if cuda else []
+            for i, (n, t) in enumerate(dst.items()):
+                s = e.slots[n]
+                src = e.buffer[s.offset:s.offset + s.nbytes]
+                if t.is_cuda:
+                    with torch.cuda.stream(ss[i % len(ss)]):
+                        _bytes_of(t).copy_(src, non_blocking=True)
+                else:
+                    t.detach().reshape(-1).view(torch.uint8).copy_(src)
+            for st in ss:
+                st.synchronize()
+        finally:
+            with self._lock:
+                e.users -= 1
+        return True
