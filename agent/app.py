@@ -34,6 +34,7 @@ from agent.worker_client import WorkerClient
 
 CTX: web.AppKey["AgentContext"] = web.AppKey("ctx")
 TICK_S = 1.0
+SHUTDOWN_GRACE_S = 5.0  # after our own drain: time for handlers to write their last bytes
 
 
 @dataclass
@@ -223,6 +224,20 @@ def _bind_admin_socket(path: Path) -> None:
     raise RuntimeError(f"another agent is listening on {path}")
 
 
+async def _drain(ctx: AgentContext, timeout: float) -> None:
+    """Let admitted requests finish until ``timeout``; then fail the rest with a clear error
+    (their handlers still write it to the client) and abort them in the engine."""
+    log = get_logger("serve")
+    in_flight = lambda: sum(e.in_flight for e in ctx.manager.models.values()) if ctx.manager else 0  # noqa: E731
+    log.info("draining", in_flight=in_flight(), deadline_s=timeout)
+    deadline = time.monotonic() + timeout
+    while in_flight() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if in_flight():
+        n = ctx.worker.abort_all("the server is shutting down; the request was aborted", "shutting_down")
+        log.warning("drain_deadline_passed", aborted=n)
+
+
 async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT (or ``stop``), then drain and shut down."""
     log = get_logger("serve")
@@ -230,7 +245,7 @@ async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event
     app = build_app(settings, engine=engine)
     ctx = app[CTX]
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=s.drain_timeout,
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
         keepalive_timeout=s.keepalive_timeout, max_line_size=s.max_header_bytes,
         max_field_size=s.max_header_bytes, max_headers=s.max_headers,
     )
@@ -250,9 +265,10 @@ async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event
         port = tcp._server.sockets[0].getsockname()[1] if tcp._server and tcp._server.sockets else s.port
         log.info("listening", host=s.host, port=port, admin_socket=str(sock_path), pid=os.getpid())
         await stop.wait()
-        log.info("draining", in_flight=ctx.worker.in_flight(), deadline_s=s.drain_timeout)
         ctx.draining = True
         ctx.notifier.stopping()
+        ctx.notifier.extend_timeout(s.drain_timeout + 15)  # drain, then stop the worker
+        await _drain(ctx, s.drain_timeout)
     finally:
         await runner.cleanup()
         for sig in (signal.SIGTERM, signal.SIGINT):

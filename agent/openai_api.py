@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from agent.app import AgentContext
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          408: "invalid_request_error",
           413: "invalid_request_error", 503: "server_error", 500: "server_error"}
-TOKENIZE_INLINE_CHARS = 16_384  # longer texts tokenize in a thread so the loop keeps serving
+TOKENIZE_INLINE_CHARS = 16_384
+BODY_TIMEOUT_S = 30.0  # a client trickling its body holds a connection, not the server  # longer texts tokenize in a thread so the loop keeps serving
 
 
 class ApiError(Exception):
@@ -49,6 +51,12 @@ class ApiError(Exception):
         return web.json_response(self.body(), status=self.status, headers=headers)
 
 
+def _stream_error(e: WorkerError) -> ApiError:
+    """A failure after admission: the engine's fault or ours (503), never the client's."""
+    unavailable = isinstance(e, WorkerDied) or e.code in ("shutting_down", "aborted")
+    return ApiError(503 if unavailable else 500, str(e), code=e.code)
+
+
 def _from_manager(e: ManagerError) -> ApiError:
     return ApiError(e.status, str(e), param="model", code=e.code, retry_after=e.retry_after)
 
@@ -56,9 +64,11 @@ def _from_manager(e: ManagerError) -> ApiError:
 async def read_json(request: web.Request) -> Any:
     """The body as JSON, with the size (client_max_size) and nesting depth bounded."""
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the body is larger than {request.app._client_max_size} bytes", code="body_too_large") from None
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g}s", code="body_timeout") from None
     try:
         obj = json.loads(raw)
     except RecursionError:
@@ -225,7 +235,7 @@ class OpenAIApi:
             async for _ in gen.deltas():
                 pass
         except WorkerError as e:
-            raise ApiError(503 if isinstance(e, WorkerDied) else 500, str(e), code=e.code) from None
+            raise _stream_error(e) from None
         usage = gen.usage()
         usage["prompt_tokens"] = usage["prompt_tokens"] or n_prompt
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -244,10 +254,10 @@ class OpenAIApi:
                 await resp.write(fmt.sse([fmt.usage_chunk(gen.usage())]))
             await resp.write(b"data: [DONE]\n\n")
         except WorkerError as e:
-            err = ApiError(503 if isinstance(e, WorkerDied) else 500, str(e), code=e.code)
-            await resp.write(fmt.sse([err.body()]))
+            await resp.write(fmt.sse([_stream_error(e).body()]))
         except (ConnectionResetError, ConnectionError):
             return resp  # the client left; close() aborts in the engine
+
         await resp.write_eof()
         return resp
 

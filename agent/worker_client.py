@@ -318,6 +318,19 @@ class WorkerClient:
             asyncio.get_running_loop().call_soon(self._flush_aborts)
         self._aborts.append(req_id)
 
+    def abort_all(self, message: str, code: str) -> int:
+        """Abort every request in the engine and fail its stream with ``WorkerError(code)``."""
+        streams, self._streams = self._streams, {}
+        for req in streams.values():
+            req.finished = True
+            req.queue.put_nowait(WorkerError(message, code))
+        if streams:
+            try:
+                self._send(P.Abort(req_ids=list(streams)))
+            except WorkerDied:
+                pass
+        return len(streams)
+
     def _flush_aborts(self) -> None:
         ids, self._aborts = self._aborts, []
         try:

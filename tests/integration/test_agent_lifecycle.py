@@ -29,17 +29,21 @@ def _open_stream(d: Daemon, max_tokens: int) -> tuple[http.client.HTTPConnection
 
 
 def _events(resp: http.client.HTTPResponse) -> list[str]:
-    """Every SSE data payload until the server ends the response."""
+    """Every SSE data payload until the server ends the response (cleanly or not)."""
     out = []
-    for line in resp:
-        if line.startswith(b"data: "):
-            out.append(line[6:].decode().strip())
+    try:
+        for line in resp:
+            if line.startswith(b"data: "):
+                out.append(line[6:].decode().strip())
+    except (http.client.IncompleteRead, ConnectionError):
+        pass
     return out
 
 
 def test_worker_sigkill_mid_stream_then_recovers(make_tiny_model, tmp_path) -> None:
     url = publish_tiny(make_tiny_model, tmp_path / "store", MODEL)
-    d = Daemon(tmp_path, store_url=url, models=[{"name": MODEL, "preload": True, "max_model_len": CTX}]).start(timeout=120)
+    d = Daemon(tmp_path, store_url=url, models=[{"name": MODEL, "preload": True, "max_model_len": CTX}],
+               env={"INFIRE_SERVER__DRAIN_TIMEOUT": "0.3"}).start(timeout=120)
     try:
         pid = d.status()["worker"]["pid"]
         conn, resp = _open_stream(d, CTX - 16)
@@ -62,6 +66,16 @@ def test_worker_sigkill_mid_stream_then_recovers(make_tiny_model, tmp_path) -> N
         assert code == 200 and body["usage"]["completion_tokens"] == 3
         _, metrics = d.get("/metrics")
         assert "infire_worker_restarts_total 1.0" in metrics
+        # Past the drain deadline, SIGTERM aborts what is left and says so in the stream.
+        conn, resp = _open_stream(d, CTX - 16)
+        assert resp.readline().startswith(b"data: ")
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        events = _events(resp)
+        conn.close()
+        assert d.proc.wait(20) == 0 and time.monotonic() - t0 < 10
+        assert "[DONE]" not in events
+        assert json.loads(events[-1])["error"]["code"] == "shutting_down"
     finally:
         d.stop()
 
@@ -103,6 +117,20 @@ def test_sigterm_drains_and_sd_notify_order(make_tiny_model, tmp_path) -> None:
     try:
         d.start(timeout=120)
         time.sleep(1.2)  # at least one watchdog period after READY
+        # A wedged worker (stopped, so no heartbeats) must silence the watchdog and fail /readyz.
+        worker = d.status()["worker"]["pid"]
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            d.wait_for("/readyz", 503, timeout=10)
+            time.sleep(1.0)
+            n = listener.keys().count("WATCHDOG=1")
+            time.sleep(2.0)
+            assert listener.keys().count("WATCHDOG=1") == n
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        d.wait_for("/readyz", 200, timeout=20)
+        time.sleep(1.2)
+        assert listener.keys().count("WATCHDOG=1") > n
         conn, resp = _open_stream(d, 48)
         assert resp.readline().startswith(b"data: ")
         d.proc.send_signal(signal.SIGTERM)

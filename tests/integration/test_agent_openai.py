@@ -171,6 +171,13 @@ def test_malformed_bodies(daemon) -> None:
     assert code == 413 and resp["error"]["code"] == "body_too_large"
 
 
+def test_header_limits(daemon) -> None:
+    code, _ = daemon.get("/v1/models", {"X-Big": "a" * (17 * 1024)})
+    assert code in (400, 431)
+    code, _ = daemon.get("/v1/models", {f"X-H{i}": "1" for i in range(120)})
+    assert code in (400, 431)
+
+
 def test_disconnect_mid_stream_frees_the_request(daemon) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
     body = {"model": MODEL, "prompt": "go", "max_tokens": CTX - 8, "temperature": 0, "ignore_eos": True, "stream": True}

@@ -6,20 +6,15 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
+import uvloop
 
 from agent import worker_client as wc
 
 
-@pytest.fixture(scope="module")
-def event_loop_policy():
-    import uvloop
-
-    return uvloop.EventLoopPolicy()  # what the daemon runs on
-
-
-async def _wait_for(cond, timeout: float = 10.0) -> None:
+async def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
@@ -27,74 +22,107 @@ async def _wait_for(cond, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-@pytest.fixture
-async def client(monkeypatch):
+def _with_client(body: Callable[[wc.WorkerClient, list[int], list[int]], Awaitable[None]]) -> None:
+    """Run ``body(client, ups, downs)`` on uvloop (what the daemon runs on) with a started client."""
+
+    async def main() -> None:
+        ups: list[int] = []
+        downs: list[int] = []
+
+        async def on_up() -> None:
+            ups.append(c.state.pid or -1)
+
+        async def on_down() -> None:
+            downs.append(1)
+
+        c = wc.WorkerClient({}, engine="none", on_up=on_up, on_down=on_down)
+        await asyncio.wait_for(c.start(), 30)
+        try:
+            await body(c, ups, downs)
+        finally:
+            await c.stop(timeout=5)
+
+    uvloop.run(main())
+
+
+@pytest.fixture(autouse=True)
+def _fast_backoff(monkeypatch) -> None:
     monkeypatch.setattr(wc, "BACKOFF_MIN_S", 0.05)
-    ups: list[int] = []
-    downs: list[int] = []
-
-    async def on_up() -> None:
-        ups.append(c.state.pid or -1)
-
-    async def on_down() -> None:
-        downs.append(1)
-
-    c = wc.WorkerClient({}, engine="none", on_up=on_up, on_down=on_down)
-    c.ups, c.downs = ups, downs  # type: ignore[attr-defined]
-    await asyncio.wait_for(c.start(), 30)
-    yield c
-    await c.stop(timeout=5)
 
 
-async def test_hello_heartbeat_and_refusals(client) -> None:
-    assert client.alive and client.state.device == "none"
-    await _wait_for(lambda: client.state.phase == "idle" and client.state.last_frame > client.state.started_at, 5)
-    # A heartbeat arrives at least every HEARTBEAT_INTERVAL_S; status frames too.
-    t = client.state.last_frame
-    await _wait_for(lambda: client.state.last_frame > t, 3)
-    assert client.heartbeat_fresh() and client.progressing()
-    with pytest.raises(wc.WorkerError, match="without an engine") as ei:
-        await client.load("m", "/nonexistent", max_model_len=64, max_num_seqs=1)
-    assert ei.value.code == "no_engine"
-    req = client.add("r1", "m", [1, 2], {"max_tokens": 2})
-    err = await asyncio.wait_for(req.queue.get(), 5)
-    assert isinstance(err, wc.WorkerError) and err.code == "no_engine"
-    assert client.in_flight() == 0
+def test_hello_heartbeat_and_refusals() -> None:
+    async def body(client: wc.WorkerClient, ups: list[int], downs: list[int]) -> None:
+        assert client.alive and client.state.device == "none" and ups == [client.state.pid]
+        t = client.state.last_frame
+        await _wait_for(lambda: client.state.last_frame > t, 3)  # heartbeats keep coming
+        assert client.heartbeat_fresh() and client.progressing()
+        with pytest.raises(wc.WorkerError, match="without an engine") as ei:
+            await client.load("m", "/nonexistent", max_model_len=64, max_num_seqs=1)
+        assert ei.value.code == "no_engine"
+        req = client.add("r1", "m", [1, 2], {"max_tokens": 2})
+        err = await asyncio.wait_for(req.queue.get(), 5)
+        assert isinstance(err, wc.WorkerError) and err.code == "no_engine"
+        assert client.in_flight() == 0
+
+    _with_client(body)
 
 
-async def test_sigkill_fails_in_flight_and_restarts(client) -> None:
-    first_pid = client.state.pid
-    # A request the (engine-less) worker never answers before it dies: register one by hand.
-    req = wc.EngineRequest("r-inflight", "m")
-    client._streams[req.req_id] = req
-    os.kill(first_pid, signal.SIGKILL)
-    got = await asyncio.wait_for(req.queue.get(), 5)
-    assert isinstance(got, wc.WorkerDied) and "signal 9" in str(got)
-    assert client.downs == [1]
-    with pytest.raises(wc.WorkerDied):
-        client.add("r2", "m", [1], {})
-    await _wait_for(lambda: client.alive and client.state.pid != first_pid, 30)
-    assert client.state.restarts == 1 and len(client.ups) == 2
-    assert client.heartbeat_fresh()
+def test_sigkill_fails_in_flight_and_restarts() -> None:
+    async def body(client: wc.WorkerClient, ups: list[int], downs: list[int]) -> None:
+        first_pid = client.state.pid
+        # A request the (engine-less) worker never answers before it dies: registered by hand.
+        req = wc.EngineRequest("r-inflight", "m")
+        client._streams[req.req_id] = req
+        os.kill(first_pid, signal.SIGKILL)
+        got = await asyncio.wait_for(req.queue.get(), 5)
+        assert isinstance(got, wc.WorkerDied) and "signal 9" in str(got)
+        assert downs == [1]
+        with pytest.raises(wc.WorkerDied):
+            client.add("r2", "m", [1], {})
+        await _wait_for(lambda: client.alive and client.state.pid != first_pid, 30)
+        assert client.state.restarts == 1 and len(ups) == 2
+        assert client.heartbeat_fresh()
+
+    _with_client(body)
 
 
-async def test_wedged_worker_is_neither_fresh_nor_progressing(client) -> None:
-    pid = client.state.pid
-    client._proc.send_signal(signal.SIGSTOP)  # a wedged worker: heartbeats stop
-    try:
-        await _wait_for(lambda: not client.heartbeat_fresh(), 10)
-        assert not client.progressing()
-    finally:
-        client._proc.send_signal(signal.SIGCONT)
-    await _wait_for(client.heartbeat_fresh, 5)
-    assert client.state.pid == pid
+def test_wedged_worker_is_neither_fresh_nor_progressing() -> None:
+    async def body(client: wc.WorkerClient, ups: list[int], downs: list[int]) -> None:
+        pid = client.state.pid
+        client._proc.send_signal(signal.SIGSTOP)  # a wedged worker: heartbeats stop
+        try:
+            await _wait_for(lambda: not client.heartbeat_fresh(), 10)
+            assert not client.progressing()
+        finally:
+            client._proc.send_signal(signal.SIGCONT)
+        await _wait_for(client.heartbeat_fresh, 5)
+        assert client.state.pid == pid and downs == []
+
+    _with_client(body)
 
 
-async def test_stop_is_clean(monkeypatch) -> None:
-    c = wc.WorkerClient({}, engine="none")
-    await asyncio.wait_for(c.start(), 30)
-    proc = c._proc
-    t0 = time.monotonic()
-    await c.stop(timeout=5)
-    assert proc.returncode == 0 and time.monotonic() - t0 < 3
-    assert c.state.restarts == 0
+def test_abort_all_fails_streams_with_the_reason() -> None:
+    async def body(client: wc.WorkerClient, ups: list[int], downs: list[int]) -> None:
+        reqs = [wc.EngineRequest(f"r{i}", "m") for i in range(3)]
+        for r in reqs:
+            client._streams[r.req_id] = r
+        assert client.abort_all("shutting down", "shutting_down") == 3
+        for r in reqs:
+            err = r.queue.get_nowait()
+            assert isinstance(err, wc.WorkerError) and err.code == "shutting_down"
+        assert client.in_flight() == 0 and client.alive
+
+    _with_client(body)
+
+
+def test_stop_is_clean() -> None:
+    async def main() -> None:
+        c = wc.WorkerClient({}, engine="none")
+        await asyncio.wait_for(c.start(), 30)
+        proc = c._proc
+        t0 = time.monotonic()
+        await c.stop(timeout=5)
+        assert proc.returncode == 0 and time.monotonic() - t0 < 3
+        assert c.state.restarts == 0
+
+    uvloop.run(main())
