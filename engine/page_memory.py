@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from engine.page_pool import KVLayout, PoolBusyError
+from engine.page_types import KVLayout, PoolBusyError
 
 KVViews = list[tuple[torch.Tensor, torch.Tensor]]
 

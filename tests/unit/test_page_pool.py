@@ -21,6 +21,7 @@ from engine.page_pool import (
     PageOwnershipError,
     PoolBusyError,
     PoolExhausted,
+    kv_layout,
 )
 
 # Model "big": 2 layers x 2 x 2 heads x 8 dims x fp16 = 128 B/token; "small": 1 x 2 x 1 x 4 x fp32.
@@ -56,7 +57,7 @@ def test_geometry_and_strides():
 
 def test_register_rejects_bad_geometry():
     pool = PagePool(4, 256, device=None)
-    with pytest.raises(PagePoolError, match="more than a 256 B page"):
+    with pytest.raises(PagePoolError, match="needs 16384 B, more than a 256 B page"):
         pool.register("huge", num_layers=4, num_kv_heads=8, head_dim=128, dtype="bfloat16")
     with pytest.raises(PagePoolError, match="do not fit a page"):
         pool.register("m", **BIG, tokens_per_page=3)  # 2 fit
@@ -69,6 +70,10 @@ def test_register_rejects_bad_geometry():
     with pytest.raises(PagePoolError, match="multiple of 16"):
         PagePool(4, 100)
     assert pool.register("m", **SMALL, tokens_per_page=8).tokens_per_page == 8
+    assert kv_layout(2 << 20, num_layers=32, num_kv_heads=8, head_dim=128,
+                     dtype="bfloat16").tokens_per_page == 16  # Llama-3.1-8B: 128 KiB a token
+    assert kv_layout(2 << 20, num_layers=24, num_kv_heads=2, head_dim=64,
+                     dtype="bfloat16").tokens_per_page == 170  # a padded page
     with pytest.raises(PagePoolError, match="already registered"):
         pool.register("m", **SMALL)
     with pytest.raises(PagePoolError, match="no memory"):
