@@ -272,7 +272,7 @@ class DiskCache:
         for d in blobs:
             self._active_blobs[d] = self._active_blobs.get(d, 0) + 1
         try:
-            await asyncio.to_thread(self._clean_partials)
+            await self.cleanup_partials()
             for _round in range(3):
                 have = await asyncio.to_thread(self._present, blobs)
                 missing = {d: s for d, s in blobs.items() if d not in have}
@@ -350,31 +350,11 @@ class DiskCache:
             if f.path.endswith(".safetensors"):
                 check_file(self.blobs_dir / f.sha256)
 
-    def _clean_partials(self) -> int:
-        """Remove partial downloads untouched for ``partial_ttl_s`` whose blob lock is free."""
-        removed = 0
-        now = time.time()
-        for p in self.partial_dir.glob("*.partial"):
-            digest = p.name[: -len(".partial")]
-            try:
-                if now - p.stat().st_mtime < self.partial_ttl_s:
-                    continue
-            except FileNotFoundError:
-                continue
-            lock = FileLock(self.locks_dir / f"blob-{digest}.lock")
-            if not lock.try_acquire():
-                continue
-            try:
-                p.unlink(missing_ok=True)
-                (self.partial_dir / f"{digest}.state").unlink(missing_ok=True)
-                removed += 1
-            finally:
-                lock.release()
-        snapshot.clean_leftovers(self.models_dir)
-        return removed
-
     async def cleanup_partials(self) -> int:
-        return await asyncio.to_thread(self._clean_partials)
+        """Remove partial downloads untouched for ``partial_ttl_s`` (and dead commit leftovers)."""
+        from cache.scan import clean_partials
+
+        return await asyncio.to_thread(clean_partials, self)
 
     async def remove(self, name: str) -> None:
         """Drop a model (refused while pinned); its blobs go when no other model uses them."""

@@ -321,7 +321,8 @@ def _fetch_and_hash(store: Store, key: str, info: ObjectInfo, digest: str, size:
 
 def _hash_in_order(fd: int, h: "hashlib._Hash", finished: list[bool], cond: threading.Condition,
                    failure: list[BaseException], stop: threading.Event, nparts: int, ps: int, size: int) -> None:
-    chunk = 8 << 20
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
     for idx in range(nparts):
         with cond:
             while not finished[idx] and not failure and not stop.is_set():
@@ -330,12 +331,12 @@ def _hash_in_order(fd: int, h: "hashlib._Hash", finished: list[bool], cond: thre
                 return
         off, end = idx * ps, min(size, (idx + 1) * ps)
         while off < end:
-            # Read back from the page cache: the part was just written, no disk I/O.
-            data = os.pread(fd, min(chunk, end - off), off)
-            if not data:
+            # Read back from the page cache (the part was just written) into one reused buffer.
+            n = os.preadv(fd, [view[: min(len(view), end - off)]], off)
+            if n <= 0:
                 raise IntegrityError(f"partial file is shorter than expected at {off}")
-            h.update(data)
-            off += len(data)
+            h.update(view[:n])
+            off += n
 
 
 def _fetch_part(store: Store, key: str, info: ObjectInfo, start: int, end: int, fd: int, view: memoryview,

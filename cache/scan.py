@@ -1,16 +1,19 @@
-"""Cache scan: sizes, last use and integrity of every cached model (blocking; run in a thread).
+"""Cache maintenance (blocking; run in a thread): scan and stale-partial cleanup.
 
-The size of each blob is always checked; ``rehash`` re-reads every blob and checks its sha256.
+The scan reports sizes, last use and integrity of every cached model. The size of each blob is
+always checked; ``rehash`` re-reads every blob and checks its sha256.
 ``repair`` drops models with a problem (and the bad blobs), so the next pull fetches them again.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from cache import manifest as mf
 from cache import snapshot
+from cache.locks import FileLock
 
 if TYPE_CHECKING:
     from cache.disk_cache import DiskCache
@@ -75,3 +78,27 @@ def scan_cache(cache: "DiskCache", rehash: bool = False, repair: bool = False,
         "partials": partials,
         "removed": repaired,
     }
+
+
+def clean_partials(cache: "DiskCache") -> int:
+    """Remove partial downloads untouched for ``partial_ttl_s`` whose blob lock is free."""
+    removed = 0
+    now = time.time()
+    for p in cache.partial_dir.glob("*.partial"):
+        digest = p.name[: -len(".partial")]
+        try:
+            if now - p.stat().st_mtime < cache.partial_ttl_s:
+                continue
+        except FileNotFoundError:
+            continue
+        lock = FileLock(cache.locks_dir / f"blob-{digest}.lock")
+        if not lock.try_acquire():  # being downloaded right now
+            continue
+        try:
+            p.unlink(missing_ok=True)
+            (cache.partial_dir / f"{digest}.state").unlink(missing_ok=True)
+            removed += 1
+        finally:
+            lock.release()
+    snapshot.clean_leftovers(cache.models_dir)
+    return removed

@@ -135,10 +135,10 @@ async def test_object_replaced_by_other_bytes_is_refused(tmp_path, proxy, publis
 
 async def test_stalled_body_is_retried(tmp_path, proxy, published):
     src, store, m, w = published
-    proxy.add(Fault("stall", after=10_000, delay=2.5, match=_blob_match(w)))
+    proxy.add(Fault("stall", after=10_000, delay=6.0, match=_blob_match(w)))
     t0 = time.monotonic()
     await _pull_ok(tmp_path, store, src)
-    assert time.monotonic() - t0 < 2.0  # the stall (read timeout 0.5 s) was cut short, not waited out
+    assert time.monotonic() - t0 < 4.0  # the 6 s stall (read timeout 0.5 s) was cut short, not waited out
 
 
 async def test_flipped_byte_commits_nothing(tmp_path, proxy, published):
