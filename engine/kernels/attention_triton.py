@@ -14,7 +14,8 @@ head_dim.
   program reads one partition of the context once for all G heads of its KV head and writes a
   partial (normalised output, log2-sum-exp); ``_reduce_kernel`` merges the splits. The split count
   is a host int derived from B, Hkv, max_seq_len and the SM count, so the grid never depends on
-  device data (CUDA-graph safe).
+  device data (CUDA-graph safe). Split count and partition length are runtime arguments, not
+  constexprs: a new max_seq_len must not cost a recompile in the middle of serving.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_p, s_b, s_h, BLOCK_SIZE: tl.
     return page * s_p + (j % BLOCK_SIZE).to(tl.int64) * s_b + kvh * s_h
 
 
-@triton.jit
+# Runtime ints that change with the batch are not specialised (==1, %16): a new block-table
+# width or split count must never trigger a compile while serving.
+@triton.jit(do_not_specialize=["s_bt"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
                     s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -83,12 +86,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt", "PART", "NUM_SPLITS"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, bt_ptr,
-                   s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale,
+                   s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, PART, NUM_SPLITS,
                    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PART: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr):
+                   SINGLE: tl.constexpr, DOT_PREC: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -125,7 +128,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
         o = acc / l_i[:, None]
-        if NUM_SPLITS == 1:
+        if SINGLE:
             tl.store(out_ptr + tok * s_on + head[:, None] * s_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=gm[:, None] & dm[None, :])
         else:
@@ -134,10 +137,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
             tl.store(plse_ptr + row, m_i + tl.log2(l_i), mask=gm)
 
 
-@triton.jit
-def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, s_on, s_oh,
-                   HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+@triton.jit(do_not_specialize=["PART", "NUM_SPLITS"])
+def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, s_on, s_oh, PART, NUM_SPLITS,
+                   HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     q_start = tl.load(qsl_ptr + b)
@@ -206,14 +208,14 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
             po = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
             plse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
         _decode_kernel[(b, hkv, splits)](
-            q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, *common,
+            q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, *common, part, splits,
             HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
-            PART=part, NUM_SPLITS=splits, DOT_PREC=dot_prec, num_warps=cfg.get("num_warps", 4),
+            SINGLE=splits == 1, DOT_PREC=dot_prec, num_warps=cfg.get("num_warps", 4),
             num_stages=cfg.get("num_stages", 3),
         )
         if splits > 1:
             _reduce_kernel[(b, hq)](out, po, plse, query_start_loc, seq_lens, out.stride(0), out.stride(1),
-                                    HQ=hq, D=d, BLOCK_D=block_d, PART=part, NUM_SPLITS=splits,
+                                    part, splits, HQ=hq, D=d, BLOCK_D=block_d,
                                     BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
         return out
     block_m = max(64, triton.next_power_of_2(g))

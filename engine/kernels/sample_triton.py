@@ -150,7 +150,7 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, steps, out=No
     _sample_kernel[(b,)](
         logits, temperature.to(torch.float32), top_k.to(torch.int32), top_p.to(torch.float32),
         min_p.to(torch.float32), seeds.to(torch.int64), steps.to(torch.int64), out,
-        logits.stride(0), vocab, BLOCK=1024 if vocab >= 1024 else triton.next_power_of_2(vocab),
+        logits.stride(0), vocab, BLOCK=2048 if vocab >= 2048 else triton.next_power_of_2(vocab),
         BLOCK_P=256 if vocab >= 256 else triton.next_power_of_2(vocab), NP=NUM_PIVOTS, num_warps=8 if vocab >= 1024 else 4,
     )
     return out
