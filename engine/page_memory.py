@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from engine.page_types import KVLayout, PoolBusyError
+from engine.page_types import KVLayout, PagePoolError, PoolBusyError
 
 KVViews = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -67,6 +67,7 @@ class PoolMemory:
         and the new tensor at once. Raises ``PoolBusyError``, changing nothing, when views
         handed out earlier are still referenced (the old memory could not be released)."""
         old = self._require()
+        old_pages = old.shape[0]
         index = torch.tensor(sorted(live), dtype=torch.long, device=old.device)
         saved = old.index_select(0, index).to("cpu") if live else None
         self._views.clear()
@@ -82,7 +83,16 @@ class PoolMemory:
                                 "(fetch kv_views again after the resize) before resizing")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # return the old block before asking for the new one
-        new = self._zeros(num_pages)
+        try:
+            new = self._zeros(num_pages)
+        except RuntimeError as e:  # torch.OutOfMemoryError is one
+            # Put the old pages back where they were, so the pool and its books stay as before.
+            new = self._zeros(old_pages)
+            if saved is not None:
+                new.index_copy_(0, index, saved.to(self.device))
+            self.tensor = new
+            raise PagePoolError(f"could not allocate {num_pages} pages ({e}); the pool keeps "
+                                f"its {old_pages} pages") from e
         if saved is not None:
             new.index_copy_(0, index, saved.to(self.device))
         self.tensor = new

@@ -264,6 +264,28 @@ def test_resize_refuses_while_views_are_held_and_changes_nothing():
     assert torch.all(pool.kv_views("a")[0][0][page] == 9.0)
 
 
+def test_failed_allocation_during_resize_keeps_the_old_pool(monkeypatch):
+    from engine.page_memory import PoolMemory
+
+    pool = PagePool(4, 1024, device="cpu")
+    pool.register("a", **SMALL)
+    page = pool.allocator_for("a").allocate()
+    pool.kv_views("a")[0][0][page].fill_(4.0)
+    real = PoolMemory._zeros
+
+    def short_of_memory(self, num_pages):
+        if num_pages == 100:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, num_pages)
+
+    monkeypatch.setattr(PoolMemory, "_zeros", short_of_memory)
+    with pytest.raises(PagePoolError, match="could not allocate 100 pages.*keeps its 4 pages"):
+        pool.resize(100)
+    assert pool.num_pages == 4 and pool.generation == 0 and pool.num_used("a") == 1
+    assert torch.all(pool.kv_views("a")[0][0][page] == 4.0)
+    pool.audit()
+
+
 def test_resize_and_fence_respect_minimums():
     pool = PagePool(8, 1024, device=None)
     pool.register("a", **SMALL, min_pages=3)
