@@ -223,6 +223,7 @@ def _download_once(store: Store, digest: str, size: int, partial_dir: Path, dest
         _fetch_and_hash(store, key, info, digest, size, fd, state, done, nparts, cfg, progress, abort)
         if check is not None:
             check(partial)
+        os.fchmod(fd, 0o444)  # blobs are immutable; the snapshot's hard links share this inode
         if cfg.fsync:
             os.fsync(fd)
     except (IntegrityError, CacheFullError, SafetensorsError):

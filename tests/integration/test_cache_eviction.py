@@ -107,6 +107,7 @@ async def test_scan_finds_corruption_and_repair_refetches(tmp_path, store):
     await cache.pull(store, "a")
     w = next(f for f in cache.manifest("a").files if f.path == "model.safetensors")
     blob = tmp_path / "cache/blobs/sha256" / w.sha256
+    blob.chmod(0o644)  # blobs are read-only; bit rot does not ask
     with open(blob, "r+b") as f:
         f.seek(5000)
         b = f.read(1)

@@ -9,7 +9,8 @@ import os
 import pytest
 
 from agent.cli import main
-from cache import DiskCache, FileStore, NotFoundError
+from cache import DiskCache, FileStore, NotFoundError, Progress, StoreError, open_store
+from cache.progress import render_bar
 from cache.publish import publish_model
 from tests.s3_fault_proxy import (bucket, fast_download, make_model, moto_endpoint, proxy, s3_store,  # noqa: F401
                                   tree_files)
@@ -103,3 +104,28 @@ def test_cli_publish_and_pull(tmp_path, proxy, bucket, monkeypatch, capsys):
     (src / "weights.bin").write_bytes(b"pickle")
     assert main(["publish", str(src), "--name", "evil", "--store", url]) == 2
     assert "pickle" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["http://x/y", "s3://", "s3://Bad_Bucket/p", "file://host/dir", "ftp://a"])
+def test_open_store_refuses_bad_urls(url):
+    with pytest.raises(StoreError):
+        open_store(url)
+
+
+async def test_progress_reports_bytes_rate_and_eta(tmp_path):
+    src = make_model(tmp_path / "src", data_bytes=300_000)
+    store = FileStore(tmp_path / "store")
+    m = publish_model(store, src, "tiny")
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    progress = Progress("tiny")
+    await cache.pull(store, "tiny", progress)
+    snap = progress.snapshot()
+    assert snap["state"] == "done" and snap["done_bytes"] == snap["total_bytes"] == m.total_size
+    assert snap["downloaded_bytes"] == m.total_size and snap["eta_s"] == 0.0
+    again = Progress("tiny")
+    await cache.pull(store, "tiny", again)  # cached: everything counts as resumed, nothing downloaded
+    assert again.snapshot()["resumed_bytes"] == m.total_size and again.snapshot()["downloaded_bytes"] == 0
+    mid = {"name": "x", "total_bytes": 4 << 30, "done_bytes": 1 << 30, "rate_bytes_s": 100 << 20, "eta_s": 30.7}
+    assert render_bar(mid, width=8) == "x [##......]  25% 1.0 GiB/4.0 GiB 100.0 MiB/s ETA 31s"
+    blob = tmp_path / "cache/blobs/sha256" / m.files[0].sha256
+    assert blob.stat().st_mode & 0o777 == 0o444
