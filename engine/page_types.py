@@ -6,13 +6,14 @@ pool's accounting stays short; import these names from either module.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 from engine.block_manager import PageError
 from engine.errors import EngineError
 
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1,
-             "float8_e5m2": 1, "int8": 1, "uint8": 1}
+_ITEMSIZE = MappingProxyType({"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+                              "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1})
 PAGE_ALIGN = 16  # every dtype view of a page must start on an element boundary
 
 
