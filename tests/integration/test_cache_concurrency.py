@@ -100,3 +100,22 @@ async def test_two_processes_download_each_byte_once(tmp_path, proxy, published,
     assert outs[0] == outs[1] == str(cache_dir / "models" / "m" / "snapshot")
     assert proxy.total_blob_bytes() == m.total_size
     assert filecmp.cmp(src / "model.safetensors", Path(outs[0]) / "model.safetensors", shallow=False)
+
+
+async def test_two_models_sharing_a_blob_fetch_it_once(tmp_path, proxy, bucket):
+    """Different models, one identical weights file: the blob lock makes one download of it."""
+    store = s3_store(proxy.url, bucket)
+    a = make_model(tmp_path / "a", data_bytes=1 << 20, seed=3)
+    b = make_model(tmp_path / "b", data_bytes=1 << 20, seed=3)
+    (b / "config.json").write_text('{"model_type": "qwen2"}\n')
+    ma, mb = publish_model(store, a, "ma"), publish_model(store, b, "mb")
+    shared = next(f for f in ma.files if f.path == "model.safetensors")
+    assert shared in mb.files
+    proxy.clear()
+    proxy.add(Fault("hook", hook=lambda: time.sleep(0.3), match=shared.sha256))
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    pa, pb = await asyncio.gather(cache.pull(store, "ma"), cache.pull(store, "mb"))
+    assert proxy.body_bytes[f"/{bucket}/store/blobs/sha256/{shared.sha256}"] == shared.size
+    assert (pa / "model.safetensors").stat().st_ino == (pb / "model.safetensors").stat().st_ino
+    assert cache.stats()["used_bytes"] == sum({f.sha256: f.size for f in ma.files + mb.files}.values())
+    store.close()
