@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import pytest
@@ -160,17 +159,60 @@ _HOSTILE = [
 ]
 
 
-@pytest.mark.parametrize("source", _HOSTILE)
+# Each builds, from a 50k string, far more than the 100k output bound in one operation.
+_AMPLIFIERS = [
+    "{{ [s, s, s]|join }}",
+    "{{ [s, s, s]|map('upper')|join }}",
+    "{{ (range(5)|map('string')|list)|join(s) }}",
+    "{{ ''.join([s, s, s]) }}",
+    "{{ '{0}{0}{0}'.format(s) }}",
+    "{{ '%s%s%s' % (s, s, s) }}",
+    "{{ [s, s, s] }}",
+    "{{ [s, s, s]|string }}",
+    "{{ {'k': [s, s, s]}|pprint }}",
+    "{{ [s, s, s]|tojson }}",
+    "{{ [s, s, s]|sum(start='') }}",
+    "{{ s ~ s ~ s }}",
+    "{% set t %}{{ s }}{{ s }}{{ s }}{% endset %}",
+    "{% macro m() %}{{ s }}{{ s }}{{ s }}{% endmacro %}{% set t = m() %}",
+    "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
+    "{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("source", _HOSTILE + ["{% set s = 'x' * 50000 %}" + a for a in _AMPLIFIERS])
 def test_hostile_templates_are_bounded(source):
-    before = sys.gettrace()
     start = time.monotonic()
-    with pytest.raises(ChatTemplateError):
-        out = ChatTemplate(source, _LIMITS).render([{"role": "user", "content": "hi"}])
-        # A sandboxed template may render harmlessly; then it must not have escaped.
-        if "<class" not in out and "module" not in out:
-            raise ChatTemplateError("rendered harmlessly")
+    with pytest.raises(ChatTemplateError) as err:
+        ChatTemplate(source, _LIMITS).render([{"role": "user", "content": "hi"}])
+    assert "render time only" not in str(err.value)
     assert time.monotonic() - start < 5.0
-    assert sys.gettrace() is before
+
+
+_BENIGN = [
+    "{{ range(10)|map('string')|join(',') }}|{{ ['a', 'b']|join }}|{{ 'é'|upper }}",
+    "{{ '%s-%d' % ('a', 3) }}|{{ '{}/{}'.format(1, 2) }}|{{ [1, 2]|sum }}|{{ 'ab'|center(6) }}",
+    "{% for i in range(3) %}{{ loop.index }}{% if loop.last %}!{% endif %}{% endfor %}",
+    "{{ [1, 2, 3]|batch(2)|list }}|{{ messages|map(attribute='role')|join('/') }}",
+    "{% for m in messages if m.role != 'system' %}{{ m.content|trim }};{% else %}none{% endfor %}",
+    "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+    "{{ ns.n }}|{{ messages[-1]['content'][:3] }}|{{ 'a\tb'.expandtabs(2) }}",
+    "{% macro f(x) %}<{{ x }}>{% endmacro %}{{ f('q') }}{{ 'x'.ljust(3, '-') }}{{ 'aXa'|replace('X', 'yy') }}",
+    "{% for x in [[1, [2]], [3]] recursive %}{% if x is iterable %}{{ loop(x) }}{% else %}{{ x }}"
+    "{% endif %}{% endfor %}|{{ 'a\nb'|indent(2, first=True) }}|{{ 'hello world'|truncate(8, True, '') }}",
+]
+
+
+@pytest.mark.parametrize("source", _BENIGN)
+def test_bounds_do_not_change_what_templates_render(source):
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    messages = [{"role": "system", "content": " s "}, {"role": "user", "content": "hello"}]
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                          extensions=[loopcontrols])
+    assert ChatTemplate(source).render(messages) == plain.from_string(source).render(
+        messages=messages)
 
 
 def test_time_bound_without_step_bound():
