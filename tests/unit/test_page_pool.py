@@ -124,35 +124,49 @@ def check_state(pool: PagePool, held: dict[str, set[int]]) -> None:
         assert src.num_free >= s["min"] - len(pages)
         if s["max"] >= 0:
             assert len(pages) <= s["max"]
-    assert pool.num_free == pool.num_pages - len(seen)
+    assert all(0 <= p < pool.num_pages for p in seen)
+    assert pool.num_free <= pool.num_pages - len(seen)  # equal when nothing is fenced
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.booleans(), st.integers(0, 1000)),
-                max_size=300))
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]),
+                          st.sampled_from(["alloc", "alloc", "free", "fence", "resize"]),
+                          st.integers(0, 1000)), max_size=300))
 def test_random_traces_keep_ownership_minimums_and_free_everything(ops):
     pool = PagePool(24, 1024, device=None)
     pool.register("a", **SMALL, min_pages=4)
     pool.register("b", **SMALL, min_pages=6, max_pages=10)
     pool.register("c", **SMALL)
     held = {n: set() for n in "abc"}
-    for name, alloc, pick in ops:
+    for name, action, pick in ops:
         src = pool.allocator_for(name)
-        if alloc or not held[name]:
+        if action == "alloc" or (action == "free" and not held[name]):
             expect = src.num_free
             page = src.try_allocate()
             assert (page is None) == (expect == 0)
             if page is not None:
+                assert pool.num_pages > page and all(page not in h for h in held.values())
                 held[name].add(page)
-        else:
+        elif action == "free":
             page = sorted(held[name])[pick % len(held[name])]
             src.free(page)
             held[name].discard(page)
+        elif action == "fence":
+            try:
+                pool.fence(pick % (pool.num_pages + 1))
+            except PoolExhausted:
+                pass
+        else:
+            try:
+                pool.resize(pick % 40)
+            except (PoolBusyError, PoolExhausted):
+                pass
         check_state(pool, held)
     for name in "abc":
         assert pool.free_all(name) == len(held[name])
         pool.unregister(name)
-    assert pool.num_free == 24 and pool.num_reserved == 0
+    pool.fence(pool.num_pages)  # lift any fence
+    assert pool.num_free == pool.num_pages and pool.num_reserved == 0
     pool.audit()
 
 
