@@ -201,6 +201,11 @@ def _download_once(store: Store, digest: str, size: int, partial_dir: Path, dest
     done = {i for i in state.load(header) if 0 <= i < nparts}
     if done and not (partial.exists() and partial.stat().st_size == size):
         done = set()
+    if done:
+        try:
+            fd = os.open(partial, os.O_RDWR)
+        except OSError:  # e.g. made read-only just before a crash: start over
+            done = set()
     if not done:
         _discard(partial_dir, digest)
         try:
@@ -217,7 +222,6 @@ def _download_once(store: Store, digest: str, size: int, partial_dir: Path, dest
             _discard(partial_dir, digest)
             raise _disk_error(e, f"blob {digest}") from None
     else:
-        fd = os.open(partial, os.O_RDWR)
         progress.add_resumed(sum(min(cfg.part_size, size - i * cfg.part_size) for i in done))
     try:
         _fetch_and_hash(store, key, info, digest, size, fd, state, done, nparts, cfg, progress, abort)
