@@ -242,7 +242,8 @@ class MemoryLedger:
                         min_kv_bytes: int = 0) -> None:
         """Book a model's exact weight bytes (and its workspace estimate and KV minimum) before
         the first weight is copied. Raises ``LoadRefused`` if it does not fit any more (another
-        booking happened since ``check_load``): nothing is booked then."""
+        booking happened since ``check_load``), ``LedgerError`` if the KV pool was not shrunk to
+        the plan's size first; nothing is booked then."""
         _nonneg("nbytes", nbytes)
         _nonneg("workspace_estimate", workspace_estimate)
         _nonneg("min_kv_bytes", min_kv_bytes)
@@ -251,14 +252,20 @@ class MemoryLedger:
                 raise LedgerError(f"model {model!r} is already booked in the ledger")
             needed = nbytes + workspace_estimate + min_kv_bytes
             free = self.budget - self._committed()
-            # The non-elastic part must also fit beside the pool as it is now, or the copy would
-            # run out of memory before the pool is shrunk.
-            beside_pool = self.budget - self._used()
-            if needed > free or nbytes + workspace_estimate > beside_pool:
-                raise LoadRefused(model, needed=needed, free=min(free, beside_pool + min_kv_bytes),
-                                  evictable=0, budget=self.budget, evictable_models=(),
+            if needed > free:
+                raise LoadRefused(model, needed=needed, free=free, evictable=0,
+                                  budget=self.budget, evictable_models=(),
                                   parts={"weights": nbytes, "workspace": workspace_estimate,
                                          "min KV": min_kv_bytes})
+            # It fits the budget, but the weights must also fit beside the pool as it is now,
+            # or the copy would run out of memory: the caller shrinks the pool first.
+            beside_pool = self.budget - self._used()
+            if nbytes + workspace_estimate > beside_pool:
+                target = self._kv_pool - (nbytes + workspace_estimate - beside_pool)
+                raise LedgerError(
+                    f"shrink the KV pool to {format_bytes(target)} before booking {model!r}: "
+                    f"its weights and workspace need {format_bytes(nbytes + workspace_estimate)}, "
+                    f"{format_bytes(beside_pool)} is left beside the pool")
             self._models[model] = _Model(weights=nbytes, workspace=workspace_estimate,
                                          kv_min=min_kv_bytes)
 

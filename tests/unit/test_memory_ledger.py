@@ -136,12 +136,15 @@ def test_reserve_refuses_when_the_pool_was_not_shrunk_first():
     plan = led.check_load("b", 3 * GiB, 0, 1 * GiB)  # fits: 5 GiB of the pool is elastic
     assert plan.kv_pool_bytes_after == 3 * GiB
     before = led.snapshot()
-    with pytest.raises(LoadRefused, match="'b'"):
+    with pytest.raises(LedgerError, match=r"shrink the KV pool to 3.00 GiB .* before booking 'b'"):
         led.reserve_weights("b", 3 * GiB, min_kv_bytes=1 * GiB)
     assert led.snapshot() == before
     led.set_kv_pool(plan.kv_pool_bytes_after)
     led.reserve_weights("b", 3 * GiB, min_kv_bytes=1 * GiB)
     assert led.snapshot().free == 0
+    with pytest.raises(LoadRefused) as info:  # a booking past the budget names its numbers
+        led.reserve_weights("c", 1 * GiB + 1)
+    assert (info.value.needed, info.value.free) == (1 * GiB + 1, 10 * GiB - 7 * GiB - 2 * GiB)
 
 
 def test_pool_and_minimum_rules():
