@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "inval
           408: "invalid_request_error",
           413: "invalid_request_error", 503: "server_error", 500: "server_error"}
 TOKENIZE_INLINE_CHARS = 16_384
+DEFAULT_COMPLETION_TOKENS = 16
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 BODY_TIMEOUT_S = 30.0  # a client trickling its body holds a connection, not the server  # longer texts tokenize in a thread so the loop keeps serving
 
 
@@ -125,8 +128,9 @@ class OpenAIApi:
     # --- the request path -------------------------------------------------------------------
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        rid = bind_request_id(request.headers.get("X-Request-Id", "")[:64] or new_request_id())
-        model_label = ""
+        given = request.headers.get("X-Request-Id", "")
+        rid = bind_request_id(given if _REQUEST_ID_RE.match(given) else new_request_id())
+        model_label = ""  # only known models become label values: clients cannot grow the series
         status = 500
         try:
             self._check_key(request)
@@ -139,18 +143,24 @@ class OpenAIApi:
             except ValidationError as e:
                 param, msg = first_error(e)
                 raise ApiError(400, msg, param=param, code="invalid_value") from None
+            if req.model in self.ctx.manager.models:
+                model_label = req.model
             try:
                 admission = self.ctx.manager.admit(req.model)
             except ManagerError as e:
                 raise _from_manager(e) from None
-            model_label = req.model
             with admission as entry:
                 resp = await self._run(request, req, entry, chat, rid)
             status = resp.status
             return resp
         except ApiError as e:
             status = e.status
-            return e.response()
+            resp = e.response()
+            resp.headers["X-Request-Id"] = rid
+            return resp
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's code for it)
+            raise
         finally:
             self.ctx.metrics.requests.labels(model=model_label, status=str(status)).inc()
 
@@ -203,7 +213,9 @@ class OpenAIApi:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {ctx_len}",
                            param="messages" if chat else "prompt", code="context_length_exceeded")
         limit = req.output_limit() if chat else req.max_tokens
-        max_tokens = limit if limit is not None else ctx_len - len(prompt_ids)
+        if limit is None:  # OpenAI's defaults: the rest of the context for chat, 16 for completions
+            limit = ctx_len - len(prompt_ids) if chat else min(DEFAULT_COMPLETION_TOKENS, ctx_len - len(prompt_ids))
+        max_tokens = limit
         if len(prompt_ids) + max_tokens > ctx_len:
             raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds this "
                                 f"model's context of {ctx_len} tokens",
@@ -225,8 +237,10 @@ class OpenAIApi:
             fmt = _Formatter(base_id, entry.name, chat, entry.tokenizer)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                return await self._stream(request, gen, fmt, include_usage)
-            return await self._collect(gen, fmt, len(prompt_ids))
+                return await self._stream(request, gen, fmt, include_usage, rid)
+            resp = await self._collect(gen, fmt, len(prompt_ids))
+            resp.headers["X-Request-Id"] = rid
+            return resp
         finally:
             gen.close()
 
@@ -241,9 +255,10 @@ class OpenAIApi:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return web.json_response(fmt.full(list(gen.choices.values()), usage))
 
-    async def _stream(self, request: web.Request, gen: Generation, fmt: _Formatter, include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, gen: Generation, fmt: _Formatter, include_usage: bool,
+                      rid: str) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
+                                           "X-Accel-Buffering": "no", "X-Request-Id": rid})
         await resp.prepare(request)
         try:
             if fmt.chat:

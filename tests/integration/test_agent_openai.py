@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import stat
 import subprocess
 import sys
 import time
@@ -232,6 +233,20 @@ def test_admin_auth(daemon) -> None:
     m = next(m for m in st["models"] if m["name"] == MODEL)
     assert {"name", "state", "device_bytes", "kv_pages", "in_flight", "last_used"} <= set(m)
     assert m["state"] == "ready" and m["device_bytes"] > 0
+    assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
+
+
+def test_request_id_header(daemon) -> None:
+    code, _ = daemon.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2},
+                          headers={"X-Request-Id": "abc-123"})
+    assert code == 200
+    import urllib.request
+
+    req = urllib.request.Request(daemon.base + "/v1/completions", method="POST", data=json.dumps(
+        {"model": MODEL, "prompt": "x"}).encode(), headers={"Content-Type": "application/json", "X-Request-Id": "abc-123"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["X-Request-Id"] == "abc-123"
+        assert json.loads(r.read())["usage"]["completion_tokens"] <= 16  # the completions default
 
 
 def test_status_cli(daemon) -> None:
