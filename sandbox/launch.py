@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from collections.abc import Callable
 
 from sandbox import bpf, landlock, limits, seccomp
@@ -158,6 +159,14 @@ def confine_worker(
         parent_pid=parent_pid,
         required=frozenset(required),
     )
+    # A Landlock rule needs the directory to exist now: create the cache (models pulled later
+    # land there) and the writable dirs (Triton and CUDA create their caches at first use).
+    for d in (cache_dir, *policy.read_write):
+        if not d.startswith("/dev/"):
+            try:
+                os.makedirs(d, mode=0o750, exist_ok=True)
+            except OSError as e:
+                _log.warning("sandbox: cannot create %s: %s", d, e.strerror)
     report = confine(policy)
     _log.info("sandbox active=%s inactive=%s detail=%s", report.active, report.inactive, report.detail_line())
     return report

@@ -177,7 +177,10 @@ def default_policy(
         *extra_read_only,
     ]
     triton_cache = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton")
-    rw = [os.fspath(runtime_dir), tempfile.gettempdir(), "/dev/shm", triton_cache, *extra_read_write]
+    rw = [os.fspath(runtime_dir), tempfile.gettempdir(), "/dev/shm", triton_cache]
+    if os.environ.get("CUDA_CACHE_PATH"):  # CUDA's PTX JIT cache; without it CUDA just recompiles
+        rw.append(os.environ["CUDA_CACHE_PATH"])
+    rw += extra_read_write
     devices = sorted(glob.glob("/dev/nvidia*")) + ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"]
     return SandboxPolicy(
         read_only=tuple(dict.fromkeys(ro)),

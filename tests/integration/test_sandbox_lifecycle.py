@@ -178,3 +178,38 @@ def test_unprivileged_worker_cannot_read_agent_environment_and_nproc_bites() -> 
     assert "landlock" in out["active"] and "seccomp" in out["active"], out["detail"]
     assert out["environ"] == 13  # EACCES
     assert out["threads"] < 16
+
+
+def test_confine_worker_creates_cache_dir_so_later_models_are_readable(tmp_path: Path) -> None:
+    """A fresh host has no cache dir yet; the rule must still cover models pulled afterwards."""
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from sandbox.launch import confine_worker
+        rep = confine_worker(cache_dir={str(cache)!r}, runtime_dir={str(run)!r}, required=["landlock"])
+        print("confined", flush=True)
+        sys.stdin.readline()
+        print(open({str(cache / "models/late/snapshot/config.json")!r}).read(), flush=True)
+        try:
+            open({str(tmp_path / "elsewhere.json")!r}).read()
+        except PermissionError:
+            print("elsewhere denied", flush=True)
+        """
+    )
+    env = {**ENV, "TMPDIR": str(tmp_path / "tmp"), "TRITON_CACHE_DIR": str(tmp_path / "tmp" / "triton")}
+    (tmp_path / "tmp").mkdir()
+    if landlock_abi() == 0:
+        pytest.skip("this kernel has no Landlock")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=tmp_path / "tmp")
+    try:
+        assert proc.stdout.readline().strip() == "confined", proc.stderr.read() if proc.poll() is not None else ""
+        assert cache.is_dir()
+        (cache / "models/late/snapshot").mkdir(parents=True)
+        (cache / "models/late/snapshot/config.json").write_text('{"late": true}')
+        (tmp_path / "elsewhere.json").write_text("{}")
+        out, err = proc.communicate("go\n", timeout=30)
+    finally:
+        proc.kill()
+    assert '{"late": true}' in out and "elsewhere denied" in out, err
