@@ -252,3 +252,29 @@ def test_bf16_model_with_vocab_past_the_tokenizer(tmp_path, monkeypatch):
     tok = Tokenizer.from_dir(path)
     assert tok.vocab_size == 512
     assert tok.decode([4000, 4095]) == REPLACEMENT * 2
+
+
+def test_tokenizer_is_independent_of_hash_seed():
+    import subprocess
+    import sys
+
+    code = ("import hashlib; from engine.modelgen_tokenizer import build_tokenizer; "
+            "print(hashlib.sha256(build_tokenizer().to_str().encode()).hexdigest())")
+    digests = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout
+        for seed in ("1", "2")
+    }
+    assert len(digests) == 1
+
+
+def test_learn_merges_stops_when_nothing_repeats():
+    from engine.modelgen_tokenizer import TokenizerBuildError, learn_merges
+
+    # "abab" and "Ġabab" once each: (Ġ, abab) occurs once, so merging stops there.
+    assert learn_merges("abab abab", 100) == [("a", "b"), ("ab", "ab")]
+    assert learn_merges("xyz", 10) == []
+    with pytest.raises(TokenizerBuildError):
+        learn_merges("abc", -1)
+    with pytest.raises(TokenizerBuildError):
+        build_tokenizer(vocab_size=100)

@@ -63,6 +63,11 @@ def test_special_ids_and_sizes(tok):
     assert tok.is_byte_level and tok.is_special(eot[0]) and not tok.is_special(100)
 
 
+def test_every_byte_is_a_token(tok):
+    assert [tok.token_bytes(i) for i in range(256)] == [bytes([b]) for b in range(256)]
+    assert tok.token_bytes(128000) == REPLACEMENT.encode()
+
+
 @settings(max_examples=150, deadline=None)
 @given(text=_TEXT)
 def test_round_trip_random_utf8(tok, text):
