@@ -197,7 +197,8 @@ class ModelManager:
 
     async def _pull(self, e: ModelEntry) -> None:
         if self.source is None:
-            raise ManagerError("no model store is configured")
+            self._set(e, State.FAILED, "no model store is configured")
+            return
         self._set(e, State.PULLING)
         t0 = time.monotonic()
         try:
@@ -307,7 +308,11 @@ class ModelManager:
         tasks = []
         for m in self.settings.models:
             if m.preload:
-                t = self.load(m.name)
+                try:
+                    t = self.load(m.name)
+                except ManagerError as ex:  # e.g. a load already started through the admin API
+                    self._log.warning("preload_skipped", model=m.name, error=str(ex))
+                    continue
                 if t is not None:
                     tasks.append(t)
         if tasks:
@@ -325,9 +330,12 @@ class ModelManager:
                     e.task.cancel()
                 if e.want_loaded:
                     self._set(e, State.LOADING, "the engine worker restarted; reloading")
-                else:
+                else:  # it was on its way out anyway: finish the unload's bookkeeping
                     self._set(e, State.UNLOADING, "the engine worker exited")
-                    self._set(e, State.CACHED)
+                    e.tokenizer, e.info = None, {}
+                    self._pin(e, False)
+                    self.metrics.forget_model(e.name)
+                    self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT)
 
     async def on_worker_up(self) -> None:
         for e in list(self.models.values()):

@@ -10,8 +10,6 @@ import socket
 import threading
 import time
 
-import pytest
-
 from tests.integration.agent_harness import Daemon, publish_tiny
 
 MODEL = "tiny"
