@@ -12,8 +12,7 @@ from agent.cli import main
 from cache import DiskCache, FileStore, NotFoundError, Progress, StoreError, open_store
 from cache.progress import render_bar
 from cache.publish import publish_model
-from tests.s3_fault_proxy import (bucket, fast_download, make_model, moto_endpoint, proxy, s3_store,  # noqa: F401
-                                  tree_files)
+from tests.s3_fault_proxy import bucket, fast_download, make_model, moto_endpoint, proxy, s3_store  # noqa: F401
 
 
 def _same_tree(a, b) -> None:
