@@ -50,7 +50,3 @@ def check(ret: int, what: str) -> int:
 
 def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
     return check(libc().prctl(option, arg2, arg3, arg4, arg5), f"prctl({option})")
-
-
-def syscall(nr: int, *args: object, what: str = "syscall") -> int:
-    return check(libc().syscall(ctypes.c_long(nr), *args), what)

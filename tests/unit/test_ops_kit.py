@@ -4,7 +4,6 @@ what operators are promised, and the installer lays out a root correctly and ide
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import stat
