@@ -254,7 +254,15 @@ class EngineCore:
         if sched_out.is_empty:
             slot.vtime += 1e-6 / slot.weight
             return outs
-        result = slot.runner.execute(sched_out)
+        try:
+            result = slot.runner.execute(sched_out)
+        except Exception as e:
+            # Keep the books straight: the batch's requests end as aborted (pages freed, outputs
+            # queued for the next step), then the failure surfaces to the caller.
+            for entry in sched_out.seqs:
+                self.abort_request(entry.req_id)
+            self._pending[:0] = outs
+            raise EngineError(f"model {slot.name!r}: step failed: {type(e).__name__}: {e}") from e
         logprobs = {}
         for idx, entry in enumerate(e for e in sched_out.seqs if e.sample):
             logprobs[entry.req_id] = result.logprobs[idx]

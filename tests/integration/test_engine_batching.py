@@ -235,3 +235,21 @@ def test_two_models_share_the_engine_and_unload_aborts(model_dir, make_tiny_mode
     assert set(core.stats()) == {"m"}
     with pytest.raises(EngineError):
         core.add_request("c", "q", [1], GREEDY)
+
+
+def test_a_failing_step_aborts_its_batch_and_keeps_the_books(model_dir):
+    core = make_core(model_dir)
+    core.add_request("a", "m", PROMPTS[1], GREEDY)
+    core.add_request("b", "m", PROMPTS[2], GREEDY)
+    runner = core._slots["m"].runner
+
+    def boom(out):
+        raise RuntimeError("device fell over")
+
+    runner.execute = boom
+    with pytest.raises(EngineError, match="device fell over"):
+        core.step()
+    assert core.stats()["m"]["kv_pages_used"] == 0
+    outs = core.step()
+    assert sorted((o.req_id, o.finish_reason) for o in outs) == [("a", "abort"), ("b", "abort")]
+    assert not core.has_unfinished_requests()
