@@ -19,6 +19,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from engine.modelgen_safetensors import (
@@ -47,12 +48,12 @@ INIT_STD = 0.02
 # the determinism contract: changing it changes the weights a seed gives.
 _CHUNK_ELEMS = 1 << 24
 
-_ARCH_CLASS = {
+_ARCH_CLASS = MappingProxyType({
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "mistral": ("MistralForCausalLM", "mistral"),
-}
+})
 
 
 class ModelGenError(ValueError):
@@ -61,6 +62,8 @@ class ModelGenError(ValueError):
 
 @dataclass(frozen=True)
 class Shape:
+    """A preset's dimensions; the architecture decides the rest (biases, norms, rope)."""
+
     hidden: int
     layers: int
     heads: int
@@ -72,12 +75,12 @@ class Shape:
     qwen3_head_dim: int  # head_dim for qwen3; other archs use hidden // heads
 
 
-_PRESETS = {
+_PRESETS = MappingProxyType({
     # qwen3's head_dim differs from hidden // heads in tiny/small so that path is exercised.
     "tiny": Shape(64, 2, 4, 2, 128, 2048, None, "float32", 32),
     "small": Shape(256, 4, 8, 2, 512, 4096, None, "float32", 64),
     "llama-3.1-8b": Shape(4096, 32, 32, 8, 14336, 131072, 128256, "bfloat16", 128),
-}
+})
 
 
 def _check(arch: str, preset: str) -> Shape:

@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from types import MappingProxyType
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 PRESETS = ("tiny", "small", "llama-3.1-8b")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS = MappingProxyType({
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6,
+    "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+})
 
 
 def _shard_size(text: str) -> int:

@@ -240,7 +240,7 @@ def test_bf16_model_with_vocab_past_the_tokenizer(tmp_path, monkeypatch):
     from engine.tokenizer import REPLACEMENT, Tokenizer
 
     small_8b = modelgen.Shape(64, 1, 4, 2, 128, 2048, 4096, "bfloat16", 16)
-    monkeypatch.setitem(modelgen._PRESETS, "llama-3.1-8b", small_8b)
+    monkeypatch.setattr(modelgen, "_PRESETS", {**modelgen._PRESETS, "llama-3.1-8b": small_8b})
     path = make_model(tmp_path / "m", "llama", "llama-3.1-8b", device="cpu")
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["vocab_size"] == 4096 and cfg["torch_dtype"] == "bfloat16"
