@@ -132,18 +132,26 @@ class SandboxReport:
         }
 
 
-def _python_paths() -> list[str]:
+def _python_paths(search_path: list[str] | None = None, cwd: str | None = None) -> list[str]:
+    search_path = sys.path if search_path is None else search_path
+    cwd = os.getcwd() if cwd is None else cwd
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    for p in sys.path:
-        # sys.path holds "" / the cwd when run with -c; only real directories are worth a rule.
-        if p and os.path.isabs(p) and os.path.isdir(p):
-            paths.add(p)
+    for p in search_path:
+        # `python -m` puts the working directory first on sys.path, and a service's working
+        # directory is "/": taking it would open the whole disk. Only real library dirs count.
+        if not p or not os.path.isabs(p) or not os.path.isdir(p):
+            continue
+        p = os.path.normpath(p)
+        if p == "/" or p == os.path.normpath(cwd):
+            continue
+        paths.add(p)
     # The project's own packages: an editable install maps them through an import hook rather
     # than sys.path, and modules imported lazily after confinement must still be readable.
     for pkg in ("agent", "engine", "cache", "sandbox"):
         spec = importlib.util.find_spec(pkg)
         for loc in (spec.submodule_search_locations or []) if spec else []:
             paths.add(os.path.abspath(loc))
+    paths.discard("/")
     return sorted(paths)
 
 

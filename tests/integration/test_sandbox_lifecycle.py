@@ -213,3 +213,17 @@ def test_confine_worker_creates_cache_dir_so_later_models_are_readable(tmp_path:
     finally:
         proc.kill()
     assert '{"late": true}' in out and "elsewhere denied" in out, err
+
+
+def test_policy_never_opens_the_root_or_the_working_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`python -m engine.worker` started from "/" (systemd's default) puts "/" on sys.path."""
+    from sandbox import policy
+
+    monkeypatch.chdir("/")
+    monkeypatch.setattr(sys, "path", ["/", "", str(tmp_path), *sys.path])
+    p = policy.default_policy(tmp_path / "cache", tmp_path / "run")
+    assert "/" not in p.read_only + p.read_write
+    assert "/etc" not in p.read_only and "/root" not in p.read_only
+    assert str(tmp_path) in p.read_only  # an ordinary sys.path entry stays
+    monkeypatch.chdir(tmp_path)
+    assert str(tmp_path) not in policy._python_paths([str(tmp_path)])
