@@ -234,13 +234,29 @@ class Scheduler:
                 out.num_decodes += 1
         return out
 
+    def preempt(self, req_id: str) -> bool:
+        """Preempt a running request by recompute (e.g. it holds pages a shrinking pool fences).
+
+        Its pages are freed now; it keeps its output and resumes from the waiting queue's front.
+        False when the request is not running.
+        """
+        seq = self._seqs.get(req_id)
+        if seq is None or seq.status is not SequenceStatus.RUNNING:
+            return False
+        self._preempt(seq)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        # Preempted sequences lead the waiting queue, oldest first, ahead of fresh requests.
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].num_preemptions and self.waiting[i].arrival < seq.arrival:
+            i += 1
+        self.waiting.insert(i, seq)
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
         """Apply a step's results; ``sampled`` holds one id per entry with ``sample`` set, in order.

@@ -50,3 +50,26 @@ def test_from_buffer_is_a_view_of_memory_owned_elsewhere():
         KVCache.from_buffer(s, torch.zeros(s.elems_per_page, dtype=torch.float32))
     with pytest.raises(EngineError):
         KVCache.allocate(s, 0, "cpu")
+
+
+def test_from_views_takes_padded_pages():
+    # A shared pool whose page is larger than the model's data: views with a padded page stride.
+    s = spec()
+    page_elems = s.elems_per_page + 40
+    pool = torch.zeros(3 * page_elems)
+    layer_elems = 2 * s.block_size * s.num_kv_heads * s.head_dim
+    views = []
+    for layer in range(s.num_layers):
+        def view(kind: int) -> torch.Tensor:
+            off = layer * layer_elems + kind * (layer_elems // 2)
+            return pool.as_strided((3, s.block_size, s.num_kv_heads, s.head_dim),
+                                   (page_elems, s.num_kv_heads * s.head_dim, s.head_dim, 1), off)
+        views.append((view(0), view(1)))
+    kv = KVCache.from_views(s, views)
+    assert kv.num_pages == 3 and kv.nbytes == 3 * s.page_bytes and kv.k(1).stride(0) == page_elems
+    kernels.write_kv(torch.ones(1, 2, 8), torch.full((1, 2, 8), 2.0), kv.k(1), kv.v(1), torch.tensor([2 * 4 + 3]))
+    assert pool.view(3, page_elems)[2].eq(1).sum() == 16 and pool.view(3, page_elems)[2].eq(2).sum() == 16
+    with pytest.raises(EngineError):
+        KVCache.from_views(s, views[:2])
+    with pytest.raises(EngineError):
+        KVCache.from_views(spec(head_dim=4), views)

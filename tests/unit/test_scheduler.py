@@ -269,3 +269,28 @@ def test_context_length_stops_with_length():
         outs += [(s.finish_reason, s.num_tokens) for s in sched.update(out, runner.run(sched, out))]
     assert outs == [(None, 5), (FinishReason.LENGTH, 6)]
     assert alloc.num_free == alloc.num_total
+
+
+def test_public_preempt_frees_pages_and_resumes_oldest_first():
+    sched, alloc, runner = make(max_model_len=64)
+    reqs = [(f"r{i}", [i + 1] * (3 + i), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) for i in range(3)]
+    for rid, p, sp in reqs:
+        sched.add(rid, p, sp)
+    for _ in range(2):
+        out = sched.schedule()
+        sched.update(out, runner.run(sched, out))
+    sched.add("fresh", [9, 9], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert sched.preempt("r2") and sched.preempt("r0")
+    assert not sched.preempt("r0") and not sched.preempt("nope")  # not running (any more)
+    assert [s.req_id for s in sched.waiting] == ["r0", "r2", "fresh"]
+    assert not sched.blocks.has(sched.get("r0").seq_id)
+    check_pages(sched, alloc)
+    results = {}
+    while sched.has_unfinished():
+        out = sched.schedule()
+        for seq in sched.update(out, runner.run(sched, out)):
+            if seq.finish_reason is not None:
+                results[seq.req_id] = (seq.output_token_ids, seq.finish_reason.value)
+    for rid, p, sp in reqs:
+        assert results[rid] == reference(p, sp, 64)
+    assert alloc.num_free == alloc.num_total
