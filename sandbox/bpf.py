@@ -32,7 +32,7 @@ SYSCALLS: dict[str, dict[str, int]] = {
         "settimeofday": 164, "clock_settime": 227, "clock_adjtime": 305, "adjtimex": 159,
         "add_key": 248, "request_key": 249, "keyctl": 250, "open_by_handle_at": 304,
         "lookup_dcookie": 212, "nfsservctl": 180, "io_uring_setup": 425, "io_uring_enter": 426,
-        "io_uring_register": 427, "socket": 41, "socketpair": 53, "clone": 56, "clone3": 435,
+        "io_uring_register": 427, "connect": 42, "socket": 41, "socketpair": 53, "clone": 56, "clone3": 435,
     },
     "aarch64": {
         "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
@@ -46,7 +46,7 @@ SYSCALLS: dict[str, dict[str, int]] = {
         "clock_settime": 112, "clock_adjtime": 266, "adjtimex": 171, "add_key": 217,
         "request_key": 218, "keyctl": 219, "open_by_handle_at": 265, "lookup_dcookie": 18,
         "nfsservctl": 42, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-        "socket": 198, "socketpair": 199, "clone": 220, "clone3": 435,
+        "connect": 203, "socket": 198, "socketpair": 199, "clone": 220, "clone3": 435,
     },
 }
 

@@ -63,7 +63,7 @@ def _landlock_rules(policy: SandboxPolicy) -> list[landlock.Rule]:
 
 
 def _load_seccomp(policy: SandboxPolicy) -> str:
-    rules = seccomp.build_rules(policy.allow_af_unix)
+    rules = seccomp.build_rules(policy.allow_af_unix, policy.allow_unix_connect)
     backend = policy.seccomp_backend
     if backend == "libseccomp" or (backend == "auto" and seccomp.libseccomp_available()):
         return seccomp.load_libseccomp(rules)

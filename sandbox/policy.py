@@ -57,6 +57,9 @@ class SandboxPolicy:
     read_write: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
     allow_af_unix: bool = True
+    # connect() is denied by default: the worker talks over the socketpair it inherited, and a
+    # path socket is reachable whatever Landlock says (the agent's admin socket, docker.sock...).
+    allow_unix_connect: bool = False
     unshare_network: bool = True
     scope_signals: bool = True  # a confined worker cannot signal the agent (Landlock ABI >= 6)
     scope_abstract_unix: bool = True  # nor connect to abstract unix sockets made outside it

@@ -2,7 +2,9 @@
 
 Denied with EPERM (never a kill, so a probing library gets an error it can handle):
 - sockets of any family but AF_UNIX (``socket``/``socketpair`` first argument), and io_uring,
-  which could open sockets without passing through ``socket()``;
+  which could open sockets without passing through ``socket()``; ``connect`` too unless the
+  policy allows it: Landlock cannot stop a connect to a unix socket by path (the agent's admin
+  socket, a container runtime's socket), and the worker only needs the socketpair it inherits;
 - ptrace and cross-process memory/fd access (``process_vm_*``, ``pidfd_getfd``);
 - mount and the new mount API, ``pivot_root``, ``chroot``; ``unshare``, ``setns`` and ``clone``
   with namespace flags; kexec, reboot, bpf, perf_event_open, userfaultfd, module loading,
@@ -58,9 +60,9 @@ class FilterRules:
     clone_ns_flags: tuple[int, ...]
 
 
-def build_rules(allow_af_unix: bool) -> FilterRules:
+def build_rules(allow_af_unix: bool, allow_connect: bool = False) -> FilterRules:
     return FilterRules(
-        deny_eperm=DENIED_SYSCALLS,
+        deny_eperm=DENIED_SYSCALLS + (() if allow_connect else ("connect",)),
         enosys=("clone3",),
         socket_family_allowed=socket.AF_UNIX if allow_af_unix else None,
         clone_ns_flags=CLONE_NS_FLAGS,

@@ -76,13 +76,20 @@ def _ptrace_traceme_in_child() -> str:
     return "traced"
 
 
-def _unix_roundtrip(rw_dir: str) -> str:
+def _unix_socketpair() -> str:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with a, b:
         a.sendall(b"ping")
-        got = b.recv(4)
+        b.sendall(b"pong")
+        return (b.recv(4) + a.recv(4)).decode()
+
+
+def _unix_connect(rw_dir: str) -> str:
+    got = b""
     path = os.path.join(rw_dir, "probe.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        if os.path.exists(path):
+            os.unlink(path)
         srv.bind(path)
         srv.listen(1)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as cli:
@@ -91,7 +98,6 @@ def _unix_roundtrip(rw_dir: str) -> str:
             with conn:
                 cli.sendall(b"pong")
                 got += conn.recv(4)
-    os.unlink(path)
     return got.decode()
 
 
@@ -164,7 +170,8 @@ def run_probes(policy: SandboxPolicy, ro_dir: str, rw_dir: str, outside: str, wi
         "af_inet6_socket": lambda: socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).close(),
         "af_netlink_socket": lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW).close(),
         "af_inet_socket_new_thread": lambda: _in_new_thread(lambda: socket.socket(socket.AF_INET).close()),
-        "af_unix": lambda: _unix_roundtrip(rw_dir),
+        "af_unix": _unix_socketpair,
+        "unix_connect": lambda: _unix_connect(rw_dir),
         "ptrace_traceme": _ptrace_traceme_in_child,
         "ptrace_attach_child": _ptrace_attach_child,
         "mount_tmpfs": lambda: _raw(lib.mount(b"none", rw_dir.encode(), b"tmpfs", 0, None), "mount"),
@@ -206,12 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch", action="store_true", help="also check a torch CPU matmul still runs")
     ap.add_argument("--seccomp-backend", default="auto", choices=("auto", "libseccomp", "bpf"))
     ap.add_argument("--disable", default="", help="comma-separated layers to skip, e.g. landlock,capabilities")
+    ap.add_argument("--allow-unix-connect", action="store_true", help="let connect() through (policy.allow_unix_connect)")
     args = ap.parse_args(argv)
     ro = args.ro or sys.prefix
     rw = args.rw or tempfile.mkdtemp(prefix="infire-selftest-")
     base = default_policy(ro, rw)
     disabled = frozenset(x for x in args.disable.split(",") if x)
-    policy = dataclasses.replace(base, seccomp_backend=args.seccomp_backend, disabled=disabled)
+    policy = dataclasses.replace(base, seccomp_backend=args.seccomp_backend, disabled=disabled,
+                                 allow_unix_connect=args.allow_unix_connect)
     out = run_probes(policy, ro, rw, args.outside, args.torch)
     json.dump(out, sys.stdout, indent=1)
     sys.stdout.write("\n")

@@ -16,6 +16,7 @@ FILE_PROBES_DENIED = ("read_outside", "list_outside", "write_read_only", "read_o
 SECCOMP_PROBES_DENIED = (
     "af_inet_socket", "af_inet6_socket", "af_netlink_socket", "af_inet_socket_new_thread",
     "ptrace_traceme", "ptrace_attach_child", "mount_tmpfs", "unshare_user", "bpf", "io_uring_setup",
+    "unix_connect",
 )
 
 
@@ -122,6 +123,17 @@ def test_landlock_alone(tmp_path: Path) -> None:
     # Landlock ABI >= 4 handles that, but there is nothing to connect to in a test).
     _ok(res, "af_inet_socket")
     _ok(res, "read_allowed")
+    # Why seccomp denies connect(): Landlock does not stop a connect to a unix socket by path.
+    _ok(res, "unix_connect")
+
+
+@pytest.mark.skipif(not seccomp_filter_supported(), reason="this kernel has no seccomp filter mode")
+def test_unix_connect_can_be_allowed(tmp_path: Path) -> None:
+    res = run_selftest(Layout.make(tmp_path), "--allow-unix-connect")
+    _ok(res, "unix_connect")
+    assert res["probes"]["unix_connect"]["detail"] == "pong"
+    for probe in ("af_inet_socket", "ptrace_traceme", "mount_tmpfs"):
+        _denied(res, probe, "EPERM")
 
 
 def test_bpf_program_assembles_for_every_table() -> None:
