@@ -28,7 +28,7 @@ from typing import Any, Callable
 from agent.log import get_logger
 from cache import eviction, snapshot
 from cache import manifest as mf
-from cache.downloader import DownloadConfig, download_blob
+from cache.downloader import DownloadConfig, PartLimiter, download_blob
 from cache.errors import CacheError, CacheFullError, StoreError
 from cache.locks import FileLock
 from cache.progress import Progress
@@ -281,12 +281,7 @@ class DiskCache:
                     if f.sha256 in have:
                         progress.add_resumed(f.size)
                         have.discard(f.sha256)  # count a shared blob once
-                for d, size in missing.items():
-                    paths = [f.path for f in manifest.files if f.sha256 == d]
-                    progress.set_state("downloading", paths[0])
-                    # A bad safetensors header is refused before the blob enters the cache.
-                    is_st = any(p.endswith(".safetensors") for p in paths)
-                    await self._fetch_blob(store, d, size, progress, check_file if is_st else None)
+                await self._fetch_blobs(store, manifest, missing, progress)
                 progress.set_state("verifying")
                 await asyncio.to_thread(self._check_safetensors, manifest)
                 async with FileLock(self.locks_dir / "cache.lock"):
@@ -328,13 +323,42 @@ class DiskCache:
         if incoming > free:
             raise CacheFullError(f"need {incoming} bytes, the cache disk has {free} free")
 
+    async def _fetch_blobs(self, store: Store, manifest: mf.Manifest, missing: dict[str, int],
+                           progress: Progress) -> None:
+        """Download missing blobs, ``parallel_blobs`` at a time under one shared part limit.
+
+        Small files go first (their latency overlaps the big ones). After a failure no new blob
+        starts, the ones in flight finish (verified blobs are kept for the next try), and the first
+        error is raised.
+        """
+        limiter = PartLimiter(self.download)
+        gate = asyncio.Semaphore(self.download.parallel_blobs)
+        errors: list[BaseException] = []
+
+        async def one(digest: str, size: int) -> None:
+            async with gate:
+                if errors:
+                    return
+                paths = [f.path for f in manifest.files if f.sha256 == digest]
+                progress.set_state("downloading", paths[0])
+                # A bad safetensors header is refused before the blob enters the cache.
+                check = check_file if any(p.endswith(".safetensors") for p in paths) else None
+                try:
+                    await self._fetch_blob(store, digest, size, progress, check, limiter)
+                except Exception as e:  # noqa: BLE001 - re-raised below, after the others settle
+                    errors.append(e)
+
+        await asyncio.gather(*(one(d, s) for d, s in sorted(missing.items(), key=lambda kv: kv[1])))
+        if errors:
+            raise errors[0]
+
     async def _fetch_blob(self, store: Store, digest: str, size: int, progress: Progress,
-                          check: Callable[[Path], Any] | None) -> None:
+                          check: Callable[[Path], Any] | None, limiter: PartLimiter) -> None:
         async with FileLock(self.locks_dir / f"blob-{digest}.lock"):
             abort = threading.Event()
             fut = asyncio.get_running_loop().run_in_executor(
                 None, lambda: download_blob(store, digest, size, self.partial_dir, self.blobs_dir, self.download,
-                                            progress, abort, check))
+                                            progress, abort, check, limiter))
             try:
                 await asyncio.shield(fut)
             except asyncio.CancelledError:

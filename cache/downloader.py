@@ -43,6 +43,7 @@ class DownloadConfig:
     buffer_size: int = 1 << 20  # socket → pwrite chunk
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_restarts: int = 3  # whole-blob restarts after the object's ETag changed
+    parallel_blobs: int = 4  # files of one model downloaded side by side (sharing the part limit)
     fsync: bool = True
 
     def __post_init__(self) -> None:
@@ -50,16 +51,19 @@ class DownloadConfig:
             raise ValueError("part_size must be at least 1 KiB")
         if not 1 <= self.min_concurrency <= self.concurrency <= self.max_concurrency <= 256:
             raise ValueError("need 1 <= min_concurrency <= concurrency <= max_concurrency <= 256")
+        if not 1 <= self.parallel_blobs <= 64:
+            raise ValueError("parallel_blobs must be in [1, 64]")
 
 
 class Aborted(CacheError):
     """The download was cancelled by its caller."""
 
 
-class _Concurrency:
+class PartLimiter:
     """Additive increase, multiplicative decrease of the parts in flight.
 
     Throttling (429/503) halves the limit; each run of ``limit`` clean parts raises it by one.
+    One limiter may be shared by the blobs of a pull downloaded side by side.
     """
 
     def __init__(self, cfg: DownloadConfig) -> None:
@@ -138,7 +142,8 @@ class _State:
 
 def download_blob(store: Store, digest: str, size: int, partial_dir: Path, blobs_dir: Path,
                   cfg: DownloadConfig | None = None, progress: Progress | None = None,
-                  abort: threading.Event | None = None, check: Callable[[Path], None] | None = None) -> Path:
+                  abort: threading.Event | None = None, check: Callable[[Path], None] | None = None,
+                  limiter: PartLimiter | None = None) -> Path:
     """Fetch blob ``digest`` of ``size`` bytes into ``blobs_dir/<digest>`` and return that path.
 
     Raises IntegrityError (digest or size mismatch), CacheFullError (ENOSPC), StoreError (after
@@ -163,7 +168,7 @@ def download_blob(store: Store, digest: str, size: int, partial_dir: Path, blobs
         return dest
     for restart in range(cfg.max_restarts + 1):
         try:
-            return _download_once(store, digest, size, partial_dir, dest, cfg, progress, abort, check)
+            return _download_once(store, digest, size, partial_dir, dest, cfg, progress, abort, check, limiter)
         except ETagChangedError:
             # The object was replaced mid-pull: none of the bytes can be trusted to belong together.
             _discard(partial_dir, digest)
@@ -189,7 +194,8 @@ def _commit_empty(dest: Path, cfg: DownloadConfig) -> None:
 
 
 def _download_once(store: Store, digest: str, size: int, partial_dir: Path, dest: Path, cfg: DownloadConfig,
-                   progress: Progress, abort: threading.Event, check: Callable[[Path], None] | None) -> Path:
+                   progress: Progress, abort: threading.Event, check: Callable[[Path], None] | None,
+                   limiter: PartLimiter | None) -> Path:
     key = blob_key(digest)
     info: ObjectInfo = call_with_retries(lambda: store.head(key), cfg.retry, f"HEAD {key}")
     if info.size != size:
@@ -224,7 +230,7 @@ def _download_once(store: Store, digest: str, size: int, partial_dir: Path, dest
     else:
         progress.add_resumed(sum(min(cfg.part_size, size - i * cfg.part_size) for i in done))
     try:
-        _fetch_and_hash(store, key, info, digest, size, fd, state, done, nparts, cfg, progress, abort)
+        _fetch_and_hash(store, key, info, digest, size, fd, state, done, nparts, cfg, progress, abort, limiter)
         if check is not None:
             check(partial)
         os.fchmod(fd, 0o444)  # blobs are immutable; the snapshot's hard links share this inode
@@ -244,13 +250,13 @@ def _download_once(store: Store, digest: str, size: int, partial_dir: Path, dest
 
 def _fetch_and_hash(store: Store, key: str, info: ObjectInfo, digest: str, size: int, fd: int, state: _State,
                     done: set[int], nparts: int, cfg: DownloadConfig, progress: Progress,
-                    abort: threading.Event) -> None:
+                    abort: threading.Event, limiter: PartLimiter | None) -> None:
     ps = cfg.part_size
     finished = [i in done for i in range(nparts)]
     cond = threading.Condition()
     failure: list[BaseException] = []
     stop = threading.Event()  # set on the first failure or on abort
-    conc = _Concurrency(cfg)
+    conc = limiter or PartLimiter(cfg)
     queue = [i for i in range(nparts) if not finished[i]]
     queue.reverse()  # pop() from the end takes the lowest index first: the hasher follows closely
     state_fd = os.open(state.path, os.O_WRONLY | os.O_APPEND)
@@ -345,7 +351,7 @@ def _hash_in_order(fd: int, h: "hashlib._Hash", finished: list[bool], cond: thre
 
 
 def _fetch_part(store: Store, key: str, info: ObjectInfo, start: int, end: int, fd: int, view: memoryview,
-                cfg: DownloadConfig, conc: _Concurrency, progress: Progress, stop: threading.Event) -> None:
+                cfg: DownloadConfig, conc: PartLimiter, progress: Progress, stop: threading.Event) -> None:
     """Fetch ``[start, end)`` into the file, resuming within the part after transient errors."""
     pos = start
     attempt = 0
