@@ -144,6 +144,7 @@ def main() -> int:
 
     configure_logging("console", "warning", stream=sys.stderr)
     size, shard, part = parse_size(args.size), parse_size(args.shard_size), parse_size(args.part_size)
+    commit = git_commit()  # the code that runs, even if HEAD moves during the run
     base = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="pull-bench-",
                                                                           dir="/work" if os.access("/work", os.W_OK) else None))
     base.mkdir(parents=True, exist_ok=True)
@@ -195,7 +196,6 @@ def main() -> int:
     boto["server_cpu_s"] = s_cpu1 - s_cpu0
     ours["server_cpu_s"] = s_cpu2 - s_cpu1
     now = dt.datetime.now(dt.timezone.utc)
-    commit = git_commit()
     command = "python ops/bench/pull_bench.py " + " ".join(sys.argv[1:])
     result = {
         "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "what": "pull", "gpu": MACHINE, "machine": MACHINE,
