@@ -1,0 +1,1 @@
+"""Confinement of the engine worker: see :mod:`sandbox.launch` (``confine``, ``confine_worker``)."""

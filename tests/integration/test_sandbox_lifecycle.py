@@ -227,3 +227,38 @@ def test_policy_never_opens_the_root_or_the_working_directory(monkeypatch: pytes
     assert str(tmp_path) in p.read_only  # an ordinary sys.path entry stays
     monkeypatch.chdir(tmp_path)
     assert str(tmp_path) not in policy._python_paths([str(tmp_path)])
+
+
+def test_real_engine_worker_dies_with_a_killed_agent() -> None:
+    """No orphan with ``engine.worker`` itself, started the way the agent starts it (its death
+    signal and the EOF on its socket both end it)."""
+    agent = textwrap.dedent(
+        """
+        import socket, subprocess, sys, time
+        from engine import protocol as P
+        mine, theirs = socket.socketpair()
+        subprocess.Popen([sys.executable, "-m", "engine.worker", "--engine", "none", "--fd", str(theirs.fileno())],
+                         pass_fds=(theirs.fileno(),))
+        theirs.close()
+        dec = P.FrameDecoder()
+        while True:
+            hello = [m for m in dec.feed(mine.recv(65536)) if isinstance(m, P.Hello)]
+            if hello:
+                break
+        print(hello[0].pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        worker_pid = int(proc.stdout.readline())
+        assert _alive(worker_pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker_pid), "engine.worker outlived its killed agent"
+    finally:
+        proc.kill()
+        proc.wait()
