@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 from sandbox import bpf, landlock, limits, seccomp
@@ -144,7 +145,8 @@ def confine_worker(
 
     This is what ``engine.worker`` calls with its ``sandbox_options``. Missing dirs fall back to
     the agent's defaults (``$CACHE_DIRECTORY`` / ``$RUNTIME_DIRECTORY`` under systemd). The
-    report is logged at info level (warnings for inactive layers come from :func:`confine`).
+    outcome goes to stderr as one line (warnings for inactive layers come from :func:`confine`
+    through ``logging``); the returned report is for the worker's status.
     """
     if cache_dir is None or runtime_dir is None:
         from agent.config import default_cache_dir, default_runtime_dir
@@ -168,5 +170,6 @@ def confine_worker(
             except OSError as e:
                 _log.warning("sandbox: cannot create %s: %s", d, e.strerror)
     report = confine(policy)
-    _log.info("sandbox active=%s inactive=%s detail=%s", report.active, report.inactive, report.detail_line())
+    # One plain line on stderr, the worker's log channel (it configures no logging handlers).
+    print(f"sandbox active={report.active} inactive={report.inactive} detail={report.detail_line()}", file=sys.stderr, flush=True)
     return report

@@ -110,10 +110,11 @@ def _run(tmp: Path, model: Path, sandbox: bool) -> dict[str, Any]:
     snapshot = cache / "models" / "tiny" / "snapshot"
     shutil.copytree(model, snapshot)
     w = WorkerProc(tmp, cache, sandbox)
+    out: dict[str, Any] = {}
     try:
         hello = w.wait_for(lambda m: isinstance(m, P.Hello))
         assert hello.engine_error == "", hello.engine_error
-        out: dict[str, Any] = {"status": _status(hello.pid)}
+        out["status"] = _status(hello.pid)
         loaded = w.load("tiny", snapshot)
         assert isinstance(loaded, P.Loaded), loaded
         out["tokens"] = w.generate("tiny", list(range(100, 124)), 12)
@@ -127,6 +128,7 @@ def _run(tmp: Path, model: Path, sandbox: bool) -> dict[str, Any]:
         return out
     finally:
         w.close()
+        out["stderr"] = (tmp / "worker.stderr").read_text()
 
 
 def test_confined_worker_serves_and_stays_confined(tmp_path: Path, tiny_llama_dir: Path) -> None:
@@ -139,3 +141,6 @@ def test_confined_worker_serves_and_stays_confined(tmp_path: Path, tiny_llama_di
     assert isinstance(boxed["late"], P.Loaded), boxed["late"]
     assert isinstance(plain["outside"], P.Loaded)
     assert isinstance(boxed["outside"], P.Error) and "Permission denied" in boxed["outside"].message, boxed["outside"]
+    line = next(l for l in boxed["stderr"].splitlines() if l.startswith("sandbox active="))
+    assert "'landlock'" in line.split(" inactive=")[0] and "'seccomp'" in line.split(" inactive=")[0], line
+    assert "sandbox active=" not in plain["stderr"]

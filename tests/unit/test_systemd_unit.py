@@ -153,7 +153,7 @@ def test_syscall_filter_keeps_what_cuda_and_the_sandbox_need(unit: dict) -> None
     needed = {"ioctl", "mmap", "munmap", "mprotect", "mbind", "set_mempolicy", "get_mempolicy", "sched_setaffinity",
               "sched_getaffinity", "madvise", "futex", "clone", "execve", "prctl", "setrlimit", "prlimit64", "socket",
               "socketpair", "seccomp", "landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self",
-              "memfd_create", "eventfd2", "epoll_wait", "getrandom"}
+              "memfd_create", "eventfd2", "epoll_wait", "getrandom", "capget", "close_range"}
     assert needed <= allowed, sorted(needed - allowed)
     denied = {"ptrace", "mount", "umount2", "kexec_load", "bpf", "init_module", "finit_module", "reboot", "swapon",
               "settimeofday", "perf_event_open", "pivot_root", "chroot", "setuid", "iopl"}
