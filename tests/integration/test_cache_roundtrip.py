@@ -100,6 +100,11 @@ def test_cli_publish_and_pull(tmp_path, proxy, bucket, monkeypatch, capsys):
     # Bad input: exit 2 and nothing written.
     assert main(["pull", "Bad/Name", "--store", url, "--cache-dir", str(tmp_path / "c2")]) == 2
     assert not (tmp_path / "c2").exists()
+    # Store failures: exit 1 with the reason.
+    assert main(["pull", "absent", "--store", url, "--cache-dir", str(tmp_path / "c3"), "--quiet"]) == 1
+    assert "model 'absent' is not in the store" in capsys.readouterr().err
+    assert main(["publish", str(src), "--name", "x", "--store", "s3://no-such-bucket-here/p", "--quiet"]) == 1
+    assert "NoSuchBucket" in capsys.readouterr().err
     (src / "weights.bin").write_bytes(b"pickle")
     assert main(["publish", str(src), "--name", "evil", "--store", url]) == 2
     assert "pickle" in capsys.readouterr().err
