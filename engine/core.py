@@ -65,6 +65,7 @@ class ModelSlot:
     info: ModelInfo
     vtime: float = 0.0
     steps: int = 0
+    last_step_s: float = 1e-3
 
     @property
     def device_bytes(self) -> int:
@@ -252,7 +253,9 @@ class EngineCore:
         t0 = time.perf_counter()
         sched_out = slot.scheduler.schedule()
         if sched_out.is_empty:
-            slot.vtime += 1e-6 / slot.weight
+            # Nothing admissible (no pages for it now): charge a nominal step so the pick moves
+            # on to the other models instead of choosing this one again forever.
+            slot.vtime += slot.last_step_s / slot.weight
             return outs
         try:
             result = slot.runner.execute(sched_out)
@@ -274,7 +277,8 @@ class EngineCore:
             if reason is not None:
                 self._req_model.pop(seq.req_id, None)
         slot.steps += 1
-        slot.vtime += (time.perf_counter() - t0) / slot.weight
+        slot.last_step_s = time.perf_counter() - t0  # measured after the token copy (the host sync)
+        slot.vtime += slot.last_step_s / slot.weight
         return outs
 
     def stats(self) -> dict[str, dict[str, Any]]:
