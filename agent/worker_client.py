@@ -24,7 +24,7 @@ from engine import protocol as P
 
 HELLO_TIMEOUT_S = 120.0  # importing torch and initialising CUDA on a cold node is slow
 HEARTBEAT_STALE_S = 3.0
-STALL_S = 10.0  # busy with no engine step for this long: wedged
+STALL_S = 20.0  # busy with no engine step for this long: wedged (a first-step kernel compile can take a while)
 BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
 
 

@@ -7,6 +7,11 @@ whatever commands have arrived without blocking (timeout 0 while the engine has 
 A side thread sends ``Heartbeat`` frames so the agent can tell "alive but inside a long load"
 from "dead". The worker exits when the socket closes, so it never outlives the agent.
 
+A ``Load`` runs inside the loop, so other models' steps wait for it (seconds for an 8B model on
+a GPU). Overlapping them needs EngineCore to split a load into a thread-safe "read and copy
+weights" part and a short "install the slot" part; until then the agent side is what stays
+responsive (loads are background tasks there, and heartbeats continue from the side thread).
+
 ``--engine none`` runs the loop with no EngineCore (loads are refused with a clear error); the
 agent's supervision tests use it to exercise the process and the protocol without torch.
 """
