@@ -16,7 +16,7 @@ FILE_PROBES_DENIED = ("read_outside", "list_outside", "write_read_only", "read_o
 SECCOMP_PROBES_DENIED = (
     "af_inet_socket", "af_inet6_socket", "af_netlink_socket", "af_inet_socket_new_thread",
     "ptrace_traceme", "ptrace_attach_child", "mount_tmpfs", "unshare_user", "bpf", "io_uring_setup",
-    "unix_connect",
+    "unix_connect", "clone_newuser",
 )
 
 
@@ -66,6 +66,7 @@ def test_seccomp_denies_network_ptrace_and_kernel_surface(full: dict[str, Any]) 
     assert "seccomp" in full["report"]["active"], full["report"]["detail"]["seccomp"]
     for probe in SECCOMP_PROBES_DENIED:
         _denied(full, probe, "EPERM")
+    _denied(full, "clone3", "ENOSYS")  # glibc then falls back to clone(), whose flags are checked
     _ok(full, "af_unix")
     assert full["probes"]["af_unix"]["detail"] == "pingpong"
     assert full["probes"]["seccomp_mode"]["detail"] == "2"
@@ -109,6 +110,7 @@ def test_seccomp_alone_per_backend(tmp_path: Path, backend: str) -> None:
     assert res["report"]["detail"]["seccomp"].startswith(backend)
     for probe in SECCOMP_PROBES_DENIED:
         _denied(res, probe, "EPERM")
+    _denied(res, "clone3", "ENOSYS")
     for probe in ("af_unix", "read_outside", "fork_and_exit"):
         _ok(res, probe)
 
@@ -125,6 +127,7 @@ def test_landlock_alone(tmp_path: Path) -> None:
     _ok(res, "read_allowed")
     # Why seccomp denies connect(): Landlock does not stop a connect to a unix socket by path.
     _ok(res, "unix_connect")
+    _denied(res, "clone3", "EINVAL")  # the kernel's own answer, no filter in the way
 
 
 @pytest.mark.skipif(not seccomp_filter_supported(), reason="this kernel has no seccomp filter mode")
