@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine import kernels
@@ -71,9 +72,9 @@ class ModelRunner:
             host = torch.empty(buf.numel(), dtype=buf.dtype)
             self._staging[id(buf)] = host.pin_memory() if self._pin else host
 
-    def _to_device(self, dst: torch.Tensor, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """Copy host values into a contiguous prefix of the persistent buffer ``dst``; return that view."""
-        src = torch.tensor(values, dtype=dtype)
+    def _to_device(self, dst: torch.Tensor, values: np.ndarray) -> torch.Tensor:
+        """Copy a host array into a contiguous prefix of the persistent buffer ``dst``; return that view."""
+        src = torch.from_numpy(values)
         n = src.numel()
         view = dst.view(-1)[:n].view(src.shape)
         if self._pin:
@@ -85,50 +86,49 @@ class ModelRunner:
         return view
 
     def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        """Flat inputs and attention metadata of a step, in the persistent device buffers."""
         if self._copies_done is not None:
             self._copies_done.synchronize()
         bs = self.block_size
+        seqs = out.seqs
+        b = len(seqs)
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        rows: list[int] = []
-        entries: list[int] = []
-        max_q = max_seq = max_pages = 0
-        for i, s in enumerate(out.seqs):
-            n = s.num_tokens
+        for s in seqs:
             ids.extend(s.token_ids)
-            table = s.block_table
-            for p in range(s.start_pos, s.start_pos + n):
-                slots.append(table[p // bs] * bs + p % bs)
-            pos.extend(range(s.start_pos, s.start_pos + n))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(s.seq_len)
-            max_q, max_seq = max(max_q, n), max(max_seq, s.seq_len)
-            max_pages = max(max_pages, -(-s.seq_len // bs))
-            if s.sample:
-                rows.append(qsl[-1] - 1)
-                entries.append(i)
-        if len(ids) > self.max_tokens or len(out.seqs) > self.max_seqs or max_pages > self.max_pages:
+        n_tok = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=b)
+        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=b)
+        seq_lens = starts + n_tok
+        qsl = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(n_tok, out=qsl[1:])
+        n = int(qsl[-1])
+        max_seq = int(seq_lens.max())
+        max_pages = -(-max_seq // bs)
+        if n > self.max_tokens or b > self.max_seqs or max_pages > self.max_pages:
             raise ValueError("step larger than the runner's buffers (scheduler limits disagree with the runner)")
-        tables = [list(s.block_table[:max_pages]) + [0] * (max_pages - min(len(s.block_table), max_pages))
-                  for s in out.seqs]
+        tables = np.zeros((b, max_pages), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            k = min(len(s.block_table), max_pages)
+            tables[i, :k] = s.block_table[:k]
+        seq_of_tok = np.repeat(np.arange(b), n_tok)
+        pos = np.arange(n, dtype=np.int64) - np.repeat(qsl[:-1] - starts, n_tok)
+        slots = tables[seq_of_tok, pos // bs].astype(np.int64) * bs + pos % bs
+        entries = [i for i, s in enumerate(seqs) if s.sample]
+        rows = qsl[1:][entries] - 1 if entries else np.zeros(0, dtype=np.int64)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(self._slots, slots, torch.int64),
-            query_start_loc=self._to_device(self._qsl, qsl, torch.int32),
-            seq_lens=self._to_device(self._seq_lens, seq_lens, torch.int32),
-            block_tables=self._to_device(self._block_tables, tables, torch.int32),
-            max_query_len=max_q,
+            slot_mapping=self._to_device(self._slots, slots),
+            query_start_loc=self._to_device(self._qsl, qsl.astype(np.int32)),
+            seq_lens=self._to_device(self._seq_lens, seq_lens.astype(np.int32)),
+            block_tables=self._to_device(self._block_tables, tables),
+            max_query_len=int(n_tok.max()),
             max_seq_len=max_seq,
         )
         step = PreparedStep(
-            input_ids=self._to_device(self._input_ids, ids, torch.int64),
-            positions=self._to_device(self._positions, pos, torch.int64),
+            input_ids=self._to_device(self._input_ids, np.asarray(ids, dtype=np.int64)),
+            positions=self._to_device(self._positions, pos),
             meta=meta,
-            logits_rows=self._to_device(self._rows, rows, torch.int64),
+            logits_rows=self._to_device(self._rows, np.asarray(rows, dtype=np.int64)),
             sample_entries=entries,
-            is_decode_only=out.num_decodes == len(out.seqs),
+            is_decode_only=out.num_decodes == b,
         )
         if self._copies_done is not None:
             self._copies_done.record()
