@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "SamplingParams", "SamplingParamsError", "EngineCore", "EngineError"]
+__all__ = ["LLM", "SamplingParams", "SamplingParamsError", "EngineCore", "EngineError", "RequestError"]
 
 _LAZY = {
     "LLM": ("engine.llm", "LLM"),
@@ -15,11 +15,12 @@ _LAZY = {
     "SamplingParamsError": ("engine.sampling", "SamplingParamsError"),
     "EngineCore": ("engine.core", "EngineCore"),
     "EngineError": ("engine.errors", "EngineError"),
+    "RequestError": ("engine.errors", "RequestError"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.core import EngineCore
-    from engine.errors import EngineError
+    from engine.errors import EngineError, RequestError
     from engine.llm import LLM
     from engine.sampling import SamplingParams, SamplingParamsError
 

@@ -19,7 +19,7 @@ import torch
 
 from engine.block_manager import BlockManager, PageAllocator
 from engine.config import ModelConfig, load_model_config
-from engine.errors import EngineError
+from engine.errors import EngineError, RequestError
 from engine.kv_cache import KVCache, KVSpec
 from engine.loader import load_weights
 from engine.model_runner import ModelRunner
@@ -134,10 +134,13 @@ class EngineCore:
             raise EngineError("model name must be a non-empty string")
         if name in self._slots:
             raise EngineError(f"model {name!r} is already loaded")
-        if not isinstance(weight, (int, float)) or not weight > 0:
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
             raise EngineError("weight must be a positive number")
+        for key, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+                raise EngineError(f"{key} must be an integer >= 2, got {v!r}")
         cfg = load_model_config(model_dir)
-        max_len = min(int(max_model_len), cfg.max_position_embeddings)
+        max_len = min(max_model_len, cfg.max_position_embeddings)
         if cfg.sliding_window is not None:
             max_len = min(max_len, cfg.sliding_window)  # inside the window attention is full
         bs = block_size or self.block_size
@@ -191,30 +194,31 @@ class EngineCore:
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises EngineError (or its SamplingParamsError) on bad input."""
+        """Queue a request; raises :class:`RequestError` (an EngineError naming ``param``) on bad input."""
         if not isinstance(req_id, str) or not req_id:
-            raise EngineError("req_id must be a non-empty string")
+            raise RequestError("req_id must be a non-empty string", "req_id")
         if req_id in self._req_model:
-            raise EngineError(f"request {req_id!r} is already in flight")
+            raise RequestError(f"request {req_id!r} is already in flight", "req_id")
         slot = self._slots.get(model)
         if slot is None:
-            raise EngineError(f"model {model!r} is not loaded")
+            raise RequestError(f"model {model!r} is not loaded", "model")
         if not isinstance(params, SamplingParams):
-            raise EngineError("params must be a SamplingParams")
+            raise RequestError("params must be a SamplingParams", "sampling")
         try:
             params.validate()
         except SamplingParamsError as e:
-            raise EngineError(str(e)) from e
+            raise RequestError(str(e), e.field) from e
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-            raise EngineError("prompt_token_ids must be a non-empty list of token ids")
+            raise RequestError("prompt_token_ids must be a non-empty list of token ids", "prompt_token_ids")
         vocab = slot.config.vocab_size
         for t in prompt_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise EngineError(f"prompt token {t!r} is not an id of this model (0 <= id < {vocab})")
+                raise RequestError(f"prompt token {t!r} is not an id of this model (0 <= id < {vocab})",
+                                   "prompt_token_ids")
         max_len = slot.scheduler.config.max_model_len
         if len(prompt_token_ids) >= max_len:
-            raise EngineError(f"prompt of {len(prompt_token_ids)} tokens does not fit max_model_len={max_len} "
-                              f"with room for one generated token")
+            raise RequestError(f"prompt of {len(prompt_token_ids)} tokens does not fit max_model_len={max_len} "
+                               f"with room for one generated token", "prompt_token_ids")
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(63))
         else:

@@ -7,6 +7,15 @@ class EngineError(Exception):
     """A request or a load was refused: bad input, unknown model, does not fit."""
 
 
+class RequestError(EngineError):
+    """A request was refused at ``add_request``; ``param`` names the offending input
+    (``prompt_token_ids``, ``model``, ``req_id`` or a sampling field such as ``top_p``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ModelConfigError(EngineError):
     """config.json is missing, malformed, or describes a model this engine does not run."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core import EngineCore
-from engine.errors import EngineError
+from engine.errors import EngineError, RequestError
 from engine.sampling import SamplingParams
 
 PROMPTS = [list(range(40, 40 + n)) for n in (1, 5, 19, 33, 8)]
@@ -204,6 +204,19 @@ def test_bad_requests_are_refused_and_leave_no_trace(model_dir, call, match):
     assert core.stats()["m"] == {"running": 0, "waiting": 0, "kv_pages_used": 0,
                                  "kv_pages_total": core.stats()["m"]["kv_pages_total"],
                                  "device_bytes": core.stats()["m"]["device_bytes"]}
+
+
+@pytest.mark.parametrize("args,param", [
+    (("x", "nope", [1], GREEDY), "model"),
+    (("x", "m", [1, 10**6], GREEDY), "prompt_token_ids"),
+    (("x", "m", [1], SamplingParams(top_k=-2)), "top_k"),
+    (("", "m", [1], GREEDY), "req_id"),
+])
+def test_refusals_name_the_param(model_dir, args, param):
+    core = make_core(model_dir)
+    with pytest.raises(RequestError) as e:
+        core.add_request(*args)
+    assert e.value.param == param
 
 
 def test_duplicate_request_id_is_refused(model_dir):
