@@ -58,12 +58,12 @@ def noise_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
-def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, steps):
-    """Torch reference (sorts every row; fine on CPU and for tests)."""
-    b, vocab = logits.shape
+def filter_ref(logits, temperature, top_k, top_p, min_p):
+    """(keep[B, V] bool, p[B, V]) of the filtering rules above; rows with temperature 0 are
+    filtered as if T were 1 (the caller takes their argmax instead)."""
+    vocab = logits.shape[1]
     logits = logits.float()
-    greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    t = torch.where(temperature <= 0, torch.ones_like(temperature), temperature).float()
     z = logits / t[:, None]
     sz, _ = torch.sort(z, dim=-1, descending=True)
     m = sz[:, :1]
@@ -81,10 +81,16 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, steps):
     p_thresh = torch.where(kept_sorted, ps, torch.full_like(ps, float("inf"))).amin(dim=-1, keepdim=True)
     keep = keep & ((tp >= 1.0) | (p >= p_thresh))
     keep = keep & (p >= min_p.float()[:, None])
-    u = noise_uniform(seeds, steps, vocab)
+    return keep, p
+
+
+def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, steps):
+    """Torch reference (sorts every row; fine on CPU and for tests)."""
+    keep, p = filter_ref(logits, temperature, top_k, top_p, min_p)
+    u = noise_uniform(seeds, steps, logits.shape[1])
     score = torch.where(keep, p / -torch.log(u), torch.full_like(p, -1.0))
     sampled = torch.argmax(score, dim=-1)
-    return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+    return torch.where(temperature <= 0, torch.argmax(logits.float(), dim=-1), sampled)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

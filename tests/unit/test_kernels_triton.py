@@ -18,7 +18,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when the @triton.jit modules below 
 pytest.importorskip("triton")
 
 from engine.kernels import activation, attention, kv_write, norm, rope  # noqa: E402
-from engine.kernels.sample import sample as sample_api, sample_ref  # noqa: E402
+from engine.kernels.sample import filter_ref, sample as sample_api, sample_ref  # noqa: E402
 from engine.kernels.activation_triton import silu_and_mul_triton  # noqa: E402
 from engine.kernels.attention_triton import decode_splits, paged_attention_triton  # noqa: E402
 from engine.kernels.kv_write_triton import write_kv_triton  # noqa: E402
@@ -138,7 +138,8 @@ def test_rope_in_place_on_strided_views(dtype):
 
 def _sample_case(b, vocab, seed):
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(b, vocab, generator=g) * 3
+    # per-row spread: peaked rows keep a few tokens, flat ones keep hundreds (sharp filter tests)
+    logits = torch.randn(b, vocab, generator=g) * (torch.rand(b, 1, generator=g) * 3.5 + 0.5)
     temp = torch.rand(b, generator=g) * 1.5 + 0.2
     temp[::5] = 0.0
     top_k = torch.randint(0, 40, (b,), generator=g, dtype=torch.int32)
@@ -150,14 +151,37 @@ def _sample_case(b, vocab, seed):
     return logits, temp, top_k, top_p, min_p, seeds, steps
 
 
-@pytest.mark.parametrize("b,vocab,seed", [(24, 700, 3), (10, 2500, 4)])
-def test_sample_matches_reference(b, vocab, seed):
+@pytest.mark.parametrize("b,vocab,seed,cap", [(24, 700, 3, 1024), (10, 2500, 4, 4096), (24, 700, 5, 32)])
+def test_sample_matches_reference(b, vocab, seed, cap):
+    """cap 1024/4096: the candidate lists hold the thresholds; cap 32: most rows overflow their
+    list and take the whole-row searches. The kept sets are compared, not only the draws."""
     args = _sample_case(b, vocab, seed)
     args[0][1, :] = 0.5  # a row of ties
     args[0][2, 17] = float("-inf")  # masked vocab entry
     out = torch.full((b,), -7, dtype=torch.int64)
-    sample_triton(*args, out=out)
+    keep = torch.full((b, vocab), -1, dtype=torch.int8)
+    sample_triton(*args, out=out, cap=cap, keep_out=keep)
     assert torch.equal(out, sample_ref(*args))
+    sampled = args[1] > 0
+    ref_keep, _ = filter_ref(*args[:5])
+    assert torch.equal(keep[sampled].bool(), ref_keep[sampled]) and (keep[sampled] >= 0).all()
+
+
+def test_top_p_threshold_below_candidate_floor():
+    """top-p that keeps tokens with p < 2^-20: the candidate list cannot hold the threshold, so the
+    whole-row search runs. Float32 sums cannot place a boundary that deep exactly (neither can
+    the reference's cumsum), so: everything above the floor kept, and the count within a few."""
+    vocab = 700
+    logits = torch.linspace(0, -40, vocab)[None].repeat(2, 1)
+    one, zero = torch.ones(2), torch.zeros(2)
+    args = (logits, one, torch.zeros(2, dtype=torch.int32), torch.full((2,), 0.9999999), zero,
+            torch.tensor([1, 2]), torch.tensor([0, 0]))
+    keep = torch.full((2, vocab), -1, dtype=torch.int8)
+    sample_triton(*args, keep_out=keep)
+    ref_keep, p = filter_ref(*args[:5])
+    assert keep[0].bool()[p[0] >= 2**-20].all()
+    assert abs(int(keep[0].sum()) - int(ref_keep[0].sum())) <= 10
+    assert int(keep[0].sum()) > int((p[0] >= 2**-20).sum())
 
 
 def test_sample_is_batch_independent_and_respects_filters():
