@@ -294,3 +294,15 @@ def test_public_preempt_frees_pages_and_resumes_oldest_first():
     for rid, p, sp in reqs:
         assert results[rid] == reference(p, sp, 64)
     assert alloc.num_free == alloc.num_total
+
+
+def test_plain_data_modules_import_no_torch():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, engine, engine.scheduler, engine.block_manager, engine.sequence, engine.sampling, "
+            "engine.config, engine.errors; engine.SamplingParams; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
+                          timeout=60).returncode == 0
