@@ -205,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
         if tmp is not None:
             tmp.cleanup()
-    mode = f"concurrency-{a.concurrency}" if a.concurrency else f"rate-{'inf' if a.rate == float('inf') else a.rate:g}"
+    if a.concurrency:
+        mode = f"concurrency-{a.concurrency}"
+    else:
+        mode = "rate-inf" if a.rate == float("inf") else f"rate-{a.rate:g}"
     now = dt.datetime.now(dt.timezone.utc)
     commit = _commit()
     device = (st.get("worker") or {}).get("device") or a.device
