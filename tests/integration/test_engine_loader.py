@@ -175,3 +175,26 @@ def test_tied_head_saved_anyway_is_ignored(model_copy):
     save_file(t, f, metadata={"format": "pt"})
     m = load(d)
     assert m.lm_head is m.embed and m.embed.abs().sum() > 0
+
+
+def test_llm_interrupted_generate_leaves_nothing_behind(make_tiny_model):
+    llm = LLM(make_tiny_model("llama"), device="cpu", max_model_len=64, max_num_seqs=4, block_size=4)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = llm.generate([[40, 41, 42], [7, 8]], greedy)
+    real_step = llm.core.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    llm.core.step = flaky_step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[40, 41, 42], [7, 8]], greedy)
+    assert not llm.core.has_unfinished_requests()
+    assert llm.core.stats()["default"]["kv_pages_used"] == 0
+    llm.core.step = real_step
+    again = llm.generate([[40, 41, 42], [7, 8]], greedy)
+    assert [r.token_ids for r in again] == [r.token_ids for r in want]
