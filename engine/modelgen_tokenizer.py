@@ -9,8 +9,9 @@ code alone (ties broken by the pair's text), and the result is then handed to
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from collections import Counter
-from importlib import resources
 from typing import Any
 
 from engine.tokenizer import byte_to_unicode
@@ -55,7 +56,9 @@ class TokenizerBuildError(ValueError):
 
 def load_corpus() -> str:
     """The text shipped in ``engine/data/corpus.txt``."""
-    return resources.files("engine").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    # Beside this file rather than importlib.resources: an editable install can make "engine"
+    # resolve as a namespace package there, which resources cannot read from.
+    return (Path(__file__).resolve().parent / "data" / "corpus.txt").read_text(encoding="utf-8")
 
 
 def _pre_tokenizer() -> Any:
