@@ -224,16 +224,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n\n==> {usage.get('completion_tokens', '?')} tokens in {usage['seconds']}s "
           f"(first token after {usage['ttft_s']}s)")
     base = f"http://127.0.0.1:{port}"
-    env = f"INFIRE_CONFIG={cfg}"
+    cli = sys.argv[0] if Path(sys.argv[0]).name == "infire-agent" else f"{sys.executable} -m agent.cli"
+    env = f"INFIRE_CONFIG={cfg} {cli}"
     print(f"""
 The daemon keeps running{f" (pid {proc.pid}; stop it with `kill {proc.pid}`)" if proc else ""}. Try:
 
-  {env} infire-agent status
+  {env} status
   curl -s {base}/v1/models
   curl -sN {base}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "hi"}}], "stream": true}}'
   curl -s {base}/readyz ; curl -s {base}/metrics | grep infire_
-  {env} infire-agent unload {name} ; {env} infire-agent load {name}
+  {env} unload {name} ; {env} load {name}
   tail -f {root / 'agent.log'}
 """)
     return 0
