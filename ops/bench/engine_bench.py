@@ -1,9 +1,10 @@
 """Offline engine throughput on the sharegpt-like workload (DESIGN §7), no HTTP in the way.
 
-Every request is added to one in-process EngineCore at t0 (mode "offline"), then the engine is
-stepped until all finish. Prints and saves one JSON result with the DESIGN §7 keys:
-req/s, output and total tok/s, TTFT and TPOT p50/p99 (TTFT counts from t0, so in this mode it
-includes queueing), and CPU cores used (process CPU seconds per wall second).
+Every request is added to one in-process EngineCore at t0 (mode "offline"), or N are kept in
+flight (``--concurrency N``, mode "concurrency-N"), and the engine is stepped until all finish.
+Prints and saves one JSON result with the DESIGN §7 keys: req/s, output and total tok/s, TTFT and
+TPOT p50/p99 (TTFT counts from when a request was added, so it includes queueing), and CPU cores
+used (process CPU seconds per wall second).
 
     python -m ops.bench.engine_bench --model-dir DIR [--num-requests 1000] [--device auto]
     python -m ops.bench.engine_bench --arch llama --preset tiny --num-requests 100 --device cpu
@@ -51,7 +52,8 @@ def _device_name(core) -> str:
 
 
 def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seqs: int, max_num_batched_tokens: int,
-              max_model_len: int, block_size: int, seed: int = 0) -> dict:
+              max_model_len: int, block_size: int, seed: int = 0, concurrency: int | None = None) -> dict:
+    """Run the workload; ``concurrency`` None adds every request at t0, N keeps N in flight."""
     from engine.core import EngineCore
     from engine.sampling import SamplingParams
 
@@ -61,19 +63,32 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     too_long = [r for r in reqs if r.input_len + r.output_len > info.max_model_len]
     if too_long:
         raise SystemExit(f"{len(too_long)} requests exceed max_model_len={info.max_model_len}; raise --max-model-len")
-    # Warm-up outside the clock (first-call allocations, kernel compiles).
-    core.add_request("warmup", "bench", reqs[0].prompt_token_ids[:8],
-                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    # Warm-up outside the clock (first-call allocations, kernel compiles for short and long queries).
+    for j, n in enumerate((8, min(300, info.max_model_len - 8))):
+        core.add_request(f"warmup{j}", "bench", reqs[0].prompt_token_ids[:1] * n,
+                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while core.has_unfinished_requests():
         core.step()
 
+    sent: dict[str, float] = {}
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     n_out: dict[str, int] = {}
+    done: set[str] = set()
+    limit = concurrency or len(reqs)
+    next_req = 0
+
+    def send_more() -> None:
+        nonlocal next_req
+        while next_req < len(reqs) and next_req - len(done) < limit:
+            r = reqs[next_req]
+            sent[f"r{next_req}"] = time.perf_counter()
+            core.add_request(f"r{next_req}", "bench", r.prompt_token_ids,
+                             SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
+            next_req += 1
+
     cpu0, t0 = time.process_time(), time.perf_counter()
-    for i, r in enumerate(reqs):
-        core.add_request(f"r{i}", "bench", r.prompt_token_ids,
-                         SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
+    send_more()
     steps = 0
     while core.has_unfinished_requests():
         outs = core.step()
@@ -84,11 +99,14 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
                 first.setdefault(o.req_id, now)
                 last[o.req_id] = now
                 n_out[o.req_id] = n_out.get(o.req_id, 0) + len(o.new_token_ids)
+            if o.finish_reason is not None:
+                done.add(o.req_id)
+        send_more()
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     total_out = sum(n_out.values())
     total_in = sum(r.input_len for r in reqs)
-    ttft = [(first[k] - t0) * 1e3 for k in first]
+    ttft = [(first[k] - sent[k]) * 1e3 for k in first]
     tpot = [(last[k] - first[k]) * 1e3 / (n_out[k] - 1) for k in first if n_out[k] > 1]
     return {
         "gpu": _device_name(core),
@@ -120,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, help="requests kept in flight (default: all at once, mode offline)")
     ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-engine-<model>-<commit>.json)")
     ap.add_argument("--no-save", action="store_true")
     a = ap.parse_args(argv)
@@ -132,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
             model_dir = make_model(Path(tmp) / "model", a.arch, a.preset, seed=0)
         res = run_bench(model_dir, a.num_requests, a.device, a.max_num_seqs, a.max_num_batched_tokens,
-                        a.max_model_len, a.block_size)
+                        a.max_model_len, a.block_size, concurrency=a.concurrency)
     commit = _commit()
     now = dt.datetime.now(dt.timezone.utc)
     result = {
@@ -141,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m ops.bench.engine_bench " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])),
         "model": model_name,
         "workload": WORKLOAD,
-        "mode": "offline",
+        "mode": f"concurrency-{a.concurrency}" if a.concurrency else "offline",
         **res,
         "peer": None,
     }
