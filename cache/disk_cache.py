@@ -29,7 +29,7 @@ from agent.log import get_logger
 from cache import eviction, snapshot
 from cache import manifest as mf
 from cache.downloader import DownloadConfig, PartLimiter, download_blob
-from cache.errors import CacheError, CacheFullError, StoreError
+from cache.errors import CacheError, CacheFullError, NotFoundError
 from cache.locks import FileLock
 from cache.progress import Progress
 from cache.retry import call_with_retries
@@ -258,8 +258,12 @@ class DiskCache:
     async def _pull_locked(self, store: Store, name: str, progress: Progress) -> Path:
         cfg = self.download
         progress.set_state("manifest")
-        raw = await asyncio.to_thread(call_with_retries, lambda: store.get_bytes(manifest_key(name), mf.MAX_MANIFEST_BYTES),
-                                      cfg.retry, f"manifest of {name}")
+        try:
+            raw = await asyncio.to_thread(call_with_retries,
+                                          lambda: store.get_bytes(manifest_key(name), mf.MAX_MANIFEST_BYTES),
+                                          cfg.retry, f"manifest of {name}")
+        except NotFoundError:
+            raise NotFoundError(f"model {name!r} is not in the store {store.url}", status=404) from None
         manifest = mf.parse(raw, expected_name=name)
         progress.set_total(manifest.total_size)
         current = snapshot.read_manifest(self.models_dir, name)
