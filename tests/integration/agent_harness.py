@@ -116,10 +116,17 @@ class Daemon:
         return body
 
     def engine_stats(self, model: str) -> dict[str, Any]:
+        """The model's admin view, read over the admin unix socket (no token)."""
         from agent.admin_client import AdminClient
 
         c = AdminClient(self.socket, "127.0.0.1", self.port)
         return next(m for m in c.models() if m["name"] == model)
+
+    def engine_status(self) -> dict[str, Any]:
+        """The status JSON over the admin unix socket (no token)."""
+        from agent.admin_client import AdminClient
+
+        return AdminClient(self.socket, "127.0.0.1", self.port).status()
 
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

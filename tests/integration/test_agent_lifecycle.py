@@ -154,12 +154,14 @@ def test_sigterm_drains_and_sd_notify_order(make_tiny_model, tmp_path) -> None:
 
 def test_engine_less_worker_supervision_via_daemon(tmp_path) -> None:
     """Without an engine the daemon still serves probes and restarts a killed worker."""
-    d = Daemon(tmp_path, engine="none").start(ready=True, timeout=60)
+    d = Daemon(tmp_path, engine="none", env={"INFIRE_SERVER__ADMIN_TOKEN": ""}).start(ready=True, timeout=60)
     try:
-        pid = d.status()["worker"]["pid"]
+        code, body = d.get("/admin/v1/status", {"Authorization": "Bearer "})
+        assert code == 401 and "unix socket" in body["error"]["message"]  # no token: no admin over TCP
+        pid = d.engine_status()["worker"]["pid"]
         os.kill(pid, signal.SIGKILL)
         d.wait_for("/livez", 503, timeout=10)
         d.wait_for("/readyz", 200, timeout=30)
-        assert d.status()["worker"]["pid"] != pid
+        assert d.engine_status()["worker"]["pid"] != pid
     finally:
         assert d.stop() == 0

@@ -79,6 +79,15 @@ def test_chat_stream_matches_non_stream_with_usage(client) -> None:
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_stream_with_n_and_logprobs(client) -> None:
+    chunks = list(client.completions.create(model=MODEL, prompt="two", max_tokens=5, n=2, seed=5, logprobs=1,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+        assert sum(len(c.logprobs.tokens) for c in mine if c.logprobs) == 5
+
+
 def test_stop_string(client) -> None:
     base = client.completions.create(model=MODEL, prompt="stop test", max_tokens=24, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
