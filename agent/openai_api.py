@@ -55,7 +55,10 @@ class ApiError(Exception):
 
 
 def _stream_error(e: WorkerError) -> ApiError:
-    """A failure after admission: the engine's fault or ours (503), never the client's."""
+    """A failure after the request was sent: refused by the engine (400), engine gone or
+    shutting down (503), anything else (500)."""
+    if e.code in ("EngineError", "SamplingParamsError"):
+        return ApiError(400, str(e), code="invalid_request")
     unavailable = isinstance(e, WorkerDied) or e.code in ("shutting_down", "aborted")
     return ApiError(503 if unavailable else 500, str(e), code=e.code)
 
