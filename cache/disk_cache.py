@@ -147,49 +147,7 @@ class DiskCache:
         Raises CacheFullError (evicting nothing) when the room cannot be made.
         """
         async with FileLock(self.locks_dir / "cache.lock"):
-            return await asyncio.to_thread(self._evict_locked, incoming_bytes, keep, keep_blobs)
-
-    def _evict_locked(self, incoming: int, keep: frozenset[str], keep_blobs: frozenset[str]) -> list[str]:
-        sizes = self._blob_sizes()
-        uses: list[eviction.ModelUse] = []
-        referenced: set[str] = set()
-        for name in self.model_names():
-            m = snapshot.read_manifest(self.models_dir, name)
-            if m is None:
-                continue
-            blobs = frozenset(m.unique_blobs())
-            referenced |= blobs
-            uses.append(eviction.ModelUse(name, blobs, snapshot.last_used(self.models_dir, name),
-                                          pinned=self._pinned_anywhere(name)))
-        protected = keep_blobs | frozenset(self._active_blobs)
-        orphans = {}
-        for d in sizes:
-            if d not in referenced and d not in protected:
-                try:
-                    orphans[d] = (self.blobs_dir / d).stat().st_mtime
-                except FileNotFoundError:
-                    pass
-        used = sum(sizes.values()) + self._partial_bytes()
-        p = eviction.plan(uses, sizes, orphans, used, incoming, self.max_bytes, self.high, self.low,
-                          keep_blobs=protected, keep_models=keep)
-        for name in p.models:
-            lock = FileLock(self.locks_dir / f"pin-{name}.lock")
-            if not lock.try_acquire():  # pinned meanwhile by another process: leave it
-                continue
-            try:
-                snapshot.remove(self.models_dir, name)
-            finally:
-                lock.release()
-            self._log.info("cache.evict", model=name)
-        live: set[str] = set()
-        for name in self.model_names():
-            m = snapshot.read_manifest(self.models_dir, name)
-            if m is not None:
-                live |= set(m.unique_blobs())
-        for d in p.blobs:
-            if d not in live:
-                (self.blobs_dir / d).unlink(missing_ok=True)
-        return list(p.models)
+            return await asyncio.to_thread(eviction.evict, self, incoming_bytes, keep, keep_blobs)
 
     def _pinned_anywhere(self, name: str) -> bool:
         if name in self._pins:
@@ -391,20 +349,7 @@ class DiskCache:
             raise CacheError(f"{name} is pinned (loaded or loading)")
         async with FileLock(self.locks_dir / "cache.lock"):
             await asyncio.to_thread(snapshot.remove, self.models_dir, name)
-            await asyncio.to_thread(self._drop_unreferenced_blobs)
-
-    def _drop_unreferenced_blobs(self) -> int:
-        live = set(self._active_blobs)
-        for name in self.model_names():
-            m = snapshot.read_manifest(self.models_dir, name)
-            if m is not None:
-                live |= set(m.unique_blobs())
-        dropped = 0
-        for d in self._blob_sizes():
-            if d not in live:
-                (self.blobs_dir / d).unlink(missing_ok=True)
-                dropped += 1
-        return dropped
+            await asyncio.to_thread(eviction.drop_unreferenced_blobs, self)
 
     async def scan(self, rehash: bool = False, repair: bool = False,
                    on_file: Callable[[str], None] | None = None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""LRU eviction planning for the disk cache (pure: decides, does not delete).
+"""LRU eviction for the disk cache: ``plan`` decides (pure), ``evict`` applies it.
 
 Usage is the bytes of blobs plus partial files. When a pull would bring usage above the high
 watermark, whole models are evicted, least recently used first, until usage plus the incoming
@@ -11,8 +11,14 @@ is evicted and CacheFullError is raised.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from cache import snapshot
 from cache.errors import CacheFullError
+from cache.locks import FileLock
+
+if TYPE_CHECKING:
+    from cache.disk_cache import DiskCache
 
 
 @dataclass(frozen=True)
@@ -69,3 +75,63 @@ def plan(models: list[ModelUse], blob_sizes: dict[str, int], orphan_mtimes: dict
             f"need {incoming} bytes; the cache holds {used} of {max_bytes} and evicting every unpinned model "
             f"frees only {freed}" + (f" (pinned: {', '.join(pinned)})" if pinned else ""))
     return Plan(tuple(victims), tuple(dead), freed)
+
+
+def live_blobs(cache: "DiskCache") -> set[str]:
+    """Blobs referenced by a committed model or needed by a pull of this process."""
+    live = set(cache._active_blobs)
+    for name in cache.model_names():
+        m = snapshot.read_manifest(cache.models_dir, name)
+        if m is not None:
+            live |= set(m.unique_blobs())
+    return live
+
+
+def evict(cache: "DiskCache", incoming: int, keep: frozenset[str], keep_blobs: frozenset[str]) -> list[str]:
+    """Plan and apply an eviction; the caller holds ``cache.lock``. Returns the evicted models."""
+    sizes = cache._blob_sizes()
+    uses: list[ModelUse] = []
+    referenced: set[str] = set()
+    for name in cache.model_names():
+        m = snapshot.read_manifest(cache.models_dir, name)
+        if m is None:
+            continue
+        blobs = frozenset(m.unique_blobs())
+        referenced |= blobs
+        uses.append(ModelUse(name, blobs, snapshot.last_used(cache.models_dir, name),
+                             pinned=cache._pinned_anywhere(name)))
+    protected = keep_blobs | frozenset(cache._active_blobs)
+    orphans = {}
+    for d in sizes:
+        if d not in referenced and d not in protected:
+            try:
+                orphans[d] = (cache.blobs_dir / d).stat().st_mtime
+            except FileNotFoundError:
+                pass
+    used = sum(sizes.values()) + cache._partial_bytes()
+    p = plan(uses, sizes, orphans, used, incoming, cache.max_bytes, cache.high, cache.low,
+             keep_blobs=protected, keep_models=keep)
+    for name in p.models:
+        lock = FileLock(cache.locks_dir / f"pin-{name}.lock")
+        if not lock.try_acquire():  # pinned meanwhile by another process: leave it
+            continue
+        try:
+            snapshot.remove(cache.models_dir, name)
+        finally:
+            lock.release()
+        cache._log.info("cache.evict", model=name)
+    live = live_blobs(cache)
+    for d in p.blobs:
+        if d not in live:
+            (cache.blobs_dir / d).unlink(missing_ok=True)
+    return list(p.models)
+
+
+def drop_unreferenced_blobs(cache: "DiskCache") -> int:
+    live = live_blobs(cache)
+    dropped = 0
+    for d in cache._blob_sizes():
+        if d not in live:
+            (cache.blobs_dir / d).unlink(missing_ok=True)
+            dropped += 1
+    return dropped

@@ -223,3 +223,13 @@ def test_planner_refuses_without_evicting_when_it_cannot_fit():
     # The model being pulled is never a victim.
     with pytest.raises(CacheFullError):
         plan(_uses(("a", 1.0, False)), sizes, {}, 20, 90, 100, 0.95, 0.85, keep_models=frozenset({"a"}))
+
+
+async def test_remove_frees_blobs_only_this_model_used(tmp_path, store):
+    cache = _cache(tmp_path, 100 * MIB)
+    await cache.pull(store, "a")
+    await cache.pull(store, "b")
+    await cache.remove("a")
+    assert cache.snapshot_path("a") is None and cache.model_names() == ["b"]
+    assert set(os.listdir(tmp_path / "cache/blobs/sha256")) == {f.sha256 for f in cache.manifest("b").files}
+    assert cache.stats()["used_bytes"] == store.sizes["b"]
