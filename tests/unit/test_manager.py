@@ -1,0 +1,66 @@
+"""ModelManager bookkeeping that needs no worker process: states, admission, views."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.config import load_settings
+from agent.manager import ManagerError, ModelManager, ModelNotReady, QueueFull, State, UnknownModel
+from agent.metrics import Metrics
+from agent.worker_client import WorkerClient
+
+
+@pytest.fixture
+def mgr(monkeypatch) -> ModelManager:
+    monkeypatch.setenv("INFIRE_MODELS", '[{"name": "m", "max_num_seqs": 2, "preload": true}]')
+    settings = load_settings()
+    return ModelManager(settings, WorkerClient({}, engine="none"), None, Metrics(), lambda p: None)
+
+
+def test_configured_models_start_absent(mgr: ModelManager) -> None:
+    e = mgr.get("m")
+    assert e.state is State.ABSENT and e.queue_limit == 4
+    with pytest.raises(UnknownModel):
+        mgr.get("other")
+    assert not mgr.preload_ready()
+
+
+def test_illegal_transitions_are_refused(mgr: ModelManager) -> None:
+    e = mgr.get("m")
+    with pytest.raises(ManagerError, match="cannot go from absent to ready"):
+        mgr._set(e, State.READY)
+    mgr._set(e, State.PULLING)
+    mgr._set(e, State.CACHED)
+    with pytest.raises(ManagerError):
+        mgr._set(e, State.DRAINING)
+    assert b'infire_model_state{model="m",state="cached"} 1.0' in mgr.metrics.render()
+
+
+def test_admission_bounds(mgr: ModelManager) -> None:
+    e = mgr.get("m")
+    with pytest.raises(ModelNotReady) as ex:
+        mgr.admit("m")
+    assert ex.value.status == 503
+    with pytest.raises(UnknownModel):
+        mgr.admit("nope")
+    e.state = State.READY
+    slots = [mgr.admit("m") for _ in range(e.queue_limit)]
+    for s in slots:
+        s.__enter__()
+    assert e.in_flight == 4 and e.last_used is not None
+    with pytest.raises(QueueFull) as ex:
+        mgr.admit("m")
+    assert ex.value.retry_after and ex.value.status == 503
+    slots[0].__exit__(None, None, None)
+    with mgr.admit("m"):
+        assert e.in_flight == 4
+    assert e.in_flight == 3
+
+
+def test_without_a_store_pulls_and_unknown_loads_are_refused(mgr: ModelManager) -> None:
+    with pytest.raises(ManagerError, match="no model store"):
+        mgr.pull("m")
+    with pytest.raises(UnknownModel):
+        mgr.load("not-configured")
+    d = mgr.describe(mgr.get("m"))
+    assert {"name", "state", "device_bytes", "kv_pages", "in_flight", "last_used"} <= set(d)
