@@ -215,7 +215,7 @@ def main() -> int:
                    f"({ours['cpu_s_per_gb']:.2f} CPU s/GB, verify tail {ours['verify_tail_pct']:.1f}%), "
                    f"boto3 download_file {boto['mb_s']:.0f} MB/s ({boto['cpu_s_per_gb']:.2f} CPU s/GB), "
                    f"ratio {result['ratio']:.2f}x (at boto3's 8 MiB parts: {result['ratio_same_part_size']:.2f}x); "
-                   f"curl ceiling {ceiling['mb_s']:.0f} MB/s; server moto_server")
+                   f"curl ceiling {ceiling['mb_s']:.0f} MB/s; server moto_server. JSON: {out.relative_to(REPO)}")
         row = f"| {now.strftime('%Y-%m-%d')} | pull | {MACHINE} | {commit} | `{command.strip()}` | {figures} |\n"
         with open(REPO / "docs" / "perf.md", "a") as f:
             f.write(row)
