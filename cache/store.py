@@ -205,3 +205,12 @@ def open_store(url: str, endpoint_url: str | None = None, region: str = "auto", 
         return S3Store(bucket, prefix, endpoint_url=endpoint_url or None, region=region or "auto",
                        path_style=path_style, **s3_options)
     raise StoreError(f"{url!r}: the store URL must start with file:// or s3://")
+
+
+def __getattr__(name: str):
+    # ``cache.store.S3Store`` without importing boto3 for users of the file store.
+    if name == "S3Store":
+        from cache.s3_store import S3Store
+
+        return S3Store
+    raise AttributeError(name)
