@@ -45,8 +45,10 @@ class ModelRunner:
     """Runs one model's steps over its KV cache."""
 
     def __init__(self, model: LlamaModel, kv: KVCache, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, decode_buckets: tuple[int, ...] = ()) -> None:
         self.model = model
+        # Batch sizes decode steps are padded to (the CUDA-graph buckets); () runs exact shapes.
+        self.decode_buckets = tuple(sorted(b for b in decode_buckets if 0 < b <= min(max_num_seqs, max_num_batched_tokens)))
         self.kv = kv
         self.device = model.device
         self.block_size = kv.block_size
@@ -85,33 +87,54 @@ class ModelRunner:
             view.copy_(src)
         return view
 
-    def prepare(self, out: SchedulerOutput) -> PreparedStep:
-        """Flat inputs and attention metadata of a step, in the persistent device buffers."""
+    def decode_bucket(self, num_seqs: int) -> int | None:
+        """The smallest decode bucket holding ``num_seqs`` sequences (None: none does)."""
+        for size in self.decode_buckets:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def prepare(self, out: SchedulerOutput, pad_to: int | None = None) -> PreparedStep:
+        """Flat inputs and attention metadata of a step, in the persistent device buffers.
+
+        ``pad_to`` (decode-only steps) pads the batch to that many one-token sequences, the
+        fixed shape a captured decode graph replays: padding tokens write nowhere (slot -1) and
+        attend to one position of page 0; their rows are never sampled. Block tables then take
+        the full ``max_pages`` width.
+        """
         if self._copies_done is not None:
             self._copies_done.synchronize()
         bs = self.block_size
         seqs = out.seqs
         b = len(seqs)
+        if pad_to is not None and (out.num_decodes != b or not b <= pad_to <= self.max_seqs):
+            raise ValueError(f"pad_to={pad_to} needs a decode-only step of at most that many sequences")
+        rows_total = pad_to or b
         ids: list[int] = []
         for s in seqs:
             ids.extend(s.token_ids)
-        n_tok = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=b)
-        starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=b)
+        n_tok = np.ones(rows_total, dtype=np.int64)
+        n_tok[:b] = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=b)
+        starts = np.zeros(rows_total, dtype=np.int64)
+        starts[:b] = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=b)
         seq_lens = starts + n_tok
-        qsl = np.zeros(b + 1, dtype=np.int64)
+        qsl = np.zeros(rows_total + 1, dtype=np.int64)
         np.cumsum(n_tok, out=qsl[1:])
         n = int(qsl[-1])
         max_seq = int(seq_lens.max())
-        max_pages = -(-max_seq // bs)
-        if n > self.max_tokens or b > self.max_seqs or max_pages > self.max_pages:
+        max_pages = self.max_pages if pad_to is not None else -(-max_seq // bs)
+        if n > self.max_tokens or rows_total > self.max_seqs or -(-max_seq // bs) > self.max_pages:
             raise ValueError("step larger than the runner's buffers (scheduler limits disagree with the runner)")
-        tables = np.zeros((b, max_pages), dtype=np.int32)
+        tables = np.zeros((rows_total, max_pages), dtype=np.int32)
         for i, s in enumerate(seqs):
             k = min(len(s.block_table), max_pages)
             tables[i, :k] = s.block_table[:k]
-        seq_of_tok = np.repeat(np.arange(b), n_tok)
+        seq_of_tok = np.repeat(np.arange(rows_total), n_tok)
         pos = np.arange(n, dtype=np.int64) - np.repeat(qsl[:-1] - starts, n_tok)
         slots = tables[seq_of_tok, pos // bs].astype(np.int64) * bs + pos % bs
+        if rows_total > b:
+            slots[len(ids):] = -1
+            ids.extend([0] * (rows_total - b))
         entries = [i for i, s in enumerate(seqs) if s.sample]
         rows = qsl[1:][entries] - 1 if entries else np.zeros(0, dtype=np.int64)
         meta = AttentionMetadata(
@@ -144,7 +167,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         if not out.seqs:
             return StepResult([], [])
-        step = self.prepare(out)
+        # Decode steps take the padded bucket shape (what a captured graph replays); the graph
+        # replay itself is the next step of the GPU work, the padding is exercised already.
+        pad = self.decode_bucket(len(out.seqs)) if out.num_decodes == len(out.seqs) else None
+        step = self.prepare(out, pad_to=pad)
         logits = self.forward_logits(step)
         if not step.sample_entries:
             return StepResult([], [])

@@ -266,3 +266,24 @@ def test_a_failing_step_aborts_its_batch_and_keeps_the_books(model_dir):
     outs = core.step()
     assert sorted((o.req_id, o.finish_reason) for o in outs) == [("a", "abort"), ("b", "abort")]
     assert not core.has_unfinished_requests()
+
+
+def test_decode_steps_padded_to_graph_buckets_give_the_same_tokens(model_dir, reference):
+    core = make_core(model_dir, block_size=4)
+    runner = core._slots["m"].runner
+    runner.decode_buckets = (3, 8)
+    shapes = []
+    orig = runner.prepare
+
+    def spy(out, pad_to=None):
+        step = orig(out, pad_to)
+        shapes.append((len(out.seqs), pad_to, step.input_ids.shape[0], tuple(step.meta.block_tables.shape)))
+        return step
+
+    runner.prepare = spy
+    toks, _ = run(core, PROMPTS, GREEDY)
+    assert [toks[f"r{i}"] for i in range(len(PROMPTS))] == reference
+    padded = [s for s in shapes if s[1] is not None]
+    assert padded and all(pad == (3 if real <= 3 else 8) for real, pad, _, _ in padded)
+    assert all(n_tok == pad and width == runner.max_pages for _, pad, n_tok, (_, width) in padded)
+    assert any(real < pad for real, pad, _, _ in padded)  # real padding rows ran
