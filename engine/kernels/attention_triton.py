@@ -195,7 +195,8 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), qk_scale)
     if max_query_len <= 1:
-        block_n = cfg.get("block_n", 64 if d <= 128 else 32)
+        # float32 tiles take twice the registers: halve them (fp32 KV is a test path, not served)
+        block_n = cfg.get("block_n", 64 if d <= 128 and q.dtype != torch.float32 else 32)
         block_g = max(16, triton.next_power_of_2(g))
         if num_splits is None:
             splits, part = decode_splits(b, hkv, max_seq_len, block_n, _sm_count(q.device))
@@ -218,8 +219,9 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
                                     part, splits, HQ=hq, D=d, BLOCK_D=block_d,
                                     BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
         return out
-    block_m = max(64, triton.next_power_of_2(g))
-    block_n = cfg.get("block_n", 32 if d > 128 else 64)
+    wide = q.dtype == torch.float32 or d > 128
+    block_m = max(32 if wide else 64, triton.next_power_of_2(g))
+    block_n = cfg.get("block_n", 32 if wide else 64)
     tpt = block_m // g
     grid = (triton.cdiv(max_query_len, tpt), b, hkv)
     _prefill_kernel[grid](

@@ -174,7 +174,7 @@ def _sample_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr,
                 if tl.sum(cmass, axis=0) >= target:
                     plo = tl.full((), C_BITS - 1, tl.int64)
                     phi = _search_topp(cand, n_c, t, m, tk, plo, phi, target, False, BLOCK_P, NP)
-                    done = 1
+                    done = tl.full((), 1, tl.int32)
             if done == 0:
                 plo = tl.full((), -1, tl.int64)
                 phi = _search_topp(base, V, t, m, tk, plo, phi, target, True, BLOCK_P, NP)

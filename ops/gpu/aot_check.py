@@ -1,0 +1,137 @@
+"""Compile every Triton kernel for sm_90 without a GPU and report its resources.
+
+Usage: ``python ops/gpu/aot_check.py [--arch 90] [--json out.json]``. Uses triton's bundled
+ptxas/cuobjdump, so it runs on a CPU-only machine (not under TRITON_INTERPRET). Arguments get the
+same 16-byte divisibility hints the JIT would derive from real tensors (pointers and the strides
+that are multiples of 16 at Llama-8B shapes), so the code is the code the GPU will run. Prints one
+line per kernel: registers, stack (spills), shared memory, 16-byte cp.async count; exit status 1
+if a kernel fails to compile or a served (16-bit) kernel spills; float32 attention (a test path)
+may spill and is only marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from engine.kernels import activation_triton as act  # noqa: E402
+from engine.kernels import attention_triton as att  # noqa: E402
+from engine.kernels import kv_write_triton as kvw  # noqa: E402
+from engine.kernels import norm_triton as nrm  # noqa: E402
+from engine.kernels import rope_triton as rop  # noqa: E402
+from engine.kernels import sample_triton as smp  # noqa: E402
+
+NO_HINT = {"s_bt", "PART", "NUM_SPLITS", "V", "eps", "qk_scale"}  # runtime values, not specialised
+
+
+def attn_types(dt: str) -> dict:
+    t = {n: "i32" for n in ("s_qn", "s_qh", "s_on", "s_oh", "s_kp", "s_kb", "s_kh", "s_vp", "s_vb", "s_vh",
+                            "s_bt", "PART", "NUM_SPLITS")}
+    t.update(q_ptr=dt, kc_ptr=dt, vc_ptr=dt, out_ptr=dt, po_ptr="*fp32", plse_ptr="*fp32", qsl_ptr="*i32",
+             sl_ptr="*i32", bt_ptr="*i32", qk_scale="fp32")
+    return t
+
+
+def specs() -> list[tuple[str, object, dict, dict, dict]]:
+    """(name, kernel, arg types, constexprs, launch options)."""
+    out = []
+    for dt, prec in (("*bf16", "tf32"), ("*fp32", "ieee")):
+        for g, hq, d in ((4, 32, 128), (7, 28, 128), (2, 4, 64)):
+            bd = triton.next_power_of_2(d)
+            bn = 32 if dt == "*fp32" else 64  # the launch shapes paged_attention_triton picks
+            bm = max(32 if dt == "*fp32" else 64, triton.next_power_of_2(g))
+            for single in (True, False):
+                out.append((f"decode {dt[1:]} G={g} D={d} single={single}", att._decode_kernel, attn_types(dt),
+                            dict(HQ=hq, G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_G=max(16, triton.next_power_of_2(g)),
+                                 BLOCK_N=bn, SINGLE=single, DOT_PREC=prec), dict(num_warps=4, num_stages=3)))
+            out.append((f"prefill {dt[1:]} G={g} D={d}", att._prefill_kernel, attn_types(dt),
+                        dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=bm, BLOCK_N=bn, TPT=bm // g, DOT_PREC=prec),
+                        dict(num_warps=8 if bd > 64 else 4, num_stages=2)))
+        if dt == "*fp32":
+            break
+    out.append(("reduce", att._reduce_kernel, attn_types("*bf16"), dict(HQ=32, D=128, BLOCK_D=128, BLOCK_S=8),
+                dict(num_warps=4)))
+    st = dict(logits_ptr="*fp32", temp_ptr="*fp32", topk_ptr="*i32", topp_ptr="*fp32", minp_ptr="*fp32",
+              seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64", cand_ptr="*fp32", keep_ptr="*i8", s_row="i32",
+              V="i32")
+    out.append(("sample", smp._sample_kernel, st, dict(BLOCK=2048, BLOCK_P=256, NP=16, CAP=smp.CANDIDATE_CAP,
+                                                      C_BITS=smp.CANDIDATE_P_BITS, WRITE_KEEP=False),
+                dict(num_warps=8)))
+    bf = "*bf16"
+    for has in (False, True):
+        out.append((f"rms_norm res={has}", nrm._rms_norm_kernel,
+                    dict(x_ptr=bf, r_ptr=bf, w_ptr=bf, out_ptr=bf, res_out_ptr=bf, s_x="i32", s_r="i32", s_o="i32",
+                         s_ro="i32", eps="fp32"), dict(H=4096, BLOCK=4096, HAS_RES=has), dict(num_warps=8)))
+    out.append(("rope", rop._rope_kernel, dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cs_ptr="*fp32", s_qn="i32",
+                                              s_qh="i32", s_kn="i32", s_kh="i32", s_cs="i32"),
+                dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64), dict(num_warps=4)))
+    out.append(("silu_and_mul", act._silu_mul_kernel, dict(x_ptr=bf, out_ptr=bf, s_x="i32", s_o="i32"),
+                dict(I=14336, BLOCK=2048), dict(num_warps=4)))
+    kt = {n: "i32" for n in kvw._kv_write_kernel.arg_names}
+    kt.update(k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, slot_ptr="*i64")
+    out.append(("write_kv", kvw._kv_write_kernel, kt, dict(H=8, D=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128),
+                dict(num_warps=4)))
+    return out
+
+
+def compile_one(kernel, types: dict, consts: dict, opts: dict, arch: int) -> dict:
+    names = kernel.arg_names
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in consts and n not in NO_HINT and (sig[n].startswith("*") or sig[n] == "i32")}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+    ptx = k.asm["ptx"]
+    res = {"shared": k.metadata.shared,
+           "cp_async_16B": len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*0x10", ptx))}
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=False).stdout
+    for key in ("REG", "STACK", "LOCAL"):
+        m = re.search(rf"\b{key}:(\d+)", usage)
+        res[key.lower()] = int(m.group(1)) if m else None
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rows, bad = [], 0
+    for name, kernel, types, consts, opts in specs():
+        try:
+            r = compile_one(kernel, types, consts, opts, args.arch)
+            r["ok"] = not r.get("stack") or "fp32" in name
+        except Exception as e:  # report every kernel, not just the first failure
+            r = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        r["kernel"] = name
+        bad += not r["ok"]
+        rows.append(r)
+        print(f"{name:40s} " + (f"regs {r['reg']:>3} stack {r['stack']:>4} shared {r['shared']:>6} "
+                                f"cp.async16 {r['cp_async_16B']:>3}" if "error" not in r else r["error"])
+              + ("" if r["ok"] else "  <-- FAIL") + ("  (spills: fp32 test path)" if r["ok"] and r.get("stack") else ""),
+              flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"arch": args.arch, "triton": triton.__version__, "rows": rows}, indent=2))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
