@@ -7,6 +7,8 @@ downloader and publisher retry with their own policy (per part, honouring Retry-
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +35,12 @@ def _retry_after(headers: dict) -> float | None:
     try:
         return max(0.0, float(value))
     except ValueError:
-        return None  # an HTTP date: rare from object stores; fall back to our backoff
+        pass
+    try:  # the other form: an HTTP date
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
 
 
 def translate(e: Exception, what: str) -> StoreError:

@@ -168,3 +168,27 @@ async def test_persistent_503_gives_up(tmp_path, proxy, published):
     with pytest.raises(StoreError, match="gave up after 6 tries"):
         await cache.pull(store, "m")
     assert cache.snapshot_path("m") is None
+
+
+async def test_publish_retries_throttled_uploads(tmp_path, proxy, bucket):
+    src = make_model(tmp_path / "src2", data_bytes=200_000)
+    store = s3_store(proxy.url, bucket)
+    proxy.add(Fault("status", method="PUT", status=503, times=2, match="/blobs/"))
+    proxy.add(Fault("status", method="PUT", status=429, times=1, match="manifest.json",
+                    headers={"Retry-After": "Thu, 01 Jan 1970 00:00:00 GMT"}))  # a date in the past: no wait
+    publish_model(store, src, "p")
+    assert proxy.statuses().count(503) == 2 and proxy.statuses().count(429) == 1
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    path = await cache.pull(store, "p")
+    assert filecmp.cmp(src / "model.safetensors", path / "model.safetensors", shallow=False)
+    store.close()
+
+
+def test_retry_after_forms():
+    from cache.s3_store import _retry_after
+
+    assert _retry_after({"retry-after": "2.5"}) == 2.5
+    assert _retry_after({"retry-after": "Thu, 01 Jan 1970 00:00:00 GMT"}) == 0.0
+    assert 50 < _retry_after({"retry-after": __import__("email.utils").utils.formatdate(time.time() + 60,
+                                                                                        usegmt=True)}) <= 60
+    assert _retry_after({"retry-after": "soon"}) is None and _retry_after({}) is None
