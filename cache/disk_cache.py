@@ -163,8 +163,8 @@ class DiskCache:
     async def pull(self, store: Store, name: str, progress: Progress | None = None) -> Path:
         """Make ``name`` complete and verified in the cache; returns its snapshot folder.
 
-        Concurrent calls for one model share a single pull; the pull is cancelled only when every
-        caller is. Raises ManifestError (nothing written), StoreError, IntegrityError,
+        Concurrent calls for one model share a single pull (and the first caller's ``progress``);
+        the pull is cancelled only when every caller is. Raises ManifestError (nothing written), StoreError, IntegrityError,
         CacheFullError, SafetensorsError.
         """
         mf.validate_name(name)
@@ -200,6 +200,10 @@ class DiskCache:
                            mb_s=round(got / secs / 1e6, 1) if secs > 0 else None)
             progress.set_state("done")
             return path
+        except asyncio.CancelledError:
+            progress.set_state("cancelled")
+            self._log.info("pull.cancelled", model=name)
+            raise
         except BaseException as e:
             progress.set_state("failed")
             self._log.warning("pull.failed", model=name, error=str(e) or type(e).__name__)
