@@ -322,9 +322,8 @@ class DiskCache:
                           check: Callable[[Path], Any] | None, limiter: PartLimiter) -> None:
         async with FileLock(self.locks_dir / f"blob-{digest}.lock"):
             abort = threading.Event()
-            fut = asyncio.get_running_loop().run_in_executor(
-                None, lambda: download_blob(store, digest, size, self.partial_dir, self.blobs_dir, self.download,
-                                            progress, abort, check, limiter))
+            fut = _in_own_thread(lambda: download_blob(store, digest, size, self.partial_dir, self.blobs_dir,
+                                                       self.download, progress, abort, check, limiter))
             try:
                 await asyncio.shield(fut)
             except asyncio.CancelledError:
@@ -359,4 +358,35 @@ class DiskCache:
                    on_file: Callable[[str], None] | None = None) -> dict[str, Any]:
         from cache.scan import scan_cache
 
-        return await asyncio.to_thread(scan_cache, self, rehash, repair, on_file)
+        return await _in_own_thread(lambda: scan_cache(self, rehash, repair, on_file))  # a re-hash takes minutes
+
+
+def _in_own_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    """Run ``fn`` in a new thread, not the loop's default executor.
+
+    A blob download holds its thread for minutes; on a small machine the default executor has
+    only a handful of threads, and the agent's other ``to_thread`` work must not queue behind it.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is gone: nobody is waiting any more
+            pass
+
+    threading.Thread(target=target, name="blob-download", daemon=True).start()
+    return fut
