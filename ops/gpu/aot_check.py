@@ -118,7 +118,8 @@ def main() -> int:
     for name, kernel, types, consts, opts in specs():
         try:
             r = compile_one(kernel, types, consts, opts, args.arch)
-            r["ok"] = not r.get("stack") or "fp32" in name
+            # a word or two of stack is a frame, not a spill loop; float32 is a test path
+            r["ok"] = (r.get("stack") or 0) <= 16 or "fp32" in name
         except Exception as e:  # report every kernel, not just the first failure
             r = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
         r["kernel"] = name
