@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import filecmp
 import json
 import os
@@ -133,3 +134,27 @@ async def test_progress_reports_bytes_rate_and_eta(tmp_path):
     assert render_bar(mid, width=8) == "x [##......]  25% 1.0 GiB/4.0 GiB 100.0 MiB/s ETA 31s"
     blob = tmp_path / "cache/blobs/sha256" / m.files[0].sha256
     assert blob.stat().st_mode & 0o777 == 0o444
+
+
+async def test_event_loop_stays_free_during_a_pull(tmp_path, proxy, bucket):
+    """Store calls, writes and hashing run in threads: a ticker on the loop keeps ticking."""
+    src = make_model(tmp_path / "src", data_bytes=6 << 20)
+    store = s3_store(proxy.url, bucket)
+    publish_model(store, src, "tiny")
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download(part_size=256 << 10))
+    lags: list[float] = []
+
+    async def ticker() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(0.01)
+            lags.append(loop.time() - t - 0.01)
+
+    tick = asyncio.create_task(ticker())
+    await cache.pull(store, "tiny")
+    await cache.scan(rehash=True)
+    tick.cancel()
+    assert len(lags) > 10
+    assert max(lags) < 0.25, sorted(lags)[-5:]  # generous: the box is shared
+    store.close()
