@@ -17,5 +17,5 @@ timeout 300 python ops/gpu/kernel_bench.py "$OUT/kernel_bench.json" > "$OUT/kern
 echo "== aot_check (sm_90 resources)"; tail -n 26 "$OUT/aot_check.txt"
 echo "== GPU tests"; grep -E "passed|failed|error|FAILED|ERROR" "$OUT/gpu_tests.txt" | tail -n 25
 echo "== load bench"; tail -n 14 "$OUT/load_bench.txt"
-echo "== kernel bench"; tail -n 40 "$OUT/kernel_bench.txt"
+echo "== kernel bench"; tail -n 52 "$OUT/kernel_bench.txt"
 exit $status
