@@ -110,7 +110,7 @@ class LLM:
         if detokenize and any(r.token_ids for r in results):
             try:
                 tok = self.tokenizer
-            except Exception:  # a token-id-only folder still generates; text stays empty
+            except (OSError, ValueError):  # a folder without a tokenizer still generates; text stays empty
                 tok = None
             if tok is not None:
                 for r in results:
