@@ -89,7 +89,8 @@ class EngineCore:
 
     def __init__(self, device: str = "auto", max_num_batched_tokens: int = 2048,
                  memory_budget_bytes: int | None = None, *, block_size: int = 16,
-                 max_prefill_chunk: int | None = None, dtype: str | None = None, seed: int | None = None) -> None:
+                 max_prefill_chunk: int | None = None, dtype: str | None = None, seed: int | None = None,
+                 decode_buckets: tuple[int, ...] = ()) -> None:
         self.device = resolve_device(device)
         if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
             raise EngineError("max_num_batched_tokens must be an integer >= 1")
@@ -102,6 +103,7 @@ class EngineCore:
         self.block_size = block_size
         self.max_prefill_chunk = max_prefill_chunk
         self.dtype_override = dtype
+        self.decode_buckets = tuple(decode_buckets)  # decode batch sizes padded to (graph buckets)
         self._slots: dict[str, ModelSlot] = {}
         self._req_model: dict[str, str] = {}
         self._pending: list[RequestOutput] = []
@@ -170,7 +172,8 @@ class EngineCore:
             )
         except SchedulerConfigError as e:
             raise EngineError(str(e)) from None
-        runner = ModelRunner(model, kv, self.max_num_batched_tokens, max_num_seqs, max_len)
+        runner = ModelRunner(model, kv, self.max_num_batched_tokens, max_num_seqs, max_len,
+                             decode_buckets=self.decode_buckets)
         info = ModelInfo(name, cfg.vocab_size, max_len, list(cfg.eos_token_ids), weight_bytes + kv.nbytes,
                          num_kv_pages, bs)
         busy = [s.vtime for s in self._slots.values() if s.scheduler.has_unfinished()]

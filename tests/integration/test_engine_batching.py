@@ -269,9 +269,10 @@ def test_a_failing_step_aborts_its_batch_and_keeps_the_books(model_dir):
 
 
 def test_decode_steps_padded_to_graph_buckets_give_the_same_tokens(model_dir, reference):
-    core = make_core(model_dir, block_size=4)
+    core = EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, decode_buckets=(8, 3, 999))
+    core.load_model("m", model_dir, max_model_len=64, max_num_seqs=8)
     runner = core._slots["m"].runner
-    runner.decode_buckets = (3, 8)
+    assert runner.decode_buckets == (3, 8)  # sorted; a bucket above max_num_seqs is dropped
     shapes = []
     orig = runner.prepare
 
