@@ -154,8 +154,15 @@ def test_sigterm_drains_and_sd_notify_order(make_tiny_model, tmp_path) -> None:
 
 def test_engine_less_worker_supervision_via_daemon(tmp_path) -> None:
     """Without an engine the daemon still serves probes and restarts a killed worker."""
-    d = Daemon(tmp_path, engine="none", env={"INFIRE_SERVER__ADMIN_TOKEN": ""}).start(ready=True, timeout=60)
+    d = Daemon(tmp_path, engine="none", env={"INFIRE_SERVER__ADMIN_TOKEN": "",
+                                             "INFIRE_SERVER__KEEPALIVE_TIMEOUT": "1"}).start(ready=True, timeout=60)
     try:
+        # Idle limit: a connection that sends nothing, or stops mid-headers, is closed.
+        for first in (b"", b"GET /livez HTTP/1.1\r\nHost: x\r\n"):
+            with socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:
+                s.sendall(first)
+                t0 = time.monotonic()
+                assert s.recv(100) == b"" and time.monotonic() - t0 < 5
         code, body = d.get("/admin/v1/status", {"Authorization": "Bearer "})
         assert code == 401 and "unix socket" in body["error"]["message"]  # no token: no admin over TCP
         pid = d.engine_status()["worker"]["pid"]
