@@ -53,12 +53,9 @@ class AgentContext:
 
     def budget(self) -> dict[str, Any]:
         g = self.settings.gpu
-        on_cpu = self.worker.state.device.startswith("cpu")
-        total: int | None
-        if on_cpu:
-            total = int(g.memory_budget) if isinstance(g.memory_budget, int) else g.cpu_memory_budget
-        else:
-            total = int(g.memory_budget) if isinstance(g.memory_budget, int) else None
+        total: int | None = self.worker.state.budget_bytes or None  # what the engine works with
+        if total is None and isinstance(g.memory_budget, int):
+            total = int(g.memory_budget)
         used = sum(int(s.get("device_bytes", 0) or 0) for s in self.worker.state.models.values())
         out: dict[str, Any] = {"total_bytes": total, "used_bytes": used}
         if isinstance(g.memory_budget, float):
@@ -69,10 +66,13 @@ class AgentContext:
 def worker_options(settings: Settings) -> dict[str, Any]:
     g, e = settings.gpu, settings.engine
     budget = g.memory_budget if isinstance(g.memory_budget, int) else None
+    fraction = g.memory_budget if isinstance(g.memory_budget, float) else None
     if g.device == "cpu" and budget is None:
         budget = g.cpu_memory_budget
+    # With device "auto" the worker picks: a fraction of the GPU, or the CPU byte budget.
     return {"device": g.device, "max_num_batched_tokens": e.max_num_batched_tokens,
-            "memory_budget_bytes": budget, "sandbox": e.sandbox,
+            "memory_budget_bytes": budget, "memory_budget_fraction": fraction,
+            "cpu_memory_budget_bytes": g.cpu_memory_budget, "sandbox": e.sandbox,
             "sandbox_options": {"cache_dir": str(settings.cache.dir), "runtime_dir": str(settings.server.runtime_dir),
                                 "parent_pid": os.getpid()}}
 

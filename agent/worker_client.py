@@ -59,6 +59,7 @@ class WorkerState:
     alive: bool = False
     device: str = ""
     engine_error: str = ""
+    budget_bytes: int = 0
     started_at: float = 0.0
     last_frame: float = 0.0
     phase: str = "idle"
@@ -176,6 +177,7 @@ class WorkerClient:
             hello = await asyncio.wait_for(asyncio.shield(self._hello), HELLO_TIMEOUT_S)
             self.state.alive = True
             self.state.device, self.state.engine_error = hello.device, hello.engine_error
+            self.state.budget_bytes = hello.budget_bytes
             self.state.last_frame = self.state.last_progress = time.monotonic()
             self._log.info("worker_up", pid=hello.pid, device=hello.device, engine_error=hello.engine_error or None)
             self._first_up.set()

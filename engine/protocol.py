@@ -129,6 +129,7 @@ class Hello(Message):
     pid: int
     device: str
     engine_error: str = ""
+    budget_bytes: int = 0  # the engine's memory budget (0: none known)
 
 
 @_register

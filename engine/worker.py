@@ -246,6 +246,14 @@ def _make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
             max_num_batched_tokens=int(options.get("max_num_batched_tokens", 2048)),
             memory_budget_bytes=options.get("memory_budget_bytes"),
         )
+        fraction = options.get("memory_budget_fraction")
+        if core.memory_budget_bytes is None and fraction and core.device.type == "cuda":
+            import torch
+
+            # "90%" means of the whole device, fixed at start, not of whatever is free at each load.
+            core.memory_budget_bytes = int(float(fraction) * torch.cuda.mem_get_info(core.device)[1])
+        elif core.memory_budget_bytes is None and core.device.type == "cpu" and options.get("cpu_memory_budget_bytes"):
+            core.memory_budget_bytes = int(options["cpu_memory_budget_bytes"])
     except Exception as e:  # report, do not crash-loop: the agent shows it in status
         return None, "none", f"{type(e).__name__}: {e}"
     return core, str(getattr(core, "device", options.get("device", "auto"))), ""
@@ -288,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     skipped = _confine(options) if core is not None else ""
     if skipped:
         print(f"engine.worker: sandbox skipped: {skipped}", file=sys.stderr)
-    conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err))
+    budget = int(getattr(core, "memory_budget_bytes", None) or 0)
+    conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err, budget_bytes=budget))
     worker = Worker(conn, core)
     stop = threading.Event()
     hb = threading.Thread(target=_heartbeat_loop, args=(conn, worker.phase, stop), daemon=True, name="heartbeat")

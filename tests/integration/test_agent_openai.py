@@ -239,6 +239,7 @@ def test_admin_auth(daemon) -> None:
     st = daemon.status()
     assert {"version", "uptime_s", "worker", "budget", "cache", "models"} <= set(st)
     assert st["worker"]["alive"] and st["worker"]["pid"]
+    assert st["budget"]["total_bytes"] == 256 << 20 and 0 < st["budget"]["used_bytes"] <= 256 << 20
     m = next(m for m in st["models"] if m["name"] == MODEL)
     assert {"name", "state", "device_bytes", "kv_pages", "in_flight", "last_used"} <= set(m)
     assert m["state"] == "ready" and m["device_bytes"] > 0
