@@ -122,7 +122,7 @@ class WorkerClient:
             try:
                 self._send(P.Shutdown())
             except WorkerDied:
-                pass
+                proc.terminate()  # not talking yet (still starting): nothing to finish cleanly
             try:
                 await asyncio.wait_for(proc.wait(), timeout)
             except asyncio.TimeoutError:

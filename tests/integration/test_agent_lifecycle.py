@@ -165,6 +165,13 @@ def test_engine_less_worker_supervision_via_daemon(tmp_path) -> None:
                 assert s.recv(100) == b"" and time.monotonic() - t0 < 5
         code, body = d.get("/admin/v1/status", {"Authorization": "Bearer "})
         assert code == 401 and "unix socket" in body["error"]["message"]  # no token: no admin over TCP
+        # A second agent on the same admin socket refuses to start instead of stealing it.
+        second = Daemon(tmp_path, engine="none")
+        try:
+            second.start(ready=False, timeout=30)
+            raise AssertionError("a second agent started on a live admin socket")
+        except RuntimeError as e:
+            assert "exited with 1" in str(e) and "another agent is listening" in second.logs()
         pid = d.engine_status()["worker"]["pid"]
         os.kill(pid, signal.SIGKILL)
         d.wait_for("/livez", 503, timeout=10)
