@@ -20,7 +20,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from agent.generation import Delta, Generation
-from agent.log import bind_request_id, new_request_id
+from agent.log import bind_request_id, get_logger, new_request_id
 from agent.manager import ManagerError
 from agent.openai_schema import (
     MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest, first_error, json_depth_ok,
@@ -92,6 +92,7 @@ class OpenAIApi:
     def __init__(self, ctx: AgentContext) -> None:
         self.ctx = ctx
         self._keys = [k.get_secret_value().encode() for k in ctx.settings.server.api_keys if k.get_secret_value()]
+        self._log = get_logger("openai")
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -158,6 +159,8 @@ class OpenAIApi:
             return resp
         except ApiError as e:
             status = e.status
+            if status >= 500:  # ours, not the client's: worth a line (the request id is bound)
+                self._log.warning("request_failed", status=status, code=e.code, error=e.message)
             resp = e.response()
             resp.headers["X-Request-Id"] = rid
             return resp
@@ -272,7 +275,9 @@ class OpenAIApi:
                 await resp.write(fmt.sse([fmt.usage_chunk(gen.usage())]))
             await resp.write(b"data: [DONE]\n\n")
         except WorkerError as e:
-            await resp.write(fmt.sse([_stream_error(e).body()]))
+            err = _stream_error(e)
+            self._log.warning("stream_failed", status=err.status, code=err.code, error=err.message)
+            await resp.write(fmt.sse([err.body()]))
         except (ConnectionResetError, ConnectionError):
             return resp  # the client left; close() aborts in the engine
 
