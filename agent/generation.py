@@ -85,6 +85,9 @@ class Generation:
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self._last_token_at: float | None = None
+        # Labelled children looked up once: observing them happens once per streamed step.
+        self._ttft = metrics.ttft.labels(model=model)
+        self._itl = metrics.itl.labels(model=model)
 
     def start(self, prompt_token_ids: list[int], samplings: list[dict[str, Any]]) -> None:
         """Send one engine request per choice. Raises WorkerError (the caller answers 503/400)."""
@@ -132,9 +135,9 @@ class Generation:
         now = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now
-            self.metrics.ttft.labels(model=self.model).observe(now - self.started)
+            self._ttft.observe(now - self.started)
         elif self._last_token_at is not None:
-            self.metrics.itl.labels(model=self.model).observe(now - self._last_token_at)
+            self._itl.observe(now - self._last_token_at)
         self._last_token_at = now
 
     def usage(self) -> dict[str, int]:
