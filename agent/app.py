@@ -49,6 +49,7 @@ class AgentContext:
     draining: bool = False
     manager: ModelManager = None  # type: ignore[assignment]  # set by the manager context
     health: Health = None  # type: ignore[assignment]
+    canary: Canary = None  # type: ignore[assignment]
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
     def budget(self) -> dict[str, Any]:
@@ -101,8 +102,9 @@ async def _manager_ctx(app: web.Application) -> AsyncIterator[None]:
         from agent.model_source import CacheSource
 
         source = CacheSource.from_settings(ctx.settings)
-    canary = Canary(ctx)
-    ctx.manager = ModelManager(ctx.settings, ctx.worker, source, ctx.metrics, _load_tokenizer, verify=canary.probe)
+    ctx.canary = Canary(ctx)  # one instance: its request ids never collide with each other
+    ctx.manager = ModelManager(ctx.settings, ctx.worker, source, ctx.metrics, _load_tokenizer,
+                               verify=ctx.canary.probe)
     ctx.worker.on_up = ctx.manager.on_worker_up
     ctx.worker.on_down = ctx.manager.on_worker_down
     ctx.tasks.append(asyncio.create_task(ctx.manager.preload(), name="preload"))
@@ -114,7 +116,7 @@ async def _manager_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     ctx = app[CTX]
-    ctx.tasks.append(asyncio.create_task(Canary(ctx).run(), name="canary"))
+    ctx.tasks.append(asyncio.create_task(ctx.canary.run(), name="canary"))
     ctx.tasks.append(asyncio.create_task(_notify_loop(ctx), name="sd-notify"))
     yield
     for t in ctx.tasks:
