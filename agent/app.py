@@ -3,9 +3,9 @@
 Start-up and tear-down are aiohttp cleanup contexts, declared once in :data:`LIFECYCLE` and torn
 down in reverse: runtime dir → engine worker → model manager (+ preload) → background tasks
 (canary, sd_notify/watchdog). :func:`serve` is the one shutdown path: on SIGTERM it tells
-systemd STOPPING=1, refuses new work (503), stops listening, lets in-flight requests finish up
-to ``server.drain_timeout``, cancels the rest (which aborts them in the engine), then stops the
-worker.
+systemd STOPPING=1, refuses new work (503), lets in-flight requests finish up to
+``server.drain_timeout``, fails the rest with a "shutting down" error that their clients see
+(and aborts them in the engine), stops listening, then stops the worker.
 """
 
 from __future__ import annotations
