@@ -38,6 +38,10 @@ class CacheSource:
     def unpin(self, name: str) -> None:
         self.cache.unpin(name)
 
+    def pull_progress(self, name: str) -> dict[str, Any] | None:
+        """Bytes done/total, rate and ETA of a pull in progress in this process, else None."""
+        return self.cache.pulls_in_progress().get(name)
+
     def stats(self) -> dict[str, int]:
         s = self.cache.stats()
         return {"max_bytes": int(s["max_bytes"]), "used_bytes": int(s["used_bytes"])}

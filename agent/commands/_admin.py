@@ -67,6 +67,9 @@ def model_rows(models: list[dict[str, Any]]) -> list[list[str]]:
     for m in models:
         kv = m.get("kv_pages") or {}
         state = m["state"] + (f" ({m['reason']})" if m.get("reason") and m["state"] == "failed" else "")
+        pull = m.get("pull") or {}
+        if m["state"] == "pulling" and pull.get("total_bytes"):
+            state += f" {100 * pull['done_bytes'] / pull['total_bytes']:.0f}% of {human_bytes(pull['total_bytes'])}"
         rows.append([m["name"], state, human_bytes(m.get("device_bytes")),
                      f"{kv.get('used', 0)}/{kv.get('total', 0)}", str(m.get("in_flight", 0)), ago(m.get("last_used"))])
     return rows

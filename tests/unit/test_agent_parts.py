@@ -111,5 +111,8 @@ def test_status_rendering() -> None:
           "budget": {"total_bytes": 1 << 30, "used_bytes": 1 << 20}, "cache": {"max_bytes": 1 << 30, "used_bytes": 0},
           "models": [{"name": "m", "state": "failed", "reason": "load failed: boom", "device_bytes": 0,
                       "kv_pages": {"used": 0, "total": 0}, "in_flight": 0, "last_used": None}]}
+    st["models"].append({"name": "p", "state": "pulling", "pull": {"done_bytes": 1 << 29, "total_bytes": 1 << 30},
+                         "device_bytes": 0, "kv_pages": {}, "in_flight": 0, "last_used": None})
     out = render(st)
+    assert "pulling 50% of 1.0 GiB" in out
     assert "NOT READY" in out and "worker restarts: 2" in out and "load failed: boom" in out and "never" in out
