@@ -247,9 +247,14 @@ def _make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
             memory_budget_bytes=options.get("memory_budget_bytes"),
         )
         fraction = options.get("memory_budget_fraction")
-        if core.memory_budget_bytes is None and fraction and core.device.type == "cuda":
+        if core.device.type == "cuda":
             import torch
 
+            # Create the CUDA context now: the sandbox goes on right after and the driver's
+            # first-touch needs (device nodes, ioctls, threads) must already be behind us.
+            torch.zeros(1, device=core.device)
+            torch.cuda.synchronize(core.device)
+        if core.memory_budget_bytes is None and fraction and core.device.type == "cuda":
             # "90%" means of the whole device, fixed at start, not of whatever is free at each load.
             core.memory_budget_bytes = int(float(fraction) * torch.cuda.mem_get_info(core.device)[1])
         elif core.memory_budget_bytes is None and core.device.type == "cpu" and options.get("cpu_memory_budget_bytes"):
