@@ -6,9 +6,11 @@ are refused, never opened. Every file's header is validated by
 be filled exactly once, with the shape the config implies; anything missing, repeated,
 misshapen or unknown is a :class:`WeightsError` naming the tensor and file.
 
-Today a tensor is read through ``safetensors.safe_open`` and copied (with the dtype cast) into
-its row range of the destination; the pinned-ring, multi-stream loader of DESIGN §5 replaces
-:func:`_copy_file` without changing the slot contract.
+Copies go through :func:`engine.weight_stream.stream_to_device`: on CUDA, reader threads fill a
+ring of pinned buffers and two streams copy each range straight into its row range of the fused
+destination (a dtype cast, when the file's differs, runs on the device); on CPU the readers
+``pread`` into the tensors' bytes. The warm tier (:mod:`engine.warm_tier`) keeps unloaded
+weights in pinned host RAM: :func:`stash_weights` at unload, :func:`load_or_restore` at load.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 from cache.errors import SafetensorsError
 from cache.safetensors_check import check_file
 from engine.errors import WeightsError
+from engine.warm_tier import WarmTier, WarmTierError
+from engine.weight_stream import CopyJob, stream_to_device
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Buffers some exporters add that the engine recomputes itself.
@@ -55,44 +59,85 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     raise WeightsError(f"{d}: no *.safetensors weight files")
 
 
-def _copy_file(path: Path, slots: dict[str, tuple[torch.Tensor, int, int]], filled: set[str]) -> None:
-    from safetensors import safe_open
-
+def _file_jobs(path: Path, slots: dict[str, tuple[torch.Tensor, int, int]], filled: set[str]) -> list[CopyJob]:
+    """Validate one file's header against the slots; one copy job per tensor (a row range of its slot)."""
     try:
         header = check_file(path)
     except SafetensorsError as e:
         raise WeightsError(f"{path.name}: {e}") from None
-    infos = {t.name: t for t in header.tensors}
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        for name, info in infos.items():
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and name not in slots:
-                continue  # a tied head saved anyway: the embedding is the head
-            slot = slots.get(name)
-            if slot is None:
-                raise WeightsError(f"{path.name}: unexpected tensor {name!r} for this architecture")
-            if name in filled:
-                raise WeightsError(f"{path.name}: tensor {name!r} appears twice in the checkpoint")
-            if info.dtype not in _ST_DTYPES:
-                raise WeightsError(f"{path.name}: tensor {name!r} has dtype {info.dtype}, expected F32/F16/BF16")
-            dest, start, rows = slot
-            want = (rows, *dest.shape[1:])
-            if tuple(info.shape) != want:
-                raise WeightsError(f"{path.name}: tensor {name!r} has shape {list(info.shape)}, expected {list(want)}")
-            with torch.no_grad():
-                dest[start:start + rows].copy_(f.get_tensor(name))
-            filled.add(name)
+    jobs = []
+    for info in header.tensors:
+        name = info.name
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and name not in slots:
+            continue  # a tied head saved anyway: the embedding is the head
+        slot = slots.get(name)
+        if slot is None:
+            raise WeightsError(f"{path.name}: unexpected tensor {name!r} for this architecture")
+        if name in filled:
+            raise WeightsError(f"{path.name}: tensor {name!r} appears twice in the checkpoint")
+        if info.dtype not in _ST_DTYPES:
+            raise WeightsError(f"{path.name}: tensor {name!r} has dtype {info.dtype}, expected F32/F16/BF16")
+        dest, start, rows = slot
+        want = (rows, *dest.shape[1:])
+        if tuple(info.shape) != want:
+            raise WeightsError(f"{path.name}: tensor {name!r} has shape {list(info.shape)}, expected {list(want)}")
+        src = _ST_DTYPES[info.dtype]
+        jobs.append(CopyJob(path, info.begin, info.end - info.begin, dest.data[start:start + rows],
+                            src_dtype=None if src == dest.dtype else src))
+        filled.add(name)
+    return jobs
 
 
-def load_weights(model: torch.nn.Module, model_dir: str | Path) -> int:
-    """Fill ``model.weight_slots()`` from the folder's safetensors; returns the bytes loaded."""
+def load_weights(model: torch.nn.Module, model_dir: str | Path, *, threads: int = 4, streams: int = 2) -> int:
+    """Fill ``model.weight_slots()`` from the folder's safetensors; returns the bytes loaded.
+
+    Every header is checked and every tensor matched to its slot before a byte is copied; then
+    one :func:`stream_to_device` call moves all files' ranges straight into the (fused) weights.
+    """
     slots = model.weight_slots()
     filled: set[str] = set()
+    jobs: list[CopyJob] = []
     for path in weight_files(model_dir):
-        _copy_file(path, slots, filled)
+        jobs.extend(_file_jobs(path, slots, filled))
     missing = sorted(set(slots) - filled)
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise WeightsError(f"{model_dir}: missing weights {', '.join(missing[:3])}{more}")
+    stream_to_device(jobs, threads=threads, streams=streams)
     return model.nbytes
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weight tensors by parameter name, each once (a tied head is the embedding)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out[name] = p.data
+    return out
+
+
+def stash_weights(tier: WarmTier | None, key: str, model: torch.nn.Module) -> bool:
+    """At unload: keep a host copy of the model's weights in the warm tier (False: no tier or no room)."""
+    if tier is None:
+        return False
+    return tier.put(key, model_tensors(model))
+
+
+def load_or_restore(model: torch.nn.Module, model_dir: str | Path, tier: WarmTier | None = None,
+                    key: str | None = None) -> tuple[int, str]:
+    """Fill the model from the warm tier when it holds ``key``, else from the files.
+
+    Returns (bytes, source) with source "warm" or "disk". The tier's copy stays (most recently
+    used); a copy whose shapes no longer match (the folder changed) is discarded and the files read.
+    """
+    if tier is not None and key is not None:
+        try:
+            if tier.restore(key, model_tensors(model)):
+                return model.nbytes, "warm"
+        except WarmTierError:
+            tier.discard(key)
+    return load_weights(model, model_dir), "disk"

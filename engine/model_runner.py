@@ -8,18 +8,26 @@ through the LM head and the sampler; copying the chosen ids back (plus the reque
 logprobs) is the step's only host sync.
 
 Persistent buffers are what decode CUDA graphs need: a graph captured for a batch bucket
-reads the same addresses every replay. Decode steps (every sequence one token) are flagged
-in :meth:`ModelRunner.prepare` so a graph path can take them; the eager path serves the rest.
+reads the same addresses every replay. On CUDA with ``decode_buckets`` set, the graphs
+(:mod:`engine.cuda_graphs`) are captured when the runner is built (at model load) and replay
+every decode-only step; mixed prefill+decode steps run eagerly.
+
+A step is :meth:`ModelRunner.launch` (host lists → buffers, kernels queued, the ids' copy into
+pinned host memory queued behind an event) then :meth:`ModelRunner.collect` (wait for that
+event, read the ids): a caller can do host work for the next step between the two.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine import kernels
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.models.llama import AttentionMetadata, LlamaModel
 from engine.scheduler import SchedulerOutput
@@ -36,6 +44,18 @@ class PreparedStep:
 
 
 @dataclass
+class PendingStep:
+    """A launched step: the sampled ids are on their way to host memory."""
+
+    num_sampled: int
+    ids_host: torch.Tensor | None  # pinned [S] int64 view (CUDA), filled when ``ready`` fires
+    ready: torch.cuda.Event | None
+    ids: torch.Tensor | None  # device ids (CPU path: read directly)
+    logits: torch.Tensor | None  # kept only when logprobs are wanted
+    want_logprobs: list[int | None] | None
+
+
+@dataclass
 class StepResult:
     token_ids: list[int]  # one per scheduled entry with ``sample`` set, in order
     logprobs: list[dict | None]  # aligned with token_ids; None where not requested
@@ -45,8 +65,9 @@ class ModelRunner:
     """Runs one model's steps over its KV cache."""
 
     def __init__(self, model: LlamaModel, kv: KVCache, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, decode_buckets: tuple[int, ...] = ()) -> None:
+                 max_model_len: int, decode_buckets: tuple[int, ...] = (), cuda_graphs: bool | None = None) -> None:
         self.model = model
+        self.max_model_len = max_model_len
         # Batch sizes decode steps are padded to (the CUDA-graph buckets); () runs exact shapes.
         self.decode_buckets = tuple(sorted(b for b in decode_buckets if 0 < b <= min(max_num_seqs, max_num_batched_tokens)))
         self.kv = kv
@@ -73,6 +94,26 @@ class ModelRunner:
                     self._rows):
             host = torch.empty(buf.numel(), dtype=buf.dtype)
             self._staging[id(buf)] = host.pin_memory() if self._pin else host
+        # Two pinned id buffers (and events), alternating, so step N+1 can launch before N is collected.
+        self._ids_host = [torch.empty(self.max_seqs, dtype=i64).pin_memory() for _ in range(2)] if self._pin else []
+        self._ids_ready = [torch.cuda.Event() for _ in range(2)] if self._pin else []
+        self._flip = 0
+        # Host seconds spent building and launching steps, and blocked waiting for their ids.
+        self.host_seconds = 0.0
+        self.wait_seconds = 0.0
+        self.graph_steps = 0
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs is None:
+            cuda_graphs = os.environ.get("INFIRE_CUDA_GRAPHS", "1") != "0"
+        if cuda_graphs and self._pin and self.decode_buckets:
+            self.graphs = DecodeGraphs(self.device)
+            self.graphs.capture(self, self.decode_buckets)
+
+    def decode_meta(self, bucket: int) -> AttentionMetadata:
+        """Metadata of a padded decode step of ``bucket`` rows, on the buffers' fixed prefixes."""
+        return AttentionMetadata(slot_mapping=self._slots[:bucket], query_start_loc=self._qsl[:bucket + 1],
+                                 seq_lens=self._seq_lens[:bucket], block_tables=self._block_tables[:bucket],
+                                 max_query_len=1, max_seq_len=self.max_model_len)
 
     def _to_device(self, dst: torch.Tensor, values: np.ndarray) -> torch.Tensor:
         """Copy a host array into a contiguous prefix of the persistent buffer ``dst``; return that view."""
@@ -143,7 +184,9 @@ class ModelRunner:
             seq_lens=self._to_device(self._seq_lens, seq_lens.astype(np.int32)),
             block_tables=self._to_device(self._block_tables, tables),
             max_query_len=int(n_tok.max()),
-            max_seq_len=max_seq,
+            # A padded decode step runs with the captured graphs' bound, so eager and replayed
+            # bucket steps launch identical kernels (same split layout, same bits).
+            max_seq_len=self.max_model_len if pad_to is not None else max_seq,
         )
         step = PreparedStep(
             input_ids=self._to_device(self._input_ids, np.asarray(ids, dtype=np.int64)),
@@ -164,20 +207,26 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, step.logits_rows))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        if not out.seqs:
-            return StepResult([], [])
-        # Decode steps take the padded bucket shape (what a captured graph replays); the graph
-        # replay itself is the next step of the GPU work, the padding is exercised already.
-        pad = self.decode_bucket(len(out.seqs)) if out.num_decodes == len(out.seqs) else None
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """Queue the step's work on the device; returns before the GPU is done."""
+        t0 = time.perf_counter()
+        b = len(out.seqs)
+        pad = self.decode_bucket(b) if b and out.num_decodes == b else None
         step = self.prepare(out, pad_to=pad)
-        logits = self.forward_logits(step)
-        if not step.sample_entries:
-            return StepResult([], [])
-        params = [out.seqs[i].params for i in step.sample_entries]
-        if all(p.temperature == 0 for p in params):
-            ids = logits.argmax(dim=-1)  # greedy batch: skip the sampler's sort
+        ids = None
+        if (pad is not None and self.graphs is not None and pad in self.graphs.graphs
+                and len(step.sample_entries) == b):
+            logits_all, ids_all = self.graphs.replay(pad)
+            logits, ids = logits_all[:b], ids_all[:b]
+            self.graph_steps += 1
+        elif step.sample_entries:
+            logits = self.forward_logits(step)
         else:
+            self.model(step.input_ids, step.positions, self.kv, step.meta)  # a chunk that samples nothing
+            self.host_seconds += time.perf_counter() - t0
+            return PendingStep(0, None, None, None, None, None)
+        params = [out.seqs[i].params for i in step.sample_entries]
+        if not all(p.temperature == 0 for p in params):
             dev = logits.device
             ids = kernels.sample(
                 logits,
@@ -189,11 +238,43 @@ class ModelRunner:
                 torch.tensor([out.seqs[i].output_step for i in step.sample_entries],
                              dtype=torch.int64).to(dev, non_blocking=True),
             )
+        elif ids is None:
+            ids = logits.argmax(dim=-1)
         want_lp = [p.logprobs for p in params]
-        if not any(n is not None for n in want_lp):
-            return StepResult(ids.tolist(), [None] * len(params))
-        return self._with_logprobs(logits, ids, want_lp)
+        if any(n is not None for n in want_lp):
+            self.host_seconds += time.perf_counter() - t0
+            return PendingStep(len(params), None, None, ids, logits, want_lp)
+        host = ready = None
+        if self._pin:
+            self._flip ^= 1
+            host = self._ids_host[self._flip][:len(params)]
+            host.copy_(ids, non_blocking=True)
+            ready = self._ids_ready[self._flip]
+            ready.record()
+        self.host_seconds += time.perf_counter() - t0
+        return PendingStep(len(params), host, ready, ids, None, None)
 
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step's ids (the step's only host sync) and return them."""
+        if pending.num_sampled == 0:
+            return StepResult([], [])
+        t0 = time.perf_counter()
+        try:
+            if pending.want_logprobs is not None:
+                return self._with_logprobs(pending.logits, pending.ids, pending.want_logprobs)
+            if pending.ready is not None:
+                pending.ready.synchronize()
+                return StepResult(pending.ids_host.tolist(), [None] * pending.num_sampled)
+            return StepResult(pending.ids.tolist(), [None] * pending.num_sampled)
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        if not out.seqs:
+            return StepResult([], [])
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
     def _with_logprobs(self, logits: torch.Tensor, ids: torch.Tensor, want: list[int | None]) -> StepResult:
         """Logprobs of the raw model distribution (before temperature and filters)."""
         lp = torch.log_softmax(logits, dim=-1)

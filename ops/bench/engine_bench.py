@@ -8,6 +8,13 @@ used (process CPU seconds per wall second).
 
     python -m ops.bench.engine_bench --model-dir DIR [--num-requests 1000] [--device auto]
     python -m ops.bench.engine_bench --arch llama --preset tiny --num-requests 100 --device cpu
+    python -m ops.bench.engine_bench --model-dir /tmp/m8b --batch1 --peer 200     (the H200 run)
+
+On CUDA decode steps replay CUDA graphs at ``--decode-buckets`` (default: the engine's buckets).
+``--batch1`` also times one request alone (128-token prompt, 256 tokens): decode ms per token.
+``--peer N`` first runs transformers' ``generate_batch`` on the first N requests in a subprocess
+(ops/bench/peer_hf.py), so the two never share GPU memory, and stores it under ``peer``.
+Host cost per step: the runner's build+launch seconds and its wait for the ids, per step.
 """
 
 from __future__ import annotations
@@ -51,14 +58,38 @@ def _device_name(core) -> str:
     return f"CPU ({os.cpu_count()}-core)"
 
 
-def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seqs: int, max_num_batched_tokens: int,
-              max_model_len: int, block_size: int, seed: int = 0, concurrency: int | None = None) -> dict:
-    """Run the workload; ``concurrency`` None adds every request at t0, N keeps N in flight."""
-    from engine.core import EngineCore
+def _batch1(core, vocab: int) -> dict:
+    """One request alone: decode ms per token (median and p90 of step times after the first token)."""
     from engine.sampling import SamplingParams
 
-    core = EngineCore(device=device, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed)
+    prompt = [100 + (i * 7919) % (vocab - 200) for i in range(128)]
+    core.add_request("b1", "bench", prompt, SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
+    times = []
+    while core.has_unfinished_requests():
+        t = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - t)
+    dec = sorted(times[1:])
+    return {"decode_ms_per_token_p50": _pct(dec, 50) * 1e3, "decode_ms_per_token_p90": _pct(dec, 90) * 1e3,
+            "prefill_ms": times[0] * 1e3, "tokens": len(times)}
+
+
+def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seqs: int, max_num_batched_tokens: int,
+              max_model_len: int, block_size: int, seed: int = 0, concurrency: int | None = None,
+              decode_buckets: tuple[int, ...] | None = None, batch1: bool = False) -> dict:
+    """Run the workload; ``concurrency`` None adds every request at t0, N keeps N in flight."""
+    from engine.core import EngineCore
+    from engine.cuda_graphs import DEFAULT_BUCKETS
+    from engine.sampling import SamplingParams
+
+    if decode_buckets is None:
+        decode_buckets = DEFAULT_BUCKETS
+    core = EngineCore(device=device, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed,
+                      decode_buckets=decode_buckets)
+    t_load = time.perf_counter()
     info = core.load_model("bench", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    load_s = time.perf_counter() - t_load
+    runner = core._slots["bench"].runner
     reqs = sharegpt_like(num_requests, info.vocab_size, seed)
     too_long = [r for r in reqs if r.input_len + r.output_len > info.max_model_len]
     if too_long:
@@ -87,12 +118,16 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
                              SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
             next_req += 1
 
+    host0, wait0, graph0 = runner.host_seconds, runner.wait_seconds, runner.graph_steps
     cpu0, t0 = time.process_time(), time.perf_counter()
     send_more()
     steps = 0
+    step_ms: dict[str, list[float]] = {"graph": [], "eager": []}
     while core.has_unfinished_requests():
+        g_before, t_step = runner.graph_steps, time.perf_counter()
         outs = core.step()
         now = time.perf_counter()
+        step_ms["graph" if runner.graph_steps != g_before else "eager"].append((now - t_step) * 1e3)
         steps += 1
         for o in outs:
             if o.new_token_ids:
@@ -104,6 +139,11 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         send_more()
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
+    host_ms = (runner.host_seconds - host0) * 1e3 / max(steps, 1)
+    wait_ms = (runner.wait_seconds - wait0) * 1e3 / max(steps, 1)
+    graph_steps = runner.graph_steps - graph0
+    b1 = _batch1(core, info.vocab_size) if batch1 else None
+    graphs = runner.graphs
     total_out = sum(n_out.values())
     total_in = sum(r.input_len for r in reqs)
     ttft = [(first[k] - sent[k]) * 1e3 for k in first]
@@ -122,9 +162,33 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         "output_tokens": total_out,
         "input_tokens": total_in,
         "workload_summary": summary(reqs),
-        "engine": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+        "step_ms_mean": wall * 1e3 / max(steps, 1),
+        "steps_by_kind": {k: {"steps": len(v), "ms_mean": sum(v) / len(v) if v else None,
+                              "ms_total": sum(v)} for k, v in step_ms.items()},
+        "host_ms_per_step": host_ms,
+        "wait_ms_per_step": wait_ms,
+        "cpu_ms_per_step": cpu * 1e3 / max(steps, 1),
+        "graph_steps": graph_steps,
+        "load_s": load_s,
+        "graph_capture_s": graphs.capture_seconds if graphs else None,
+        "graph_warmup_s": graphs.warmup_seconds if graphs else None,
+        "batch1": b1,
+        "engine": {"decode_buckets": list(runner.decode_buckets), "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                    "max_model_len": info.max_model_len, "block_size": block_size, "kv_pages": info.kv_pages},
     }
+
+
+def _run_peer(model_dir: str | Path, n: int) -> dict:
+    """transformers' generate_batch in its own process (its memory is gone before ours is taken)."""
+    cmd = [sys.executable, "-m", "ops.bench.peer_hf", "--model-dir", str(model_dir), "--num-requests", str(n)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after 900 s"}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        return {"error": f"exit {p.returncode}: {p.stderr[-2000:]}"}
+    return json.loads(lines[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--concurrency", type=int, help="requests kept in flight (default: all at once, mode offline)")
+    ap.add_argument("--decode-buckets", help="comma-separated decode batch buckets ('' = none)")
+    ap.add_argument("--batch1", action="store_true", help="also time batch-1 decode")
+    ap.add_argument("--peer", type=int, default=0, help="run transformers generate_batch on the first N requests")
     ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-engine-<model>-<commit>.json)")
     ap.add_argument("--no-save", action="store_true")
     a = ap.parse_args(argv)
@@ -150,8 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             from engine.modelgen import make_model
 
             model_dir = make_model(Path(tmp) / "model", a.arch, a.preset, seed=0)
+        peer = _run_peer(model_dir, a.peer) if a.peer else None
+        buckets = None if a.decode_buckets is None else tuple(int(x) for x in a.decode_buckets.split(",") if x)
         res = run_bench(model_dir, a.num_requests, a.device, a.max_num_seqs, a.max_num_batched_tokens,
-                        a.max_model_len, a.block_size, concurrency=a.concurrency)
+                        a.max_model_len, a.block_size, concurrency=a.concurrency, decode_buckets=buckets,
+                        batch1=a.batch1)
+    if peer and peer.get("total_tok_s"):
+        res["vs_peer_total_tok_s"] = res["total_tok_s"] / peer["total_tok_s"]
     commit = _commit()
     now = dt.datetime.now(dt.timezone.utc)
     result = {
@@ -162,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload": WORKLOAD,
         "mode": f"concurrency-{a.concurrency}" if a.concurrency else "offline",
         **res,
-        "peer": None,
+        "cpu_count": os.cpu_count(),
+        "peer": peer,
     }
     text = json.dumps(result, indent=2)
     print(text)

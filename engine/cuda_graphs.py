@@ -1,0 +1,130 @@
+"""Decode CUDA graphs: one graph per batch bucket, captured at model load, replayed for decode steps.
+
+A decode-only step (every sequence one token, all sampling) is padded by the runner to the
+smallest bucket ≥ its batch (:meth:`engine.model_runner.ModelRunner.prepare` with ``pad_to``):
+the inputs land in prefixes of the runner's persistent buffers, which are exactly the tensors
+each graph was captured on. A graph holds the model forward, the LM head on every row of the
+bucket, and the greedy argmax; a step with sampling rows runs the sampler eagerly on the graph's
+logits. Mixed prefill+decode steps never come here.
+
+Capture: the Triton kernels and cuBLAS are warmed up eagerly at each bucket first (compiles and
+workspace allocations cannot happen inside a capture), then the buckets are captured from the
+largest down into one shared memory pool, so the smaller graphs reuse the largest one's
+activations. Decode attention is captured with ``max_seq_len = max_model_len``, which is valid
+for every replay whose sequences are no longer (docs/kernels.md, "CUDA graphs").
+
+Padding rows (slot -1, one token at position 0 of page 0) write nothing and are never read back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.errors import EngineError
+
+if TYPE_CHECKING:  # the runner imports this module
+    from engine.model_runner import ModelRunner
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+class CudaGraphError(EngineError):
+    """Capturing or replaying a decode graph failed."""
+
+
+def set_triton_cache_dir(cache_dir: str | os.PathLike) -> str:
+    """Point Triton's compile cache at ``<cache_dir>/triton`` unless TRITON_CACHE_DIR is already set.
+
+    Call before the first kernel compiles (the worker does it at start), so a restart finds
+    every kernel compiled. Returns the directory in effect.
+    """
+    current = os.environ.get("TRITON_CACHE_DIR")
+    if current:
+        return current
+    path = Path(cache_dir) / "triton"
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = str(path)
+    return str(path)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [bucket, vocab] float32, written by each replay
+    ids: torch.Tensor  # [bucket] int64 greedy ids, written by each replay
+
+
+class DecodeGraphs:
+    """The captured graphs of one runner, by bucket size."""
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise CudaGraphError("decode graphs need a CUDA device")
+        self.device = device
+        self.graphs: dict[int, _Graph] = {}
+        self.capture_seconds = 0.0
+        self.warmup_seconds = 0.0
+
+    @staticmethod
+    def _fill_padding(r: "ModelRunner", bucket: int) -> None:
+        """The padded-decode inputs a capture runs on: every row a padding row."""
+        r._input_ids[:bucket].zero_()
+        r._positions[:bucket].zero_()
+        r._slots[:bucket].fill_(-1)
+        r._qsl[:bucket + 1].copy_(torch.arange(bucket + 1, dtype=torch.int32, device=r.device))
+        r._seq_lens[:bucket].fill_(1)
+        r._block_tables[:bucket].zero_()
+
+    @staticmethod
+    def _forward(r: "ModelRunner", bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        meta = r.decode_meta(bucket)
+        hidden = r.model(r._input_ids[:bucket], r._positions[:bucket], r.kv, meta)
+        logits = r.model.compute_logits(hidden)
+        return logits, logits.argmax(dim=-1)
+
+    @torch.inference_mode()
+    def capture(self, r: "ModelRunner", buckets: tuple[int, ...]) -> None:
+        """Warm up, then capture every bucket of runner ``r`` (largest first, one shared pool).
+
+        The graphs keep no reference to the runner (no cycle: an unloaded model's memory goes
+        when its runner does)."""
+        if not buckets:
+            return
+        order = sorted(set(buckets), reverse=True)
+        t0 = time.perf_counter()
+        for b in order:
+            self._fill_padding(r, b)
+            self._forward(r, b)
+        torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        pool = None
+        stream = torch.cuda.Stream(device=self.device)
+        try:
+            for b in order:
+                self._fill_padding(r, b)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    logits, ids = self._forward(r, b)
+                if pool is None:
+                    pool = g.pool()
+                self.graphs[b] = _Graph(g, logits, ids)
+            torch.cuda.synchronize(self.device)
+        except RuntimeError as e:
+            self.graphs.clear()
+            raise CudaGraphError(f"decode graph capture failed: {e}") from e
+        self.warmup_seconds = t1 - t0
+        self.capture_seconds = time.perf_counter() - t1
+
+    def replay(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the bucket's graph on the inputs already in the runner's buffers: (logits, ids)."""
+        g = self.graphs.get(bucket)
+        if g is None:
+            raise CudaGraphError(f"no decode graph for batch {bucket}")
+        g.graph.replay()
+        return g.logits, g.ids

@@ -1,0 +1,43 @@
+"""The loader's warm-tier helpers: stash at unload, restore at load, fall back to the files."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import load_model_config
+from engine.loader import load_or_restore, load_weights, model_tensors, stash_weights
+from engine.models.llama import LlamaModel
+from engine.warm_tier import WarmTier
+
+
+def _model(d) -> LlamaModel:
+    return LlamaModel(load_model_config(d), torch.float32, "cpu")
+
+
+def test_restore_from_the_warm_tier_gives_the_same_weights(make_tiny_model):
+    d = make_tiny_model("llama")
+    ref = _model(d)
+    load_weights(ref, d)
+    tier = WarmTier(1 << 30, pin=False)
+    assert stash_weights(tier, "m", ref)
+    m = _model(d)
+    nbytes, source = load_or_restore(m, d, tier, "m")
+    assert source == "warm" and nbytes == ref.nbytes
+    for (n, a), b in zip(model_tensors(ref).items(), model_tensors(m).values()):
+        assert torch.equal(a, b), n
+
+
+def test_files_are_read_without_a_stored_copy_or_after_a_mismatch(make_tiny_model):
+    d, other = make_tiny_model("llama"), make_tiny_model("qwen3")
+    assert load_or_restore(_model(d), d)[1] == "disk"
+    tier = WarmTier(1 << 30, pin=False)
+    assert not stash_weights(None, "m", _model(d))
+    src = _model(other)
+    load_weights(src, other)
+    stash_weights(tier, "m", src)  # a different model under the same key: shapes differ
+    m = _model(d)
+    assert load_or_restore(m, d, tier, "m")[1] == "disk"
+    assert "m" not in tier
+    ref = _model(d)
+    load_weights(ref, d)
+    assert torch.equal(m.embed, ref.embed)
