@@ -178,13 +178,13 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     }
 
 
-def _run_peer(model_dir: str | Path, n: int) -> dict:
+def _run_peer(model_dir: str | Path, n: int, timeout: float = 900) -> dict:
     """transformers' generate_batch in its own process (its memory is gone before ours is taken)."""
     cmd = [sys.executable, "-m", "ops.bench.peer_hf", "--model-dir", str(model_dir), "--num-requests", str(n)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired:
-        return {"error": "timed out after 900 s"}
+        return {"error": f"timed out after {timeout} s"}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         return {"error": f"exit {p.returncode}: {p.stderr[-2000:]}"}
@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-buckets", help="comma-separated decode batch buckets ('' = none)")
     ap.add_argument("--batch1", action="store_true", help="also time batch-1 decode")
     ap.add_argument("--peer", type=int, default=0, help="run transformers generate_batch on the first N requests")
+    ap.add_argument("--peer-timeout", type=float, default=900)
     ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-engine-<model>-<commit>.json)")
     ap.add_argument("--no-save", action="store_true")
     a = ap.parse_args(argv)
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             from engine.modelgen import make_model
 
             model_dir = make_model(Path(tmp) / "model", a.arch, a.preset, seed=0)
-        peer = _run_peer(model_dir, a.peer) if a.peer else None
+        peer = _run_peer(model_dir, a.peer, a.peer_timeout) if a.peer else None
         buckets = None if a.decode_buckets is None else tuple(int(x) for x in a.decode_buckets.split(",") if x)
         res = run_bench(model_dir, a.num_requests, a.device, a.max_num_seqs, a.max_num_batched_tokens,
                         a.max_model_len, a.block_size, concurrency=a.concurrency, decode_buckets=buckets,

@@ -15,7 +15,7 @@ mk=$!
 timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py > "$OUT/gpu_tests.txt" 2>&1 || status=1
 wait $mk || status=1
 echo "make-model+tests $(( $(date +%s) - t0 )) s" >> "$OUT/gpu_state.csv"
-timeout 290 python3 -m ops.bench.engine_bench --model-dir "$M" --batch1 --peer "$PEER" --device cuda \
+timeout 290 python3 -m ops.bench.engine_bench --model-dir "$M" --batch1 --peer "$PEER" --peer-timeout 110 --device cuda \
   --out "$OUT/engine_bench.json" > "$OUT/engine_bench.txt" 2>&1 || status=1
 timeout 110 python3 ops/gpu/engine_load_bench.py "$M" "$OUT/engine_load.json" > "$OUT/engine_load.txt" 2>&1 || status=1
 echo "== state"; cat "$OUT/gpu_state.csv"
