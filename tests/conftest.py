@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Without a GPU, Triton kernels can only run interpreted, and Triton reads this switch when a
+# @triton.jit module is first imported, by whichever test gets there first: set it for the
+# whole session, before any test imports a kernel.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
