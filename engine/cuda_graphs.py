@@ -7,8 +7,10 @@ each graph was captured on. A graph holds the model forward, the LM head on ever
 bucket, and the greedy argmax; a step with sampling rows runs the sampler eagerly on the graph's
 logits. Mixed prefill+decode steps never come here.
 
-Capture: the Triton kernels and cuBLAS are warmed up eagerly at each bucket first (compiles and
-workspace allocations cannot happen inside a capture), then the buckets are captured from the
+Capture: the Triton kernels and cuBLAS are warmed up eagerly at the largest and the smallest
+bucket first (compiles and workspace allocations cannot happen inside a capture; every kernel
+shape constant is a model constant, so two warm-ups reach every compiled variant: the decode
+reduce only runs when a bucket is small enough to split), then the buckets are captured from the
 largest down into one shared memory pool, so the smaller graphs reuse the largest one's
 activations. Decode attention is captured with ``max_seq_len = max_model_len``, which is valid
 for every replay whose sequences are no longer (docs/kernels.md, "CUDA graphs").
@@ -31,7 +33,7 @@ from engine.errors import EngineError
 if TYPE_CHECKING:  # the runner imports this module
     from engine.model_runner import ModelRunner
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 class CudaGraphError(EngineError):
@@ -98,7 +100,7 @@ class DecodeGraphs:
             return
         order = sorted(set(buckets), reverse=True)
         t0 = time.perf_counter()
-        for b in order:
+        for b in sorted({order[0], order[-1]}, reverse=True):
             self._fill_padding(r, b)
             self._forward(r, b)
         torch.cuda.synchronize(self.device)

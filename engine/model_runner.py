@@ -100,6 +100,7 @@ class ModelRunner:
         self._flip = 0
         # Host seconds spent building and launching steps, and blocked waiting for their ids.
         self.host_seconds = 0.0
+        self.host_graph_seconds = 0.0  # the share of host_seconds spent on graph-replayed steps
         self.wait_seconds = 0.0
         self.graph_steps = 0
         self.graphs: DecodeGraphs | None = None
@@ -214,11 +215,13 @@ class ModelRunner:
         pad = self.decode_bucket(b) if b and out.num_decodes == b else None
         step = self.prepare(out, pad_to=pad)
         ids = None
+        graph = False
         if (pad is not None and self.graphs is not None and pad in self.graphs.graphs
                 and len(step.sample_entries) == b):
             logits_all, ids_all = self.graphs.replay(pad)
             logits, ids = logits_all[:b], ids_all[:b]
             self.graph_steps += 1
+            graph = True
         elif step.sample_entries:
             logits = self.forward_logits(step)
         else:
@@ -245,6 +248,8 @@ class ModelRunner:
             self.host_seconds += time.perf_counter() - t0
             return PendingStep(len(params), None, None, ids, logits, want_lp)
         host = ready = None
+        if graph:
+            self.host_graph_seconds += time.perf_counter() - t0
         if self._pin:
             self._flip ^= 1
             host = self._ids_host[self._flip][:len(params)]

@@ -74,9 +74,35 @@ def _batch1(core, vocab: int) -> dict:
             "prefill_ms": times[0] * 1e3, "tokens": len(times)}
 
 
+def _profile(core, reqs, n_steps: int) -> dict:
+    """cProfile of the first ``n_steps`` steps of 256 more requests (after the timed run: no skew)."""
+    import cProfile
+    import pstats
+
+    from engine.sampling import SamplingParams
+
+    for i, r in enumerate(reqs[:256]):
+        core.add_request(f"p{i}", "bench", r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=r.output_len,
+                                                                            ignore_eos=True))
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(n_steps):
+        core.step()
+    prof.disable()
+    wall = time.perf_counter() - t
+    while core.has_unfinished_requests():
+        core.step()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]
+    return {"steps": n_steps, "wall_s": wall, "top_tottime": [
+        {"fn": f"{Path(k[0]).name}:{k[1]}:{k[2]}", "ncalls": v[1], "tottime_s": v[2], "cumtime_s": v[3]}
+        for k, v in rows]}
+
+
 def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seqs: int, max_num_batched_tokens: int,
               max_model_len: int, block_size: int, seed: int = 0, concurrency: int | None = None,
-              decode_buckets: tuple[int, ...] | None = None, batch1: bool = False) -> dict:
+              decode_buckets: tuple[int, ...] | None = None, batch1: bool = False, profile_steps: int = 0) -> dict:
     """Run the workload; ``concurrency`` None adds every request at t0, N keeps N in flight."""
     from engine.core import EngineCore
     from engine.cuda_graphs import DEFAULT_BUCKETS
@@ -119,6 +145,7 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
             next_req += 1
 
     host0, wait0, graph0 = runner.host_seconds, runner.wait_seconds, runner.graph_steps
+    hostg0 = runner.host_graph_seconds
     cpu0, t0 = time.process_time(), time.perf_counter()
     send_more()
     steps = 0
@@ -142,7 +169,12 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     host_ms = (runner.host_seconds - host0) * 1e3 / max(steps, 1)
     wait_ms = (runner.wait_seconds - wait0) * 1e3 / max(steps, 1)
     graph_steps = runner.graph_steps - graph0
+    host_g = runner.host_graph_seconds - hostg0
+    host_e = runner.host_seconds - host0 - host_g
+    host_by_kind = {"graph_ms_per_step": host_g * 1e3 / max(graph_steps, 1),
+                    "eager_ms_per_step": host_e * 1e3 / max(steps - graph_steps, 1)}
     b1 = _batch1(core, info.vocab_size) if batch1 else None
+    prof = _profile(core, reqs, profile_steps) if profile_steps else None
     graphs = runner.graphs
     total_out = sum(n_out.values())
     total_in = sum(r.input_len for r in reqs)
@@ -167,6 +199,8 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
                               "ms_total": sum(v)} for k, v in step_ms.items()},
         "host_ms_per_step": host_ms,
         "wait_ms_per_step": wait_ms,
+        "host_ms_by_kind": host_by_kind,
+        "profile": prof,
         "cpu_ms_per_step": cpu * 1e3 / max(steps, 1),
         "graph_steps": graph_steps,
         "load_s": load_s,
@@ -206,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-buckets", help="comma-separated decode batch buckets ('' = none)")
     ap.add_argument("--batch1", action="store_true", help="also time batch-1 decode")
     ap.add_argument("--peer", type=int, default=0, help="run transformers generate_batch on the first N requests")
+    ap.add_argument("--profile-steps", type=int, default=0, help="cProfile this many steps after the timed run")
     ap.add_argument("--peer-timeout", type=float, default=900)
     ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-engine-<model>-<commit>.json)")
     ap.add_argument("--no-save", action="store_true")
@@ -222,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         buckets = None if a.decode_buckets is None else tuple(int(x) for x in a.decode_buckets.split(",") if x)
         res = run_bench(model_dir, a.num_requests, a.device, a.max_num_seqs, a.max_num_batched_tokens,
                         a.max_model_len, a.block_size, concurrency=a.concurrency, decode_buckets=buckets,
-                        batch1=a.batch1)
+                        batch1=a.batch1, profile_steps=a.profile_steps)
     if peer and peer.get("total_tok_s"):
         res["vs_peer_total_tok_s"] = res["total_tok_s"] / peer["total_tok_s"]
     commit = _commit()

@@ -12,19 +12,25 @@ python3 -c "import torch,triton,transformers;print('torch',torch.__version__,'tr
 t0=$(date +%s)
 ( python3 -c "import sys; from agent.cli import main; sys.exit(main(['make-model','--arch','llama','--preset','llama-3.1-8b','--out','$M','--device','cuda']))" > "$OUT/make_model.txt" 2>&1 ) &
 mk=$!
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py > "$OUT/gpu_tests.txt" 2>&1 || status=1
+timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu_tests.txt" 2>&1 || status=1
 wait $mk || status=1
 echo "make-model+tests $(( $(date +%s) - t0 )) s" >> "$OUT/gpu_state.csv"
 timeout 290 python3 -m ops.bench.engine_bench --model-dir "$M" --batch1 --peer "$PEER" --peer-timeout 110 --device cuda \
-  --out "$OUT/engine_bench.json" > "$OUT/engine_bench.txt" 2>&1 || status=1
+  --profile-steps 40 --out "$OUT/engine_bench.json" > "$OUT/engine_bench.txt" 2>&1 || status=1
+# the same workload with 512 sequences in flight and a 4096-token step budget (bigger decode graphs)
+timeout 150 python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda --max-num-seqs 512 \
+  --max-num-batched-tokens 4096 --out "$OUT/engine_bench_512.json" > "$OUT/engine_bench_512.txt" 2>&1 || status=1
 timeout 110 python3 ops/gpu/engine_load_bench.py "$M" "$OUT/engine_load.json" > "$OUT/engine_load.txt" 2>&1 || status=1
 echo "== state"; cat "$OUT/gpu_state.csv"
 echo "== GPU engine tests"; grep -E "passed|failed|Error|assert|FAILED|ERROR" "$OUT/gpu_tests.txt" | tail -n 20
 echo "== engine bench"; tail -n 5 "$OUT/engine_bench.txt"
-python3 - "$OUT/engine_bench.json" <<'PY' || true
+python3 - "$OUT/engine_bench.json" "$OUT/engine_bench_512.json" <<'PY' || true
 import json, sys
+e = json.load(open(sys.argv[2])) if __import__("os").path.exists(sys.argv[2]) else {}
+print("512/4096 variant:", {k: e.get(k) for k in ("total_tok_s", "req_s", "tpot_ms_p50", "host_ms_by_kind", "steps_by_kind")})
 d = json.load(open(sys.argv[1]))
-keys = ("req_s", "output_tok_s", "total_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
+for r in (d.get("profile") or {}).get("top_tottime", [])[:14]: print("prof", r)
+keys = ("host_ms_by_kind", "req_s", "output_tok_s", "total_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
         "cpu_cores", "host_ms_per_step", "wait_ms_per_step", "steps", "graph_steps", "load_s", "graph_capture_s",
         "vs_peer_total_tok_s")
 for k in keys: print(f"{k:<22} {d.get(k)}")
