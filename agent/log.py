@@ -39,11 +39,27 @@ def _add_request_id(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str
     return event
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at write time, not at configure time.
+
+    structlog's configuration is process-wide; binding it to the stream object of the moment
+    breaks when that stream is later replaced and closed (test capture, daemonizing)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def configure_logging(
     fmt: Literal["auto", "json", "console"] = "auto", level: str = "info", stream: Any = None
 ) -> None:
     """Configure structlog (and stdlib logging, for libraries) once at process start."""
-    stream = stream or sys.stderr
+    stream = stream or _CurrentStderr()
     if fmt == "auto":
         fmt = "console" if getattr(stream, "isatty", lambda: False)() else "json"
     lvl = getattr(logging, level.upper(), logging.INFO)
@@ -65,7 +81,7 @@ def configure_logging(
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=max(lvl, logging.WARNING), stream=stream, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 
 
 def get_logger(name: str | None = None, **bound: Any) -> Any:
