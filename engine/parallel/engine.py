@@ -1,0 +1,248 @@
+"""The TP driver: rank 0 runs an EngineCore whose model steps are mirrored on every other rank.
+
+Rank 0 (:class:`TPEngineCore`) owns the scheduler, the requests and the sampling, exactly as
+the one-GPU :class:`~engine.core.EngineCore` (it *is* one, with sharded model slots). Each step
+its :class:`TPRunner` broadcasts the step's SchedulerOutput diff (:mod:`engine.parallel.wire`)
+and then runs its own shard; every other rank (:class:`Follower`) receives it and runs the same
+:class:`~engine.model_runner.ModelRunner` step on its shard, so the collectives inside the
+forward pair up. All ranks end a step with the same all-gathered logits; rank 0's sampled ids
+are the ones that count (the others' are identical and dropped).
+
+Loads and unloads are control messages too: a load is a collective (every rank builds its shard,
+then the ranks agree, over the CPU group, that all succeeded and on the number of KV pages — the
+minimum that fits on every GPU — so the block tables of rank 0 are valid on every rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager, PageAllocator
+from engine.config import ModelConfig, load_model_config
+from engine.core import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, EngineCore, ModelInfo, ModelSlot
+from engine.errors import EngineError
+from engine.kv_cache import KVCache, KVSpec
+from engine.model_runner import ModelRunner, StepResult
+from engine.parallel.group import TPError, TPGroup
+from engine.parallel.loader import load_shard
+from engine.parallel.shard import TPModel, plan_shards
+from engine.parallel.wire import ControlChannel, StepDecoder, StepEncoder, WireError
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError, SchedulerOutput
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RankShard:
+    """What one rank holds of one loaded model."""
+
+    cfg: ModelConfig
+    model: TPModel
+    kv: KVCache
+    runner: ModelRunner
+    weight_bytes: int
+
+    @property
+    def device_bytes(self) -> int:
+        return self.weight_bytes + self.kv.nbytes
+
+
+def build_shard(group: TPGroup, spec: dict[str, Any], used_bytes: int) -> RankShard:
+    """Build this rank's shard of the model described by the load message ``spec`` (a collective).
+
+    Every rank calls it with the same ``spec``; a failure on any rank makes all of them raise
+    :class:`TPError` (nobody is left waiting in a collective).
+    """
+    cfg = None
+    model = None
+    weight_bytes = 0
+    local_pages = 0
+    error = ""
+    try:
+        cfg = load_model_config(spec["model_dir"])
+        plan = plan_shards(cfg, group.rank, group.world_size)
+        dtype = _DTYPES[spec["dtype"]]
+        model = TPModel(plan, group, dtype, group.device)
+        weight_bytes = load_shard(model, spec["model_dir"])
+        model.build_rope_cache(spec["max_len"])
+        kv_spec = KVSpec(cfg.num_layers, spec["block_size"], plan.local.num_kv_heads, cfg.head_dim, dtype)
+        pages_per_seq = -(-spec["max_len"] // spec["block_size"])
+        if spec["num_kv_pages"] is not None:
+            local_pages = spec["num_kv_pages"]
+        else:
+            lc = plan.local
+            workspace = spec["max_num_batched_tokens"] * (cfg.hidden_size * 8 + lc.intermediate_size * 4) * 4 \
+                + spec["max_num_seqs"] * cfg.vocab_size * 8
+            if spec["budget"] is not None:
+                avail = int(spec["budget"]) - used_bytes - weight_bytes - workspace
+            elif group.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(group.device)
+                avail = int(free * GPU_BUDGET_FRACTION) - workspace
+            else:
+                avail = DEFAULT_CPU_BUDGET - used_bytes - weight_bytes - workspace
+            local_pages = min(max(avail, 0) // kv_spec.page_bytes, pages_per_seq * spec["max_num_seqs"])
+    except (EngineError, OSError, ValueError, KeyError, RuntimeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    ok, pages = group.min_over_ranks([0 if error else 1, local_pages])
+    if not ok:
+        raise TPError(f"rank {group.rank}: {error}" if error else "another rank failed to load its shard")
+    if pages < pages_per_seq:
+        raise TPError(f"room for {pages} KV pages on the smallest rank, one {spec['max_len']}-token sequence "
+                      f"needs {pages_per_seq}")
+    kv = KVCache.allocate(kv_spec, pages, group.device)
+    # Decode graphs (CUDA) are captured here, in lockstep on every rank: the warm-up forwards
+    # run the collectives, so NCCL's communicators exist before the capture starts.
+    runner = ModelRunner(model, kv, spec["max_num_batched_tokens"], spec["max_num_seqs"], spec["max_len"],
+                         decode_buckets=tuple(spec["decode_buckets"]))
+    return RankShard(cfg, model, kv, runner, weight_bytes)
+
+
+class TPRunner:
+    """Rank 0's runner of a sharded model: broadcast the step, then run the local shard."""
+
+    def __init__(self, name: str, inner: ModelRunner, channel: ControlChannel) -> None:
+        self.name = name
+        self.inner = inner
+        self.channel = channel
+        self.encoder = StepEncoder()
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        if not out.seqs:
+            return StepResult([], [])
+        self.channel.send({"op": "step", "model": self.name, "out": self.encoder.encode(out)})
+        return self.inner.execute(out)
+
+    def __getattr__(self, attr: str) -> Any:  # counters, graphs, buckets: the local runner's
+        return getattr(self.inner, attr)
+
+
+class TPEngineCore(EngineCore):
+    """Rank 0 of a TP group: an EngineCore whose models are sharded over the group.
+
+    Same API as :class:`EngineCore`; ``device_bytes`` of a model is per GPU (this rank's shard
+    and KV pages; the others hold the same amount). Call :meth:`close` to release the followers.
+    """
+
+    def __init__(self, group: TPGroup, **options: Any) -> None:
+        if group.rank != 0:
+            raise TPError("TPEngineCore runs on rank 0; other ranks run Follower.serve()")
+        if "device" in options:
+            raise TPError("the device of a TP engine is its group's device")
+        super().__init__(device=str(group.device), **options)
+        self.group = group
+        self.channel = ControlChannel(group)
+        self._closed = False
+
+    def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
+                   weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None) -> ModelInfo:
+        if self._closed:
+            raise TPError("the TP engine is closed")
+        if not isinstance(name, str) or not name:
+            raise EngineError("model name must be a non-empty string")
+        if name in self._slots:
+            raise EngineError(f"model {name!r} is already loaded")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise EngineError("weight must be a positive number")
+        for key, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+                raise EngineError(f"{key} must be an integer >= 2, got {v!r}")
+        if num_kv_pages is not None and (isinstance(num_kv_pages, bool) or not isinstance(num_kv_pages, int)):
+            raise EngineError("num_kv_pages must be an integer")
+        cfg = load_model_config(model_dir)
+        plan_shards(cfg, 0, self.group.world_size)  # refuse an unsplittable model before any rank loads
+        max_len = min(max_model_len, cfg.max_position_embeddings)
+        if cfg.sliding_window is not None:
+            max_len = min(max_len, cfg.sliding_window)
+        dtype = self._dtype_for(cfg)
+        spec = {"name": name, "model_dir": str(Path(model_dir).resolve()), "max_len": max_len,
+                "max_num_seqs": max_num_seqs, "block_size": block_size or self.block_size,
+                "dtype": next(k for k, v in _DTYPES.items() if v == dtype), "num_kv_pages": num_kv_pages,
+                "max_num_batched_tokens": self.max_num_batched_tokens, "decode_buckets": list(self.decode_buckets),
+                "budget": self.memory_budget_bytes}
+        self.channel.send({"op": "load", "spec": spec})
+        shard = build_shard(self.group, spec, sum(s.device_bytes for s in self._slots.values()))
+        try:
+            sched = Scheduler(
+                SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                max_model_len=max_len, max_prefill_chunk=self.max_prefill_chunk,
+                                eos_token_ids=cfg.eos_token_ids),
+                BlockManager(spec["block_size"], PageAllocator(shard.kv.num_pages)),
+            )
+        except SchedulerConfigError as e:
+            self.channel.send({"op": "unload", "model": name})
+            raise EngineError(str(e)) from None
+        runner = TPRunner(name, shard.runner, self.channel)
+        info = ModelInfo(name, cfg.vocab_size, max_len, list(cfg.eos_token_ids), shard.device_bytes,
+                         shard.kv.num_pages, spec["block_size"])
+        busy = [s.vtime for s in self._slots.values() if s.scheduler.has_unfinished()]
+        self._slots[name] = ModelSlot(name, cfg, shard.model, shard.kv, runner, sched, float(weight),
+                                      shard.weight_bytes, info, vtime=min(busy) if busy else 0.0)
+        return info
+
+    def unload_model(self, name: str) -> None:
+        super().unload_model(name)
+        self.channel.send({"op": "unload", "model": name})
+
+    def close(self) -> None:
+        """Tell the followers to return from :meth:`Follower.serve` (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self.channel.send({"op": "stop"})
+
+
+class Follower:
+    """Ranks > 0: load, step and unload shards as rank 0's control messages say."""
+
+    def __init__(self, group: TPGroup) -> None:
+        if group.rank == 0:
+            raise TPError("rank 0 drives the group (TPEngineCore); followers are ranks > 0")
+        self.group = group
+        self.channel = ControlChannel(group)
+        self.shards: dict[str, RankShard] = {}
+        self._decoders: dict[str, StepDecoder] = {}
+        self.steps = 0
+
+    def handle(self, msg: dict[str, Any]) -> bool:
+        """Act on one message; False once told to stop."""
+        op = msg["op"]
+        if op == "step":
+            shard = self.shards.get(msg.get("model"))
+            if shard is None:
+                raise WireError(f"step for a model this rank has not loaded: {msg.get('model')!r}")
+            shard.runner.execute(self._decoders[msg["model"]].decode(msg.get("out")))
+            self.steps += 1
+        elif op == "load":
+            spec = msg.get("spec")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise WireError("load message without a spec")
+            used = sum(s.device_bytes for s in self.shards.values())
+            self.shards[spec["name"]] = build_shard(self.group, spec, used)
+            self._decoders[spec["name"]] = StepDecoder()
+        elif op == "unload":
+            self.shards.pop(msg.get("model"), None)
+            self._decoders.pop(msg.get("model"), None)
+            if self.group.device.type == "cuda":
+                torch.cuda.empty_cache()
+        elif op == "stop":
+            return False
+        else:
+            raise WireError(f"unknown control op {op!r}")
+        return True
+
+    def serve(self) -> None:
+        """Run until rank 0 says stop. A failed load is survivable (all ranks raised together);
+        anything else ends the loop with the exception (rank 0's collectives then time out)."""
+        while True:
+            msg = self.channel.recv()
+            try:
+                if not self.handle(msg):
+                    return
+            except TPError as e:
+                if msg["op"] != "load":
+                    raise
+                # Rank 0 raised the same TPError to its caller; keep serving.
+                del e
