@@ -22,6 +22,8 @@ import torch.distributed as dist
 from engine.errors import EngineError
 
 DEFAULT_TIMEOUT_S = 600.0
+# [world*rows, c] ← every rank's [rows, c] (the newer name where torch has it).
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TPError(EngineError):
@@ -60,7 +62,7 @@ class TPGroup:
         t = t.contiguous()
         rows, cols = t.shape
         out = torch.empty((self.world_size * rows, cols), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t, group=self.device_group)
+        _gather_single(out, t, group=self.device_group)
         return out.view(self.world_size, rows, cols).permute(1, 0, 2).reshape(rows, self.world_size * cols)
 
     def min_over_ranks(self, values: list[int]) -> list[int]:

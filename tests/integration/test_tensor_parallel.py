@@ -168,3 +168,139 @@ def test_each_rank_holds_half_the_kv_heads_and_a_share_of_weights(tp_results, re
         assert tp_bytes < reference[arch]["device_bytes"]
     # A step diff is small: the whole run moved well under 1 MB of control bytes.
     assert 0 < tp_results["stats"]["bytes_sent"] < 1 << 20
+
+
+def _follower_cli_run(make_tiny_model, tmp_path, num_kv_pages: int) -> tuple[list, list, list[int]]:
+    """qwen3 over rank 0 here-in-a-child and rank 1 started by ``spawn_followers`` (the CLI)."""
+    d = str(make_tiny_model("qwen3"))
+    out = tmp_path / "cli.pt"
+    ctx = mp.get_context("spawn")
+    rank0 = ctx.Process(target=_cli_rank0, args=(f"file://{tmp_path}/rdv", d, str(out), num_kv_pages))
+    rank0.start()
+    rank0.join(timeout=120)
+    if rank0.is_alive():
+        rank0.kill()
+    if rank0.exitcode != 0:
+        pytest.fail(f"rank 0 exited with {rank0.exitcode}")
+    got = torch.load(out)
+    from engine.llm import LLM
+
+    llm = LLM(d, device="cpu", **OPTS, **{**LOAD, "num_kv_pages": num_kv_pages})
+    return got["results"], _run(llm.core, "default"), got["follower_codes"]
+
+
+def _cli_rank0(init_method: str, d: str, out_path: str, num_kv_pages: int) -> None:
+    torch.set_num_threads(1)
+    from engine.parallel.engine import TPEngineCore
+    from engine.parallel.follower import spawn_followers
+    from engine.parallel.group import TPError, destroy_tp_group, init_tp_group
+
+    procs = spawn_followers(2, init_method, ["cpu", "cpu"], timeout_s=120)
+    group = init_tp_group(0, 2, init_method, "cpu", timeout_s=120)
+    try:
+        core = TPEngineCore(group, **OPTS)
+        try:  # a load that fails on every rank leaves the group usable
+            core.load_model("m", d, **{**LOAD, "num_kv_pages": 3})
+            raise RuntimeError("a 3-page cache should have been refused")
+        except TPError:
+            pass
+        core.load_model("m", d, **{**LOAD, "num_kv_pages": num_kv_pages})
+        results = _run(core, "m")
+        core.close()
+    finally:
+        destroy_tp_group()
+    codes = [p.wait(timeout=60) for p in procs]
+    torch.save({"results": results, "follower_codes": codes}, out_path)
+
+
+def test_follower_cli_with_preemption_matches_unsharded(make_tiny_model, tmp_path):
+    # 24 pages hold exactly one 96-token sequence: ten requests in flight force preemptions.
+    got, want, codes = _follower_cli_run(make_tiny_model, tmp_path, num_kv_pages=24)
+    assert codes == [0]
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
+
+
+def _seq(seq_id: int, table: list[int], tokens: list[int], start: int) -> ScheduledSeq:
+    return ScheduledSeq(seq_id, f"q{seq_id}", tokens, start, table, True, 0,
+                        SamplingParams(temperature=0.5, seed=7, logprobs=2))
+
+
+def test_step_diff_sends_only_new_pages_and_resets_after_preemption():
+    from engine.parallel.wire import StepDecoder, StepEncoder
+
+    enc, dec = StepEncoder(), StepDecoder()
+    steps = [
+        SchedulerOutput([_seq(1, [4, 5], [1, 2, 3, 4, 5], 0), _seq(2, [9], [8], 3)], num_decodes=0, num_batched_tokens=6),
+        SchedulerOutput([_seq(1, [4, 5, 6], [7], 5), _seq(2, [9], [8], 4)], num_decodes=2, num_batched_tokens=2),
+        # seq 1 preempted and readmitted on other pages; seq 2 absent this step.
+        SchedulerOutput([_seq(1, [2, 3], [1, 2, 3, 4, 5, 7], 0)], num_decodes=0, num_batched_tokens=6),
+        SchedulerOutput([_seq(2, [9, 10], [3], 5)], num_decodes=1, num_batched_tokens=1),
+    ]
+    sent = []
+    for out in steps:
+        wire = enc.encode(out)
+        sent.append([(s[3], s[4]) for s in wire["seqs"]])
+        back = dec.decode(wire)
+        assert [(s.seq_id, s.block_table, s.token_ids, s.start_pos, s.sample, s.output_step) for s in back.seqs] == \
+            [(s.seq_id, list(s.block_table), s.token_ids, s.start_pos, s.sample, s.output_step) for s in out.seqs]
+        assert [(b.params.temperature, b.params.seed, b.params.logprobs) for b in back.seqs] == [(0.5, 7, 2)] * len(out.seqs)
+        assert (back.num_decodes, back.num_batched_tokens) == (out.num_decodes, out.num_batched_tokens)
+    assert sent == [[(-1, [4, 5]), (-1, [9])], [(2, [6]), (1, [])], [(-1, [2, 3])], [(-1, [9, 10])]]
+
+
+def test_step_decoder_refuses_a_diff_without_its_base():
+    from engine.parallel.wire import StepDecoder, WireError
+
+    with pytest.raises(WireError):
+        StepDecoder().decode({"seqs": [[1, [3], 4, 2, [7], True, 0, [0.0, 1.0, 0, 0.0, 1, None]]], "nd": 1, "nt": 1})
+    with pytest.raises(WireError):
+        StepDecoder().decode({"seqs": [["x"]], "nd": 0, "nt": 0})
+
+
+def test_unsplittable_models_are_refused(make_tiny_model):
+    from engine.parallel.group import TPConfigError
+    from engine.parallel.shard import plan_shards
+
+    cfg = load_model_config(make_tiny_model("llama"))  # 4 heads, 2 KV heads, MLP 128
+    with pytest.raises(TPConfigError, match="num_attention_heads"):
+        plan_shards(cfg, 0, 3)
+    with pytest.raises(TPConfigError, match="num_key_value_heads"):
+        plan_shards(cfg, 0, 4)
+    with pytest.raises(TPConfigError):
+        plan_shards(cfg, 2, 2)
+
+
+def test_shards_concatenate_to_the_checkpoint(make_tiny_model):
+    """Rank 0's and rank 1's slices, put back together, are the unsharded weights (no processes)."""
+    from engine.loader import load_weights
+    from engine.models.llama import LlamaModel
+    from engine.parallel.group import TPGroup
+    from engine.parallel.loader import load_shard
+    from engine.parallel.shard import TPModel, plan_shards
+
+    d = make_tiny_model("qwen2")  # qkv bias: biases split with their rows
+    cfg = load_model_config(d)
+    full = LlamaModel(cfg, torch.float32, "cpu")
+    load_weights(full, d)
+    shards = []
+    for r in range(2):
+        m = TPModel(plan_shards(cfg, r, 2), TPGroup(r, 2, torch.device("cpu"), "gloo", None, None), torch.float32, "cpu")
+        load_shard(m, d)
+        shards.append(m.inner)
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    for i, f in enumerate(full.layers):
+        a, b = shards[0].layers[i], shards[1].layers[i]
+        for lo, n in ((0, q), (q, kv), (q + kv, kv)):
+            la = lo // 2
+            assert torch.equal(torch.cat([a.qkv_w[la:la + n // 2], b.qkv_w[la:la + n // 2]]), f.qkv_w[lo:lo + n])
+            assert torch.equal(torch.cat([a.qkv_b[la:la + n // 2], b.qkv_b[la:la + n // 2]]), f.qkv_b[lo:lo + n])
+        for lo in (0, inter):  # gate then up: each rank keeps [its gate; its up]
+            la = lo // 2
+            assert torch.equal(torch.cat([a.gate_up_w[la:la + inter // 2], b.gate_up_w[la:la + inter // 2]]),
+                               f.gate_up_w[lo:lo + inter])
+        assert torch.equal(torch.cat([a.o_w, b.o_w], 1), f.o_w)
+        assert torch.equal(torch.cat([a.down_w, b.down_w], 1), f.down_w)
+        assert torch.equal(a.input_norm, f.input_norm) and torch.equal(b.post_norm, f.post_norm)
+    v = cfg.vocab_size
+    assert torch.equal(torch.cat([shards[0].embed, shards[1].embed])[:v], full.embed)
+    assert torch.equal(torch.cat([shards[0].lm_head, shards[1].lm_head])[:v], full.lm_head)
