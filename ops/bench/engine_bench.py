@@ -36,6 +36,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _commit() -> str:
+    if os.environ.get("INFIRE_COMMIT"):  # a copy without .git (the GPU machine's)
+        return os.environ["INFIRE_COMMIT"]
     try:
         return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"
