@@ -120,6 +120,19 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def warm_key(name: str, model_dir: str | Path) -> str:
+    """The warm-tier key of a model folder: its name and the identity of its weight files.
+
+    Files are hard links into content-addressed blobs, so (inode, size, mtime) changes when a new
+    version of the model is pulled into the same snapshot path: a stale copy is never restored.
+    """
+    parts = [name]
+    for f in weight_files(model_dir):
+        st = f.stat()
+        parts.append(f"{f.name}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}")
+    return "|".join(parts)
+
+
 def stash_weights(tier: WarmTier | None, key: str, model: torch.nn.Module) -> bool:
     """At unload: keep a host copy of the model's weights in the warm tier (False: no tier or no room)."""
     if tier is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import load_model_config
-from engine.loader import load_or_restore, load_weights, model_tensors, stash_weights
+from engine.loader import load_or_restore, load_weights, model_tensors, stash_weights, warm_key
 from engine.models.llama import LlamaModel
 from engine.warm_tier import WarmTier
 
@@ -41,3 +41,19 @@ def test_files_are_read_without_a_stored_copy_or_after_a_mismatch(make_tiny_mode
     ref = _model(d)
     load_weights(ref, d)
     assert torch.equal(m.embed, ref.embed)
+
+
+def test_warm_key_changes_with_the_files(make_tiny_model, tmp_path):
+    import shutil
+
+    d = make_tiny_model("llama")
+    copy = tmp_path / "m"
+    shutil.copytree(d, copy)
+    assert warm_key("m", copy) == warm_key("m", copy)
+    assert warm_key("m", copy) != warm_key("other", copy)
+    before = warm_key("m", copy)
+    for f in copy.glob("*.safetensors"):  # a new version lands under the same path
+        data = f.read_bytes()
+        f.unlink()
+        f.write_bytes(data)
+    assert warm_key("m", copy) != before
