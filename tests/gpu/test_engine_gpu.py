@@ -67,7 +67,7 @@ def _engine(model_dir, graphs: bool, monkeypatch):
     return core
 
 
-def _run(core, prompts, params) -> dict[int, list[int]]:
+def _run(core, prompts, params) -> tuple[dict[int, list[int]], dict[int, list]]:
     for i, p in enumerate(prompts):
         core.add_request(f"r{i}", "m", p, params)
     toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
