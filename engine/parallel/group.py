@@ -65,6 +65,15 @@ class TPGroup:
         _gather_single(out, t, group=self.device_group)
         return out.view(self.world_size, rows, cols).permute(1, 0, 2).reshape(rows, self.world_size * cols)
 
+    def connect_all(self) -> None:
+        """One collective on each group, so every connection exists now (before a sandbox denies
+        new sockets): NCCL's lazy transport setup and gloo's pairs both happen here."""
+        t = torch.zeros(1, device=self.device)
+        dist.all_reduce(t, group=self.device_group)
+        dist.all_reduce(torch.zeros(1), group=self.cpu_group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def min_over_ranks(self, values: list[int]) -> list[int]:
         """Element-wise minimum of a few host integers over the ranks (on the CPU group)."""
         t = torch.tensor(values, dtype=torch.int64)
@@ -79,12 +88,15 @@ def init_tp_group(rank: int, world_size: int, init_method: str, device: str | to
 
     ``device`` is this rank's device (``cuda:<r>`` on GPU, ``cpu`` for the gloo test path);
     ``init_method`` is a torch.distributed URL (``tcp://127.0.0.1:PORT`` or ``file:///path``).
+    Returns after one collective on each group (:meth:`TPGroup.connect_all`), so a sandbox that
+    denies new sockets can go on right after.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise TPConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise TPConfigError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # multicast off in every run, whatever the caller set
+    os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")  # connect at init, not at the first collective
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -108,7 +120,12 @@ def init_tp_group(rank: int, world_size: int, init_method: str, device: str | to
         cpu = default if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     except (RuntimeError, ValueError) as e:
         raise TPError(f"rank {rank}/{world_size}: process group setup failed: {e}") from e
-    return TPGroup(rank, world_size, dev, backend, default, cpu)
+    group = TPGroup(rank, world_size, dev, backend, default, cpu)
+    try:
+        group.connect_all()
+    except RuntimeError as e:
+        raise TPError(f"rank {rank}/{world_size}: first collective failed: {e}") from e
+    return group
 
 
 def destroy_tp_group() -> None:
