@@ -93,7 +93,13 @@ def build_shard(group: TPGroup, spec: dict[str, Any], used_bytes: int) -> RankSh
     if pages < pages_per_seq:
         raise TPError(f"room for {pages} KV pages on the smallest rank, one {spec['max_len']}-token sequence "
                       f"needs {pages_per_seq}")
-    kv = KVCache.allocate(kv_spec, pages, group.device)
+    kv = None
+    try:
+        kv = KVCache.allocate(kv_spec, pages, group.device)
+    except (EngineError, RuntimeError) as e:  # e.g. out of memory on this GPU only
+        error = f"{type(e).__name__}: {e}"
+    if not group.min_over_ranks([0 if kv is None else 1])[0]:
+        raise TPError(f"rank {group.rank}: KV cache: {error}" if kv is None else "another rank could not allocate its KV cache")
     # Decode graphs (CUDA) are captured here, in lockstep on every rank: the warm-up forwards
     # run the collectives, so NCCL's communicators exist before the capture starts.
     runner = ModelRunner(model, kv, spec["max_num_batched_tokens"], spec["max_num_seqs"], spec["max_len"],
@@ -241,8 +247,7 @@ class Follower:
             try:
                 if not self.handle(msg):
                     return
-            except TPError as e:
+            except TPError:
                 if msg["op"] != "load":
                     raise
-                # Rank 0 raised the same TPError to its caller; keep serving.
-                del e
+                # A refused load: rank 0 raised the same TPError to its caller; keep serving.
