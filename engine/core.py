@@ -1,35 +1,52 @@
 """EngineCore: loaded models, their requests, and the step loop (docs/architecture.md).
 
-Each loaded model is a :class:`ModelSlot` with its own scheduler, block manager, KV cache and
-runner. :meth:`EngineCore.step` runs one model per call: the busy model with the least
-weighted service so far (virtual time advanced by step seconds / weight), so one busy model
-cannot starve another. Outputs of aborts and unloads are queued and returned by the next step.
+Several models share one device under one budget (docs/multi-model.md): a
+:class:`~engine.memory.MemoryLedger` books every byte (weights, workspace, the KV pool), one
+:class:`~engine.page_pool.PagePool` holds the KV pages of every model (a guaranteed minimum
+each, the rest to whoever asks), and a :class:`~engine.fair_share.FairSharePicker` chooses
+which model runs each step (weighted fair share of measured step time). Each loaded model is a
+:class:`ModelSlot` with its own scheduler, block manager (over the pool's allocator for it)
+and runner (over the pool's views). Outputs of aborts and unloads are returned by the next step.
+
+Pool size policy: the pool is re-created only when no sequence holds a page, so a resize never
+copies KV data. A load computes the pool's target (the budget beside all weights and workspace,
+capped by what the models can use); if the pool must shrink to make room for the weights, or
+grow to back the new model's minimum, while sequences are live, those sequences are preempted
+(they recompute later, token-identical); a mere grow waits until the pool is idle. An unload
+trims the pool when it leaves it idle.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.block_manager import BlockManager, PageAllocator
+from engine.block_manager import BlockManager
 from engine.config import ModelConfig, load_model_config
+from engine.core_memory import (DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, LoadNeeds, load_needs,
+                                make_ledger, pool_target)
 from engine.errors import EngineError, RequestError
+from engine.fair_share import FairSharePicker
 from engine.kv_cache import KVCache, KVSpec
 from engine.loader import load_weights
+from engine.memory import LedgerError, LoadPlan, LoadRefused
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
+from engine.page_pool import ModelPageSource, PagePool
 from engine.sampling import SamplingParams, SamplingParamsError
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerConfigError, SchedulerOutput
+
+__all__ = ["DEFAULT_CPU_BUDGET", "GPU_BUDGET_FRACTION", "EngineCore", "LoadPlan", "LoadRefused",
+           "ModelInfo", "ModelSlot", "RequestOutput"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DEFAULT_CPU_BUDGET = 4 << 30
-GPU_BUDGET_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -54,22 +71,31 @@ class RequestOutput:
 
 @dataclass
 class ModelSlot:
+    """One loaded model. ``pages`` is set for models on the shared pool; a slot without it
+    (the tensor-parallel engine's) owns its KV cache and is not booked in the ledger."""
+
     name: str
     config: ModelConfig
     model: LlamaModel
-    kv: KVCache
-    runner: ModelRunner
+    kv: KVCache | None
+    runner: ModelRunner | None
     scheduler: Scheduler
     weight: float
     weight_bytes: int
     info: ModelInfo
-    vtime: float = 0.0
+    vtime: float = 0.0  # kept for callers that set it; the picker keeps the real clock
     steps: int = 0
     last_step_s: float = 1e-3
+    pages: ModelPageSource | None = None
+    needs: LoadNeeds | None = None
+    max_num_seqs: int = 0
+    workspace_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
-        return self.weight_bytes + self.kv.nbytes
+        if self.pages is None:
+            return self.weight_bytes + (self.kv.nbytes if self.kv is not None else 0)
+        return self.weight_bytes + self.workspace_bytes + self.pages.num_used * self.needs.page_bytes
 
 
 def resolve_device(device: str) -> torch.device:
@@ -85,12 +111,19 @@ def resolve_device(device: str) -> torch.device:
 
 
 class EngineCore:
-    """Loads models and steps their requests. Not thread-safe: one caller drives it."""
+    """Loads models and steps their requests. Not thread-safe: one caller drives it.
+
+    ``memory_budget`` (or the older ``memory_budget_bytes``): bytes, or on CUDA a fraction of
+    the device's total; None: 90 % of what CUDA has free now, 4 GiB on CPU. ``page_bytes``: the
+    pool's page size; None: set by the first load to ``block_size`` tokens of that model.
+    ``warmup``: run one largest-batch step at load to measure the workspace (None: on CUDA).
+    """
 
     def __init__(self, device: str = "auto", max_num_batched_tokens: int = 2048,
                  memory_budget_bytes: int | None = None, *, block_size: int = 16,
                  max_prefill_chunk: int | None = None, dtype: str | None = None, seed: int | None = None,
-                 decode_buckets: tuple[int, ...] = ()) -> None:
+                 decode_buckets: tuple[int, ...] = (), memory_budget: int | float | None = None,
+                 page_bytes: int | None = None, warmup: bool | None = None) -> None:
         self.device = resolve_device(device)
         if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
             raise EngineError("max_num_batched_tokens must be an integer >= 1")
@@ -98,17 +131,39 @@ class EngineCore:
             raise EngineError("block_size must be an integer >= 1")
         if dtype is not None and dtype not in _DTYPES:
             raise EngineError(f"dtype must be one of {sorted(_DTYPES)}")
+        if memory_budget is not None and memory_budget_bytes is not None:
+            raise EngineError("give memory_budget or memory_budget_bytes, not both")
+        if page_bytes is not None and (isinstance(page_bytes, bool) or not isinstance(page_bytes, int)
+                                       or page_bytes < 1):
+            raise EngineError("page_bytes must be a positive integer")
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.memory_budget_bytes = memory_budget_bytes
         self.block_size = block_size
         self.max_prefill_chunk = max_prefill_chunk
         self.dtype_override = dtype
         self.decode_buckets = tuple(decode_buckets)  # decode batch sizes padded to (graph buckets)
+        self.page_bytes = page_bytes
+        self.warmup = self.device.type == "cuda" if warmup is None else bool(warmup)
+        self._budget_arg = memory_budget if memory_budget is not None else memory_budget_bytes
+        self.ledger = make_ledger(self._budget_arg, self.device)
+        self.pool: PagePool | None = None  # created by the first load (it knows the page size)
+        self.picker = FairSharePicker()
         self._slots: dict[str, ModelSlot] = {}
         self._req_model: dict[str, str] = {}
         self._pending: list[RequestOutput] = []
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
+
+    @property
+    def memory_budget_bytes(self) -> int | float | None:
+        """The budget as given (None: the default); ``memory()["budget"]`` is the resolved bytes."""
+        return self._budget_arg
+
+    @memory_budget_bytes.setter
+    def memory_budget_bytes(self, value: int | float | None) -> None:
+        if self._slots:
+            raise EngineError("the memory budget can only change while no model is loaded")
+        self.ledger = make_ledger(value, self.device)
+        self._budget_arg = value
 
     # -- models ----------------------------------------------------------------------------
     def _dtype_for(self, cfg: ModelConfig) -> torch.dtype:
@@ -118,20 +173,10 @@ class EngineCore:
             return torch.float32  # CPU matmuls in half precision are slow and inexact
         return torch.bfloat16 if cfg.dtype == "float32" else _DTYPES[cfg.dtype]
 
-    def _kv_budget(self, weight_bytes: int, workspace: int) -> int:
-        used = sum(s.device_bytes for s in self._slots.values()) + weight_bytes + workspace
-        if self.memory_budget_bytes is not None:
-            total = int(self.memory_budget_bytes)
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * GPU_BUDGET_FRACTION) - workspace
-        else:
-            total = DEFAULT_CPU_BUDGET
-        return total - used
-
-    def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
-                   weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None) -> ModelInfo:
-        """Load weights, size the KV cache, and make the model schedulable."""
+    def _prepare(self, name: str, model_dir: str | Path, max_model_len: int, max_num_seqs: int,
+                 weight: float, num_kv_pages: int | None,
+                 block_size: int | None) -> tuple[ModelConfig, int, torch.dtype, LoadNeeds]:
+        """Validate a load and compute what it needs; touches nothing."""
         if not isinstance(name, str) or not name:
             raise EngineError("model name must be a non-empty string")
         if name in self._slots:
@@ -141,56 +186,247 @@ class EngineCore:
         for key, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 2:
                 raise EngineError(f"{key} must be an integer >= 2, got {v!r}")
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                       or block_size < 1):
+            raise EngineError("block_size must be an integer >= 1")
         cfg = load_model_config(model_dir)
         max_len = min(max_model_len, cfg.max_position_embeddings)
         if cfg.sliding_window is not None:
             max_len = min(max_len, cfg.sliding_window)  # inside the window attention is full
-        bs = block_size or self.block_size
         dtype = self._dtype_for(cfg)
+        pool_pb = self.pool.page_bytes if self.pool is not None and self.pool.models() else self.page_bytes
+        needs = load_needs(cfg, dtype, max_len=max_len, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=self.max_num_batched_tokens, pool_page_bytes=pool_pb,
+                           block_size=block_size or self.block_size,
+                           explicit_block_size=block_size is not None, num_kv_pages=num_kv_pages)
+        return cfg, max_len, dtype, needs
+
+    def check_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
+                   *, num_kv_pages: int | None = None, block_size: int | None = None,
+                   evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:
+        """The plan of a load without doing it: which of ``evictable`` (idle models, least recently
+        used first) must be unloaded first, and the numbers; raises :class:`LoadRefused` (with
+        ``needed``/``free``/``evictable``/``budget``/``short``) when even that is not enough."""
+        _, _, _, needs = self._prepare(name, model_dir, max_model_len, max_num_seqs, 1.0, num_kv_pages, block_size)
+        return self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
+                                      evictable=list(evictable))
+
+    def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
+                   weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
+                   evictable: tuple[str, ...] | list[str] = ()) -> ModelInfo:
+        """Book, load weights, give the model its KV pages and make it schedulable.
+
+        A load that does not fit now raises :class:`LoadRefused` before the device is touched;
+        with ``evictable`` its ``evict`` names the idle models whose unload would make room.
+        """
+        cfg, max_len, dtype, needs = self._prepare(name, model_dir, max_model_len, max_num_seqs, weight,
+                                                   num_kv_pages, block_size)
+        try:
+            plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
+        except LoadRefused as e:
+            raise self._refusal(name, needs, e, evictable) from None
+        self._fit_pool(needs, plan.kv_pool_bytes_after)
+        self.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace_bytes,
+                                    min_kv_bytes=needs.min_kv_bytes)
+        try:
+            return self._build(name, model_dir, cfg, max_len, dtype, needs, max_num_seqs, float(weight))
+        except BaseException:
+            if self.pool is not None and name in self.pool.models():
+                self.pool.free_all(name)
+                self.pool.unregister(name)
+            self.ledger.release(name)
+            self._slots.pop(name, None)
+            if name in self.picker:
+                self.picker.remove_model(name)
+            self._release_device_memory()
+            self._fit_pool(None, None)
+            raise
+
+    def _refusal(self, name: str, needs: LoadNeeds, e: LoadRefused, evictable) -> LoadRefused:
+        if not evictable:
+            return e
+        try:
+            plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
+                                          evictable=list(evictable))
+        except LoadRefused as full:
+            return full
+        return LoadRefused(name, needed=e.needed, free=e.free, evictable=plan.evict_frees, budget=e.budget,
+                           evictable_models=tuple(evictable), parts=e.parts, evict=plan.evict)
+
+    def _build(self, name: str, model_dir: str | Path, cfg: ModelConfig, max_len: int, dtype: torch.dtype,
+               needs: LoadNeeds, max_num_seqs: int, weight: float) -> ModelInfo:
         model = LlamaModel(cfg, dtype, self.device)
         weight_bytes = load_weights(model, model_dir)
         model.build_rope_cache(max_len)
-        spec = KVSpec(cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim, dtype)
-        pages_per_seq = -(-max_len // bs)
-        if num_kv_pages is None:
-            # Activations of the largest step, with room for the float32 logits.
-            workspace = self.max_num_batched_tokens * (cfg.hidden_size * 8 + cfg.intermediate_size * 4) * 4 \
-                + max_num_seqs * cfg.vocab_size * 8
-            avail = self._kv_budget(weight_bytes, workspace)
-            num_kv_pages = min(max(avail, 0) // spec.page_bytes, pages_per_seq * max_num_seqs)
-        if num_kv_pages < pages_per_seq:
-            raise EngineError(
-                f"model {name!r}: room for {num_kv_pages} KV pages, one {max_len}-token sequence needs {pages_per_seq}"
-            )
-        kv = KVCache.allocate(spec, num_kv_pages, self.device)
+        self.pool.register(name, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                           dtype=dtype, min_pages=needs.min_pages, max_pages=needs.want_pages,
+                           tokens_per_page=needs.tokens_per_page)
+        pages = self.pool.allocator_for(name)
         try:
             sched = Scheduler(
                 SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_len, max_prefill_chunk=self.max_prefill_chunk,
                                 eos_token_ids=cfg.eos_token_ids),
-                BlockManager(bs, PageAllocator(num_kv_pages)),
+                BlockManager(needs.tokens_per_page, pages),
             )
         except SchedulerConfigError as e:
             raise EngineError(str(e)) from None
-        runner = ModelRunner(model, kv, self.max_num_batched_tokens, max_num_seqs, max_len,
-                             decode_buckets=self.decode_buckets)
-        info = ModelInfo(name, cfg.vocab_size, max_len, list(cfg.eos_token_ids), weight_bytes + kv.nbytes,
-                         num_kv_pages, bs)
-        busy = [s.vtime for s in self._slots.values() if s.scheduler.has_unfinished()]
-        self._slots[name] = ModelSlot(name, cfg, model, kv, runner, sched, float(weight), weight_bytes, info,
-                                      vtime=min(busy) if busy else 0.0)
-        return info
+        slot = ModelSlot(name, cfg, model, None, None, sched, weight, weight_bytes,
+                         ModelInfo(name, cfg.vocab_size, max_len, list(cfg.eos_token_ids), 0, 0, 0),
+                         pages=pages, needs=needs, max_num_seqs=max_num_seqs,
+                         workspace_bytes=needs.workspace_bytes)
+        self._slots[name] = slot
+        before = self._device_allocated()
+        self._attach_runner(slot)
+        if self.warmup:
+            self._warm_up(slot)
+        measured = self._device_peak() - before if self.device.type == "cuda" else None
+        if measured is not None:
+            # Graph pools and the warm-up's activations, measured; never below the estimate,
+            # because the warm-up may not have reached the largest step's peak.
+            slot.workspace_bytes = max(measured, needs.workspace_bytes)
+            self.ledger.record_workspace(name, slot.workspace_bytes)
+        self.picker.add_model(name, weight)
+        slot.info = ModelInfo(name, cfg.vocab_size, max_len, list(cfg.eos_token_ids),
+                              weight_bytes + slot.workspace_bytes + needs.min_kv_bytes, pages.num_total,
+                              needs.tokens_per_page)
+        return slot.info
+
+    # -- the shared pool ---------------------------------------------------------------------
+    def _fit_pool(self, new: LoadNeeds | None, kv_after: int | None) -> None:
+        """Resize the pool to its target when that is cheap (no live page) or required by a load
+        (``new``): the weights need room the pool holds, or its minimum needs pages the pool lacks.
+        A required resize with live pages preempts every running sequence first."""
+        if self.pool is not None and not self.pool.models() and (new is None or new.page_bytes != self.pool.page_bytes):
+            self.pool = None  # no model on it: gone now; a load makes one of its own page size
+            self._release_device_memory()
+            self.ledger.set_kv_pool(0)
+        if self.pool is None:
+            if new is None:
+                return
+            self.pool = PagePool(0, new.page_bytes, self.device)
+        pool = self.pool
+        pb = pool.page_bytes
+        pooled = [s for s in self._slots.values() if s.pages is not None]
+        wants = [s.needs.want_pages for s in pooled] + ([new.want_pages] if new else [])
+        if kv_after is None:
+            snap = self.ledger.snapshot()
+            kv_after = snap.free + snap.kv_pool_bytes  # the budget beside weights and workspace
+        target = pool_target(kv_after, pb, wants)
+        cur = pool.num_pages
+        if target == cur:
+            return
+        idle = all(pool.num_used(n) == 0 for n in pool.models())
+        if not idle:
+            must_shrink = new is not None and cur * pb > kv_after
+            must_grow = new is not None and pool.num_free - pool.num_reserved < new.min_pages
+            if not (must_shrink or must_grow):
+                return  # a grow (or a trim after unload) waits until the pool is idle
+            for s in pooled:
+                for seq in list(s.scheduler.running):
+                    s.scheduler.preempt(seq.req_id)
+            if any(pool.num_used(n) for n in pool.models()):
+                raise EngineError("KV pages are still held after preempting every running sequence")
+        self._resize_pool(target)
+
+    def _resize_pool(self, target: int) -> None:
+        """Re-create the (idle) pool with ``target`` pages; runners are rebuilt on the new memory.
+        Ledger order: a larger pool is booked before it is allocated, a smaller one after."""
+        pool = self.pool
+        old = pool.num_pages
+        pooled = [s for s in self._slots.values() if s.pages is not None]
+        for s in pooled:  # views (and captured graphs) of the old memory must go first
+            s.runner = s.kv = None
+        gc.collect()  # reference cycles would keep the old memory alive and the resize refused
+        try:
+            if target > old:
+                self.ledger.set_kv_pool(target * pool.page_bytes)
+            try:
+                pool.resize(target)
+            except Exception:
+                if target > old:
+                    self.ledger.set_kv_pool(old * pool.page_bytes)
+                raise
+            if target < old:
+                self.ledger.set_kv_pool(target * pool.page_bytes)
+        except (LedgerError, EngineError) as e:
+            raise EngineError(f"KV pool resize {old} -> {target} pages failed: {e}") from e
+        finally:
+            for s in pooled:
+                self._attach_runner(s)
+
+    def _attach_runner(self, slot: ModelSlot) -> None:
+        """KV views over the pool and a runner on them (on CUDA: its decode graphs captured)."""
+        lay = self.pool.layout(slot.name)
+        cfg = slot.config
+        spec = KVSpec(cfg.num_layers, lay.tokens_per_page, cfg.num_kv_heads, cfg.head_dim, getattr(torch, lay.dtype))
+        if lay.tokens_per_page * lay.bytes_per_token == self.pool.page_bytes:
+            slot.kv = KVCache.from_buffer(spec, self.pool.flat_buffer(slot.name))
+        else:  # padded pages: per-layer views whose page stride is the whole page
+            slot.kv = KVCache.from_views(spec, self.pool.kv_views(slot.name))
+        slot.runner = ModelRunner(slot.model, slot.kv, self.max_num_batched_tokens, slot.max_num_seqs,
+                                  slot.scheduler.config.max_model_len, decode_buckets=self.decode_buckets)
+
+    def _warm_up(self, slot: ModelSlot) -> None:
+        """One step at the largest batch (every row sampled) so its peak can be measured. The
+        sequences share one block table of the model's own guaranteed pages: their K/V writes
+        land only there, and the pages are freed after."""
+        cfg = slot.scheduler.config
+        per_seq = min(cfg.max_model_len - 1, self.max_num_batched_tokens)
+        table = [slot.pages.allocate() for _ in range(-(-per_seq // slot.pages.block_size))]
+        out = SchedulerOutput()
+        left = self.max_num_batched_tokens
+        params = SamplingParams(temperature=0)
+        while left > 0 and len(out.seqs) < slot.max_num_seqs:
+            n = min(per_seq, left)
+            i = len(out.seqs)
+            out.seqs.append(ScheduledSeq(-1 - i, f"warmup{i}", [0] * n, 0, table, True, 0, params))
+            out.num_batched_tokens += n
+            left -= n
+        try:
+            slot.runner.execute(out)
+        finally:
+            for page in table:
+                slot.pages.free(page)
+
+    def _device_allocated(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def _device_peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def _release_device_memory(self) -> None:
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def unload_model(self, name: str) -> None:
-        """Abort what is left of the model's requests (reported by the next step) and free it."""
+        """Abort what is left of the model's requests (reported by the next step) and free it:
+        every page back to the pool, every byte out of the ledger; the pool is trimmed when idle."""
         slot = self._slots.get(name)
         if slot is None:
             raise EngineError(f"model {name!r} is not loaded")
         for req_id in [r for r, m in self._req_model.items() if m == name]:
             self.abort_request(req_id)
         del self._slots[name]
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        if name in self.picker:
+            self.picker.remove_model(name)
+        pooled = slot.pages is not None
+        slot.runner = slot.kv = slot.model = None
+        del slot
+        if pooled:
+            self.pool.free_all(name)  # the backstop: the aborts freed them through the block manager
+            self.pool.unregister(name)
+            self._release_device_memory()
+            self.ledger.release(name)
+            self._fit_pool(None, None)
+        else:
+            self._release_device_memory()
 
     def models(self) -> dict[str, ModelInfo]:
         return {n: s.info for n, s in self._slots.items()}
@@ -227,10 +463,6 @@ class EngineCore:
         else:
             params = dataclasses.replace(params)  # the engine's own copy
         params.stop_token_ids = list(params.stop_token_ids)
-        if not slot.scheduler.has_unfinished():
-            # An idle model joins at the busy models' virtual time: no banked credit.
-            busy = [s.vtime for s in self._slots.values() if s.scheduler.has_unfinished()]
-            slot.vtime = max(slot.vtime, min(busy)) if busy else slot.vtime
         slot.scheduler.add(req_id, list(prompt_token_ids), params)
         self._req_model[req_id] = model
 
@@ -248,8 +480,12 @@ class EngineCore:
 
     # -- the loop --------------------------------------------------------------------------
     def _pick(self) -> ModelSlot | None:
-        busy = [s for s in self._slots.values() if s.scheduler.has_unfinished()]
-        return min(busy, key=lambda s: s.vtime) if busy else None
+        busy = [n for n, s in self._slots.items() if s.scheduler.has_unfinished()]
+        for n in busy:
+            if n not in self.picker:  # a slot added by a subclass without the picker
+                self.picker.add_model(n, self._slots[n].weight)
+        name = self.picker.pick(busy)
+        return self._slots[name] if name is not None else None
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch of one model; outputs of every request that moved."""
@@ -262,7 +498,7 @@ class EngineCore:
         if sched_out.is_empty:
             # Nothing admissible (no pages for it now): charge a nominal step so the pick moves
             # on to the other models instead of choosing this one again forever.
-            slot.vtime += slot.last_step_s / slot.weight
+            self.picker.charge(slot.name, slot.last_step_s)
             return outs
         try:
             result = slot.runner.execute(sched_out)
@@ -285,10 +521,12 @@ class EngineCore:
                 self._req_model.pop(seq.req_id, None)
         slot.steps += 1
         slot.last_step_s = time.perf_counter() - t0  # measured after the token copy (the host sync)
-        slot.vtime += slot.last_step_s / slot.weight
+        self.picker.charge(slot.name, slot.last_step_s)
         return outs
 
     def stats(self) -> dict[str, dict[str, Any]]:
+        """Per model: requests, KV pages (used, and the most it could hold now) and device
+        bytes (weights + workspace + the pages it holds); ``memory()`` has the split by kind."""
         return {
             name: {
                 "running": s.scheduler.num_running,
@@ -299,3 +537,24 @@ class EngineCore:
             }
             for name, s in self._slots.items()
         }
+
+    def memory(self) -> dict[str, Any]:
+        """The budget and who holds it, in bytes: ``budget``, ``used`` (weights + workspace + the
+        whole KV pool), ``free``, ``weights``, ``workspace``, ``kv`` (the pool), ``kv_used`` (its
+        pages held), ``page_bytes``, ``kv_pages`` / ``kv_pages_free``, and per model ``weights``,
+        ``workspace``, ``kv_min``, ``kv_used``, ``kv_pages_used``, ``kv_pages_total``."""
+        snap = self.ledger.snapshot()
+        pool = self.pool
+        pb = pool.page_bytes if pool is not None else 0
+        models = {}
+        for name, s in self._slots.items():
+            if s.pages is None:
+                continue
+            models[name] = {"weights": snap.weights.get(name, 0), "workspace": snap.workspace.get(name, 0),
+                            "kv_min": snap.kv_min.get(name, 0), "kv_used": s.pages.num_used * pb,
+                            "kv_pages_used": s.pages.num_used, "kv_pages_total": s.pages.num_total}
+        return {"budget": snap.budget, "used": snap.used, "free": snap.free,
+                "weights": sum(snap.weights.values()), "workspace": sum(snap.workspace.values()),
+                "kv": snap.kv_pool_bytes, "kv_used": sum(m["kv_used"] for m in models.values()),
+                "page_bytes": pb, "kv_pages": pool.num_pages if pool is not None else 0,
+                "kv_pages_free": pool.num_free if pool is not None else 0, "models": models}

@@ -49,10 +49,13 @@ class LoadRefused(EngineError):
     Fields, all bytes: ``needed`` (weights + workspace + minimum KV of the new model), ``free``
     (what the budget has for it now, elastic KV included), ``evictable`` (what evicting
     ``evictable_models`` would add), ``budget``; ``short`` = needed - free - evictable.
+    ``evict``: when the engine refuses a load that evicting some of the offered idle models
+    would make fit, the least recently used prefix of them that would (else empty).
     """
 
     def __init__(self, model: str, *, needed: int, free: int, evictable: int, budget: int,
-                 evictable_models: tuple[str, ...], parts: Mapping[str, int]) -> None:
+                 evictable_models: tuple[str, ...], parts: Mapping[str, int],
+                 evict: tuple[str, ...] = ()) -> None:
         self.model = model
         self.needed = needed
         self.free = free
@@ -60,6 +63,7 @@ class LoadRefused(EngineError):
         self.budget = budget
         self.evictable_models = evictable_models
         self.parts = dict(parts)
+        self.evict = tuple(evict)
         self.short = needed - free - evictable
         detail = " + ".join(f"{k} {format_bytes(v)}" for k, v in self.parts.items())
         if evictable_models:
@@ -67,6 +71,8 @@ class LoadRefused(EngineError):
             evict = f"evicting idle {names} would free {format_bytes(evictable)}"
         else:
             evict = "no idle model may be evicted (0 B)"
+        if self.evict:
+            evict += f"; evicting {', '.join(self.evict)} first makes room"
         super().__init__(
             f"cannot load {model!r}: needs {format_bytes(needed)} ({detail}); "
             f"{format_bytes(free)} free of a {format_bytes(budget)} budget; {evict}; "
