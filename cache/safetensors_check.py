@@ -83,7 +83,7 @@ def parse_header(header: bytes, file_size: int, where: str = "file") -> Safetens
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise SafetensorsError(f"{where}: tensor {name!r} must have exactly dtype, shape, data_offsets")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in DTYPE_BYTES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:  # a list or object is unhashable
             raise SafetensorsError(f"{where}: tensor {name!r} has unknown dtype {dtype!r}")
         if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(d) and d >= 0 for d in shape):
             raise SafetensorsError(f"{where}: tensor {name!r} shape {shape!r} is not a list of non-negative ints")
