@@ -11,6 +11,8 @@ not an assertion; the fp32 equality test is tests/integration/test_tensor_parall
 NCCL_NVLS_ENABLE=0 is set for every process.
 
     python3 ops/gpu/tp_bench.py --model-dir /tmp/m8b --tp 1,2 --num-requests 1000 --out $OUT/tp_bench.json
+    python3 ops/gpu/tp_bench.py --arch qwen3 --preset tiny --dtype float32 --expect-match --num-requests 50
+        (NCCL + decode graphs with collectives on a tiny fp32 model: greedy tokens must equal TP=1's)
     python ops/gpu/tp_bench.py --arch llama --preset tiny --device cpu --num-requests 20   (CPU smoke, gloo)
 """
 
@@ -114,7 +116,7 @@ def run_one(a: argparse.Namespace) -> dict:
     cuda = a.device == "cuda"
     buckets = DEFAULT_BUCKETS if cuda else ()
     opts = {"max_num_batched_tokens": a.max_num_batched_tokens, "block_size": a.block_size, "seed": 0,
-            "decode_buckets": buckets}
+            "decode_buckets": buckets, "dtype": a.dtype}
     procs = []
     group = None
     t_load = time.perf_counter()
@@ -178,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: the engine's choice")
+    ap.add_argument("--expect-match", action="store_true",
+                    help="exit 1 unless every degree's greedy probe equals TP=1's (use with --dtype float32)")
     ap.add_argument("--timeout", type=float, default=280, help="seconds per TP degree")
     ap.add_argument("--out", help="JSON path for the combined result")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
@@ -198,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--device", a.device, "--num-requests", str(a.num_requests), "--max-num-seqs", str(a.max_num_seqs),
                    "--max-num-batched-tokens", str(a.max_num_batched_tokens),
                    "--max-model-len", str(a.max_model_len), "--block-size", str(a.block_size)]
+            if a.dtype:
+                cmd += ["--dtype", a.dtype]
             try:
                 rc = subprocess.run(cmd, timeout=a.timeout).returncode
             except subprocess.TimeoutExpired:
@@ -211,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, r in results.items():
         if base and "greedy_probe" in r:
             r["greedy_match_vs_tp1"] = sum(x == y for x, y in zip(r["greedy_probe"], base)) / len(base)
+            if a.expect_match and r["greedy_match_vs_tp1"] != 1.0:
+                status = 1
     doc = {"workload": "sharegpt-like", "model_dir": a.model_dir, "results": results}
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=1))
