@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import urllib.parse
 
 from tests.reliability.rel_helpers import ADMIN, MODEL, healthy, raw_request, rss_bytes, status_of
 
@@ -161,4 +160,3 @@ def test_slowloris_while_livez_answers(daemon, tally) -> None:
     tally["faults"] += 1
     tally["requests"] += n + 40
     healthy(daemon)
-    _ = urllib.parse  # paths above are sent verbatim, never re-encoded
