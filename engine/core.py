@@ -19,7 +19,6 @@ trims the pool when it leaves it idle.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import random
 import time
 from dataclasses import dataclass
@@ -30,18 +29,18 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig, load_model_config
-from engine.core_memory import (DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, LoadNeeds, load_needs,
-                                make_ledger, pool_target)
+from engine.core_memory import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, LoadNeeds, load_needs, make_ledger
+from engine.core_pool import PoolKeeper
 from engine.errors import EngineError, RequestError
 from engine.fair_share import FairSharePicker
-from engine.kv_cache import KVCache, KVSpec
+from engine.kv_cache import KVCache
 from engine.loader import load_weights
-from engine.memory import LedgerError, LoadPlan, LoadRefused
+from engine.memory import LoadPlan, LoadRefused
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
 from engine.page_pool import ModelPageSource, PagePool
 from engine.sampling import SamplingParams, SamplingParamsError
-from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerConfigError, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError
 
 __all__ = ["DEFAULT_CPU_BUDGET", "GPU_BUDGET_FRACTION", "EngineCore", "LoadPlan", "LoadRefused",
            "ModelInfo", "ModelSlot", "RequestOutput"]
@@ -110,7 +109,7 @@ def resolve_device(device: str) -> torch.device:
     return d
 
 
-class EngineCore:
+class EngineCore(PoolKeeper):
     """Loads models and steps their requests. Not thread-safe: one caller drives it.
 
     ``memory_budget`` (or the older ``memory_budget_bytes``): bytes, or on CUDA a fraction of
@@ -291,119 +290,6 @@ class EngineCore:
                               weight_bytes + slot.workspace_bytes + needs.min_kv_bytes, pages.num_total,
                               needs.tokens_per_page)
         return slot.info
-
-    # -- the shared pool ---------------------------------------------------------------------
-    def _fit_pool(self, new: LoadNeeds | None, kv_after: int | None) -> None:
-        """Resize the pool to its target when that is cheap (no live page) or required by a load
-        (``new``): the weights need room the pool holds, or its minimum needs pages the pool lacks.
-        A required resize with live pages preempts every running sequence first."""
-        if self.pool is not None and not self.pool.models() and (new is None or new.page_bytes != self.pool.page_bytes):
-            self.pool = None  # no model on it: gone now; a load makes one of its own page size
-            self._release_device_memory()
-            self.ledger.set_kv_pool(0)
-        if self.pool is None:
-            if new is None:
-                return
-            self.pool = PagePool(0, new.page_bytes, self.device)
-        pool = self.pool
-        pb = pool.page_bytes
-        pooled = [s for s in self._slots.values() if s.pages is not None]
-        wants = [s.needs.want_pages for s in pooled] + ([new.want_pages] if new else [])
-        if kv_after is None:
-            snap = self.ledger.snapshot()
-            kv_after = snap.free + snap.kv_pool_bytes  # the budget beside weights and workspace
-        target = pool_target(kv_after, pb, wants)
-        cur = pool.num_pages
-        if target == cur:
-            return
-        idle = all(pool.num_used(n) == 0 for n in pool.models())
-        if not idle:
-            must_shrink = new is not None and cur * pb > kv_after
-            must_grow = new is not None and pool.num_free - pool.num_reserved < new.min_pages
-            if not (must_shrink or must_grow):
-                return  # a grow (or a trim after unload) waits until the pool is idle
-            for s in pooled:
-                for seq in list(s.scheduler.running):
-                    s.scheduler.preempt(seq.req_id)
-            if any(pool.num_used(n) for n in pool.models()):
-                raise EngineError("KV pages are still held after preempting every running sequence")
-        self._resize_pool(target)
-
-    def _resize_pool(self, target: int) -> None:
-        """Re-create the (idle) pool with ``target`` pages; runners are rebuilt on the new memory.
-        Ledger order: a larger pool is booked before it is allocated, a smaller one after."""
-        pool = self.pool
-        old = pool.num_pages
-        pooled = [s for s in self._slots.values() if s.pages is not None]
-        for s in pooled:  # views (and captured graphs) of the old memory must go first
-            s.runner = s.kv = None
-        gc.collect()  # reference cycles would keep the old memory alive and the resize refused
-        try:
-            if target > old:
-                self.ledger.set_kv_pool(target * pool.page_bytes)
-            try:
-                pool.resize(target)
-            except Exception:
-                if target > old:
-                    self.ledger.set_kv_pool(old * pool.page_bytes)
-                raise
-            if target < old:
-                self.ledger.set_kv_pool(target * pool.page_bytes)
-        except (LedgerError, EngineError) as e:
-            raise EngineError(f"KV pool resize {old} -> {target} pages failed: {e}") from e
-        finally:
-            for s in pooled:
-                self._attach_runner(s)
-
-    def _attach_runner(self, slot: ModelSlot) -> None:
-        """KV views over the pool and a runner on them (on CUDA: its decode graphs captured)."""
-        lay = self.pool.layout(slot.name)
-        cfg = slot.config
-        spec = KVSpec(cfg.num_layers, lay.tokens_per_page, cfg.num_kv_heads, cfg.head_dim, getattr(torch, lay.dtype))
-        if lay.tokens_per_page * lay.bytes_per_token == self.pool.page_bytes:
-            slot.kv = KVCache.from_buffer(spec, self.pool.flat_buffer(slot.name))
-        else:  # padded pages: per-layer views whose page stride is the whole page
-            slot.kv = KVCache.from_views(spec, self.pool.kv_views(slot.name))
-        slot.runner = ModelRunner(slot.model, slot.kv, self.max_num_batched_tokens, slot.max_num_seqs,
-                                  slot.scheduler.config.max_model_len, decode_buckets=self.decode_buckets)
-
-    def _warm_up(self, slot: ModelSlot) -> None:
-        """One step at the largest batch (every row sampled) so its peak can be measured. The
-        sequences share one block table of the model's own guaranteed pages: their K/V writes
-        land only there, and the pages are freed after."""
-        cfg = slot.scheduler.config
-        per_seq = min(cfg.max_model_len - 1, self.max_num_batched_tokens)
-        table = [slot.pages.allocate() for _ in range(-(-per_seq // slot.pages.block_size))]
-        out = SchedulerOutput()
-        left = self.max_num_batched_tokens
-        params = SamplingParams(temperature=0)
-        while left > 0 and len(out.seqs) < slot.max_num_seqs:
-            n = min(per_seq, left)
-            i = len(out.seqs)
-            out.seqs.append(ScheduledSeq(-1 - i, f"warmup{i}", [0] * n, 0, table, True, 0, params))
-            out.num_batched_tokens += n
-            left -= n
-        try:
-            slot.runner.execute(out)
-        finally:
-            for page in table:
-                slot.pages.free(page)
-
-    def _device_allocated(self) -> int:
-        if self.device.type != "cuda":
-            return 0
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return torch.cuda.memory_allocated(self.device)
-
-    def _device_peak(self) -> int:
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device)
-
-    def _release_device_memory(self) -> None:
-        if self.device.type == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
 
     def unload_model(self, name: str) -> None:
         """Abort what is left of the model's requests (reported by the next step) and free it:
