@@ -77,8 +77,15 @@ def build_shard(group: TPGroup, spec: dict[str, Any], used_bytes: int) -> RankSh
             lc = plan.local
             workspace = spec["max_num_batched_tokens"] * (cfg.hidden_size * 8 + lc.intermediate_size * 4) * 4 \
                 + spec["max_num_seqs"] * cfg.vocab_size * 8
-            if spec["budget"] is not None:
-                avail = int(spec["budget"]) - used_bytes - weight_bytes - workspace
+            budget = spec["budget"]
+            if isinstance(budget, float) and 0 < budget <= 1:  # a fraction of the device (of the CPU default)
+                if group.device.type == "cuda":
+                    free, total = torch.cuda.mem_get_info(group.device)
+                    avail = int(budget * total) - (total - free) - workspace
+                else:
+                    avail = int(budget * DEFAULT_CPU_BUDGET) - used_bytes - weight_bytes - workspace
+            elif budget is not None:
+                avail = int(budget) - used_bytes - weight_bytes - workspace
             elif group.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(group.device)
                 avail = int(free * GPU_BUDGET_FRACTION) - workspace
@@ -130,7 +137,9 @@ class TPEngineCore(EngineCore):
     """Rank 0 of a TP group: an EngineCore whose models are sharded over the group.
 
     Same API as :class:`EngineCore`; ``device_bytes`` of a model is per GPU (this rank's shard
-    and KV pages; the others hold the same amount). Call :meth:`close` to release the followers.
+    and KV pages; the others hold the same amount). A TP slot owns its KV cache (sized at load,
+    the minimum over the ranks) and is not booked in the one-GPU ledger or PagePool, so a TP
+    worker holds TP slots only. Call :meth:`close` to release the followers.
     """
 
     def __init__(self, group: TPGroup, **options: Any) -> None:
@@ -186,7 +195,8 @@ class TPEngineCore(EngineCore):
                          shard.kv.num_pages, spec["block_size"])
         busy = [s.vtime for s in self._slots.values() if s.scheduler.has_unfinished()]
         self._slots[name] = ModelSlot(name, cfg, shard.model, shard.kv, runner, sched, float(weight),
-                                      shard.weight_bytes, info, vtime=min(busy) if busy else 0.0)
+                                      shard.weight_bytes, info, vtime=min(busy) if busy else 0.0,
+                                      max_num_seqs=max_num_seqs)
         return info
 
     def unload_model(self, name: str) -> None:
