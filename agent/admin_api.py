@@ -63,6 +63,8 @@ class AdminApi:
             web.post("/admin/v1/models/{name}/load", self.load),
             web.post("/admin/v1/models/{name}/unload", self.unload),
             web.post("/admin/v1/models/{name}/pull", self.pull),
+            web.post("/admin/v1/models/{name}/pin", self.pin),
+            web.post("/admin/v1/models/{name}/unpin", self.unpin),
         ]
 
     @web.middleware
@@ -96,6 +98,9 @@ class AdminApi:
             "cache": {"max_bytes": int(cache.get("max_bytes", ctx.settings.cache.max_bytes)),
                       "used_bytes": int(cache.get("used_bytes", 0)), "dir": str(ctx.settings.cache.dir)},
             "models": models,
+            # The worker's last EngineCore.stats(): what the engine itself holds, per model.
+            "engine": {"models": w.models, "kv_pages_used": sum(int(m.get("kv_pages_used", 0) or 0)
+                                                                for m in w.models.values())},
         }
 
     async def status(self, request: web.Request) -> web.Response:
@@ -135,6 +140,11 @@ class AdminApi:
                 pass
         e = mgr.get(name)
         body = {"model": mgr.describe(e)}
+        if e.state is State.FAILED and e.refusal and (wait or task is None):
+            # Refused for room: the client's budget problem, with the engine's numbers.
+            return web.json_response({**body, "error": {"message": e.reason, "type": "invalid_request_error",
+                                                        "param": None, "code": "no_room", "details": e.refusal}},
+                                     status=507)
         if e.state is State.FAILED and (wait or task is None):
             return web.json_response({**body, "error": {"message": e.reason, "type": "server_error",
                                                         "param": None, "code": f"{op}_failed"}}, status=500)
@@ -146,6 +156,20 @@ class AdminApi:
 
     async def unload(self, request: web.Request) -> web.Response:
         return await self._operate(request, "unload", {State.CACHED, State.ABSENT})
+
+    async def _pin(self, request: web.Request, pinned: bool) -> web.Response:
+        try:
+            e = self.ctx.manager.set_pin(request.match_info["name"], pinned)
+        except ManagerError as ex:
+            return _error(ex.status, str(ex), ex.code)
+        return web.json_response({"model": self.ctx.manager.describe(e)})
+
+    async def pin(self, request: web.Request) -> web.Response:
+        """Never evict this model for another's load, never unload it when idle."""
+        return await self._pin(request, True)
+
+    async def unpin(self, request: web.Request) -> web.Response:
+        return await self._pin(request, False)
 
     async def pull(self, request: web.Request) -> web.Response:
         return await self._operate(request, "pull", {State.CACHED, State.LOADING, State.READY, State.DRAINING,

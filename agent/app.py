@@ -29,6 +29,7 @@ from agent.log import get_logger
 from agent.manager import ModelManager
 from agent.metrics import CONTENT_TYPE, Metrics
 from agent.openai_api import OpenAIApi
+from agent.openapi import routes as openapi_routes
 from agent.systemd import Notifier
 from agent.worker_client import WorkerClient
 
@@ -108,6 +109,7 @@ async def _manager_ctx(app: web.Application) -> AsyncIterator[None]:
     ctx.worker.on_up = ctx.manager.on_worker_up
     ctx.worker.on_down = ctx.manager.on_worker_down
     ctx.tasks.append(asyncio.create_task(ctx.manager.preload(), name="preload"))
+    ctx.manager.start()  # keep_alive: idle models unload after their time
     yield
     await ctx.manager.close()
     if source is not None:
@@ -188,6 +190,7 @@ def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | 
     app.add_routes(OpenAIApi(ctx).routes())
     app.add_routes(admin.routes())
     app.add_routes(ctx.health.routes())
+    app.add_routes(openapi_routes())
 
     async def metrics_handler(request: web.Request) -> web.Response:
         metrics.worker_up.set(1 if ctx.worker.alive else 0)

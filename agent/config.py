@@ -73,6 +73,8 @@ class ServerSettings(_Section):
     max_headers: int = Field(100, ge=8, le=1000)
     keepalive_timeout: Seconds = 75.0
     drain_timeout: Seconds = 30.0
+    autoload: bool = False  # a request for a cached, unloaded model loads it (per model: models[].autoload)
+    autoload_timeout: Seconds = 60.0  # how long such a request waits for the load before a 503
     runtime_dir: Path = Field(default_factory=default_runtime_dir)
 
     def admin_socket_path(self) -> Path:
@@ -120,6 +122,8 @@ class ModelSettings(_Section):
     max_model_len: int = Field(4096, ge=16, le=1 << 20)
     max_num_seqs: int = Field(256, ge=1, le=4096)
     weight: float = Field(1.0, gt=0, le=1000)  # share of GPU time when models compete
+    autoload: bool | None = None  # None: server.autoload
+    max_queue: int | None = Field(None, ge=1, le=1 << 20)  # requests in flight; None: 2 × max_num_seqs
 
     @field_validator("name")
     @classmethod

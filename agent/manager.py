@@ -6,14 +6,15 @@ Each model has one state::
                   ↘         ↘          ↘                         ↘
                    failed (with a reason; a later pull or load starts over)
 
-Pulls go through the disk cache (:class:`ModelSource`), loads and unloads through the engine
-worker. Long operations run as background tasks owned by the manager, one per model at a time,
-so a slow load never blocks another model's traffic; callers either poll the state or await the
-task. When the worker dies, models that were ready go back to loading and are loaded again once
-a new worker says hello.
+Every transition is logged (``model_state``) and mirrored in ``infire_model_state``. Pulls go
+through the disk cache (:class:`ModelSource`), loads and unloads through the engine worker.
+Long operations run as background tasks owned by the manager, one per model at a time (and
+under the model's lock), so a slow load never blocks another model's traffic; callers either
+poll the state or await the task. When the worker dies, models that were ready go back to
+loading and are loaded again once a new worker says hello.
 
-Budget, eviction and keep-alive are deliberately not here yet: they plug in before ``_load``
-asks the worker (make room) and beside ``admit`` (last use), without changing the states.
+The memory budget, LRU eviction, keep-alive and autoload live in ``agent.manager_room``; the
+states, errors and the per-model entry in ``agent.manager_types`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -21,105 +22,38 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from agent.config import MODEL_NAME_RE, ModelSettings, Settings
 from agent.log import get_logger
+from agent.manager_room import RoomMixin
+from agent.manager_types import (
+    NEXT_STATES,
+    Admission,
+    ManagerError,
+    ModelEntry,
+    ModelNotReady,
+    ModelSource,
+    NoRoom,
+    QueueFull,
+    State,
+    UnknownModel,
+)
 from agent.metrics import Metrics
 from agent.worker_client import WorkerClient, WorkerError
 
+__all__ = ["Admission", "ManagerError", "ModelEntry", "ModelManager", "ModelNotReady", "ModelSource", "NoRoom",
+           "QueueFull", "State", "UnknownModel"]
+
 WORKER_WAIT_S = 180.0
-
-
-class State(str, Enum):
-    ABSENT = "absent"
-    PULLING = "pulling"
-    CACHED = "cached"
-    LOADING = "loading"
-    READY = "ready"
-    DRAINING = "draining"
-    UNLOADING = "unloading"
-    FAILED = "failed"
-
-
-_NEXT: dict[State, set[State]] = {
-    State.ABSENT: {State.PULLING, State.CACHED, State.FAILED},
-    State.PULLING: {State.CACHED, State.FAILED},
-    State.CACHED: {State.PULLING, State.LOADING, State.ABSENT},
-    State.LOADING: {State.READY, State.FAILED, State.CACHED},
-    State.READY: {State.DRAINING, State.LOADING, State.FAILED},
-    State.DRAINING: {State.UNLOADING, State.LOADING, State.FAILED},
-    State.UNLOADING: {State.CACHED, State.LOADING, State.FAILED},
-    State.FAILED: {State.PULLING, State.LOADING, State.CACHED, State.ABSENT},
-}
-
-
-class ManagerError(Exception):
-    """A model operation was refused. ``status`` is the HTTP status the APIs answer with."""
-
-    status = 409
-    code = "conflict"
-
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class UnknownModel(ManagerError):
-    status, code = 404, "model_not_found"
-
-
-class ModelNotReady(ManagerError):
-    status, code = 503, "model_not_ready"
-
-
-class QueueFull(ManagerError):
-    status, code = 503, "queue_full"
-
-
-class ModelSource(Protocol):
-    """What the manager needs of the disk cache (``agent.model_source`` adapts DiskCache)."""
-
-    def snapshot(self, name: str) -> Path | None: ...
-    def cached_names(self) -> list[str]: ...
-    async def pull(self, name: str) -> Path: ...
-    def pull_progress(self, name: str) -> dict[str, Any] | None: ...
-    def pin(self, name: str) -> None: ...
-    def unpin(self, name: str) -> None: ...
-    def stats(self) -> dict[str, int]: ...
-
-
-@dataclass
-class ModelEntry:
-    name: str
-    settings: ModelSettings
-    state: State = State.ABSENT
-    reason: str = ""
-    snapshot: Path | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    tokenizer: Any = None
-    in_flight: int = 0
-    last_used: float | None = None  # wall clock, for humans
-    load_seconds: float | None = None
-    task: asyncio.Task[None] | None = None
-    want_loaded: bool = False  # reload after a worker restart
-    pinned: bool = False
-
-    @property
-    def queue_limit(self) -> int:
-        # Running plus as many waiting: past that, a client is better served by a 503 and a
-        # retry elsewhere than by a queue it cannot see the end of.
-        return 2 * self.settings.max_num_seqs
 
 
 TokenizerLoader = Callable[[Path], Any]
 Verifier = Callable[[ModelEntry], Awaitable[bool]]
 
 
-class ModelManager:
+class ModelManager(RoomMixin):
     def __init__(self, settings: Settings, worker: WorkerClient, source: ModelSource | None,
                  metrics: Metrics, load_tokenizer: TokenizerLoader, verify: Verifier | None = None) -> None:
         self.settings = settings
@@ -130,6 +64,8 @@ class ModelManager:
         self.verify = verify  # a one-token decode after a load: "ready" means it can generate
         self.models: dict[str, ModelEntry] = {}
         self._log = get_logger("manager")
+        self._room = asyncio.Lock()  # plan → evict → load, one load at a time (manager_room)
+        self._keep_alive: asyncio.Task[None] | None = None
         for m in settings.models:
             self._entry(m.name)
         if source is not None:
@@ -160,7 +96,7 @@ class ModelManager:
         return e
 
     def _set(self, e: ModelEntry, state: State, reason: str = "") -> None:
-        if state != e.state and state not in _NEXT[e.state]:
+        if state != e.state and state not in NEXT_STATES[e.state]:
             raise ManagerError(f"{e.name}: cannot go from {e.state.value} to {state.value}")
         if state != e.state:
             self._log.info("model_state", model=e.name, state=state.value, previous=e.state.value, reason=reason or None)
@@ -223,12 +159,16 @@ class ModelManager:
         return task
 
     async def _load(self, e: ModelEntry) -> None:
+        async with e.lock:
+            await self._load_locked(e)
+
+    async def _load_locked(self, e: ModelEntry) -> None:
         if e.snapshot is None or not e.snapshot.exists():
             await self._pull(e)
             if e.state is not State.CACHED:
                 return
         self._set(e, State.LOADING)
-        e.want_loaded = True
+        e.want_loaded, e.refusal = True, {}
         self._pin(e, True)
         in_engine = False
         try:
@@ -236,9 +176,11 @@ class ModelManager:
             t0 = time.monotonic()
             # The tokenizer loads in a thread while the worker loads weights.
             tok_task = asyncio.ensure_future(asyncio.to_thread(self.load_tokenizer, e.snapshot))
-            s = e.settings
-            loaded = await self.worker.load(e.name, str(e.snapshot), max_model_len=s.max_model_len,
-                                            max_num_seqs=s.max_num_seqs, weight=s.weight)
+            try:
+                loaded = await self._engine_load(e)
+            except BaseException:
+                tok_task.cancel()
+                raise
             in_engine = True
             e.tokenizer = await tok_task
             e.info, e.load_seconds = dict(loaded.info), time.monotonic() - t0
@@ -248,6 +190,8 @@ class ModelManager:
             raise
         except Exception as ex:
             e.want_loaded = False
+            if isinstance(ex, NoRoom):
+                e.refusal = dict(ex.details)
             if in_engine and self.worker.alive:
                 try:
                     await self.worker.unload(e.name)  # do not leave a half-good model holding memory
@@ -255,9 +199,10 @@ class ModelManager:
                     pass
             e.tokenizer = None
             self._pin(e, False)
-            self._set(e, State.FAILED, f"load failed: {ex}")
+            self._set(e, State.FAILED, str(ex) if isinstance(ex, NoRoom) else f"load failed: {ex}")
             return
         self.metrics.load_seconds.labels(model=e.name).observe(e.load_seconds)
+        e.touch()  # keep_alive and LRU count from the load, not from an older use
         self._set(e, State.READY)
 
     def _pin(self, e: ModelEntry, pinned: bool) -> None:
@@ -287,13 +232,19 @@ class ModelManager:
         self._set(e, State.DRAINING)
         return task
 
-    async def _unload(self, e: ModelEntry, drain_s: float | None = None) -> None:
-        self._set(e, State.DRAINING)
+    async def _unload(self, e: ModelEntry, drain_s: float | None = None, reason: str = "") -> None:
+        async with e.lock:
+            await self._unload_locked(e, drain_s, reason)
+
+    async def _unload_locked(self, e: ModelEntry, drain_s: float | None, reason: str) -> None:
+        self._set(e, State.DRAINING, reason)
         e.want_loaded = False
         deadline = time.monotonic() + (self.settings.server.drain_timeout if drain_s is None else drain_s)
         while e.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self._set(e, State.UNLOADING)
+        if e.in_flight:
+            self._log.warning("drain_timeout", model=e.name, in_flight=e.in_flight)
+        self._set(e, State.UNLOADING, reason)
         try:
             if self.worker.alive:
                 await self.worker.unload(e.name)  # aborts whatever did not drain in time
@@ -302,7 +253,19 @@ class ModelManager:
         e.tokenizer, e.info = None, {}
         self._pin(e, False)
         self.metrics.forget_model(e.name)
-        self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT)
+        self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT, reason)
+
+    def set_pin(self, name: str, pinned: bool | None) -> ModelEntry:
+        """Pin (never evicted, never unloaded when idle) or unpin; None goes back to the config."""
+        e = self.get(name)
+        e.pin_override = pinned
+        self._log.info("model_pin", model=name, pinned=e.pin)
+        return e
+
+    def start(self) -> None:
+        """Start the keep-alive task (needs a running loop); ``close`` stops it."""
+        if self._keep_alive is None:
+            self._keep_alive = asyncio.create_task(self.run_keep_alive(), name="keep-alive")
 
     async def preload(self) -> None:
         """Load every ``preload`` model; returns when each is ready or failed."""
@@ -351,7 +314,8 @@ class ModelManager:
         if e is None:
             raise UnknownModel(f"the model {name!r} does not exist")
         if e.state is not State.READY:
-            retry = 2.0 if e.state in (State.LOADING, State.PULLING) else None
+            retry = 2.0 if e.state in (State.LOADING, State.PULLING) else 1.0 if e.state in (
+                State.DRAINING, State.UNLOADING) else None
             why = f" ({e.reason})" if e.reason else ""
             raise ModelNotReady(f"the model {name!r} is {e.state.value}{why}", retry_after=retry)
         if e.in_flight >= e.queue_limit:
@@ -360,6 +324,9 @@ class ModelManager:
         return Admission(e)
 
     async def close(self) -> None:
+        if self._keep_alive is not None:
+            self._keep_alive.cancel()
+            await asyncio.gather(self._keep_alive, return_exceptions=True)
         for e in self.models.values():
             if e.task is not None and not e.task.done():
                 e.task.cancel()
@@ -377,23 +344,10 @@ class ModelManager:
             "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
             "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len)),
             "vocab_size": int(e.info["vocab_size"]) if "vocab_size" in e.info else None,
-            "preload": e.settings.preload, "queue_limit": e.queue_limit,
+            "preload": e.settings.preload, "queue_limit": e.queue_limit, "pinned": e.pin,
+            "autoload": self.autoload_enabled(e), "keep_alive_s": e.settings.keep_alive,
+            "idle_s": round(e.idle_for(time.monotonic()), 3) if e.state is State.READY else None,
+            "refusal": e.refusal or None,
             "snapshot": str(e.snapshot) if e.snapshot is not None else None,
             "pull": self.source.pull_progress(e.name) if e.state is State.PULLING and self.source else None,
         }
-
-
-class Admission:
-    """One admitted request's slot; use as a context manager so the slot is always returned."""
-
-    def __init__(self, entry: ModelEntry) -> None:
-        self.entry = entry
-
-    def __enter__(self) -> ModelEntry:
-        self.entry.in_flight += 1
-        self.entry.last_used = time.time()
-        return self.entry
-
-    def __exit__(self, *exc: Any) -> None:
-        self.entry.in_flight -= 1
-        self.entry.last_used = time.time()

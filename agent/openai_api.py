@@ -157,7 +157,7 @@ class OpenAIApi:
             if req.model in self.ctx.manager.models:
                 model_label = req.model
             try:
-                admission = self.ctx.manager.admit(req.model)
+                admission = await self.ctx.manager.admit_wait(req.model)  # autoload waits, bounded
             except ManagerError as e:
                 raise _from_manager(e) from None
             with admission as entry:

@@ -29,11 +29,13 @@ BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
 
 
 class WorkerError(Exception):
-    """The worker refused a command (bad request, load failure); ``code`` is its error type."""
+    """The worker refused a command (bad request, load failure); ``code`` is its error type and
+    ``details`` its structured figures (a load refused for room: ``code == "no_room"``)."""
 
-    def __init__(self, message: str, code: str = "internal") -> None:
+    def __init__(self, message: str, code: str = "internal", details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.details = dict(details or {})
 
 
 class WorkerDied(WorkerError):
@@ -277,7 +279,7 @@ class WorkerClient:
             fut.set_result(value)
 
     def _on_error(self, msg: P.Error) -> None:
-        err = WorkerError(msg.message, msg.code)
+        err = WorkerError(msg.message, msg.code, msg.details)
         if msg.req_id:
             req = self._streams.pop(msg.req_id, None)
             if req is not None:
@@ -353,10 +355,13 @@ class WorkerClient:
                 del self._pending[key]
 
     async def load(self, model: str, model_dir: str, *, max_model_len: int, max_num_seqs: int,
-                   weight: float = 1.0, timeout: float | None = None) -> P.Loaded:
+                   weight: float = 1.0, evictable: list[str] | None = None,
+                   timeout: float | None = None) -> P.Loaded:
+        """``evictable``: models the caller would unload to make room, least recently used first."""
         return await self._command(
             ("load", model),
-            P.Load(model=model, model_dir=model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs, weight=weight),
+            P.Load(model=model, model_dir=model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                   weight=weight, evictable=list(evictable or [])),
             timeout,
         )
 

@@ -78,6 +78,9 @@ class Load(Message):
     max_model_len: int = 4096
     max_num_seqs: int = 256
     weight: float = 1.0
+    # Loaded models the agent would evict for this load, least recently used first (idle,
+    # unpinned). A refusal names the shortest prefix that makes room in Error.details["evict"].
+    evictable: list[str] = field(default_factory=list)
 
 
 @_register
@@ -225,6 +228,9 @@ class Error(Message):
     code: str = "internal"
     req_id: str = ""
     model: str = ""
+    # Structured figures of a refusal. A load that does not fit (code "no_room") carries
+    # needed, free, evictable, budget, short (bytes) and evict (model names to unload first).
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 # --- encoding ---------------------------------------------------------------------------------

@@ -149,7 +149,13 @@ class Worker:
                 max_num_seqs=msg.max_num_seqs, weight=msg.weight,
             )
         except Exception as e:
-            self.conn.send(P.Error(op="load", message=f"{type(e).__name__}: {e}", code=type(e).__name__, model=msg.model))
+            from engine.load_refusal import refusal_details
+
+            details = refusal_details(self.core, e, model_dir=msg.model_dir, max_model_len=msg.max_model_len,
+                                      max_num_seqs=msg.max_num_seqs, offered=list(msg.evictable))
+            code = "no_room" if details is not None else type(e).__name__
+            self.conn.send(P.Error(op="load", message=f"{type(e).__name__}: {e}", code=code, model=msg.model,
+                                   details=_plain(details or {})))
         else:
             self.conn.send(P.Loaded(model=msg.model, info=_info_dict(info), seconds=time.monotonic() - t0))
         finally:

@@ -1,0 +1,154 @@
+"""ModelManager against a real daemon (CPU, tiny models) under a memory budget that holds two:
+LRU eviction that spares pinned and busy models, refusals with the numbers, drain before
+unload, keep_alive and autoload."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.integration.agent_harness import Daemon
+from tests.integration.manager_helpers import (
+    CTX, SEQS, TOKEN, admin, budget_for_two, complete, model, open_stream, read_stream, wait_engine_empty,
+    wait_state,
+)
+
+NAMES = ("m-a", "m-b", "m-c", "m-k", "m-auto")
+
+
+@pytest.fixture(scope="module")
+def daemon(make_tiny_model, tmp_path_factory):
+    from cache.publish import publish_model
+    from cache.store import open_store
+
+    tmp = tmp_path_factory.mktemp("manager-room")
+    src = make_tiny_model("llama")
+    store = open_store((tmp / "store").as_uri())
+    try:
+        for n in NAMES:
+            publish_model(store, src, n)
+    finally:
+        store.close()
+    base = {"max_model_len": CTX, "max_num_seqs": SEQS, "keep_alive": -1}
+    models = [{**base, "name": "m-a", "pin": True}, {**base, "name": "m-b"}, {**base, "name": "m-c"},
+              {**base, "name": "m-k", "keep_alive": "1s"}, {**base, "name": "m-auto", "autoload": True}]
+    d = Daemon(tmp, models=models, env={"INFIRE_GPU__CPU_MEMORY_BUDGET": str(budget_for_two(src)),
+                                        "INFIRE_SERVER__AUTOLOAD_TIMEOUT": "20s"})
+    d.start(timeout=120)
+    for n in NAMES:
+        assert admin(d, n, "pull")[0] == 200
+    yield d
+    d.stop()
+
+
+def _reset(d: Daemon) -> None:
+    """Every model cached and nothing held in the engine."""
+    for n in NAMES:
+        if model(d, n)["state"] in ("ready", "failed"):
+            code, body = admin(d, n, "unload")
+            assert code == 200, body
+    for n in NAMES:
+        wait_state(d, n, {"cached", "failed"})
+    assert wait_engine_empty(d, gone=NAMES)["models"] == {}
+
+
+def _load(d: Daemon, name: str) -> dict:
+    code, body = admin(d, name, "load")
+    assert code == 200 and body["model"]["state"] == "ready", body
+    return body["model"]
+
+
+def test_lru_eviction_spares_pinned_and_busy_models(daemon) -> None:
+    _reset(daemon)
+    _load(daemon, "m-a")  # pinned in the config, and the least recently used of all
+    _load(daemon, "m-b")
+    assert complete(daemon, "m-b")[0] == 200
+    _load(daemon, "m-c")  # no room for three: the LRU idle unpinned model goes, not the pinned one
+    b = model(daemon, "m-b")
+    assert b["state"] == "cached" and "evicted to make room for m-c" in b["reason"], b
+    assert model(daemon, "m-a")["state"] == "ready" and model(daemon, "m-a")["pinned"] is True
+    wait_engine_empty(daemon, gone=("m-b",))
+
+    # m-c busy, m-a pinned: nothing may go, so loading m-b is refused with the numbers.
+    conn, resp = open_stream(daemon, "m-c")
+    assert model(daemon, "m-c")["in_flight"] == 1
+    code, body = admin(daemon, "m-b", "load")
+    assert code == 507 and body["error"]["code"] == "no_room", body
+    d = body["error"]["details"]
+    assert d["needed"] > d["free"] > 0 and d["short"] > 0 and d["evictable"] == 0 and d["budget"] > 0, d
+    assert f"({d['needed']} B)" in body["error"]["message"] and "short by" in body["error"]["message"]
+    assert body["model"]["state"] == "failed" and body["model"]["refusal"]["needed"] == d["needed"]
+    chunks, done = read_stream(resp)
+    conn.close()
+    assert done and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert {model(daemon, n)["state"] for n in ("m-a", "m-c")} == {"ready"}
+
+    # Unpinned through the admin API, used after m-c: now m-c is the one to go.
+    code, body = daemon.post("/admin/v1/models/m-a/unpin", headers=TOKEN)
+    assert code == 200 and body["model"]["pinned"] is False
+    time.sleep(0.01)
+    assert complete(daemon, "m-a")[0] == 200
+    _load(daemon, "m-b")
+    assert model(daemon, "m-c")["state"] == "cached" and model(daemon, "m-a")["state"] == "ready"
+    _, metrics = daemon.get("/metrics")
+    assert 'infire_model_state{model="m-c",state="cached"} 1.0' in metrics
+    assert 'infire_model_state{model="m-b",state="ready"} 1.0' in metrics
+    assert daemon.post("/admin/v1/models/m-a/pin", headers=TOKEN)[0] == 200
+    logs = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
+    evictions = [r["model"] for r in logs if r.get("event") == "evict"]
+    assert evictions == ["m-b", "m-c"], evictions
+
+
+def test_unload_during_streaming_drains_then_frees(daemon) -> None:
+    _reset(daemon)
+    _load(daemon, "m-b")
+    conn, resp = open_stream(daemon, "m-b")
+    code, body = admin(daemon, "m-b", "unload", wait=False)
+    assert code == 202 and body["model"]["state"] == "draining", body
+    code, body = complete(daemon, "m-b")
+    assert code == 503 and body["error"]["code"] == "model_not_ready", body
+    chunks, done = read_stream(resp)  # drained: the stream ran to its end
+    conn.close()
+    assert done and sum(len(c["choices"][0]["text"]) >= 0 for c in chunks) >= CTX // 2
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    wait_state(daemon, "m-b", {"cached"})
+    wait_engine_empty(daemon, gone=("m-b",))
+
+
+def test_keep_alive_unloads_an_idle_model(daemon) -> None:
+    _reset(daemon)
+    _load(daemon, "m-a")  # pinned, keep_alive -1: stays
+    _load(daemon, "m-k")
+    assert complete(daemon, "m-k")[0] == 200
+    t0 = time.monotonic()
+    assert model(daemon, "m-k")["state"] == "ready"
+    m = wait_state(daemon, "m-k", {"cached"}, timeout=10)
+    assert time.monotonic() - t0 >= 0.5 and m["reason"] == "idle past keep_alive", m
+    assert model(daemon, "m-a")["state"] == "ready"
+    wait_engine_empty(daemon, gone=("m-k",))
+
+
+def test_autoload_waits_then_serves_and_503_when_it_cannot(daemon) -> None:
+    _reset(daemon)
+    code, body = complete(daemon, "m-c")  # autoload is off for m-c
+    assert code == 503 and body["error"]["code"] == "model_not_ready"
+    code, body = complete(daemon, "m-auto")  # cached, not loaded: the request loads it and waits
+    assert code == 200 and body["usage"]["completion_tokens"] == 4, body
+    assert model(daemon, "m-auto")["state"] == "ready"
+    assert admin(daemon, "m-auto", "unload")[0] == 200
+    # No room it may take: m-a pinned by config, m-b pinned through the API.
+    _load(daemon, "m-a")
+    _load(daemon, "m-b")
+    assert daemon.post("/admin/v1/models/m-b/pin", headers=TOKEN)[0] == 200
+    try:
+        t0 = time.monotonic()
+        code, body = complete(daemon, "m-auto")
+        assert code == 503 and body["error"]["code"] == "model_not_ready", body
+        assert "no room" in body["error"]["message"] and time.monotonic() - t0 < 20
+        code, _ = daemon.get("/v1/models")
+        assert model(daemon, "m-auto")["state"] == "failed"
+    finally:
+        daemon.post("/admin/v1/models/m-b/unpin", headers=TOKEN)
+    assert model(daemon, "m-b")["state"] == "ready" and model(daemon, "m-a")["state"] == "ready"
