@@ -225,3 +225,30 @@ def test_trickle_ttft_next_to_a_flood_stays_near_its_solo_ttft(dirs):
     bound = 2 * statistics.median(solo_s) + max(flood_steps)
     assert statistics.median(got_s) <= bound, (got_s, solo_s, max(flood_steps))
     assert core.picker.gpu_seconds("flood") > core.picker.gpu_seconds("quiet")
+
+
+def test_load_next_to_a_busy_model_shrinks_the_pool_by_preempting_it(dirs, needs, solo):
+    # A budget that holds a and b exactly: a's pool first takes everything beside a's weights,
+    # so b's load must shrink it while a's sequences hold pages.
+    need_a = core_for(1 << 30).check_load("a", dirs["a"], MAX_LEN, 64).needed
+    budget = need_a + needs["b"]
+    core = core_for(budget)
+    core.load_model("a", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=64)
+    before = core.memory()
+    assert before["free"] < before["page_bytes"]  # a's pool took the rest of the budget
+    for i, p in enumerate(PROMPTS):
+        core.add_request(f"a{i}", "a", p, GREEDY)
+    toks: dict[str, list[int]] = {}
+    for _ in range(4):
+        for o in core.step():
+            toks.setdefault(o.req_id, []).extend(o.new_token_ids)
+    assert core.stats()["a"]["kv_pages_used"] > 0
+    generation = core.pool.generation
+    load(core, "b", dirs["b"])
+    assert core.pool.generation == generation + 1 and core.memory()["kv"] < before["kv"]
+    assert core.memory()["used"] <= budget
+    for i, p in enumerate(PROMPTS):
+        core.add_request(f"b{i}", "b", p, GREEDY)
+    drain(core, toks)
+    assert toks == {k: v for k, v in solo.items() if k[0] in "ab"}  # the preempted ones recomputed
+    core.pool.audit()
