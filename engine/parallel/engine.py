@@ -5,8 +5,8 @@ the one-GPU :class:`~engine.core.EngineCore` (it *is* one, with sharded model sl
 its :class:`TPRunner` broadcasts the step's SchedulerOutput diff (:mod:`engine.parallel.wire`)
 and then runs its own shard; every other rank (:class:`Follower`) receives it and runs the same
 :class:`~engine.model_runner.ModelRunner` step on its shard, so the collectives inside the
-forward pair up. All ranks end a step with the same all-gathered logits; rank 0's sampled ids
-are the ones that count (the others' are identical and dropped).
+forward pair up. All ranks end a step with the same all-gathered logits; rank 0 samples (the
+followers' steps carry greedy parameters: their argmax ids are dropped).
 
 Loads and unloads are control messages too: a load is a collective (every rank builds its shard,
 then the ranks agree, over the CPU group, that all succeeded and on the number of KV pages — the

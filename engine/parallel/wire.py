@@ -4,8 +4,10 @@ A message is a msgpack map (plain types only: no pickle, extension types refused
 over the group's gloo CPU group as two tensors: its length (int64) and its bytes (uint8).
 
 A step travels as a *diff* (:class:`StepEncoder` / :class:`StepDecoder`): for every scheduled
-sequence its new token ids, start position, the sampling fields the runner reads, and only the
-pages its block table gained since the previous step. Block tables only grow while a sequence
+sequence its new token ids, start position, whether it samples, and only the pages its block
+table gained since the previous step. No sampling parameters travel: rank 0 samples; the other
+ranks run the same forward (same shapes, same collectives: the runner's route depends on shapes
+and sample flags only) with greedy parameters, so their ids cost an argmax and are dropped. Block tables only grow while a sequence
 runs; a sequence that was not in the previous step, or whose table no longer extends what was
 sent (preempted and readmitted), is sent whole. Both sides keep the tables of the previous
 step's sequences only, so nothing accumulates.
@@ -24,8 +26,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 
 MAX_MESSAGE_BYTES = 64 << 20
-# The SamplingParams fields the model runner reads (the rest stays with rank 0's scheduler).
-RUNNER_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
+ITEMS_PER_SEQ = 7
 
 
 class WireError(TPError):
@@ -79,10 +80,6 @@ class ControlChannel:
         return msg
 
 
-def _sampling_fields(p: SamplingParams) -> list[Any]:
-    return [getattr(p, f) for f in RUNNER_SAMPLING_FIELDS]
-
-
 class StepEncoder:
     """Rank 0 side: SchedulerOutput → plain dict, block tables as diffs against the last step."""
 
@@ -101,7 +98,7 @@ class StepEncoder:
                 base = -1  # sent whole: the receiver replaces its copy
             tables[s.seq_id] = table
             seqs.append([s.seq_id, list(s.token_ids), s.start_pos, base, table[max(base, 0):], bool(s.sample),
-                         s.output_step, _sampling_fields(s.params)])
+                         s.output_step])
         self._tables = tables
         return {"seqs": seqs, "nd": out.num_decodes, "nt": out.num_batched_tokens}
 
@@ -117,6 +114,7 @@ class StepDecoder:
 
     def __init__(self) -> None:
         self._tables: dict[int, list[int]] = {}
+        self._greedy = SamplingParams(temperature=0.0)  # read-only here; shared by every entry
 
     def decode(self, d: Any) -> SchedulerOutput:
         if not isinstance(d, dict) or not isinstance(d.get("seqs"), list):
@@ -124,12 +122,11 @@ class StepDecoder:
         seqs: list[ScheduledSeq] = []
         tables: dict[int, list[int]] = {}
         for item in d["seqs"]:
-            if not isinstance(item, list) or len(item) != 8:
-                raise WireError("step message: each sequence is an 8-item list")
-            seq_id, token_ids, start_pos, base, tail, sample, output_step, sp = item
+            if not isinstance(item, list) or len(item) != ITEMS_PER_SEQ:
+                raise WireError(f"step message: each sequence is a {ITEMS_PER_SEQ}-item list")
+            seq_id, token_ids, start_pos, base, tail, sample, output_step = item
             seq_id, start_pos, base = _int(seq_id, "seq_id"), _int(start_pos, "start_pos"), _int(base, "base")
-            if not isinstance(token_ids, list) or not isinstance(tail, list) or not isinstance(sp, list) \
-                    or len(sp) != len(RUNNER_SAMPLING_FIELDS) or not isinstance(sample, bool):
+            if not isinstance(token_ids, list) or not isinstance(tail, list) or not isinstance(sample, bool):
                 raise WireError("step message: malformed sequence entry")
             if base < 0:
                 table = list(tail)
@@ -140,9 +137,8 @@ class StepDecoder:
                                     "follow the previous step")
                 table = prev + tail
             tables[seq_id] = table
-            params = SamplingParams(**dict(zip(RUNNER_SAMPLING_FIELDS, sp)))
             seqs.append(ScheduledSeq(seq_id, "", token_ids, start_pos, table, sample,
-                                     _int(output_step, "output_step"), params))
+                                     _int(output_step, "output_step"), self._greedy))
         self._tables = tables
         return SchedulerOutput(seqs=seqs, num_decodes=_int(d.get("nd"), "nd"),
                                num_batched_tokens=_int(d.get("nt"), "nt"))
