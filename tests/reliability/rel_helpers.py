@@ -100,3 +100,14 @@ def sse_events(resp: http.client.HTTPResponse) -> list[str]:
     except (http.client.IncompleteRead, ConnectionError, socket.timeout):
         pass
     return out
+
+
+def ensure_loaded(d: Daemon, name: str = MODEL, timeout: float = 90.0) -> None:
+    """Load ``name`` and wait until it is ready (retrying while another operation finishes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code, body = d.post(f"/admin/v1/models/{name}/load?wait=true&timeout=30", headers=ADMIN, timeout=60)
+        if code == 200 and body["model"]["state"] == "ready":
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{name} did not become ready: {code} {body}")
