@@ -224,7 +224,12 @@ class ModelManager(RoomMixin):
     def unload(self, name: str) -> asyncio.Task[None] | None:
         """Start draining then unloading; None when it is not loaded."""
         e = self.get(name)
-        if e.state in (State.CACHED, State.ABSENT) or (e.state is State.FAILED and not e.want_loaded):
+        if e.state is State.FAILED and not e.want_loaded and (e.task is None or e.task.done()):
+            # Nothing of it is in the engine: unloading clears the failure.
+            e.refusal = {}
+            self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT, "unloaded after a failure")
+            return None
+        if e.state in (State.CACHED, State.ABSENT):
             return None
         if e.state is not State.READY:
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)

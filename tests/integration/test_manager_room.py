@@ -152,3 +152,5 @@ def test_autoload_waits_then_serves_and_503_when_it_cannot(daemon) -> None:
     finally:
         daemon.post("/admin/v1/models/m-b/unpin", headers=TOKEN)
     assert model(daemon, "m-b")["state"] == "ready" and model(daemon, "m-a")["state"] == "ready"
+    code, body = admin(daemon, "m-auto", "unload")  # nothing in the engine: clears the failure
+    assert code == 200 and body["model"]["state"] == "cached" and body["model"]["refusal"] is None, body
