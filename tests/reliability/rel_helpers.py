@@ -66,12 +66,13 @@ def healthy(d: Daemon, timeout: float = 2.0) -> float:
 
 
 def idle(d: Daemon, timeout: float = 10.0) -> dict[str, Any]:
-    """Wait until the model has nothing in flight, running or waiting; its admin view."""
+    """Wait until the model has nothing in flight, running, waiting or in KV pages; its admin view."""
     deadline = time.monotonic() + timeout
     m: dict[str, Any] = {}
     while time.monotonic() < deadline:
         m = d.engine_stats(MODEL)
-        if m["in_flight"] == 0 and m.get("running", 0) == 0 and m.get("waiting", 0) == 0:
+        # The worker's stats come with its heartbeats: wait until they show nothing held.
+        if m["in_flight"] == 0 and m["running"] == 0 and m["waiting"] == 0 and m["kv_pages"]["used"] == 0:
             return m
         time.sleep(0.05)
     raise AssertionError(f"the model did not go idle: {m}")
