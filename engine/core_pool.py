@@ -20,7 +20,7 @@ from engine.errors import EngineError
 from engine.kv_cache import KVCache, KVSpec
 from engine.memory import LedgerError
 from engine.model_runner import ModelRunner
-from engine.page_pool import PagePool
+from engine.page_pool import PagePool, PoolBusyError
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -83,12 +83,15 @@ class PoolKeeper:
         pooled = [s for s in self._slots.values() if s.pages is not None]
         for s in pooled:  # views (and captured graphs) of the old memory must go first
             s.runner = s.kv = None
-        gc.collect()  # reference cycles would keep the old memory alive and the resize refused
         try:
             if target > old:
                 self.ledger.set_kv_pool(target * pool.page_bytes)
             try:
-                pool.resize(target)
+                try:
+                    pool.resize(target)
+                except PoolBusyError:
+                    gc.collect()  # a reference cycle may still hold the old views; then retry once
+                    pool.resize(target)
             except Exception:
                 if target > old:
                     self.ledger.set_kv_pool(old * pool.page_bytes)
