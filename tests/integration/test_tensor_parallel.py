@@ -1,8 +1,8 @@
 """Tensor parallelism on CPU: 2 gloo ranks against the unsharded engine on the same weights.
 
 Two spawned processes (rank 0: TPEngineCore, rank 1: Follower) load tiny llama, qwen2 (qkv
-bias) and qwen3 (q/k norms, head_dim ≠ hidden/heads, tied embeddings) split over 2 ranks (each
-rank one of the 2 KV heads). Checked against ``engine.LLM`` / ``LlamaModel`` in this process:
+bias), qwen3 (q/k norms, head_dim ≠ hidden/heads, tied embeddings) and a llama cut to a
+509-token vocabulary (rank 1's block padded) split over 2 ranks (each rank one of the 2 KV heads). Checked against ``engine.LLM`` / ``LlamaModel`` in this process:
 logits at every prefill position (max abs diff ≤ 1e-5), greedy tokens identical with chunked
 prefill and preemption-free batching, logprobs of every step within 1e-5, and seeded sampling
 identical. Loader slices, the step diff codec and refusals run without processes.
@@ -24,7 +24,7 @@ from engine.models.llama import AttentionMetadata
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "llama-v509")  # the last: a vocabulary that does not split evenly
 OPTS = {"max_num_batched_tokens": 32, "block_size": 4, "seed": 0}
 LOAD = {"max_model_len": 96, "max_num_seqs": 8, "num_kv_pages": 96}
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 8, 250, 11, 3, 60, 501, 33, 2, 14, 90, 400, 7, 21, 6, 99, 310, 45,
@@ -100,10 +100,28 @@ def _rank_main(rank: int, init_method: str, dirs: dict[str, str], out_path: str)
         destroy_tp_group()
 
 
+def _odd_vocab_copy(src: Path, dst: Path, vocab: int) -> Path:
+    """The tiny llama cut to ``vocab`` rows (embedding and head): the last rank's block gets a padding row."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(vocab_size=vocab, eos_token_id=[vocab - 2], bos_token_id=vocab - 3)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(src / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:vocab].contiguous()
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def tp_results(make_tiny_model, tmp_path_factory) -> dict:
-    dirs = {arch: str(make_tiny_model(arch)) for arch in ARCHS}
     tmp = tmp_path_factory.mktemp("tp")
+    dirs = {arch: str(make_tiny_model(arch)) for arch in ARCHS[:3]}
+    dirs["llama-v509"] = str(_odd_vocab_copy(make_tiny_model("llama"), tmp / "llama-v509", 509))
     out = tmp / "rank0.pt"
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, f"file://{tmp}/rendezvous", dirs, str(out))) for r in range(2)]
