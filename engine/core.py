@@ -225,8 +225,12 @@ class EngineCore(PoolKeeper):
         except LoadRefused as e:
             raise self._refusal(name, needs, e, evictable) from None
         self._fit_pool(needs, plan.kv_pool_bytes_after)
-        self.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace_bytes,
-                                    min_kv_bytes=needs.min_kv_bytes)
+        try:
+            self.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace_bytes,
+                                        min_kv_bytes=needs.min_kv_bytes)
+        except EngineError:
+            self._fit_pool(None, None)
+            raise
         try:
             return self._build(name, model_dir, cfg, max_len, dtype, needs, max_num_seqs, float(weight))
         except BaseException:

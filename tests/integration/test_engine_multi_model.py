@@ -252,3 +252,23 @@ def test_load_next_to_a_busy_model_shrinks_the_pool_by_preempting_it(dirs, needs
     drain(core, toks)
     assert toks == {k: v for k, v in solo.items() if k[0] in "ab"}  # the preempted ones recomputed
     core.pool.audit()
+
+
+def test_a_load_that_fails_after_booking_leaves_the_books_as_they_were(dirs, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(dirs["b"], broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not safetensors")
+    core = core_for()
+    start = core.ledger.snapshot()
+    with pytest.raises(EngineError):
+        load(core, "x", broken)
+    assert core.ledger.snapshot() == start and core.memory()["kv_pages"] == 0
+    load(core, "a", dirs["a"])
+    after_a = core.ledger.snapshot()
+    with pytest.raises(EngineError):
+        load(core, "x", broken)
+    assert core.ledger.snapshot() == after_a and core.pool.models() == ["a"]
+    core.pool.audit()
