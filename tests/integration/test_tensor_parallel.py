@@ -11,8 +11,6 @@ identical. Loader slices, the step diff codec and refusals run without processes
 from __future__ import annotations
 
 import multiprocessing as mp
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
