@@ -7,7 +7,8 @@ engine refuses, :func:`refusal_details` answers with ``needed``, ``free``, ``evi
 or ``[]`` when even evicting every offered model would not.
 
 Two engines give these numbers: one whose refusal carries them (``LoadRefused`` of the
-MemoryLedger: ``needed``, ``free``, ``budget`` attributes), and the per-model-cache EngineCore,
+MemoryLedger: ``needed``, ``free``, ``budget`` and, when ``load_model`` was given the offer,
+``evict``), and the per-model-cache EngineCore,
 whose refusal is a plain ``EngineError``; for it the need is worked out here the way its
 ``load_model`` sizes a model (weights on the meta device, the step workspace, one longest
 sequence of KV pages).
@@ -39,6 +40,16 @@ def _estimate_need(core: Any, model_dir: str, max_model_len: int, max_num_seqs: 
     return int(weight_bytes + workspace + -(-max_len // core.block_size) * spec.page_bytes)
 
 
+def accepts_evictable(core: Any) -> bool:
+    """Whether ``core.load_model`` takes the offer itself (``evictable=``)."""
+    import inspect
+
+    try:
+        return "evictable" in inspect.signature(core.load_model).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def refusal_details(core: Any, exc: Exception, *, model_dir: str, max_model_len: int, max_num_seqs: int,
                     offered: list[str]) -> dict[str, Any] | None:
     """The refusal's numbers, or None when ``exc`` is not a refusal for lack of room."""
@@ -58,6 +69,10 @@ def refusal_details(core: Any, exc: Exception, *, model_dir: str, max_model_len:
         free = int(budget) - sum(sizes.values())
         if needed <= free:
             return None  # it would fit: this refusal is about something else
+    if hasattr(exc, "evict") and hasattr(exc, "evictable_models"):
+        # The ledger planned against the offer itself (the worker passed it to load_model).
+        return {"needed": needed, "free": free, "evictable": int(exc.evictable), "budget": budget,
+                "short": max(0, int(exc.short)), "evict": [str(m) for m in exc.evict]}
     offer = [m for m in offered if m in sizes]
     evict: list[str] = []
     room = free

@@ -143,14 +143,15 @@ class Worker:
             return
         self.phase.set(f"loading:{msg.model}")
         t0 = time.monotonic()
+        from engine.load_refusal import accepts_evictable, refusal_details
+
+        offer = {"evictable": list(msg.evictable)} if msg.evictable and accepts_evictable(self.core) else {}
         try:
             info = self.core.load_model(
                 msg.model, msg.model_dir, max_model_len=msg.max_model_len,
-                max_num_seqs=msg.max_num_seqs, weight=msg.weight,
+                max_num_seqs=msg.max_num_seqs, weight=msg.weight, **offer,
             )
         except Exception as e:
-            from engine.load_refusal import refusal_details
-
             details = refusal_details(self.core, e, model_dir=msg.model_dir, max_model_len=msg.max_model_len,
                                       max_num_seqs=msg.max_num_seqs, offered=list(msg.evictable))
             code = "no_room" if details is not None else type(e).__name__
