@@ -125,7 +125,15 @@ class AdminApi:
         if self.ctx.draining:
             return _error(503, "the agent is shutting down", "shutting_down")
         try:
-            task = getattr(mgr, op)(name)
+            if op == "unload" and "drain_timeout" in request.query:
+                drain = float(request.query["drain_timeout"])
+                if not 0 <= drain <= MAX_WAIT_S:
+                    raise ValueError(drain)
+                task = mgr.unload(name, drain_s=drain)
+            else:
+                task = getattr(mgr, op)(name)
+        except ValueError:
+            return _error(400, f"drain_timeout must be seconds in [0, {MAX_WAIT_S:g}]", "invalid_value")
         except ManagerError as ex:
             return _error(ex.status, str(ex), ex.code, ex.retry_after)
         wait = request.query.get("wait", "").lower() in ("1", "true", "yes")

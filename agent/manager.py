@@ -221,8 +221,9 @@ class ModelManager(RoomMixin):
         if self.worker.state.engine_error:
             raise WorkerError(f"the engine is unavailable: {self.worker.state.engine_error}", "no_engine")
 
-    def unload(self, name: str) -> asyncio.Task[None] | None:
-        """Start draining then unloading; None when it is not loaded."""
+    def unload(self, name: str, drain_s: float | None = None) -> asyncio.Task[None] | None:
+        """Start draining (up to ``drain_s``, default ``server.drain_timeout``; then what is left
+        is aborted) and unloading; None when it is not loaded."""
         e = self.get(name)
         if e.state is State.FAILED and not e.want_loaded and (e.task is None or e.task.done()):
             # Nothing of it is in the engine: unloading clears the failure.
@@ -233,7 +234,7 @@ class ModelManager(RoomMixin):
             return None
         if e.state is not State.READY:
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
-        task = self._start(e, self._unload(e))
+        task = self._start(e, self._unload(e, drain_s))
         self._set(e, State.DRAINING)
         return task
 

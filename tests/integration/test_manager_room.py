@@ -154,3 +154,21 @@ def test_autoload_waits_then_serves_and_503_when_it_cannot(daemon) -> None:
     assert model(daemon, "m-b")["state"] == "ready" and model(daemon, "m-a")["state"] == "ready"
     code, body = admin(daemon, "m-auto", "unload")  # nothing in the engine: clears the failure
     assert code == 200 and body["model"]["state"] == "cached" and body["model"]["refusal"] is None, body
+
+
+def test_unload_past_its_drain_deadline_aborts_and_frees(daemon) -> None:
+    _reset(daemon)
+    _load(daemon, "m-c")
+    assert daemon.post("/admin/v1/models/m-c/unload?drain_timeout=-1", headers=TOKEN)[0] == 400
+    conn, resp = open_stream(daemon, "m-c")
+    t0 = time.monotonic()
+    code, body = daemon.post("/admin/v1/models/m-c/unload?wait=true&drain_timeout=0.05", headers=TOKEN)
+    assert code == 200 and body["model"]["state"] == "cached", body
+    chunks, done = read_stream(resp)  # cut short: the engine aborted it, and the stream says so
+    conn.close()
+    assert time.monotonic() - t0 < 10
+    assert not done or chunks[-1]["choices"][0]["finish_reason"] != "length", chunks[-2:]
+    assert model(daemon, "m-c")["in_flight"] == 0
+    wait_engine_empty(daemon, gone=("m-c",))
+    logs = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
+    assert any(r.get("event") == "drain_timeout" and r.get("model") == "m-c" for r in logs)
