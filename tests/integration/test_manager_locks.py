@@ -1,0 +1,170 @@
+"""ModelManager concurrency against a scripted worker (in-process, no engine): pulls and loads
+of different models overlap while engine loads plan one at a time; one model's operations never
+interleave; eviction offers only idle unpinned models and retries once; keep_alive."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from agent.config import load_settings
+from agent.manager import ManagerError, ModelManager, ModelNotReady, State
+from agent.metrics import Metrics
+from agent.worker_client import WorkerError
+
+
+class FakeWorker:
+    """Loads take ``load_s``; a load is refused for room while ``capacity`` models are loaded."""
+
+    def __init__(self, capacity: int = 99, load_s: float = 0.05) -> None:
+        self.alive = True
+        self.state = SimpleNamespace(engine_error="", models={})
+        self.capacity, self.load_s = capacity, load_s
+        self.loaded: list[str] = []
+        self.offers: list[list[str]] = []
+        self.active = self.max_active = 0
+
+    async def load(self, name: str, model_dir: str, *, max_model_len: int, max_num_seqs: int,
+                   weight: float = 1.0, evictable: list[str] | None = None) -> Any:
+        self.offers.append(list(evictable or []))
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            await asyncio.sleep(self.load_s)
+            if len(self.loaded) >= self.capacity:
+                short = len(self.loaded) - self.capacity + 1
+                evict = list(evictable or [])[:short] if len(evictable or []) >= short else []
+                raise WorkerError("no room", "no_room", {"needed": 10, "free": 4, "budget": 20, "short": 6,
+                                                         "evictable": 6 * len(evictable or []), "evict": evict})
+            self.loaded.append(name)
+            return SimpleNamespace(info={"vocab_size": 8, "max_model_len": max_model_len})
+        finally:
+            self.active -= 1
+
+    async def unload(self, name: str) -> None:
+        await asyncio.sleep(0.01)
+        self.loaded.remove(name)
+
+
+class FakeSource:
+    def __init__(self, root: Path, cached: list[str], pull_s: float = 0.3) -> None:
+        self.root, self.cached, self.pull_s = root, set(cached), pull_s
+        for n in cached:
+            (root / n).mkdir(parents=True, exist_ok=True)
+
+    def snapshot(self, name: str) -> Path | None:
+        return self.root / name if name in self.cached else None
+
+    def cached_names(self) -> list[str]:
+        return sorted(self.cached)
+
+    async def pull(self, name: str) -> Path:
+        await asyncio.sleep(self.pull_s)
+        (self.root / name).mkdir(parents=True, exist_ok=True)
+        self.cached.add(name)
+        return self.root / name
+
+    def pull_progress(self, name: str) -> None:
+        return None
+
+    def pin(self, name: str) -> None: ...
+    def unpin(self, name: str) -> None: ...
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
+def _manager(monkeypatch, tmp_path: Path, worker: FakeWorker, models: str, cached: list[str]) -> ModelManager:
+    monkeypatch.setenv("INFIRE_MODELS", models)
+    return ModelManager(load_settings(), worker, FakeSource(tmp_path, cached), Metrics(), lambda p: object())
+
+
+async def test_pull_and_load_of_other_models_overlap_engine_loads_do_not(monkeypatch, tmp_path) -> None:
+    w = FakeWorker(load_s=0.1)
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "x"}, {"name": "y"}, {"name": "z"}]', ["y", "z"])
+    t0 = time.monotonic()
+    pulling = mgr.load("x")  # pull (0.3 s) then load
+    ly, lz = mgr.load("y"), mgr.load("z")
+    await asyncio.gather(ly, lz)
+    assert time.monotonic() - t0 < 0.3 and mgr.get("x").state is State.PULLING
+    await pulling
+    assert {mgr.get(n).state for n in "xyz"} == {State.READY}
+    assert w.max_active == 1  # the room lock: one plan-and-load at a time
+
+
+async def test_one_models_operations_are_serialised(monkeypatch, tmp_path) -> None:
+    w = FakeWorker(load_s=0.2)
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "x"}]', ["x"])
+    task = mgr.load("x")
+    with pytest.raises(ManagerError) as ex:
+        mgr.unload("x")
+    assert ex.value.retry_after and "loading" in str(ex.value)
+    with pytest.raises(ManagerError):
+        mgr.load("x")  # already loading: refused, not queued behind
+    await task
+    assert mgr.get("x").lock.locked() is False
+    await mgr.unload("x")
+    assert mgr.get("x").state is State.CACHED and w.loaded == []
+
+
+async def test_eviction_offers_idle_unpinned_lru_and_retries_once(monkeypatch, tmp_path) -> None:
+    w = FakeWorker(capacity=3, load_s=0.01)
+    models = '[{"name": "p", "pin": true}, {"name": "busy"}, {"name": "old"}, {"name": "new"}, {"name": "n"}]'
+    mgr = _manager(monkeypatch, tmp_path, w, models, ["p", "busy", "old", "new", "n"])
+    for n in ("p", "busy", "old"):
+        await mgr.load(n)
+    mgr.admit("busy").__enter__()  # a request in flight on "busy"
+    mgr.get("old").last_used_mono -= 10  # least recently used
+    await mgr.load("new")
+    assert w.offers[-2] == ["old"] and w.offers[-1] == []  # never p (pinned) nor busy (in flight)
+    assert mgr.get("old").state is State.CACHED and "make room for new" in mgr.get("old").reason
+    # Nothing idle and unpinned left but "new": it goes for "n"; then nothing can go.
+    await mgr.load("n")
+    assert mgr.get("new").state is State.CACHED
+    mgr.get("n").in_flight += 1  # "n" busy too
+    await mgr.load("old")
+    e = mgr.get("old")
+    assert e.state is State.FAILED and e.refusal["short"] == 6 and "short by" in e.reason
+    assert w.offers[-1] == [] and set(w.loaded) == {"p", "busy", "n"}
+
+
+async def test_keep_alive_unloads_idle_unpinned_only(monkeypatch, tmp_path) -> None:
+    w = FakeWorker()
+    models = ('[{"name": "idle", "keep_alive": "0.2s"}, {"name": "pinned", "pin": true, "keep_alive": "0.2s"},'
+              ' {"name": "used", "keep_alive": "0.2s"}, {"name": "never", "keep_alive": -1}]')
+    mgr = _manager(monkeypatch, tmp_path, w, models, ["idle", "pinned", "used", "never"])
+    for n in ("idle", "pinned", "used", "never"):
+        await mgr.load(n)
+    held = mgr.admit("used").__enter__()
+    ka = asyncio.create_task(mgr.run_keep_alive(tick=0.05))
+    try:
+        await asyncio.sleep(0.6)
+        assert mgr.get("idle").state is State.CACHED and mgr.get("idle").reason == "idle past keep_alive"
+        assert {mgr.get(n).state for n in ("pinned", "used", "never")} == {State.READY}
+        held.in_flight -= 1
+        held.touch()
+        await asyncio.sleep(0.5)
+        assert mgr.get("used").state is State.CACHED
+    finally:
+        ka.cancel()
+
+
+async def test_autoload_waits_for_the_load_and_times_out_with_retry_after(monkeypatch, tmp_path) -> None:
+    w = FakeWorker(load_s=0.1)
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "a", "autoload": true}, {"name": "b"}]', ["a", "b"])
+    with pytest.raises(ModelNotReady):
+        await mgr.admit_wait("b")  # autoload off for b
+    with await mgr.admit_wait("a") as e:
+        assert e.state is State.READY
+    await mgr.unload("a")
+    w.load_s = 1.0
+    t0 = time.monotonic()
+    with pytest.raises(ModelNotReady) as ex:
+        await mgr.admit_wait("a", timeout=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 0.8 and ex.value.retry_after and ex.value.status == 503
+    await mgr.get("a").task
