@@ -70,8 +70,12 @@ class DecodeGraphs:
             raise CudaGraphError("decode graphs need a CUDA device")
         self.device = device
         self.graphs: dict[int, _Graph] = {}
-        self.capture_seconds = 0.0
+        self.capture_seconds = 0.0  # at load (warm-ups excluded)
         self.warmup_seconds = 0.0
+        self.deferred: set[int] = set()  # buckets captured at their first use instead of at load
+        self.deferred_capture_seconds = 0.0
+        self._pool = None
+        self._stream: torch.cuda.Stream | None = None
 
     @staticmethod
     def _fill_padding(r: "ModelRunner", bucket: int) -> None:
@@ -91,8 +95,9 @@ class DecodeGraphs:
         return logits, logits.argmax(dim=-1)
 
     @torch.inference_mode()
-    def capture(self, r: "ModelRunner", buckets: tuple[int, ...]) -> None:
-        """Warm up, then capture every bucket of runner ``r`` (largest first, one shared pool).
+    def capture(self, r: "ModelRunner", buckets: tuple[int, ...], defer: tuple[int, ...] = ()) -> None:
+        """Warm up, then capture every bucket of runner ``r`` (largest first, one shared pool)
+        except those in ``defer``, which :meth:`capture_deferred` captures at their first use.
 
         The graphs keep no reference to the runner (no cycle: an unloaded model's memory goes
         when its runner does)."""
@@ -105,23 +110,54 @@ class DecodeGraphs:
             self._forward(r, b)
         torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
-        pool = None
-        stream = torch.cuda.Stream(device=self.device)
+        self._stream = torch.cuda.Stream(device=self.device)
+        now = [b for b in order if b not in set(defer) or b == order[0]]
+        self.deferred = {b for b in order if b not in now}
         try:
-            for b in order:
-                self._fill_padding(r, b)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
-                    logits, ids = self._forward(r, b)
-                if pool is None:
-                    pool = g.pool()
-                self.graphs[b] = _Graph(g, logits, ids)
+            for b in now:
+                self._capture_one(r, b, "global")
             torch.cuda.synchronize(self.device)
         except RuntimeError as e:
             self.graphs.clear()
+            self.deferred.clear()
             raise CudaGraphError(f"decode graph capture failed: {e}") from e
         self.warmup_seconds = t1 - t0
         self.capture_seconds = time.perf_counter() - t1
+
+    def _capture_one(self, r: "ModelRunner", b: int, mode: str) -> None:
+        """One bucket into the shared pool. Unlike ``torch.cuda.graph`` no synchronize, gc or
+        empty_cache per graph: the inputs are written on the current stream before the capture
+        stream starts recording, and nothing executes while it records."""
+        self._fill_padding(r, b)
+        g = torch.cuda.CUDAGraph()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            if self._pool is None:
+                g.capture_begin(capture_error_mode=mode)
+            else:
+                g.capture_begin(pool=self._pool, capture_error_mode=mode)
+            try:
+                logits, ids = self._forward(r, b)
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        if self._pool is None:
+            self._pool = g.pool()
+        self.graphs[b] = _Graph(g, logits, ids)
+
+    @torch.inference_mode()
+    def capture_deferred(self, r: "ModelRunner", bucket: int) -> None:
+        """Capture a deferred bucket now (the runner calls this before preparing the step that
+        needs it, since a capture writes padding into the input buffers)."""
+        if bucket not in self.deferred:
+            return
+        self.deferred.discard(bucket)
+        t = time.perf_counter()
+        try:
+            self._capture_one(r, bucket, "thread_local")
+        except RuntimeError as e:
+            raise CudaGraphError(f"decode graph capture of bucket {bucket} failed: {e}") from e
+        self.deferred_capture_seconds += time.perf_counter() - t
 
     def replay(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the bucket's graph on the inputs already in the runner's buffers: (logits, ids)."""

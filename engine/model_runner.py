@@ -107,8 +107,14 @@ class ModelRunner:
         if cuda_graphs is None:
             cuda_graphs = os.environ.get("INFIRE_CUDA_GRAPHS", "1") != "0"
         if cuda_graphs and self._pin and self.decode_buckets:
+            # At load: the largest bucket (it sizes the shared pool) and those up to
+            # INFIRE_GRAPHS_AT_LOAD_MAX (default 8: the latency buckets); the rest at first use.
+            try:
+                now_max = int(os.environ.get("INFIRE_GRAPHS_AT_LOAD_MAX", "8"))
+            except ValueError:
+                raise ValueError("INFIRE_GRAPHS_AT_LOAD_MAX must be an integer") from None
             self.graphs = DecodeGraphs(self.device)
-            self.graphs.capture(self, self.decode_buckets)
+            self.graphs.capture(self, self.decode_buckets, defer=tuple(b for b in self.decode_buckets if b > now_max))
 
     def decode_meta(self, bucket: int) -> AttentionMetadata:
         """Metadata of a padded decode step of ``bucket`` rows, on the buffers' fixed prefixes."""
@@ -213,6 +219,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         b = len(out.seqs)
         pad = self.decode_bucket(b) if b and out.num_decodes == b else None
+        if pad is not None and self.graphs is not None and pad in self.graphs.deferred:
+            self.graphs.capture_deferred(self, pad)  # before prepare: a capture writes the input buffers
         step = self.prepare(out, pad_to=pad)
         ids = None
         graph = False

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels._launch import CachedLauncher
+
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, s_x, s_o, I: tl.constexpr, BLOCK: tl.constexpr):
@@ -18,6 +20,9 @@ def _silu_mul_kernel(x_ptr, out_ptr, s_x, s_o, I: tl.constexpr, BLOCK: tl.conste
     tl.store(out_ptr + row * s_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_SILU_MUL_LAUNCH = CachedLauncher(_silu_mul_kernel)
+
+
 def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     n, two_i = x.shape
     i = two_i // 2
@@ -26,6 +31,6 @@ def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> tor
     if out is None:
         out = torch.empty((n, i), dtype=x.dtype, device=x.device)
     block = min(2048, triton.next_power_of_2(i))
-    _silu_mul_kernel[(n, triton.cdiv(i, block))](x, out, x.stride(0), out.stride(0), I=i, BLOCK=block,
+    _SILU_MUL_LAUNCH.launch((n, triton.cdiv(i, block)), x, out, x.stride(0), out.stride(0), I=i, BLOCK=block,
                                                  num_warps=4 if block >= 512 else 1)
     return out

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels._launch import CachedLauncher
+
 LOG2E = 1.4426950408889634
 
 
@@ -86,6 +88,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
 
 
+_PREFILL_LAUNCH = CachedLauncher(_prefill_kernel)
+
+
 @triton.jit(do_not_specialize=["s_bt", "PART", "NUM_SPLITS"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, bt_ptr,
                    s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, PART, NUM_SPLITS,
@@ -137,6 +142,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
             tl.store(plse_ptr + row, m_i + tl.log2(l_i), mask=gm)
 
 
+_DECODE_LAUNCH = CachedLauncher(_decode_kernel)
+
+
 @triton.jit(do_not_specialize=["PART", "NUM_SPLITS"])
 def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, s_on, s_oh, PART, NUM_SPLITS,
                    HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -158,6 +166,9 @@ def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, s_on, s_oh, PART,
         o = tl.load(po_ptr + row[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
         res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
         tl.store(out_ptr + q_start.to(tl.int64) * s_on + h * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+_REDUCE_LAUNCH = CachedLauncher(_reduce_kernel)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -187,7 +198,7 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     hkv = k_cache.shape[2]
     g = hq // hkv
     b = seq_lens.shape[0]
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     block_d = triton.next_power_of_2(d)
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     qk_scale = float(scale) * LOG2E
@@ -208,14 +219,14 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
         if splits > 1:
             po = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
             plse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
-        _decode_kernel[(b, hkv, splits)](
+        _DECODE_LAUNCH.launch((b, hkv, splits),
             q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, *common, part, splits,
             HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
             SINGLE=splits == 1, DOT_PREC=dot_prec, num_warps=cfg.get("num_warps", 4),
             num_stages=cfg.get("num_stages", 3),
         )
         if splits > 1:
-            _reduce_kernel[(b, hq)](out, po, plse, query_start_loc, seq_lens, out.stride(0), out.stride(1),
+            _REDUCE_LAUNCH.launch((b, hq), out, po, plse, query_start_loc, seq_lens, out.stride(0), out.stride(1),
                                     part, splits, HQ=hq, D=d, BLOCK_D=block_d,
                                     BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
         return out
@@ -224,7 +235,7 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     block_n = cfg.get("block_n", 32 if wide else 64)
     tpt = block_m // g
     grid = (triton.cdiv(max_query_len, tpt), b, hkv)
-    _prefill_kernel[grid](
+    _PREFILL_LAUNCH.launch(grid,
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common,
         G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
         DOT_PREC=dot_prec, num_warps=cfg.get("num_warps", 4 if block_d <= 64 else 8),

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels._launch import CachedLauncher
+
 
 @triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
@@ -28,6 +30,9 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
         tl.store(vc_ptr + page * s_vcp + off * s_vcb + h * s_vch + d, vv, mask=mask)
 
 
+_KV_WRITE_LAUNCH = CachedLauncher(_kv_write_kernel)
+
+
 def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
     n, h, d = k.shape
     # the kernel indexes the last dim with unit stride
@@ -38,7 +43,7 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("KV cache views need a contiguous head_dim")
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
-    _kv_write_kernel[(n,)](
+    _KV_WRITE_LAUNCH.launch((n,),
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels._launch import CachedLauncher
+
 
 @triton.jit
 def _rotate(ptr, s_n, s_h, tok, cos, sin, H: tl.constexpr, HALF: tl.constexpr,
@@ -35,13 +37,16 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, s_qn, s_qh, s_kn, s_kh, s_cs,
     _rotate(k_ptr, s_kn, s_kh, tok, cos, sin, HK, HALF, BLOCK_HK, BLOCK_HALF)
 
 
+_ROPE_LAUNCH = CachedLauncher(_rope_kernel)
+
+
 def apply_rope_triton(q, k, positions, cos_sin_cache) -> None:
     n, hq, d = q.shape
     hk = k.shape[1]
     half = d // 2
     cs = cos_sin_cache if cos_sin_cache.stride(1) == 1 else cos_sin_cache.contiguous()
     bhalf = triton.next_power_of_2(half)
-    _rope_kernel[(n,)](q, k, positions, cs, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cs.stride(0),
+    _ROPE_LAUNCH.launch((n,), q, k, positions, cs, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cs.stride(0),
                        HQ=hq, HK=hk, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq),
                        BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=bhalf,
                        num_warps=4 if hq * half >= 2048 else 1)

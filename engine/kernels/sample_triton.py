@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels._launch import CachedLauncher
+
 NUM_PIVOTS = 16
 CANDIDATE_CAP = 4096
 CANDIDATE_P_BITS = 0x35800000  # float32 bits of 2**-20
@@ -205,6 +207,9 @@ def _sample_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr,
         tl.store(out_ptr + row, tl.min(tl.where(best == top, best_i, V), axis=0))
 
 
+_SAMPLE_LAUNCH = CachedLauncher(_sample_kernel)
+
+
 def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, steps, out=None,
                   cap: int = CANDIDATE_CAP, keep_out: torch.Tensor | None = None) -> torch.Tensor:
     """See sample.sample. For tests: ``out`` (a poisoned buffer), ``cap`` (candidate list length, a
@@ -216,7 +221,7 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, steps, out=No
     if out is None:
         out = torch.empty(b, dtype=torch.int64, device=logits.device)
     # dtype conversions are device ops (no sync); no-ops when the caller already matches
-    _sample_kernel[(b,)](
+    _SAMPLE_LAUNCH.launch((b,),
         logits, temperature.to(torch.float32), top_k.to(torch.int32), top_p.to(torch.float32),
         min_p.to(torch.float32), seeds.to(torch.int64), steps.to(torch.int64), out,
         torch.empty((b, cap), dtype=torch.float32, device=logits.device), out if keep_out is None else keep_out,

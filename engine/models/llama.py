@@ -75,11 +75,10 @@ class DecoderLayer(nn.Module):
             # Qwen3 normalises each head's vector before rotating it.
             q = kernels.rms_norm(q.reshape(-1, cfg.head_dim), self.q_norm, cfg.rms_norm_eps).view_as(q)
             k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, cfg.rms_norm_eps).view_as(k)
-        else:
-            # split() views share qkv's row stride; rope rotates in place and wants its own rows.
-            q, k = q.contiguous(), k.contiguous()
+        # Otherwise q, k and v stay views of qkv (row stride q + 2 kv): rope rotates q and k in
+        # place there, the KV write and attention read them through their strides.
         q, k = kernels.apply_rope(q, k, positions, cos_sin)
-        out = paged_attention_step(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+        out = paged_attention_step(q, k, v, k_cache, v_cache, meta, self.scale)
         return nn.functional.linear(out.reshape(n, cfg.q_size), self.o_w, self.o_b)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:

@@ -148,3 +148,25 @@ def test_capture_is_fast_and_leaves_the_cache_untouched(sharp_model, monkeypatch
     assert sorted(g.graphs) == [1, 2, 4, 8, 16]
     assert g.capture_seconds < 1.0, g.capture_seconds
     assert not slot.kv.buffer.any().item()  # padding rows wrote nothing
+
+
+def test_deferred_graphs_match_eager_and_launches_are_cached(sharp_model, monkeypatch):
+    """Buckets above INFIRE_GRAPHS_AT_LOAD_MAX are captured at their first decode step and give
+    the eager tokens; every Triton kernel the engine ran went through the cached launch path."""
+    from engine.kernels import activation_triton, attention_triton, kv_write_triton, norm_triton, rope_triton
+    from engine.sampling import SamplingParams
+
+    d = sharp_model("llama")
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    monkeypatch.setenv("INFIRE_GRAPHS_AT_LOAD_MAX", "1")
+    core = _engine(d, True, monkeypatch)
+    g = core._slots["m"].runner.graphs
+    assert sorted(g.graphs) == [1, 16] and g.deferred == {2, 4, 8}
+    got, _ = _run(core, PROMPTS, params)
+    assert 8 in g.graphs and 8 not in g.deferred and g.deferred_capture_seconds > 0
+    del core
+    want, _ = _run(_engine(d, False, monkeypatch), PROMPTS, params)
+    assert got == want
+    for lau in (norm_triton._RMS_NORM_LAUNCH, rope_triton._ROPE_LAUNCH, kv_write_triton._KV_WRITE_LAUNCH,
+                activation_triton._SILU_MUL_LAUNCH, attention_triton._PREFILL_LAUNCH, attention_triton._DECODE_LAUNCH):
+        assert lau.enabled and lau.hits > 0, (lau.fn, lau.enabled, lau.hits, lau.misses)
