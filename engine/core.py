@@ -246,15 +246,19 @@ class EngineCore(PoolKeeper):
             raise
 
     def _refusal(self, name: str, needs: LoadNeeds, e: LoadRefused, evictable) -> LoadRefused:
-        if not evictable:
+        """The refusal with what evicting the offered models (those loaded here) would do."""
+        offered = tuple(m for m in dict.fromkeys(evictable) if m in self.ledger)  # an offer may be stale
+        if not offered:
             return e
         try:
             plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
-                                          evictable=list(evictable))
+                                          evictable=list(offered))
         except LoadRefused as full:
             return full
-        return LoadRefused(name, needed=e.needed, free=e.free, evictable=plan.evict_frees, budget=e.budget,
-                           evictable_models=tuple(evictable), parts=e.parts, evict=plan.evict)
+        snap = self.ledger.snapshot()
+        total = sum(snap.weights[m] + snap.workspace[m] + snap.kv_min[m] for m in offered)
+        return LoadRefused(name, needed=e.needed, free=e.free, evictable=total, budget=e.budget,
+                           evictable_models=offered, parts=e.parts, evict=plan.evict)
 
     def _build(self, name: str, model_dir: str | Path, cfg: ModelConfig, max_len: int, dtype: torch.dtype,
                needs: LoadNeeds, max_num_seqs: int, weight: float) -> ModelInfo:
