@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,13 @@ from engine.block_manager import BlockManager
 from engine.config import ModelConfig, load_model_config
 from engine.core_memory import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, LoadNeeds, load_needs, make_ledger
 from engine.core_pool import PoolKeeper
+from engine.core_types import ModelInfo, ModelSlot, RequestOutput
 from engine.errors import EngineError, RequestError
 from engine.fair_share import FairSharePicker
-from engine.kv_cache import KVCache
 from engine.loader import load_weights
 from engine.memory import LoadPlan, LoadRefused
-from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
-from engine.page_pool import ModelPageSource, PagePool
+from engine.page_pool import PagePool
 from engine.sampling import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError
 
@@ -46,55 +44,6 @@ __all__ = ["DEFAULT_CPU_BUDGET", "GPU_BUDGET_FRACTION", "EngineCore", "LoadPlan"
            "ModelInfo", "ModelSlot", "RequestOutput"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: list[int]
-    device_bytes: int
-    kv_pages: int
-    block_size: int
-
-
-@dataclass
-class RequestOutput:
-    req_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None  # None | "stop" | "length" | "abort"
-    logprobs: list | None  # one entry per new token: {"token_id", "logprob", "top_logprobs"}
-    num_prompt_tokens: int
-
-
-@dataclass
-class ModelSlot:
-    """One loaded model. ``pages`` is set for models on the shared pool; a slot without it
-    (the tensor-parallel engine's) owns its KV cache and is not booked in the ledger."""
-
-    name: str
-    config: ModelConfig
-    model: LlamaModel
-    kv: KVCache | None
-    runner: ModelRunner | None
-    scheduler: Scheduler
-    weight: float
-    weight_bytes: int
-    info: ModelInfo
-    vtime: float = 0.0  # kept for callers that set it; the picker keeps the real clock
-    steps: int = 0
-    last_step_s: float = 1e-3
-    pages: ModelPageSource | None = None
-    needs: LoadNeeds | None = None
-    max_num_seqs: int = 0
-    workspace_bytes: int = 0
-
-    @property
-    def device_bytes(self) -> int:
-        if self.pages is None:
-            return self.weight_bytes + (self.kv.nbytes if self.kv is not None else 0)
-        return self.weight_bytes + self.workspace_bytes + self.pages.num_used * self.needs.page_bytes
 
 
 def resolve_device(device: str) -> torch.device:
