@@ -89,7 +89,7 @@ def load_needs(cfg: ModelConfig, dtype: torch.dtype, *, max_len: int, max_num_se
         lay = kv_layout(page_bytes, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                         head_dim=cfg.head_dim, dtype=dname, tokens_per_page=tpp)
     except PagePoolError as e:
-        raise EngineError(f"KV pages of {page_bytes if pool_page_bytes else '?'} B: {e}") from None
+        raise EngineError(f"KV pages of this model: {e}") from None
     per_seq = -(-max_len // lay.tokens_per_page)
     if num_kv_pages is not None:
         if isinstance(num_kv_pages, bool) or not isinstance(num_kv_pages, int) or num_kv_pages < per_seq:

@@ -272,3 +272,19 @@ def test_a_load_that_fails_after_booking_leaves_the_books_as_they_were(dirs, tmp
         load(core, "x", broken)
     assert core.ledger.snapshot() == after_a and core.pool.models() == ["a"]
     core.pool.audit()
+
+
+def test_padded_pages_and_a_block_size_that_does_not_fit(dirs, solo):
+    core = core_for(page_bytes=8192 + 256)  # neither model fills a page exactly: per-layer views
+    load(core, "a", dirs["a"])
+    load(core, "b", dirs["b"])
+    assert core.pool.layout("a").tokens_per_page == 16 and core.pool.layout("b").tokens_per_page == 8
+    toks: dict[str, list[int]] = {}
+    for name in ("a", "b"):
+        for i, p in enumerate(PROMPTS):
+            core.add_request(f"{name}{i}", name, p, GREEDY)
+    drain(core, toks)
+    assert toks == {k: v for k, v in solo.items() if k[0] in "ab"}
+    with pytest.raises(EngineError, match="do not fit a page"):
+        load(core, "c", dirs["c"], block_size=1000)
+    assert set(core.models()) == {"a", "b"}
