@@ -10,7 +10,6 @@ import pytest
 from tests.reliability.rel_helpers import CTX, MODEL, healthy, idle
 
 FAST_S = 2.0
-HUGE = [10**30, -(10**30), -1, "abc", None, [], {}, True, 1.5]
 NUMBERS = {  # field -> (endpoint, values that must be refused)
     "max_tokens": ("c", [0, -1, 10**9, 10**30, "twelve", 1.5, None]),
     "n": ("c", [0, -1, 9, 10**9, "two", 2.5]),

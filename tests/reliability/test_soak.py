@@ -15,6 +15,8 @@ import threading
 import time
 from collections import Counter
 
+import pytest
+
 from tests.integration.agent_harness import Daemon, publish_tiny
 from tests.reliability.rel_helpers import ADMIN, MODEL, healthy, open_fds, rss_bytes
 
@@ -92,6 +94,7 @@ def _settle(d: Daemon) -> None:
     raise AssertionError(f"the agent did not settle: {models}")
 
 
+@pytest.mark.timeout(SOAK_S + 240)  # the suite's per-test limit would cut a long soak short
 def test_soak_streaming_with_aborts_and_load_unload(make_tiny_model, tmp_path, tally) -> None:
     url = publish_tiny(make_tiny_model, tmp_path / "store", MODEL)
     publish_tiny(lambda arch: make_tiny_model(arch, seed=1), tmp_path / "store", OTHER)
