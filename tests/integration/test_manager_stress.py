@@ -94,6 +94,7 @@ def test_load_unload_cycles_under_traffic(daemon) -> None:
                 name, code, problem = _request(daemon, rng)
             except Exception as e:  # a dropped connection is a failure of the daemon
                 name, code, problem = "?", -1, f"{type(e).__name__}: {e}"
+            time.sleep(rng.uniform(0, 0.03))  # idle gaps: a busy model is never evicted, an idle one may be
             with lock:
                 req_codes[code] += 1
                 if code == 200:
@@ -128,7 +129,10 @@ def test_load_unload_cycles_under_traffic(daemon) -> None:
     assert len(ok_by_model) >= 2 and req_codes[503] > 0, (ok_by_model, req_codes)
     assert admin_codes[("load", 200)] > 3 and admin_codes[("unload", 200)] > 1, admin_codes
     logs = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
-    assert any(r.get("event") == "evict" for r in logs), "no load needed an eviction"
+    evictions = sum(r.get("event") == "evict" for r in logs)
+    print(f"stress: {evictions} evictions")
+    # Loads needed room: idle models were evicted, or (all busy or pinned) the load was refused.
+    assert evictions + admin_codes[("load", 507)] > 0, admin_codes
 
     # Quiet again: every model can be unloaded and nothing is left in the engine.
     for n in NAMES:
