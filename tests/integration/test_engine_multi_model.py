@@ -288,3 +288,24 @@ def test_padded_pages_and_a_block_size_that_does_not_fit(dirs, solo):
     with pytest.raises(EngineError, match="do not fit a page"):
         load(core, "c", dirs["c"], block_size=1000)
     assert set(core.models()) == {"a", "b"}
+
+
+def test_weights_split_measured_step_time(dirs):
+    core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=3)
+    core.load_model("heavy", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=4, weight=3.0)
+    core.load_model("light", dirs["b"], max_model_len=MAX_LEN, max_num_seqs=4, weight=1.0)
+    long = SamplingParams(temperature=0, max_tokens=MAX_LEN - 4, ignore_eos=True)
+    for name in ("heavy", "light"):
+        for i in range(12):  # far more work than the steps below get through
+            core.add_request(f"{name}{i}", name, [5, 6, 7], long)
+    longest = 0.0
+    for _ in range(80):
+        t = time.perf_counter()
+        core.step()
+        longest = max(longest, time.perf_counter() - t)
+    assert all(core.stats()[n]["running"] for n in ("heavy", "light"))  # both busy throughout
+    # Fair share keeps the weighted clocks within one step of each other...
+    assert abs(core.picker.virtual_time("heavy") - core.picker.virtual_time("light")) <= longest
+    # ...so measured time splits about 3:1.
+    ratio = core.picker.gpu_seconds("heavy") / core.picker.gpu_seconds("light")
+    assert 2.0 <= ratio <= 4.5, ratio
