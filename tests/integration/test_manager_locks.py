@@ -168,3 +168,17 @@ async def test_autoload_waits_for_the_load_and_times_out_with_retry_after(monkey
         await mgr.admit_wait("a", timeout=0.2)
     assert 0.2 <= time.monotonic() - t0 < 0.8 and ex.value.retry_after and ex.value.status == 503
     await mgr.get("a").task
+
+
+async def test_max_queue_bounds_requests_in_flight(monkeypatch, tmp_path) -> None:
+    from agent.manager import QueueFull
+
+    mgr = _manager(monkeypatch, tmp_path, FakeWorker(), '[{"name": "q", "max_num_seqs": 4, "max_queue": 3},'
+                   ' {"name": "d", "max_num_seqs": 4}]', ["q", "d"])
+    assert mgr.get("d").queue_limit == 8  # default: 2 x max_num_seqs
+    await mgr.load("q")
+    held = [mgr.admit("q").__enter__() for _ in range(3)]
+    with pytest.raises(QueueFull) as ex:
+        mgr.admit("q")
+    assert ex.value.status == 503 and ex.value.retry_after
+    assert len(held) == 3 and mgr.describe(mgr.get("q"))["queue_limit"] == 3
