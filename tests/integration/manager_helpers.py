@@ -16,8 +16,8 @@ CTX, SEQS = 256, 4
 
 
 def budget_for_two(model_dir: Path, max_num_batched_tokens: int = 2048) -> int:
-    """A CPU memory budget that holds two of these models (each with its full KV cache) but
-    refuses a third, found from the engine's own sizes and checked by loading in-process."""
+    """A CPU memory budget that holds two of these models but refuses a third, from the engine's
+    own sizes, checked by loading in-process (and raising if it does not hold)."""
     from engine.core import EngineCore
     from engine.errors import EngineError
     from engine.load_refusal import _estimate_need
@@ -30,8 +30,9 @@ def budget_for_two(model_dir: Path, max_num_batched_tokens: int = 2048) -> int:
     full, weights = info.device_bytes, probe._slots["x"].weight_bytes
     min_kv = -(-CTX // info.block_size) * (full - weights) // info.kv_pages  # one longest sequence
     need = _estimate_need(probe, str(model_dir), CTX, SEQS)  # weights + workspace + min_kv
-    # Two full models, plus the second's workspace, plus half of what a third needs beyond its
-    # workspace: two fit with their whole KV cache, a third does not.
+    # Two models as loaded, plus the second's workspace, plus half of what a third needs beyond
+    # its workspace: two fit, a third does not. The engine's own loads below are the proof,
+    # whichever way it books memory (per-model caches or the ledger with a shared pool).
     budget = 2 * full + need - (weights + min_kv) + (weights + min_kv) // 2
     c = core(budget)
     infos = [c.load_model(n, str(model_dir), max_model_len=CTX, max_num_seqs=SEQS) for n in ("a", "b")]
