@@ -33,7 +33,9 @@ from engine.core_pool import PoolKeeper
 from engine.core_types import ModelInfo, ModelSlot, RequestOutput
 from engine.errors import EngineError, RequestError
 from engine.fair_share import FairSharePicker
-from engine.loader import load_weights
+from engine.loader import load_or_restore, stash_weights, warm_key
+from engine.warm_tier import WarmTier
+from engine.cuda_graphs import DEFAULT_BUCKETS
 from engine.memory import LoadPlan, LoadRefused
 from engine.models.llama import LlamaModel
 from engine.page_pool import PagePool
@@ -70,8 +72,8 @@ class EngineCore(PoolKeeper):
     def __init__(self, device: str = "auto", max_num_batched_tokens: int = 2048,
                  memory_budget_bytes: int | None = None, *, block_size: int = 16,
                  max_prefill_chunk: int | None = None, dtype: str | None = None, seed: int | None = None,
-                 decode_buckets: tuple[int, ...] = (), memory_budget: int | float | None = None,
-                 page_bytes: int | None = None, warmup: bool | None = None) -> None:
+                 decode_buckets: tuple[int, ...] | None = None, memory_budget: int | float | None = None,
+                 page_bytes: int | None = None, warmup: bool | None = None, warm_tier_bytes: int = 0) -> None:
         self.device = resolve_device(device)
         if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
             raise EngineError("max_num_batched_tokens must be an integer >= 1")
@@ -88,7 +90,13 @@ class EngineCore(PoolKeeper):
         self.block_size = block_size
         self.max_prefill_chunk = max_prefill_chunk
         self.dtype_override = dtype
+        if decode_buckets is None:  # CUDA graphs by default where they exist; none on CPU
+            decode_buckets = DEFAULT_BUCKETS if self.device.type == "cuda" else ()
         self.decode_buckets = tuple(decode_buckets)  # decode batch sizes padded to (graph buckets)
+        if isinstance(warm_tier_bytes, bool) or not isinstance(warm_tier_bytes, int) or warm_tier_bytes < 0:
+            raise EngineError("warm_tier_bytes must be an integer >= 0")
+        # Host copies of unloaded models' weights, so a reload is one device copy.
+        self.warm_tier = WarmTier(warm_tier_bytes) if warm_tier_bytes else None
         self.page_bytes = page_bytes
         self.warmup = self.device.type == "cuda" if warmup is None else bool(warmup)
         self._budget_arg = memory_budget if memory_budget is not None else memory_budget_bytes
@@ -212,7 +220,8 @@ class EngineCore(PoolKeeper):
     def _build(self, name: str, model_dir: str | Path, cfg: ModelConfig, max_len: int, dtype: torch.dtype,
                needs: LoadNeeds, max_num_seqs: int, weight: float) -> ModelInfo:
         model = LlamaModel(cfg, dtype, self.device)
-        weight_bytes = load_weights(model, model_dir)
+        key = warm_key(name, model_dir)
+        weight_bytes, _source = load_or_restore(model, model_dir, self.warm_tier, key)
         model.build_rope_cache(max_len)
         self.pool.register(name, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                            dtype=dtype, min_pages=needs.min_pages, max_pages=needs.want_pages,
@@ -230,7 +239,7 @@ class EngineCore(PoolKeeper):
         slot = ModelSlot(name, cfg, model, None, None, sched, weight, weight_bytes,
                          ModelInfo(name, cfg.vocab_size, max_len, list(cfg.eos_token_ids), 0, 0, 0),
                          pages=pages, needs=needs, max_num_seqs=max_num_seqs,
-                         workspace_bytes=needs.workspace_bytes)
+                         workspace_bytes=needs.workspace_bytes, warm_key=key)
         self._slots[name] = slot
         before = self._device_allocated()
         self._attach_runner(slot)
@@ -256,6 +265,8 @@ class EngineCore(PoolKeeper):
             raise EngineError(f"model {name!r} is not loaded")
         for req_id in [r for r, m in self._req_model.items() if m == name]:
             self.abort_request(req_id)
+        if slot.warm_key is not None and slot.model is not None:
+            stash_weights(self.warm_tier, slot.warm_key, slot.model)
         del self._slots[name]
         if name in self.picker:
             self.picker.remove_model(name)

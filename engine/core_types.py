@@ -54,6 +54,7 @@ class ModelSlot:
     needs: LoadNeeds | None = None
     max_num_seqs: int = 0
     workspace_bytes: int = 0
+    warm_key: str | None = None  # identity of the weight files, for the warm tier
 
     @property
     def device_bytes(self) -> int:

@@ -247,11 +247,17 @@ def _make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
         return None, "none", ""
     try:
         from engine.core import EngineCore
+        from engine.cuda_graphs import set_triton_cache_dir
 
+        cache_dir = (options.get("sandbox_options") or {}).get("cache_dir")
+        if cache_dir:
+            set_triton_cache_dir(cache_dir)  # compiled kernels survive restarts
         core = EngineCore(
             device=options.get("device", "auto"),
             max_num_batched_tokens=int(options.get("max_num_batched_tokens", 2048)),
             memory_budget_bytes=options.get("memory_budget_bytes"),
+            decode_buckets=None if options.get("cuda_graphs", True) else (),
+            warm_tier_bytes=int(options.get("warm_tier_bytes", 0)),
         )
         fraction = options.get("memory_budget_fraction")
         if core.device.type == "cuda":
