@@ -65,7 +65,8 @@ class Bench:
         # Holds two big models (and their KV minimums) but not a third model beside them.
         self.budget = a.budget or 2 * big + self.needs["C"] // 2
         self.core = EngineCore(device=a.device, max_num_batched_tokens=a.max_num_batched_tokens,
-                               memory_budget=self.budget, decode_buckets=tuple(a.decode_buckets), seed=a.seed)
+                               memory_budget=self.budget, decode_buckets=tuple(a.decode_buckets), seed=a.seed,
+                               warm_tier_bytes=a.warm_tier_bytes)
         self.vocab: dict[str, int] = {}
         self._n = 0
 
@@ -192,6 +193,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-requests", type=int, default=4, help="per model, before measuring")
     p.add_argument("--settle-steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-tier-bytes", type=int, default=0, help="pinned host RAM for unloaded weights")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     return p.parse_args(argv)
 
