@@ -6,7 +6,8 @@ each position's page in the block table (``pos // block_size``) and reads that t
 and any page stride (a page of a multi-layer pool) work, and nothing is assumed contiguous but
 head_dim.
 
-- ``_prefill_kernel`` (any step with a query longer than 1): grid (query tiles, B, Hkv). A tile's
+- ``_prefill_kernel`` (any step with a query longer than 1): grid (cdiv(N, TPT) + B, Hkv), each
+  program finding its (sequence, query tile) by a binary search over query_start_loc. A tile's
   BLOCK_M rows are (token, head-of-the-GQA-group) pairs, so the group's heads share each K/V tile
   read. Online softmax in base 2, causal mask from the absolute positions (chunked prefill and
   prefix hits: the first ``seq_len - q_len`` positions are cached context).
@@ -37,15 +38,25 @@ def _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_p, s_b, s_h, BLOCK_SIZE: tl.
 
 # Runtime ints that change with the batch are not specialised (==1, %16): a new block-table
 # width or split count must never trigger a compile while serving.
-@triton.jit(do_not_specialize=["s_bt"])
+@triton.jit(do_not_specialize=["s_bt", "NUM_SEQS"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
-                    s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale,
+                    s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, NUM_SEQS,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TPT: tl.constexpr,
                     DOT_PREC: tl.constexpr):
-    tile = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    kvh = tl.program_id(2).to(tl.int64)
+    # Work item i of the flat grid: sequence b's tiles start at qsl[b] // TPT + b (a span of at
+    # least cdiv(q_len_b, TPT) items), so b is the last sequence whose start is <= i.
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    lo = pid * 0
+    hi = lo + NUM_SEQS - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(qsl_ptr + mid) // TPT + mid <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    tile = pid - (tl.load(qsl_ptr + lo) // TPT + lo)
+    b = lo.to(tl.int64)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if tile * TPT < q_len:
@@ -234,9 +245,11 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     block_m = max(32 if wide else 64, triton.next_power_of_2(g))
     block_n = cfg.get("block_n", 32 if wide else 64)
     tpt = block_m // g
-    grid = (triton.cdiv(max_query_len, tpt), b, hkv)
+    # one program per (query tile, KV head) that has work, plus at most one idle per sequence: a
+    # mixed step of many one-token rows no longer launches max_query_len / tpt tiles for each
+    grid = (triton.cdiv(n, tpt) + b, hkv)
     _PREFILL_LAUNCH.launch(grid,
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common, b,
         G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
         DOT_PREC=dot_prec, num_warps=cfg.get("num_warps", 4 if block_d <= 64 else 8),
         num_stages=cfg.get("num_stages", 2),

@@ -34,12 +34,12 @@ from engine.kernels import norm_triton as nrm  # noqa: E402
 from engine.kernels import rope_triton as rop  # noqa: E402
 from engine.kernels import sample_triton as smp  # noqa: E402
 
-NO_HINT = {"s_bt", "PART", "NUM_SPLITS", "V", "eps", "qk_scale"}  # runtime values, not specialised
+NO_HINT = {"s_bt", "PART", "NUM_SPLITS", "NUM_SEQS", "V", "eps", "qk_scale"}  # runtime values, not specialised
 
 
 def attn_types(dt: str) -> dict:
     t = {n: "i32" for n in ("s_qn", "s_qh", "s_on", "s_oh", "s_kp", "s_kb", "s_kh", "s_vp", "s_vb", "s_vh",
-                            "s_bt", "PART", "NUM_SPLITS")}
+                            "s_bt", "PART", "NUM_SPLITS", "NUM_SEQS")}
     t.update(q_ptr=dt, kc_ptr=dt, vc_ptr=dt, out_ptr=dt, po_ptr="*fp32", plse_ptr="*fp32", qsl_ptr="*i32",
              sl_ptr="*i32", bt_ptr="*i32", qk_scale="fp32")
     return t

@@ -66,16 +66,19 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--peer", type=int, default=0)
     ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--configs", help="TOKENSxSEQS,... (default: the sweep's list)")
+    ap.add_argument("--no-launch", action="store_true", help="skip the launch-cost micro bench")
     a = ap.parse_args()
     res: dict = {"commit": _commit(), "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                                time.gmtime())}
-    res["launch"] = launch_cost()
+    res["launch"] = {} if a.no_launch else launch_cost()
     print("launch", res["launch"], flush=True)
+    configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",")] if a.configs else CONFIGS
     if a.peer:
         res["peer"] = _run_peer(a.model_dir, a.peer, 110)
         print("peer", res["peer"], flush=True)
     runs = []
-    for i, (tokens, seqs) in enumerate(CONFIGS):
+    for i, (tokens, seqs) in enumerate(configs):
         gc.collect()
         torch.cuda.empty_cache()
         t = time.perf_counter()
@@ -105,7 +108,8 @@ def main() -> int:
               f"{sk['graph']['ms_mean'] or 0:>8.2f} {r['engine']['kv_pages']:>6}")
     b1 = runs[0].get("batch1") or {}
     print("batch1 ms/token p50", b1.get("decode_ms_per_token_p50"), "peer", (res.get("peer") or {}).get("total_tok_s"),
-          "launch us normal/fast", res["launch"]["host_us_per_call_normal"], res["launch"]["host_us_per_call_fast"])
+          "launch us normal/fast", res["launch"].get("host_us_per_call_normal"),
+          res["launch"].get("host_us_per_call_fast"))
     return 0
 
 

@@ -55,11 +55,15 @@ def test_write_kv(dtype, block):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [1, 16])
-def test_paged_attention_prefill_and_mixed(dtype, block):
+@pytest.mark.parametrize("lens", [([7, 1, 4, 1, 2], [7, 33, 20, 1, 18]),
+                                  # query tiles of 64 // 3 = 21 tokens: sequences over several tiles,
+                                  # one on a tile boundary, and an empty query among them
+                                  ([45, 1, 0, 21, 1, 22, 1], [45, 40, 9, 50, 3, 22, 70])])
+def test_paged_attention_prefill_and_mixed(dtype, block, lens):
     torch.manual_seed(block)
     gen = torch.Generator().manual_seed(block)
     hq, hkv, d = 6, 2, 16  # GQA group of 3: not a power of two
-    q_lens, seq_lens = [7, 1, 4, 1, 2], [7, 33, 20, 1, 18]  # prefill, decode, chunked prefill, ...
+    q_lens, seq_lens = lens  # prefill, decode, chunked prefill, ...
     pages = sum((s + block - 1) // block for s in seq_lens) + 2
     _, kc, vc = make_pool(pages, 2, block, hkv, d, dtype)
     tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
