@@ -11,6 +11,8 @@ used (process CPU seconds per wall second).
     python -m ops.bench.engine_bench --model-dir /tmp/m8b --batch1 --peer 200     (the H200 run)
 
 On CUDA decode steps replay CUDA graphs at ``--decode-buckets`` (default: the engine's buckets).
+Default step shape: 512 sequences, 16384-token steps (the best offline shape on the H200); the
+latency shape is ``--max-num-seqs 256 --max-num-batched-tokens 4096`` (half the TPOT).
 ``--batch1`` also times one request alone (128-token prompt, 256 tokens): decode ms per token.
 ``--peer N`` first runs transformers' ``generate_batch`` on the first N requests in a subprocess
 (ops/bench/peer_hf.py), so the two never share GPU memory, and stores it under ``peer``.
@@ -234,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    # the offline shape that won the H200 sweep (docs/perf.md, 2026-11-30); for latency use 256 / 4096
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--concurrency", type=int, help="requests kept in flight (default: all at once, mode offline)")

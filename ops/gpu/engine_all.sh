@@ -17,8 +17,8 @@ wait $mk || status=1
 echo "make-model+tests $(( $(date +%s) - t0 )) s" >> "$OUT/gpu_state.csv"
 timeout 290 python3 -m ops.bench.engine_bench --model-dir "$M" --batch1 --peer "$PEER" --peer-timeout 110 --device cuda \
   --profile-steps 40 --out "$OUT/engine_bench.json" > "$OUT/engine_bench.txt" 2>&1 || status=1
-# the same workload with 512 sequences in flight and a 4096-token step budget (bigger decode graphs)
-timeout 150 python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda --max-num-seqs 512 \
+# the same workload at the latency shape (256 sequences, 4096-token steps; the bench's default is 512 / 16384)
+timeout 150 python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda --max-num-seqs 256 \
   --max-num-batched-tokens 4096 --out "$OUT/engine_bench_512.json" > "$OUT/engine_bench_512.txt" 2>&1 || status=1
 timeout 110 python3 ops/gpu/engine_load_bench.py "$M" "$OUT/engine_load.json" > "$OUT/engine_load.txt" 2>&1 || status=1
 echo "== state"; cat "$OUT/gpu_state.csv"
@@ -27,7 +27,7 @@ echo "== engine bench"; tail -n 5 "$OUT/engine_bench.txt"
 python3 - "$OUT/engine_bench.json" "$OUT/engine_bench_512.json" <<'PY' || true
 import json, sys
 e = json.load(open(sys.argv[2])) if __import__("os").path.exists(sys.argv[2]) else {}
-print("512/4096 variant:", {k: e.get(k) for k in ("total_tok_s", "req_s", "tpot_ms_p50", "host_ms_by_kind", "steps_by_kind")})
+print("256/4096 (latency) variant:", {k: e.get(k) for k in ("total_tok_s", "req_s", "tpot_ms_p50", "host_ms_by_kind", "steps_by_kind")})
 d = json.load(open(sys.argv[1]))
 for r in (d.get("profile") or {}).get("top_tottime", [])[:14]: print("prof", r)
 keys = ("host_ms_by_kind", "req_s", "output_tok_s", "total_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
