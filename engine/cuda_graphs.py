@@ -10,9 +10,12 @@ logits. Mixed prefill+decode steps never come here.
 Capture: the Triton kernels and cuBLAS are warmed up eagerly at the largest and the smallest
 bucket first (compiles and workspace allocations cannot happen inside a capture; every kernel
 shape constant is a model constant, so two warm-ups reach every compiled variant: the decode
-reduce only runs when a bucket is small enough to split), then the buckets are captured from the
-largest down into one shared memory pool, so the smaller graphs reuse the largest one's
-activations. Decode attention is captured with ``max_seq_len = max_model_len``, which is valid
+reduce only runs when a bucket is small enough to split), then the largest bucket and the
+buckets not deferred are captured, largest first, into one shared memory pool, so the smaller
+graphs reuse the largest one's activations. Deferred buckets (the runner defers those above
+``INFIRE_GRAPHS_AT_LOAD_MAX``) are captured into the same pool by :meth:`DecodeGraphs.capture_deferred`
+just before the first step that needs them. Captures use ``CUDAGraph.capture_begin/end`` on a
+side stream, without ``torch.cuda.graph``'s synchronize + gc + empty_cache per graph. Decode attention is captured with ``max_seq_len = max_model_len``, which is valid
 for every replay whose sequences are no longer (docs/kernels.md, "CUDA graphs").
 
 Padding rows (slot -1, one token at position 0 of page 0) write nothing and are never read back.
