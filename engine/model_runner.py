@@ -19,6 +19,7 @@ event, read the ids): a caller can do host work for the next step between the tw
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -174,9 +175,15 @@ class ModelRunner:
         if n > self.max_tokens or rows_total > self.max_seqs or -(-max_seq // bs) > self.max_pages:
             raise ValueError("step larger than the runner's buffers (scheduler limits disagree with the runner)")
         tables = np.zeros((rows_total, max_pages), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            k = min(len(s.block_table), max_pages)
-            tables[i, :k] = s.block_table[:k]
+        if b:
+            # every row's first pages in one pass: flat page list, then a row-major mask fill
+            bts = [s.block_table for s in seqs]
+            lens = np.fromiter(map(len, bts), dtype=np.int64, count=b)
+            if int(lens.max()) > max_pages:
+                bts = [t[:max_pages] for t in bts]
+                lens = np.minimum(lens, max_pages)
+            flat = np.fromiter(itertools.chain.from_iterable(bts), dtype=np.int32, count=int(lens.sum()))
+            tables[:b][np.arange(max_pages) < lens[:, None]] = flat
         seq_of_tok = np.repeat(np.arange(rows_total), n_tok)
         pos = np.arange(n, dtype=np.int64) - np.repeat(qsl[:-1] - starts, n_tok)
         slots = tables[seq_of_tok, pos // bs].astype(np.int64) * bs + pos % bs
