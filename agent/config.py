@@ -108,7 +108,8 @@ class GpuSettings(_Section):
 
 
 class EngineSettings(_Section):
-    max_num_batched_tokens: int = Field(2048, ge=16, le=1 << 20)
+    # 4096: the serving (latency) shape measured on the H200 (docs/perf.md); offline runs use more.
+    max_num_batched_tokens: int = Field(4096, ge=16, le=1 << 20)
     page_bytes: ByteSize = parse_size("2MiB")
     cuda_graphs: bool = True
     sandbox: bool = True

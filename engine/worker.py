@@ -254,7 +254,7 @@ def _make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
             set_triton_cache_dir(cache_dir)  # compiled kernels survive restarts
         core = EngineCore(
             device=options.get("device", "auto"),
-            max_num_batched_tokens=int(options.get("max_num_batched_tokens", 2048)),
+            max_num_batched_tokens=int(options.get("max_num_batched_tokens", 4096)),
             memory_budget_bytes=options.get("memory_budget_bytes"),
             decode_buckets=None if options.get("cuda_graphs", True) else (),
             warm_tier_bytes=int(options.get("warm_tier_bytes", 0)),
