@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -158,6 +159,26 @@ def _python_paths(search_path: list[str] | None = None, cwd: str | None = None) 
     return sorted(paths)
 
 
+def _compiler_paths() -> list[str]:
+    """Install prefixes of the C compiler Triton runs to build its launcher stubs at first use.
+
+    Triton picks ``$CC`` or the first of clang/gcc/cc on ``PATH``; a toolchain outside /usr (e.g.
+    /opt/gcc with its libexec/cc1 and binutils) must stay readable and executable, or the first
+    kernel compile after confinement fails with EACCES.
+    """
+    found = []
+    for name in (os.environ.get("CC"), "clang", "gcc", "cc"):
+        exe = shutil.which(name) if name else None
+        if not exe:
+            continue
+        real = os.path.realpath(exe)
+        for path in (exe, real):
+            prefix = os.path.dirname(os.path.dirname(path))  # <prefix>/bin/gcc -> <prefix>
+            if prefix not in ("", "/"):
+                found.append(prefix)
+    return found
+
+
 def default_policy(
     cache_dir: str | os.PathLike[str],
     runtime_dir: str | os.PathLike[str],
@@ -185,6 +206,7 @@ def default_policy(
         "/proc", "/sys",
         "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
         "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/alternatives",
+        *_compiler_paths(),
         *extra_read_only,
     ]
     triton_cache = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton")

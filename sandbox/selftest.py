@@ -161,6 +161,25 @@ def _clone3_probe() -> int:
     return _raw(_libc.libc().syscall(ctypes.c_long(_nr("clone3")), None, ctypes.c_size_t(0)), "clone3")
 
 
+def _compile_c_stub() -> str:
+    """What Triton does at a kernel's first launch: build a C stub with the system compiler in a
+    temp dir and load it. Fails with EACCES when the toolchain or the temp dir is out of reach."""
+    import shutil
+    import subprocess
+
+    cc = next((c for c in (os.environ.get("CC"), "clang", "gcc", "cc") if c and shutil.which(c)), None)
+    if cc is None:
+        raise OSError(errno.ENOENT, "no C compiler on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = os.path.join(tmp, "stub.c"), os.path.join(tmp, "stub.so")
+        with open(src, "w") as f:
+            f.write("int infire_stub(int x) { return x + 1; }\n")
+        proc = subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", lib, src], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise OSError(errno.EACCES if "ermission" in proc.stderr else errno.EIO, proc.stderr.strip()[-300:])
+        return f"{cc}: stub returned {ctypes.CDLL(lib).infire_stub(41)}"
+
+
 def run_probes(policy: SandboxPolicy, ro_dir: str, rw_dir: str, outside: str, with_torch: bool) -> dict[str, Any]:
     """Confine with ``policy`` and run every probe; returns the JSON-ready result."""
     matmul: Callable[[], object] | None = None
@@ -206,6 +225,7 @@ def run_probes(policy: SandboxPolicy, ro_dir: str, rw_dir: str, outside: str, wi
         "io_uring_setup": lambda: _syscall("io_uring_setup"),
         "net_devices": lambda: " ".join(line.split(":")[0].strip() for line in open("/proc/self/net/dev").readlines()[2:]),
         "fork_and_exit": lambda: os.waitpid(_fork_exit(), 0)[1],
+        "compile_c_stub": _compile_c_stub,
         "rlimits": lambda: json.dumps({n: resource.getrlimit(getattr(resource, "RLIMIT_" + n.upper())) for n in ("core", "nofile", "nproc")}),
         "cap_eff": lambda: _status_field("CapEff"),
         "no_new_privs": lambda: _status_field("NoNewPrivs"),

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,10 @@ def test_landlock_confines_files(full: dict[str, Any]) -> None:
     _denied(full, "parent_environ", "EACCES")
     for probe in ("read_allowed", "write_runtime", "own_proc_status", "fork_and_exit"):
         _ok(full, probe)
+    # Triton builds a C launcher stub at a kernel's first use, after confinement.
+    if shutil.which("gcc") or shutil.which("cc") or shutil.which("clang"):
+        _ok(full, "compile_c_stub")
+        assert full["probes"]["compile_c_stub"]["detail"].endswith("stub returned 42")
     assert full["probes"]["read_allowed"]["detail"] == "allowed\n"
 
 
@@ -161,3 +169,23 @@ def test_bpf_syscall_tables_match_libseccomp() -> None:
         for name in seccomp.DENIED_SYSCALLS:
             if name not in table:
                 assert lib.seccomp_syscall_resolve_name_arch(bpf.AUDIT_ARCH[arch], name.encode()) < 0, (arch, name)
+
+
+@pytest.mark.skipif(landlock_abi() == 0, reason="this kernel has no Landlock")
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc to wrap")
+def test_toolchain_outside_usr_stays_executable(tmp_path: Path) -> None:
+    """A compiler installed outside /usr (the GPU image keeps gcc in /opt/gcc) is found the way
+    Triton finds it ($CC, PATH) and stays executable after confinement."""
+    lay = Layout.make(tmp_path / "sbx")
+    bindir = tmp_path / "toolchain" / "bin"
+    bindir.mkdir(parents=True)
+    cc = bindir / "cc"
+    cc.write_text(f"#!/bin/sh\nexec {shutil.which('gcc')} \"$@\"\n")
+    cc.chmod(0o755)
+    env = {**lay.env(), "CC": str(cc)}
+    cmd = [sys.executable, "-m", "sandbox.selftest", "--ro", str(lay.ro), "--rw", str(lay.rw), "--outside", str(lay.secret)]
+    proc = subprocess.run(cmd, cwd=lay.tmp, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    probe = json.loads(proc.stdout)["probes"]["compile_c_stub"]
+    assert probe["ok"], probe
+    assert probe["detail"] == f"{cc}: stub returned 42"
