@@ -391,24 +391,3 @@ class EngineCore(PoolKeeper):
             }
             for name, s in self._slots.items()
         }
-
-    def memory(self) -> dict[str, Any]:
-        """The budget and who holds it, in bytes: ``budget``, ``used`` (weights + workspace + the
-        whole KV pool), ``free``, ``weights``, ``workspace``, ``kv`` (the pool), ``kv_used`` (its
-        pages held), ``page_bytes``, ``kv_pages`` / ``kv_pages_free``, and per model ``weights``,
-        ``workspace``, ``kv_min``, ``kv_used``, ``kv_pages_used``, ``kv_pages_total``."""
-        snap = self.ledger.snapshot()
-        pool = self.pool
-        pb = pool.page_bytes if pool is not None else 0
-        models = {}
-        for name, s in self._slots.items():
-            if s.pages is None:
-                continue
-            models[name] = {"weights": snap.weights.get(name, 0), "workspace": snap.workspace.get(name, 0),
-                            "kv_min": snap.kv_min.get(name, 0), "kv_used": s.pages.num_used * pb,
-                            "kv_pages_used": s.pages.num_used, "kv_pages_total": s.pages.num_total}
-        return {"budget": snap.budget, "used": snap.used, "free": snap.free,
-                "weights": sum(snap.weights.values()), "workspace": sum(snap.workspace.values()),
-                "kv": snap.kv_pool_bytes, "kv_used": sum(m["kv_used"] for m in models.values()),
-                "page_bytes": pb, "kv_pages": pool.num_pages if pool is not None else 0,
-                "kv_pages_free": pool.num_free if pool is not None else 0, "models": models}
