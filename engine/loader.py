@@ -59,13 +59,17 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     raise WeightsError(f"{d}: no *.safetensors weight files")
 
 
-def _file_jobs(path: Path, slots: dict[str, tuple[torch.Tensor, int, int]], filled: set[str]) -> list[CopyJob]:
-    """Validate one file's header against the slots; one copy job per tensor (a row range of its slot)."""
+def checked_tensors(path: Path, slots: dict, filled: set[str]):
+    """Validate one file's header, then yield ``(info, slot)`` for each tensor this model takes.
+
+    Refuses (WeightsError, naming file and tensor) a bad header, an unexpected or repeated
+    tensor and a dtype other than F32/F16/BF16; marks each yielded name in ``filled``. Shapes
+    are the caller's to check: a tensor-parallel shard expects slices, not the whole tensor.
+    """
     try:
         header = check_file(path)
     except SafetensorsError as e:
         raise WeightsError(f"{path.name}: {e}") from None
-    jobs = []
     for info in header.tensors:
         name = info.name
         if name.endswith(_IGNORED_SUFFIXES):
@@ -79,14 +83,20 @@ def _file_jobs(path: Path, slots: dict[str, tuple[torch.Tensor, int, int]], fill
             raise WeightsError(f"{path.name}: tensor {name!r} appears twice in the checkpoint")
         if info.dtype not in _ST_DTYPES:
             raise WeightsError(f"{path.name}: tensor {name!r} has dtype {info.dtype}, expected F32/F16/BF16")
-        dest, start, rows = slot
+        filled.add(name)
+        yield info, slot
+
+
+def _file_jobs(path: Path, slots: dict[str, tuple[torch.Tensor, int, int]], filled: set[str]) -> list[CopyJob]:
+    """One copy job per tensor of the file (a row range of its slot), shapes checked."""
+    jobs = []
+    for info, (dest, start, rows) in checked_tensors(path, slots, filled):
         want = (rows, *dest.shape[1:])
         if tuple(info.shape) != want:
-            raise WeightsError(f"{path.name}: tensor {name!r} has shape {list(info.shape)}, expected {list(want)}")
+            raise WeightsError(f"{path.name}: tensor {info.name!r} has shape {list(info.shape)}, expected {list(want)}")
         src = _ST_DTYPES[info.dtype]
         jobs.append(CopyJob(path, info.begin, info.end - info.begin, dest.data[start:start + rows],
                             src_dtype=None if src == dest.dtype else src))
-        filled.add(name)
     return jobs
 
 

@@ -27,14 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cache.errors import SafetensorsError
-from cache.safetensors_check import check_file
 from engine.errors import WeightsError
-from engine.loader import weight_files
+from engine.loader import checked_tensors, weight_files
 from engine.parallel.shard import TPModel
 from engine.weight_stream import CopyJob, stream_to_device
 
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # safetensors dtype → (torch dtype, numpy dtype of the same width for the strided reads)
 _DTYPES = {"F32": (torch.float32, np.float32), "F16": (torch.float16, np.float16),
            "BF16": (torch.bfloat16, np.uint16)}
@@ -78,23 +75,8 @@ def load_shard(model: TPModel, model_dir: str | Path, *, threads: int = 4, strea
     jobs: list[CopyJob] = []
     strided: list[tuple] = []
     for path in weight_files(model_dir):
-        try:
-            header = check_file(path)
-        except SafetensorsError as e:
-            raise WeightsError(f"{path.name}: {e}") from None
-        for info in header.tensors:
+        for info, slot in checked_tensors(path, slots, filled):
             name = info.name
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and name not in slots:
-                continue  # a tied head saved anyway: the embedding is the head
-            slot = slots.get(name)
-            if slot is None:
-                raise WeightsError(f"{path.name}: unexpected tensor {name!r} for this architecture")
-            if name in filled:
-                raise WeightsError(f"{path.name}: tensor {name!r} appears twice in the checkpoint")
-            if info.dtype not in _DTYPES:
-                raise WeightsError(f"{path.name}: tensor {name!r} has dtype {info.dtype}, expected F32/F16/BF16")
             dest, start, rows = slot
             tail = tuple(dest.shape[1:])
             rule = split_rule(name)
@@ -108,7 +90,6 @@ def load_shard(model: TPModel, model_dir: str | Path, *, threads: int = 4, strea
                 want = (rows, *tail)
             if tuple(info.shape) != want:
                 raise WeightsError(f"{path.name}: tensor {name!r} has shape {list(info.shape)}, expected {list(want)}")
-            filled.add(name)
             src_dtype = _DTYPES[info.dtype][0]
             cast = None if src_dtype == dest.dtype else src_dtype
             row_bytes = (info.end - info.begin) // want[0]
