@@ -15,10 +15,15 @@ TOKEN = {"Authorization": "Bearer test-admin-token"}
 CTX, SEQS = 256, 4
 
 
-def budget_for_two(model_dir: Path, max_num_batched_tokens: int = 2048) -> int:
+def budget_for_two(model_dir: Path, max_num_batched_tokens: int | None = None) -> int:
     """A CPU memory budget that holds two of these models but refuses a third, from the engine's
-    own sizes, checked by loading in-process (and raising if it does not hold)."""
+    own sizes, checked by loading in-process (and raising if it does not hold). The step budget
+    defaults to the daemon's, since the workspace the engine books grows with it."""
+    from agent.config import EngineSettings
     from engine.core import EngineCore
+
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = EngineSettings().max_num_batched_tokens
     from engine.errors import EngineError
     from engine.load_refusal import _estimate_need
 

@@ -17,7 +17,7 @@ def full_core(make_tiny_model):
     from engine.core import EngineCore
 
     src = make_tiny_model("llama")
-    core = EngineCore(device="cpu", max_num_batched_tokens=2048, memory_budget_bytes=budget_for_two(src))
+    core = EngineCore(device="cpu", max_num_batched_tokens=2048, memory_budget_bytes=budget_for_two(src, 2048))
     for n in ("old", "new"):
         core.load_model(n, str(src), max_model_len=CTX, max_num_seqs=SEQS)
     return core, str(src)
