@@ -25,6 +25,7 @@ from agent.manager import ManagerError
 from agent.openai_schema import (
     MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest, first_error, json_depth_ok,
 )
+from agent.sse import encode as sse_encode
 from agent.worker_client import WorkerDied, WorkerError
 
 if TYPE_CHECKING:
@@ -300,9 +301,7 @@ class _Formatter:
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
-    @staticmethod
-    def sse(objs: list[dict[str, Any]]) -> bytes:
-        return b"".join(b"data: " + json.dumps(o, separators=(",", ":")).encode() + b"\n\n" for o in objs)
+    sse = staticmethod(sse_encode)
 
     def _envelope(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,

@@ -129,10 +129,8 @@ class EngineCore(PoolKeeper):
             return torch.float32  # CPU matmuls in half precision are slow and inexact
         return torch.bfloat16 if cfg.dtype == "float32" else _DTYPES[cfg.dtype]
 
-    def _prepare(self, name: str, model_dir: str | Path, max_model_len: int, max_num_seqs: int,
-                 weight: float, num_kv_pages: int | None,
-                 block_size: int | None) -> tuple[ModelConfig, int, torch.dtype, LoadNeeds]:
-        """Validate a load and compute what it needs; touches nothing."""
+    def _check_load_args(self, name: str, weight: float, max_model_len: int, max_num_seqs: int) -> None:
+        """The arguments every load takes, checked before any file is read."""
         if not isinstance(name, str) or not name:
             raise EngineError("model name must be a non-empty string")
         if name in self._slots:
@@ -142,6 +140,12 @@ class EngineCore(PoolKeeper):
         for key, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 2:
                 raise EngineError(f"{key} must be an integer >= 2, got {v!r}")
+
+    def _prepare(self, name: str, model_dir: str | Path, max_model_len: int, max_num_seqs: int,
+                 weight: float, num_kv_pages: int | None,
+                 block_size: int | None) -> tuple[ModelConfig, int, torch.dtype, LoadNeeds]:
+        """Validate a load and compute what it needs; touches nothing."""
+        self._check_load_args(name, weight, max_model_len, max_num_seqs)
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
                                        or block_size < 1):
             raise EngineError("block_size must be an integer >= 1")

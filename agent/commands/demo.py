@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from agent import sse
+
 DEFAULT_MODEL = "demo-llama"
 
 
@@ -160,12 +162,11 @@ def stream_chat(port: int, name: str, prompt: str, max_tokens: int) -> dict:
     t0 = time.monotonic()
     first: float | None = None
     for line in r:
-        if not line.startswith(b"data: "):
+        chunk = sse.parse_line(line)
+        if chunk is None:
             continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
+        if chunk is sse.DONE:
             break
-        chunk = json.loads(data)
         if "error" in chunk:
             raise RuntimeError(f"stream error: {chunk['error']['message']}")
         if chunk.get("usage"):

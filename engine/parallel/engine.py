@@ -156,15 +156,7 @@ class TPEngineCore(EngineCore):
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None) -> ModelInfo:
         if self._closed:
             raise TPError("the TP engine is closed")
-        if not isinstance(name, str) or not name:
-            raise EngineError("model name must be a non-empty string")
-        if name in self._slots:
-            raise EngineError(f"model {name!r} is already loaded")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise EngineError("weight must be a positive number")
-        for key, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 2:
-                raise EngineError(f"{key} must be an integer >= 2, got {v!r}")
+        self._check_load_args(name, weight, max_model_len, max_num_seqs)
         if num_kv_pages is not None and (isinstance(num_kv_pages, bool) or not isinstance(num_kv_pages, int)):
             raise EngineError("num_kv_pages must be an integer")
         cfg = load_model_config(model_dir)

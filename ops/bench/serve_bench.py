@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agent import sse
 from ops.bench.engine_bench import REPO, _commit, _pct
 from ops.bench.workload import NAME as WORKLOAD, sharegpt_like, summary
 
@@ -53,12 +54,11 @@ async def _one(session: Any, url: str, model: str, ids: list[int], out_len: int,
         if resp.status != 200:
             return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
         async for line in resp.content:
-            if not line.startswith(b"data: "):
+            chunk = sse.parse_line(line)
+            if chunk is None:
                 continue
-            data = line[6:].strip()
-            if data == b"[DONE]":
+            if chunk is sse.DONE:
                 break
-            chunk = json.loads(data)
             if "error" in chunk:
                 return {"error": chunk["error"]["message"]}
             if chunk.get("usage"):
