@@ -23,15 +23,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def publish_tiny(make_tiny_model: Any, store_dir: Path, name: str = "tiny", arch: str = "llama") -> str:
-    """Publish a generated tiny model into a file store; returns the store URL."""
+def publish_tiny(make_tiny_model: Any, store_dir: Path, name: str | tuple[str, ...] = "tiny", arch: str = "llama") -> str:
+    """Publish a generated tiny model into a file store, under one name or several; returns the
+    store URL."""
     from cache.publish import publish_model
     from cache.store import open_store
 
     url = store_dir.as_uri()
     store = open_store(url)
     try:
-        publish_model(store, make_tiny_model(arch), name)
+        for n in (name,) if isinstance(name, str) else name:
+            publish_model(store, make_tiny_model(arch), n)
     finally:
         store.close()
     return url

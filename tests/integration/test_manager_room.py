@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.integration.agent_harness import Daemon
+from tests.integration.agent_harness import Daemon, publish_tiny
 from tests.integration.manager_helpers import (
     CTX, SEQS, TOKEN, admin, budget_for_two, complete, model, open_stream, read_stream, wait_engine_empty,
     wait_state,
@@ -20,17 +20,9 @@ NAMES = ("m-a", "m-b", "m-c", "m-k", "m-auto")
 
 @pytest.fixture(scope="module")
 def daemon(make_tiny_model, tmp_path_factory):
-    from cache.publish import publish_model
-    from cache.store import open_store
-
     tmp = tmp_path_factory.mktemp("manager-room")
     src = make_tiny_model("llama")
-    store = open_store((tmp / "store").as_uri())
-    try:
-        for n in NAMES:
-            publish_model(store, src, n)
-    finally:
-        store.close()
+    publish_tiny(make_tiny_model, tmp / "store", NAMES)
     base = {"max_model_len": CTX, "max_num_seqs": SEQS, "keep_alive": -1}
     models = [{**base, "name": "m-a", "pin": True}, {**base, "name": "m-b"}, {**base, "name": "m-c"},
               {**base, "name": "m-k", "keep_alive": "1s"}, {**base, "name": "m-auto", "autoload": True}]

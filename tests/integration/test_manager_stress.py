@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from tests.integration.agent_harness import Daemon
+from tests.integration.agent_harness import Daemon, publish_tiny
 from tests.integration.manager_helpers import (
     CTX, SEQS, TOKEN, admin, budget_for_two, model, wait_engine_empty, wait_state,
 )
@@ -23,17 +23,9 @@ DURATION_S = 12.0
 
 @pytest.fixture(scope="module")
 def daemon(make_tiny_model, tmp_path_factory):
-    from cache.publish import publish_model
-    from cache.store import open_store
-
     tmp = tmp_path_factory.mktemp("manager-stress")
     src = make_tiny_model("llama")
-    store = open_store((tmp / "store").as_uri())
-    try:
-        for n in NAMES:
-            publish_model(store, src, n)
-    finally:
-        store.close()
+    publish_tiny(make_tiny_model, tmp / "store", NAMES)
     models = [{"name": n, "max_model_len": CTX, "max_num_seqs": SEQS, "max_queue": 6, "keep_alive": -1}
               for n in NAMES]
     d = Daemon(tmp, models=models, env={"INFIRE_GPU__CPU_MEMORY_BUDGET": str(budget_for_two(src))})
