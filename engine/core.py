@@ -162,6 +162,10 @@ class EngineCore(ModelLoader, PoolKeeper):
         return bool(self._pending) or any(s.scheduler.has_unfinished() for s in self._slots.values())
 
     # -- the loop --------------------------------------------------------------------------
+    def _settle(self) -> None:
+        """Finish the step in flight, if any; its outputs are returned by the next step."""
+        return None
+
     def _pick(self) -> ModelSlot | None:
         busy = [n for n, s in self._slots.items() if s.scheduler.has_unfinished()]
         for n in busy:

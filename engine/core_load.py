@@ -49,6 +49,9 @@ class ModelLoader:
     warmup: bool
     _slots: dict[str, ModelSlot]
     _req_model: dict[str, str]
+
+    def _settle(self) -> None:  # pragma: no cover - EngineCore's: finish the step in flight
+        raise NotImplementedError
     # -- models ----------------------------------------------------------------------------
     def _dtype_for(self, cfg: ModelConfig) -> torch.dtype:
         if self.dtype_override:
@@ -109,6 +112,7 @@ class ModelLoader:
         """
         cfg, max_len, dtype, needs = self._prepare(name, model_dir, max_model_len, max_num_seqs, weight,
                                                    num_kv_pages, block_size)
+        self._settle()  # no step in flight while pages, pool and slots change
         try:
             plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
         except LoadRefused as e:
@@ -195,6 +199,7 @@ class ModelLoader:
         slot = self._slots.get(name)
         if slot is None:
             raise EngineError(f"model {name!r} is not loaded")
+        self._settle()
         for req_id in [r for r, m in self._req_model.items() if m == name]:
             self.abort_request(req_id)
         if slot.warm_key is not None and slot.model is not None:
