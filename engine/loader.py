@@ -16,7 +16,11 @@ weights in pinned host RAM: :func:`stash_weights` at unload, :func:`load_or_rest
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +34,41 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Buffers some exporters add that the engine recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@dataclass
+class WeightsReady:
+    """The load thread's result: the filled model and how it was filled."""
+
+    model: torch.nn.Module  # an engine.models.llama.LlamaModel
+    nbytes: int
+    source: str  # "warm" | "disk"
+    key: str
+    ready: Any  # torch.cuda.Event recorded behind the copies and the rope cache (None on CPU)
+
+
+@dataclass
+class PendingLoad:
+    """An EngineCore load between its phases (``engine.core_load``): booked in the ledger and
+    the pool, its weights being read in a load thread. ``done()`` is true once ``finish_load``
+    would not block; ``future`` takes a done callback (it runs on the load thread)."""
+
+    name: str
+    model_dir: str
+    cfg: Any  # engine.config.ModelConfig
+    max_len: int
+    dtype: torch.dtype
+    needs: Any  # engine.core_memory.LoadNeeds
+    max_num_seqs: int
+    weight: float
+    started: float
+    timings: dict[str, float] = field(default_factory=dict)
+    future: Future = field(default_factory=Future)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    trim: bool = False  # an unload meanwhile left the pool to be trimmed when this load ends
+
+    def done(self) -> bool:
+        return self.future.done()
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -100,11 +139,13 @@ def _file_jobs(path: Path, slots: dict[str, tuple[torch.Tensor, int, int]], fill
     return jobs
 
 
-def load_weights(model: torch.nn.Module, model_dir: str | Path, *, threads: int = 4, streams: int = 2) -> int:
+def load_weights(model: torch.nn.Module, model_dir: str | Path, *, threads: int = 4, streams: int = 2,
+                 cancel: threading.Event | None = None) -> int:
     """Fill ``model.weight_slots()`` from the folder's safetensors; returns the bytes loaded.
 
     Every header is checked and every tensor matched to its slot before a byte is copied; then
     one :func:`stream_to_device` call moves all files' ranges straight into the (fused) weights.
+    ``cancel`` set stops the copy at its next chunk (:class:`WeightStreamError`).
     """
     slots = model.weight_slots()
     filled: set[str] = set()
@@ -115,7 +156,7 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, *, threads: int 
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise WeightsError(f"{model_dir}: missing weights {', '.join(missing[:3])}{more}")
-    stream_to_device(jobs, threads=threads, streams=streams)
+    stream_to_device(jobs, threads=threads, streams=streams, cancel=cancel)
     return model.nbytes
 
 
@@ -151,7 +192,7 @@ def stash_weights(tier: WarmTier | None, key: str, model: torch.nn.Module) -> bo
 
 
 def load_or_restore(model: torch.nn.Module, model_dir: str | Path, tier: WarmTier | None = None,
-                    key: str | None = None) -> tuple[int, str]:
+                    key: str | None = None, *, cancel: threading.Event | None = None) -> tuple[int, str]:
     """Fill the model from the warm tier when it holds ``key``, else from the files.
 
     Returns (bytes, source) with source "warm" or "disk". The tier's copy stays (most recently
@@ -163,4 +204,4 @@ def load_or_restore(model: torch.nn.Module, model_dir: str | Path, tier: WarmTie
                 return model.nbytes, "warm"
         except WarmTierError:
             tier.discard(key)
-    return load_weights(model, model_dir), "disk"
+    return load_weights(model, model_dir, cancel=cancel), "disk"

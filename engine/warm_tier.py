@@ -7,6 +7,10 @@ pinned allocator is avoided because it rounds to powers of two and keeps freed b
 CUDA streams and returns when they have landed. A model bigger than the whole budget is refused
 (``put`` returns False) without evicting anything. Thread-safe (one lock); the copies run outside
 the lock only for ``restore``'s device transfers of an entry that is pinned against eviction.
+
+``note(name, tag, value)`` / ``noted(name, tag)`` keep small figures with a stored entry and go
+with it (EngineCore keeps the workspace it measured for those weights at one load shape there,
+so a reload at that shape books the figure instead of measuring it again).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +47,7 @@ class _Entry:
     slots: dict[str, _Slot]
     nbytes: int
     users: int = 0  # restores in progress: not evictable meanwhile
+    notes: dict[str, int] = field(default_factory=dict)
 
 
 def _layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, _Slot], int]:
@@ -160,6 +165,21 @@ class WarmTier:
             self._entries.move_to_end(name)
             return {n: e.buffer[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for n, s in e.slots.items()}
 
+    def note(self, name: str, tag: str, value: int) -> bool:
+        """Keep ``value`` under ``tag`` with the stored ``name`` (False: ``name`` is not stored)."""
+        with self._lock:
+            e = self._entries.get(name)
+            if e is None:
+                return False
+            e.notes[tag] = int(value)
+            return True
+
+    def noted(self, name: str, tag: str) -> int | None:
+        """The value kept under ``tag`` with ``name``; None once the entry is gone or replaced."""
+        with self._lock:
+            e = self._entries.get(name)
+            return None if e is None else e.notes.get(tag)
+
     def discard(self, name: str) -> bool:
         with self._lock:
             return self._entries.pop(name, None) is not None
@@ -187,6 +207,10 @@ class WarmTier:
         try:
             cuda = [t for t in dst.values() if t.is_cuda]
             ss = [torch.cuda.Stream(device=cuda[0].device) for _ in range(max(1, streams))] if cuda else []
+            for st in ss:
+                # The destinations were allocated on the current stream and may reuse memory its
+                # queued kernels (another model's step) still read: copy only after those.
+                st.wait_stream(torch.cuda.current_stream(cuda[0].device))
             for i, (n, t) in enumerate(dst.items()):
                 s = e.slots[n]
                 src = e.buffer[s.offset:s.offset + s.nbytes]

@@ -14,8 +14,10 @@ Loader use: for each safetensors tensor (``TensorInfo.begin/end`` from
 dest[start:start + rows], src_dtype=<file dtype>)`` and make one call per model.
 
 The call returns when every byte has landed (all streams synchronised), with :class:`StreamStats`.
-Errors (short files, bad jobs, read failures) raise :class:`WeightStreamError` before or after
-the copies; nothing is left running.
+Errors (short files, bad jobs, read failures, ``cancel`` set) raise :class:`WeightStreamError`
+before or after the copies; nothing is left running. The copy streams first wait for the
+calling thread's current stream: destinations allocated there may reuse memory that kernels
+queued on it (another model's step, when a load runs beside the step loop) still read.
 """
 
 from __future__ import annotations
@@ -159,7 +161,12 @@ class _Readers:
             raise WeightStreamError(f"weight read failed: {e}") from e
 
 
-def _cpu_stream(jobs: list[CopyJob], threads: int, chunk_bytes: int) -> int:
+def _check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise WeightStreamError("weight read cancelled")
+
+
+def _cpu_stream(jobs: list[CopyJob], threads: int, chunk_bytes: int, cancel: threading.Event | None) -> int:
     readers = _Readers(jobs, threads)
     work: queue.SimpleQueue = queue.SimpleQueue()
     chunks = _chunks(jobs, chunk_bytes)
@@ -175,6 +182,7 @@ def _cpu_stream(jobs: list[CopyJob], threads: int, chunk_bytes: int) -> int:
             c = work.get()
             if c is None:
                 return
+            _check_cancel(cancel)
             dst = staging.get(c.job)
             if dst is None:
                 dst = _byte_view(jobs[c.job].dst)
@@ -206,7 +214,8 @@ class _DoneEvent:
         pass
 
 
-def _ring_stream(jobs: list[CopyJob], threads: int, ring_bytes: int, chunk_bytes: int, nstreams: int) -> int:
+def _ring_stream(jobs: list[CopyJob], threads: int, ring_bytes: int, chunk_bytes: int, nstreams: int,
+                 cancel: threading.Event | None) -> int:
     device = jobs[0].dst.device
     cuda = device.type == "cuda"
     chunks = _chunks(jobs, chunk_bytes)
@@ -235,6 +244,9 @@ def _ring_stream(jobs: list[CopyJob], threads: int, ring_bytes: int, chunk_bytes
             ready.put((c, slot))
 
     streams = [torch.cuda.Stream(device=device) if cuda else None for _ in range(nstreams)]
+    for s in streams:
+        if s is not None:
+            s.wait_stream(torch.cuda.current_stream(device))  # see the module's docstring
     cast_stream: dict[int, int] = {}
     staging: dict[int, torch.Tensor] = {}
     remaining = {i: (j.nbytes + chunk_bytes - 1) // chunk_bytes for i, j in enumerate(jobs)}
@@ -245,6 +257,7 @@ def _ring_stream(jobs: list[CopyJob], threads: int, ring_bytes: int, chunk_bytes
         for _ in range(len(chunks)):
             while True:
                 readers.raise_first()
+                _check_cancel(cancel)
                 # give back ring slots whose copies are done, oldest first
                 while inflight and inflight[0][0].query():
                     free.put(inflight.popleft()[1])
@@ -294,13 +307,14 @@ def _ring_stream(jobs: list[CopyJob], threads: int, ring_bytes: int, chunk_bytes
 
 
 def stream_to_device(jobs: list[CopyJob], threads: int = 4, ring_bytes: int = 256 << 20, streams: int = 2,
-                     chunk_bytes: int = 8 << 20, use_ring: bool | None = None) -> StreamStats:
+                     chunk_bytes: int = 8 << 20, use_ring: bool | None = None,
+                     cancel: threading.Event | None = None) -> StreamStats:
     """Copy every job's file bytes into its destination; returns when all have landed.
 
     CUDA destinations go through ``ring_bytes`` of pinned buffers (``chunk_bytes`` each) and
     ``streams`` copy streams; CPU destinations are read into directly unless ``use_ring`` (the
     ring with plain buffers and synchronous copies: how the CPU tests drive the ring logic).
-    All destinations of one call must be on one device.
+    All destinations of one call must be on one device. ``cancel``: checked before each chunk.
     """
     if threads < 1 or streams < 1 or chunk_bytes < 4096 or ring_bytes < chunk_bytes:
         raise WeightStreamError("need threads >= 1, streams >= 1, chunk_bytes >= 4096, ring_bytes >= chunk_bytes")
@@ -314,9 +328,9 @@ def stream_to_device(jobs: list[CopyJob], threads: int = 4, ring_bytes: int = 25
         raise WeightStreamError(f"destinations span several devices: {sorted(map(str, devices))}")
     dev = devices.pop()
     if dev.type == "cuda" or (dev.type == "cpu" and use_ring):
-        n = _ring_stream(jobs, threads, ring_bytes, chunk_bytes, streams)
+        n = _ring_stream(jobs, threads, ring_bytes, chunk_bytes, streams, cancel)
     elif dev.type == "cpu":
-        n = _cpu_stream(jobs, threads, chunk_bytes)
+        n = _cpu_stream(jobs, threads, chunk_bytes, cancel)
     else:
         raise WeightStreamError(f"unsupported destination device {dev}")
     return StreamStats(sum(j.nbytes for j in jobs), time.perf_counter() - t0, n)

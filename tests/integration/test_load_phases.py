@@ -1,0 +1,179 @@
+"""EngineCore's load in phases: begin (books), the weights in a load thread, finish (installs).
+
+A gate in front of ``load_or_restore`` holds a load's weights for as long as a test wants, so
+"the other model keeps decoding while this one loads" is checked without any timing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+
+import engine.core_load as core_load
+from engine.core import EngineCore
+from engine.errors import EngineError, WeightsError
+from engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPT = [5, 9, 2, 7, 11, 3]
+
+
+class Gate:
+    """Wraps the loader's ``load_or_restore``: each call waits for ``open`` (or its cancel)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.entered = threading.Event()
+        self.real = core_load.load_or_restore
+
+    def __call__(self, model, model_dir, tier=None, key=None, *, cancel=None):
+        self.entered.set()
+        while not self.open.wait(0.005):
+            if cancel is not None and cancel.is_set():
+                break  # the real read below sees the cancel and stops
+        return self.real(model, model_dir, tier, key, cancel=cancel)
+
+
+def _core(**kw) -> EngineCore:
+    return EngineCore(device="cpu", max_num_batched_tokens=64, memory_budget=64 << 20, seed=0, **kw)
+
+
+def _generate(core: EngineCore, model: str, req: str = "r", prompt=PROMPT) -> list[int]:
+    core.add_request(req, model, list(prompt), GREEDY)
+    toks: list[int] = []
+    while core.has_unfinished_requests():
+        for o in core.step():
+            toks += o.new_token_ids
+    return toks
+
+
+def _books(core: EngineCore):
+    snap = core.ledger.snapshot()
+    return (snap.used, dict(snap.weights), dict(snap.workspace), dict(snap.kv_min), snap.kv_pool_bytes,
+            core.pool.num_pages if core.pool is not None else None,
+            sorted(core.pool.models()) if core.pool is not None else None, sorted(core.models()))
+
+
+def test_timings_and_a_warm_reload_skip_the_warm_up_at_the_same_shape(make_tiny_model):
+    d = make_tiny_model("llama")
+    core = _core(warmup=True, warm_tier_bytes=1 << 30)
+    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
+    first = core.last_load_timings
+    for k in ("config_s", "book_s", "weights_s", "rope_s", "install_s", "runner_s", "warmup_s", "total_s"):
+        assert first[k] >= 0.0, k
+    assert first["warm"] == 0.0 and first["warmup_skipped"] == 0.0
+    ref = _generate(core, "a")
+    core.unload_model("a")
+    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
+    again = core.last_load_timings
+    assert again["warm"] == 1.0 and again["warmup_skipped"] == 1.0
+    assert _generate(core, "a", "r2") == ref
+    ws = core.memory()["models"]["a"]["workspace"]
+    core.unload_model("a")
+    # Another max_num_seqs shapes another workspace: measured again, not carried over.
+    core.load_model("a", d, max_model_len=128, max_num_seqs=2)
+    other = core.last_load_timings
+    assert other["warm"] == 1.0 and other["warmup_skipped"] == 0.0
+    assert core.memory()["models"]["a"]["workspace"] != ws
+    assert _generate(core, "a", "r3") == ref
+
+
+def test_without_warm_up_nothing_is_skipped(make_tiny_model):
+    d = make_tiny_model("llama")
+    core = _core(warmup=False, warm_tier_bytes=1 << 30)
+    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
+    core.unload_model("a")
+    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
+    assert core.last_load_timings["warm"] == 1.0 and core.last_load_timings["warmup_skipped"] == 0.0
+
+
+def test_a_model_keeps_decoding_while_another_loads(make_tiny_model, monkeypatch):
+    da, db = make_tiny_model("llama"), make_tiny_model("llama", seed=1)
+    solo = _core()
+    solo.load_model("b", db, max_model_len=128, max_num_seqs=4)
+    ref_b = _generate(solo, "b")
+    core = _core()
+    core.load_model("a", da, max_model_len=128, max_num_seqs=4)
+    ref_a = _generate(core, "a", "warm-a")
+    gate = Gate()
+    monkeypatch.setattr(core_load, "load_or_restore", gate)
+    core.add_request("ra", "a", PROMPT, GREEDY)
+    pending = core.begin_load("b", db, max_model_len=128, max_num_seqs=4)
+    assert gate.entered.wait(30)
+    toks: list[int] = []
+    while core.has_unfinished_requests():
+        for o in core.step():
+            toks += o.new_token_ids
+    assert toks == ref_a and not pending.done()  # every token of A arrived while B was loading
+    with pytest.raises(EngineError, match="one load at a time"):
+        core.begin_load("c", da, max_model_len=128, max_num_seqs=4)
+    with pytest.raises(EngineError, match="already loading"):
+        core.load_model("b", db, max_model_len=128, max_num_seqs=4)
+    gate.open.set()
+    core.finish_load(pending)
+    assert sorted(core.models()) == ["a", "b"]
+    assert _generate(core, "b", "rb") == ref_b
+    assert _generate(core, "a", "ra2") == ref_a
+
+
+def test_a_failed_weight_read_leaves_the_books_as_they_were(make_tiny_model, tmp_path):
+    da = make_tiny_model("llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(make_tiny_model("llama", seed=1), bad)
+    for f in bad.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:-4096])  # the header still parses; the last tensor is short
+    core = _core()
+    core.load_model("a", da, max_model_len=128, max_num_seqs=4)
+    core.add_request("ra", "a", PROMPT, GREEDY)
+    core.step()  # a's sequence holds pages
+    before = _books(core)
+    with pytest.raises(WeightsError):
+        core.load_model("b", bad, max_model_len=128, max_num_seqs=4)
+    assert _books(core) == before
+    pending = core.begin_load("b", bad, max_model_len=128, max_num_seqs=4)
+    assert _books(core) != before  # booked while its weights are read
+    with pytest.raises(WeightsError):
+        core.finish_load(pending)
+    assert _books(core) == before and core._pending_load is None
+    while core.has_unfinished_requests():
+        core.step()
+    core.load_model("b", make_tiny_model("llama", seed=1), max_model_len=128, max_num_seqs=4)
+
+
+def test_unloading_a_model_that_is_loading_cancels_it(make_tiny_model, monkeypatch):
+    da, db = make_tiny_model("llama"), make_tiny_model("llama", seed=1)
+    core = _core()
+    core.load_model("a", da, max_model_len=128, max_num_seqs=4)
+    before = _books(core)
+    gate = Gate()
+    monkeypatch.setattr(core_load, "load_or_restore", gate)
+    pending = core.begin_load("b", db, max_model_len=128, max_num_seqs=4)
+    assert gate.entered.wait(30)
+    core.unload_model("b")  # cancels: the read stops at its first chunk
+    assert pending.done() and isinstance(pending.future.exception(), WeightsError)
+    assert _books(core) == before and core._pending_load is None
+    gate.open.set()
+    core.load_model("b", db, max_model_len=128, max_num_seqs=4)
+    assert sorted(core.models()) == ["a", "b"]
+
+
+def test_an_unload_during_a_load_defers_the_pool_trim(make_tiny_model, monkeypatch):
+    da, db, dc = (make_tiny_model("llama", seed=s) for s in (0, 1, 2))
+    core = _core()
+    core.load_model("a", da, max_model_len=128, max_num_seqs=4)
+    core.load_model("c", dc, max_model_len=128, max_num_seqs=4)
+    gate = Gate()
+    monkeypatch.setattr(core_load, "load_or_restore", gate)
+    pending = core.begin_load("b", db, max_model_len=128, max_num_seqs=4)
+    core.unload_model("c")
+    assert "b" in core.pool.models()  # its minimum stays held
+    gate.open.set()
+    core.finish_load(pending)
+    ref = _core()
+    ref.load_model("b", db, max_model_len=128, max_num_seqs=4)
+    assert _generate(core, "b") == _generate(ref, "b")
+    core.unload_model("a")
+    core.unload_model("b")
+    assert core.ledger.snapshot().used == 0
