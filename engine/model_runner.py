@@ -29,6 +29,7 @@ import torch
 
 from engine import kernels
 from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs_mixed import DEFAULT_MIXED_BUCKETS, MixedGraphs
 from engine.kv_cache import KVCache
 from engine.models.llama import AttentionMetadata, LlamaModel
 from engine.scheduler import SchedulerOutput
@@ -66,7 +67,8 @@ class ModelRunner:
     """Runs one model's steps over its KV cache."""
 
     def __init__(self, model: LlamaModel, kv: KVCache, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, decode_buckets: tuple[int, ...] = (), cuda_graphs: bool | None = None) -> None:
+                 max_model_len: int, decode_buckets: tuple[int, ...] = (), cuda_graphs: bool | None = None,
+                 mixed_buckets: tuple[int, ...] | None = None) -> None:
         self.model = model
         self.max_model_len = max_model_len
         # Batch sizes decode steps are padded to (the CUDA-graph buckets); () runs exact shapes.
@@ -104,7 +106,9 @@ class ModelRunner:
         self.host_graph_seconds = 0.0  # the share of host_seconds spent on graph-replayed steps
         self.wait_seconds = 0.0
         self.graph_steps = 0
+        self.mixed_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
+        self.mixed: MixedGraphs | None = None
         if cuda_graphs is None:
             cuda_graphs = os.environ.get("INFIRE_CUDA_GRAPHS", "1") != "0"
         if cuda_graphs and self._pin and self.decode_buckets:
@@ -116,6 +120,13 @@ class ModelRunner:
                 raise ValueError("INFIRE_GRAPHS_AT_LOAD_MAX must be an integer") from None
             self.graphs = DecodeGraphs(self.device)
             self.graphs.capture(self, self.decode_buckets, defer=tuple(b for b in self.decode_buckets if b > now_max))
+        if mixed_buckets is None:
+            mixed_buckets = DEFAULT_MIXED_BUCKETS if os.environ.get("INFIRE_MIXED_GRAPHS", "1") != "0" else ()
+        # Token buckets of the mixed-step graphs (engine/cuda_graphs_mixed.py), on CUDA with graphs.
+        self.mixed_buckets = tuple(sorted(b for b in mixed_buckets if 0 < b <= self.max_tokens))
+        if cuda_graphs and self._pin and self.mixed_buckets:
+            self.mixed = MixedGraphs(self.device, pool=self.graphs._pool if self.graphs is not None else None)
+            self.mixed.capture(self, self.mixed_buckets)
 
     def decode_meta(self, bucket: int) -> AttentionMetadata:
         """Metadata of a padded decode step of ``bucket`` rows, on the buffers' fixed prefixes."""
@@ -143,13 +154,36 @@ class ModelRunner:
                 return size
         return None
 
-    def prepare(self, out: SchedulerOutput, pad_to: int | None = None) -> PreparedStep:
+    def capture_deferred_graphs(self) -> float:
+        """Capture every graph still deferred to its first use (decode and mixed); the seconds."""
+        t = time.perf_counter()
+        if self.graphs is not None:
+            for b in sorted(self.graphs.deferred, reverse=True):
+                self.graphs.capture_deferred(self, b)
+        if self.mixed is not None:
+            for b in sorted(self.mixed.deferred, reverse=True):
+                self.mixed.capture_deferred(self, b)
+        return time.perf_counter() - t
+
+    def mixed_bucket(self, num_tokens: int) -> int | None:
+        """The smallest mixed-step graph bucket holding ``num_tokens`` tokens (None: none does)."""
+        if self.mixed is None:
+            return None
+        for size in self.mixed_buckets:
+            if size >= num_tokens:
+                return size
+        return None
+
+    def prepare(self, out: SchedulerOutput, pad_to: int | None = None,
+                pad_tokens: int | None = None) -> PreparedStep:
         """Flat inputs and attention metadata of a step, in the persistent device buffers.
 
         ``pad_to`` (decode-only steps) pads the batch to that many one-token sequences, the
         fixed shape a captured decode graph replays: padding tokens write nowhere (slot -1) and
         attend to one position of page 0; their rows are never sampled. Block tables then take
-        the full ``max_pages`` width.
+        the full ``max_pages`` width. ``pad_tokens`` (a mixed-step graph's bucket) pads the
+        tokens to that count with slot -1 and fills ``query_start_loc`` / ``seq_lens`` for all
+        ``max_num_seqs`` sequences (the rest empty), block tables at full width.
         """
         if self._copies_done is not None:
             self._copies_done.synchronize()
@@ -158,6 +192,8 @@ class ModelRunner:
         b = len(seqs)
         if pad_to is not None and (out.num_decodes != b or not b <= pad_to <= self.max_seqs):
             raise ValueError(f"pad_to={pad_to} needs a decode-only step of at most that many sequences")
+        if pad_to is not None and pad_tokens is not None:
+            raise ValueError("pad_to and pad_tokens exclude each other")
         rows_total = pad_to or b
         ids: list[int] = []
         for s in seqs:
@@ -171,8 +207,10 @@ class ModelRunner:
         np.cumsum(n_tok, out=qsl[1:])
         n = int(qsl[-1])
         max_seq = int(seq_lens.max())
-        max_pages = self.max_pages if pad_to is not None else -(-max_seq // bs)
-        if n > self.max_tokens or rows_total > self.max_seqs or -(-max_seq // bs) > self.max_pages:
+        full_width = pad_to is not None or pad_tokens is not None
+        max_pages = self.max_pages if full_width else -(-max_seq // bs)
+        if (n > self.max_tokens or rows_total > self.max_seqs or -(-max_seq // bs) > self.max_pages
+                or (pad_tokens is not None and not n <= pad_tokens <= self.max_tokens)):
             raise ValueError("step larger than the runner's buffers (scheduler limits disagree with the runner)")
         tables = np.zeros((rows_total, max_pages), dtype=np.int32)
         if b:
@@ -192,12 +230,23 @@ class ModelRunner:
             ids.extend([0] * (rows_total - b))
         entries = [i for i, s in enumerate(seqs) if s.sample]
         rows = qsl[1:][entries] - 1 if entries else np.zeros(0, dtype=np.int64)
+        if pad_tokens is not None and pad_tokens > n:
+            slots = np.concatenate([slots, np.full(pad_tokens - n, -1, dtype=np.int64)])
+            pos = np.concatenate([pos, np.zeros(pad_tokens - n, dtype=np.int64)])
+            ids.extend([0] * (pad_tokens - n))
+        if pad_tokens is not None:
+            qsl_full = np.full(self.max_seqs + 1, n, dtype=np.int64)
+            qsl_full[:b + 1] = qsl
+            lens_full = np.zeros(self.max_seqs, dtype=np.int64)
+            lens_full[:b] = seq_lens
+            qsl, seq_lens = qsl_full, lens_full
         meta = AttentionMetadata(
             slot_mapping=self._to_device(self._slots, slots),
             query_start_loc=self._to_device(self._qsl, qsl.astype(np.int32)),
             seq_lens=self._to_device(self._seq_lens, seq_lens.astype(np.int32)),
             block_tables=self._to_device(self._block_tables, tables),
-            max_query_len=int(n_tok.max()),
+            # a mixed graph's route: the prefill kernel, whatever the rows' lengths
+            max_query_len=max(int(n_tok.max()), 2) if pad_tokens is not None else int(n_tok.max()),
             # A padded decode step runs with the captured graphs' bound, so eager and replayed
             # bucket steps launch identical kernels (same split layout, same bits).
             max_seq_len=self.max_model_len if pad_to is not None else max_seq,
@@ -226,17 +275,33 @@ class ModelRunner:
         t0 = time.perf_counter()
         b = len(out.seqs)
         pad = self.decode_bucket(b) if b and out.num_decodes == b else None
-        if pad is not None and self.graphs is not None and pad in self.graphs.deferred:
+        replay = pad is not None and self.graphs is not None and all(s.sample for s in out.seqs)
+        if replay and pad in self.graphs.deferred:
             self.graphs.capture_deferred(self, pad)  # before prepare: a capture writes the input buffers
-        step = self.prepare(out, pad_to=pad)
+        mixed = None
+        if not replay and b:
+            mixed = self.mixed_bucket(sum(len(s.token_ids) for s in out.seqs))
+            if mixed is not None:
+                pad = None
+                if mixed in self.mixed.deferred:
+                    self.mixed.capture_deferred(self, mixed)
+        step = self.prepare(out, pad_to=pad, pad_tokens=mixed)
         ids = None
         graph = False
-        if (pad is not None and self.graphs is not None and pad in self.graphs.graphs
-                and len(step.sample_entries) == b):
+        if replay and pad in self.graphs.graphs:
             logits_all, ids_all = self.graphs.replay(pad)
             logits, ids = logits_all[:b], ids_all[:b]
             self.graph_steps += 1
             graph = True
+        elif mixed is not None:
+            hidden = self.mixed.replay(mixed)
+            self.mixed_graph_steps += 1
+            graph = True
+            if not step.sample_entries:
+                self.host_graph_seconds += time.perf_counter() - t0
+                self.host_seconds += time.perf_counter() - t0
+                return PendingStep(0, None, None, None, None, None)
+            logits = self.model.compute_logits(hidden.index_select(0, step.logits_rows))
         elif step.sample_entries:
             logits = self.forward_logits(step)
         else:

@@ -57,10 +57,11 @@ def sharp_model(tmp_path_factory):
     return get
 
 
-def _engine(model_dir, graphs: bool, monkeypatch):
+def _engine(model_dir, graphs: bool, monkeypatch, mixed: bool = False):
     from engine.core import EngineCore
 
     monkeypatch.setenv("INFIRE_CUDA_GRAPHS", "1" if graphs else "0")
+    monkeypatch.setenv("INFIRE_MIXED_GRAPHS", "1" if mixed else "0")
     core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
                       decode_buckets=(1, 2, 4, 8, 16))
     core.load_model("m", model_dir, max_model_len=256, max_num_seqs=16)
@@ -177,3 +178,51 @@ def test_deferred_graphs_match_eager_and_launches_are_cached(sharp_model, monkey
     for lau in (norm_triton._RMS_NORM_LAUNCH, rope_triton._ROPE_LAUNCH, kv_write_triton._KV_WRITE_LAUNCH,
                 activation_triton._SILU_MUL_LAUNCH, attention_triton._PREFILL_LAUNCH, attention_triton._DECODE_LAUNCH):
         assert lau.enabled and lau.hits > 0, (lau.fn, lau.enabled, lau.hits, lau.misses)
+
+
+class _EagerMixed:
+    """The forward a mixed-step graph captured, run eagerly on the same padded buffers."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.deferred, self.steps = runner, set(), 0
+
+    def replay(self, bucket: int):
+        from engine.cuda_graphs_mixed import MixedGraphs
+
+        self.steps += 1
+        with torch.inference_mode():
+            return MixedGraphs._forward(self.runner, bucket)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_step_graphs_match_their_eager_forward(arch, sharp_model, monkeypatch):
+    """Every prefill and mixed step replays a mixed-step graph (token buckets, padding tokens,
+    empty sequence slots) and gives exactly the tokens of the same padded forward run eagerly,
+    and the tokens of the unpadded eager engine for greedy decoding up to bf16 ties."""
+    from engine.sampling import SamplingParams
+
+    d = sharp_model(arch)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=GEN, ignore_eos=True)
+    core = _engine(d, True, monkeypatch, mixed=True)
+    runner = core._slots["m"].runner
+    assert runner.mixed is not None and max(runner.mixed_buckets) in runner.mixed.graphs
+    got, _ = _run(core, PROMPTS, params)
+    assert runner.mixed_graph_steps > 0 and runner.graph_steps > 0
+    del core, runner
+    core = _engine(d, True, monkeypatch, mixed=True)
+    runner = core._slots["m"].runner
+    runner.mixed = _EagerMixed(runner)
+    want, _ = _run(core, PROMPTS, params)
+    assert runner.mixed.steps > 0
+    assert got == want
+    del core, runner
+    # replaying every captured bucket on all-padding inputs writes no K/V
+    core = _engine(d, True, monkeypatch, mixed=True)
+    slot = core._slots["m"]
+    slot.kv.buffer.zero_()
+    g = slot.runner.mixed
+    for b in sorted(g.graphs):
+        g._fill_padding(slot.runner, b)
+        g.replay(b)
+    torch.cuda.synchronize()
+    assert not slot.kv.buffer.any().item()

@@ -276,8 +276,8 @@ def test_decode_steps_padded_to_graph_buckets_give_the_same_tokens(model_dir, re
     shapes = []
     orig = runner.prepare
 
-    def spy(out, pad_to=None):
-        step = orig(out, pad_to)
+    def spy(out, pad_to=None, **kw):
+        step = orig(out, pad_to, **kw)
         shapes.append((len(out.seqs), pad_to, step.input_ids.shape[0], tuple(step.meta.block_tables.shape)))
         return step
 

@@ -1,0 +1,85 @@
+"""Mixed-step graph inputs (engine/cuda_graphs_mixed.py), checked on CPU without a graph: every
+step is padded to a token bucket and run through the exact forward a captured graph replays
+(full-size sequence buffers, padding tokens that belong to no sequence, the prefill kernel for
+every row), and must give the tokens of the unpadded engine — with the torch references and with
+the Triton kernels under the interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # pragma: no cover - tests/gpu covers the captured graphs
+    pytest.skip("CPU emulation of the graphs; tests/gpu replays real ones", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+
+from engine.cuda_graphs_mixed import MixedGraphs  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+PROMPTS = [[1, 5, 9, 13, 2, 7, 3, 8, 21, 4, 6, 11, 19, 20, 22, 23, 24, 30], [3, 4, 5], [7] * 40, [9, 2]]
+PARAMS = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+          SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=5, max_tokens=7, ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+          SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True)]
+
+
+class EagerMixed:
+    """Stands in for MixedGraphs on CPU: 'replay' runs the captured forward eagerly."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.deferred: set[int] = set()
+        self.buckets: list[int] = []
+
+    def replay(self, bucket: int) -> torch.Tensor:
+        self.buckets.append(bucket)
+        with torch.inference_mode():
+            return MixedGraphs._forward(self.runner, bucket)
+
+
+def _generate(model_dir, padded: bool):
+    llm = LLM(model_dir, device="cpu", max_model_len=128, block_size=4, max_prefill_chunk=16, dtype="float32",
+              max_num_seqs=4)
+    runner = next(iter(llm.core._slots.values())).runner
+    fake = None
+    if padded:
+        fake = EagerMixed(runner)
+        runner.mixed = fake
+        runner.mixed_buckets = (8, 16, 24, 32, 64)
+    outs = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    return outs, fake
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_every_step_padded_to_a_token_bucket_gives_the_same_tokens(make_tiny_model, monkeypatch, kernels):
+    pytest.importorskip("triton") if kernels == "triton" else None
+    monkeypatch.setenv("INFIRE_KERNELS", kernels)
+    model_dir = make_tiny_model("llama")
+    plain, _ = _generate(model_dir, padded=False)
+    padded, fake = _generate(model_dir, padded=True)
+    assert [len(t) for t in plain] == [p.max_tokens for p in PARAMS]
+    assert padded == plain
+    # prefill chunks, mixed steps and decode steps all went through the padded forward, and
+    # some of them carried padding tokens that belong to no sequence
+    assert len(fake.buckets) >= 12 and {8, 24} <= set(fake.buckets)
+
+
+def test_prepare_pads_tokens_and_fills_every_sequence_slot(make_tiny_model):
+    llm = LLM(make_tiny_model("llama"), device="cpu", max_model_len=64, block_size=4, dtype="float32",
+              max_num_seqs=4)
+    core = llm.core
+    slot = next(iter(core._slots.values()))
+    core.add_request("a", slot.name, [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    out = slot.scheduler.schedule()
+    step = slot.runner.prepare(out, pad_tokens=8)
+    assert step.input_ids.tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
+    assert step.meta.slot_mapping.tolist()[5:] == [-1, -1, -1]
+    assert step.meta.query_start_loc.tolist() == [0, 5, 5, 5, 5]  # max_num_seqs + 1 entries
+    assert step.meta.seq_lens.tolist() == [5, 0, 0, 0]
+    assert step.meta.block_tables.shape == (1, slot.runner.max_pages)
+    assert step.meta.max_query_len >= 2 and step.logits_rows.tolist() == [4]
+    with pytest.raises(ValueError):
+        slot.runner.prepare(out, pad_tokens=4)  # fewer than the step's tokens
