@@ -64,7 +64,7 @@ class ModelLoader:
     _req_model: dict[str, str]
     # Instance attributes once set (class defaults so EngineCore.__init__ need not know them):
     _pending_load: PendingLoad | None = None
-    last_load_timings: dict[str, float] = {}  # replaced, never mutated, by each load
+    last_load_timings: dict[str, float] = {}  # noqa: RUF012 - replaced, never mutated, by each load
 
     def _settle(self) -> None:  # pragma: no cover - EngineCore's: finish the step in flight
         raise NotImplementedError
@@ -339,13 +339,14 @@ class ModelLoader:
         self._settle()
         for req_id in [r for r, m in self._req_model.items() if m == name]:
             self.abort_request(req_id)
-        if slot.warm_key is not None and slot.model is not None:
-            if stash_weights(self.warm_tier, slot.warm_key, slot.model) and self.warmup and slot.needs is not None:
-                # The workspace booked for it was measured (or carried over): a reload at this
-                # shape books the same figure and skips the warm-up step.
-                shape = self._workspace_shape(slot.max_num_seqs, slot.scheduler.config.max_model_len,
-                                              slot.model.dtype, slot.needs.tokens_per_page)
-                self.warm_tier.note(slot.warm_key, shape, slot.workspace_bytes)
+        stashed = slot.warm_key is not None and slot.model is not None and stash_weights(
+            self.warm_tier, slot.warm_key, slot.model)
+        if stashed and self.warmup and slot.needs is not None:
+            # The workspace booked for it was measured (or carried over): a reload at this shape
+            # books the same figure and skips the warm-up step.
+            shape = self._workspace_shape(slot.max_num_seqs, slot.scheduler.config.max_model_len,
+                                          slot.model.dtype, slot.needs.tokens_per_page)
+            self.warm_tier.note(slot.warm_key, shape, slot.workspace_bytes)
         del self._slots[name]
         if name in self.picker:
             self.picker.remove_model(name)

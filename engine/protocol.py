@@ -233,6 +233,26 @@ class Error(Message):
     details: dict[str, Any] = field(default_factory=dict)
 
 
+def plain(obj: Any) -> Any:
+    """A msgpack-safe copy: map keys become strings (peers decode with strict keys), numpy and
+    torch scalars plain numbers."""
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        return obj.item()
+    return obj
+
+
+def info_dict(info: Any) -> dict[str, Any]:
+    """``Loaded.info`` from an engine ``ModelInfo`` (or a map)."""
+    if isinstance(info, dict):
+        return plain(info)
+    names = ("name", "vocab_size", "max_model_len", "eos_token_ids", "device_bytes", "kv_pages", "block_size")
+    return plain({n: getattr(info, n) for n in names if hasattr(info, n)})
+
+
 # --- encoding ---------------------------------------------------------------------------------
 
 

@@ -7,10 +7,12 @@ whatever commands have arrived without blocking (timeout 0 while the engine has 
 A side thread sends ``Heartbeat`` frames so the agent can tell "alive but inside a long load"
 from "dead". The worker exits when the socket closes, so it never outlives the agent.
 
-A ``Load`` runs inside the loop, so other models' steps wait for it (seconds for an 8B model on
-a GPU). Overlapping them needs EngineCore to split a load into a thread-safe "read and copy
-weights" part and a short "install the slot" part; until then the agent side is what stays
-responsive (loads are background tasks there, and heartbeats continue from the side thread).
+A ``Load`` does not stop the loop: ``EngineCore.begin_load`` books it and starts reading the
+weights in a load thread, the loop keeps stepping the other models, and when the weights are in
+(the thread wakes the selector) ``finish_load`` installs the model and ``Loaded`` is sent. Loads
+run one at a time, in arrival order; an ``Unload`` of a model whose load is queued or in flight
+cancels it (``Error(op="load", code="cancelled")``, then ``Unloaded``). A core whose
+``load_model`` is its own (the tensor-parallel engine) loads inside the loop as before.
 
 ``--engine none`` runs the loop with no EngineCore (loads are refused with a clear error); the
 agent's supervision tests use it to exercise the process and the protocol without torch.
@@ -27,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from engine import protocol as P
@@ -76,22 +79,10 @@ class _Phase:
             self.name, self.since = name, time.monotonic()
 
 
-def _plain(obj: Any) -> Any:
-    """msgpack-safe copy: map keys must be strings (the agent decodes with strict keys)."""
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
-        return obj.item()
-    return obj
-
-
-def _info_dict(info: Any) -> dict[str, Any]:
-    if isinstance(info, dict):
-        return _plain(info)
-    names = ("name", "vocab_size", "max_model_len", "eos_token_ids", "device_bytes", "kv_pages", "block_size")
-    return _plain({n: getattr(info, n) for n in names if hasattr(info, n)})
+def _loads_in_background(core: Any) -> bool:
+    """Whether ``core.load_model`` is EngineCore's own three phases (begin, weights, finish)."""
+    load = getattr(type(core), "load_model", None)
+    return getattr(load, "__qualname__", "") == "ModelLoader.load_model" and hasattr(core, "begin_load")
 
 
 class Worker:
@@ -102,6 +93,12 @@ class Worker:
         self.steps = 0
         self.running = True
         self._last_status = 0.0
+        self._queued: deque[P.Load] = deque()  # loads waiting for the one in flight
+        self._loading: tuple[P.Load, Any, float] | None = None  # (message, PendingLoad, start)
+        # The load thread writes a byte here when its weights are in, so an idle loop wakes up.
+        self._wake_r, self._wake_w = socket.socketpair()
+        for end in (self._wake_r, self._wake_w):
+            end.setblocking(False)
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -139,33 +136,90 @@ class Worker:
             self.conn.send(P.Error(op="add", message=str(e), code=type(e).__name__, req_id=msg.req_id, model=msg.model))
 
     def _load(self, msg: P.Load) -> None:
-        if self._no_engine("load", model=msg.model):
-            return
-        self.phase.set(f"loading:{msg.model}")
-        t0 = time.monotonic()
-        from engine.load_refusal import accepts_evictable, refusal_details
+        if not self._no_engine("load", model=msg.model):
+            self._queued.append(msg)
+            self._next_load()
 
-        offer = {"evictable": list(msg.evictable)} if msg.evictable and accepts_evictable(self.core) else {}
+    def _offer(self, msg: P.Load) -> dict[str, Any]:
+        from engine.load_refusal import accepts_evictable
+
+        return {"evictable": list(msg.evictable)} if msg.evictable and accepts_evictable(self.core) else {}
+
+    def _load_failed(self, msg: P.Load, e: Exception) -> None:
+        from engine.load_refusal import refusal_details
+
+        details = refusal_details(self.core, e, model_dir=msg.model_dir, max_model_len=msg.max_model_len,
+                                  max_num_seqs=msg.max_num_seqs, offered=list(msg.evictable))
+        code = "no_room" if details is not None else type(e).__name__
+        self.conn.send(P.Error(op="load", message=f"{type(e).__name__}: {e}", code=code, model=msg.model,
+                               details=P.plain(details or {})))
+
+    def _next_load(self) -> None:
+        """Begin the oldest queued load when none is in flight (refusals are answered at once)."""
+        while self._loading is None and self._queued:
+            msg = self._queued.popleft()
+            t0 = time.monotonic()
+            args = dict(max_model_len=msg.max_model_len, max_num_seqs=msg.max_num_seqs, weight=msg.weight,
+                        **self._offer(msg))
+            try:
+                if not _loads_in_background(self.core):  # a load_model of its own: inside the loop
+                    self.phase.set(f"loading:{msg.model}")
+                    self._loaded(msg, self.core.load_model(msg.model, msg.model_dir, **args), t0)
+                    continue
+                pending = self.core.begin_load(msg.model, msg.model_dir, **args)
+            except Exception as e:
+                self._load_failed(msg, e)
+                continue
+            self._loading = (msg, pending, t0)
+            pending.future.add_done_callback(lambda _f: self._wake())
+
+    def _wake(self) -> None:
         try:
-            info = self.core.load_model(
-                msg.model, msg.model_dir, max_model_len=msg.max_model_len,
-                max_num_seqs=msg.max_num_seqs, weight=msg.weight, **offer,
-            )
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # the loop is gone, or already has a wake-up pending
+
+    def _finish_load(self) -> None:
+        """Install the load in flight once its weights are in."""
+        if self._loading is None or not self._loading[1].done():
+            return
+        msg, pending, t0 = self._loading
+        self._loading = None
+        try:
+            self._loaded(msg, self.core.finish_load(pending), t0)
         except Exception as e:
-            details = refusal_details(self.core, e, model_dir=msg.model_dir, max_model_len=msg.max_model_len,
-                                      max_num_seqs=msg.max_num_seqs, offered=list(msg.evictable))
-            code = "no_room" if details is not None else type(e).__name__
-            self.conn.send(P.Error(op="load", message=f"{type(e).__name__}: {e}", code=code, model=msg.model,
-                                   details=_plain(details or {})))
-        else:
-            self.conn.send(P.Loaded(model=msg.model, info=_info_dict(info), seconds=time.monotonic() - t0))
+            self._load_failed(msg, e)
+        self._next_load()
+
+    def _loaded(self, msg: P.Load, info: Any, t0: float) -> None:
+        self.conn.send(P.Loaded(model=msg.model, info=P.info_dict(info), seconds=time.monotonic() - t0))
+
+    def _cancel_load(self, model: str) -> bool:
+        """Cancel a queued or in-flight load of ``model`` (its ``Load`` is answered with
+        ``Error(code="cancelled")``); True when there was one."""
+        queued = [m for m in self._queued if m.model == model]
+        for m in queued:
+            self._queued.remove(m)
+        flight = self._loading is not None and self._loading[0].model == model
+        if not (queued or flight):
+            return False
+        try:
+            if flight:
+                pending, self._loading = self._loading[1], None
+                self.core.cancel_load(pending)  # waits for the load thread to let go of the weights
         finally:
-            self.phase.set("idle")
+            self.conn.send(P.Error(op="load", message=f"the load of {model!r} was cancelled by an unload",
+                                   code="cancelled", model=model))
+            self._next_load()
+        return True
 
     def _unload(self, msg: P.Unload) -> None:
         if self._no_engine("unload", model=msg.model):
             return
         try:
+            if self._cancel_load(msg.model):
+                self.conn.send(P.Unloaded(model=msg.model))
+                return
             self.core.unload_model(msg.model)
         except Exception as e:
             self.conn.send(P.Error(op="unload", message=str(e), code=type(e).__name__, model=msg.model))
@@ -184,7 +238,7 @@ class Worker:
         self.steps += 1
         if outs:
             packed = [
-                P.pack_output(o.req_id, list(o.new_token_ids), o.finish_reason, _plain(o.logprobs), o.num_prompt_tokens)
+                P.pack_output(o.req_id, list(o.new_token_ids), o.finish_reason, P.plain(o.logprobs), o.num_prompt_tokens)
                 for o in outs
             ]
             self.conn.send(P.Tokens(step=self.steps, outputs=packed))
@@ -197,26 +251,38 @@ class Worker:
         if now - self._last_status < STATUS_INTERVAL_S:
             return
         self._last_status = now
-        models = _plain(self.core.stats()) if self.core is not None else {}
+        models = P.plain(self.core.stats()) if self.core is not None else {}
         self.conn.send(P.Status(steps=self.steps, busy=busy, models=models))
 
     def run(self) -> int:
         sel = selectors.DefaultSelector()
         sel.register(self.conn.sock, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
         while self.running:
             busy = self._busy()
             if not busy:
-                self.phase.set("idle")
-            if sel.select(0 if busy else STATUS_INTERVAL_S):
+                self.phase.set(f"loading:{self._loading[0].model}" if self._loading else "idle")
+            for key, _ in sel.select(0 if busy else STATUS_INTERVAL_S):
+                if key.fileobj is self._wake_r:
+                    self._drain_wake()
+                    continue
                 msgs = self.conn.read_available()
                 if msgs is None:
                     return 0  # the agent is gone: nothing left to serve
                 for m in msgs:
                     self.handle(m)
+            self._finish_load()
             if self._busy():
                 self._step()
             self._maybe_status(self._busy())
         return 0
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
 
 
 def _heartbeat_loop(conn: _Conn, phase: _Phase, stop: threading.Event) -> None:
@@ -309,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when we stop
     sock = socket.socket(fileno=args.fd)
     sock.setblocking(True)
+    # Never closed here: EOF must mean the process is gone (the agent kills one still there).
+    os.dup(sock.fileno())
     conn = _Conn(sock)
     core, device, err = _make_core(options)
     skipped = _confine(options) if core is not None else ""

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-import engine.core_load as core_load
+from engine import core_load
 from engine.core import EngineCore
 from engine.errors import EngineError, WeightsError
 from engine.sampling import SamplingParams
