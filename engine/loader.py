@@ -185,10 +185,15 @@ def warm_key(name: str, model_dir: str | Path) -> str:
 
 
 def stash_weights(tier: WarmTier | None, key: str, model: torch.nn.Module) -> bool:
-    """At unload: keep a host copy of the model's weights in the warm tier (False: no tier or no room)."""
+    """At unload: keep a host copy of the model's weights in the warm tier (False: no tier or no room).
+
+    A copy already stored under ``key`` is kept as it is: the key names the files' identity and
+    the engine never writes weights, so the bytes are the same (a 16 GB re-copy costs seconds).
+    """
     if tier is None:
         return False
-    return tier.put(key, model_tensors(model))
+    tensors = model_tensors(model)
+    return tier.keep(key, tensors) or tier.put(key, tensors)
 
 
 def load_or_restore(model: torch.nn.Module, model_dir: str | Path, tier: WarmTier | None = None,

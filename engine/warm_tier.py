@@ -122,6 +122,17 @@ class WarmTier:
                 log.info("warm tier: evicted %s (%d bytes)", name, e.nbytes)
         return True
 
+    def keep(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
+        """Mark ``name`` most recently used when it is stored with exactly these names, shapes
+        and dtypes, without copying a byte (True); the caller vouches that the bytes are equal."""
+        slots, _ = _layout(tensors)
+        with self._lock:
+            e = self._entries.get(name)
+            if e is None or e.users or e.slots != slots:
+                return False
+            self._entries.move_to_end(name)
+            return True
+
     def put(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
         """Store host copies of ``tensors`` (any device) under ``name``, replacing an older copy.
 
