@@ -1,21 +1,34 @@
 """Several models on one device under one budget (issue 7): swap time, sharing cost, fairness.
 
-Two big models of one shape (A, B) and one small (C) in one in-process EngineCore whose budget
-holds two big models but not all three. Measures, and prints one JSON result:
+Two big models of one shape (A, B) and one small (C) in one in-process EngineCore (no HTTP) whose
+budget holds A and B, each with ``--kv-gib`` of KV reserved, but not C beside them. Phases, in order:
 
-- ``load``: first loads of A and B (seconds; from disk or the page cache, whatever it is);
-- ``refusal``: the load of C refused with the numbers, and the plan with A, B offered (LRU A);
-- ``swap``: unload A, load C (page cache), unload C, load A again (page cache, or the warm tier
-  when the engine has one: ``warm_tier`` tells which);
-- ``throughput``: A alone, B alone, A and B together, offline (every request added at t0),
-  output tok/s; ``together_vs_alone`` = together / mean(alone);
-- ``ttft``: a quiet model's time to first token alone, and next to a flooded one (the flood
-  kept at ``--flood`` requests in flight); ``ratio`` = median flooded / median solo.
+1. ``load``: A then B (the first load of a process compiles kernels); ``refusal``: C refused
+   before the device is touched, with the numbers, and the plan offered (evict A, the LRU one).
+2. ``warm_up`` (not timed): every decode bucket run once per model (graphs captured), then
+   sharegpt-like traffic on both; ``engine.per_model.*.deferred_graphs_before`` of each later
+   phase shows that no graph was left to capture inside a timed window.
+3. ``saturated``: ``--num-requests`` sharegpt-like requests (ops/bench/workload.py, engine_bench's
+   workload) per model, all added at t0: A alone, B alone, A and B together.
+   ``together_vs_alone`` = together total tok/s / mean of the two alone (goal ≥ 0.90).
+4. ``light``: open loop, each model's requests (``--prompt-len`` → ``--gen-len`` tokens) due at
+   ``--light-rate`` per second (seeded Poisson, the same schedule solo and together) for
+   ``--light-duration`` s; delivered output tok/s inside [``--light-ramp``, duration), TTFT,
+   TPOT, mean requests in flight. A solo, B solo, both together; ratio together / solo per
+   model (goal ≥ 0.90 on delivered tok/s; the TPOT ratio is the cost of sharing).
+5. ``ttft``: B quiet (``--trickle`` requests, one due every ``--ttft-interval`` s), alone and
+   next to A kept at each ``--flood`` level of sharegpt-like requests in flight; ratio of
+   medians flooded / solo (goal ≤ 2).
+6. ``swap``: A out (into the warm tier), C in; C out, A in from the warm tier (goal: the swap
+   ≤ 1 s); A out and in again from its files (page cache) with the warm tier set aside.
+
+Each timed phase records its step() calls and, per model, engine steps (graph / eager), host ms
+per step and wall ms per engine step, so a low figure can be explained from the JSON alone.
 
     python -m ops.bench.multi_model_bench --device cpu                      (tiny models, CI box)
-    python -m ops.bench.multi_model_bench --device cuda --preset llama-3.1-8b --small-preset small \\
-        --work /tmp/mm --num-requests 256 --gen-len 128 --flood 128          (the H200 run)
-    python -m ops.bench.multi_model_bench --big A_DIR B_DIR --small C_DIR --device cuda
+    python -m ops.bench.multi_model_bench --device cuda --big /tmp/m8b /tmp/m8b --small /tmp/msmall \\
+        --kv-gib 36 --num-requests 300 --flood 128 512 --warm-tier-bytes 42949672960 \\
+        --out mm.json                                                       (the H200 run)
 
 Model folders are generated (random weights, ``engine.modelgen``) under ``--work`` unless given.
 """
@@ -23,149 +36,95 @@ Model folders are generated (random weights, ``engine.modelgen``) under ``--work
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
-import random
+import shlex
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from engine.core import EngineCore, LoadRefused
-from engine.sampling import SamplingParams
+from engine.core import LoadRefused
+from ops.bench.engine_bench import _commit, _device_name
+from ops.bench.multi_model_phases import Bench, light_ratios
+from ops.bench.multi_model_setup import env, make_models, plan_budget, ratio
+from ops.bench.multi_model_summary import goals, summary
 
 
-def make_models(work: Path, arch: str, preset: str, small_arch: str, small_preset: str) -> dict[str, Path]:
-    """A and B (same shape, different seeds) and C, generated once under ``work``."""
-    from engine.modelgen import make_model
+def _phase_saturated(b: Bench, res: dict[str, Any]) -> None:
+    work, dropped = {}, {}
+    for i, m in enumerate(("A", "B")):
+        work[m], dropped[m] = b.sharegpt(m, b.a.num_requests, b.a.seed + i)
+    a = b.a
+    t = {"workload": "sharegpt-like", "mode": a.sat_mode, "distinct_requests_per_model": {m: len(w) for m, w in work.items()},
+         "dropped_longer_than_max_model_len": dropped, "in_flight_per_model": a.sat_in_flight if a.sat_mode == "steady" else None,
+         "duration_s": a.sat_duration, "window_s": [a.sat_ramp, a.sat_duration],
+         "A_alone": b.saturated(["A"], work), "B_alone": b.saturated(["B"], work),
+         "together": b.saturated(["A", "B"], work)}
+    alone = statistics.mean([t["A_alone"]["total_tok_s"], t["B_alone"]["total_tok_s"]])
+    alone_out = statistics.mean([t["A_alone"]["output_tok_s"], t["B_alone"]["output_tok_s"]])
+    t["together_vs_alone"] = t["together"]["total_tok_s"] / alone
+    t["together_vs_alone_output"] = t["together"]["output_tok_s"] / alone_out
+    res["saturated"] = t
 
-    out = {}
-    for name, (a, p, seed) in {"A": (arch, preset, 0), "B": (arch, preset, 1),
-                               "C": (small_arch, small_preset, 2)}.items():
-        d = work / f"{name}-{a}-{p}-s{seed}"
-        if not (d / "config.json").is_file():
-            make_model(d, a, p, seed=seed, device="cpu")
-        out[name] = d
-    return out
+
+def _phase_light(b: Bench, res: dict[str, Any]) -> None:
+    a = b.a
+    sched = {m: b.arrivals(m, i) for i, m in enumerate(("A", "B"))}
+    solo = {"A": b.light(["A"], sched), "B": b.light(["B"], sched)}
+    both = b.light(["A", "B"], sched)
+    sat = res.get("saturated", {})
+    frac = {m: ratio(solo[m]["per_model"][m]["offered_tok_s"], sat[f"{m}_alone"]["output_tok_s"])
+            for m in ("A", "B") if f"{m}_alone" in sat}
+    res["light"] = {"rate_per_model_req_s": a.light_rate, "arrivals": a.light_arrivals,
+                    "duration_s": a.light_duration, "window_s": [a.light_ramp, a.light_duration],
+                    "prompt_len": a.prompt_len, "gen_len": a.gen_len,
+                    "offered_vs_saturated_alone_output": frac,
+                    "A_solo": solo["A"], "B_solo": solo["B"], "together": both,
+                    "together_vs_solo": light_ratios(solo, both)}
 
 
-class Bench:
-    """One engine and the knobs every phase shares."""
-
-    def __init__(self, a: argparse.Namespace, dirs: dict[str, Path]) -> None:
-        self.a = a
-        self.dirs = dirs
-        self.rng = random.Random(a.seed)
-        probe = EngineCore(device=a.device, max_num_batched_tokens=a.max_num_batched_tokens,
-                           memory_budget=a.probe_budget)
-        self.needs = {n: probe.check_load(n, d, a.max_model_len, a.max_num_seqs).needed for n, d in dirs.items()}
-        del probe
-        big = max(self.needs["A"], self.needs["B"])
-        # Holds two big models (and their KV minimums) but not a third model beside them.
-        self.budget = a.budget or 2 * big + self.needs["C"] // 2
-        self.core = EngineCore(device=a.device, max_num_batched_tokens=a.max_num_batched_tokens,
-                               memory_budget=self.budget, decode_buckets=tuple(a.decode_buckets), seed=a.seed,
-                               warm_tier_bytes=a.warm_tier_bytes)
-        self.vocab: dict[str, int] = {}
-        self._n = 0
-
-    def load(self, name: str) -> float:
-        t0 = time.perf_counter()
-        info = self.core.load_model(name, self.dirs[name], max_model_len=self.a.max_model_len,
-                                    max_num_seqs=self.a.max_num_seqs)
-        self.vocab[name] = info.vocab_size
-        return time.perf_counter() - t0
-
-    def unload(self, name: str) -> float:
-        t0 = time.perf_counter()
-        self.core.unload_model(name)
-        while self.core.has_unfinished_requests():  # flush the abort outputs
-            self.core.step()
-        return time.perf_counter() - t0
-
-    def add(self, model: str, gen_len: int) -> str:
-        self._n += 1
-        rid = f"{model}-{self._n}"
-        prompt = [self.rng.randrange(10, self.vocab[model]) for _ in range(self.a.prompt_len)]
-        self.core.add_request(rid, model, prompt, SamplingParams(temperature=0, max_tokens=gen_len, ignore_eos=True))
-        return rid
-
-    def offline(self, models: list[str], n: int | None = None) -> dict[str, Any]:
-        """Every request added at t0, stepped to the end: output tok/s, total and per model."""
-        for m in models:
-            for _ in range(self.a.num_requests if n is None else n):
-                self.add(m, self.a.gen_len)
-        per = dict.fromkeys(models, 0)
-        t0 = time.perf_counter()
-        while self.core.has_unfinished_requests():
-            for o in self.core.step():
-                per[o.req_id.split("-")[0]] += len(o.new_token_ids)
-        wall = time.perf_counter() - t0
-        return {"seconds": wall, "output_tok_s": sum(per.values()) / wall,
-                "per_model_tok_s": {m: n / wall for m, n in per.items()}}
-
-    def ttft(self, quiet: str, flood: str | None) -> list[float]:
-        """Seconds from add to first token of ``--trickle`` short quiet requests, one at a time;
-        with ``flood``, that model is kept at ``--flood`` requests in flight meanwhile."""
-        out = []
-        live: set[str] = set()
-        for _ in range(self.a.trickle):
-            if flood is not None:
-                while len(live) < self.a.flood:
-                    live.add(self.add(flood, self.a.gen_len))
-                for _ in range(self.a.settle_steps):  # the flood is mid-stream when the quiet one arrives
-                    for o in self.core.step():
-                        if o.finish_reason:
-                            live.discard(o.req_id)
-            rid = self.add(quiet, 2)
-            t0 = time.perf_counter()
-            first = None
-            done = False
-            while not done:
-                for o in self.core.step():
-                    if o.req_id == rid:
-                        first = first if first is not None else time.perf_counter() - t0
-                        done = o.finish_reason is not None
-                    elif o.finish_reason:
-                        live.discard(o.req_id)
-            out.append(first)
-        for rid in live:
-            self.core.abort_request(rid)
-        while self.core.has_unfinished_requests():
-            self.core.step()
-        return out
+def _phase_ttft(b: Bench, res: dict[str, Any]) -> None:
+    a = b.a
+    flood_work, _ = b.sharegpt("A", max(256, 4 * max(a.flood)), a.seed + 200)
+    solo = b.ttft("B", None, 0, flood_work)
+    out: dict[str, Any] = {"quiet": "B", "flooded": "A", "prompt_len": a.prompt_len, "interval_s": a.ttft_interval,
+                           "lead_s": a.ttft_lead, "solo": solo, "flooded_by": {}}
+    for n in a.flood:
+        f = b.ttft("B", "A", n, flood_work)
+        f["ratio_p50"] = ratio(f["p50_ms"], solo["p50_ms"])
+        out["flooded_by"][str(n)] = f
+    res["ttft"] = out
 
 
 def run(a: argparse.Namespace, dirs: dict[str, Path]) -> dict[str, Any]:
-    b = Bench(a, dirs)
-    res: dict[str, Any] = {"budget_bytes": b.budget, "needs_bytes": b.needs, "device": str(b.core.device),
+    plan = plan_budget(a, dirs)
+    b = Bench(a, dirs, plan)
+    res: dict[str, Any] = {"plan": plan.as_json(), "device": str(b.core.device), "gpu": _device_name(b.core),
                            "models": {n: str(d) for n, d in dirs.items()}}
-    res["load"] = {"A_s": b.load("A"), "B_s": b.load("B")}
+    res["load"] = {"A": b.load("A"), "B": b.load("B")}
+    res["plan"]["kv_tokens_per_big_model"] = plan.kv_pages * b.block["A"]
     try:
         b.core.load_model("C", dirs["C"], max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs)
         res["refusal"] = {"refused": False}
         b.unload("C")
     except LoadRefused as e:
-        plan = b.core.check_load("C", dirs["C"], a.max_model_len, a.max_num_seqs, evictable=["A", "B"])
+        plan_c = b.core.check_load("C", dirs["C"], a.max_model_len, a.max_num_seqs, evictable=["A", "B"])
         res["refusal"] = {"refused": True, "needed": e.needed, "free": e.free, "short": e.short,
-                          "plan_evict": list(plan.evict), "message": str(e)}
-    b.offline(["A", "B"], a.warmup_requests)  # first steps (allocator, kernels) are not measured
-    res["throughput"] = {"A_alone": b.offline(["A"]), "B_alone": b.offline(["B"]),
-                         "together": b.offline(["A", "B"])}
-    t = res["throughput"]
-    alone = statistics.mean([t["A_alone"]["output_tok_s"], t["B_alone"]["output_tok_s"]])
-    t["together_vs_alone"] = t["together"]["output_tok_s"] / alone
-    solo, flooded = b.ttft("B", None), b.ttft("B", "A")
-    res["ttft"] = {"solo_s": solo, "flooded_s": flooded, "solo_median_s": statistics.median(solo),
-                   "flooded_median_s": statistics.median(flooded),
-                   "ratio": statistics.median(flooded) / statistics.median(solo)}
-    swap = {"unload_A_s": b.unload("A"), "load_C_s": b.load("C"), "unload_C_s": b.unload("C"),
-            "reload_A_s": b.load("A")}
-    swap["warm_tier"] = getattr(b.core, "warm_tier", None) is not None
-    res["swap"] = swap
+                          "plan_evict": list(plan_c.evict), "message": str(e)}
+    res["warm_up"] = b.warm_up(["A", "B"])
+    if "saturated" in a.phases:
+        _phase_saturated(b, res)
+    if "light" in a.phases:
+        _phase_light(b, res)
+    if "ttft" in a.phases:
+        _phase_ttft(b, res)
+    if "swap" in a.phases:
+        res["swap"] = b.swaps()
     res["memory"] = b.core.memory()
     b.core.pool.audit()
+    res["goals"] = goals(res)
     return res
 
 
@@ -179,38 +138,74 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--small-arch", default="qwen3")
     p.add_argument("--small-preset", default="tiny")
     p.add_argument("--work", type=Path, help="where generated models go (default: a temp dir)")
-    p.add_argument("--budget", type=int, help="bytes (default: two big models' needs + half the small's)")
-    p.add_argument("--probe-budget", type=int, default=None, help="budget of the planning engine")
-    p.add_argument("--max-model-len", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--decode-buckets", type=int, nargs="*", default=[])
-    p.add_argument("--num-requests", type=int, default=16, help="per model, offline phase")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--flood", type=int, default=16, help="flood requests kept in flight")
-    p.add_argument("--trickle", type=int, default=5, help="quiet requests measured")
-    p.add_argument("--warmup-requests", type=int, default=4, help="per model, before measuring")
-    p.add_argument("--settle-steps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warm-tier-bytes", type=int, default=0, help="pinned host RAM for unloaded weights")
+    p.add_argument("--phases", nargs="*", default=["saturated", "light", "ttft", "swap"],
+                   choices=["saturated", "light", "ttft", "swap"])
+    g = p.add_argument_group("engine and budget (defaults: engine_bench's best offline shape)")
+    g.add_argument("--budget", type=int, help="bytes (default: needs of A + B with their KV, + half C's)")
+    g.add_argument("--probe-budget", type=int, default=None, help="budget of the planning engine")
+    g.add_argument("--kv-gib", type=float, help="KV reserved per big model (default: max-num-seqs longest sequences)")
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=512)
+    g.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    g.add_argument("--decode-buckets", type=int, nargs="*", default=None, help="default: the engine's")
+    g.add_argument("--graphs-at-load-max", type=int, help="INFIRE_GRAPHS_AT_LOAD_MAX for this run (default: engine's)")
+    g.add_argument("--warm-tier-bytes", type=int, default=0, help="pinned host RAM for unloaded weights")
+    g.add_argument("--seed", type=int, default=0)
+    w = p.add_argument_group("workloads")
+    w.add_argument("--warmup-requests", type=int, default=64, help="sharegpt-like per model, not timed")
+    w.add_argument("--num-requests", type=int, default=1000, help="sharegpt-like per model, saturated phase")
+    w.add_argument("--sat-mode", choices=["steady", "offline"], default="steady",
+                   help="steady: kept at --sat-in-flight for --sat-duration s; offline: all at t0, to the end")
+    w.add_argument("--sat-in-flight", type=int, help="default: max-num-seqs + a quarter (a queue keeps the batch full)")
+    w.add_argument("--sat-duration", type=float, default=12.0)
+    w.add_argument("--sat-ramp", type=float, default=3.0, help="seconds not counted at the start")
+    w.add_argument("--prompt-len", type=int, default=512, help="light and quiet requests")
+    w.add_argument("--gen-len", type=int, default=128, help="light requests")
+    w.add_argument("--light-rate", type=float, default=8.0, help="requests/s per model")
+    w.add_argument("--light-arrivals", choices=["poisson", "even"], default="poisson")
+    w.add_argument("--light-duration", type=float, default=12.0)
+    w.add_argument("--light-ramp", type=float, default=2.0, help="seconds not counted at the start")
+    w.add_argument("--flood", type=int, nargs="+", default=[128, 512], help="flood levels (requests in flight)")
+    w.add_argument("--trickle", type=int, default=12, help="quiet requests measured per level")
+    w.add_argument("--ttft-interval", type=float, default=0.25)
+    w.add_argument("--ttft-lead", type=float, default=1.0, help="flood alone before the first quiet request")
+    w.add_argument("--phase-timeout", type=float, default=60.0)
     p.add_argument("--out", type=Path, help="also write the JSON here")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.sat_in_flight is None:
+        a.sat_in_flight = a.max_num_seqs + a.max_num_seqs // 4
+    if not 0 <= a.light_ramp < a.light_duration or not 0 <= a.sat_ramp < a.sat_duration:
+        p.error("a ramp must be shorter than its duration")
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    with tempfile.TemporaryDirectory(prefix="mm-bench-") as tmp:
+    argv = sys.argv[1:] if argv is None else argv
+    meta = {"command": "python -m ops.bench.multi_model_bench " + " ".join(shlex.quote(x) for x in argv),
+            "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": _commit()}
+    graphs = None if a.graphs_at_load_max is None else str(a.graphs_at_load_max)
+    with tempfile.TemporaryDirectory(prefix="mm-bench-") as tmp, env("INFIRE_GRAPHS_AT_LOAD_MAX", graphs):
         if a.big and a.small:
             dirs = {"A": Path(a.big[0]), "B": Path(a.big[1]), "C": Path(a.small)}
         else:
             dirs = make_models(a.work or Path(tmp), a.arch, a.preset, a.small_arch, a.small_preset)
-        res = run(a, dirs)
+        res = {**meta, "settings": settings(a), **run(a, dirs)}
     text = json.dumps(res, indent=2, default=str)
-    print(text)
     if a.out:
         a.out.write_text(text + "\n")
+    else:
+        print(text)
+    print(summary(res))
     return 0
+
+
+def settings(a: argparse.Namespace) -> dict[str, Any]:
+    s = {k: v for k, v in vars(a).items() if k not in ("out", "work")}
+    s["why"] = ("saturated phase at engine_bench's best offline shape on the H200 (16384-token steps, 512 "
+                "sequences, max_model_len 2048, sharegpt-like; docs/perf.md); both models share the step "
+                "settings, and each gets --kv-gib of KV reserved so the budget holds A and B but not C")
+    return s
 
 
 if __name__ == "__main__":
