@@ -194,6 +194,7 @@ class ModelLoader:
             t0 = time.perf_counter()
             key = warm_key(p.name, p.model_dir)
             model = LlamaModel(p.cfg, p.dtype, self.device)
+            ta = time.perf_counter()
             nbytes, source = load_or_restore(model, p.model_dir, self.warm_tier, key, cancel=p.cancel)
             t1 = time.perf_counter()
             model.build_rope_cache(p.max_len)
@@ -203,7 +204,7 @@ class ModelLoader:
                 # this thread's current stream: the caller's stream waits on this event.
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.device))
-            p.timings.update(weights_s=t1 - t0, rope_s=time.perf_counter() - t1,
+            p.timings.update(alloc_s=ta - t0, weights_s=t1 - ta, rope_s=time.perf_counter() - t1,
                              warm=1.0 if source == "warm" else 0.0)
             return WeightsReady(model, nbytes, source, key, ready)
 
