@@ -70,6 +70,7 @@ class WorkerState:
     busy: bool = False
     last_progress: float = 0.0
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)  # the engine's ledger split (Status.memory)
     restarts: int = 0
     last_exit: str = ""
 
@@ -260,7 +261,7 @@ class WorkerClient:
         elif isinstance(msg, P.Status):
             if msg.steps != st.steps:
                 st.last_progress = now
-            st.steps, st.busy, st.models = msg.steps, msg.busy, msg.models
+            st.steps, st.busy, st.models, st.memory = msg.steps, msg.busy, msg.models, msg.memory
         elif isinstance(msg, P.Hello):
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(msg)

@@ -204,6 +204,9 @@ class Status(Message):
     steps: int
     busy: bool
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # EngineCore.memory() through status_memory(): the budget and who holds it, in bytes (the
+    # ledger's split by kind, per model). Optional within version 1: an older peer sends none.
+    memory: dict[str, Any] = field(default_factory=dict)
 
 
 @_register
@@ -243,6 +246,24 @@ def plain(obj: Any) -> Any:
     if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
         return obj.item()
     return obj
+
+
+STATUS_MEMORY_MODELS = 64  # per-model rows a Status carries at most (a Status stays small)
+_MEMORY_KEYS = ("budget", "used", "free", "weights", "workspace", "kv", "kv_used", "page_bytes", "kv_pages",
+                "kv_pages_free")
+_MODEL_MEMORY_KEYS = ("weights", "workspace", "kv_min", "kv_used", "kv_pages_used", "kv_pages_total")
+
+
+def status_memory(memory: dict[str, Any]) -> dict[str, Any]:
+    """``Status.memory`` from ``EngineCore.memory()``: its integer figures only, at most
+    ``STATUS_MEMORY_MODELS`` models (the largest by weights; ``models_omitted`` counts the rest)."""
+    out: dict[str, Any] = {k: int(memory[k]) for k in _MEMORY_KEYS if k in memory}
+    rows = memory.get("models") or {}
+    names = sorted(rows, key=lambda n: -int(rows[n].get("weights", 0) or 0))
+    out["models"] = {str(n): {k: int(rows[n][k]) for k in _MODEL_MEMORY_KEYS if k in rows[n]}
+                     for n in names[:STATUS_MEMORY_MODELS]}
+    out["models_omitted"] = max(0, len(names) - STATUS_MEMORY_MODELS)
+    return out
 
 
 def info_dict(info: Any) -> dict[str, Any]:

@@ -21,6 +21,7 @@ agent's supervision tests use it to exercise the process and the protocol withou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import selectors
@@ -174,10 +175,8 @@ class Worker:
             pending.future.add_done_callback(lambda _f: self._wake())
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the loop is gone, or a wake-up is already pending
             self._wake_w.send(b"x")
-        except OSError:
-            pass  # the loop is gone, or already has a wake-up pending
 
     def _finish_load(self) -> None:
         """Install the load in flight once its weights are in."""
@@ -238,7 +237,8 @@ class Worker:
         self.steps += 1
         if outs:
             packed = [
-                P.pack_output(o.req_id, list(o.new_token_ids), o.finish_reason, P.plain(o.logprobs), o.num_prompt_tokens)
+                P.pack_output(o.req_id, list(o.new_token_ids), o.finish_reason, P.plain(o.logprobs),
+                              o.num_prompt_tokens)
                 for o in outs
             ]
             self.conn.send(P.Tokens(step=self.steps, outputs=packed))
@@ -252,7 +252,8 @@ class Worker:
             return
         self._last_status = now
         models = P.plain(self.core.stats()) if self.core is not None else {}
-        self.conn.send(P.Status(steps=self.steps, busy=busy, models=models))
+        memory = P.status_memory(self.core.memory()) if hasattr(self.core, "memory") else {}
+        self.conn.send(P.Status(steps=self.steps, busy=busy, models=models, memory=memory))
 
     def run(self) -> int:
         sel = selectors.DefaultSelector()
@@ -278,11 +279,9 @@ class Worker:
         return 0
 
     def _drain_wake(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError, InterruptedError):
             while self._wake_r.recv(4096):
                 pass
-        except (BlockingIOError, InterruptedError):
-            pass
 
 
 def _heartbeat_loop(conn: _Conn, phase: _Phase, stop: threading.Event) -> None:
