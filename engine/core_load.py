@@ -21,6 +21,7 @@ import contextlib
 import os
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.warm_tier import WarmTier
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _drop_result(p: PendingLoad) -> None:
+    """Forget a finished load thread's model, so its device memory goes with the undo."""
+    f = p.future
+    if f.done() and not f.cancelled() and f.exception() is None:
+        p.future = Future()
+        p.future.cancel()
 
 
 class ModelLoader:
@@ -215,13 +224,17 @@ class ModelLoader:
         if pending is not self._pending_load:
             raise EngineError(f"the load of {pending.name!r} is not in flight")
         t0 = time.perf_counter()
+        weights = None
         try:
             weights = pending.future.result()
             t1 = time.perf_counter()
             self._settle()
             info = self._install(pending, weights)
         except BaseException:
+            weights = None  # the traceback keeps this frame: the weights must not stay with it
             self._pending_load = None
+            self._settle()
+            _drop_result(pending)
             self._undo_load(pending.name)
             raise
         self._pending_load = None
@@ -242,6 +255,7 @@ class ModelLoader:
         finally:
             self._pending_load = None
             self._settle()
+            _drop_result(pending)
             self._undo_load(pending.name)
 
     def _undo_load(self, name: str) -> None:

@@ -177,3 +177,22 @@ def test_an_unload_during_a_load_defers_the_pool_trim(make_tiny_model, monkeypat
     core.unload_model("a")
     core.unload_model("b")
     assert core.ledger.snapshot().used == 0
+
+
+def test_a_load_ended_after_its_weights_are_in_releases_everything(make_tiny_model, monkeypatch):
+    da, db = make_tiny_model("llama"), make_tiny_model("llama", seed=1)
+    core = _core()
+    core.load_model("a", da, max_model_len=128, max_num_seqs=4)
+    before = _books(core)
+    pending = core.begin_load("b", db, max_model_len=128, max_num_seqs=4)
+    pending.future.result(30)
+    core.unload_model("b")  # cancelled with its weights already read
+    assert _books(core) == before and pending.done()
+
+    def broken(slot):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(core, "_attach_runner", broken)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        core.load_model("b", db, max_model_len=128, max_num_seqs=4)  # fails while installing
+    assert _books(core) == before and core._pending_load is None
