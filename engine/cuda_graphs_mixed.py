@@ -7,10 +7,12 @@ These graphs remove that cost for steps of up to ``max(buckets)`` tokens.
 
 What makes one graph valid for every mix of sequences at its token bucket ``N``: every kernel's
 grid depends only on ``N`` and on the runner's ``max_num_seqs`` (fixed per runner), and the
-batch layout is read from device buffers at replay. The prefill attention kernel handles any
-mix of query lengths (decode rows are one-token queries) with a grid of ``cdiv(N, TPT) +
+batch layout is read from device buffers at replay. Attention runs two kernels over all
+``max_num_seqs`` sequence slots, each taking the rows that are its own by their query length
+read on the device: the decode kernel the one-token queries (grid ``max_num_seqs`` × KV heads ×
+the splits for ``max_model_len``), the prefill kernel the longer ones (``cdiv(N, TPT) +
 max_num_seqs`` work items, each locating its sequence by a binary search over
-``query_start_loc``. The runner fills ``query_start_loc`` for all ``max_num_seqs`` entries
+``query_start_loc``). The runner fills ``query_start_loc`` for all ``max_num_seqs`` entries
 (unused sequences are empty and their work items exit at once), the block tables at full width,
 and pads the tokens to ``N`` with slot -1 (no KV write). Padding tokens belong to no sequence:
 their rows carry garbage through row-wise ops only (linear layers, norms, RoPE, activation) and

@@ -6,12 +6,12 @@ each position's page in the block table (``pos // block_size``) and reads that t
 and any page stride (a page of a multi-layer pool) work, and nothing is assumed contiguous but
 head_dim.
 
-- ``_prefill_kernel`` (any step with a query longer than 1): grid (cdiv(N, TPT) + B, Hkv), each
+- ``_prefill_kernel`` (the queries longer than 1 of any step that has one): grid (cdiv(N, TPT) + B, Hkv), each
   program finding its (sequence, query tile) by a binary search over query_start_loc. A tile's
   BLOCK_M rows are (token, head-of-the-GQA-group) pairs, so the group's heads share each K/V tile
   read. Online softmax in base 2, causal mask from the absolute positions (chunked prefill and
   prefix hits: the first ``seq_len - q_len`` positions are cached context).
-- ``_decode_kernel`` (every query length <= 1): flash-decoding. grid (B, Hkv, splits); each
+- ``_decode_kernel`` (every one-token query, in decode and mixed steps alike): flash-decoding. grid (B, Hkv, splits); each
   program reads one partition of the context once for all G heads of its KV head and writes a
   partial (normalised output, log2-sum-exp); ``_reduce_kernel`` merges the splits. The split count
   is a host int derived from B, Hkv, max_seq_len and the SM count, so the grid never depends on
@@ -43,7 +43,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
                     s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, NUM_SEQS,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TPT: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
+                    DOT_PREC: tl.constexpr, MIN_Q: tl.constexpr):
     # Work item i of the flat grid: sequence b's tiles start at qsl[b] // TPT + b (a span of at
     # least cdiv(q_len_b, TPT) items), so b is the last sequence whose start is <= i.
     pid = tl.program_id(0)
@@ -59,7 +59,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
     b = lo.to(tl.int64)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
-    if tile * TPT < q_len:
+    if (tile * TPT < q_len) & (q_len >= MIN_Q):
         seq_len = tl.load(sl_ptr + b)
         ctx = seq_len - q_len
         rows = tl.arange(0, BLOCK_M)
@@ -115,7 +115,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     seq_len = tl.load(sl_ptr + b)
     lo = split * PART
-    if (q_len > 0) & (lo < seq_len):
+    if (q_len == 1) & (lo < seq_len):  # longer queries of a mixed step are the prefill kernel's
         hi = tl.minimum(seq_len, lo + PART)
         g = tl.arange(0, BLOCK_G)
         head = kvh * G + g
@@ -163,7 +163,7 @@ def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, s_on, s_oh, PART,
     h = tl.program_id(1).to(tl.int64)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
-    if q_len > 0:
+    if q_len == 1:
         seq_len = tl.load(sl_ptr + b)
         n_active = (seq_len + PART - 1) // PART
         sp = tl.arange(0, BLOCK_S)
@@ -198,6 +198,35 @@ def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count
     return triton.cdiv(max(max_seq_len, 1), part), part
 
 
+def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, common, cfg, num_splits,
+                 max_seq_len, b, hq, hkv, g, d, block_d, dot_prec) -> None:
+    """Flash-decoding of every one-token query (all rows of a decode step; the decode rows of a
+    mixed step, whose other sequences the kernels skip)."""
+    # float32 tiles take twice the registers: halve them (fp32 KV is a test path, not served)
+    block_n = cfg.get("block_n", 64 if d <= 128 and q.dtype != torch.float32 else 32)
+    block_g = max(16, triton.next_power_of_2(g))
+    if num_splits is None:
+        splits, part = decode_splits(b, hkv, max_seq_len, block_n, _sm_count(q.device))
+    else:
+        tiles = max(1, triton.cdiv(max_seq_len, block_n))
+        part = triton.cdiv(tiles, max(1, min(num_splits, tiles))) * block_n
+        splits = triton.cdiv(max(max_seq_len, 1), part)
+    po = plse = out  # unused when there is one split
+    if splits > 1:
+        po = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
+        plse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
+    _DECODE_LAUNCH.launch((b, hkv, splits),
+        q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, *common, part, splits,
+        HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
+        SINGLE=splits == 1, DOT_PREC=dot_prec, num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 3),
+    )
+    if splits > 1:
+        _REDUCE_LAUNCH.launch((b, hq), out, po, plse, query_start_loc, seq_lens, out.stride(0), out.stride(1),
+                                part, splits, HQ=hq, D=d, BLOCK_D=block_d,
+                                BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+
+
 def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                            max_query_len, max_seq_len, num_splits: int | None = None, out=None,
                            config: dict | None = None):
@@ -216,42 +245,23 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     common = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), qk_scale)
+    # ``config`` tunes the kernel a benchmark times: the decode kernel's on decode steps only
+    _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, common,
+                 cfg if max_query_len <= 1 else {}, num_splits, max_seq_len, b, hq, hkv, g, d, block_d, dot_prec)
     if max_query_len <= 1:
-        # float32 tiles take twice the registers: halve them (fp32 KV is a test path, not served)
-        block_n = cfg.get("block_n", 64 if d <= 128 and q.dtype != torch.float32 else 32)
-        block_g = max(16, triton.next_power_of_2(g))
-        if num_splits is None:
-            splits, part = decode_splits(b, hkv, max_seq_len, block_n, _sm_count(q.device))
-        else:
-            tiles = max(1, triton.cdiv(max_seq_len, block_n))
-            part = triton.cdiv(tiles, max(1, min(num_splits, tiles))) * block_n
-            splits = triton.cdiv(max(max_seq_len, 1), part)
-        po = plse = out  # unused when there is one split
-        if splits > 1:
-            po = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
-            plse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
-        _DECODE_LAUNCH.launch((b, hkv, splits),
-            q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, *common, part, splits,
-            HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
-            SINGLE=splits == 1, DOT_PREC=dot_prec, num_warps=cfg.get("num_warps", 4),
-            num_stages=cfg.get("num_stages", 3),
-        )
-        if splits > 1:
-            _REDUCE_LAUNCH.launch((b, hq), out, po, plse, query_start_loc, seq_lens, out.stride(0), out.stride(1),
-                                    part, splits, HQ=hq, D=d, BLOCK_D=block_d,
-                                    BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
         return out
     wide = q.dtype == torch.float32 or d > 128
     block_m = max(32 if wide else 64, triton.next_power_of_2(g))
     block_n = cfg.get("block_n", 32 if wide else 64)
     tpt = block_m // g
-    # one program per (query tile, KV head) that has work, plus at most one idle per sequence: a
-    # mixed step of many one-token rows no longer launches max_query_len / tpt tiles for each
+    # one program per (query tile, KV head) that has work, plus at most one idle per sequence; the
+    # one-token rows of a mixed step were the decode kernel's (MIN_Q=2 skips them here): a decode
+    # row in a prefill tile would use G of its BLOCK_M rows and read its context unsplit
     grid = (triton.cdiv(n, tpt) + b, hkv)
     _PREFILL_LAUNCH.launch(grid,
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common, b,
         G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
-        DOT_PREC=dot_prec, num_warps=cfg.get("num_warps", 4 if block_d <= 64 else 8),
+        DOT_PREC=dot_prec, MIN_Q=2, num_warps=cfg.get("num_warps", 4 if block_d <= 64 else 8),
         num_stages=cfg.get("num_stages", 2),
     )
     return out
