@@ -99,7 +99,10 @@ class ModelRunner:
             self._staging[id(buf)] = host.pin_memory() if self._pin else host
         # Two pinned id buffers (and events), alternating, so step N+1 can launch before N is collected.
         self._ids_host = [torch.empty(self.max_seqs, dtype=i64).pin_memory() for _ in range(2)] if self._pin else []
-        self._ids_ready = [torch.cuda.Event() for _ in range(2)] if self._pin else []
+        # Waiting for the ids yields the core (blocking sync) instead of spinning on it, unless
+        # INFIRE_SYNC=spin: a spinning wait costs a whole CPU core for the GPU's whole step.
+        blocking = os.environ.get("INFIRE_SYNC", "block").strip().lower() != "spin"
+        self._ids_ready = [torch.cuda.Event(blocking=blocking) for _ in range(2)] if self._pin else []
         self._flip = 0
         # Host seconds spent building and launching steps, and blocked waiting for their ids.
         self.host_seconds = 0.0
