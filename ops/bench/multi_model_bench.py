@@ -25,10 +25,11 @@ budget holds A and B, each with ``--kv-gib`` of KV reserved, but not C beside th
 Each timed phase records its step() calls and, per model, engine steps (graph / eager), host ms
 per step and wall ms per engine step, so a low figure can be explained from the JSON alone.
 
-    python -m ops.bench.multi_model_bench --device cpu                      (tiny models, CI box)
     python -m ops.bench.multi_model_bench --device cuda --big /tmp/m8b /tmp/m8b --small /tmp/msmall \\
-        --kv-gib 36 --num-requests 300 --flood 128 512 --warm-tier-bytes 42949672960 \\
-        --out mm.json                                                       (the H200 run)
+        --kv-gib 36 --warm-tier-bytes 42949672960 --out mm.json     (the H200 run, ops/gpu/serve_multi.sh)
+    python -m ops.bench.multi_model_bench --device cpu --max-model-len 256 --max-num-seqs 8 \\
+        --max-num-batched-tokens 512 --sat-duration 3 --sat-ramp 1 --light-duration 3 --light-ramp 1 \\
+        --prompt-len 32 --gen-len 16 --flood 8 --trickle 5 --ttft-interval 0.1   (tiny models, ~30 s)
 
 Model folders are generated (random weights, ``engine.modelgen``) under ``--work`` unless given.
 """
@@ -36,12 +37,14 @@ Model folders are generated (random weights, ``engine.modelgen``) under ``--work
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import shlex
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +154,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--graphs-at-load-max", type=int, help="INFIRE_GRAPHS_AT_LOAD_MAX for this run (default: engine's)")
     g.add_argument("--warm-tier-bytes", type=int, default=0, help="pinned host RAM for unloaded weights")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cpu-threads", type=int, default=1, help="torch intra-op threads on the CPU (0: torch's)")
     w = p.add_argument_group("workloads")
     w.add_argument("--warmup-requests", type=int, default=64, help="sharegpt-like per model, not timed")
     w.add_argument("--num-requests", type=int, default=1000, help="sharegpt-like per model, saturated phase")
@@ -185,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python -m ops.bench.multi_model_bench " + " ".join(shlex.quote(x) for x in argv),
             "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": _commit()}
     graphs = None if a.graphs_at_load_max is None else str(a.graphs_at_load_max)
-    with tempfile.TemporaryDirectory(prefix="mm-bench-") as tmp, env("INFIRE_GRAPHS_AT_LOAD_MAX", graphs):
+    with (tempfile.TemporaryDirectory(prefix="mm-bench-") as tmp, env("INFIRE_GRAPHS_AT_LOAD_MAX", graphs),
+          cpu_threads(a)):
         if a.big and a.small:
             dirs = {"A": Path(a.big[0]), "B": Path(a.big[1]), "C": Path(a.small)}
         else:
@@ -198,6 +203,22 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     print(summary(res))
     return 0
+
+
+@contextlib.contextmanager
+def cpu_threads(a: argparse.Namespace) -> Iterator[None]:
+    """On the CPU, ``--cpu-threads`` intra-op threads for the run (two spinning threads on a shared
+    two-core box turn a 1.5 ms step into 175 ms whenever another process holds a core)."""
+    import torch
+
+    cpu = a.device == "cpu" or (a.device == "auto" and not torch.cuda.is_available())
+    old = torch.get_num_threads()
+    if cpu and a.cpu_threads:
+        torch.set_num_threads(a.cpu_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def settings(a: argparse.Namespace) -> dict[str, Any]:
