@@ -174,21 +174,26 @@ class Scheduler:
                     return False
             return True
 
-        # 1. decodes, oldest first.
+        # 1. decodes, oldest first. Each running sequence's kind is read once: this loop runs
+        # for every running sequence every step (hundreds), so it stays lean.
+        prefilling: list[Sequence] = []
         for seq in list(self.running):
             if budget < 1:
                 break
-            if seq.status is not SequenceStatus.RUNNING or not seq.is_decoding:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted by an older sequence's growth in this loop
+            if not (seq.num_computed_tokens + 1 == len(seq.token_ids) and len(seq.token_ids) > seq.num_prompt_tokens):
+                prefilling.append(seq)
                 continue
             if reserve(seq, 1):
                 planned[seq.seq_id] = (seq, 1)
                 budget -= 1
 
         # 2. running sequences still prefilling (chunked prefill continues).
-        for seq in list(self.running):
+        for seq in prefilling:
             if budget < 1:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in planned:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue
             n = min(seq.num_uncomputed_tokens, chunk_cap, budget)
             if reserve(seq, n):
@@ -213,25 +218,22 @@ class Scheduler:
             planned[seq.seq_id] = (seq, n)
             budget -= n
 
+        # Entries in planning order, which puts the decodes first: loop 2 takes only sequences
+        # that are not decoding, and an admitted sequence has more than one token to compute.
         out = SchedulerOutput(preempted_req_ids=[s.req_id for s in preempted])
-        entries = sorted(planned.values(), key=lambda e: not e[0].is_decoding)  # stable: decodes first
-        for seq, n in entries:
+        seqs_out = out.seqs
+        table = self.blocks.block_table
+        num_decodes = 0
+        for i, (seq, n) in enumerate(planned.values()):
             start = seq.num_computed_tokens
-            out.seqs.append(
-                ScheduledSeq(
-                    seq_id=seq.seq_id,
-                    req_id=seq.req_id,
-                    token_ids=seq.token_ids[start:start + n],
-                    start_pos=start,
-                    block_table=self.blocks.block_table(seq.seq_id),
-                    sample=start + n == seq.num_tokens,
-                    output_step=seq.num_output_tokens,
-                    params=seq.params,
-                )
-            )
+            toks = seq.token_ids
+            decoding = n == 1 and start + 1 == len(toks) and len(toks) > seq.num_prompt_tokens
+            seqs_out.append(ScheduledSeq(seq.seq_id, seq.req_id, toks[start:start + n], start,
+                                         table(seq.seq_id), start + n == len(toks),
+                                         len(toks) - seq.num_prompt_tokens, seq.params))
             out.num_batched_tokens += n
-            if seq.is_decoding:
-                out.num_decodes += 1
+            num_decodes += decoding
+        out.num_decodes = num_decodes
         return out
 
     def preempt(self, req_id: str) -> bool:
