@@ -6,7 +6,7 @@ set -u
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
 M=${M8B:-/tmp/m8b}
 status=0
-timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_gpu.py -k "mixed or graph or capture" \
+timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu/test_engine_gpu.py -k "mixed or graph or capture"} \
   > "$OUT/tests_gpu.txt" 2>&1 || status=1
 tail -n 3 "$OUT/tests_gpu.txt"
 [ -f "$M/config.json" ] || python3 -c "import sys; from agent.cli import main; sys.exit(main(sys.argv[1:]))" \
@@ -14,7 +14,7 @@ tail -n 3 "$OUT/tests_gpu.txt"
 eb() {  # name, env, args...
   local name=$1 envs=$2; shift 2
   env $envs timeout ${BENCH_S:-120} python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda --out "$OUT/$name.json" "$@" \
-    > "$OUT/$name.txt" 2>&1 || status=1
+    >> "$OUT/bench_log.txt" 2>&1 || status=1
   python3 - "$OUT/$name.json" "$name" <<'PY' || true
 import json, sys
 r = json.load(open(sys.argv[1])); e = r.get("engine_result", r)
@@ -24,13 +24,13 @@ print(sys.argv[2], "req/s %.1f tok/s %.0f ttft50 %.0f tpot50 %.1f cpu %.2f" % (e
 PY
 }
 eb c200_mixed "INFIRE_MIXED_GRAPHS=1" --concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096
-eb c200_eager "INFIRE_MIXED_GRAPHS=0" --concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096
+[ -n "${AB:-}" ] && eb c200_eager "INFIRE_MIXED_GRAPHS=0" --concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096
 eb off_16k_mixed "INFIRE_MIXED_GRAPHS=1" --max-num-seqs 512 --max-num-batched-tokens 16384
-eb off_2k_mixed "INFIRE_MIXED_GRAPHS=1" --max-num-seqs 512 --max-num-batched-tokens 2048
+[ -n "${AB:-}" ] && eb off_2k_mixed "INFIRE_MIXED_GRAPHS=1" --max-num-seqs 512 --max-num-batched-tokens 2048
 eb off_4k_mixed "INFIRE_MIXED_GRAPHS=1" --max-num-seqs 256 --max-num-batched-tokens 4096 --batch1
 if [ -z "${NO_SERVE:-}" ]; then
   timeout ${SERVE_S:-150} python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 200 \
-    --num-requests 1000 --max-model-len 4096 --max-num-seqs 256 --out "$OUT/serve_c200.json" > "$OUT/serve.txt" 2>&1 || status=1
+    --num-requests 1000 --max-model-len 4096 --max-num-seqs 256 --out "$OUT/serve_c200.json" >> "$OUT/bench_log.txt" 2>&1 || status=1
   python3 -c "import json;r=json.load(open('$OUT/serve_c200.json'));print('serve', {k: r[k] for k in ('req_s','total_tok_s','ttft_ms_p50','tpot_ms_p50','cpu_cores_agent','cpu_cores_worker')})" || true
 fi
 exit $status
