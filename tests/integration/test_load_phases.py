@@ -189,10 +189,21 @@ def test_a_load_ended_after_its_weights_are_in_releases_everything(make_tiny_mod
     core.unload_model("b")  # cancelled with its weights already read
     assert _books(core) == before and pending.done()
 
+    attach = core._attach_runner
+
     def broken(slot):
-        raise RuntimeError("capture failed")
+        if slot.name == "b":
+            raise RuntimeError("capture failed")
+        attach(slot)  # a's runner, rebuilt when the pool is resized back
 
     monkeypatch.setattr(core, "_attach_runner", broken)
     with pytest.raises(RuntimeError, match="capture failed"):
         core.load_model("b", db, max_model_len=128, max_num_seqs=4)  # fails while installing
     assert _books(core) == before and core._pending_load is None
+    assert _generate(core, "a") == _generate(_ref_core(da), "a")
+
+
+def _ref_core(d) -> EngineCore:
+    core = _core()
+    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
+    return core
