@@ -96,10 +96,11 @@ class Worker:
         self._last_status = 0.0
         self._queued: deque[P.Load] = deque()  # loads waiting for the one in flight
         self._loading: tuple[P.Load, Any, float] | None = None  # (message, PendingLoad, start)
-        # The load thread writes a byte here when its weights are in, so an idle loop wakes up.
-        self._wake_r, self._wake_w = socket.socketpair()
+        # The load thread writes a byte here when its weights are in, so an idle loop wakes up
+        # (a pipe, not a socket: the sandbox may deny creating sockets).
+        self._wake_r, self._wake_w = os.pipe()
         for end in (self._wake_r, self._wake_w):
-            end.setblocking(False)
+            os.set_blocking(end, False)
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -176,7 +177,7 @@ class Worker:
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):  # the loop is gone, or a wake-up is already pending
-            self._wake_w.send(b"x")
+            os.write(self._wake_w, b"x")
 
     def _finish_load(self) -> None:
         """Install the load in flight once its weights are in."""
@@ -264,7 +265,7 @@ class Worker:
             if not busy:
                 self.phase.set(f"loading:{self._loading[0].model}" if self._loading else "idle")
             for key, _ in sel.select(0 if busy else STATUS_INTERVAL_S):
-                if key.fileobj is self._wake_r:
+                if key.fileobj == self._wake_r:
                     self._drain_wake()
                     continue
                 msgs = self.conn.read_available()
@@ -280,7 +281,7 @@ class Worker:
 
     def _drain_wake(self) -> None:
         with contextlib.suppress(BlockingIOError, InterruptedError):
-            while self._wake_r.recv(4096):
+            while os.read(self._wake_r, 4096):
                 pass
 
 
