@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -90,6 +91,7 @@ class WarmTier:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
+        self.last_put_seconds: dict[str, float] = {}
 
     @property
     def used_bytes(self) -> int:
@@ -151,12 +153,16 @@ class WarmTier:
             entry = _Entry(torch.empty(0, dtype=torch.uint8), slots, total, users=1)
             self._entries[name] = entry
         try:
+            t0 = time.perf_counter()
             buf = _host_buffer(total, self.pin)
+            t1 = time.perf_counter()
             for n, t in tensors.items():
                 s = slots[n]
                 buf[s.offset:s.offset + s.nbytes].copy_(_bytes_of(t), non_blocking=t.is_cuda)
             if any(t.is_cuda for t in tensors.values()):
                 torch.cuda.synchronize()
+            # Where an unload's stash goes: the host buffer (allocation + page-locking) vs the copy.
+            self.last_put_seconds = {"buffer_s": t1 - t0, "copy_s": time.perf_counter() - t1}
         except BaseException:
             with self._lock:
                 if self._entries.get(name) is entry:

@@ -168,6 +168,7 @@ def main() -> int:
     warm(files)
     res["page_cache_warm"] = load_once(core, a.model_dir)
     unload(core, res, "warm_tier_put_s")
+    res["warm_tier_put_split"] = dict(tier.last_put_seconds)
     res["warm_tier"] = load_once(core, a.model_dir)
     unload(core, res, "warm_tier_keep_s")  # the stored copy is kept, not copied again
     res["warm_tier_new_shape"] = load_once(core, a.model_dir, max_num_seqs=128)
@@ -193,7 +194,8 @@ def main() -> int:
             print(f"{k:<20} {r['load_s']:>7.3f} {r['to_first_token_s']:>7.3f} "
                   + " ".join(f"{t.get(p, 0):>8.3f}" for p in PHASES)
                   + f"  {t.get('warm', 0):.0f} {t.get('warmup_skipped', 0):.0f}")
-    print(f"unload: put into the tier {res['warm_tier_put_s']:.2f} s, keep {res['warm_tier_keep_s']:.2f} s")
+    split = " ".join(f"{k} {v:.2f}" for k, v in res["warm_tier_put_split"].items())
+    print(f"unload: put into the tier {res['warm_tier_put_s']:.2f} s ({split}), keep {res['warm_tier_keep_s']:.2f} s")
     if "dd" in res:
         print(f"dd {res['dd'].get('gb_s', 0):.2f} GB/s; dropped load at {res['dropped_gb_s']:.2f} GB/s "
               f"({(res.get('dropped_vs_dd') or 0) * 100:.0f}% of dd)")
