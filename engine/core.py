@@ -33,8 +33,10 @@ from engine.cuda_graphs import DEFAULT_BUCKETS
 from engine.errors import EngineError, RequestError
 from engine.fair_share import FairSharePicker
 from engine.memory import LoadPlan, LoadRefused
+from engine.model_runner import PendingStep, StepResult
 from engine.page_pool import PagePool
 from engine.sampling import SamplingParams, SamplingParamsError
+from engine.scheduler import SchedulerOutput
 from engine.warm_tier import WarmTier
 
 __all__ = ["DEFAULT_CPU_BUDGET", "GPU_BUDGET_FRACTION", "EngineCore", "LoadPlan", "LoadRefused",
@@ -53,6 +55,17 @@ def resolve_device(device: str) -> torch.device:
     return d
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step (``pending``), or one a synchronous runner already ran (``result``)."""
+
+    slot: ModelSlot
+    out: SchedulerOutput
+    pending: PendingStep | None
+    result: StepResult | None
+    t_launch: float
+
+
 class EngineCore(ModelLoader, PoolKeeper):
     """Loads models and steps their requests. Not thread-safe: one caller drives it.
 
@@ -60,13 +73,15 @@ class EngineCore(ModelLoader, PoolKeeper):
     the device's total; None: 90 % of what CUDA has free now, 4 GiB on CPU. ``page_bytes``: the
     pool's page size; None: set by the first load to ``block_size`` tokens of that model.
     ``warmup``: run one largest-batch step at load to measure the workspace (None: on CUDA).
+    ``async_steps``: launch step N+1 before collecting step N (None: on CUDA; see :meth:`step`).
     """
 
     def __init__(self, device: str = "auto", max_num_batched_tokens: int = 2048,
                  memory_budget_bytes: int | None = None, *, block_size: int = 16,
                  max_prefill_chunk: int | None = None, dtype: str | None = None, seed: int | None = None,
                  decode_buckets: tuple[int, ...] | None = None, memory_budget: int | float | None = None,
-                 page_bytes: int | None = None, warmup: bool | None = None, warm_tier_bytes: int = 0) -> None:
+                 page_bytes: int | None = None, warmup: bool | None = None, warm_tier_bytes: int = 0,
+                 async_steps: bool | None = None) -> None:
         self.device = resolve_device(device)
         if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
             raise EngineError("max_num_batched_tokens must be an integer >= 1")
@@ -99,6 +114,11 @@ class EngineCore(ModelLoader, PoolKeeper):
         self._slots: dict[str, ModelSlot] = {}
         self._req_model: dict[str, str] = {}
         self._pending: list[RequestOutput] = []
+        # Steps overlap with the host's work for the next one (see step()); off on CPU, where a
+        # launch runs to completion anyway.
+        self.async_steps = self.device.type == "cuda" if async_steps is None else bool(async_steps)
+        self._inflight: _InFlight | None = None
+        self._last_done = 0.0
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
 
@@ -159,12 +179,15 @@ class EngineCore(ModelLoader, PoolKeeper):
             self._pending.append(RequestOutput(req_id, [], "abort", None, seq.num_prompt_tokens))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or any(s.scheduler.has_unfinished() for s in self._slots.values())
+        return (bool(self._pending) or self._inflight is not None
+                or any(s.scheduler.has_unfinished() for s in self._slots.values()))
 
     # -- the loop --------------------------------------------------------------------------
     def _settle(self) -> None:
         """Finish the step in flight, if any; its outputs are returned by the next step."""
-        return None
+        f, self._inflight = self._inflight, None
+        if f is not None:
+            self._pending.extend(self._complete(f))
 
     def _pick(self) -> ModelSlot | None:
         busy = [n for n, s in self._slots.items() if s.scheduler.has_unfinished()]
@@ -175,27 +198,71 @@ class EngineCore(ModelLoader, PoolKeeper):
         return self._slots[name] if name is not None else None
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch of one model; outputs of every request that moved."""
+        """Run one scheduled batch of one model; outputs of every request that moved.
+
+        With asynchronous steps (the default on CUDA) the batch is launched and this call
+        returns the outputs of the *previous* launch, collected after the new one was queued:
+        the host schedules and prepares step N+1 while the GPU runs step N. A decode scheduled
+        ahead of its previous token reads that token on the device (scheduler PLACEHOLDER).
+        """
         outs, self._pending = self._pending, []
+        prev, self._inflight = self._inflight, None
         slot = self._pick()
-        if slot is None:
-            return outs
-        t0 = time.perf_counter()
+        new = None
+        if slot is not None:
+            try:
+                new = self._launch(slot)
+            except EngineError:
+                if prev is not None:
+                    self._inflight = prev  # still collectable: the next step returns its tokens
+                self._pending[:0] = outs
+                raise
+        try:
+            if prev is not None:
+                outs.extend(self._complete(prev))
+            if new is not None and (new.pending is None or not self.async_steps
+                                    or new.pending.want_logprobs is not None):
+                # logprobs read the logits at collect: a later launch would overwrite them
+                new, done = None, new
+                outs.extend(self._complete(done))
+        except EngineError:
+            self._inflight = new
+            self._pending[:0] = outs
+            raise
+        self._inflight = new
+        return outs
+
+    def _launch(self, slot: ModelSlot) -> _InFlight | None:
+        """Schedule the model's next batch and queue it on the device (or run it: sync runners)."""
         sched_out = slot.scheduler.schedule()
         if sched_out.is_empty:
-            # Nothing admissible (no pages for it now): charge a nominal step so the pick moves
-            # on to the other models instead of choosing this one again forever.
+            # Nothing admissible (no pages for it now, or only tokens in flight): charge a nominal
+            # step so the pick moves on to the other models instead of choosing this one forever.
             self.picker.charge(slot.name, slot.last_step_s)
-            return outs
+            return None
+        t0 = time.perf_counter()
         try:
-            result = slot.runner.execute(sched_out)
+            if self.async_steps:
+                return _InFlight(slot, sched_out, slot.runner.launch(sched_out), None, t0)
+            return _InFlight(slot, sched_out, None, slot.runner.execute(sched_out), t0)
         except Exception as e:
-            # Keep the books straight: the batch's requests end as aborted (pages freed, outputs
-            # queued for the next step), then the failure surfaces to the caller.
-            for entry in sched_out.seqs:
-                self.abort_request(entry.req_id)
-            self._pending[:0] = outs
-            raise EngineError(f"model {slot.name!r}: step failed: {type(e).__name__}: {e}") from e
+            raise self._failed(slot, sched_out, e) from e
+
+    def _failed(self, slot: ModelSlot, sched_out, e: Exception) -> EngineError:
+        """Keep the books straight after a failed step: its requests end as aborted (pages freed,
+        outputs queued for the next step); the error to raise."""
+        for entry in sched_out.seqs:
+            self.abort_request(entry.req_id)
+        return EngineError(f"model {slot.name!r}: step failed: {type(e).__name__}: {e}")
+
+    def _complete(self, f: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's ids, apply them to its scheduler, return the outputs."""
+        slot, sched_out = f.slot, f.out
+        try:
+            result = f.result if f.result is not None else slot.runner.collect(f.pending)
+        except Exception as e:
+            raise self._failed(slot, sched_out, e) from e
+        outs: list[RequestOutput] = []
         logprobs = {}
         for idx, entry in enumerate(e for e in sched_out.seqs if e.sample):
             logprobs[entry.req_id] = result.logprobs[idx]
@@ -206,8 +273,12 @@ class EngineCore(ModelLoader, PoolKeeper):
                                       seq.num_prompt_tokens))
             if reason is not None:
                 self._req_model.pop(seq.req_id, None)
+        now = time.perf_counter()
         slot.steps += 1
-        slot.last_step_s = time.perf_counter() - t0  # measured after the token copy (the host sync)
+        # The step's share of the device: from its launch, or from the previous step's end when
+        # it was queued behind that one (measured after the token copy, the host sync).
+        slot.last_step_s = now - max(f.t_launch, self._last_done)
+        self._last_done = now
         self.picker.charge(slot.name, slot.last_step_s)
         return outs
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,35 +31,10 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.cuda_graphs_mixed import DEFAULT_MIXED_BUCKETS, MixedGraphs
 from engine.kv_cache import KVCache
 from engine.models.llama import AttentionMetadata, LlamaModel
-from engine.scheduler import SchedulerOutput
+from engine.runner_types import PendingStep, PreparedStep, StepResult
+from engine.scheduler import PLACEHOLDER, SchedulerOutput
 
-
-@dataclass
-class PreparedStep:
-    input_ids: torch.Tensor  # [N]
-    positions: torch.Tensor  # [N]
-    meta: AttentionMetadata
-    logits_rows: torch.Tensor  # [S] rows of the hidden states to sample from
-    sample_entries: list[int]  # index into SchedulerOutput.seqs for each sampled row
-    is_decode_only: bool
-
-
-@dataclass
-class PendingStep:
-    """A launched step: the sampled ids are on their way to host memory."""
-
-    num_sampled: int
-    ids_host: torch.Tensor | None  # pinned [S] int64 view (CUDA), filled when ``ready`` fires
-    ready: torch.cuda.Event | None
-    ids: torch.Tensor | None  # device ids (CPU path: read directly)
-    logits: torch.Tensor | None  # kept only when logprobs are wanted
-    want_logprobs: list[int | None] | None
-
-
-@dataclass
-class StepResult:
-    token_ids: list[int]  # one per scheduled entry with ``sample`` set, in order
-    logprobs: list[dict | None]  # aligned with token_ids; None where not requested
+__all__ = ["ModelRunner", "PendingStep", "PreparedStep", "StepResult"]
 
 
 class ModelRunner:
@@ -88,13 +62,15 @@ class ModelRunner:
         self._seq_lens = torch.zeros(self.max_seqs, dtype=i32, device=dev)
         self._block_tables = torch.zeros(self.max_seqs, self.max_pages, dtype=i32, device=dev)
         self._rows = torch.zeros(self.max_seqs, dtype=i64, device=dev)
+        self._fill_dst = torch.zeros(self.max_seqs, dtype=i64, device=dev)
+        self._fill_src = torch.zeros(self.max_seqs, dtype=i64, device=dev)
         # Host staging of the same sizes, pinned on CUDA so the copies are async; an event marks
         # when the last step's copies have left the staging memory, before it is overwritten.
         self._pin = dev.type == "cuda"
         self._copies_done = torch.cuda.Event() if self._pin else None
         self._staging: dict[int, torch.Tensor] = {}
         for buf in (self._input_ids, self._positions, self._slots, self._qsl, self._seq_lens, self._block_tables,
-                    self._rows):
+                    self._rows, self._fill_dst, self._fill_src):
             host = torch.empty(buf.numel(), dtype=buf.dtype)
             self._staging[id(buf)] = host.pin_memory() if self._pin else host
         # Two pinned id buffers (and events), alternating, so step N+1 can launch before N is collected.
@@ -104,6 +80,10 @@ class ModelRunner:
         blocking = os.environ.get("INFIRE_SYNC", "block").strip().lower() != "spin"
         self._ids_ready = [torch.cuda.Event(blocking=blocking) for _ in range(2)] if self._pin else []
         self._flip = 0
+        # The last launched step's sampled ids on the device, and each sampling sequence's row in
+        # them: a step scheduled ahead takes its placeholder input tokens from there.
+        self._prev_ids: torch.Tensor | None = None
+        self._prev_rows: dict[int, int] = {}
         # Host seconds spent building and launching steps, and blocked waiting for their ids.
         self.host_seconds = 0.0
         self.host_graph_seconds = 0.0  # the share of host_seconds spent on graph-replayed steps
@@ -254,6 +234,7 @@ class ModelRunner:
             # bucket steps launch identical kernels (same split layout, same bits).
             max_seq_len=self.max_model_len if pad_to is not None else max_seq,
         )
+        fill = self._placeholders(out, ids) if out.num_placeholders else None
         step = PreparedStep(
             input_ids=self._to_device(self._input_ids, np.asarray(ids, dtype=np.int64)),
             positions=self._to_device(self._positions, pos),
@@ -262,9 +243,31 @@ class ModelRunner:
             sample_entries=entries,
             is_decode_only=out.num_decodes == b,
         )
+        if fill is not None:
+            dst, src = fill
+            self._input_ids.index_copy_(0, self._to_device(self._fill_dst, dst),
+                                        self._prev_ids.index_select(0, self._to_device(self._fill_src, src)))
         if self._copies_done is not None:
             self._copies_done.record()
         return step
+
+    def _placeholders(self, out: SchedulerOutput, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Token positions of the step's placeholder inputs (decode rows: row i is token i) and
+        their rows in the previous launch's sampled ids; the host ids get 0 there."""
+        dst, src = [], []
+        rows = self._prev_rows
+        for i in range(out.num_decodes):
+            e = out.seqs[i]
+            if e.token_ids[0] == PLACEHOLDER:
+                r = rows.get(e.seq_id)
+                if r is None or self._prev_ids is None:
+                    raise ValueError(f"sequence {e.seq_id}: placeholder input without a launched step sampling it")
+                dst.append(i)
+                src.append(r)
+                ids[i] = 0
+        if len(dst) != out.num_placeholders:
+            raise ValueError("placeholder inputs outside the decode rows")
+        return np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
 
     @torch.inference_mode()
     def forward_logits(self, step: PreparedStep) -> torch.Tensor:
@@ -289,6 +292,7 @@ class ModelRunner:
                 if mixed in self.mixed.deferred:
                     self.mixed.capture_deferred(self, mixed)
         step = self.prepare(out, pad_to=pad, pad_tokens=mixed)
+        self._prev_ids, self._prev_rows = None, {}
         ids = None
         graph = False
         if replay and pad in self.graphs.graphs:
@@ -326,6 +330,9 @@ class ModelRunner:
             )
         elif ids is None:
             ids = logits.argmax(dim=-1)
+        # the next step, scheduled before this one's ids reach the host, reads them from here
+        self._prev_ids = ids
+        self._prev_rows = {out.seqs[i].seq_id: k for k, i in enumerate(step.sample_entries)}
         want_lp = [p.logprobs for p in params]
         if any(n is not None for n in want_lp):
             self.host_seconds += time.perf_counter() - t0

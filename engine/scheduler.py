@@ -77,12 +77,18 @@ class ScheduledSeq:
         return self.start_pos + len(self.token_ids)
 
 
+# The input token of a decode whose previous token is still being sampled on the device
+# (scheduled ahead, docs/engine.md "Asynchronous steps"): the runner takes it from that step.
+PLACEHOLDER = -1
+
+
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefill chunks
     num_decodes: int = 0  # the first num_decodes entries are one-token decodes
     num_batched_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
+    num_placeholders: int = 0  # decode entries whose token_ids is [PLACEHOLDER]
 
     @property
     def is_empty(self) -> bool:
@@ -182,9 +188,13 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted by an older sequence's growth in this loop
-            if not (seq.num_computed_tokens + 1 == len(seq.token_ids) and len(seq.token_ids) > seq.num_prompt_tokens):
+            known = len(seq.token_ids)
+            total = known + seq.num_inflight
+            if not (seq.num_computed_tokens + 1 == total and total > seq.num_prompt_tokens):
                 prefilling.append(seq)
                 continue
+            if seq.num_inflight and (seq.num_inflight > 1 or self._ends_at(seq, total)):
+                continue  # its token in flight is its last (length), or it is already a step ahead
             if reserve(seq, 1):
                 planned[seq.seq_id] = (seq, 1)
                 budget -= 1
@@ -203,8 +213,8 @@ class Scheduler:
         # 3. admissions; a sequence preempted in this very step waits for the next one.
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_preemptions and any(seq is p for p in preempted):
-                break
+            if seq.num_inflight or (seq.num_preemptions and any(seq is p for p in preempted)):
+                break  # (a token in flight: preempted mid-step; it resumes once the token is known)
             n = min(seq.num_uncomputed_tokens, chunk_cap, budget)
             reserve_pages = self._watermark if self.running else 0
             need = self.blocks.num_new_pages(seq.seq_id, seq.num_computed_tokens + n)
@@ -223,14 +233,23 @@ class Scheduler:
         out = SchedulerOutput(preempted_req_ids=[s.req_id for s in preempted])
         seqs_out = out.seqs
         table = self.blocks.block_table
+        # Tokens count as computed once scheduled (the step's K/V writes are queued in order);
+        # a sampling entry adds one token in flight until update() learns its value.
         num_decodes = 0
-        for i, (seq, n) in enumerate(planned.values()):
+        for seq, n in planned.values():
             start = seq.num_computed_tokens
             toks = seq.token_ids
-            decoding = n == 1 and start + 1 == len(toks) and len(toks) > seq.num_prompt_tokens
-            seqs_out.append(ScheduledSeq(seq.seq_id, seq.req_id, toks[start:start + n], start,
-                                         table(seq.seq_id), start + n == len(toks),
-                                         len(toks) - seq.num_prompt_tokens, seq.params))
+            total = len(toks) + seq.num_inflight
+            decoding = n == 1 and start + 1 == total and total > seq.num_prompt_tokens
+            chunk = toks[start:start + n]
+            if len(chunk) < n:  # only a decode of the token in flight
+                chunk = [PLACEHOLDER]
+                out.num_placeholders += 1
+            sample = start + n == total
+            seqs_out.append(ScheduledSeq(seq.seq_id, seq.req_id, chunk, start, table(seq.seq_id), sample,
+                                         total - seq.num_prompt_tokens, seq.params))
+            seq.num_computed_tokens = start + n
+            seq.num_inflight += sample
             out.num_batched_tokens += n
             num_decodes += decoding
         out.num_decodes = num_decodes
@@ -274,18 +293,26 @@ class Scheduler:
         for s in out.seqs:
             tok = next(it) if s.sample else None
             seq = self._seqs.get(s.req_id)
-            if seq is None or seq.seq_id != s.seq_id or seq.status is not SequenceStatus.RUNNING:
-                continue
-            seq.num_computed_tokens += s.num_tokens
-            self.blocks.record_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if seq is None or seq.seq_id != s.seq_id:
+                continue  # aborted or finished after it was scheduled
+            if tok is not None:
+                seq.num_inflight -= 1
+                seq.token_ids.append(tok)
+            running = seq.status is SequenceStatus.RUNNING  # else preempted after this step was scheduled
+            if running:
+                self.blocks.record_computed(seq.seq_id, seq.token_ids,
+                                            min(seq.num_computed_tokens, len(seq.token_ids)))
             if tok is None:
                 continue
-            seq.token_ids.append(tok)
             reason = self._stop_reason(seq, tok)
             if reason is not None:
                 self._finish(seq, reason)
             got.append(seq)
         return got
+
+    def _ends_at(self, seq: Sequence, total: int) -> bool:
+        """Whether a sequence of ``total`` tokens (its tokens in flight counted) is done by length."""
+        return total - seq.num_prompt_tokens >= seq.params.max_tokens or total >= self.config.max_model_len
 
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         p = seq.params
@@ -296,7 +323,10 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.running.remove(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
         self.blocks.free(seq.seq_id)
         self._seqs.pop(seq.req_id, None)
         seq.status = SequenceStatus.FINISHED

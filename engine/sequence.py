@@ -40,6 +40,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Tokens sampled by a launched step whose values the host does not know yet (0 or 1; up to
+    # 2 for a moment while the next step is scheduled ahead). They count as computed positions.
+    num_inflight: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -63,12 +66,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_inflight - self.num_computed_tokens
 
     @property
     def is_decoding(self) -> bool:
-        """Exactly one token (the last sampled) is left to compute."""
-        return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+        """Exactly one token (the last sampled, known or in flight) is left to compute."""
+        return self.num_uncomputed_tokens == 1 and self.num_output_tokens + self.num_inflight > 0
 
     @property
     def is_finished(self) -> bool:

@@ -147,6 +147,9 @@ class TPEngineCore(EngineCore):
             raise TPError("TPEngineCore runs on rank 0; other ranks run Follower.serve()")
         if "device" in options:
             raise TPError("the device of a TP engine is its group's device")
+        if options.get("async_steps"):
+            raise TPError("asynchronous steps are not supported by the TP engine (followers sample nothing)")
+        options["async_steps"] = False  # a follower's placeholder tokens would come from its own greedy ids
         super().__init__(device=str(group.device), **options)
         self.group = group
         self.channel = ControlChannel(group)

@@ -58,7 +58,7 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                             dict(HQ=hq, G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_G=max(16, triton.next_power_of_2(g)),
                                  BLOCK_N=bn, SINGLE=single, DOT_PREC=prec), dict(num_warps=4, num_stages=3)))
             out.append((f"prefill {dt[1:]} G={g} D={d}", att._prefill_kernel, attn_types(dt),
-                        dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=bm, BLOCK_N=bn, TPT=bm // g, DOT_PREC=prec),
+                        dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=bm, BLOCK_N=bn, TPT=bm // g, DOT_PREC=prec, MIN_Q=2),
                         dict(num_warps=8 if bd > 64 else 4, num_stages=2)))
         if dt == "*fp32":
             break

@@ -1,0 +1,37 @@
+"""The plain records a model runner hands around (one step's device inputs, a launched step, a result)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.models.llama import AttentionMetadata
+
+
+@dataclass
+class PreparedStep:
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # [S] rows of the hidden states to sample from
+    sample_entries: list[int]  # index into SchedulerOutput.seqs for each sampled row
+    is_decode_only: bool
+
+
+@dataclass
+class PendingStep:
+    """A launched step: the sampled ids are on their way to host memory."""
+
+    num_sampled: int
+    ids_host: torch.Tensor | None  # pinned [S] int64 view (CUDA), filled when ``ready`` fires
+    ready: torch.cuda.Event | None
+    ids: torch.Tensor | None  # device ids (CPU path: read directly)
+    logits: torch.Tensor | None  # kept only when logprobs are wanted
+    want_logprobs: list[int | None] | None
+
+
+@dataclass
+class StepResult:
+    token_ids: list[int]  # one per scheduled entry with ``sample`` set, in order
+    logprobs: list[dict | None]  # aligned with token_ids; None where not requested

@@ -1,0 +1,122 @@
+"""Asynchronous steps (EngineCore.step with async_steps): step N+1 is scheduled and launched
+before step N's tokens reach the host; a decode scheduled ahead reads its input token from the
+previous launch on the device. The specification: exactly the tokens, finish reasons and
+logprobs of synchronous steps, whatever the batching, preemption, stops, aborts or unloads —
+and every page back at the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.core import EngineCore
+from engine.sampling import SamplingParams
+
+PROMPTS = [list(range(40, 40 + n)) for n in (1, 5, 19, 33, 8, 3)]
+
+
+def _core(model_dir, async_steps: bool, **kw) -> EngineCore:
+    core = EngineCore(device="cpu", max_num_batched_tokens=kw.pop("budget", 64), block_size=kw.pop("block_size", 4),
+                      max_prefill_chunk=kw.pop("chunk", 16), seed=99, async_steps=async_steps)
+    core.load_model("m", model_dir, max_model_len=kw.pop("max_model_len", 64), max_num_seqs=kw.pop("max_num_seqs", 8),
+                    num_kv_pages=kw.pop("num_kv_pages", None))
+    assert not kw
+    return core
+
+
+def _run(core, prompts, params, model="m", abort_at: dict[str, int] | None = None):
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        core.add_request(f"r{i}", model, p, sp)
+    toks = {f"r{i}": [] for i in range(len(prompts))}
+    reasons, lps = {}, {}
+    steps = placeholders = 0
+    runner = core._slots[model].runner
+    launch = runner.launch
+
+    def spy(out):
+        nonlocal placeholders
+        placeholders += out.num_placeholders
+        return launch(out)
+
+    runner.launch = spy
+    while core.has_unfinished_requests():
+        for o in core.step():
+            toks[o.req_id] += o.new_token_ids
+            if o.logprobs:
+                lps.setdefault(o.req_id, []).extend(lp["logprob"] for lp in o.logprobs)
+            if o.finish_reason:
+                reasons[o.req_id] = o.finish_reason
+        steps += 1
+        for rid, at in (abort_at or {}).items():
+            if steps == at:
+                core.abort_request(rid)
+        assert steps < 5000
+    assert core.stats()[model]["kv_pages_used"] == 0
+    return toks, reasons, lps, placeholders
+
+
+def _params(eos_at=None):
+    return [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=0.9, top_k=30, seed=3, max_tokens=9, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=15, ignore_eos=True, stop_token_ids=[eos_at] if eos_at else []),
+            SamplingParams(temperature=1.0, top_p=0.8, seed=11, max_tokens=7, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+            SamplingParams(temperature=0.7, min_p=0.1, seed=5, max_tokens=13, ignore_eos=True)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_tiny_model):
+    return make_tiny_model("llama")
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(budget=8, chunk=4), dict(block_size=1, budget=256, chunk=None),
+                                   dict(num_kv_pages=20, max_model_len=48)])  # the last forces preemption
+def test_async_steps_give_the_tokens_of_sync_steps(model_dir, shape):
+    sync = _run(_core(model_dir, False, **dict(shape)), PROMPTS, _params())
+    got = _run(_core(model_dir, True, **dict(shape)), PROMPTS, _params())
+    assert got[:2] == sync[:2]
+    assert [len(t) for t in got[0].values()] == [12, 9, 15, 7, 1, 13]
+    assert got[3] > 0 and sync[3] == 0  # decodes really were scheduled ahead of their input token
+
+
+def test_a_stop_token_met_in_flight_wastes_one_row_and_nothing_else(model_dir):
+    first = _run(_core(model_dir, False), PROMPTS, _params())[0]["r2"]
+    stop = first[4]  # greedy: the request stops at its 5th token (or earlier, at the same id)
+    sync = _run(_core(model_dir, False), PROMPTS, _params(stop))
+    got = _run(_core(model_dir, True), PROMPTS, _params(stop))
+    assert got[:2] == sync[:2]
+    assert got[1]["r2"] == "stop" and got[0]["r2"][-1] == stop and len(got[0]["r2"]) <= 5
+
+
+def test_logprobs_and_aborts_under_async_steps(model_dir):
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2 if i % 2 else None)
+              for i in range(len(PROMPTS))]
+    sync = _run(_core(model_dir, False), PROMPTS, params)
+    got = _run(_core(model_dir, True), PROMPTS, params)
+    assert got[0] == sync[0] and got[2].keys() == sync[2].keys()
+    for rid in got[2]:
+        assert got[2][rid] == pytest.approx(sync[2][rid], abs=1e-6)
+    # an abort while the request's step is in flight: it ends as aborted, its pages come back
+    toks, reasons, _, _ = _run(_core(model_dir, True), PROMPTS, _params(), abort_at={"r0": 6, "r3": 2})
+    assert reasons["r0"] == "abort" and reasons["r3"] == "abort" and len(toks["r0"]) < 12
+
+
+def test_unload_and_load_settle_the_step_in_flight(model_dir, make_tiny_model):
+    core = _core(model_dir, True)
+    before = core.memory()
+    for i, p in enumerate(PROMPTS):
+        core.add_request(f"r{i}", "m", p, _params()[i])
+    outs = []
+    for _ in range(4):
+        outs += core.step()
+    assert core._inflight is not None
+    core.load_model("q", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4)  # settles first
+    assert core._inflight is None
+    core.unload_model("m")
+    while core.has_unfinished_requests():
+        outs += core.step()
+    ended = {o.req_id: o.finish_reason for o in outs if o.finish_reason}
+    assert set(ended) == {f"r{i}" for i in range(len(PROMPTS))}
+    assert set(ended.values()) <= {"abort", "length"}
+    core.unload_model("q")
+    after = core.memory()
+    assert after["used"] == 0 and after["kv_used"] == 0 and before["budget"] == after["budget"]
