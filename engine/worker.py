@@ -329,8 +329,9 @@ def _make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
         if core.device.type == "cuda":
             import torch
 
-            # Create the CUDA context now: the sandbox goes on right after and the driver's
-            # first-touch needs (device nodes, ioctls, threads) must already be behind us.
+            # CUDA context now (the sandbox follows; the driver's first touch must be behind us);
+            # one torch thread: a step's host tensors are tiny and idle OpenMP workers spin.
+            torch.set_num_threads(1)
             torch.zeros(1, device=core.device)
             torch.cuda.synchronize(core.device)
         if core.memory_budget_bytes is None and fraction and core.device.type == "cuda":
