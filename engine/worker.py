@@ -14,9 +14,8 @@ run one at a time, in arrival order; an ``Unload`` of a model whose load is queu
 cancels it (``Error(op="load", code="cancelled")``, then ``Unloaded``). A core whose
 ``load_model`` is its own (the tensor-parallel engine) loads inside the loop as before.
 
-``--engine none`` runs the loop with no EngineCore (loads are refused with a clear error); the
-agent's supervision tests use it to exercise the process and the protocol without torch.
-"""
+``--engine none`` runs the loop with no EngineCore (loads are refused with a clear error): the
+agent's supervision tests exercise the process and the protocol without torch."""
 
 from __future__ import annotations
 
