@@ -106,7 +106,8 @@ def _profile(core, reqs, n_steps: int) -> dict:
 
 def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seqs: int, max_num_batched_tokens: int,
               max_model_len: int, block_size: int, seed: int = 0, concurrency: int | None = None,
-              decode_buckets: tuple[int, ...] | None = None, batch1: bool = False, profile_steps: int = 0) -> dict:
+              decode_buckets: tuple[int, ...] | None = None, batch1: bool = False, profile_steps: int = 0,
+              async_steps: bool | None = None) -> dict:
     """Run the workload; ``concurrency`` None adds every request at t0, N keeps N in flight."""
     from engine.core import EngineCore
     from engine.cuda_graphs import DEFAULT_BUCKETS
@@ -115,7 +116,11 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     if decode_buckets is None:
         decode_buckets = DEFAULT_BUCKETS
     core = EngineCore(device=device, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed,
-                      decode_buckets=decode_buckets)
+                      decode_buckets=decode_buckets, async_steps=async_steps)
+    if core.device.type == "cuda":
+        import torch
+
+        torch.set_num_threads(1)  # as the worker: a step's host tensors are tiny
     t_load = time.perf_counter()
     info = core.load_model("bench", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
     load_s = time.perf_counter() - t_load
@@ -219,7 +224,7 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         "graph_capture_s": graphs.capture_seconds if graphs else None,
         "graph_warmup_s": graphs.warmup_seconds if graphs else None,
         "batch1": b1,
-        "engine": {"decode_buckets": list(runner.decode_buckets), "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+        "engine": {"async_steps": core.async_steps, "decode_buckets": list(runner.decode_buckets), "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                    "max_model_len": info.max_model_len, "block_size": block_size, "kv_pages": info.kv_pages},
     }
 
@@ -257,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-timeout", type=float, default=900)
     ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-engine-<model>-<commit>.json)")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--sync", action="store_true", help="synchronous steps (default on CUDA: asynchronous)")
     a = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -270,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         buckets = None if a.decode_buckets is None else tuple(int(x) for x in a.decode_buckets.split(",") if x)
         res = run_bench(model_dir, a.num_requests, a.device, a.max_num_seqs, a.max_num_batched_tokens,
                         a.max_model_len, a.block_size, concurrency=a.concurrency, decode_buckets=buckets,
-                        batch1=a.batch1, profile_steps=a.profile_steps)
+                        batch1=a.batch1, profile_steps=a.profile_steps, async_steps=False if a.sync else None)
     if peer and peer.get("total_tok_s"):
         res["vs_peer_total_tok_s"] = res["total_tok_s"] / peer["total_tok_s"]
     commit = _commit()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One GPU run for the mixed-step graphs: their GPU tests, then the engine at concurrency 200 and
-# offline with and without them, then the daemon at concurrency 200. Results under $OUT.
+# One GPU run for the engine's serving figures: GPU tests, the engine at concurrency 200 (AB=1:
+# also with synchronous steps) and offline, batch-1, then the daemon at concurrency 200; LOAD=1
+# adds the load bench. Results under $OUT (at most 8 files).
 #   . ops/gpu/env.sh; bash ops/gpu/mixed_check.sh
 set -u
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
@@ -24,13 +25,20 @@ print(sys.argv[2], "req/s %.1f tok/s %.0f ttft50 %.0f tpot50 %.1f cpu %.2f" % (e
 PY
 }
 eb c200_mixed "INFIRE_MIXED_GRAPHS=1" --concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096
-[ -n "${AB:-}" ] && eb c200_eager "INFIRE_MIXED_GRAPHS=0" --concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096
+[ -n "${AB:-}" ] && eb c200_sync "INFIRE_MIXED_GRAPHS=1" --concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096 --sync
 eb off_16k_mixed "INFIRE_MIXED_GRAPHS=1" --max-num-seqs 512 --max-num-batched-tokens 16384
-[ -n "${AB:-}" ] && eb off_2k_mixed "INFIRE_MIXED_GRAPHS=1" --max-num-seqs 512 --max-num-batched-tokens 2048
 eb off_4k_mixed "INFIRE_MIXED_GRAPHS=1" --max-num-seqs 256 --max-num-batched-tokens 4096 --batch1
 if [ -z "${NO_SERVE:-}" ]; then
   timeout ${SERVE_S:-150} python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 200 \
     --num-requests 1000 --max-model-len 4096 --max-num-seqs 256 --out "$OUT/serve_c200.json" >> "$OUT/bench_log.txt" 2>&1 || status=1
   python3 -c "import json;r=json.load(open('$OUT/serve_c200.json'));print('serve', {k: r[k] for k in ('req_s','total_tok_s','ttft_ms_p50','tpot_ms_p50','cpu_cores_agent','cpu_cores_worker')})" || true
+fi
+if [ -n "${LOAD:-}" ]; then
+  timeout ${LOAD_S:-200} python3 ops/gpu/engine_load_bench.py "$M" "$OUT/engine_load.json" >> "$OUT/bench_log.txt" 2>&1 || status=1
+  python3 - "$OUT/engine_load.json" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(json.dumps(r, indent=None)[:3000])
+PY
 fi
 exit $status
