@@ -163,7 +163,9 @@ class ModelLoader:
             plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
         except LoadRefused as e:
             raise self._refusal(name, needs, e, evictable) from None
+        t_pool = time.perf_counter()
         self._fit_pool(needs, plan.kv_pool_bytes_after)
+        t_pool = time.perf_counter() - t_pool
         try:
             self.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace_bytes,
                                         min_kv_bytes=needs.min_kv_bytes)
@@ -181,7 +183,7 @@ class ModelLoader:
             self._fit_pool(None, None)
             raise
         pending = PendingLoad(name, str(model_dir), cfg, max_len, dtype, needs, max_num_seqs, float(weight), t0)
-        pending.timings.update(config_s=t1 - t0, book_s=time.perf_counter() - t1)
+        pending.timings.update(config_s=t1 - t0, book_s=time.perf_counter() - t1, pool_s=t_pool)
         self._pending_load = pending
         threading.Thread(target=self._load_thread, args=(pending,), name=f"engine-load-{name}",
                          daemon=True).start()
