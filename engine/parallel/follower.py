@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     a = ap.parse_args(argv)
+    if os.environ.get("INFIRE_TP_STACKS_AFTER"):  # diagnosis of a hang: every thread's stack, then on
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["INFIRE_TP_STACKS_AFTER"]), repeat=True)
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     from engine.parallel.engine import Follower
     from engine.parallel.group import destroy_tp_group, init_tp_group
