@@ -118,7 +118,10 @@ class DecodeGraphs:
         self.deferred = {b for b in order if b not in now}
         try:
             for b in now:
-                self._capture_one(r, b, "global")
+                # thread_local, not global: other threads' CUDA calls (a load thread's copies,
+                # NCCL's watchdog polling its events under tensor parallelism) must not fail or
+                # abort the capture; what this thread queues is all that is recorded either way.
+                self._capture_one(r, b, "thread_local")
             torch.cuda.synchronize(self.device)
         except RuntimeError as e:
             self.graphs.clear()

@@ -93,7 +93,7 @@ class MixedGraphs:
         torch.cuda.synchronize(self.device)
         self._stream = torch.cuda.Stream(device=self.device)
         try:
-            self._capture_one(r, order[0], "global")
+            self._capture_one(r, order[0], "thread_local")  # as the decode graphs: other threads run
             torch.cuda.synchronize(self.device)
         except RuntimeError as e:
             self.graphs.clear()
