@@ -65,20 +65,86 @@ class _Graph:
     ids: torch.Tensor  # [bucket] int64 greedy ids, written by each replay
 
 
-class DecodeGraphs:
-    """The captured graphs of one runner, by bucket size."""
+class GraphSet:
+    """Graphs of one runner by bucket, in one memory pool, some deferred to their first use.
 
-    def __init__(self, device: torch.device) -> None:
+    A subclass gives ``_fill_padding(r, b)`` (the inputs a capture runs on), ``_forward(r, b)``
+    (what is recorded; its outputs are kept) and ``_keep(b, graph, outputs)``."""
+
+    kind = "graph"
+
+    def __init__(self, device: torch.device, pool=None) -> None:
         if device.type != "cuda":
-            raise CudaGraphError("decode graphs need a CUDA device")
+            raise CudaGraphError(f"{self.kind}s need a CUDA device")
         self.device = device
-        self.graphs: dict[int, _Graph] = {}
         self.capture_seconds = 0.0  # at load (warm-ups excluded)
         self.warmup_seconds = 0.0
         self.deferred: set[int] = set()  # buckets captured at their first use instead of at load
         self.deferred_capture_seconds = 0.0
-        self._pool = None
+        self._pool = pool
         self._stream: torch.cuda.Stream | None = None
+
+    def _capture_one(self, r: "ModelRunner", b: int) -> None:
+        """One bucket into the shared pool. Unlike ``torch.cuda.graph`` no synchronize, gc or
+        empty_cache per graph: the inputs are written on the current stream before the capture
+        stream starts recording, and nothing executes while it records. Thread-local mode: other
+        threads' CUDA calls (a load thread's copies, NCCL's watchdog polling its events under
+        tensor parallelism) must neither fail nor abort the capture; only this thread's work is
+        recorded in either mode."""
+        self._fill_padding(r, b)
+        g = torch.cuda.CUDAGraph()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            if self._pool is None:
+                g.capture_begin(capture_error_mode="thread_local")
+            else:
+                g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                outputs = self._forward(r, b)
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        if self._pool is None:
+            self._pool = g.pool()
+        self._keep(b, g, outputs)
+
+    @torch.inference_mode()
+    def capture_deferred(self, r: "ModelRunner", bucket: int) -> None:
+        """Capture a deferred bucket now (the runner calls this before preparing the step that
+        needs it, since a capture writes padding into the input buffers)."""
+        if bucket not in self.deferred:
+            return
+        self.deferred.discard(bucket)
+        t = time.perf_counter()
+        try:
+            self._capture_one(r, bucket)
+        except RuntimeError as e:
+            raise CudaGraphError(f"{self.kind} capture of bucket {bucket} failed: {e}") from e
+        self.deferred_capture_seconds += time.perf_counter() - t
+
+    def _fill_padding(self, r: "ModelRunner", bucket: int) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _forward(self, r: "ModelRunner", bucket: int):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _keep(self, bucket: int, graph: torch.cuda.CUDAGraph, outputs) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+
+class DecodeGraphs(GraphSet):
+    """The captured decode graphs of one runner, by batch bucket."""
+
+    kind = "decode graph"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.graphs: dict[int, _Graph] = {}
+
+    def _keep(self, bucket: int, graph: torch.cuda.CUDAGraph, outputs) -> None:
+        self.graphs[bucket] = _Graph(graph, *outputs)
 
     @staticmethod
     def _fill_padding(r: "ModelRunner", bucket: int) -> None:
@@ -118,10 +184,7 @@ class DecodeGraphs:
         self.deferred = {b for b in order if b not in now}
         try:
             for b in now:
-                # thread_local, not global: other threads' CUDA calls (a load thread's copies,
-                # NCCL's watchdog polling its events under tensor parallelism) must not fail or
-                # abort the capture; what this thread queues is all that is recorded either way.
-                self._capture_one(r, b, "thread_local")
+                self._capture_one(r, b)
             torch.cuda.synchronize(self.device)
         except RuntimeError as e:
             self.graphs.clear()
@@ -129,41 +192,6 @@ class DecodeGraphs:
             raise CudaGraphError(f"decode graph capture failed: {e}") from e
         self.warmup_seconds = t1 - t0
         self.capture_seconds = time.perf_counter() - t1
-
-    def _capture_one(self, r: "ModelRunner", b: int, mode: str) -> None:
-        """One bucket into the shared pool. Unlike ``torch.cuda.graph`` no synchronize, gc or
-        empty_cache per graph: the inputs are written on the current stream before the capture
-        stream starts recording, and nothing executes while it records."""
-        self._fill_padding(r, b)
-        g = torch.cuda.CUDAGraph()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            if self._pool is None:
-                g.capture_begin(capture_error_mode=mode)
-            else:
-                g.capture_begin(pool=self._pool, capture_error_mode=mode)
-            try:
-                logits, ids = self._forward(r, b)
-            finally:
-                g.capture_end()
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        if self._pool is None:
-            self._pool = g.pool()
-        self.graphs[b] = _Graph(g, logits, ids)
-
-    @torch.inference_mode()
-    def capture_deferred(self, r: "ModelRunner", bucket: int) -> None:
-        """Capture a deferred bucket now (the runner calls this before preparing the step that
-        needs it, since a capture writes padding into the input buffers)."""
-        if bucket not in self.deferred:
-            return
-        self.deferred.discard(bucket)
-        t = time.perf_counter()
-        try:
-            self._capture_one(r, bucket, "thread_local")
-        except RuntimeError as e:
-            raise CudaGraphError(f"decode graph capture of bucket {bucket} failed: {e}") from e
-        self.deferred_capture_seconds += time.perf_counter() - t
 
     def replay(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the bucket's graph on the inputs already in the runner's buffers: (logits, ids)."""

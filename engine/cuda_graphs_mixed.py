@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cuda_graphs import CudaGraphError
+from engine.cuda_graphs import CudaGraphError, GraphSet
 from engine.models.llama import AttentionMetadata
 
 if TYPE_CHECKING:  # the runner imports this module
@@ -43,24 +43,22 @@ DEFAULT_MIXED_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640,
                          1280, 1536, 1792, 2048)
 
 
-class MixedGraphs:
+class MixedGraphs(GraphSet):
     """The captured mixed-step graphs of one runner, by token bucket."""
 
+    kind = "mixed-step graph"
+
     def __init__(self, device: torch.device, pool=None) -> None:
-        if device.type != "cuda":
-            raise CudaGraphError("mixed-step graphs need a CUDA device")
-        self.device = device
+        super().__init__(device, pool)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.deferred: set[int] = set()
-        self.capture_seconds = 0.0
-        self.deferred_capture_seconds = 0.0
-        self._pool = pool
-        self._stream: torch.cuda.Stream | None = None
+
+    def _keep(self, bucket: int, graph: torch.cuda.CUDAGraph, outputs) -> None:
+        self.graphs[bucket] = (graph, outputs)
 
     @staticmethod
     def meta(r: "ModelRunner", bucket: int) -> AttentionMetadata:
         """The metadata every replay of ``bucket`` reads: full-size sequence buffers. The
-        ``max_query_len`` of 2 routes attention to the prefill kernel, whose grid ignores it."""
+        ``max_query_len`` of 2 routes attention to the prefill kernel too, whose grid ignores it."""
         return AttentionMetadata(slot_mapping=r._slots[:bucket], query_start_loc=r._qsl,
                                  seq_lens=r._seq_lens, block_tables=r._block_tables,
                                  max_query_len=2, max_seq_len=r.max_model_len)
@@ -91,47 +89,14 @@ class MixedGraphs:
             self._fill_padding(r, b)
             self._forward(r, b)
         torch.cuda.synchronize(self.device)
-        self._stream = torch.cuda.Stream(device=self.device)
         try:
-            self._capture_one(r, order[0], "thread_local")  # as the decode graphs: other threads run
+            self._capture_one(r, order[0])
             torch.cuda.synchronize(self.device)
         except RuntimeError as e:
             self.graphs.clear()
             raise CudaGraphError(f"mixed-step graph capture failed: {e}") from e
         self.deferred = set(order[1:])
         self.capture_seconds = time.perf_counter() - t0
-
-    def _capture_one(self, r: "ModelRunner", b: int, mode: str) -> None:
-        self._fill_padding(r, b)
-        g = torch.cuda.CUDAGraph()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            if self._pool is None:
-                g.capture_begin(capture_error_mode=mode)
-            else:
-                g.capture_begin(pool=self._pool, capture_error_mode=mode)
-            try:
-                hidden = self._forward(r, b)
-            finally:
-                g.capture_end()
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        if self._pool is None:
-            self._pool = g.pool()
-        self.graphs[b] = (g, hidden)
-
-    @torch.inference_mode()
-    def capture_deferred(self, r: "ModelRunner", bucket: int) -> None:
-        """Capture ``bucket`` now; the runner calls this before preparing the step (a capture
-        writes padding into the input buffers)."""
-        if bucket not in self.deferred:
-            return
-        self.deferred.discard(bucket)
-        t = time.perf_counter()
-        try:
-            self._capture_one(r, bucket, "thread_local")
-        except RuntimeError as e:
-            raise CudaGraphError(f"mixed-step graph capture of {bucket} tokens failed: {e}") from e
-        self.deferred_capture_seconds += time.perf_counter() - t
 
     def replay(self, bucket: int) -> torch.Tensor:
         """Run the bucket's forward on the runner's buffers; the [bucket, hidden] output."""
