@@ -110,6 +110,15 @@ class GraphSet:
             self._pool = g.pool()
         self._keep(b, g, outputs)
 
+    def _warm(self, r: "ModelRunner", order: list[int]) -> None:
+        """Run the largest and smallest bucket eagerly first: Triton compiles and cuBLAS
+        workspace allocations cannot happen inside a capture (every kernel constant is a model
+        constant, so two sizes reach every compiled variant)."""
+        for b in sorted({order[0], order[-1]}, reverse=True):
+            self._fill_padding(r, b)
+            self._forward(r, b)
+        torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def capture_deferred(self, r: "ModelRunner", bucket: int) -> None:
         """Capture a deferred bucket now (the runner calls this before preparing the step that
@@ -174,10 +183,7 @@ class DecodeGraphs(GraphSet):
             return
         order = sorted(set(buckets), reverse=True)
         t0 = time.perf_counter()
-        for b in sorted({order[0], order[-1]}, reverse=True):
-            self._fill_padding(r, b)
-            self._forward(r, b)
-        torch.cuda.synchronize(self.device)
+        self._warm(r, order)
         t1 = time.perf_counter()
         self._stream = torch.cuda.Stream(device=self.device)
         now = [b for b in order if b not in set(defer) or b == order[0]]

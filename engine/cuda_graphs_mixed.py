@@ -85,10 +85,7 @@ class MixedGraphs(GraphSet):
             return
         order = sorted(set(buckets), reverse=True)
         t0 = time.perf_counter()
-        for b in sorted({order[0], order[-1]}, reverse=True):
-            self._fill_padding(r, b)
-            self._forward(r, b)
-        torch.cuda.synchronize(self.device)
+        self._warm(r, order)
         try:
             self._capture_one(r, order[0])
             torch.cuda.synchronize(self.device)
