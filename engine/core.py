@@ -209,9 +209,16 @@ class EngineCore(ModelLoader, PoolKeeper):
         prev, self._inflight = self._inflight, None
         slot = self._pick()
         new = None
+
+        def settle_prev() -> None:
+            nonlocal prev
+            done, prev = prev, None
+            if done is not None:
+                outs.extend(self._complete(done))
+
         if slot is not None:
             try:
-                new = self._launch(slot)
+                new = self._launch(slot, settle_prev)
             except EngineError:
                 if prev is not None:
                     self._inflight = prev  # still collectable: the next step returns its tokens
@@ -232,16 +239,21 @@ class EngineCore(ModelLoader, PoolKeeper):
         self._inflight = new
         return outs
 
-    def _launch(self, slot: ModelSlot) -> _InFlight | None:
-        """Schedule the model's next batch and queue it on the device (or run it: sync runners)."""
+    def _launch(self, slot: ModelSlot, settle_prev) -> _InFlight | None:
+        """Schedule the model's next batch and queue it on the device (or run it: sync runners).
+        ``settle_prev`` completes the step in flight first when this batch will run eagerly on
+        CUDA: its hundreds of launches would queue behind that step, holding its tokens back
+        for the whole of a large step (a quiet model's TTFT next to a flooded one)."""
         sched_out = slot.scheduler.schedule()
         if sched_out.is_empty:
             # Nothing admissible (no pages for it now, or only tokens in flight): charge a nominal
             # step so the pick moves on to the other models instead of choosing this one forever.
             self.picker.charge(slot.name, slot.last_step_s)
             return None
-        t0 = time.perf_counter()
         try:
+            if self.device.type == "cuda" and sched_out.num_batched_tokens > getattr(slot.runner, "graph_tokens", 0):
+                settle_prev()
+            t0 = time.perf_counter()
             if self.async_steps:
                 return _InFlight(slot, sched_out, slot.runner.launch(sched_out), None, t0)
             return _InFlight(slot, sched_out, None, slot.runner.execute(sched_out), t0)

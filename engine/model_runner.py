@@ -148,6 +148,13 @@ class ModelRunner:
                 self.mixed.capture_deferred(self, b)
         return time.perf_counter() - t
 
+    @property
+    def graph_tokens(self) -> int:
+        """The most tokens a step can have and still replay a graph (0: none captured)."""
+        mixed = max(self.mixed_buckets) if self.mixed is not None and self.mixed_buckets else 0
+        decode = max(self.decode_buckets) if self.graphs is not None and self.decode_buckets else 0
+        return max(mixed, decode)
+
     def mixed_bucket(self, num_tokens: int) -> int | None:
         """The smallest mixed-step graph bucket holding ``num_tokens`` tokens (None: none does)."""
         if self.mixed is None:
