@@ -100,7 +100,8 @@ class AdminApi:
             "models": models,
             # The worker's last EngineCore.stats(): what the engine itself holds, per model.
             "engine": {"models": w.models, "kv_pages_used": sum(int(m.get("kv_pages_used", 0) or 0)
-                                                                for m in w.models.values())},
+                                                                for m in w.models.values()),
+                       "memory": w.memory or None},  # the ledger's split in bytes (Status.memory)
         }
 
     async def status(self, request: web.Request) -> web.Response:

@@ -106,7 +106,9 @@ def test_unload_during_streaming_drains_then_frees(daemon) -> None:
     assert done and sum(len(c["choices"][0]["text"]) >= 0 for c in chunks) >= CTX // 2
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     wait_state(daemon, "m-b", {"cached"})
-    wait_engine_empty(daemon, gone=("m-b",))
+    mem = wait_engine_empty(daemon, gone=("m-b",))["memory"]  # the engine's own books, via status
+    assert mem is not None and mem["kv_used"] == 0 and "m-b" not in mem["models"], mem
+    assert mem["used"] == sum(m["weights"] + m["workspace"] for m in mem["models"].values()) + mem["kv"], mem
 
 
 def test_keep_alive_unloads_an_idle_model(daemon) -> None:
