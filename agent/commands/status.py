@@ -30,8 +30,14 @@ def render(st: dict[str, Any]) -> str:
         f"budget: {human_bytes(b.get('used_bytes'))} used of {human_bytes(b.get('total_bytes'))}"
         f"   cache: {human_bytes(c.get('used_bytes'))} used of {human_bytes(c.get('max_bytes'))}"
         f"   worker restarts: {w.get('restarts', 0)}",
-        "",
     ]
+    mem = (st.get("engine") or {}).get("memory")
+    if mem:  # the engine's own books, as the worker last reported them
+        head.append(f"engine: {human_bytes(mem.get('used'))} of {human_bytes(mem.get('budget'))}"
+                    f" = weights {human_bytes(mem.get('weights'))} + workspace {human_bytes(mem.get('workspace'))}"
+                    f" + KV pool {human_bytes(mem.get('kv'))} ({human_bytes(mem.get('kv_used'))} in use,"
+                    f" {mem.get('kv_pages_free', 0)} of {mem.get('kv_pages', 0)} pages free)")
+    head.append("")
     models = st.get("models") or []
     body = table(MODEL_HEADERS, model_rows(models)) if models else "no models known (try: infire-agent pull NAME)"
     return "\n".join(head) + body

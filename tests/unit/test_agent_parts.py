@@ -116,3 +116,9 @@ def test_status_rendering() -> None:
     out = render(st)
     assert "pulling 50% of 1.0 GiB" in out
     assert "NOT READY" in out and "worker restarts: 2" in out and "load failed: boom" in out and "never" in out
+    assert "engine:" not in out  # no memory report from the worker yet
+    st["engine"] = {"memory": {"budget": 4 << 30, "used": 3 << 30, "weights": 2 << 30, "workspace": 0,
+                               "kv": 1 << 30, "kv_used": 1 << 29, "kv_pages": 64, "kv_pages_free": 32}}
+    line = next(ln for ln in render(st).splitlines() if ln.startswith("engine:"))
+    assert line == ("engine: 3.0 GiB of 4.0 GiB = weights 2.0 GiB + workspace 0 B + KV pool 1.0 GiB "
+                    "(512.0 MiB in use, 32 of 64 pages free)"), line
