@@ -75,7 +75,7 @@ def worker_options(settings: Settings) -> dict[str, Any]:
     return {"device": g.device, "max_num_batched_tokens": e.max_num_batched_tokens,
             "memory_budget_bytes": budget, "memory_budget_fraction": fraction,
             "cpu_memory_budget_bytes": g.cpu_memory_budget, "sandbox": e.sandbox,
-            "warm_tier_bytes": g.warm_tier_bytes, "cuda_graphs": e.cuda_graphs,
+            "warm_tier_bytes": g.warm_tier_bytes, "cuda_graphs": e.cuda_graphs, "async_steps": e.async_steps,
             # The worker writes only its runtime dir and Triton's compile cache under the cache dir.
             "sandbox_options": {"cache_dir": str(settings.cache.dir), "runtime_dir": str(settings.server.runtime_dir),
                                 "read_write": [str(settings.cache.dir / "triton")],

@@ -112,6 +112,7 @@ class EngineSettings(_Section):
     max_num_batched_tokens: int = Field(4096, ge=16, le=1 << 20)
     page_bytes: ByteSize = parse_size("2MiB")
     cuda_graphs: bool = True
+    async_steps: bool = True  # on CUDA: schedule step N+1 while the GPU runs step N
     sandbox: bool = True
 
 

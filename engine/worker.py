@@ -322,14 +322,14 @@ def _make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
             max_num_batched_tokens=int(options.get("max_num_batched_tokens", 4096)),
             memory_budget_bytes=options.get("memory_budget_bytes"),
             decode_buckets=None if options.get("cuda_graphs", True) else (),
+            async_steps=None if options.get("async_steps", True) else False,
             warm_tier_bytes=int(options.get("warm_tier_bytes", 0)),
         )
         fraction = options.get("memory_budget_fraction")
         if core.device.type == "cuda":
             import torch
 
-            # CUDA context now (the sandbox follows; the driver's first touch must be behind us);
-            # one torch thread: a step's host tensors are tiny and idle OpenMP workers spin.
+            # CUDA context now (the sandbox follows); one torch thread: idle OpenMP workers spin.
             torch.set_num_threads(1)
             torch.zeros(1, device=core.device)
             torch.cuda.synchronize(core.device)
