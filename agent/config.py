@@ -113,6 +113,9 @@ class EngineSettings(_Section):
     page_bytes: ByteSize = parse_size("2MiB")
     cuda_graphs: bool = True
     async_steps: bool = True  # on CUDA: schedule step N+1 while the GPU runs step N
+    # While several models are loaded, no step takes more tokens than this (0: no cap): bounds how
+    # long a quiet model's new request waits behind another model's step.
+    shared_step_tokens: int = Field(0, ge=0, le=1 << 20)
     sandbox: bool = True
 
 

@@ -74,6 +74,8 @@ class EngineCore(ModelLoader, PoolKeeper):
     pool's page size; None: set by the first load to ``block_size`` tokens of that model.
     ``warmup``: run one largest-batch step at load to measure the workspace (None: on CUDA).
     ``async_steps``: launch step N+1 before collecting step N (None: on CUDA; see :meth:`step`).
+    ``shared_step_tokens``: while more than one model is loaded, no step takes more tokens than
+    this, so a model whose request arrives waits for at most one short step of another (None: off).
     """
 
     def __init__(self, device: str = "auto", max_num_batched_tokens: int = 2048,
@@ -81,7 +83,7 @@ class EngineCore(ModelLoader, PoolKeeper):
                  max_prefill_chunk: int | None = None, dtype: str | None = None, seed: int | None = None,
                  decode_buckets: tuple[int, ...] | None = None, memory_budget: int | float | None = None,
                  page_bytes: int | None = None, warmup: bool | None = None, warm_tier_bytes: int = 0,
-                 async_steps: bool | None = None) -> None:
+                 async_steps: bool | None = None, shared_step_tokens: int | None = None) -> None:
         self.device = resolve_device(device)
         if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
             raise EngineError("max_num_batched_tokens must be an integer >= 1")
@@ -95,6 +97,10 @@ class EngineCore(ModelLoader, PoolKeeper):
                                        or page_bytes < 1):
             raise EngineError("page_bytes must be a positive integer")
         self.max_num_batched_tokens = max_num_batched_tokens
+        if shared_step_tokens is not None and (isinstance(shared_step_tokens, bool)
+                                               or not isinstance(shared_step_tokens, int) or shared_step_tokens < 1):
+            raise EngineError("shared_step_tokens must be None or an integer >= 1")
+        self.shared_step_tokens = shared_step_tokens
         self.block_size = block_size
         self.max_prefill_chunk = max_prefill_chunk
         self.dtype_override = dtype
@@ -244,7 +250,8 @@ class EngineCore(ModelLoader, PoolKeeper):
         ``settle_prev`` completes the step in flight first when this batch will run eagerly on
         CUDA: its hundreds of launches would queue behind that step, holding its tokens back
         for the whole of a large step (a quiet model's TTFT next to a flooded one)."""
-        sched_out = slot.scheduler.schedule()
+        cap = self.shared_step_tokens if self.shared_step_tokens and len(self._slots) > 1 else None
+        sched_out = slot.scheduler.schedule(cap)
         if sched_out.is_empty:
             # Nothing admissible (no pages for it now, or only tokens in flight): charge a nominal
             # step so the pick moves on to the other models instead of choosing this one forever.

@@ -314,8 +314,7 @@ def _make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
         from engine.core import EngineCore
         from engine.cuda_graphs import set_triton_cache_dir
 
-        cache_dir = (options.get("sandbox_options") or {}).get("cache_dir")
-        if cache_dir:
+        if cache_dir := (options.get("sandbox_options") or {}).get("cache_dir"):
             set_triton_cache_dir(cache_dir)  # compiled kernels survive restarts
         core = EngineCore(
             device=options.get("device", "auto"),
@@ -323,6 +322,7 @@ def _make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
             memory_budget_bytes=options.get("memory_budget_bytes"),
             decode_buckets=None if options.get("cuda_graphs", True) else (),
             async_steps=None if options.get("async_steps", True) else False,
+            shared_step_tokens=int(options.get("shared_step_tokens") or 0) or None,
             warm_tier_bytes=int(options.get("warm_tier_bytes", 0)),
         )
         fraction = options.get("memory_budget_fraction")

@@ -153,6 +153,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--decode-buckets", type=int, nargs="*", default=None, help="default: the engine's")
     g.add_argument("--graphs-at-load-max", type=int, help="INFIRE_GRAPHS_AT_LOAD_MAX for this run (default: engine's)")
     g.add_argument("--warm-tier-bytes", type=int, default=0, help="pinned host RAM for unloaded weights")
+    g.add_argument("--shared-step-tokens", type=int, default=0,
+                   help="cap on a step's tokens while both models are loaded (0: none; EngineCore shared_step_tokens)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cpu-threads", type=int, default=1, help="torch intra-op threads on the CPU (0: torch's)")
     w = p.add_argument_group("workloads")

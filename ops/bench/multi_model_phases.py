@@ -97,7 +97,8 @@ class Bench:
         buckets = None if a.decode_buckets is None else tuple(a.decode_buckets)
         self.core = EngineCore(device=a.device, max_num_batched_tokens=a.max_num_batched_tokens,
                                memory_budget=plan.budget, decode_buckets=buckets, seed=a.seed,
-                               warm_tier_bytes=a.warm_tier_bytes)
+                               warm_tier_bytes=a.warm_tier_bytes,
+                               shared_step_tokens=getattr(a, "shared_step_tokens", None) or None)
         self.rng = random.Random(a.seed)
         self.vocab: dict[str, int] = {}
         self.block: dict[str, int] = {}
