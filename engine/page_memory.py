@@ -68,7 +68,7 @@ class PoolMemory:
         handed out earlier are still referenced (the old memory could not be released)."""
         old = self._require()
         old_pages = old.shape[0]
-        index = torch.tensor(sorted(live), dtype=torch.long, device=old.device)
+        index = torch.tensor(sorted(live), dtype=torch.long, device=old.device) if live else None
         saved = old.index_select(0, index).to("cpu") if live else None
         self._views.clear()
         # Dtype-changing views are not autograd views of the byte tensor: watch the storage.
@@ -81,8 +81,9 @@ class PoolMemory:
                 storage, 0, (storage.nbytes() // self.page_bytes, self.page_bytes))
             raise PoolBusyError("views of the pool are still referenced outside it; drop them "
                                 "(fetch kv_views again after the resize) before resizing")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # return the old block before asking for the new one
+        # No empty_cache here: it synchronizes the device and unmaps every cached block (after an
+        # unload, the old weights' ~300 blocks), which a reload then maps again; a request the
+        # cached blocks cannot serve makes torch's allocator release them and retry by itself.
         try:
             new = self._zeros(num_pages)
         except RuntimeError as e:  # torch.OutOfMemoryError is one
