@@ -250,8 +250,10 @@ class EngineCore(ModelLoader, PoolKeeper):
         ``settle_prev`` completes the step in flight first when this batch will run eagerly on
         CUDA: its hundreds of launches would queue behind that step, holding its tokens back
         for the whole of a large step (a quiet model's TTFT next to a flooded one)."""
-        cap = self.shared_step_tokens if self.shared_step_tokens and len(self._slots) > 1 else None
-        sched_out = slot.scheduler.schedule(cap)
+        if self.shared_step_tokens and len(self._slots) > 1:
+            sched_out = slot.scheduler.schedule(self.shared_step_tokens)
+        else:
+            sched_out = slot.scheduler.schedule()
         if sched_out.is_empty:
             # Nothing admissible (no pages for it now, or only tokens in flight): charge a nominal
             # step so the pick moves on to the other models instead of choosing this one forever.
