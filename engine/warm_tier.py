@@ -8,6 +8,9 @@ CUDA streams and returns when they have landed. A model bigger than the whole bu
 (``put`` returns False) without evicting anything. Thread-safe (one lock); the copies run outside
 the lock only for ``restore``'s device transfers of an entry that is pinned against eviction.
 
+``prepin()`` page-locks the whole budget once (a thread at start: ``prepin_async``); puts then take
+a range of that arena instead of pinning a buffer each (~0.3 s per GB on the H200).
+
 ``note(name, tag, value)`` / ``noted(name, tag)`` keep small figures with a stored entry and go
 with it (EngineCore keeps the workspace it measured for those weights at one load shape there,
 so a reload at that shape books the figure instead of measuring it again).
@@ -49,6 +52,39 @@ class _Entry:
     nbytes: int
     users: int = 0  # restores in progress: not evictable meanwhile
     notes: dict[str, int] = field(default_factory=dict)
+    arena_off: int | None = None  # where its buffer lies in the arena (None: a buffer of its own)
+    dropped: bool = False  # out of the store while a restore still reads it: freed after that
+
+
+class _Arena:
+    """One page-locked host allocation of the whole budget, carved into entry buffers (first fit,
+    frees coalesced), so a put after the start-up pinning pays only its copy."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.free: list[tuple[int, int]] = [(0, buf.numel())]  # (offset, size), by offset
+
+    def take(self, n: int) -> int | None:
+        for i, (off, size) in enumerate(self.free):
+            if size >= n:
+                if size == n:
+                    del self.free[i]
+                else:
+                    self.free[i] = (off + n, size - n)
+                return off
+        return None
+
+    def give(self, off: int, n: int) -> None:
+        free = self.free
+        i = 0
+        while i < len(free) and free[i][0] < off:
+            i += 1
+        free.insert(i, (off, n))
+        if i + 1 < len(free) and off + n == free[i + 1][0]:  # merge with the next range
+            free[i] = (off, n + free.pop(i + 1)[1])
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == off:  # and with the previous one
+            prev_off, prev_n = free[i - 1]
+            free[i - 1] = (prev_off, prev_n + free.pop(i)[1])
 
 
 def _layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, _Slot], int]:
@@ -92,6 +128,39 @@ class WarmTier:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
         self.last_put_seconds: dict[str, float] = {}
+        self._arena: _Arena | None = None
+
+    def prepin(self) -> bool:
+        """Allocate and page-lock the whole budget now (seconds for tens of GB: call it from a
+        thread at start, see :meth:`prepin_async`); later puts carve their buffers from it instead
+        of pinning a fresh one each (~0.3 s per GB). False when there is nothing to do."""
+        if not self.budget_bytes or self._arena is not None:
+            return False
+        buf = _host_buffer(self.budget_bytes, self.pin)
+        with self._lock:
+            if self._arena is None:
+                self._arena = _Arena(buf)
+        return True
+
+    def prepin_async(self) -> threading.Thread:
+        """:meth:`prepin` in a daemon thread (puts before it ends pin their own buffers)."""
+        def run() -> None:
+            try:
+                self.prepin()
+            except Exception as e:  # host RAM refused: the tier keeps pinning per put
+                log.warning("warm tier: pinning %d bytes at start failed: %s", self.budget_bytes, e)
+
+        t = threading.Thread(target=run, name="warm-tier-pin", daemon=True)
+        t.start()
+        return t
+
+    def _release(self, e: _Entry) -> None:
+        """An entry left the store (lock held): its arena range is free once no restore reads it."""
+        if e.users:
+            e.dropped = True
+        elif e.arena_off is not None and self._arena is not None:
+            self._arena.give(e.arena_off, e.nbytes)
+            e.arena_off = None
 
     @property
     def used_bytes(self) -> int:
@@ -121,8 +190,25 @@ class WarmTier:
             if not e.users:
                 used -= e.nbytes
                 del self._entries[name]
+                self._release(e)
                 log.info("warm tier: evicted %s (%d bytes)", name, e.nbytes)
         return True
+
+    def _carve(self, need: int) -> int | None:
+        """An arena range of ``need`` bytes (lock held), evicting least recently used idle entries
+        until one is contiguous; None without an arena or when busy entries fragment it."""
+        if self._arena is None:
+            return None
+        off = self._arena.take(need)
+        for name in list(self._entries):
+            if off is not None:
+                break
+            e = self._entries[name]
+            if not e.users:
+                del self._entries[name]
+                self._release(e)
+                off = self._arena.take(need)
+        return off
 
     def keep(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
         """Mark ``name`` most recently used when it is stored with exactly these names, shapes
@@ -149,12 +235,17 @@ class WarmTier:
                 if old is not None:
                     self._entries[name] = old
                 return False
+            if old is not None:
+                self._release(old)
+            off = self._carve(total)
+            if off is None and self._arena is not None:
+                return False  # busy entries fragment the pinned arena: store nothing
             # reserve the bytes now so a concurrent put cannot overshoot the budget
-            entry = _Entry(torch.empty(0, dtype=torch.uint8), slots, total, users=1)
+            entry = _Entry(torch.empty(0, dtype=torch.uint8), slots, total, users=1, arena_off=off)
             self._entries[name] = entry
         try:
             t0 = time.perf_counter()
-            buf = _host_buffer(total, self.pin)
+            buf = self._arena.buf[off:off + total] if off is not None else _host_buffer(total, self.pin)
             t1 = time.perf_counter()
             for n, t in tensors.items():
                 s = slots[n]
@@ -165,8 +256,10 @@ class WarmTier:
             self.last_put_seconds = {"buffer_s": t1 - t0, "copy_s": time.perf_counter() - t1}
         except BaseException:
             with self._lock:
+                entry.users = 0
                 if self._entries.get(name) is entry:
                     del self._entries[name]
+                self._release(entry)
             raise
         with self._lock:
             entry.buffer = buf
@@ -174,7 +267,8 @@ class WarmTier:
         return True
 
     def get(self, name: str) -> dict[str, torch.Tensor] | None:
-        """Host tensors (views of the stored buffer) of ``name``, marking it most recently used."""
+        """Host tensors (views of the stored buffer) of ``name``, marking it most recently used.
+        Valid while ``name`` stays stored: with a pinned arena its range is reused once dropped."""
         with self._lock:
             e = self._entries.get(name)
             if e is None or e.users:
@@ -199,7 +293,10 @@ class WarmTier:
 
     def discard(self, name: str) -> bool:
         with self._lock:
-            return self._entries.pop(name, None) is not None
+            e = self._entries.pop(name, None)
+            if e is not None:
+                self._release(e)
+            return e is not None
 
     def restore(self, name: str, dst: dict[str, torch.Tensor], streams: int = 2) -> bool:
         """Copy ``name``'s stored bytes into ``dst`` (same names, shapes, dtypes; contiguous).
@@ -241,4 +338,6 @@ class WarmTier:
         finally:
             with self._lock:
                 e.users -= 1
+                if e.dropped and not e.users:
+                    self._release(e)
         return True

@@ -375,13 +375,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when we stop
     sock = socket.socket(fileno=args.fd)
     sock.setblocking(True)
-    # Never closed here: EOF must mean the process is gone (the agent kills one still there).
-    os.dup(sock.fileno())
+    os.dup(sock.fileno())  # never closed: EOF must mean the process is gone
     conn = _Conn(sock)
     core, device, err = _make_core(options)
-    skipped = _confine(options) if core is not None else ""
-    if skipped:
+    if skipped := (_confine(options) if core is not None else ""):
         print(f"engine.worker: sandbox skipped: {skipped}", file=sys.stderr)
+    if getattr(core, "warm_tier", None) is not None and core.device.type == "cuda":  # pin it now,
+        core.warm_tier.prepin_async()  # confined, not at the first unload
     budget = int(getattr(core, "memory_budget_bytes", None) or 0)
     conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err, budget_bytes=budget))
     worker = Worker(conn, core)

@@ -71,3 +71,57 @@ def test_restore_mismatch_raises():
         tier.restore("a", {"embed": bad["embed"]})
     with pytest.raises(WarmTierError):
         WarmTier(-1)
+
+
+def test_arena_pinned_at_start_serves_every_put_and_coalesces_back():
+    m = model(5)
+    tier = WarmTier(3 * nbytes(m), pin=False)
+    tier.prepin_async().join()
+    assert tier._arena is not None and tier._arena.free == [(0, 3 * nbytes(m))]
+    for i, name in enumerate("abc"):
+        assert tier.put(name, model(10 + i))
+    assert tier._arena.free == []  # three entries fill it exactly
+    assert tier.put("d", model(13))  # evicts a (LRU) and takes its range
+    assert tier.models() == ["b", "c", "d"]
+    for i, name in enumerate("bcd", start=1):
+        want = model(10 + i)
+        dst = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in want.items()}
+        assert tier.restore(name, dst) and all(torch.equal(dst[k], want[k]) for k in want)
+    assert tier.put("c", model(99))  # a replacement frees the old range first
+    assert all(torch.equal(tier.get("c")[k], model(99)[k]) for k in m)
+    for name in tier.models():
+        assert tier.discard(name)
+    assert tier._arena.free == [(0, 3 * nbytes(m))] and tier.used_bytes == 0
+
+
+def test_arena_range_of_an_entry_being_restored_is_not_reused_until_it_ends():
+    m = model(6)
+    tier = WarmTier(2 * nbytes(m), pin=False)
+    tier.prepin()
+    assert tier.put("a", m) and tier.put("b", model(7))
+    a = tier._entries["a"]
+    a.users = 1  # a restore of a is in progress
+    assert tier.discard("a") and tier.models() == ["b"]
+    assert tier.put("c", model(8))  # evicts b and takes its range: a's is still being read
+    assert tier.models() == ["c"] and tier._arena.free == []
+    with tier._lock:  # the restore ends (what restore() does in its finally)
+        a.users -= 1
+        tier._release(a)
+    assert tier._arena.free == [(0, nbytes(m))]
+    assert tier.put("d", model(9)) and tier.models() == ["c", "d"]
+    assert all(torch.equal(tier.get("c")[k], model(8)[k]) for k in m)
+
+
+def test_arena_take_and_give_coalesce():
+    from engine.warm_tier import _Arena
+
+    a = _Arena(torch.empty(1000, dtype=torch.uint8))
+    offs = [a.take(100) for _ in range(5)]
+    assert offs == [0, 100, 200, 300, 400] and a.free == [(500, 500)]
+    a.give(100, 100)
+    a.give(300, 100)
+    assert a.free == [(100, 100), (300, 100), (500, 500)]
+    assert a.take(150) == 500  # first fit that is large enough
+    a.give(200, 100)  # joins 100..200 and 300..400
+    assert a.free == [(100, 300), (650, 350)]
+    assert a.take(1000) is None
