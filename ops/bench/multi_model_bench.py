@@ -106,6 +106,7 @@ def run(a: argparse.Namespace, dirs: dict[str, Path]) -> dict[str, Any]:
     b = Bench(a, dirs, plan)
     res: dict[str, Any] = {"plan": plan.as_json(), "device": str(b.core.device), "gpu": _device_name(b.core),
                            "models": {n: str(d) for n, d in dirs.items()}}
+    res["warm_tier_prepin_s"] = b.prepin_s  # the tier's RAM pinned once at start (untimed elsewhere)
     res["load"] = {"A": b.load("A"), "B": b.load("B")}
     res["plan"]["kv_tokens_per_big_model"] = plan.kv_pages * b.block["A"]
     try:

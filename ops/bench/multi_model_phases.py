@@ -99,6 +99,10 @@ class Bench:
                                memory_budget=plan.budget, decode_buckets=buckets, seed=a.seed,
                                warm_tier_bytes=a.warm_tier_bytes,
                                shared_step_tokens=getattr(a, "shared_step_tokens", None) or None)
+        # As the worker does at start (untimed): the tier's RAM pinned once, not at the first unload.
+        t = time.perf_counter()
+        pinned = self.core.warm_tier is not None and self.core.warm_tier.prepin()
+        self.prepin_s = time.perf_counter() - t if pinned else None
         self.rng = random.Random(a.seed)
         self.vocab: dict[str, int] = {}
         self.block: dict[str, int] = {}
