@@ -303,7 +303,9 @@ def test_weights_split_measured_step_time(dirs):
         t = time.perf_counter()
         core.step()
         longest = max(longest, time.perf_counter() - t)
-    assert all(core.stats()[n]["running"] for n in ("heavy", "light"))  # both busy throughout
+    # both still have work (between two waves of max_num_seqs a model may have none running)
+    st = core.stats()
+    assert all(st[n]["running"] + st[n]["waiting"] for n in ("heavy", "light")), st
     # Fair share keeps the weighted clocks within one step of each other...
     assert abs(core.picker.virtual_time("heavy") - core.picker.virtual_time("light")) <= longest
     # ...so measured time splits about 3:1.
