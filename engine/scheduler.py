@@ -167,6 +167,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens if max_tokens is None else max(1, min(max_tokens, cfg.max_num_batched_tokens))
         chunk_cap = cfg.max_prefill_chunk or budget
         planned: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, tokens); insertion order
+        decodes: set[int] = set()  # the seq_ids loop 1 planned
         preempted: list[Sequence] = []
 
         def reserve(seq: Sequence, n: int) -> bool:
@@ -190,8 +191,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted by an older sequence's growth in this loop
-            known = len(seq.token_ids)
-            total = known + seq.num_inflight
+            total = len(seq.token_ids) + seq.num_inflight
             if not (seq.num_computed_tokens + 1 == total and total > seq.num_prompt_tokens):
                 prefilling.append(seq)
                 continue
@@ -199,6 +199,7 @@ class Scheduler:
                 continue  # its token in flight is its last (length), or it is already a step ahead
             if reserve(seq, 1):
                 planned[seq.seq_id] = (seq, 1)
+                decodes.add(seq.seq_id)
                 budget -= 1
 
         # 2. running sequences still prefilling (chunked prefill continues).
@@ -230,19 +231,16 @@ class Scheduler:
             planned[seq.seq_id] = (seq, n)
             budget -= n
 
-        # Entries in planning order, which puts the decodes first: loop 2 takes only sequences
-        # that are not decoding, and an admitted sequence has more than one token to compute.
+        # Entries in planning order, which puts loop 1's decodes first.
         out = SchedulerOutput(preempted_req_ids=[s.req_id for s in preempted])
         seqs_out = out.seqs
         table = self.blocks.block_table
         # Tokens count as computed once scheduled (the step's K/V writes are queued in order);
         # a sampling entry adds one token in flight until update() learns its value.
-        num_decodes = 0
         for seq, n in planned.values():
             start = seq.num_computed_tokens
             toks = seq.token_ids
             total = len(toks) + seq.num_inflight
-            decoding = n == 1 and start + 1 == total and total > seq.num_prompt_tokens
             chunk = toks[start:start + n]
             if len(chunk) < n:  # only a decode of the token in flight
                 chunk = [PLACEHOLDER]
@@ -253,8 +251,7 @@ class Scheduler:
             seq.num_computed_tokens = start + n
             seq.num_inflight += sample
             out.num_batched_tokens += n
-            num_decodes += decoding
-        out.num_decodes = num_decodes
+        out.num_decodes = sum(1 for i in decodes if i in planned)  # a decode may have been preempted since
         return out
 
     def preempt(self, req_id: str) -> bool:
@@ -320,7 +317,7 @@ class Scheduler:
         p = seq.params
         if (not p.ignore_eos and tok in self._eos) or tok in p.stop_token_ids:
             return FinishReason.STOP
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if self._ends_at(seq, seq.num_tokens):
             return FinishReason.LENGTH
         return None
 
