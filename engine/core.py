@@ -33,7 +33,7 @@ from engine.cuda_graphs import DEFAULT_BUCKETS
 from engine.errors import EngineError, RequestError
 from engine.fair_share import FairSharePicker
 from engine.memory import LoadPlan, LoadRefused
-from engine.model_runner import PendingStep, StepResult
+from engine.runner_types import PendingStep, StepResult
 from engine.page_pool import PagePool
 from engine.sampling import SamplingParams, SamplingParamsError
 from engine.scheduler import SchedulerOutput

@@ -19,6 +19,7 @@ event, read the ids): a caller can do host work for the next step between the tw
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import time
@@ -35,6 +36,12 @@ from engine.runner_types import PendingStep, PreparedStep, StepResult
 from engine.scheduler import PLACEHOLDER, SchedulerOutput
 
 __all__ = ["ModelRunner", "PendingStep", "PreparedStep", "StepResult"]
+
+
+def _smallest_at_least(buckets: tuple[int, ...], n: int) -> int | None:
+    """The smallest of the sorted ``buckets`` that is >= ``n`` (None: none is)."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
 
 
 class ModelRunner:
@@ -132,10 +139,7 @@ class ModelRunner:
 
     def decode_bucket(self, num_seqs: int) -> int | None:
         """The smallest decode bucket holding ``num_seqs`` sequences (None: none does)."""
-        for size in self.decode_buckets:
-            if size >= num_seqs:
-                return size
-        return None
+        return _smallest_at_least(self.decode_buckets, num_seqs)
 
     def capture_deferred_graphs(self) -> float:
         """Capture every graph still deferred to its first use (decode and mixed); the seconds."""
@@ -151,18 +155,13 @@ class ModelRunner:
     @property
     def graph_tokens(self) -> int:
         """The most tokens a step can have and still replay a graph (0: none captured)."""
-        mixed = max(self.mixed_buckets) if self.mixed is not None and self.mixed_buckets else 0
-        decode = max(self.decode_buckets) if self.graphs is not None and self.decode_buckets else 0
+        mixed = self.mixed_buckets[-1] if self.mixed is not None and self.mixed_buckets else 0
+        decode = self.decode_buckets[-1] if self.graphs is not None and self.decode_buckets else 0
         return max(mixed, decode)
 
     def mixed_bucket(self, num_tokens: int) -> int | None:
         """The smallest mixed-step graph bucket holding ``num_tokens`` tokens (None: none does)."""
-        if self.mixed is None:
-            return None
-        for size in self.mixed_buckets:
-            if size >= num_tokens:
-                return size
-        return None
+        return _smallest_at_least(self.mixed_buckets, num_tokens) if self.mixed is not None else None
 
     def prepare(self, out: SchedulerOutput, pad_to: int | None = None,
                 pad_tokens: int | None = None) -> PreparedStep:
@@ -307,21 +306,21 @@ class ModelRunner:
             logits, ids = logits_all[:b], ids_all[:b]
             self.graph_steps += 1
             graph = True
-        elif mixed is not None:
-            hidden = self.mixed.replay(mixed)
-            self.mixed_graph_steps += 1
-            graph = True
+        elif mixed is not None or not step.sample_entries:
+            if mixed is not None:
+                hidden = self.mixed.replay(mixed)
+                self.mixed_graph_steps += 1
+                graph = True
+            else:  # a prefill chunk that samples nothing
+                hidden = self.model(step.input_ids, step.positions, self.kv, step.meta)
             if not step.sample_entries:
-                self.host_graph_seconds += time.perf_counter() - t0
-                self.host_seconds += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.host_seconds += dt
+                self.host_graph_seconds += dt if graph else 0.0
                 return PendingStep(0, None, None, None, None, None)
             logits = self.model.compute_logits(hidden.index_select(0, step.logits_rows))
-        elif step.sample_entries:
-            logits = self.forward_logits(step)
         else:
-            self.model(step.input_ids, step.positions, self.kv, step.meta)  # a chunk that samples nothing
-            self.host_seconds += time.perf_counter() - t0
-            return PendingStep(0, None, None, None, None, None)
+            logits = self.forward_logits(step)
         params = [out.seqs[i].params for i in step.sample_entries]
         if not all(p.temperature == 0 for p in params):
             dev = logits.device
