@@ -213,56 +213,56 @@ class EngineCore(ModelLoader, PoolKeeper):
         """
         outs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
-        slot = self._pick()
         new = None
-
-        def settle_prev() -> None:
-            nonlocal prev
-            done, prev = prev, None
-            if done is not None:
-                outs.extend(self._complete(done))
-
-        if slot is not None:
-            try:
-                new = self._launch(slot, settle_prev)
-            except EngineError:
-                if prev is not None:
-                    self._inflight = prev  # still collectable: the next step returns its tokens
-                self._pending[:0] = outs
-                raise
         try:
+            slot = self._pick()
+            sched_out = self._schedule(slot) if slot is not None else None
+            if prev is not None and sched_out is not None and not self._overlaps(slot, sched_out):
+                prev, done = None, prev
+                try:
+                    outs.extend(self._complete(done))
+                except EngineError as e:  # the batch was scheduled: its books must not stay half-done
+                    raise self._failed(slot, sched_out, e) from e
+            if sched_out is not None:
+                new = self._launch(slot, sched_out)
             if prev is not None:
-                outs.extend(self._complete(prev))
-            if new is not None and (new.pending is None or not self.async_steps
-                                    or new.pending.want_logprobs is not None):
-                # logprobs read the logits at collect: a later launch would overwrite them
+                prev, done = None, prev
+                outs.extend(self._complete(done))
+            if new is not None and (new.pending is None or new.pending.want_logprobs is not None):
+                # ran synchronously, or wants logprobs, which read the logits at collect (a later
+                # launch would overwrite them): complete it now
                 new, done = None, new
                 outs.extend(self._complete(done))
         except EngineError:
-            self._inflight = new
+            self._inflight = new if new is not None else prev  # still collectable by the next step
             self._pending[:0] = outs
             raise
         self._inflight = new
         return outs
 
-    def _launch(self, slot: ModelSlot, settle_prev) -> _InFlight | None:
-        """Schedule the model's next batch and queue it on the device (or run it: sync runners).
-        ``settle_prev`` completes the step in flight first when this batch will run eagerly on
-        CUDA: its hundreds of launches would queue behind that step, holding its tokens back
-        for the whole of a large step (a quiet model's TTFT next to a flooded one)."""
+    def _schedule(self, slot: ModelSlot) -> SchedulerOutput | None:
+        """The model's next batch, None when nothing is admissible (no pages for it now, or only
+        tokens in flight): then a nominal step is charged so the pick moves on to the other
+        models instead of choosing this one forever."""
         if self.shared_step_tokens and len(self._slots) > 1:
             sched_out = slot.scheduler.schedule(self.shared_step_tokens)
         else:
             sched_out = slot.scheduler.schedule()
         if sched_out.is_empty:
-            # Nothing admissible (no pages for it now, or only tokens in flight): charge a nominal
-            # step so the pick moves on to the other models instead of choosing this one forever.
             self.picker.charge(slot.name, slot.last_step_s)
             return None
+        return sched_out
+
+    def _overlaps(self, slot: ModelSlot, sched_out: SchedulerOutput) -> bool:
+        """Whether a batch may be launched behind the step in flight. Not one that runs eagerly
+        on CUDA: its hundreds of launches would queue behind that step and hold its tokens back
+        for the whole of a large step (a quiet model's TTFT next to a flooded one)."""
+        return self.device.type != "cuda" or sched_out.num_batched_tokens <= getattr(slot.runner, "graph_tokens", 0)
+
+    def _launch(self, slot: ModelSlot, sched_out: SchedulerOutput) -> _InFlight:
+        """Queue the batch on the device (or run it: synchronous steps)."""
+        t0 = time.perf_counter()
         try:
-            if self.device.type == "cuda" and sched_out.num_batched_tokens > getattr(slot.runner, "graph_tokens", 0):
-                settle_prev()
-            t0 = time.perf_counter()
             if self.async_steps:
                 return _InFlight(slot, sched_out, slot.runner.launch(sched_out), None, t0)
             return _InFlight(slot, sched_out, None, slot.runner.execute(sched_out), t0)
