@@ -261,17 +261,26 @@ class ModelLoader:
             self._undo_load(pending.name)
 
     def _undo_load(self, name: str) -> None:
-        """Release what a load booked: pages, registration, slot, picker entry, ledger, pool size."""
-        if self.pool is not None and name in self.pool.models():
-            self.pool.free_all(name)
-            self.pool.unregister(name)
-        if name in self.ledger:
-            self.ledger.release(name)
+        """Release what a load booked: slot, picker entry, then its books (:meth:`_release_books`)."""
         self._slots.pop(name, None)
         if name in self.picker:
             self.picker.remove_model(name)
+        self._release_books(name)
+
+    def _release_books(self, name: str) -> None:
+        """A model's pages and pool registration, its device memory and its ledger entry, then the
+        pool's trim (left to the end of a load in flight: that model is in the pool but not yet
+        among the slots whose wants size it)."""
+        if self.pool is not None and name in self.pool.models():
+            self.pool.free_all(name)  # the backstop: an unload's aborts freed them already
+            self.pool.unregister(name)
         self._release_device_memory()
-        self._fit_pool(None, None)
+        if name in self.ledger:
+            self.ledger.release(name)
+        if self._pending_load is None:
+            self._fit_pool(None, None)
+        else:
+            self._pending_load.trim = True
 
     def _refusal(self, name: str, needs: LoadNeeds, e: LoadRefused, evictable) -> LoadRefused:
         """The refusal with what evicting the offered models (those loaded here) would do."""
@@ -293,7 +302,8 @@ class ModelLoader:
         the graph buckets captured at load and the block-table width."""
         return repr((str(self.device), str(dtype), max_num_seqs, max_len, tokens_per_page,
                      self.max_num_batched_tokens, self.max_prefill_chunk, tuple(self.decode_buckets),
-                     os.environ.get("INFIRE_CUDA_GRAPHS", "1"), os.environ.get("INFIRE_GRAPHS_AT_LOAD_MAX", "8")))
+                     os.environ.get("INFIRE_CUDA_GRAPHS", "1"), os.environ.get("INFIRE_GRAPHS_AT_LOAD_MAX", "8"),
+                     os.environ.get("INFIRE_MIXED_GRAPHS", "1")))
 
     def _install(self, p: PendingLoad, w: WeightsReady) -> ModelInfo:
         if w.ready is not None:
@@ -367,20 +377,9 @@ class ModelLoader:
         del self._slots[name]
         if name in self.picker:
             self.picker.remove_model(name)
-        pooled = slot.pages is not None
         slot.runner = slot.kv = slot.model = None
         del slot
-        if pooled:
-            self.pool.free_all(name)  # the backstop: the aborts freed them through the block manager
-            self.pool.unregister(name)
-            self._release_device_memory()
-            self.ledger.release(name)
-            if self._pending_load is None:
-                self._fit_pool(None, None)
-            else:  # its model is in the pool but not among the slots whose wants size it
-                self._pending_load.trim = True
-        else:
-            self._release_device_memory()
+        self._release_books(name)
 
     def models(self) -> dict[str, ModelInfo]:
         return {n: s.info for n, s in self._slots.items()}
