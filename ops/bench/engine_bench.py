@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ops.bench.workload import NAME as WORKLOAD, sharegpt_like, summary
+from ops.bench.workload import NAME as WORKLOAD, percentile, sharegpt_like, summary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,13 +45,6 @@ def _commit() -> str:
                               text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
 def _device_name(core) -> str:
@@ -74,7 +67,7 @@ def _batch1(core, vocab: int) -> dict:
         core.step()
         times.append(time.perf_counter() - t)
     dec = sorted(times[1:])
-    return {"decode_ms_per_token_p50": _pct(dec, 50) * 1e3, "decode_ms_per_token_p90": _pct(dec, 90) * 1e3,
+    return {"decode_ms_per_token_p50": percentile(dec, 50) * 1e3, "decode_ms_per_token_p90": percentile(dec, 90) * 1e3,
             "prefill_ms": times[0] * 1e3, "tokens": len(times)}
 
 
@@ -201,8 +194,8 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         "req_s": len(reqs) / wall,
         "output_tok_s": total_out / wall,
         "total_tok_s": (total_out + total_in) / wall,
-        "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
-        "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
+        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+        "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
         "cpu_cores": cpu / wall,
         "wall_s": wall,
         "steps": steps,

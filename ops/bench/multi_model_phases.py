@@ -19,7 +19,8 @@ from typing import Any
 
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
-from ops.bench.multi_model_setup import Plan, counter_delta, engine_counters, pct, ratio
+from ops.bench.multi_model_setup import Plan, counter_delta, engine_counters, ratio
+from ops.bench.workload import percentile as pct
 from ops.bench.workload import BenchRequest, sharegpt_like
 
 INF = float("inf")

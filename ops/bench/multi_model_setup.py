@@ -137,13 +137,5 @@ def counter_delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, 
     return {"per_model": per, "steps": total, "wall_ms_per_step": wall * 1e3 / total if total else None}
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (as engine_bench's), None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
-
 def ratio(x: float | None, y: float | None) -> float | None:
     return x / y if x is not None and y else None

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from agent import sse
-from ops.bench.engine_bench import REPO, _commit, _pct
+from ops.bench.engine_bench import REPO, _commit
+from ops.bench.workload import percentile
 from ops.bench.workload import NAME as WORKLOAD, sharegpt_like, summary
 
 
@@ -112,8 +113,8 @@ def report(results: list[dict], wall: float, cpu: dict[str, float]) -> dict[str,
         "first_error": next((r["error"] for r in results if "error" in r), None),
         "duration_s": round(wall, 3), "req_s": round(len(ok) / wall, 3),
         "output_tok_s": round(out_tok / wall, 2), "total_tok_s": round((out_tok + in_tok) / wall, 2),
-        "ttft_ms_p50": rnd(_pct(ttft, 50)), "ttft_ms_p99": rnd(_pct(ttft, 99)),
-        "tpot_ms_p50": rnd(_pct(tpot, 50)), "tpot_ms_p99": rnd(_pct(tpot, 99)),
+        "ttft_ms_p50": rnd(percentile(ttft, 50)), "ttft_ms_p99": rnd(percentile(ttft, 99)),
+        "tpot_ms_p50": rnd(percentile(tpot, 50)), "tpot_ms_p99": rnd(percentile(tpot, 99)),
         "cpu_cores_agent": round(cpu["agent"] / wall, 3), "cpu_cores_worker": round(cpu["worker"] / wall, 3),
         "cpu_cores": round((cpu["agent"] + cpu["worker"]) / wall, 3),
     }

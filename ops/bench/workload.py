@@ -55,6 +55,14 @@ def sharegpt_like(num_requests: int = 1000, vocab_size: int = 128256, seed: int 
             for n_in, n_out in lengths]
 
 
+def percentile(xs: list[float], q: float) -> float | None:
+    """Nearest-rank percentile ``q`` (0-100) of ``xs``; None for no data. Every bench uses this one."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
 def summary(reqs: list[BenchRequest]) -> dict[str, float]:
     n = max(len(reqs), 1)
     return {

@@ -33,12 +33,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+from ops.bench.workload import percentile  # noqa: E402
 
 
 def _drain(core) -> None:
@@ -72,8 +67,8 @@ def _workload(core, reqs) -> dict:
     tpot = [(last[k] - first[k]) * 1e3 / (n_out[k] - 1) for k in first if n_out[k] > 1]
     return {"requests": len(reqs), "wall_s": wall, "steps": steps, "req_s": len(reqs) / wall,
             "output_tok_s": total_out / wall, "total_tok_s": (total_out + total_in) / wall,
-            "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
-            "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99)}
+            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+            "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99)}
 
 
 def _batch1(core, vocab: int, max_tokens: int = 256) -> dict:
@@ -87,8 +82,8 @@ def _batch1(core, vocab: int, max_tokens: int = 256) -> dict:
         core.step()
         times.append(time.perf_counter() - t)
     dec = times[1:]
-    return {"prefill_ms": times[0] * 1e3, "decode_ms_per_token_p50": (_pct(dec, 50) or 0) * 1e3,
-            "decode_ms_per_token_p90": (_pct(dec, 90) or 0) * 1e3, "tokens": len(times)}
+    return {"prefill_ms": times[0] * 1e3, "decode_ms_per_token_p50": (percentile(dec, 50) or 0) * 1e3,
+            "decode_ms_per_token_p90": (percentile(dec, 90) or 0) * 1e3, "tokens": len(times)}
 
 
 def _greedy_probe(core, vocab: int) -> list[list[int]]:
