@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import time
-import uuid
 
 import pytest
 
 from cache import CacheError, CacheFullError, DiskCache, FileStore
 from cache.publish import publish_model
 from tests.s3_fault_proxy import fast_download, make_model, tree_files
+from tests.tmpfs import small_tmpfs
 
 MIB = 1 << 20
 
@@ -127,15 +126,8 @@ async def test_scan_finds_corruption_and_repair_refetches(tmp_path, store):
 @pytest.fixture
 def small_fs(tmp_path):
     """A real 768 KiB tmpfs (needs CAP_SYS_ADMIN); skipped where mounting is not allowed."""
-    mnt = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=768k", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path, "768k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 async def test_disk_smaller_than_quota_fails_before_writing(small_fs, store):

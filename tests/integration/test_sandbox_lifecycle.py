@@ -30,6 +30,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _kill_agent_and_expect_no_orphan(agent_src: str, message: str) -> None:
+    """Run ``agent_src`` (it prints its worker's pid), SIGKILL it, and expect the worker gone."""
+    proc = subprocess.Popen([sys.executable, "-c", agent_src], stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        worker_pid = int(proc.stdout.readline())
+        assert _alive(worker_pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker_pid), message
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_worker_dies_when_agent_is_killed() -> None:
     """kill -9 of the parent leaves no orphan: PR_SET_PDEATHSIG delivers SIGKILL to the child."""
     agent = textwrap.dedent(
@@ -46,19 +63,7 @@ def test_worker_dies_when_agent_is_killed() -> None:
         time.sleep(60)
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True, env=ENV)
-    try:
-        worker_pid = int(proc.stdout.readline())
-        assert _alive(worker_pid)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(worker_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(worker_pid), "the worker outlived its killed parent"
-    finally:
-        proc.kill()
-        proc.wait()
+    _kill_agent_and_expect_no_orphan(agent, "the worker outlived its killed parent")
 
 
 def test_worker_whose_parent_already_changed_kills_itself() -> None:
@@ -249,16 +254,4 @@ def test_real_engine_worker_dies_with_a_killed_agent() -> None:
         time.sleep(60)
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True, env=ENV)
-    try:
-        worker_pid = int(proc.stdout.readline())
-        assert _alive(worker_pid)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(worker_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(worker_pid), "engine.worker outlived its killed agent"
-    finally:
-        proc.kill()
-        proc.wait()
+    _kill_agent_and_expect_no_orphan(agent, "engine.worker outlived its killed agent")

@@ -4,9 +4,7 @@ refuses outright, and a cache disk that fills up (a real tmpfs where mounting is
 
 from __future__ import annotations
 
-import subprocess
 import threading
-import uuid
 from collections import Counter
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from tests.integration.agent_harness import Daemon, publish_tiny
 from tests.reliability.rel_helpers import ADMIN, MODEL, healthy
 from tests.s3_fault_proxy import Fault, bucket, moto_endpoint, proxy, s3_store  # noqa: F401
+from tests.tmpfs import small_tmpfs
 
 OTHER = "other"
 
@@ -105,15 +104,8 @@ def _used_by_served(cache, digest: str) -> bool:
 
 @pytest.fixture
 def small_fs(tmp_path):
-    mnt = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path, "1m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_disk_full_during_a_pull_while_serving(make_tiny_model, tmp_path, small_fs, tally) -> None:
