@@ -34,6 +34,13 @@ def load(core: EngineCore, name: str, d, **kw):
     return core.load_model(name, d, max_model_len=MAX_LEN, max_num_seqs=SEQS, **kw)
 
 
+def submit(core: EngineCore, *names: str) -> None:
+    """Every prompt of PROMPTS to each model, greedy, as requests ``<model><i>``."""
+    for name in names:
+        for i, p in enumerate(PROMPTS):
+            core.add_request(f"{name}{i}", name, p, GREEDY)
+
+
 def drain(core: EngineCore, toks: dict[str, list[int]]) -> None:
     for _ in range(2000):
         if not core.has_unfinished_requests():
@@ -56,8 +63,7 @@ def solo(dirs):
     for name, d in dirs.items():
         core = core_for()
         load(core, name, d)
-        for i, p in enumerate(PROMPTS):
-            core.add_request(f"{name}{i}", name, p, GREEDY)
+        submit(core, name)
         drain(core, out)
     return out
 
@@ -86,9 +92,7 @@ def test_third_load_over_budget_is_refused_with_the_numbers_and_the_plan_names_t
     core.unload_model("a")
     load(core, "c", dirs["c"])
     toks: dict[str, list[int]] = {}
-    for name in ("b", "c"):
-        for i, p in enumerate(PROMPTS):
-            core.add_request(f"{name}{i}", name, p, GREEDY)
+    submit(core, "b", "c")
     drain(core, toks)
     assert toks == {k: v for k, v in solo.items() if k[0] in "bc"}
     core.pool.audit()
@@ -105,10 +109,8 @@ def test_unload_during_decode_frees_every_page_and_byte(dirs, solo, other_busy):
     after_a = core.ledger.snapshot()
     load(core, "b", dirs["b"])
     if other_busy:
-        for i, p in enumerate(PROMPTS):
-            core.add_request(f"a{i}", "a", p, GREEDY)
-    for i, p in enumerate(PROMPTS):
-        core.add_request(f"b{i}", "b", p, GREEDY)
+        submit(core, "a")
+    submit(core, "b")
     toks: dict[str, list[int]] = {}
     while not all(len(toks.get(f"b{i}", ())) >= 2 for i in range(len(PROMPTS))):  # b is decoding
         for o in core.step():
@@ -172,8 +174,7 @@ def test_warm_up_at_load_leaves_no_trace(dirs, solo):
     load(core, "a", dirs["a"])
     assert core.stats()["a"]["kv_pages_used"] == 0
     toks: dict[str, list[int]] = {}
-    for i, p in enumerate(PROMPTS):
-        core.add_request(f"a{i}", "a", p, GREEDY)
+    submit(core, "a")
     drain(core, toks)
     assert toks == {k: v for k, v in solo.items() if k[0] == "a"}
 
@@ -236,8 +237,7 @@ def test_load_next_to_a_busy_model_shrinks_the_pool_by_preempting_it(dirs, needs
     core.load_model("a", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=64)
     before = core.memory()
     assert before["free"] < before["page_bytes"]  # a's pool took the rest of the budget
-    for i, p in enumerate(PROMPTS):
-        core.add_request(f"a{i}", "a", p, GREEDY)
+    submit(core, "a")
     toks: dict[str, list[int]] = {}
     for _ in range(4):
         for o in core.step():
@@ -247,8 +247,7 @@ def test_load_next_to_a_busy_model_shrinks_the_pool_by_preempting_it(dirs, needs
     load(core, "b", dirs["b"])
     assert core.pool.generation == generation + 1 and core.memory()["kv"] < before["kv"]
     assert core.memory()["used"] <= budget
-    for i, p in enumerate(PROMPTS):
-        core.add_request(f"b{i}", "b", p, GREEDY)
+    submit(core, "b")
     drain(core, toks)
     assert toks == {k: v for k, v in solo.items() if k[0] in "ab"}  # the preempted ones recomputed
     core.pool.audit()
@@ -280,9 +279,7 @@ def test_padded_pages_and_a_block_size_that_does_not_fit(dirs, solo):
     load(core, "b", dirs["b"])
     assert core.pool.layout("a").tokens_per_page == 16 and core.pool.layout("b").tokens_per_page == 8
     toks: dict[str, list[int]] = {}
-    for name in ("a", "b"):
-        for i, p in enumerate(PROMPTS):
-            core.add_request(f"{name}{i}", name, p, GREEDY)
+    submit(core, "a", "b")
     drain(core, toks)
     assert toks == {k: v for k, v in solo.items() if k[0] in "ab"}
     with pytest.raises(EngineError, match="do not fit a page"):
