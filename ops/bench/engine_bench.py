@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ops.bench.workload import NAME as WORKLOAD, percentile, sharegpt_like, summary
+from ops.bench.workload import NAME as WORKLOAD, TokenTimes, percentile, sharegpt_like, summary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,10 +132,7 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     while core.has_unfinished_requests():
         core.step()
 
-    sent: dict[str, float] = {}
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    n_out: dict[str, int] = {}
+    times = TokenTimes()
     done: set[str] = set()
     limit = concurrency or len(reqs)
     next_req = 0
@@ -144,7 +141,7 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         nonlocal next_req
         while next_req < len(reqs) and next_req - len(done) < limit:
             r = reqs[next_req]
-            sent[f"r{next_req}"] = time.perf_counter()
+            times.sent[f"r{next_req}"] = time.perf_counter()
             core.add_request(f"r{next_req}", "bench", r.prompt_token_ids,
                              SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
             next_req += 1
@@ -163,13 +160,8 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
                 "mixed" if runner.mixed_graph_steps != m_before else "eager")
         step_ms[kind].append((now - t_step) * 1e3)
         steps += 1
-        for o in outs:
-            if o.new_token_ids:
-                first.setdefault(o.req_id, now)
-                last[o.req_id] = now
-                n_out[o.req_id] = n_out.get(o.req_id, 0) + len(o.new_token_ids)
-            if o.finish_reason is not None:
-                done.add(o.req_id)
+        times.observe(outs, now)
+        done.update(o.req_id for o in outs if o.finish_reason is not None)
         send_more()
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
@@ -184,18 +176,15 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     b1 = _batch1(core, info.vocab_size) if batch1 else None
     prof = _profile(core, reqs, profile_steps) if profile_steps else None
     graphs = runner.graphs
-    total_out = sum(n_out.values())
+    total_out = times.output_tokens
     total_in = sum(r.input_len for r in reqs)
-    ttft = [(first[k] - sent[k]) * 1e3 for k in first]
-    tpot = [(last[k] - first[k]) * 1e3 / (n_out[k] - 1) for k in first if n_out[k] > 1]
     return {
         "gpu": _device_name(core),
         "requests": len(reqs),
         "req_s": len(reqs) / wall,
         "output_tok_s": total_out / wall,
         "total_tok_s": (total_out + total_in) / wall,
-        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
-        "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
+        **times.latency(),
         "cpu_cores": cpu / wall,
         "wall_s": wall,
         "steps": steps,

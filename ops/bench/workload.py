@@ -63,6 +63,35 @@ def percentile(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
+class TokenTimes:
+    """When each request was sent and when its tokens came back: TTFT and TPOT for every bench
+    that drives the engine in-process (``sent`` before ``add_request``, ``observe`` each step)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.n_out: dict[str, int] = {}
+
+    def observe(self, outs, now: float) -> None:
+        for o in outs:
+            if o.new_token_ids:
+                self.first.setdefault(o.req_id, now)
+                self.last[o.req_id] = now
+                self.n_out[o.req_id] = self.n_out.get(o.req_id, 0) + len(o.new_token_ids)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.n_out.values())
+
+    def latency(self) -> dict[str, float | None]:
+        """TTFT (sent → first token) and TPOT (first → last token, per later token) p50 / p99, ms."""
+        ttft = [(self.first[k] - self.sent[k]) * 1e3 for k in self.first]
+        tpot = [(self.last[k] - self.first[k]) * 1e3 / (self.n_out[k] - 1) for k in self.first if self.n_out[k] > 1]
+        return {"ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+                "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99)}
+
+
 def summary(reqs: list[BenchRequest]) -> dict[str, float]:
     n = max(len(reqs), 1)
     return {

@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 
-from ops.bench.workload import percentile  # noqa: E402
+from ops.bench.workload import TokenTimes, percentile  # noqa: E402
 
 
 def _drain(core) -> None:
@@ -44,31 +44,22 @@ def _drain(core) -> None:
 def _workload(core, reqs) -> dict:
     from engine.sampling import SamplingParams
 
-    sent, first, last, n_out = {}, {}, {}, {}
+    times = TokenTimes()
     t0 = time.perf_counter()
     for i, r in enumerate(reqs):
-        sent[f"r{i}"] = time.perf_counter()
+        times.sent[f"r{i}"] = time.perf_counter()
         core.add_request(f"r{i}", "bench", r.prompt_token_ids,
                          SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
     steps = 0
     while core.has_unfinished_requests():
         outs = core.step()
-        now = time.perf_counter()
+        times.observe(outs, time.perf_counter())
         steps += 1
-        for o in outs:
-            if o.new_token_ids:
-                first.setdefault(o.req_id, now)
-                last[o.req_id] = now
-                n_out[o.req_id] = n_out.get(o.req_id, 0) + len(o.new_token_ids)
     wall = time.perf_counter() - t0
-    total_out = sum(n_out.values())
+    total_out = times.output_tokens
     total_in = sum(r.input_len for r in reqs)
-    ttft = [(first[k] - sent[k]) * 1e3 for k in first]
-    tpot = [(last[k] - first[k]) * 1e3 / (n_out[k] - 1) for k in first if n_out[k] > 1]
     return {"requests": len(reqs), "wall_s": wall, "steps": steps, "req_s": len(reqs) / wall,
-            "output_tok_s": total_out / wall, "total_tok_s": (total_out + total_in) / wall,
-            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
-            "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99)}
+            "output_tok_s": total_out / wall, "total_tok_s": (total_out + total_in) / wall, **times.latency()}
 
 
 def _batch1(core, vocab: int, max_tokens: int = 256) -> dict:
