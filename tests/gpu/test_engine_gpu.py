@@ -18,10 +18,10 @@ Tolerances (bf16 on both sides, so the engine is held to transformers' own bf16 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
+
+from tests.sharp import sharpen
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -33,8 +33,6 @@ GEN = 24
 
 @pytest.fixture(scope="module")
 def sharp_model(tmp_path_factory):
-    from safetensors.torch import load_file, save_file
-
     from engine.modelgen import make_model
 
     made = {}
@@ -42,16 +40,7 @@ def sharp_model(tmp_path_factory):
     def get(arch: str):
         if arch not in made:
             root = tmp_path_factory.mktemp(arch)
-            src = make_model(root / "plain", arch, "small", seed=0)
-            dst = root / "sharp"
-            shutil.copytree(src, dst)
-            for f in dst.glob("*.safetensors"):
-                t = load_file(f)
-                for k in t:
-                    if k.endswith(("q_proj.weight", "k_proj.weight")):
-                        t[k] = t[k] * 8.0
-                save_file(t, f, metadata={"format": "pt"})
-            made[arch] = dst
+            made[arch] = sharpen(make_model(root / "plain", arch, "small", seed=0), root / "sharp", 8.0)
         return made[arch]
 
     return get

@@ -13,7 +13,6 @@ position-dependent (Llama and Mistral, which differ only in rope, then disagree 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ import torch
 from engine.core import EngineCore
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from tests.sharp import sharpen
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 LOGITS_ATOL = 1e-5
@@ -31,8 +31,6 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 55)), [400], li
 @pytest.fixture(scope="session")
 def oracle_model(make_tiny_model, tmp_path_factory):
     """``oracle_model(arch, sharp)`` → model folder (the sharp copy is made once per session)."""
-    from safetensors.torch import load_file, save_file
-
     made: dict[str, Path] = {}
 
     def get(arch: str, sharp: bool) -> Path:
@@ -40,17 +38,7 @@ def oracle_model(make_tiny_model, tmp_path_factory):
         if not sharp:
             return src
         if arch not in made:
-            dst = tmp_path_factory.mktemp("sharp") / arch
-            shutil.copytree(src, dst)
-            for f in dst.glob("*.safetensors"):
-                t = load_file(f)
-                for k in t:
-                    if k.endswith(("q_proj.weight", "k_proj.weight")):
-                        t[k] = t[k] * 20.0
-                    elif k.endswith("proj.weight"):
-                        t[k] = t[k] * 4.0
-                save_file(t, f, metadata={"format": "pt"})
-            made[arch] = dst
+            made[arch] = sharpen(src, tmp_path_factory.mktemp("sharp") / arch, 20.0, 4.0)
         return made[arch]
 
     return get
