@@ -33,6 +33,15 @@ def spawn_followers(world_size: int, init_method: str, devices: Sequence[str], *
     return procs
 
 
+def dump_stacks_if_asked() -> None:
+    """With ``INFIRE_TP_STACKS_AFTER=S``, dump every thread's stack every S seconds (stderr):
+    a hung collective then names its line on each rank."""
+    if os.environ.get("INFIRE_TP_STACKS_AFTER"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["INFIRE_TP_STACKS_AFTER"]), repeat=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="tensor-parallel follower rank")
     ap.add_argument("--rank", type=int, required=True)
@@ -41,10 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     a = ap.parse_args(argv)
-    if os.environ.get("INFIRE_TP_STACKS_AFTER"):  # diagnosis of a hang: every thread's stack, then on
-        import faulthandler
-
-        faulthandler.dump_traceback_later(float(os.environ["INFIRE_TP_STACKS_AFTER"]), repeat=True)
+    dump_stacks_if_asked()
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     from engine.parallel.engine import Follower
     from engine.parallel.group import destroy_tp_group, init_tp_group

@@ -174,10 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--one-out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if os.environ.get("INFIRE_TP_STACKS_AFTER"):  # diagnosis of a hang: every thread's stack, then on
-        import faulthandler
+    from engine.parallel.follower import dump_stacks_if_asked
 
-        faulthandler.dump_traceback_later(float(os.environ["INFIRE_TP_STACKS_AFTER"]), repeat=True)
+    dump_stacks_if_asked()
 
     if a.one:
         Path(a.one_out).write_text(json.dumps(run_one(a)))
