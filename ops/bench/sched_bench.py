@@ -1,0 +1,51 @@
+"""Host cost of the scheduler alone: ``schedule()`` and ``update()`` per step with N running
+decodes (no model, no torch), the part of every step the GPU waits for unless it overlaps.
+
+    python -m ops.bench.sched_bench --running 512 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from engine.block_manager import BlockManager, PageAllocator
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+
+
+def run(running: int, steps: int, prompt_len: int = 200, seed: int = 0) -> dict[str, float]:
+    rng = random.Random(seed)
+    s = Scheduler(SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=16384, max_model_len=4096),
+                  BlockManager(16, PageAllocator(running * 256)))
+    params = SamplingParams(max_tokens=100000, temperature=0, ignore_eos=True)
+    for i in range(running):
+        s.add(f"r{i}", [rng.randrange(1000) for _ in range(prompt_len)], params)
+    while s.num_waiting or any(len(q.token_ids) == q.num_prompt_tokens for q in s.running):  # prefill
+        out = s.schedule()
+        s.update(out, [1] * sum(1 for e in out.seqs if e.sample))
+    t_sched = t_upd = 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = s.schedule()
+        t1 = time.perf_counter()
+        s.update(out, [1] * len(out.seqs))
+        t_sched += t1 - t0
+        t_upd += time.perf_counter() - t1
+    return {"running": running, "steps": steps, "schedule_ms": t_sched * 1e3 / steps,
+            "update_ms": t_upd * 1e3 / steps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--running", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=200)
+    a = ap.parse_args(argv)
+    print(json.dumps(run(a.running, a.steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
