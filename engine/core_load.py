@@ -274,9 +274,9 @@ class ModelLoader:
         if self.pool is not None and name in self.pool.models():
             self.pool.free_all(name)  # the backstop: an unload's aborts freed them already
             self.pool.unregister(name)
-        self._release_device_memory()
         if name in self.ledger:
             self.ledger.release(name)
+        self._return_device_memory()  # before the trim: the pool's segment stays cached
         if self._pending_load is None:
             self._fit_pool(None, None)
         else:

@@ -118,7 +118,7 @@ class AllocatorCheck:
     """The ledger against torch's caching allocator; ``ok`` when the drift is within tolerance."""
 
     ledger_bytes: int
-    allocator_reserved: int | None  # None: no CUDA allocator to compare with
+    allocator_reserved: int | None  # live device bytes; None: no CUDA allocator to compare with
     drift: int  # allocator_reserved - ledger_bytes (0 without CUDA)
     tolerance: int
     ok: bool
@@ -344,19 +344,23 @@ class MemoryLedger:
 
     def verify_against_allocator(self, *, tolerance: int = 256 * 1024**2,
                                  reserved_bytes: int | None = None) -> AllocatorCheck:
-        """Compare the books with ``torch.cuda.memory_reserved`` (or ``reserved_bytes``).
+        """Compare the books with the bytes of live tensors, ``torch.cuda.memory_allocated`` (or
+        ``reserved_bytes``, a figure the caller has).
 
-        The allocator holding more than booked + ``tolerance`` means something on the device is
-        not in the ledger (a leak, or a workspace estimate that was never replaced by a
-        measurement); that is the only direction that can lead to out-of-memory, so it alone
-        makes ``ok`` false. Without CUDA and without ``reserved_bytes`` there is nothing to
-        compare: ``allocator_reserved`` is None and ``ok`` is true.
+        Live bytes above booked + ``tolerance`` mean something on the device is not in the
+        ledger (a leak, or a workspace estimate that was never replaced by a measurement); that
+        is the only direction that can lead to out-of-memory, so it alone makes ``ok`` false.
+        The allocator's cached free segments are not counted: the engine keeps them on purpose
+        (a reload takes them back instead of waiting for fresh memory), and the allocator
+        releases them by itself when a request needs the room. Without CUDA and without
+        ``reserved_bytes`` there is nothing to compare: ``allocator_reserved`` is None and ``ok``
+        is true.
         """
         _nonneg("tolerance", tolerance)
         if reserved_bytes is None and self.device.startswith("cuda"):
             import torch
 
-            reserved_bytes = int(torch.cuda.memory_reserved(torch.device(self.device)))
+            reserved_bytes = int(torch.cuda.memory_allocated(torch.device(self.device)))
         with self._lock:
             ledger_bytes = self._used()
         if reserved_bytes is None:

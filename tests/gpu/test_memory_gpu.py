@@ -1,0 +1,62 @@
+"""The ledger against torch's allocator on the GPU, and where an unloaded model's memory goes.
+
+Skipped without CUDA. An unload drops every live byte the model had (the books and the
+allocator's live bytes both back where they started); the KV pool's segment stays cached so a
+reload at the same shape takes it back without asking the driver for fresh memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from engine.modelgen import make_model
+
+    return make_model(tmp_path_factory.mktemp("m") / "small", "llama", "small", seed=0)
+
+
+def _serve_one(core, name: str) -> list[int]:
+    from engine.sampling import SamplingParams
+
+    core.add_request(f"r-{name}", name, list(range(10, 40)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    tokens: list[int] = []
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(small_model, monkeypatch, graphs):
+    from engine.core import EngineCore
+
+    monkeypatch.setenv("INFIRE_CUDA_GRAPHS", "1" if graphs else "0")
+    torch.cuda.synchronize()
+    base_live = torch.cuda.memory_allocated()
+    core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0,
+                      memory_budget_bytes=2 << 30, decode_buckets=(1, 2, 4))
+    core.load_model("m", small_model, max_model_len=256, max_num_seqs=4)
+    first = _serve_one(core, "m")
+    check = core.ledger.verify_against_allocator(tolerance=64 * MiB)
+    assert check.ok, check  # every live byte on the device is in the books
+    assert check.allocator_reserved - base_live > core.pool.num_pages * core.pool.page_bytes  # pool + weights live
+
+    core.unload_model("m")
+    torch.cuda.synchronize()
+    assert core.ledger.snapshot().used == 0
+    assert torch.cuda.memory_allocated() - base_live <= 32 * MiB  # cuBLAS/Triton scratch at most
+    reserved_after_unload = torch.cuda.memory_reserved()
+
+    core.load_model("m", small_model, max_model_len=256, max_num_seqs=4)
+    assert _serve_one(core, "m") == first
+    pool_bytes = core.pool.num_pages * core.pool.page_bytes
+    assert torch.cuda.memory_reserved() - reserved_after_unload < pool_bytes // 2  # the pool came from the cache
+    assert core.ledger.verify_against_allocator(tolerance=64 * MiB).ok
+    core.unload_model("m")
