@@ -21,7 +21,6 @@ import contextlib
 import os
 import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,9 +31,10 @@ from engine.config import ModelConfig, load_model_config
 from engine.core_memory import LoadNeeds, load_needs
 from engine.core_types import ModelInfo, ModelSlot
 from engine.errors import EngineError
-from engine.loader import PendingLoad, WeightsReady, load_or_restore, stash_weights, warm_key
+from engine.loader import PendingLoad, WeightsReady, drop_result, load_or_restore, stash_weights, warm_key
 from engine.memory import LoadPlan, LoadRefused
 from engine.models.llama import LlamaModel
+from engine.runner_build import RunnerBuild, prebuild_wanted
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,14 +44,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.warm_tier import WarmTier
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _drop_result(p: PendingLoad) -> None:
-    """Forget a finished load thread's model, so its device memory goes with the undo."""
-    f = p.future
-    if f.done() and not f.cancelled() and f.exception() is None:
-        p.future = Future()
-        p.future.cancel()
 
 
 class ModelLoader:
@@ -183,6 +175,9 @@ class ModelLoader:
             self._fit_pool(None, None)
             raise
         pending = PendingLoad(name, str(model_dir), cfg, max_len, dtype, needs, max_num_seqs, float(weight), t0)
+        pending.prebuild = self.warmup and prebuild_wanted(
+            self.device, self.warm_tier, warm_key(name, model_dir),
+            self._workspace_shape(max_num_seqs, max_len, dtype, needs.tokens_per_page))
         pending.timings.update(config_s=t1 - t0, book_s=time.perf_counter() - t1, pool_s=t_pool)
         self._pending_load = pending
         threading.Thread(target=self._load_thread, args=(pending,), name=f"engine-load-{name}",
@@ -206,7 +201,15 @@ class ModelLoader:
             key = warm_key(p.name, p.model_dir)
             model = LlamaModel(p.cfg, p.dtype, self.device)
             ta = time.perf_counter()
-            nbytes, source = load_or_restore(model, p.model_dir, self.warm_tier, key, cancel=p.cancel)
+            build = None
+            if p.prebuild:
+                gen = self.pool.generation
+                build = RunnerBuild(lambda: (gen, *self._new_runner(p.name, p.cfg, model, p.max_num_seqs, p.max_len)),
+                                    self.device, p.name)
+            try:
+                nbytes, source = load_or_restore(model, p.model_dir, self.warm_tier, key, cancel=p.cancel)
+            finally:
+                runner = build.result() if build is not None else None  # never left using the model
             t1 = time.perf_counter()
             model.build_rope_cache(p.max_len)
             ready = None
@@ -216,8 +219,9 @@ class ModelLoader:
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.device))
             p.timings.update(alloc_s=ta - t0, weights_s=t1 - ta, rope_s=time.perf_counter() - t1,
-                             warm=1.0 if source == "warm" else 0.0)
-            return WeightsReady(model, nbytes, source, key, ready)
+                             warm=1.0 if source == "warm" else 0.0,
+                             prebuilt_runner_s=build.seconds if build is not None else 0.0)
+            return WeightsReady(model, nbytes, source, key, ready, runner)
 
     def finish_load(self, pending: PendingLoad) -> ModelInfo:
         """Phase 3: wait for the weights (if they are still coming), then install the model on
@@ -236,7 +240,7 @@ class ModelLoader:
             weights = None  # the traceback keeps this frame: the weights must not stay with it
             self._pending_load = None
             self._settle()
-            _drop_result(pending)
+            drop_result(pending)
             self._undo_load(pending.name)
             raise
         self._pending_load = None
@@ -257,7 +261,7 @@ class ModelLoader:
         finally:
             self._pending_load = None
             self._settle()
-            _drop_result(pending)
+            drop_result(pending)
             self._undo_load(pending.name)
 
     def _undo_load(self, name: str) -> None:
@@ -325,14 +329,23 @@ class ModelLoader:
                          pages=pages, needs=needs, max_num_seqs=p.max_num_seqs,
                          workspace_bytes=needs.workspace_bytes, warm_key=w.key)
         self._slots[name] = slot
-        before = self._device_allocated()
-        t1 = time.perf_counter()
-        self._attach_runner(slot)
-        t2 = time.perf_counter()
         known = None
         if self.warmup and self.warm_tier is not None:
             shape = self._workspace_shape(p.max_num_seqs, p.max_len, p.dtype, needs.tokens_per_page)
             known = self.warm_tier.noted(w.key, shape)
+        # A runner built beside the weights serves when nothing is to be measured and the pool's
+        # memory is the one it was built on; otherwise it is dropped before the measurement.
+        pre, w.runner = w.runner, None
+        if pre is not None and (known is None or pre[0] != self.pool.generation):
+            pre = None
+        before = self._device_allocated()
+        t1 = time.perf_counter()
+        if pre is not None:
+            slot.kv, slot.runner = pre[1], pre[2]
+        else:
+            self._attach_runner(slot)
+        del pre
+        t2 = time.perf_counter()
         if self.warmup and known is None:
             self._warm_up(slot)
         t3 = time.perf_counter()

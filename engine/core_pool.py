@@ -108,15 +108,20 @@ class PoolKeeper:
 
     def _attach_runner(self, slot: ModelSlot) -> None:
         """KV views over the pool and a runner on them (on CUDA: its decode graphs captured)."""
-        lay = self.pool.layout(slot.name)
-        cfg = slot.config
+        slot.kv, slot.runner = self._new_runner(slot.name, slot.config, slot.model, slot.max_num_seqs,
+                                                slot.scheduler.config.max_model_len)
+
+    def _new_runner(self, name: str, cfg, model, max_num_seqs: int, max_model_len: int) -> tuple[KVCache, ModelRunner]:
+        """The KV cache over model ``name``'s pages of the pool and a runner on it; touches no slot
+        (the load thread's :class:`engine.runner_build.RunnerBuild` calls it too)."""
+        lay = self.pool.layout(name)
         spec = KVSpec(cfg.num_layers, lay.tokens_per_page, cfg.num_kv_heads, cfg.head_dim, getattr(torch, lay.dtype))
         if lay.tokens_per_page * lay.bytes_per_token == self.pool.page_bytes:
-            slot.kv = KVCache.from_buffer(spec, self.pool.flat_buffer(slot.name))
+            kv = KVCache.from_buffer(spec, self.pool.flat_buffer(name))
         else:  # padded pages: per-layer views whose page stride is the whole page
-            slot.kv = KVCache.from_views(spec, self.pool.kv_views(slot.name))
-        slot.runner = ModelRunner(slot.model, slot.kv, self.max_num_batched_tokens, slot.max_num_seqs,
-                                  slot.scheduler.config.max_model_len, decode_buckets=self.decode_buckets)
+            kv = KVCache.from_views(spec, self.pool.kv_views(name))
+        return kv, ModelRunner(model, kv, self.max_num_batched_tokens, max_num_seqs, max_model_len,
+                               decode_buckets=self.decode_buckets)
 
     def _warm_up(self, slot: ModelSlot) -> None:
         """One step at the largest batch (every row sampled) so its peak can be measured. The

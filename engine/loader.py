@@ -45,6 +45,7 @@ class WeightsReady:
     source: str  # "warm" | "disk"
     key: str
     ready: Any  # torch.cuda.Event recorded behind the copies and the rope cache (None on CPU)
+    runner: Any = None  # (pool generation, kv, runner) built beside the copies, or None
 
 
 @dataclass
@@ -66,9 +67,18 @@ class PendingLoad:
     future: Future = field(default_factory=Future)
     cancel: threading.Event = field(default_factory=threading.Event)
     trim: bool = False  # an unload meanwhile left the pool to be trimmed when this load ends
+    prebuild: bool = False  # build the runner beside the weights (engine.runner_build)
 
     def done(self) -> bool:
         return self.future.done()
+
+
+def drop_result(p: PendingLoad) -> None:
+    """Forget a finished load thread's model, so its device memory goes with the undo."""
+    f = p.future
+    if f.done() and not f.cancelled() and f.exception() is None:
+        p.future = Future()
+        p.future.cancel()
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

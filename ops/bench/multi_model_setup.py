@@ -110,7 +110,11 @@ def engine_counters(core: EngineCore) -> dict[str, dict[str, Any]]:
     for name, slot in list(getattr(core, "_slots", {}).items()):
         r = getattr(slot, "runner", None)
         g = getattr(r, "graphs", None)
-        out[name] = {"steps": getattr(slot, "steps", 0), "graph_steps": getattr(r, "graph_steps", 0),
+        mixed = getattr(r, "mixed", None)
+        out[name] = {"steps": getattr(slot, "steps", 0),
+                     "graph_steps": getattr(r, "graph_steps", 0) + getattr(r, "mixed_graph_steps", 0),
+                     "mixed_graph_steps": getattr(r, "mixed_graph_steps", 0),
+                     "deferred_mixed_graphs": sorted(getattr(mixed, "deferred", ()) or ()),
                      "host_s": getattr(r, "host_seconds", 0.0), "wait_s": getattr(r, "wait_seconds", 0.0),
                      "runner": id(r),
                      "deferred_graphs": sorted(getattr(g, "deferred", ()) or ()),
@@ -129,6 +133,8 @@ def counter_delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, 
         steps = x["steps"] - b["steps"]
         graph = x["graph_steps"] - b["graph_steps"]
         per[name] = {"steps": steps, "graph_steps": graph, "eager_steps": steps - graph,
+                     "mixed_graph_steps": x["mixed_graph_steps"] - b["mixed_graph_steps"],
+                     "deferred_mixed_graphs_before": b["deferred_mixed_graphs"],
                      "host_ms_per_step": (x["host_s"] - b["host_s"]) * 1e3 / steps if steps else None,
                      "wait_ms_per_step": (x["wait_s"] - b["wait_s"]) * 1e3 / steps if steps else None,
                      "runner_rebuilt": x["runner"] != b["runner"],

@@ -80,6 +80,31 @@ def test_timings_and_a_warm_reload_skip_the_warm_up_at_the_same_shape(make_tiny_
     assert _generate(core, "a", "r3") == ref
 
 
+@pytest.mark.parametrize("prebuild", ["1", "0"])
+def test_a_warm_reload_builds_its_runner_beside_the_weights(make_tiny_model, monkeypatch, prebuild):
+    """Where the warm-up is skipped, the load thread builds the runner while the weights are
+    restored (INFIRE_PREBUILD_RUNNER; on by default on CUDA): same tokens, same books."""
+    monkeypatch.setenv("INFIRE_PREBUILD_RUNNER", prebuild)
+    d = make_tiny_model("llama")
+    core = _core(warmup=True, warm_tier_bytes=1 << 30)
+    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
+    assert core.last_load_timings["prebuilt_runner_s"] == 0.0  # nothing in the tier yet
+    ref = _generate(core, "a")
+    books = _books(core)
+    core.unload_model("a")
+    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
+    t = core.last_load_timings
+    assert t["warmup_skipped"] == 1.0
+    assert (t["prebuilt_runner_s"] > 0.0) == (prebuild == "1")
+    assert _books(core) == books
+    assert _generate(core, "a", "r2") == ref
+    core.unload_model("a")
+    # At another shape the warm-up runs (a measurement must see the runner): built after.
+    core.load_model("a", d, max_model_len=128, max_num_seqs=2)
+    assert core.last_load_timings["prebuilt_runner_s"] == 0.0
+    assert _generate(core, "a", "r3") == ref
+
+
 def test_without_warm_up_nothing_is_skipped(make_tiny_model):
     d = make_tiny_model("llama")
     core = _core(warmup=False, warm_tier_bytes=1 << 30)
