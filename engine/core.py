@@ -264,10 +264,21 @@ class EngineCore(ModelLoader, PoolKeeper):
         t0 = time.perf_counter()
         try:
             if self.async_steps:
-                return _InFlight(slot, sched_out, slot.runner.launch(sched_out), None, t0)
+                return _InFlight(slot, sched_out, slot.runner.launch(sched_out, self._urgent(slot)), None, t0)
             return _InFlight(slot, sched_out, None, slot.runner.execute(sched_out), t0)
         except Exception as e:
             raise self._failed(slot, sched_out, e) from e
+
+    def _urgent(self, slot: ModelSlot) -> bool:
+        """Whether the step goes on its runner's high-priority stream (engine/step_streams.py):
+        its model has fewer requests than every other model with work (the quiet one next to a
+        flooded one), so its kernels are served first while the other's step drains."""
+        if len(self._slots) < 2:
+            return False
+        mine = slot.scheduler.num_running + slot.scheduler.num_waiting
+        others = [s.scheduler.num_running + s.scheduler.num_waiting for s in self._slots.values()
+                  if s is not slot and s.scheduler.has_unfinished()]
+        return bool(others) and mine < min(others)
 
     def _failed(self, slot: ModelSlot, sched_out, e: Exception) -> EngineError:
         """Keep the books straight after a failed step: its requests end as aborted (pages freed,

@@ -201,6 +201,8 @@ class ModelLoader:
             key = warm_key(p.name, p.model_dir)
             model = LlamaModel(p.cfg, p.dtype, self.device)
             ta = time.perf_counter()
+            model.build_rope_cache(p.max_len)  # computed, not read: before the runner build needs it
+            tb = time.perf_counter()
             build = None
             if p.prebuild:
                 gen = self.pool.generation
@@ -210,15 +212,13 @@ class ModelLoader:
                 nbytes, source = load_or_restore(model, p.model_dir, self.warm_tier, key, cancel=p.cancel)
             finally:
                 runner = build.result() if build is not None else None  # never left using the model
-            t1 = time.perf_counter()
-            model.build_rope_cache(p.max_len)
             ready = None
             if cuda:
                 # The copies ran on side streams that were synchronised; the rope cache went on
                 # this thread's current stream: the caller's stream waits on this event.
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.device))
-            p.timings.update(alloc_s=ta - t0, weights_s=t1 - ta, rope_s=time.perf_counter() - t1,
+            p.timings.update(alloc_s=ta - t0, rope_s=tb - ta, weights_s=time.perf_counter() - tb,
                              warm=1.0 if source == "warm" else 0.0,
                              prebuilt_runner_s=build.seconds if build is not None else 0.0)
             return WeightsReady(model, nbytes, source, key, ready, runner)

@@ -29,9 +29,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.memory import MemoryLedger
 
 
-UNBOOKED_SLACK = 256 << 20  # live device bytes beyond the books before a collection is forced
-
-
 class PoolKeeper:
     """The pool half of EngineCore."""
 
@@ -166,14 +163,13 @@ class PoolKeeper:
         right after a free (H200, ``ops/gpu/pool_fit_probe.py``), while a cached segment of the
         same or a larger size is taken back at once. The weights and the graphs' private pools
         are released (a reload of 16 GB of weights waits little, and stale graph pools would
-        otherwise pile up until an allocation fails). The cycle collector runs only when live
-        device tensors exceed the books by more than :data:`UNBOOKED_SLACK` (a reference cycle
-        still holds the model): a full collection costs ~70 ms on a loaded worker.
+        otherwise pile up until an allocation fails). The cycle collector runs first: a reference
+        cycle may still hold the model's tensors (a full collection costs ~70 ms on a loaded
+        worker; an unload is rare).
         """
         if self.device.type != "cuda":
             return
-        if torch.cuda.memory_allocated(self.device) > self.ledger.snapshot().used + UNBOOKED_SLACK:
-            gc.collect()
+        gc.collect()
         torch.cuda.empty_cache()
 
     def memory(self) -> dict[str, Any]:

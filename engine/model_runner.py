@@ -20,6 +20,7 @@ event, read the ids): a caller can do host work for the next step between the tw
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import os
 import time
@@ -32,8 +33,10 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.cuda_graphs_mixed import DEFAULT_MIXED_BUCKETS, MixedGraphs
 from engine.kv_cache import KVCache
 from engine.models.llama import AttentionMetadata, LlamaModel
+from engine.logprobs import logprobs_result
 from engine.runner_types import PendingStep, PreparedStep, StepResult
 from engine.scheduler import PLACEHOLDER, SchedulerOutput
+from engine.step_streams import StepStreams
 
 __all__ = ["ModelRunner", "PendingStep", "PreparedStep", "StepResult"]
 
@@ -74,6 +77,7 @@ class ModelRunner:
         # Host staging of the same sizes, pinned on CUDA so the copies are async; an event marks
         # when the last step's copies have left the staging memory, before it is overwritten.
         self._pin = dev.type == "cuda"
+        self.streams = StepStreams(dev) if StepStreams.wanted(dev) else None
         self._copies_done = torch.cuda.Event() if self._pin else None
         self._staging: dict[int, torch.Tensor] = {}
         for buf in (self._input_ids, self._positions, self._slots, self._qsl, self._seq_lens, self._block_tables,
@@ -144,13 +148,17 @@ class ModelRunner:
     def capture_deferred_graphs(self) -> float:
         """Capture every graph still deferred to its first use (decode and mixed); the seconds."""
         t = time.perf_counter()
-        if self.graphs is not None:
-            for b in sorted(self.graphs.deferred, reverse=True):
-                self.graphs.capture_deferred(self, b)
-        if self.mixed is not None:
-            for b in sorted(self.mixed.deferred, reverse=True):
-                self.mixed.capture_deferred(self, b)
+        with self._on_last():  # after the last step, which may still read the input buffers
+            if self.graphs is not None:
+                for b in sorted(self.graphs.deferred, reverse=True):
+                    self.graphs.capture_deferred(self, b)
+            if self.mixed is not None:
+                for b in sorted(self.mixed.deferred, reverse=True):
+                    self.mixed.capture_deferred(self, b)
         return time.perf_counter() - t
+
+    def _on_last(self):
+        return self.streams.on_last() if self.streams is not None else contextlib.nullcontext()
 
     @property
     def graph_tokens(self) -> int:
@@ -281,9 +289,17 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, self.kv, step.meta)
         return self.model.compute_logits(hidden.index_select(0, step.logits_rows))
 
+    def launch(self, out: SchedulerOutput, urgent: bool = False) -> PendingStep:
+        """Queue the step's work on the device; returns before the GPU is done. On CUDA it runs
+        on this runner's own streams (engine/step_streams.py), the high-priority one if
+        ``urgent``, so steps of different models run side by side."""
+        if self.streams is None:
+            return self._launch(out)
+        with torch.cuda.stream(self.streams.enter(urgent, self._prev_ids)):
+            return self._launch(out)
+
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> PendingStep:
-        """Queue the step's work on the device; returns before the GPU is done."""
+    def _launch(self, out: SchedulerOutput) -> PendingStep:
         t0 = time.perf_counter()
         b = len(out.seqs)
         pad = self.decode_bucket(b) if b and out.num_decodes == b else None
@@ -362,7 +378,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         try:
             if pending.want_logprobs is not None:
-                return self._with_logprobs(pending.logits, pending.ids, pending.want_logprobs)
+                with self._on_last():
+                    return logprobs_result(pending.logits, pending.ids, pending.want_logprobs)
             if pending.ready is not None:
                 pending.ready.synchronize()
                 return StepResult(pending.ids_host.tolist(), [None] * pending.num_sampled)
@@ -374,25 +391,3 @@ class ModelRunner:
         if not out.seqs:
             return StepResult([], [])
         return self.collect(self.launch(out))
-
-    @torch.inference_mode()
-    def _with_logprobs(self, logits: torch.Tensor, ids: torch.Tensor, want: list[int | None]) -> StepResult:
-        """Logprobs of the raw model distribution (before temperature and filters)."""
-        lp = torch.log_softmax(logits, dim=-1)
-        k = max(n or 0 for n in want)
-        chosen = lp.gather(1, ids[:, None])[:, 0]
-        top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], ids[:, None][:, :0])
-        # One transfer for everything the host needs from this step.
-        host = torch.cat([ids[:, None].to(torch.float64), chosen[:, None].double(), top_ids.double(), top_lp.double()], 1).cpu()
-        token_ids: list[int] = []
-        out: list[dict | None] = []
-        for r, n in enumerate(want):
-            row = host[r].tolist()
-            tid = int(row[0])
-            token_ids.append(tid)
-            if n is None:
-                out.append(None)
-                continue
-            tops = [{"token_id": int(row[2 + j]), "logprob": row[2 + k + j]} for j in range(n)]
-            out.append({"token_id": tid, "logprob": row[1], "top_logprobs": tops})
-        return StepResult(token_ids, out)

@@ -59,7 +59,9 @@ class RunnerBuild:
             with contextlib.ExitStack() as ctx:
                 if device.type == "cuda":
                     ctx.enter_context(torch.cuda.device(device))
-                    ctx.enter_context(torch.cuda.stream(torch.cuda.Stream(device=device)))
+                    stream = torch.cuda.Stream(device=device)
+                    stream.wait_stream(torch.cuda.current_stream(device))  # the rope cache built there
+                    ctx.enter_context(torch.cuda.stream(stream))
                 result = make()
                 if device.type == "cuda":
                     # Its buffers were initialised on this stream: done before anyone uses them.

@@ -32,10 +32,10 @@ def _run(core, prompts, params, model="m", abort_at: dict[str, int] | None = Non
     runner = core._slots[model].runner
     launch = runner.launch
 
-    def spy(out):
+    def spy(out, *rest):
         nonlocal placeholders
         placeholders += out.num_placeholders
-        return launch(out)
+        return launch(out, *rest)
 
     runner.launch = spy
     while core.has_unfinished_requests():

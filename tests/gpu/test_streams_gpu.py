@@ -1,0 +1,57 @@
+"""Several models' steps on their own CUDA streams (engine/step_streams.py) give the tokens they
+give on one stream; the quiet model's steps take the high-priority stream. Skipped without CUDA.
+
+float32 weights: the two runs batch differently (the fair-share pick reads step times), and
+float32 keeps a batch-size-dependent rounding far below any gap between the top two logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    from engine.modelgen import make_model
+
+    root = tmp_path_factory.mktemp("m")
+    return make_model(root / "llama", "llama", "small", seed=0), make_model(root / "qwen3", "qwen3", "small", seed=1)
+
+
+def _run(dirs, monkeypatch, streams: str):
+    from engine.core import EngineCore
+    from engine.sampling import SamplingParams
+
+    monkeypatch.setenv("INFIRE_MODEL_STREAMS", streams)
+    core = EngineCore(device="cuda", dtype="float32", max_num_batched_tokens=256, seed=0,
+                      decode_buckets=(1, 2, 4, 8, 16))
+    core.load_model("flood", dirs[0], max_model_len=256, max_num_seqs=16)
+    core.load_model("quiet", dirs[1], max_model_len=256, max_num_seqs=4)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=24, ignore_eos=True)
+    for i in range(24):
+        core.add_request(f"f{i}", "flood", list(range(10 + i, 40 + 3 * i)), greedy if i % 2 else seeded)
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while core.has_unfinished_requests():
+        if steps in (3, 9, 20):  # quiet requests arrive while the flood runs
+            core.add_request(f"q{steps}", "quiet", list(range(100, 100 + 5 * steps)), greedy)
+        for out in core.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+        steps += 1
+    urgent = {n: (s.runner.streams.urgent_steps if s.runner.streams is not None else 0) for n, s in core._slots.items()}
+    for n in list(core._slots):
+        core.unload_model(n)
+    return tokens, urgent
+
+
+def test_models_on_their_own_streams_give_the_tokens_of_one_stream(two_models, monkeypatch):
+    one, urgent_off = _run(two_models, monkeypatch, "0")
+    own, urgent_on = _run(two_models, monkeypatch, "1")
+    assert len(one) == 27 and all(len(t) == 24 for t in one.values())
+    assert own == one
+    assert urgent_off == {"flood": 0, "quiet": 0}
+    assert urgent_on["quiet"] > 0 and urgent_on["flood"] == 0
