@@ -19,6 +19,7 @@ trims the pool when it leaves it idle.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import time
 from typing import Any
@@ -64,6 +65,7 @@ class _InFlight:
     pending: PendingStep | None
     result: StepResult | None
     t_launch: float
+    holds: bool = False  # an urgent prefill: another model's next step is not queued beside it
 
 
 class EngineCore(ModelLoader, PoolKeeper):
@@ -124,6 +126,9 @@ class EngineCore(ModelLoader, PoolKeeper):
         # launch runs to completion anyway.
         self.async_steps = self.device.type == "cuda" if async_steps is None else bool(async_steps)
         self._inflight: _InFlight | None = None
+        # A quiet model's prefill runs without another model's step queued behind it (_overlaps);
+        # INFIRE_URGENT_HOLDS=0 turns that off (benchmarks compare both).
+        self.urgent_holds = os.environ.get("INFIRE_URGENT_HOLDS", "1") != "0"
         self._last_done = 0.0
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
@@ -217,7 +222,7 @@ class EngineCore(ModelLoader, PoolKeeper):
         try:
             slot = self._pick()
             sched_out = self._schedule(slot) if slot is not None else None
-            if prev is not None and sched_out is not None and not self._overlaps(slot, sched_out):
+            if prev is not None and sched_out is not None and not self._overlaps(slot, sched_out, prev):
                 prev, done = None, prev
                 try:
                     outs.extend(self._complete(done))
@@ -253,18 +258,27 @@ class EngineCore(ModelLoader, PoolKeeper):
             return None
         return sched_out
 
-    def _overlaps(self, slot: ModelSlot, sched_out: SchedulerOutput) -> bool:
+    def _overlaps(self, slot: ModelSlot, sched_out: SchedulerOutput, prev: _InFlight) -> bool:
         """Whether a batch may be launched behind the step in flight. Not one that runs eagerly
         on CUDA: its hundreds of launches would queue behind that step and hold its tokens back
-        for the whole of a large step (a quiet model's TTFT next to a flooded one)."""
-        return self.device.type != "cuda" or sched_out.num_batched_tokens <= getattr(slot.runner, "graph_tokens", 0)
+        for the whole of a large step (a quiet model's TTFT next to a flooded one). Nor another
+        model's batch behind a quiet model's prefill (``holds``): that prefill is a first token
+        someone waits for, and on its own it finishes in one step's time instead of sharing the
+        GPU with two of the busy model's steps (the one already queued and this one)."""
+        if self.device.type != "cuda":
+            return True
+        if prev.holds and prev.slot is not slot:
+            return False
+        return sched_out.num_batched_tokens <= getattr(slot.runner, "graph_tokens", 0)
 
     def _launch(self, slot: ModelSlot, sched_out: SchedulerOutput) -> _InFlight:
         """Queue the batch on the device (or run it: synchronous steps)."""
         t0 = time.perf_counter()
         try:
             if self.async_steps:
-                return _InFlight(slot, sched_out, slot.runner.launch(sched_out, self._urgent(slot)), None, t0)
+                urgent = self._urgent(slot)
+                holds = urgent and self.urgent_holds and sched_out.num_batched_tokens > sched_out.num_decodes
+                return _InFlight(slot, sched_out, slot.runner.launch(sched_out, urgent), None, t0, holds)
             return _InFlight(slot, sched_out, None, slot.runner.execute(sched_out), t0)
         except Exception as e:
             raise self._failed(slot, sched_out, e) from e
