@@ -8,3 +8,6 @@ export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# The commit the copied tree came from (benches record it; the copy has no .git of its own):
+#   git archive HEAD | tar -x -C T && git rev-parse --short HEAD > T/COMMIT
+[ -f COMMIT ] && export INFIRE_COMMIT=$(cat COMMIT)
