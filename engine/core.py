@@ -56,6 +56,18 @@ def resolve_device(device: str) -> torch.device:
     return d
 
 
+def _env_ms(name: str) -> float:
+    """A non-negative number of milliseconds from the environment, in seconds (unset: 0)."""
+    raw = os.environ.get(name, "").strip()
+    try:
+        ms = float(raw) if raw else 0.0
+    except ValueError:
+        raise EngineError(f"{name} must be a number of milliseconds, got {raw!r}") from None
+    if not 0 <= ms <= 60_000:
+        raise EngineError(f"{name} must be between 0 and 60000 ms, got {raw!r}")
+    return ms / 1000
+
+
 @dataclasses.dataclass
 class _InFlight:
     """A launched step (``pending``), or one a synchronous runner already ran (``result``)."""
@@ -129,6 +141,9 @@ class EngineCore(ModelLoader, PoolKeeper):
         # A quiet model's prefill runs without another model's step queued behind it (_overlaps);
         # INFIRE_URGENT_HOLDS=0 turns that off (benchmarks compare both).
         self.urgent_holds = os.environ.get("INFIRE_URGENT_HOLDS", "1") != "0"
+        # While a quieter model had a request within this window, a busy model's step is collected
+        # before anything else is scheduled (_yields); INFIRE_QUIET_WINDOW_MS, 0 (the default) = off.
+        self.quiet_window_s = _env_ms("INFIRE_QUIET_WINDOW_MS")
         self._last_done = 0.0
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
@@ -179,6 +194,7 @@ class EngineCore(ModelLoader, PoolKeeper):
         params.stop_token_ids = list(params.stop_token_ids)
         slot.scheduler.add(req_id, list(prompt_token_ids), params)
         self._req_model[req_id] = model
+        slot.last_request_t = time.perf_counter()
 
     def abort_request(self, req_id: str) -> None:
         """Abort; no-op when unknown or finished. Pages are freed now; the output comes next step."""
@@ -220,6 +236,13 @@ class EngineCore(ModelLoader, PoolKeeper):
         prev, self._inflight = self._inflight, None
         new = None
         try:
+            if prev is not None and self._yields(prev.slot):
+                # return between the busy model's steps: a request that arrives meanwhile is
+                # scheduled by the next call before that model's next step is queued
+                prev, done = None, prev
+                outs.extend(self._complete(done))
+                self._inflight = None
+                return outs
             slot = self._pick()
             sched_out = self._schedule(slot) if slot is not None else None
             if prev is not None and sched_out is not None and not self._overlaps(slot, sched_out, prev):
@@ -293,6 +316,21 @@ class EngineCore(ModelLoader, PoolKeeper):
         others = [s.scheduler.num_running + s.scheduler.num_waiting for s in self._slots.values()
                   if s is not slot and s.scheduler.has_unfinished()]
         return bool(others) and mine < min(others)
+
+    def _yields(self, slot: ModelSlot) -> bool:
+        """Whether ``slot``'s step in flight is collected (and :meth:`step` returns) before the
+        next one is scheduled: some model with fewer requests had one within ``quiet_window_s``.
+
+        Launching ahead queues the busy model's next step before the host can see a request that
+        arrives while the current one runs; the quiet model's prefill then shares the GPU with that
+        step. Yielding costs the busy model its launch-ahead (the host's prepare time idles the
+        GPU) only while a quieter model is active; two equally busy models keep it."""
+        if not self.quiet_window_s or len(self._slots) < 2:
+            return False
+        since = time.perf_counter() - self.quiet_window_s
+        mine = slot.scheduler.num_running + slot.scheduler.num_waiting
+        return any(s is not slot and s.last_request_t >= since
+                   and s.scheduler.num_running + s.scheduler.num_waiting < mine for s in self._slots.values())
 
     def _failed(self, slot: ModelSlot, sched_out, e: Exception) -> EngineError:
         """Keep the books straight after a failed step: its requests end as aborted (pages freed,

@@ -55,6 +55,7 @@ class ModelSlot:
     max_num_seqs: int = 0
     workspace_bytes: int = 0
     warm_key: str | None = None  # identity of the weight files, for the warm tier
+    last_request_t: float = float("-inf")  # perf_counter of its newest request (EngineCore._yields)
 
     @property
     def device_bytes(self) -> int:

@@ -1,0 +1,98 @@
+"""A busy model yields to a quiet one (EngineCore._yields, INFIRE_QUIET_WINDOW_MS): while a model
+with fewer requests had one within the window, the busy model's step in flight is collected, and
+step() returns, before anything else is launched, so a request that arrives meanwhile is
+scheduled ahead of the busy model's next step. Tokens are those of the engine without the rule;
+two equally busy models keep launching ahead."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.core import EngineCore, EngineError
+from engine.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def dirs(make_tiny_model):
+    return make_tiny_model("llama"), make_tiny_model("qwen3")
+
+
+def _spy(runner, name: str, events: list) -> None:
+    """Record the runner's launches and collects (the instance attributes shadow its methods)."""
+    launch, collect = runner.launch, runner.collect
+
+    def spy_launch(out, *rest):
+        events.append((name, "launch"))
+        return launch(out, *rest)
+
+    def spy_collect(pending):
+        events.append((name, "collect"))
+        return collect(pending)
+
+    runner.launch, runner.collect = spy_launch, spy_collect
+
+
+def _run(dirs, monkeypatch, window_ms: str, quiet: bool = True):
+    monkeypatch.setenv("INFIRE_QUIET_WINDOW_MS", window_ms)
+    core = EngineCore(device="cpu", max_num_batched_tokens=32, block_size=4, max_prefill_chunk=16, seed=5,
+                      async_steps=True)
+    core.load_model("busy", dirs[0], max_model_len=64, max_num_seqs=8)
+    core.load_model("other", dirs[1], max_model_len=64, max_num_seqs=8)
+    events: list[tuple[str, str]] = []  # (model, "launch" | "collect") in order
+    for name, slot in core._slots.items():
+        _spy(slot.runner, name, events)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=10, ignore_eos=True)
+    for i in range(8):
+        core.add_request(f"b{i}", "busy", list(range(20 + i, 30 + 2 * i)), greedy if i % 2 else seeded)
+        if not quiet:  # the other model as busy as this one
+            core.add_request(f"o{i}", "other", list(range(40 + i, 50 + 2 * i)), greedy if i % 2 else seeded)
+    tokens: dict[str, list[int]] = {}
+    arrived_at = None
+    steps = 0
+    while core.has_unfinished_requests():
+        if quiet and steps == 6:
+            core.add_request("q", "other", list(range(60, 75)), greedy)
+            arrived_at = len(events)
+        for out in core.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+        steps += 1
+        assert steps < 2000
+    for slot in core._slots.values():
+        del slot.runner.launch, slot.runner.collect  # a spy holds its runner (and the pool's views)
+    for name in list(core._slots):
+        core.unload_model(name)
+    return tokens, events, arrived_at
+
+
+def _launches_behind(events, model: str, start: int = 0) -> int:
+    """Launches (of any model) made from ``events[start]`` on while a launched step of ``model``
+    was not yet collected."""
+    open_steps, behind = 0, 0
+    for i, (name, kind) in enumerate(events):
+        if kind == "launch" and i >= start:
+            behind += open_steps > 0
+        if name == model:
+            open_steps += 1 if kind == "launch" else -1
+    return behind
+
+
+def test_the_busy_model_stops_launching_ahead_while_a_quiet_model_is_active(dirs, monkeypatch):
+    plain, plain_events, plain_at = _run(dirs, monkeypatch, "0")
+    got, events, at = _run(dirs, monkeypatch, "60000")
+    assert got == plain and len(got["q"]) == 10
+    assert _launches_behind(plain_events, "busy", plain_at) > 0  # without the rule: launched ahead
+    assert _launches_behind(events, "busy", at) == 0  # with it, its step is collected before any launch
+    assert _launches_behind(events[:at], "busy") > 0  # before the quiet model's request: as usual
+
+
+def test_two_equally_busy_models_keep_launching_ahead(dirs, monkeypatch):
+    _, events, _ = _run(dirs, monkeypatch, "60000", quiet=False)
+    assert _launches_behind(events, "busy") > 0 and _launches_behind(events, "other") > 0
+
+
+@pytest.mark.parametrize("raw", ["-1", "nan", "fast", "60001"])
+def test_a_bad_window_is_refused_with_its_name(monkeypatch, raw):
+    monkeypatch.setenv("INFIRE_QUIET_WINDOW_MS", raw)
+    with pytest.raises(EngineError, match="INFIRE_QUIET_WINDOW_MS"):
+        EngineCore(device="cpu")
