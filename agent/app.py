@@ -76,7 +76,7 @@ def worker_options(settings: Settings) -> dict[str, Any]:
             "memory_budget_bytes": budget, "memory_budget_fraction": fraction,
             "cpu_memory_budget_bytes": g.cpu_memory_budget, "sandbox": e.sandbox,
             "warm_tier_bytes": g.warm_tier_bytes, "cuda_graphs": e.cuda_graphs, "async_steps": e.async_steps,
-            "shared_step_tokens": e.shared_step_tokens,
+            "shared_step_tokens": e.shared_step_tokens, "quiet_window_ms": e.quiet_window_ms,
             # The worker writes only its runtime dir and Triton's compile cache under the cache dir.
             "sandbox_options": {"cache_dir": str(settings.cache.dir), "runtime_dir": str(settings.server.runtime_dir),
                                 "read_write": [str(settings.cache.dir / "triton")],

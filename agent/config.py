@@ -116,6 +116,9 @@ class EngineSettings(_Section):
     # While several models are loaded, no step takes more tokens than this (0: no cap): bounds how
     # long a quiet model's new request waits behind another model's step.
     shared_step_tokens: int = Field(0, ge=0, le=1 << 20)
+    # While a model with fewer requests had one within this many ms, a busy model's steps are not
+    # launched ahead of the host (0: off): its new prompt runs without that model's next step.
+    quiet_window_ms: int = Field(0, ge=0, le=60_000)
     sandbox: bool = True
 
 

@@ -90,6 +90,7 @@ class EngineCore(ModelLoader, PoolKeeper):
     ``async_steps``: launch step N+1 before collecting step N (None: on CUDA; see :meth:`step`).
     ``shared_step_tokens``: while more than one model is loaded, no step takes more tokens than
     this, so a model whose request arrives waits for at most one short step of another (None: off).
+    ``quiet_window_s``: see :meth:`_yields` (None: ``INFIRE_QUIET_WINDOW_MS``, unset = 0 = off).
     """
 
     def __init__(self, device: str = "auto", max_num_batched_tokens: int = 2048,
@@ -97,7 +98,8 @@ class EngineCore(ModelLoader, PoolKeeper):
                  max_prefill_chunk: int | None = None, dtype: str | None = None, seed: int | None = None,
                  decode_buckets: tuple[int, ...] | None = None, memory_budget: int | float | None = None,
                  page_bytes: int | None = None, warmup: bool | None = None, warm_tier_bytes: int = 0,
-                 async_steps: bool | None = None, shared_step_tokens: int | None = None) -> None:
+                 async_steps: bool | None = None, shared_step_tokens: int | None = None,
+                 quiet_window_s: float | None = None) -> None:
         self.device = resolve_device(device)
         if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
             raise EngineError("max_num_batched_tokens must be an integer >= 1")
@@ -142,8 +144,13 @@ class EngineCore(ModelLoader, PoolKeeper):
         # INFIRE_URGENT_HOLDS=0 turns that off (benchmarks compare both).
         self.urgent_holds = os.environ.get("INFIRE_URGENT_HOLDS", "1") != "0"
         # While a quieter model had a request within this window, a busy model's step is collected
-        # before anything else is scheduled (_yields); INFIRE_QUIET_WINDOW_MS, 0 (the default) = off.
-        self.quiet_window_s = _env_ms("INFIRE_QUIET_WINDOW_MS")
+        # before anything else is scheduled (_yields). None: INFIRE_QUIET_WINDOW_MS, else 0 = off.
+        if quiet_window_s is None:
+            quiet_window_s = _env_ms("INFIRE_QUIET_WINDOW_MS")
+        elif isinstance(quiet_window_s, bool) or not isinstance(quiet_window_s, (int, float)) \
+                or not 0 <= quiet_window_s <= 60:
+            raise EngineError("quiet_window_s must be a number of seconds between 0 and 60")
+        self.quiet_window_s = float(quiet_window_s)
         self._last_done = 0.0
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()

@@ -96,3 +96,15 @@ def test_a_bad_window_is_refused_with_its_name(monkeypatch, raw):
     monkeypatch.setenv("INFIRE_QUIET_WINDOW_MS", raw)
     with pytest.raises(EngineError, match="INFIRE_QUIET_WINDOW_MS"):
         EngineCore(device="cpu")
+
+
+@pytest.mark.parametrize("bad", [-0.1, 61, True, "1"])
+def test_a_bad_window_argument_is_refused(bad):
+    with pytest.raises(EngineError, match="quiet_window_s"):
+        EngineCore(device="cpu", quiet_window_s=bad)
+
+
+def test_the_argument_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("INFIRE_QUIET_WINDOW_MS", "250")
+    assert EngineCore(device="cpu").quiet_window_s == 0.25
+    assert EngineCore(device="cpu", quiet_window_s=2).quiet_window_s == 2.0

@@ -107,3 +107,14 @@ def test_units():
     for bad in ("5x", "m5", "-3s"):
         with pytest.raises(ValueError):
             parse_duration(bad)
+
+
+def test_the_quiet_window_reaches_the_worker_and_is_bounded(monkeypatch):
+    from agent.app import worker_options
+
+    assert worker_options(load_settings())["quiet_window_ms"] == 0  # off unless asked for
+    monkeypatch.setenv("INFIRE_ENGINE__QUIET_WINDOW_MS", "500")
+    assert worker_options(load_settings())["quiet_window_ms"] == 500
+    monkeypatch.setenv("INFIRE_ENGINE__QUIET_WINDOW_MS", "60001")
+    with pytest.raises(ConfigError, match="quiet_window_ms"):
+        load_settings()
