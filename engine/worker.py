@@ -317,8 +317,7 @@ def _make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
         if cache_dir := (options.get("sandbox_options") or {}).get("cache_dir"):
             set_triton_cache_dir(cache_dir)  # compiled kernels survive restarts
         core = EngineCore(
-            device=options.get("device", "auto"),
-            max_num_batched_tokens=int(options.get("max_num_batched_tokens", 4096)),
+            device=options.get("device", "auto"), max_num_batched_tokens=int(options.get("max_num_batched_tokens", 4096)),
             memory_budget_bytes=options.get("memory_budget_bytes"),
             decode_buckets=None if options.get("cuda_graphs", True) else (),
             async_steps=None if options.get("async_steps", True) else False,
