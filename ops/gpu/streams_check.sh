@@ -2,7 +2,7 @@
 # One GPU run for the per-model streams, the urgent-prefill hold and the memory/reload work: GPU
 # tests, then the quiet model's TTFT next to floods under each setting in $MM, then (unless
 # MM_ONLY=1) the engine at concurrency 200 and the load bench. JSON under $OUT, logs in $LOGS.
-#   . ops/gpu/env.sh; MM="name:ENV=1,ENV2=0:shared_tokens ..." bash ops/gpu/streams_check.sh
+#   . ops/gpu/env.sh; MM="name:ENV=1,ENV2=0:shared_tokens ..." [PHASES="ttft saturated light"] bash ops/gpu/streams_check.sh
 set -u
 OUT=${OUT:-./gpu_out}; LOGS=${LOGS:-/tmp/logs}; mkdir -p "$OUT" "$LOGS"
 M=${M8B:-/tmp/m8b}; S=${MSMALL:-/tmp/msmall}
@@ -16,7 +16,7 @@ timeout ${TESTS_S:-170} python3 -m pytest -q -p no:cacheprovider --tb=short ${TE
 grep -E "^(FAILED|ERROR|E  )" "$OUT/tests_gpu.txt" | head -n 20; tail -n 1 "$OUT/tests_gpu.txt"
 mm() {  # name, comma-separated env, shared step tokens
   env ${2//,/ } timeout ${MM_S:-100} python3 -m ops.bench.multi_model_bench --device cuda --big "$M" "$M" \
-    --small "$S" --kv-gib 36 --warm-tier-bytes 42949672960 --phases ttft ${SWAP:+swap} --flood 128 512 \
+    --small "$S" --kv-gib 36 --warm-tier-bytes 42949672960 --phases ${PHASES:-ttft} ${SWAP:+swap} --flood 128 512 \
     --trickle ${TRICKLE:-24} --shared-step-tokens "$3" --out "$OUT/mm_$1.json" > "$LOGS/mm_$1.txt" 2>&1 || status=1
   echo "== $1 ($2, shared $3)"; grep -E "TTFT|flooded|swap|in [0-9.]+ s from" "$LOGS/mm_$1.txt" || tail -n 5 "$LOGS/mm_$1.txt"
 }
