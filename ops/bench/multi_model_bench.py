@@ -95,8 +95,11 @@ def _phase_ttft(b: Bench, res: dict[str, Any]) -> None:
     out: dict[str, Any] = {"quiet": "B", "flooded": "A", "prompt_len": a.prompt_len, "interval_s": a.ttft_interval,
                            "lead_s": a.ttft_lead, "solo": solo, "flooded_by": {}}
     for n in a.flood:
+        alone = b.ttft("B", "A", n, flood_work, trickle=False)["flood"]
         f = b.ttft("B", "A", n, flood_work)
         f["ratio_p50"] = ratio(f["p50_ms"], solo["p50_ms"])
+        f["flood_alone"] = alone  # the flooded model with no quiet requests, same time and level
+        f["flood_tok_s_vs_alone"] = ratio(f["flood"]["output_tok_s"], alone["output_tok_s"])
         out["flooded_by"][str(n)] = f
     res["ttft"] = out
 

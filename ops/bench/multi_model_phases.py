@@ -290,22 +290,25 @@ class Bench:
         return {"seconds": wall, "aborted_at_end": aborted, "late_max_ms": tr.late_max * 1e3, "per_model": per,
                 "step_calls": calls, "engine": engine}
 
-    def ttft(self, quiet: str, flood: str | None, flood_n: int, flood_work: list[BenchRequest]) -> dict[str, Any]:
+    def ttft(self, quiet: str, flood: str | None, flood_n: int, flood_work: list[BenchRequest],
+             *, trickle: bool = True) -> dict[str, Any]:
         """``--trickle`` quiet requests (``--prompt-len`` tokens, one output token), one due every
         ``--ttft-interval`` s; with ``flood``, that model is topped up to ``flood_n`` sharegpt-like
-        requests in flight the whole time, from ``--ttft-lead`` s before the first quiet one."""
+        requests in flight the whole time, from ``--ttft-lead`` s before the first quiet one.
+        ``trickle=False``: the flood alone for the same time (what the quiet one costs it)."""
         a = self.a
         lead = a.ttft_lead if flood else 0.0
-        due = [lead + k * a.ttft_interval for k in range(a.trickle)]
+        end = lead + a.trickle * a.ttft_interval
+        due = [lead + k * a.ttft_interval for k in range(a.trickle)] if trickle else []
         prompts = [self.prompt(quiet, a.prompt_len) for _ in due]
         c0, calls0 = engine_counters(self.core), self.calls
         tr = Tracker(window=(lead, INF))
         quiet_ids: list[str] = []
         k = j = 0
         timed_out = False
-        while k < len(due) or tr.live[quiet]:
+        while k < len(due) or tr.live[quiet] or (not trickle and tr.now() < end):
             now = tr.now()
-            if now > lead + len(due) * a.ttft_interval + a.phase_timeout:
+            if now > end + a.phase_timeout:
                 timed_out = True
                 break
             tr.tick(now)

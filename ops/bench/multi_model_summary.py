@@ -100,7 +100,8 @@ def summary(res: dict[str, Any]) -> str:
                  f"p90 {_f(tt['solo']['p90_ms'], '.1f')}")
         for n, f in tt["flooded_by"].items():
             fl = f["flood"]
-            L.append(f"  A flooded at {n} in flight ({_f(fl['output_tok_s'])} out tok/s): p50 {_f(f['p50_ms'], '.1f')}"
+            cost = f" = {_f(f['flood_tok_s_vs_alone'], '.2f')}x its rate alone" if "flood_tok_s_vs_alone" in f else ""
+            L.append(f"  A flooded at {n} in flight ({_f(fl['output_tok_s'])} out tok/s{cost}): p50 {_f(f['p50_ms'], '.1f')}"
                      f" ms, p90 {_f(f['p90_ms'], '.1f')} = {_f(f['ratio_p50'], '.2f')}x solo{_met(g.get(f'ttft_flood_{n}_vs_solo'))}")
     sw = res.get("swap")
     if sw:

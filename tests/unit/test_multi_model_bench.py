@@ -84,6 +84,8 @@ def test_bench_runs_on_tiny_models(tmp_path, make_tiny_model, capsys):
     tt = res["ttft"]
     assert len(tt["solo"]["ttft_ms"]) == 2 and len(tt["flooded_by"]["3"]["ttft_ms"]) == 2
     assert not tt["flooded_by"]["3"]["timed_out"] and tt["flooded_by"]["3"]["flood"]["added"] >= 3
+    assert tt["flooded_by"]["3"]["flood_alone"]["output_tok_s"] > 0  # the flood's rate without the trickle
+    assert tt["flooded_by"]["3"]["flood_tok_s_vs_alone"] > 0
 
     sw = res["swap"]
     assert sw["warm_tier"]["load_A"]["from"] == "warm_tier" and sw["page_cache"]["load_A"]["from"] == "files"
