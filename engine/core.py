@@ -56,16 +56,24 @@ def resolve_device(device: str) -> torch.device:
     return d
 
 
-def _env_ms(name: str) -> float:
-    """A non-negative number of milliseconds from the environment, in seconds (unset: 0)."""
-    raw = os.environ.get(name, "").strip()
-    try:
-        ms = float(raw) if raw else 0.0
-    except ValueError:
-        raise EngineError(f"{name} must be a number of milliseconds, got {raw!r}") from None
-    if not 0 <= ms <= 60_000:
-        raise EngineError(f"{name} must be between 0 and 60000 ms, got {raw!r}")
-    return ms / 1000
+def _quiet_window(seconds: float | None) -> float:
+    """The quiet window in seconds: ``seconds``, or (None) ``INFIRE_QUIET_WINDOW_MS`` / 1000, unset 0."""
+    if seconds is None:
+        raw = os.environ.get("INFIRE_QUIET_WINDOW_MS", "").strip()
+        try:
+            seconds = float(raw) / 1000 if raw else 0.0
+        except ValueError:
+            raise EngineError(f"INFIRE_QUIET_WINDOW_MS must be a number of milliseconds, got {raw!r}") from None
+        if not 0 <= seconds <= 60:
+            raise EngineError(f"INFIRE_QUIET_WINDOW_MS must be between 0 and 60000 ms, got {raw!r}")
+    elif isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 60:
+        raise EngineError("quiet_window_s must be a number of seconds between 0 and 60")
+    return float(seconds)
+
+
+def _requests(slot: ModelSlot) -> int:
+    """A model's requests in the engine: running and waiting."""
+    return slot.scheduler.num_running + slot.scheduler.num_waiting
 
 
 @dataclasses.dataclass
@@ -145,12 +153,7 @@ class EngineCore(ModelLoader, PoolKeeper):
         self.urgent_holds = os.environ.get("INFIRE_URGENT_HOLDS", "1") != "0"
         # While a quieter model had a request within this window, a busy model's step is collected
         # before anything else is scheduled (_yields). None: INFIRE_QUIET_WINDOW_MS, else 0 = off.
-        if quiet_window_s is None:
-            quiet_window_s = _env_ms("INFIRE_QUIET_WINDOW_MS")
-        elif isinstance(quiet_window_s, bool) or not isinstance(quiet_window_s, (int, float)) \
-                or not 0 <= quiet_window_s <= 60:
-            raise EngineError("quiet_window_s must be a number of seconds between 0 and 60")
-        self.quiet_window_s = float(quiet_window_s)
+        self.quiet_window_s = _quiet_window(quiet_window_s)
         self._last_done = 0.0
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
@@ -248,7 +251,6 @@ class EngineCore(ModelLoader, PoolKeeper):
                 # scheduled by the next call before that model's next step is queued
                 prev, done = None, prev
                 outs.extend(self._complete(done))
-                self._inflight = None
                 return outs
             slot = self._pick()
             sched_out = self._schedule(slot) if slot is not None else None
@@ -319,9 +321,8 @@ class EngineCore(ModelLoader, PoolKeeper):
         flooded one), so its kernels are served first while the other's step drains."""
         if len(self._slots) < 2:
             return False
-        mine = slot.scheduler.num_running + slot.scheduler.num_waiting
-        others = [s.scheduler.num_running + s.scheduler.num_waiting for s in self._slots.values()
-                  if s is not slot and s.scheduler.has_unfinished()]
+        mine = _requests(slot)
+        others = [_requests(s) for s in self._slots.values() if s is not slot and s.scheduler.has_unfinished()]
         return bool(others) and mine < min(others)
 
     def _yields(self, slot: ModelSlot) -> bool:
@@ -335,9 +336,8 @@ class EngineCore(ModelLoader, PoolKeeper):
         if not self.quiet_window_s or len(self._slots) < 2:
             return False
         since = time.perf_counter() - self.quiet_window_s
-        mine = slot.scheduler.num_running + slot.scheduler.num_waiting
-        return any(s is not slot and s.last_request_t >= since
-                   and s.scheduler.num_running + s.scheduler.num_waiting < mine for s in self._slots.values())
+        mine = _requests(slot)
+        return any(s is not slot and s.last_request_t >= since and _requests(s) < mine for s in self._slots.values())
 
     def _failed(self, slot: ModelSlot, sched_out, e: Exception) -> EngineError:
         """Keep the books straight after a failed step: its requests end as aborted (pages freed,
