@@ -38,6 +38,7 @@ from engine.runner_types import PendingStep, StepResult
 from engine.page_pool import PagePool
 from engine.sampling import SamplingParams, SamplingParamsError
 from engine.scheduler import SchedulerOutput
+from engine.step_streams import StreamPool
 from engine.warm_tier import WarmTier
 
 __all__ = ["DEFAULT_CPU_BUDGET", "GPU_BUDGET_FRACTION", "EngineCore", "LoadPlan", "LoadRefused",
@@ -69,6 +70,11 @@ def _quiet_window(seconds: float | None) -> float:
     elif isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 60:
         raise EngineError("quiet_window_s must be a number of seconds between 0 and 60")
     return float(seconds)
+
+
+# A model yields to another only when it has at least this many times that one's requests: two
+# about equally busy models (both saturated, both at light load) keep launching ahead.
+QUIET_RATIO = 4
 
 
 def _requests(slot: ModelSlot) -> int:
@@ -140,6 +146,8 @@ class EngineCore(ModelLoader, PoolKeeper):
         self._budget_arg = memory_budget if memory_budget is not None else memory_budget_bytes
         self.ledger = make_ledger(self._budget_arg, self.device)
         self.pool: PagePool | None = None  # created by the first load (it knows the page size)
+        # Streams the runners borrow and give back (each new stream costs a cuBLAS workspace for good).
+        self.streams = StreamPool(self.device) if self.device.type == "cuda" else None
         self.picker = FairSharePicker()
         self._slots: dict[str, ModelSlot] = {}
         self._req_model: dict[str, str] = {}
@@ -281,7 +289,7 @@ class EngineCore(ModelLoader, PoolKeeper):
         """The model's next batch, None when nothing is admissible (no pages for it now, or only
         tokens in flight): then a nominal step is charged so the pick moves on to the other
         models instead of choosing this one forever."""
-        if self.shared_step_tokens and len(self._slots) > 1:
+        if self.shared_step_tokens and self._others_active(slot):
             sched_out = slot.scheduler.schedule(self.shared_step_tokens)
         else:
             sched_out = slot.scheduler.schedule()
@@ -325,9 +333,17 @@ class EngineCore(ModelLoader, PoolKeeper):
         others = [_requests(s) for s in self._slots.values() if s is not slot and s.scheduler.has_unfinished()]
         return bool(others) and mine < min(others)
 
+    def _others_active(self, slot: ModelSlot) -> bool:
+        """Whether another model has requests, or had one within the quiet window: then ``slot``'s
+        steps are capped at ``shared_step_tokens`` (a model alone keeps its full steps)."""
+        since = time.perf_counter() - self.quiet_window_s
+        return any(s is not slot and (s.scheduler.has_unfinished() or s.last_request_t >= since)
+                   for s in self._slots.values())
+
     def _yields(self, slot: ModelSlot) -> bool:
         """Whether ``slot``'s step in flight is collected (and :meth:`step` returns) before the
-        next one is scheduled: some model with fewer requests had one within ``quiet_window_s``.
+        next one is scheduled: some model with at most a ``QUIET_RATIO``-th of its requests had
+        one within ``quiet_window_s``.
 
         Launching ahead queues the busy model's next step before the host can see a request that
         arrives while the current one runs; the quiet model's prefill then shares the GPU with that
@@ -337,7 +353,8 @@ class EngineCore(ModelLoader, PoolKeeper):
             return False
         since = time.perf_counter() - self.quiet_window_s
         mine = _requests(slot)
-        return any(s is not slot and s.last_request_t >= since and _requests(s) < mine for s in self._slots.values())
+        return any(s is not slot and s.last_request_t >= since and _requests(s) * QUIET_RATIO <= mine
+                   for s in self._slots.values())
 
     def _failed(self, slot: ModelSlot, sched_out, e: Exception) -> EngineError:
         """Keep the books straight after a failed step: its requests end as aborted (pages freed,

@@ -207,7 +207,7 @@ class ModelLoader:
             if p.prebuild:
                 gen = self.pool.generation
                 build = RunnerBuild(lambda: (gen, *self._new_runner(p.name, p.cfg, model, p.max_num_seqs, p.max_len)),
-                                    self.device, p.name)
+                                    self.device, p.name, self.streams)
             try:
                 nbytes, source = load_or_restore(model, p.model_dir, self.warm_tier, key, cancel=p.cancel)
             finally:

@@ -118,7 +118,7 @@ class PoolKeeper:
         else:  # padded pages: per-layer views whose page stride is the whole page
             kv = KVCache.from_views(spec, self.pool.kv_views(name))
         return kv, ModelRunner(model, kv, self.max_num_batched_tokens, max_num_seqs, max_model_len,
-                               decode_buckets=self.decode_buckets)
+                               decode_buckets=self.decode_buckets, stream_pool=self.streams)
 
     def _warm_up(self, slot: ModelSlot) -> None:
         """One step at the largest batch (every row sampled) so its peak can be measured. The

@@ -35,6 +35,7 @@ from engine.errors import EngineError
 
 if TYPE_CHECKING:  # the runner imports this module
     from engine.model_runner import ModelRunner
+    from engine.step_streams import StreamPool
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -73,7 +74,7 @@ class GraphSet:
 
     kind = "graph"
 
-    def __init__(self, device: torch.device, pool=None) -> None:
+    def __init__(self, device: torch.device, pool=None, streams: "StreamPool | None" = None) -> None:
         if device.type != "cuda":
             raise CudaGraphError(f"{self.kind}s need a CUDA device")
         self.device = device
@@ -82,7 +83,16 @@ class GraphSet:
         self.deferred: set[int] = set()  # buckets captured at their first use instead of at load
         self.deferred_capture_seconds = 0.0
         self._pool = pool
+        self._streams = streams
         self._stream: torch.cuda.Stream | None = None
+
+    def _capture_stream(self) -> torch.cuda.Stream:
+        """The side stream captures record on: one per graph set, lent by the runner's pool
+        (engine/step_streams.py: every new stream costs a cuBLAS workspace for good)."""
+        if self._stream is None:
+            self._stream = (self._streams.take(self) if self._streams is not None
+                            else torch.cuda.Stream(device=self.device))
+        return self._stream
 
     def _capture_one(self, r: "ModelRunner", b: int) -> None:
         """One bucket into the shared pool. Unlike ``torch.cuda.graph`` no synchronize, gc or
@@ -93,9 +103,7 @@ class GraphSet:
         recorded in either mode."""
         self._fill_padding(r, b)
         g = torch.cuda.CUDAGraph()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._capture_stream().wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             if self._pool is None:
                 g.capture_begin(capture_error_mode="thread_local")
@@ -148,8 +156,8 @@ class DecodeGraphs(GraphSet):
 
     kind = "decode graph"
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
+    def __init__(self, device: torch.device, streams: "StreamPool | None" = None) -> None:
+        super().__init__(device, streams=streams)
         self.graphs: dict[int, _Graph] = {}
 
     def _keep(self, bucket: int, graph: torch.cuda.CUDAGraph, outputs) -> None:
@@ -185,7 +193,7 @@ class DecodeGraphs(GraphSet):
         t0 = time.perf_counter()
         self._warm(r, order)
         t1 = time.perf_counter()
-        self._stream = torch.cuda.Stream(device=self.device)
+        self._capture_stream()
         now = [b for b in order if b not in set(defer) or b == order[0]]
         self.deferred = {b for b in order if b not in now}
         try:

@@ -36,7 +36,7 @@ from engine.models.llama import AttentionMetadata, LlamaModel
 from engine.logprobs import logprobs_result
 from engine.runner_types import PendingStep, PreparedStep, StepResult
 from engine.scheduler import PLACEHOLDER, SchedulerOutput
-from engine.step_streams import StepStreams
+from engine.step_streams import StepStreams, StreamPool
 
 __all__ = ["ModelRunner", "PendingStep", "PreparedStep", "StepResult"]
 
@@ -52,7 +52,9 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, kv: KVCache, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, decode_buckets: tuple[int, ...] = (), cuda_graphs: bool | None = None,
-                 mixed_buckets: tuple[int, ...] | None = None) -> None:
+                 mixed_buckets: tuple[int, ...] | None = None, stream_pool: StreamPool | None = None) -> None:
+        """``stream_pool``: where its streams come from (the core's, shared by its runners; None:
+        a pool of its own)."""
         self.model = model
         self.max_model_len = max_model_len
         # Batch sizes decode steps are padded to (the CUDA-graph buckets); () runs exact shapes.
@@ -77,7 +79,9 @@ class ModelRunner:
         # Host staging of the same sizes, pinned on CUDA so the copies are async; an event marks
         # when the last step's copies have left the staging memory, before it is overwritten.
         self._pin = dev.type == "cuda"
-        self.streams = StepStreams(dev) if StepStreams.wanted(dev) else None
+        if self._pin and stream_pool is None:
+            stream_pool = StreamPool(dev)
+        self.streams = StepStreams(dev, stream_pool) if StepStreams.wanted(dev) else None
         self._copies_done = torch.cuda.Event() if self._pin else None
         self._staging: dict[int, torch.Tensor] = {}
         for buf in (self._input_ids, self._positions, self._slots, self._qsl, self._seq_lens, self._block_tables,
@@ -112,14 +116,15 @@ class ModelRunner:
                 now_max = int(os.environ.get("INFIRE_GRAPHS_AT_LOAD_MAX", "8"))
             except ValueError:
                 raise ValueError("INFIRE_GRAPHS_AT_LOAD_MAX must be an integer") from None
-            self.graphs = DecodeGraphs(self.device)
+            self.graphs = DecodeGraphs(self.device, streams=stream_pool)
             self.graphs.capture(self, self.decode_buckets, defer=tuple(b for b in self.decode_buckets if b > now_max))
         if mixed_buckets is None:
             mixed_buckets = DEFAULT_MIXED_BUCKETS if os.environ.get("INFIRE_MIXED_GRAPHS", "1") != "0" else ()
         # Token buckets of the mixed-step graphs (engine/cuda_graphs_mixed.py), on CUDA with graphs.
         self.mixed_buckets = tuple(sorted(b for b in mixed_buckets if 0 < b <= self.max_tokens))
         if cuda_graphs and self._pin and self.mixed_buckets:
-            self.mixed = MixedGraphs(self.device, pool=self.graphs._pool if self.graphs is not None else None)
+            self.mixed = MixedGraphs(self.device, pool=self.graphs._pool if self.graphs is not None else None,
+                                     streams=stream_pool)
             self.mixed.capture(self, self.mixed_buckets)
 
     def decode_meta(self, bucket: int) -> AttentionMetadata:

@@ -19,19 +19,53 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator
 
 import torch
 
 
-class StepStreams:
-    """A runner's normal and urgent streams on ``device`` and the one its last step used."""
+# A lower number is a higher priority; torch maps one beyond the device's range to its highest.
+URGENT_PRIORITY = -64
+
+
+class StreamPool:
+    """Streams lent to the runners of one device, taken back when their borrower is collected.
+
+    cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it has run a matmul on, for the
+    life of the process, outside anything a model owns. With a fresh stream per load (the step
+    streams, each graph set's capture stream, the load thread's) every load/unload cycle left
+    32-96 MiB of device memory behind (ops/gpu/memory_probe.py). A lent stream goes back to the
+    pool when the object that borrowed it is collected, and the next runner reuses it, workspace
+    included, so the workspaces stop at the number of models loaded at once.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.normal = torch.cuda.Stream(device=device, priority=0)
-        # A lower number is a higher priority; torch maps one beyond the device's range to its highest.
-        self.urgent = torch.cuda.Stream(device=device, priority=-64)
+        self._free: dict[int, list[torch.cuda.Stream]] = {}
+        self.created = 0
+
+    def take(self, borrower: object, priority: int = 0) -> torch.cuda.Stream:
+        """A stream of ``priority`` for as long as ``borrower`` lives. Safe from several threads
+        (a list's pop and append are atomic)."""
+        free = self._free.setdefault(priority, [])
+        try:
+            stream = free.pop()
+        except IndexError:
+            stream = torch.cuda.Stream(device=self.device, priority=priority)
+            self.created += 1
+        weakref.finalize(borrower, free.append, stream)
+        return stream
+
+
+class StepStreams:
+    """A runner's normal and urgent streams on ``device`` and the one its last step used."""
+
+    def __init__(self, device: torch.device, pool: StreamPool | None = None) -> None:
+        self.device = device
+        pool = pool if pool is not None else StreamPool(device)
+        self.normal = pool.take(self, 0)
+        self.urgent = pool.take(self, URGENT_PRIORITY)
         self.last: torch.cuda.Stream | None = None
         self.urgent_steps = 0
 

@@ -80,12 +80,20 @@ def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(s
         # The pool's segment stays cached for the next load; the weights' and graphs' went back.
         assert reserved - live >= core_pool_bytes, seen
 
+        streams = core.streams.created
         core.load_model("m", small_model, max_model_len=2048, max_num_seqs=256)
         assert _serve_one(core, "m") == first
         grew = torch.cuda.memory_reserved() - reserved
         assert grew < core_pool_bytes // 2, (grew, seen)  # the pool came from the cache
         check = core.ledger.verify_against_allocator(tolerance=64 * MiB, reserved_bytes=_live_since(base_live))
         assert check.ok, check
+        # The reload borrowed the streams the first load gave back: cuBLAS keeps a workspace per
+        # stream for good, so a new stream per load would leave 32 MiB or more behind each cycle.
+        assert core.streams.created == streams, (core.streams.created, streams)
+
+        core.unload_model("m")
+        again = _live_since(0)
+        assert again - live <= 2 * MiB, (dict(seen, again=again), _live_tensors())  # nothing grows per cycle
     finally:
         for name in list(core.models()):  # a failure must not leave a model on the device for the next test
             core.unload_model(name)

@@ -55,3 +55,25 @@ def test_models_on_their_own_streams_give_the_tokens_of_one_stream(two_models, m
     assert own == one
     assert urgent_off == {"flood": 0, "quiet": 0}
     assert urgent_on["quiet"] > 0 and urgent_on["flood"] == 0
+
+
+def test_a_stream_pool_lends_a_stream_again_once_its_borrower_is_gone():
+    import gc
+
+    from engine.step_streams import StreamPool
+
+    pool = StreamPool(torch.device("cuda"))
+
+    class Borrower:
+        pass
+
+    a, b = Borrower(), Borrower()
+    first = pool.take(a)
+    assert pool.take(b) != first  # lent out: a second borrower gets another one
+    del a
+    gc.collect()
+    c = Borrower()
+    assert pool.take(c) == first  # given back when its borrower went
+    urgent = pool.take(b, priority=-64)
+    assert urgent.priority < first.priority  # priorities kept apart
+    assert pool.created == 3

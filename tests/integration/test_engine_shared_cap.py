@@ -1,6 +1,7 @@
-"""``EngineCore(shared_step_tokens=N)``: while several models are loaded no step takes more than
-N tokens (a quiet model's request waits for at most one short step of a flooded one); alone, a
-model gets its whole step budget back. Tokens are those of the uncapped engine."""
+"""``EngineCore(shared_step_tokens=N)``: while another model has requests (or had one within the
+quiet window) no step takes more than N tokens (a quiet model's request waits for at most one
+short step of a flooded one); alone, or beside idle models, a model gets its whole step budget.
+Tokens are those of the uncapped engine."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ PROMPTS = [list(range(30, 30 + n)) for n in (33, 5, 19)]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-def _run(core: EngineCore, model: str, sizes: list[int]) -> dict[str, list[int]]:
+def _run(core: EngineCore, model: str, sizes: list[int], beside: str | None = None) -> dict[str, list[int]]:
+    """Serve PROMPTS on ``model``, recording its step sizes; ``beside``: a model kept busy
+    (one long request) the whole time."""
     slot = core._slots[model]
     schedule = slot.scheduler.schedule
 
@@ -26,10 +29,13 @@ def _run(core: EngineCore, model: str, sizes: list[int]) -> dict[str, list[int]]
     slot.scheduler.schedule = spy
     for i, p in enumerate(PROMPTS):
         core.add_request(f"{model}{i}", model, p, PARAMS)
+    if beside is not None:
+        core.add_request("long", beside, [7, 8, 9], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     toks = {f"{model}{i}": [] for i in range(len(PROMPTS))}
     while core.has_unfinished_requests():
         for o in core.step():
-            toks[o.req_id] += o.new_token_ids
+            if o.req_id in toks:
+                toks[o.req_id] += o.new_token_ids
     slot.scheduler.schedule = schedule
     return toks
 
@@ -46,12 +52,28 @@ def test_steps_are_capped_while_models_share_the_device(make_tiny_model):
     core.load_model("a", a, max_model_len=64, max_num_seqs=4)
     core.load_model("b", b, max_model_len=64, max_num_seqs=4)
     sizes: list[int] = []
-    assert _run(core, "a", sizes) == want
+    assert _run(core, "a", sizes, beside="b") == want
     assert max(sizes) == 8
+    sizes.clear()
+    assert _run(core, "a", sizes) == want  # b loaded but idle: the whole budget
+    assert max(sizes) > 8
     core.unload_model("b")  # alone again: the whole budget
     sizes.clear()
-    assert _run(core, "a", sizes) == {k: v for k, v in want.items()}
+    assert _run(core, "a", sizes) == want
     assert max(sizes) > 8
+
+
+def test_the_cap_holds_through_the_quiet_window_after_the_other_model_went_idle(make_tiny_model, monkeypatch):
+    monkeypatch.setenv("INFIRE_QUIET_WINDOW_MS", "60000")
+    core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1, shared_step_tokens=8)
+    core.load_model("a", make_tiny_model("llama"), max_model_len=64, max_num_seqs=4)
+    core.load_model("b", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4)
+    core.add_request("b0", "b", [5, 6], SamplingParams(temperature=0, max_tokens=1))
+    while core.has_unfinished_requests():
+        core.step()
+    sizes: list[int] = []
+    _run(core, "a", sizes)  # b is idle, but had a request a moment ago: it may send another
+    assert max(sizes) == 8
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])

@@ -1,7 +1,7 @@
 """A busy model yields to a quiet one (EngineCore._yields, INFIRE_QUIET_WINDOW_MS): while a model
-with fewer requests had one within the window, the busy model's step in flight is collected, and
-step() returns, before anything else is launched, so a request that arrives meanwhile is
-scheduled ahead of the busy model's next step. Tokens are those of the engine without the rule;
+with at most a quarter of its requests had one within the window, the busy model's step in flight
+is collected, and step() returns, before anything else is launched, so a request that arrives
+meanwhile is scheduled ahead of the busy model's next step. Tokens are those of the engine without the rule;
 two equally busy models keep launching ahead."""
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def _run(dirs, monkeypatch, window_ms: str, quiet: bool = True):
     events: list[tuple[str, str]] = []  # (model, "launch" | "collect") in order
     for name, slot in core._slots.items():
         _spy(slot.runner, name, events)
-    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=10, ignore_eos=True)
+    # The busy model's requests outlive the quiet one's: it has 4x its requests all along (QUIET_RATIO).
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=30, ignore_eos=True)
     for i in range(8):
         core.add_request(f"b{i}", "busy", list(range(20 + i, 30 + 2 * i)), greedy if i % 2 else seeded)
         if not quiet:  # the other model as busy as this one
@@ -52,7 +53,7 @@ def _run(dirs, monkeypatch, window_ms: str, quiet: bool = True):
     steps = 0
     while core.has_unfinished_requests():
         if quiet and steps == 6:
-            core.add_request("q", "other", list(range(60, 75)), greedy)
+            core.add_request("q", "other", list(range(60, 75)), SamplingParams(temperature=0, max_tokens=10))
             arrived_at = len(events)
         for out in core.step():
             tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
