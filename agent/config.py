@@ -113,12 +113,15 @@ class EngineSettings(_Section):
     page_bytes: ByteSize = parse_size("2MiB")
     cuda_graphs: bool = True
     async_steps: bool = True  # on CUDA: schedule step N+1 while the GPU runs step N
-    # While several models are loaded, no step takes more tokens than this (0: no cap): bounds how
-    # long a quiet model's new request waits behind another model's step.
-    shared_step_tokens: int = Field(0, ge=0, le=1 << 20)
-    # While a model with fewer requests had one within this many ms, a busy model's steps are not
-    # launched ahead of the host (0: off): its new prompt runs without that model's next step.
-    quiet_window_ms: int = Field(0, ge=0, le=60_000)
+    # While another model is active, no step takes more tokens than this (0: no cap): bounds how
+    # long a quiet model's new request waits behind another model's step. 512 with the window below
+    # kept a quiet model's TTFT within 2x of solo next to 512 requests in flight, both models
+    # saturated at 0.99x and light load at >= 0.97x (H200, docs/perf.md).
+    shared_step_tokens: int = Field(512, ge=0, le=1 << 20)
+    # While a model with at most a quarter of a busy model's requests had one within this many ms,
+    # the busy model's steps are not launched ahead of the host (0: off): the quiet model's new
+    # prompt runs without the busy model's next step beside it. A model's "active" lasts as long.
+    quiet_window_ms: int = Field(1000, ge=0, le=60_000)
     sandbox: bool = True
 
 

@@ -322,7 +322,7 @@ def _make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
             decode_buckets=None if options.get("cuda_graphs", True) else (),
             async_steps=None if options.get("async_steps", True) else False,
             shared_step_tokens=int(options.get("shared_step_tokens") or 0) or None,
-            quiet_window_s=int(options.get("quiet_window_ms") or 0) / 1000 or None,  # 0: the env or off
+            quiet_window_s=None if options.get("quiet_window_ms") is None else int(options["quiet_window_ms"]) / 1000,
             warm_tier_bytes=int(options.get("warm_tier_bytes", 0)),
         )
         fraction = options.get("memory_budget_fraction")

@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -50,7 +51,7 @@ from typing import Any
 
 from engine.core import LoadRefused
 from ops.bench.engine_bench import _commit, _device_name
-from ops.bench.multi_model_phases import Bench, light_ratios
+from ops.bench.multi_model_phases import Bench, light_ratios, quiet_window_s
 from ops.bench.multi_model_setup import env, make_models, plan_budget, ratio
 from ops.bench.multi_model_summary import goals, summary
 
@@ -157,8 +158,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--decode-buckets", type=int, nargs="*", default=None, help="default: the engine's")
     g.add_argument("--graphs-at-load-max", type=int, help="INFIRE_GRAPHS_AT_LOAD_MAX for this run (default: engine's)")
     g.add_argument("--warm-tier-bytes", type=int, default=0, help="pinned host RAM for unloaded weights")
-    g.add_argument("--shared-step-tokens", type=int, default=0,
-                   help="cap on a step's tokens while both models are loaded (0: none; EngineCore shared_step_tokens)")
+    g.add_argument("--shared-step-tokens", type=int, default=512,
+                   help="cap on a step's tokens while another model is active (0: none; the daemon's default 512)")
+    g.add_argument("--quiet-window-ms", type=int, default=None,
+                   help="EngineCore quiet_window_s in ms (default: INFIRE_QUIET_WINDOW_MS if set, else the daemon's 1000)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cpu-threads", type=int, default=1, help="torch intra-op threads on the CPU (0: torch's)")
     w = p.add_argument_group("workloads")
@@ -229,6 +232,8 @@ def cpu_threads(a: argparse.Namespace) -> Iterator[None]:
 
 def settings(a: argparse.Namespace) -> dict[str, Any]:
     s = {k: v for k, v in vars(a).items() if k not in ("out", "work")}
+    window = quiet_window_s(a)  # what the engine runs with (None: the environment's)
+    s["quiet_window_ms_used"] = round(window * 1000) if window is not None else os.environ["INFIRE_QUIET_WINDOW_MS"]
     s["why"] = ("saturated phase at engine_bench's best offline shape on the H200 (16384-token steps, 512 "
                 "sequences, max_model_len 2048, sharegpt-like; docs/perf.md); both models share the step "
                 "settings, and each gets --kv-gib of KV reserved so the budget holds A and B but not C")

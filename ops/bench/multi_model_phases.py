@@ -10,6 +10,7 @@ during a long step is added late and that lateness counts) to the call that retu
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from collections import Counter, defaultdict
@@ -24,6 +25,14 @@ from ops.bench.workload import percentile as pct
 from ops.bench.workload import BenchRequest, sharegpt_like
 
 INF = float("inf")
+
+
+def quiet_window_s(a: argparse.Namespace) -> float | None:
+    """``--quiet-window-ms``; unset: the environment's (None) if it names one, else the daemon's 1 s."""
+    ms = getattr(a, "quiet_window_ms", None)
+    if ms is not None:
+        return ms / 1000
+    return None if os.environ.get("INFIRE_QUIET_WINDOW_MS", "").strip() else 1.0
 
 
 class Tracker:
@@ -99,7 +108,8 @@ class Bench:
         self.core = EngineCore(device=a.device, max_num_batched_tokens=a.max_num_batched_tokens,
                                memory_budget=plan.budget, decode_buckets=buckets, seed=a.seed,
                                warm_tier_bytes=a.warm_tier_bytes,
-                               shared_step_tokens=getattr(a, "shared_step_tokens", None) or None)
+                               shared_step_tokens=getattr(a, "shared_step_tokens", None) or None,
+                               quiet_window_s=quiet_window_s(a))
         # As the worker does at start (untimed): the tier's RAM pinned once, not at the first unload.
         t = time.perf_counter()
         pinned = self.core.warm_tier is not None and self.core.warm_tier.prepin()

@@ -112,9 +112,12 @@ def test_units():
 def test_the_quiet_window_reaches_the_worker_and_is_bounded(monkeypatch):
     from agent.app import worker_options
 
-    assert worker_options(load_settings())["quiet_window_ms"] == 0  # off unless asked for
+    assert worker_options(load_settings())["quiet_window_ms"] == 1000  # the measured default
+    assert worker_options(load_settings())["shared_step_tokens"] == 512
     monkeypatch.setenv("INFIRE_ENGINE__QUIET_WINDOW_MS", "500")
     assert worker_options(load_settings())["quiet_window_ms"] == 500
+    monkeypatch.setenv("INFIRE_ENGINE__QUIET_WINDOW_MS", "0")
+    assert worker_options(load_settings())["quiet_window_ms"] == 0  # off
     monkeypatch.setenv("INFIRE_ENGINE__QUIET_WINDOW_MS", "60001")
     with pytest.raises(ConfigError, match="quiet_window_ms"):
         load_settings()
