@@ -77,6 +77,11 @@ def _quiet_window(seconds: float | None) -> float:
 QUIET_RATIO = 4
 
 
+def _done(f: "_InFlight") -> bool:
+    """Whether a launched step's ids are ready (no wait)."""
+    return f.pending is None or f.pending.ready is None or f.pending.ready.query()
+
+
 def _requests(slot: ModelSlot) -> int:
     """A model's requests in the engine: running and waiting."""
     return slot.scheduler.num_running + slot.scheduler.num_waiting
@@ -156,6 +161,7 @@ class EngineCore(ModelLoader, PoolKeeper):
         # launch runs to completion anyway.
         self.async_steps = self.device.type == "cuda" if async_steps is None else bool(async_steps)
         self._inflight: _InFlight | None = None
+        self._parked = False  # the last step() left a yielding model's step in flight, not done
         # A quiet model's prefill runs without another model's step queued behind it (_overlaps);
         # INFIRE_URGENT_HOLDS=0 turns that off (benchmarks compare both).
         self.urgent_holds = os.environ.get("INFIRE_URGENT_HOLDS", "1") != "0"
@@ -234,8 +240,8 @@ class EngineCore(ModelLoader, PoolKeeper):
         if f is not None:
             self._pending.extend(self._complete(f))
 
-    def _pick(self) -> ModelSlot | None:
-        busy = [n for n, s in self._slots.items() if s.scheduler.has_unfinished()]
+    def _pick(self, exclude: ModelSlot | None = None) -> ModelSlot | None:
+        busy = [n for n, s in self._slots.items() if s.scheduler.has_unfinished() and s is not exclude]
         for n in busy:
             if n not in self.picker:  # a slot added by a subclass without the picker
                 self.picker.add_model(n, self._slots[n].weight)
@@ -253,15 +259,21 @@ class EngineCore(ModelLoader, PoolKeeper):
         outs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
         new = None
+        self._parked = False
         try:
-            if prev is not None and self._yields(prev.slot):
-                # return between the busy model's steps: a request that arrives meanwhile is
-                # scheduled by the next call before that model's next step is queued
+            # Yielding: the busy model's next step waits until its step in flight is collected;
+            # meanwhile only the other models are scheduled (a quiet model's new prompt goes out
+            # at once, beside the busy step's tail, on its high-priority stream).
+            yielding = prev is not None and self._yields(prev.slot)
+            slot = self._pick(exclude=prev.slot if yielding else None)
+            sched_out = self._schedule(slot) if slot is not None else None
+            if yielding and sched_out is None:
+                if not _done(prev):  # parked: the caller waits for it or for a new request
+                    self._inflight, prev, self._parked = prev, None, True
+                    return outs
                 prev, done = None, prev
                 outs.extend(self._complete(done))
                 return outs
-            slot = self._pick()
-            sched_out = self._schedule(slot) if slot is not None else None
             if prev is not None and sched_out is not None and not self._overlaps(slot, sched_out, prev):
                 prev, done = None, prev
                 try:
@@ -284,6 +296,16 @@ class EngineCore(ModelLoader, PoolKeeper):
             raise
         self._inflight = new
         return outs
+
+    def parked(self) -> "torch.cuda.Event | None":
+        """After a :meth:`step` that returned while a yielding model's step was still running:
+        the event its ids' arrival records. The caller waits for that event or a new request,
+        whichever comes first, before the next call (instead of calling again at once). None
+        otherwise."""
+        f = self._inflight
+        if not self._parked or f is None or f.pending is None:
+            return None
+        return f.pending.ready
 
     def _schedule(self, slot: ModelSlot) -> SchedulerOutput | None:
         """The model's next batch, None when nothing is admissible (no pages for it now, or only
@@ -341,14 +363,15 @@ class EngineCore(ModelLoader, PoolKeeper):
                    for s in self._slots.values())
 
     def _yields(self, slot: ModelSlot) -> bool:
-        """Whether ``slot``'s step in flight is collected (and :meth:`step` returns) before the
-        next one is scheduled: some model with at most a ``QUIET_RATIO``-th of its requests had
-        one within ``quiet_window_s``.
+        """Whether ``slot``'s next step waits until its step in flight is collected (the other
+        models are scheduled meanwhile, and :meth:`step` returns instead of blocking on it while
+        nothing else has work: :meth:`parked`): some model with at most a ``QUIET_RATIO``-th of
+        its requests had one within ``quiet_window_s``.
 
         Launching ahead queues the busy model's next step before the host can see a request that
         arrives while the current one runs; the quiet model's prefill then shares the GPU with that
-        step. Yielding costs the busy model its launch-ahead (the host's prepare time idles the
-        GPU) only while a quieter model is active; two equally busy models keep it."""
+        step, or waits for it. Yielding costs the busy model its launch-ahead (the host's prepare
+        time idles the GPU) only while a quieter model is active; two equally busy models keep it."""
         if not self.quiet_window_s or len(self._slots) < 2:
             return False
         since = time.perf_counter() - self.quiet_window_s

@@ -33,6 +33,7 @@ from collections import deque
 from typing import Any
 
 from engine import protocol as P
+from engine.step_waiter import StepWaiter
 
 STATUS_INTERVAL_S = 0.25
 HEARTBEAT_INTERVAL_S = 0.5
@@ -100,6 +101,7 @@ class Worker:
         self._wake_r, self._wake_w = os.pipe()
         for end in (self._wake_r, self._wake_w):
             os.set_blocking(end, False)
+        self._waiter: StepWaiter | None = None  # made at the first parked step
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -260,10 +262,9 @@ class Worker:
         sel.register(self.conn.sock, selectors.EVENT_READ)
         sel.register(self._wake_r, selectors.EVENT_READ)
         while self.running:
-            busy = self._busy()
-            if not busy:
+            if not self._busy():
                 self.phase.set(f"loading:{self._loading[0].model}" if self._loading else "idle")
-            for key, _ in sel.select(0 if busy else STATUS_INTERVAL_S):
+            for key, _ in sel.select(self._wait_for()):
                 if key.fileobj == self._wake_r:
                     self._drain_wake()
                     continue
@@ -277,6 +278,18 @@ class Worker:
                 self._step()
             self._maybe_status(self._busy())
         return 0
+
+    def _wait_for(self) -> float | None:
+        """How long the next select may sleep: not at all while steps are due; while a step is
+        parked (engine.core.EngineCore.parked) until it is done (the waiter's wake-up) or a
+        request comes; idle, until the next status."""
+        event = self.core.parked() if self.core is not None and hasattr(self.core, "parked") else None
+        if event is not None:
+            if self._waiter is None:
+                self._waiter = StepWaiter(self._wake)
+            self._waiter.watch(event)
+            return STATUS_INTERVAL_S
+        return 0 if self._busy() else STATUS_INTERVAL_S
 
     def _drain_wake(self) -> None:
         with contextlib.suppress(BlockingIOError, InterruptedError):

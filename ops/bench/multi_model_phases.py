@@ -152,13 +152,21 @@ class Bench:
         r = rng or self.rng
         return [r.randrange(10, self.vocab[model]) for _ in range(n)]
 
-    def step(self, tr: Tracker | None = None) -> None:
+    def step(self, tr: Tracker | None = None, until: float | None = None) -> None:
+        """One ``step()`` call; when it left a step parked (EngineCore.parked), wait as the worker
+        does: until that step is done or, on ``tr``'s clock, the next request is due (``until``)."""
         outs = self.core.step()
         self.calls += 1
         if tr is not None:
             now = tr.now()
             tr.tick(now)
             tr.take(outs, now)
+        event = self.core.parked()
+        if event is not None:
+            # The worker sleeps in its selector until a waiter thread sees the event; polling
+            # every 0.2 ms here keeps the bench to one thread at a comparable wake-up latency.
+            while not event.query() and (until is None or tr is None or tr.now() < until):
+                time.sleep(0.0002)
 
     def drain(self, tr: Tracker | None = None) -> None:
         while self.core.has_unfinished_requests():
@@ -281,10 +289,10 @@ class Bench:
                     due, prompt = sched[m][idx[m]]
                     tr.sent(self.add(m, prompt, a.gen_len), m, due)
                     idx[m] += 1
+            nxt = min((sched[m][idx[m]][0] for m in models if idx[m] < len(sched[m])), default=dur)
             if self.core.has_unfinished_requests():
-                self.step(tr)
+                self.step(tr, until=nxt)
             else:
-                nxt = min((sched[m][idx[m]][0] for m in models if idx[m] < len(sched[m])), default=dur)
                 time.sleep(max(0.0, min(nxt, dur) - now))
         tr.tick(tr.now())
         wall, calls = tr.now(), self.calls - calls0
@@ -331,7 +339,7 @@ class Bench:
                 tr.sent(self.add(flood, r.prompt_token_ids, r.output_len), flood, now)
                 j += 1
             if self.core.has_unfinished_requests():
-                self.step(tr)
+                self.step(tr, until=due[k] if k < len(due) else None)
             elif k < len(due):
                 time.sleep(max(0.0, due[k] - now))
         wall, calls = tr.now(), self.calls - calls0

@@ -21,11 +21,12 @@ def two_models(tmp_path_factory):
     return make_model(root / "llama", "llama", "small", seed=0), make_model(root / "qwen3", "qwen3", "small", seed=1)
 
 
-def _run(dirs, monkeypatch, streams: str):
+def _run(dirs, monkeypatch, streams: str, window_ms: str = "0", parked: list | None = None):
     from engine.core import EngineCore
     from engine.sampling import SamplingParams
 
     monkeypatch.setenv("INFIRE_MODEL_STREAMS", streams)
+    monkeypatch.setenv("INFIRE_QUIET_WINDOW_MS", window_ms)
     core = EngineCore(device="cuda", dtype="float32", max_num_batched_tokens=256, seed=0,
                       decode_buckets=(1, 2, 4, 8, 16))
     core.load_model("flood", dirs[0], max_model_len=256, max_num_seqs=16)
@@ -41,6 +42,10 @@ def _run(dirs, monkeypatch, streams: str):
             core.add_request(f"q{steps}", "quiet", list(range(100, 100 + 5 * steps)), greedy)
         for out in core.step():
             tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+        event = core.parked()
+        if event is not None and parked is not None:
+            parked.append(steps)
+            event.synchronize()  # as the worker's waiter does
         steps += 1
     urgent = {n: (s.runner.streams.urgent_steps if s.runner.streams is not None else 0) for n, s in core._slots.items()}
     for n in list(core._slots):
@@ -77,3 +82,12 @@ def test_a_stream_pool_lends_a_stream_again_once_its_borrower_is_gone():
     urgent = pool.take(b, priority=-64)
     assert urgent.priority < first.priority  # priorities kept apart
     assert pool.created == 3
+
+
+def test_a_busy_model_parks_its_step_for_a_quiet_one_and_the_tokens_stay_the_same(two_models, monkeypatch):
+    plain, _ = _run(two_models, monkeypatch, "1")
+    parked: list[int] = []
+    yielding, urgent = _run(two_models, monkeypatch, "1", window_ms="60000", parked=parked)
+    assert yielding == plain
+    assert parked and parked[0] >= 3  # only once the quiet model had a request
+    assert urgent["quiet"] > 0

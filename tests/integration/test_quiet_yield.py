@@ -1,7 +1,8 @@
 """A busy model yields to a quiet one (EngineCore._yields, INFIRE_QUIET_WINDOW_MS): while a model
-with at most a quarter of its requests had one within the window, the busy model's step in flight
-is collected, and step() returns, before anything else is launched, so a request that arrives
-meanwhile is scheduled ahead of the busy model's next step. Tokens are those of the engine without the rule;
+with at most a quarter of its requests had one within the window, the busy model's next step is
+launched only once its step in flight is collected, and step() returns instead of blocking on that
+step while nothing else has work (EngineCore.parked), so a request that arrives meanwhile goes out
+at once, ahead of the busy model's next step. Tokens are those of the engine without the rule;
 two equally busy models keep launching ahead."""
 
 from __future__ import annotations
@@ -66,30 +67,38 @@ def _run(dirs, monkeypatch, window_ms: str, quiet: bool = True):
     return tokens, events, arrived_at
 
 
-def _launches_behind(events, model: str, start: int = 0) -> int:
-    """Launches (of any model) made from ``events[start]`` on while a launched step of ``model``
-    was not yet collected."""
+def _launches_behind(events, model: str, start: int = 0, by: str | None = None) -> int:
+    """Launches (of ``by``, or of any model) made from ``events[start]`` on while a launched step
+    of ``model`` was not yet collected."""
     open_steps, behind = 0, 0
     for i, (name, kind) in enumerate(events):
-        if kind == "launch" and i >= start:
+        if kind == "launch" and i >= start and by in (None, name):
             behind += open_steps > 0
         if name == model:
             open_steps += 1 if kind == "launch" else -1
     return behind
 
 
+def _first_launch(events, model: str, start: int) -> int:
+    return next(i for i, (name, kind) in enumerate(events) if i >= start and name == model and kind == "launch")
+
+
 def test_the_busy_model_stops_launching_ahead_while_a_quiet_model_is_active(dirs, monkeypatch):
     plain, plain_events, plain_at = _run(dirs, monkeypatch, "0")
     got, events, at = _run(dirs, monkeypatch, "60000")
     assert got == plain and len(got["q"]) == 10
-    assert _launches_behind(plain_events, "busy", plain_at) > 0  # without the rule: launched ahead
-    assert _launches_behind(events, "busy", at) == 0  # with it, its step is collected before any launch
-    assert _launches_behind(events[:at], "busy") > 0  # before the quiet model's request: as usual
+    assert _launches_behind(plain_events, "busy", plain_at, by="busy") > 0  # without the rule: launched ahead
+    # With it, the busy model's next step is launched only once its last one is collected ...
+    assert _launches_behind(events, "busy", at, by="busy") == 0
+    assert _launches_behind(events[:at], "busy", by="busy") > 0  # (before the quiet request: as usual)
+    # ... and the quiet prompt goes out before that next step, beside the busy step in flight.
+    assert _first_launch(events, "other", at) < _first_launch(events, "busy", at)
 
 
 def test_two_equally_busy_models_keep_launching_ahead(dirs, monkeypatch):
     _, events, _ = _run(dirs, monkeypatch, "60000", quiet=False)
     assert _launches_behind(events, "busy") > 0 and _launches_behind(events, "other") > 0
+    assert _launches_behind(events, "busy", by="busy") > 0
 
 
 @pytest.mark.parametrize("raw", ["-1", "nan", "fast", "60001"])
