@@ -29,6 +29,7 @@ import torch
 from engine.core_load import DTYPES, ModelLoader
 from engine.core_memory import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, make_ledger
 from engine.core_pool import PoolKeeper
+from engine.core_quiet import QuietPolicy, quiet_window
 from engine.core_types import ModelInfo, ModelSlot, RequestOutput
 from engine.cuda_graphs import DEFAULT_BUCKETS
 from engine.errors import EngineError, RequestError
@@ -57,34 +58,9 @@ def resolve_device(device: str) -> torch.device:
     return d
 
 
-def _quiet_window(seconds: float | None) -> float:
-    """The quiet window in seconds: ``seconds``, or (None) ``INFIRE_QUIET_WINDOW_MS`` / 1000, unset 0."""
-    if seconds is None:
-        raw = os.environ.get("INFIRE_QUIET_WINDOW_MS", "").strip()
-        try:
-            seconds = float(raw) / 1000 if raw else 0.0
-        except ValueError:
-            raise EngineError(f"INFIRE_QUIET_WINDOW_MS must be a number of milliseconds, got {raw!r}") from None
-        if not 0 <= seconds <= 60:
-            raise EngineError(f"INFIRE_QUIET_WINDOW_MS must be between 0 and 60000 ms, got {raw!r}")
-    elif isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 60:
-        raise EngineError("quiet_window_s must be a number of seconds between 0 and 60")
-    return float(seconds)
-
-
-# A model yields to another only when it has at least this many times that one's requests: two
-# about equally busy models (both saturated, both at light load) keep launching ahead.
-QUIET_RATIO = 4
-
-
 def _done(f: "_InFlight") -> bool:
     """Whether a launched step's ids are ready (no wait)."""
     return f.pending is None or f.pending.ready is None or f.pending.ready.query()
-
-
-def _requests(slot: ModelSlot) -> int:
-    """A model's requests in the engine: running and waiting."""
-    return slot.scheduler.num_running + slot.scheduler.num_waiting
 
 
 @dataclasses.dataclass
@@ -99,7 +75,7 @@ class _InFlight:
     holds: bool = False  # an urgent prefill: another model's next step is not queued beside it
 
 
-class EngineCore(ModelLoader, PoolKeeper):
+class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
     """Loads models and steps their requests. Not thread-safe: one caller drives it.
 
     ``memory_budget`` (or the older ``memory_budget_bytes``): bytes, or on CUDA a fraction of
@@ -162,12 +138,13 @@ class EngineCore(ModelLoader, PoolKeeper):
         self.async_steps = self.device.type == "cuda" if async_steps is None else bool(async_steps)
         self._inflight: _InFlight | None = None
         self._parked = False  # the last step() left a yielding model's step in flight, not done
+        self._parked_at = 0.0
         # A quiet model's prefill runs without another model's step queued behind it (_overlaps);
         # INFIRE_URGENT_HOLDS=0 turns that off (benchmarks compare both).
         self.urgent_holds = os.environ.get("INFIRE_URGENT_HOLDS", "1") != "0"
         # While a quieter model had a request within this window, a busy model's step is collected
         # before anything else is scheduled (_yields). None: INFIRE_QUIET_WINDOW_MS, else 0 = off.
-        self.quiet_window_s = _quiet_window(quiet_window_s)
+        self.quiet_window_s = quiet_window(quiet_window_s)
         self._last_done = 0.0
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
@@ -259,6 +236,8 @@ class EngineCore(ModelLoader, PoolKeeper):
         outs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
         new = None
+        if self._parked and prev is not None:  # how long the caller slept on the parked step
+            prev.slot.parked_s += time.perf_counter() - self._parked_at
         self._parked = False
         try:
             # Yielding: the busy model's next step waits until its step in flight is collected;
@@ -269,7 +248,8 @@ class EngineCore(ModelLoader, PoolKeeper):
             sched_out = self._schedule(slot) if slot is not None else None
             if yielding and sched_out is None:
                 if not _done(prev):  # parked: the caller waits for it or for a new request
-                    self._inflight, prev, self._parked = prev, None, True
+                    prev.slot.parked += 1
+                    self._inflight, prev, self._parked, self._parked_at = prev, None, True, time.perf_counter()
                     return outs
                 prev, done = None, prev
                 outs.extend(self._complete(done))
@@ -345,40 +325,6 @@ class EngineCore(ModelLoader, PoolKeeper):
         except Exception as e:
             raise self._failed(slot, sched_out, e) from e
 
-    def _urgent(self, slot: ModelSlot) -> bool:
-        """Whether the step goes on its runner's high-priority stream (engine/step_streams.py):
-        its model has fewer requests than every other model with work (the quiet one next to a
-        flooded one), so its kernels are served first while the other's step drains."""
-        if len(self._slots) < 2:
-            return False
-        mine = _requests(slot)
-        others = [_requests(s) for s in self._slots.values() if s is not slot and s.scheduler.has_unfinished()]
-        return bool(others) and mine < min(others)
-
-    def _others_active(self, slot: ModelSlot) -> bool:
-        """Whether another model has requests, or had one within the quiet window: then ``slot``'s
-        steps are capped at ``shared_step_tokens`` (a model alone keeps its full steps)."""
-        since = time.perf_counter() - self.quiet_window_s
-        return any(s is not slot and (s.scheduler.has_unfinished() or s.last_request_t >= since)
-                   for s in self._slots.values())
-
-    def _yields(self, slot: ModelSlot) -> bool:
-        """Whether ``slot``'s next step waits until its step in flight is collected (the other
-        models are scheduled meanwhile, and :meth:`step` returns instead of blocking on it while
-        nothing else has work: :meth:`parked`): some model with at most a ``QUIET_RATIO``-th of
-        its requests had one within ``quiet_window_s``.
-
-        Launching ahead queues the busy model's next step before the host can see a request that
-        arrives while the current one runs; the quiet model's prefill then shares the GPU with that
-        step, or waits for it. Yielding costs the busy model its launch-ahead (the host's prepare
-        time idles the GPU) only while a quieter model is active; two equally busy models keep it."""
-        if not self.quiet_window_s or len(self._slots) < 2:
-            return False
-        since = time.perf_counter() - self.quiet_window_s
-        mine = _requests(slot)
-        return any(s is not slot and s.last_request_t >= since and _requests(s) * QUIET_RATIO <= mine
-                   for s in self._slots.values())
-
     def _failed(self, slot: ModelSlot, sched_out, e: Exception) -> EngineError:
         """Keep the books straight after a failed step: its requests end as aborted (pages freed,
         outputs queued for the next step); the error to raise."""
@@ -414,8 +360,9 @@ class EngineCore(ModelLoader, PoolKeeper):
         return outs
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per model: requests, KV pages (used, and the most it could hold now) and device
-        bytes (weights + workspace + the pages it holds); ``memory()`` has the split by kind."""
+        """Per model: requests, KV pages (used, and the most it could hold now), device bytes
+        (weights + workspace + the pages it holds; ``memory()`` has the split by kind), and how
+        often its step was parked for a quiet model and how long the caller slept on those."""
         return {
             name: {
                 "running": s.scheduler.num_running,
@@ -423,6 +370,8 @@ class EngineCore(ModelLoader, PoolKeeper):
                 "kv_pages_used": s.scheduler.blocks.num_used_pages,
                 "kv_pages_total": s.scheduler.blocks.num_total_pages,
                 "device_bytes": s.device_bytes,
+                "parked": s.parked,
+                "parked_s": round(s.parked_s, 6),
             }
             for name, s in self._slots.items()
         }

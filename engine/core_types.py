@@ -56,6 +56,8 @@ class ModelSlot:
     workspace_bytes: int = 0
     warm_key: str | None = None  # identity of the weight files, for the warm tier
     last_request_t: float = float("-inf")  # perf_counter of its newest request (EngineCore._yields)
+    parked: int = 0  # times step() returned with this model's step parked (EngineCore.parked)
+    parked_s: float = 0.0  # the caller's time from those returns to its next step() call
 
     @property
     def device_bytes(self) -> int:
