@@ -64,7 +64,8 @@ class Daemon:
             "INFIRE_MODELS": json.dumps(models or []),
             "INFIRE_LOG_FORMAT": "json",
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO),
+            # The repo first; a caller's own entries (a machine's extra site folder) after it.
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
             **(env or {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None
