@@ -262,12 +262,6 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
                     raise self._failed(slot, sched_out, e) from e
             if sched_out is not None:
                 new = self._launch(slot, sched_out)
-            if yielding and prev is not None and new is not None:
-                # The quiet model's tokens as soon as its step is done (high priority, beside the
-                # busy step), not after the busy step's: that one stays in flight.
-                new, done = None, new
-                outs.extend(self._complete(done))
-                new, prev = prev, None
             if prev is not None:
                 prev, done = None, prev
                 outs.extend(self._complete(done))
