@@ -38,6 +38,11 @@ class Metrics:
         self.kv_used = Gauge("infire_kv_pages_used", "KV-cache pages in use", ["model"], registry=r)
         self.kv_total = Gauge("infire_kv_pages_total", "KV-cache pages available", ["model"], registry=r)
         self.gpu_memory = Gauge("infire_gpu_memory_bytes", "Device memory held by a model", ["model"], registry=r)
+        # Since the model's load (the engine's counts; a gauge because a reload starts them again).
+        self.parked = Gauge("infire_parked_steps", "Times the model's step was parked for a quieter model since "
+                            "its load", ["model"], registry=r)
+        self.parked_seconds = Gauge("infire_parked_seconds", "Engine loop's sleep on the model's parked steps since "
+                                    "its load", ["model"], registry=r)
         self.gpu_budget = Gauge("infire_gpu_budget_bytes", "Device memory budget", registry=r)
         self.gpu_used = Gauge("infire_gpu_used_bytes", "Device memory in use by models", registry=r)
         self.model_state = Gauge("infire_model_state", "1 for the model's current state", ["model", "state"], registry=r)
@@ -64,6 +69,8 @@ class Metrics:
             self.running.labels(model=model).set(s.get("running", 0))
             self.kv_used.labels(model=model).set(s.get("kv_pages_used", 0))
             self.kv_total.labels(model=model).set(s.get("kv_pages_total", 0))
+            self.parked.labels(model=model).set(s.get("parked", 0) or 0)
+            self.parked_seconds.labels(model=model).set(s.get("parked_s", 0.0) or 0.0)
             dev = s.get("device_bytes", 0) or 0
             self.gpu_memory.labels(model=model).set(dev)
             used += dev
@@ -71,7 +78,8 @@ class Metrics:
 
     def forget_model(self, model: str) -> None:
         """Drop per-model engine gauges after an unload, so dashboards do not show ghosts."""
-        for g in (self.queue_depth, self.running, self.kv_used, self.kv_total, self.gpu_memory):
+        for g in (self.queue_depth, self.running, self.kv_used, self.kv_total, self.gpu_memory, self.parked,
+                  self.parked_seconds):
             try:
                 g.remove(model)
             except KeyError:
