@@ -29,7 +29,7 @@ import torch
 from engine.core_load import DTYPES, ModelLoader
 from engine.core_memory import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, make_ledger
 from engine.core_pool import PoolKeeper
-from engine.core_quiet import QuietPolicy, quiet_window
+from engine.core_quiet import QuietPolicy, cap_when, quiet_window
 from engine.core_types import ModelInfo, ModelSlot, RequestOutput
 from engine.cuda_graphs import DEFAULT_BUCKETS
 from engine.errors import EngineError, RequestError
@@ -145,6 +145,7 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
         # While a quieter model had a request within this window, a busy model's step is collected
         # before anything else is scheduled (_yields). None: INFIRE_QUIET_WINDOW_MS, else 0 = off.
         self.quiet_window_s = quiet_window(quiet_window_s)
+        self.cap_when = cap_when()  # when shared_step_tokens applies (_capped)
         self._last_done = 0.0
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
@@ -291,7 +292,7 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
         """The model's next batch, None when nothing is admissible (no pages for it now, or only
         tokens in flight): then a nominal step is charged so the pick moves on to the other
         models instead of choosing this one forever."""
-        if self.shared_step_tokens and self._others_active(slot):
+        if self.shared_step_tokens and self._capped(slot):
             sched_out = slot.scheduler.schedule(self.shared_step_tokens)
         else:
             sched_out = slot.scheduler.schedule()

@@ -34,6 +34,14 @@ def quiet_window(seconds: float | None) -> float:
 QUIET_RATIO = 4
 
 
+def cap_when() -> str:
+    """``INFIRE_SHARED_CAP``: when the shared step cap holds, ``active`` (default) or ``loaded``."""
+    raw = os.environ.get("INFIRE_SHARED_CAP", "active").strip() or "active"
+    if raw not in ("active", "loaded"):
+        raise EngineError(f"INFIRE_SHARED_CAP must be 'active' or 'loaded', got {raw!r}")
+    return raw
+
+
 def requests(slot: ModelSlot) -> int:
     """A model's requests in the engine: running and waiting."""
     return slot.scheduler.num_running + slot.scheduler.num_waiting
@@ -44,6 +52,7 @@ class QuietPolicy:
 
     _slots: dict[str, ModelSlot]
     quiet_window_s: float
+    cap_when: str
 
     def _urgent(self, slot: ModelSlot) -> bool:
         """Whether the step goes on its runner's high-priority stream (engine/step_streams.py):
@@ -55,9 +64,17 @@ class QuietPolicy:
         others = [requests(s) for s in self._slots.values() if s is not slot and s.scheduler.has_unfinished()]
         return bool(others) and mine < min(others)
 
+    def _capped(self, slot: ModelSlot) -> bool:
+        """Whether ``slot``'s steps are capped at ``shared_step_tokens``: while another model is
+        active (``INFIRE_SHARED_CAP=active``, the default: a model beside idle ones keeps its full
+        steps) or merely loaded (``loaded``: a quiet model's first request after a lull never finds
+        an uncapped step running; docs/perf.md, the 4c78b73 row, has the runs behind both)."""
+        if self.cap_when == "loaded":
+            return len(self._slots) > 1
+        return self._others_active(slot)
+
     def _others_active(self, slot: ModelSlot) -> bool:
-        """Whether another model has requests, or had one within the quiet window: then ``slot``'s
-        steps are capped at ``shared_step_tokens`` (a model alone keeps its full steps)."""
+        """Whether another model has requests, or had one within the quiet window."""
         since = time.perf_counter() - self.quiet_window_s
         return any(s is not slot and (s.scheduler.has_unfinished() or s.last_request_t >= since)
                    for s in self._slots.values())

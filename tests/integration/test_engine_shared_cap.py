@@ -80,3 +80,23 @@ def test_the_cap_holds_through_the_quiet_window_after_the_other_model_went_idle(
 def test_a_bad_cap_is_refused(bad):
     with pytest.raises(EngineError, match="shared_step_tokens"):
         EngineCore(device="cpu", shared_step_tokens=bad)
+
+
+def test_with_the_cap_on_while_loaded_an_idle_neighbour_caps_too(make_tiny_model, monkeypatch):
+    monkeypatch.setenv("INFIRE_SHARED_CAP", "loaded")
+    core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1, shared_step_tokens=8)
+    core.load_model("a", make_tiny_model("llama"), max_model_len=64, max_num_seqs=4)
+    core.load_model("b", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4)
+    sizes: list[int] = []
+    _run(core, "a", sizes)  # b never had a request
+    assert max(sizes) == 8
+    core.unload_model("b")
+    sizes.clear()
+    _run(core, "a", sizes)
+    assert max(sizes) > 8
+
+
+def test_a_bad_cap_setting_is_refused_with_its_name(monkeypatch):
+    monkeypatch.setenv("INFIRE_SHARED_CAP", "always")
+    with pytest.raises(EngineError, match="INFIRE_SHARED_CAP"):
+        EngineCore(device="cpu")
