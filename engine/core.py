@@ -83,8 +83,9 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
     pool's page size; None: set by the first load to ``block_size`` tokens of that model.
     ``warmup``: run one largest-batch step at load to measure the workspace (None: on CUDA).
     ``async_steps``: launch step N+1 before collecting step N (None: on CUDA; see :meth:`step`).
-    ``shared_step_tokens``: while more than one model is loaded, no step takes more tokens than
-    this, so a model whose request arrives waits for at most one short step of another (None: off).
+    ``shared_step_tokens``: while another model is active (see ``_capped``), no step takes more
+    tokens than this, so a model whose request arrives waits for at most one short step of another
+    (None: off).
     ``quiet_window_s``: see :meth:`_yields` (None: ``INFIRE_QUIET_WINDOW_MS``, unset = 0 = off).
     """
 
@@ -137,8 +138,8 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
         # launch runs to completion anyway.
         self.async_steps = self.device.type == "cuda" if async_steps is None else bool(async_steps)
         self._inflight: _InFlight | None = None
-        self._parked = False  # the last step() left a yielding model's step in flight, not done
-        self._parked_at = 0.0
+        # When the last step() left a yielding model's step in flight, not done (None: it did not).
+        self._parked_at: float | None = None
         # A quiet model's prefill runs without another model's step queued behind it (_overlaps);
         # INFIRE_URGENT_HOLDS=0 turns that off (benchmarks compare both).
         self.urgent_holds = os.environ.get("INFIRE_URGENT_HOLDS", "1") != "0"
@@ -237,9 +238,9 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
         outs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
         new = None
-        if self._parked and prev is not None:  # how long the caller slept on the parked step
+        if self._parked_at is not None and prev is not None:  # how long the caller slept on it
             prev.slot.parked_s += time.perf_counter() - self._parked_at
-        self._parked = False
+        self._parked_at = None
         try:
             # Yielding: the busy model's next step waits until its step in flight is collected;
             # meanwhile only the other models are scheduled (a quiet model's new prompt goes out
@@ -250,7 +251,7 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
             if yielding and sched_out is None:
                 if not _done(prev):  # parked: the caller waits for it or for a new request
                     prev.slot.parked += 1
-                    self._inflight, prev, self._parked, self._parked_at = prev, None, True, time.perf_counter()
+                    self._inflight, prev, self._parked_at = prev, None, time.perf_counter()
                     return outs
                 prev, done = None, prev
                 outs.extend(self._complete(done))
@@ -284,7 +285,7 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
         whichever comes first, before the next call (instead of calling again at once). None
         otherwise."""
         f = self._inflight
-        if not self._parked or f is None or f.pending is None:
+        if self._parked_at is None or f is None or f.pending is None:
             return None
         return f.pending.ready
 

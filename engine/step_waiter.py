@@ -4,7 +4,8 @@ While a quiet model is active the busy model's next step waits for its step in f
 ``step()`` returns instead of blocking on it. The loop must then sleep until either that step is
 done or a new request arrives; a CUDA event cannot be selected on, so one thread waits on it
 (a blocking-sync event: the thread sleeps, no core spins) and writes a byte to the loop's wake-up
-pipe when it fires. One wait at a time: the loop hands over the next event only after the last.
+pipe when it fires. The loop hands the event over on every pass while the step stays parked (each
+request that arrives meanwhile is a pass); an event already being waited on is not queued again.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ class StepWaiter:
     def __init__(self, wake: Callable[[], None]) -> None:
         self._wake = wake
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._waiting: Any = None  # the event handed over last, until its wake-up is sent
         self._thread = threading.Thread(target=self._run, name="engine-step-waiter", daemon=True)
         self._thread.start()
 
     def watch(self, event: Any) -> None:
         """Wake the loop once ``event`` (a ``torch.cuda.Event``) has fired."""
+        if event is self._waiting:
+            return
+        self._waiting = event
         self._events.put(event)
 
     def close(self) -> None:
@@ -41,4 +46,6 @@ class StepWaiter:
                 event.synchronize()
             except Exception:  # the device failed: the loop's next step reports it
                 pass
+            if self._waiting is event:
+                self._waiting = None
             self._wake()

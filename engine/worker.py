@@ -263,9 +263,10 @@ class Worker:
         sel.register(self.conn.sock, selectors.EVENT_READ)
         sel.register(self._wake_r, selectors.EVENT_READ)
         while self.running:
-            if not self._busy():
+            busy = self._busy()
+            if not busy:
                 self.phase.set(f"loading:{self._loading[0].model}" if self._loading else "idle")
-            for key, _ in sel.select(self._wait_for()):
+            for key, _ in sel.select(self._wait_for(busy)):
                 if key.fileobj == self._wake_r:
                     self._drain_wake()
                     continue
@@ -280,17 +281,17 @@ class Worker:
             self._maybe_status(self._busy())
         return 0
 
-    def _wait_for(self) -> float | None:
+    def _wait_for(self, busy: bool) -> float | None:
         """How long the next select may sleep: not at all while steps are due; while a step is
         parked (engine.core.EngineCore.parked) until it is done (the waiter's wake-up) or a
         request comes; idle, until the next status."""
-        event = self.core.parked() if self.core is not None and hasattr(self.core, "parked") else None
+        event = self.core.parked() if busy else None
         if event is not None:
             if self._waiter is None:
                 self._waiter = StepWaiter(self._wake)
             self._waiter.watch(event)
             return STATUS_INTERVAL_S
-        return 0 if self._busy() else STATUS_INTERVAL_S
+        return 0 if busy else STATUS_INTERVAL_S
 
     def _drain_wake(self) -> None:
         with contextlib.suppress(BlockingIOError, InterruptedError):

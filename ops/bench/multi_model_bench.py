@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import datetime as dt
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -51,7 +50,7 @@ from typing import Any
 
 from engine.core import LoadRefused
 from ops.bench.engine_bench import _commit, _device_name
-from ops.bench.multi_model_phases import Bench, light_ratios, quiet_window_s
+from ops.bench.multi_model_phases import Bench, light_ratios
 from ops.bench.multi_model_setup import env, make_models, plan_budget, ratio
 from ops.bench.multi_model_summary import goals, summary
 
@@ -110,6 +109,7 @@ def run(a: argparse.Namespace, dirs: dict[str, Path]) -> dict[str, Any]:
     b = Bench(a, dirs, plan)
     res: dict[str, Any] = {"plan": plan.as_json(), "device": str(b.core.device), "gpu": _device_name(b.core),
                            "models": {n: str(d) for n, d in dirs.items()}}
+    res["quiet_window_ms_used"] = round(b.core.quiet_window_s * 1000)  # what the engine ran with
     res["warm_tier_prepin_s"] = b.prepin_s  # the tier's RAM pinned once at start (untimed elsewhere)
     res["load"] = {"A": b.load("A"), "B": b.load("B")}
     res["plan"]["kv_tokens_per_big_model"] = plan.kv_pages * b.block["A"]
@@ -232,8 +232,6 @@ def cpu_threads(a: argparse.Namespace) -> Iterator[None]:
 
 def settings(a: argparse.Namespace) -> dict[str, Any]:
     s = {k: v for k, v in vars(a).items() if k not in ("out", "work")}
-    window = quiet_window_s(a)  # what the engine runs with (None: the environment's)
-    s["quiet_window_ms_used"] = round(window * 1000) if window is not None else os.environ["INFIRE_QUIET_WINDOW_MS"]
     s["why"] = ("saturated phase at engine_bench's best offline shape on the H200 (16384-token steps, 512 "
                 "sequences, max_model_len 2048, sharegpt-like; docs/perf.md); both models share the step "
                 "settings, and each gets --kv-gib of KV reserved so the budget holds A and B but not C")

@@ -27,7 +27,7 @@ from ops.bench.workload import BenchRequest, sharegpt_like
 INF = float("inf")
 
 
-def quiet_window_s(a: argparse.Namespace) -> float | None:
+def _quiet_window_s(a: argparse.Namespace) -> float | None:
     """``--quiet-window-ms``; unset: the environment's (None) if it names one, else the daemon's 1 s."""
     ms = getattr(a, "quiet_window_ms", None)
     if ms is not None:
@@ -109,7 +109,7 @@ class Bench:
                                memory_budget=plan.budget, decode_buckets=buckets, seed=a.seed,
                                warm_tier_bytes=a.warm_tier_bytes,
                                shared_step_tokens=getattr(a, "shared_step_tokens", None) or None,
-                               quiet_window_s=quiet_window_s(a))
+                               quiet_window_s=_quiet_window_s(a))
         # As the worker does at start (untimed): the tier's RAM pinned once, not at the first unload.
         t = time.perf_counter()
         pinned = self.core.warm_tier is not None and self.core.warm_tier.prepin()

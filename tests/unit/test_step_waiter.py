@@ -44,13 +44,13 @@ def test_a_parked_step_lets_the_loop_sleep_until_its_event_fires():
     event = _Event()
     w = Worker(conn=None, core=_Core(event))
     try:
-        assert w._wait_for() == STATUS_INTERVAL_S  # parked: sleep, the waiter wakes the loop
+        assert w._wait_for(w._busy()) == STATUS_INTERVAL_S  # parked: sleep, the waiter wakes the loop
         assert not _readable(w._wake_r, 0.2)  # nothing yet: the step is still running
         event.fire()
         assert _readable(w._wake_r, 5)  # done: the loop wakes to collect it
         w._drain_wake()
         w.core.event = None  # not parked, work left: poll without sleeping
-        assert w._wait_for() == 0
+        assert w._wait_for(w._busy()) == 0
     finally:
         w._waiter.close()
         os.close(w._wake_r)
