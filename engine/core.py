@@ -138,8 +138,8 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
         # launch runs to completion anyway.
         self.async_steps = self.device.type == "cuda" if async_steps is None else bool(async_steps)
         self._inflight: _InFlight | None = None
-        # When the last step() left a yielding model's step in flight, not done (None: it did not).
-        self._parked_at: float | None = None
+        self._parked = False  # the last step() left a yielding model's step in flight, not done
+        self._parked_at = 0.0
         # A quiet model's prefill runs without another model's step queued behind it (_overlaps);
         # INFIRE_URGENT_HOLDS=0 turns that off (benchmarks compare both).
         self.urgent_holds = os.environ.get("INFIRE_URGENT_HOLDS", "1") != "0"
@@ -238,9 +238,9 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
         outs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
         new = None
-        if self._parked_at is not None and prev is not None:  # how long the caller slept on it
+        if self._parked and prev is not None:  # how long the caller slept on the parked step
             prev.slot.parked_s += time.perf_counter() - self._parked_at
-        self._parked_at = None
+        self._parked = False
         try:
             # Yielding: the busy model's next step waits until its step in flight is collected;
             # meanwhile only the other models are scheduled (a quiet model's new prompt goes out
@@ -251,7 +251,7 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
             if yielding and sched_out is None:
                 if not _done(prev):  # parked: the caller waits for it or for a new request
                     prev.slot.parked += 1
-                    self._inflight, prev, self._parked_at = prev, None, time.perf_counter()
+                    self._inflight, prev, self._parked, self._parked_at = prev, None, True, time.perf_counter()
                     return outs
                 prev, done = None, prev
                 outs.extend(self._complete(done))
@@ -285,7 +285,7 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
         whichever comes first, before the next call (instead of calling again at once). None
         otherwise."""
         f = self._inflight
-        if self._parked_at is None or f is None or f.pending is None:
+        if not self._parked or f is None or f.pending is None:
             return None
         return f.pending.ready
 

@@ -74,7 +74,7 @@ class GraphSet:
 
     kind = "graph"
 
-    def __init__(self, device: torch.device, streams: "StreamPool", pool=None) -> None:
+    def __init__(self, device: torch.device, pool=None, streams: "StreamPool | None" = None) -> None:
         if device.type != "cuda":
             raise CudaGraphError(f"{self.kind}s need a CUDA device")
         self.device = device
@@ -90,7 +90,8 @@ class GraphSet:
         """The side stream captures record on: one per graph set, lent by the runner's pool
         (engine/step_streams.py: every new stream costs a cuBLAS workspace for good)."""
         if self._stream is None:
-            self._stream = self._streams.take(self)
+            self._stream = (self._streams.take(self) if self._streams is not None
+                            else torch.cuda.Stream(device=self.device))
         return self._stream
 
     def _capture_one(self, r: "ModelRunner", b: int) -> None:
@@ -155,8 +156,8 @@ class DecodeGraphs(GraphSet):
 
     kind = "decode graph"
 
-    def __init__(self, device: torch.device, streams: "StreamPool") -> None:
-        super().__init__(device, streams)
+    def __init__(self, device: torch.device, streams: "StreamPool | None" = None) -> None:
+        super().__init__(device, streams=streams)
         self.graphs: dict[int, _Graph] = {}
 
     def _keep(self, bucket: int, graph: torch.cuda.CUDAGraph, outputs) -> None:
@@ -192,6 +193,7 @@ class DecodeGraphs(GraphSet):
         t0 = time.perf_counter()
         self._warm(r, order)
         t1 = time.perf_counter()
+        self._capture_stream()
         now = [b for b in order if b not in set(defer) or b == order[0]]
         self.deferred = {b for b in order if b not in now}
         try:

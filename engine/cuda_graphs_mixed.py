@@ -48,8 +48,8 @@ class MixedGraphs(GraphSet):
 
     kind = "mixed-step graph"
 
-    def __init__(self, device: torch.device, streams, pool=None) -> None:
-        super().__init__(device, streams, pool)
+    def __init__(self, device: torch.device, pool=None, streams=None) -> None:
+        super().__init__(device, pool, streams)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _keep(self, bucket: int, graph: torch.cuda.CUDAGraph, outputs) -> None:

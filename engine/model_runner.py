@@ -116,15 +116,15 @@ class ModelRunner:
                 now_max = int(os.environ.get("INFIRE_GRAPHS_AT_LOAD_MAX", "8"))
             except ValueError:
                 raise ValueError("INFIRE_GRAPHS_AT_LOAD_MAX must be an integer") from None
-            self.graphs = DecodeGraphs(self.device, stream_pool)
+            self.graphs = DecodeGraphs(self.device, streams=stream_pool)
             self.graphs.capture(self, self.decode_buckets, defer=tuple(b for b in self.decode_buckets if b > now_max))
         if mixed_buckets is None:
             mixed_buckets = DEFAULT_MIXED_BUCKETS if os.environ.get("INFIRE_MIXED_GRAPHS", "1") != "0" else ()
         # Token buckets of the mixed-step graphs (engine/cuda_graphs_mixed.py), on CUDA with graphs.
         self.mixed_buckets = tuple(sorted(b for b in mixed_buckets if 0 < b <= self.max_tokens))
         if cuda_graphs and self._pin and self.mixed_buckets:
-            shared = self.graphs._pool if self.graphs is not None else None  # the decode graphs' memory
-            self.mixed = MixedGraphs(self.device, stream_pool, pool=shared)
+            self.mixed = MixedGraphs(self.device, pool=self.graphs._pool if self.graphs is not None else None,
+                                     streams=stream_pool)
             self.mixed.capture(self, self.mixed_buckets)
 
     def decode_meta(self, bucket: int) -> AttentionMetadata:

@@ -45,8 +45,8 @@ class RunnerBuild:
     joins it and returns what ``make`` returned, or None when it failed (the caller builds the
     runner the usual way then; the failure is logged)."""
 
-    def __init__(self, make: Callable[[], Any], device: torch.device, name: str, streams: Any) -> None:
-        """``streams``: the core's :class:`engine.step_streams.StreamPool` (None off CUDA)."""
+    def __init__(self, make: Callable[[], Any], device: torch.device, name: str, streams: Any = None) -> None:
+        """``streams``: the core's :class:`engine.step_streams.StreamPool` (None: a new stream)."""
         self._result: Any = None
         self._streams = streams
         self.error: BaseException | None = None
@@ -61,7 +61,8 @@ class RunnerBuild:
             with contextlib.ExitStack() as ctx:
                 if device.type == "cuda":
                     ctx.enter_context(torch.cuda.device(device))
-                    stream = self._streams.take(self)
+                    stream = (self._streams.take(self) if self._streams is not None
+                              else torch.cuda.Stream(device=device))
                     stream.wait_stream(torch.cuda.current_stream(device))  # the rope cache built there
                     ctx.enter_context(torch.cuda.stream(stream))
                 result = make()

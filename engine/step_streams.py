@@ -61,8 +61,9 @@ class StreamPool:
 class StepStreams:
     """A runner's normal and urgent streams on ``device`` and the one its last step used."""
 
-    def __init__(self, device: torch.device, pool: StreamPool) -> None:
+    def __init__(self, device: torch.device, pool: StreamPool | None = None) -> None:
         self.device = device
+        pool = pool if pool is not None else StreamPool(device)
         self.normal = pool.take(self, 0)
         self.urgent = pool.take(self, URGENT_PRIORITY)
         self.last: torch.cuda.Stream | None = None
