@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # Without a GPU, Triton kernels can only run interpreted, and Triton reads this switch when a
@@ -14,6 +15,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 # whole session, before any test imports a kernel.
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Property tests: in CI (``CI`` set, as .ci/run does) the examples are derived from each test's
+# name and no example database is kept, so a run is a function of the code alone; a failure
+# found on a developer's machine is replayed there from .hypothesis/ but never leaks into CI.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import struct
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -120,6 +120,7 @@ messages = st.lists(st.one_of(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(msgs=st.one_of(messages, json_values), extra=st.dictionaries(st.text(max_size=6), json_values, max_size=3))
+@example(msgs=[{"role": "user", "content": ";"}], extra={})  # content holding the separator
 def test_chat_message_validation(msgs, extra) -> None:
     # The request schema: a clean 400 (param + message) or a valid request.
     try:
@@ -137,8 +138,10 @@ def test_chat_message_validation(msgs, extra) -> None:
         copied = None
     if req is not None:
         plain = [{"role": m.role, "content": m.text()} for m in req.messages]
+        # Content may itself hold the separator (';' was a falsifying example): compare the
+        # whole rendering with what the template must produce, not a count of separators.
         out = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}", limits).render(plain)
-        assert out.count(";") == len(plain)
+        assert out == "".join(f"{m['role']}:{m['content']};" for m in plain)
     del copied
 
 
