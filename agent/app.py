@@ -22,16 +22,16 @@ from typing import Any
 
 from aiohttp import web
 
-from agent.admin_api import AdminApi
+from agent.http.admin_api import AdminApi
 from agent.config import Settings
-from agent.health import Canary, Health
+from agent.http.health import Canary, Health
 from agent.log import get_logger
-from agent.manager import ModelManager
+from agent.manager.manager import ModelManager
 from agent.metrics import CONTENT_TYPE, Metrics
-from agent.openai_api import OpenAIApi
-from agent.openapi import routes as openapi_routes
+from agent.http.openai_api import OpenAIApi
+from agent.http.openapi import routes as openapi_routes
 from agent.systemd import Notifier
-from agent.worker_client import WorkerClient
+from agent.worker.client import WorkerClient
 
 CTX: web.AppKey["AgentContext"] = web.AppKey("ctx")
 TICK_S = 1.0
@@ -104,7 +104,7 @@ async def _manager_ctx(app: web.Application) -> AsyncIterator[None]:
     ctx = app[CTX]
     source = None
     if ctx.engine != "none":
-        from agent.model_source import CacheSource
+        from agent.manager.model_source import CacheSource
 
         source = CacheSource.from_settings(ctx.settings)
     ctx.canary = Canary(ctx)  # one instance: its request ids never collide with each other
@@ -137,7 +137,7 @@ LIFECYCLE: tuple[Callable[[web.Application], AsyncIterator[None]], ...] = (
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
-    from engine.tokenizer import Tokenizer
+    from text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)
 

@@ -13,13 +13,13 @@ _LAZY = {
     "LLM": ("engine.llm", "LLM"),
     "SamplingParams": ("engine.sampling", "SamplingParams"),
     "SamplingParamsError": ("engine.sampling", "SamplingParamsError"),
-    "EngineCore": ("engine.core", "EngineCore"),
+    "EngineCore": ("engine.core.engine_core", "EngineCore"),
     "EngineError": ("engine.errors", "EngineError"),
     "RequestError": ("engine.errors", "RequestError"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
     from engine.errors import EngineError, RequestError
     from engine.llm import LLM
     from engine.sampling import SamplingParams, SamplingParamsError

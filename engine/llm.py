@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine.core import EngineCore, ModelInfo
+from engine.core.engine_core import EngineCore, ModelInfo
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
 
@@ -50,7 +50,7 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from engine.tokenizer import Tokenizer
+            from text.tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer.from_dir(self.model_dir)
         return self._tokenizer

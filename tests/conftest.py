@@ -31,7 +31,7 @@ def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
     Folders are made once per session (weights drawn on CPU, so they do not depend on the
     machine having a GPU) and shared: treat them as read-only. Presets: tiny, small.
     """
-    from engine.modelgen import make_model
+    from modelgen.make import make_model
 
     root = tmp_path_factory.mktemp("models")
     made: dict[tuple[str, str, int], Path] = {}

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent import sse
+from agent.http import sse
 
 DEFAULT_MODEL = "demo-llama"
 
@@ -80,7 +80,7 @@ def seed_store(root: Path, name: str, arch: str, preset: str) -> str:
         if store.exists(manifest_key(name)) is not None:
             _say(f"store {url} already has {name}")
             return url
-        from engine.modelgen import make_model
+        from modelgen.make import make_model
 
         model_dir = root / "models" / name
         if not (model_dir / "config.json").exists():

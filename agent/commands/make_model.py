@@ -69,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.modelgen import ModelGenError, make_model
+    from modelgen.make import ModelGenError, make_model
 
     try:
         out = make_model(

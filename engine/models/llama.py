@@ -16,7 +16,7 @@ from torch import nn
 
 from engine import kernels
 from engine.config import ModelConfig
-from engine.kv_cache import KVCache
+from engine.kv.kv_cache import KVCache
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """The TP driver: rank 0 runs an EngineCore whose model steps are mirrored on every other rank.
 
 Rank 0 (:class:`TPEngineCore`) owns the scheduler, the requests and the sampling, exactly as
-the one-GPU :class:`~engine.core.EngineCore` (it *is* one, with sharded model slots). Each step
+the one-GPU :class:`~engine.core.engine_core.EngineCore` (it *is* one, with sharded model slots). Each step
 its :class:`TPRunner` broadcasts the step's SchedulerOutput diff (:mod:`engine.parallel.wire`)
 and then runs its own shard; every other rank (:class:`Follower`) receives it and runs the same
-:class:`~engine.model_runner.ModelRunner` step on its shard, so the collectives inside the
+:class:`~engine.runner.model_runner.ModelRunner` step on its shard, so the collectives inside the
 forward pair up. All ranks end a step with the same all-gathered logits; rank 0 samples (the
 followers' steps carry greedy parameters: their argmax ids are dropped).
 
@@ -21,17 +21,17 @@ from typing import Any
 
 import torch
 
-from engine.block_manager import BlockManager, PageAllocator
+from engine.sched.block_manager import BlockManager, PageAllocator
 from engine.config import ModelConfig, load_model_config
-from engine.core import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, EngineCore, ModelInfo, ModelSlot
+from engine.core.engine_core import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, EngineCore, ModelInfo, ModelSlot
 from engine.errors import EngineError
-from engine.kv_cache import KVCache, KVSpec
-from engine.model_runner import ModelRunner, StepResult
+from engine.kv.kv_cache import KVCache, KVSpec
+from engine.runner.model_runner import ModelRunner, StepResult
 from engine.parallel.group import TPError, TPGroup
 from engine.parallel.loader import load_shard
 from engine.parallel.shard import TPModel, plan_shards
 from engine.parallel.wire import ControlChannel, StepDecoder, StepEncoder, WireError
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError, SchedulerOutput
+from engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError, SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -4,7 +4,7 @@ Every tensor name of the checkpoint falls under one rule (:func:`split_rule`):
 
 - ``rows``: q/k/v and gate/up projections (weights and biases) — this rank's contiguous block of
   output rows, one byte range of the file, streamed straight into the fused destination like the
-  unsharded loader does (:func:`engine.weight_stream.stream_to_device`);
+  unsharded loader does (:func:`engine.weights.weight_stream.stream_to_device`);
 - ``vocab``: embedding and LM head — this rank's block of vocabulary rows (the last rank's
   block may be short; its padding rows stay zero);
 - ``cols``: o_proj and down_proj weights — this rank's block of *input* columns of every row,
@@ -15,7 +15,7 @@ Every tensor name of the checkpoint falls under one rule (:func:`split_rule`):
 
 Headers are validated (:func:`cache.safetensors_check.check_file`) and every tensor's *full*
 shape checked before a byte is read; missing, repeated, unknown or misshapen tensors raise
-:class:`~engine.errors.WeightsError` as in :mod:`engine.loader`.
+:class:`~engine.errors.WeightsError` as in :mod:`engine.weights.loader`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from engine.errors import WeightsError
-from engine.loader import checked_tensors, weight_files
+from engine.weights.loader import checked_tensors, weight_files
 from engine.parallel.shard import TPModel
-from engine.weight_stream import CopyJob, stream_to_device
+from engine.weights.weight_stream import CopyJob, stream_to_device
 
 # safetensors dtype → (torch dtype, numpy dtype of the same width for the strided reads)
 _DTYPES = {"F32": (torch.float32, np.float32), "F16": (torch.float16, np.float16),

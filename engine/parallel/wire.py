@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from engine.parallel.group import TPError, TPGroup
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
 
 MAX_MESSAGE_BYTES = 64 << 20
 ITEMS_PER_SEQ = 7

@@ -102,8 +102,8 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
               decode_buckets: tuple[int, ...] | None = None, batch1: bool = False, profile_steps: int = 0,
               async_steps: bool | None = None) -> dict:
     """Run the workload; ``concurrency`` None adds every request at t0, N keeps N in flight."""
-    from engine.core import EngineCore
-    from engine.cuda_graphs import DEFAULT_BUCKETS
+    from engine.core.engine_core import EngineCore
+    from engine.runner.cuda_graphs import DEFAULT_BUCKETS
     from engine.sampling import SamplingParams
 
     if decode_buckets is None:
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = a.model_dir
         model_name = Path(model_dir).name if model_dir else f"{a.arch}-{a.preset} (random, make-model)"
         if not model_dir:
-            from engine.modelgen import make_model
+            from modelgen.make import make_model
 
             model_dir = make_model(Path(tmp) / "model", a.arch, a.preset, seed=0)
         peer = _run_peer(model_dir, a.peer, a.peer_timeout) if a.peer else None

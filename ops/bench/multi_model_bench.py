@@ -31,7 +31,7 @@ per step and wall ms per engine step, so a low figure can be explained from the 
         --max-num-batched-tokens 512 --sat-duration 3 --sat-ramp 1 --light-duration 3 --light-ramp 1 \\
         --prompt-len 32 --gen-len 16 --flood 8 --trickle 5 --ttft-interval 0.1   (tiny models, ~30 s)
 
-Model folders are generated (random weights, ``engine.modelgen``) under ``--work`` unless given.
+Model folders are generated (random weights, ``modelgen.make``) under ``--work`` unless given.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.core import LoadRefused
+from engine.core.engine_core import LoadRefused
 from ops.bench.engine_bench import _commit, _device_name
 from ops.bench.multi_model_phases import Bench, light_ratios
 from ops.bench.multi_model_setup import env, make_models, plan_budget, ratio

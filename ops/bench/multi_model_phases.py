@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.sampling import SamplingParams
 from ops.bench.multi_model_setup import Plan, counter_delta, engine_counters, ratio
 from ops.bench.workload import percentile as pct

@@ -16,14 +16,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.core import EngineCore, LoadRefused
+from engine.core.engine_core import EngineCore, LoadRefused
 
 GIB = 1 << 30
 
 
 def make_models(work: Path, arch: str, preset: str, small_arch: str, small_preset: str) -> dict[str, Path]:
     """A and B (same shape, different seeds) and C, generated once under ``work``."""
-    from engine.modelgen import make_model
+    from modelgen.make import make_model
 
     out = {}
     for name, (a, p, seed) in {"A": (arch, preset, 0), "B": (arch, preset, 1),

@@ -11,9 +11,9 @@ import json
 import random
 import time
 
-from engine.block_manager import BlockManager, PageAllocator
+from engine.sched.block_manager import BlockManager, PageAllocator
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sched.scheduler import Scheduler, SchedulerConfig
 
 
 def run(running: int, steps: int, prompt_len: int = 200, seed: int = 0) -> dict[str, float]:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent import sse
+from agent.http import sse
 from ops.bench.engine_bench import REPO, _commit
 from ops.bench.workload import percentile
 from ops.bench.workload import NAME as WORKLOAD, sharegpt_like, summary

@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from engine.core import EngineCore  # noqa: E402
-from engine.cuda_graphs import DEFAULT_BUCKETS  # noqa: E402
-from engine.loader import warm_key, weight_files  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.runner.cuda_graphs import DEFAULT_BUCKETS  # noqa: E402
+from engine.weights.loader import warm_key, weight_files  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 PHASES = ("config_s", "book_s", "alloc_s", "weights_s", "rope_s", "wait_s", "install_s", "runner_s",

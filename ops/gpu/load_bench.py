@@ -23,8 +23,8 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from cache.safetensors_check import check_file  # noqa: E402
-from engine.warm_tier import WarmTier  # noqa: E402
-from engine.weight_stream import CopyJob, stream_to_device  # noqa: E402
+from engine.weights.warm_tier import WarmTier  # noqa: E402
+from engine.weights.weight_stream import CopyJob, stream_to_device  # noqa: E402
 
 
 def drop_cache(path: Path) -> None:

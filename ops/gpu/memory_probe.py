@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.core import EngineCore  # noqa: E402
-from engine.modelgen import make_model  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from modelgen.make import make_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 MiB = 1 << 20

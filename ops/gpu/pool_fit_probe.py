@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
-from engine import page_memory
-from engine.core import EngineCore
-from engine.cuda_graphs import DEFAULT_BUCKETS
-from engine.loader import weight_files
+from engine.kv import page_memory
+from engine.core.engine_core import EngineCore
+from engine.runner.cuda_graphs import DEFAULT_BUCKETS
+from engine.weights.loader import weight_files
 
 TIMES: dict[str, list[float]] = defaultdict(list)
 

@@ -19,7 +19,7 @@ os.environ.setdefault("INFIRE_CUDA_GRAPHS", "0")
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from engine.core import EngineCore  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 Each TP degree runs in its own subprocess (so they never share GPU memory): rank 0 is that
 subprocess (a :class:`engine.parallel.engine.TPEngineCore` on ``cuda:0``), ranks 1.. are
 follower processes on ``cuda:1``.. (:func:`engine.parallel.follower.spawn_followers`); TP=1 is the
-plain :class:`engine.core.EngineCore`. Every request is added at t0 (offline mode, as
+plain :class:`engine.core.engine_core.EngineCore`. Every request is added at t0 (offline mode, as
 ops/bench/engine_bench.py), then one request alone times decode per token (128-token prompt,
 256 tokens). A short greedy run of 8 prompts is kept per degree to report how many sequences
 match TP=1 token for token (bf16 sums in another order can flip a near-tie, so it is a figure,
@@ -94,8 +94,8 @@ def run_one(a: argparse.Namespace) -> dict:
     """One TP degree in this process (rank 0), followers spawned for TP > 1."""
     import torch
 
-    from engine.core import EngineCore
-    from engine.cuda_graphs import DEFAULT_BUCKETS
+    from engine.core.engine_core import EngineCore
+    from engine.runner.cuda_graphs import DEFAULT_BUCKETS
     from ops.bench.workload import sharegpt_like, summary
 
     tp = a.one
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.one_out).write_text(json.dumps(run_one(a)))
         return 0
     if not a.model_dir:
-        from engine.modelgen import make_model
+        from modelgen.make import make_model
 
         a.model_dir = str(make_model(Path(tempfile.mkdtemp(prefix="tp-bench-")) / "m", a.arch, a.preset,
                                      seed=0, device="cpu"))

@@ -1,8 +1,8 @@
 """The daemon on CUDA with a flooded model and a quiet one (defaults: shared step cap, quiet window).
 
 While the quiet model is active the flooded model's step is parked instead of waited on
-(engine.core.EngineCore.parked); the worker's selector then sleeps until the step's event fires
-(engine/step_waiter.py) or a request comes. Every request is answered in full, the quiet model's
+(engine.core.engine_core.EngineCore.parked); the worker's selector then sleeps until the step's event fires
+(engine/worker/step_waiter.py) or a request comes. Every request is answered in full, the quiet model's
 greedy text is its text alone, and the worker woke for parked steps promptly: a waiter that never
 fired would leave each parked step to the selector's 0.25 s status timeout. Skipped without CUDA.
 """
@@ -25,7 +25,7 @@ PROMPT = list(range(100, 164))
 def daemon(tmp_path_factory):
     from cache.publish import publish_model
     from cache.store import open_store
-    from engine.modelgen import make_model
+    from modelgen.make import make_model
     from tests.integration.agent_harness import Daemon
 
     tmp = tmp_path_factory.mktemp("daemon-quiet")

@@ -33,7 +33,7 @@ GEN = 24
 
 @pytest.fixture(scope="module")
 def sharp_model(tmp_path_factory):
-    from engine.modelgen import make_model
+    from modelgen.make import make_model
 
     made = {}
 
@@ -47,7 +47,7 @@ def sharp_model(tmp_path_factory):
 
 
 def _engine(model_dir, graphs: bool, monkeypatch, mixed: bool = False):
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     monkeypatch.setenv("INFIRE_CUDA_GRAPHS", "1" if graphs else "0")
     monkeypatch.setenv("INFIRE_MIXED_GRAPHS", "1" if mixed else "0")
@@ -176,7 +176,7 @@ class _EagerMixed:
         self.runner, self.deferred, self.steps = runner, set(), 0
 
     def replay(self, bucket: int):
-        from engine.cuda_graphs_mixed import MixedGraphs
+        from engine.runner.mixed_graphs import MixedGraphs
 
         self.steps += 1
         with torch.inference_mode():

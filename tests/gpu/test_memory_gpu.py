@@ -19,7 +19,7 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
-    from engine.modelgen import make_model
+    from modelgen.make import make_model
 
     return make_model(tmp_path_factory.mktemp("m") / "small", "llama", "small", seed=0)
 
@@ -50,7 +50,7 @@ def _live_tensors() -> list[tuple]:
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(small_model, monkeypatch, graphs):
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     monkeypatch.setenv("INFIRE_CUDA_GRAPHS", "1" if graphs else "0")
     # cuBLAS's workspace (32 MiB on Hopper) is made by the first matmul of the process and kept.

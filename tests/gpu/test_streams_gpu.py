@@ -1,4 +1,4 @@
-"""Several models' steps on their own CUDA streams (engine/step_streams.py) give the tokens they
+"""Several models' steps on their own CUDA streams (engine/runner/streams.py) give the tokens they
 give on one stream; the quiet model's steps take the high-priority stream. Skipped without CUDA.
 
 float32 weights: the two runs batch differently (the fair-share pick reads step times), and
@@ -15,14 +15,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
-    from engine.modelgen import make_model
+    from modelgen.make import make_model
 
     root = tmp_path_factory.mktemp("m")
     return make_model(root / "llama", "llama", "small", seed=0), make_model(root / "qwen3", "qwen3", "small", seed=1)
 
 
 def _run(dirs, monkeypatch, streams: str, window_ms: str = "0", parked: list | None = None):
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
     from engine.sampling import SamplingParams
 
     monkeypatch.setenv("INFIRE_MODEL_STREAMS", streams)
@@ -65,7 +65,7 @@ def test_models_on_their_own_streams_give_the_tokens_of_one_stream(two_models, m
 def test_a_stream_pool_lends_a_stream_again_once_its_borrower_is_gone():
     import gc
 
-    from engine.step_streams import StreamPool
+    from engine.runner.streams import StreamPool
 
     pool = StreamPool(torch.device("cuda"))
 

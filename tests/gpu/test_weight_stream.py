@@ -1,4 +1,4 @@
-"""engine.weight_stream and engine.warm_tier on the GPU: pinned ring + streams, casts, restore."""
+"""engine.weights.weight_stream and engine.weights.warm_tier on the GPU: pinned ring + streams, casts, restore."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from safetensors.torch import save_file  # noqa: E402
 
 from cache.safetensors_check import check_file  # noqa: E402
-from engine.warm_tier import WarmTier  # noqa: E402
-from engine.weight_stream import CopyJob, stream_to_device  # noqa: E402
+from engine.weights.warm_tier import WarmTier  # noqa: E402
+from engine.weights.weight_stream import CopyJob, stream_to_device  # noqa: E402
 
 
 def test_stream_into_fused_cuda_views(tmp_path):

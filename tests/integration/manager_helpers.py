@@ -20,12 +20,12 @@ def budget_for_two(model_dir: Path, max_num_batched_tokens: int | None = None) -
     own sizes, checked by loading in-process (and raising if it does not hold). The step budget
     defaults to the daemon's, since the workspace the engine books grows with it."""
     from agent.config import EngineSettings
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     if max_num_batched_tokens is None:
         max_num_batched_tokens = EngineSettings().max_num_batched_tokens
     from engine.errors import EngineError
-    from engine.load_refusal import _estimate_need
+    from engine.worker.load_refusal import _estimate_need
 
     def core(budget: int) -> EngineCore:
         return EngineCore(device="cpu", max_num_batched_tokens=max_num_batched_tokens, memory_budget_bytes=budget)

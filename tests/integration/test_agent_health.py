@@ -8,10 +8,10 @@ import time
 
 import uvloop
 
-from agent import health
+from agent.http import health
 from agent.app import CTX, build_app
 from agent.config import load_settings
-from agent.manager import ModelManager, State
+from agent.manager.manager import ModelManager, State
 from agent.systemd import Notifier
 
 

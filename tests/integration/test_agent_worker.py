@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 import uvloop
 
-from agent import worker_client as wc
+from agent.worker import client as wc
 
 
 async def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.sampling import SamplingParams
 
 PROMPTS = [list(range(40, 40 + n)) for n in (1, 5, 19, 33, 8, 3)]

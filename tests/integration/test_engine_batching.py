@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.errors import EngineError, RequestError
 from engine.sampling import SamplingParams
 

@@ -7,7 +7,7 @@ import torch
 
 from engine import kernels
 from engine.errors import EngineError
-from engine.kv_cache import KVCache, KVSpec
+from engine.kv.kv_cache import KVCache, KVSpec
 
 
 def spec(**kw) -> KVSpec:

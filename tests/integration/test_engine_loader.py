@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from engine.config import load_model_config
 from engine.errors import EngineError, ModelConfigError, WeightsError
 from engine.llm import LLM
-from engine.loader import load_weights
+from engine.weights.loader import load_weights
 from engine.models.llama import LlamaModel
 from engine.sampling import SamplingParams, SamplingParamsError
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from engine.config import load_model_config
-from engine.loader import load_or_restore, load_weights, model_tensors, stash_weights, warm_key
+from engine.weights.loader import load_or_restore, load_weights, model_tensors, stash_weights, warm_key
 from engine.models.llama import LlamaModel
-from engine.warm_tier import WarmTier
+from engine.weights.warm_tier import WarmTier
 
 
 def _model(d) -> LlamaModel:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine.core import EngineCore, LoadRefused
+from engine.core.engine_core import EngineCore, LoadRefused
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
 from tests.sharp import sharpen
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]

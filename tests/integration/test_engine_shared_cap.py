@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
 

@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from engine import core_load
-from engine.core import EngineCore
+from engine.core import loading as core_load
+from engine.core.engine_core import EngineCore
 from engine.errors import EngineError, WeightsError
 from engine.sampling import SamplingParams
 

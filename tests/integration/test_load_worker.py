@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from agent import worker_client as wc
+from agent.worker import client as wc
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = '''
 import os, sys, time
 sys.path.insert(0, {root!r})
-import engine.core_load as _cl
+import engine.core.loading as _cl
 _real, _gate = _cl.load_or_restore, {gate!r}
 
 def _gated(model, model_dir, tier=None, key=None, *, cancel=None):

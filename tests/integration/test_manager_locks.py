@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from agent.config import load_settings
-from agent.manager import ManagerError, ModelManager, ModelNotReady, State
+from agent.manager.manager import ManagerError, ModelManager, ModelNotReady, State
 from agent.metrics import Metrics
-from agent.worker_client import WorkerError
+from agent.worker.client import WorkerError
 
 
 class FakeWorker:
@@ -171,7 +171,7 @@ async def test_autoload_waits_for_the_load_and_times_out_with_retry_after(monkey
 
 
 async def test_max_queue_bounds_requests_in_flight(monkeypatch, tmp_path) -> None:
-    from agent.manager import QueueFull
+    from agent.manager.manager import QueueFull
 
     mgr = _manager(monkeypatch, tmp_path, FakeWorker(), '[{"name": "q", "max_num_seqs": 4, "max_queue": 3},'
                    ' {"name": "d", "max_num_seqs": 4}]', ["q", "d"])

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from engine import protocol as P
+from engine.worker import protocol as P
 from engine.errors import EngineError
-from engine.load_refusal import accepts_evictable, refusal_details
+from engine.worker.load_refusal import accepts_evictable, refusal_details
 from tests.integration.manager_helpers import CTX, SEQS, budget_for_two
 
 
 @pytest.fixture(scope="module")
 def full_core(make_tiny_model):
     """An engine holding two models under a budget that has no room for a third."""
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     src = make_tiny_model("llama")
     core = EngineCore(device="cpu", max_num_batched_tokens=2048, memory_budget_bytes=budget_for_two(src, 2048))

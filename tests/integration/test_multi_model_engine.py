@@ -14,18 +14,18 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.block_manager import BlockManager
+from engine.sched.block_manager import BlockManager
 from engine.config import load_model_config
-from engine.core import EngineCore
-from engine.fair_share import FairSharePicker
-from engine.kv_cache import KVCache, KVSpec
-from engine.loader import load_weights
-from engine.memory import MemoryLedger
-from engine.model_runner import ModelRunner
+from engine.core.engine_core import EngineCore
+from engine.core.fair_share import FairSharePicker
+from engine.kv.kv_cache import KVCache, KVSpec
+from engine.weights.loader import load_weights
+from engine.core.ledger import MemoryLedger
+from engine.runner.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
-from engine.page_pool import ModelPageSource, PagePool
+from engine.kv.page_pool import ModelPageSource, PagePool
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sched.scheduler import Scheduler, SchedulerConfig
 
 MAX_LEN = 64
 BATCH_TOKENS = 128

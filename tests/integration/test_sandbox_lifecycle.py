@@ -240,7 +240,7 @@ def test_real_engine_worker_dies_with_a_killed_agent() -> None:
     agent = textwrap.dedent(
         """
         import socket, subprocess, sys, time
-        from engine import protocol as P
+        from engine.worker import protocol as P
         mine, theirs = socket.socketpair()
         subprocess.Popen([sys.executable, "-m", "engine.worker", "--engine", "none", "--fd", str(theirs.fileno())],
                          pass_fds=(theirs.fileno(),))

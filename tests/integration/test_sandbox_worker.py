@@ -1,6 +1,6 @@
 """The real engine worker, confined, still serves a tiny model, and its confinement holds.
 
-Driven over the worker's own protocol (``engine.protocol`` frames on a socketpair), the way the
+Driven over the worker's own protocol (``engine.worker.protocol`` frames on a socketpair), the way the
 agent drives it: a greedy generation must give the same tokens with and without the sandbox; a
 model copied into the cache *after* confinement still loads (the whole cache dir is readable);
 a model folder outside the cache cannot be read; the kernel shows the filter on the process.
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from engine import protocol as P
+from engine.worker import protocol as P
 from engine.sampling import SamplingParams
 from tests.integration.sandbox_helpers import REPO, landlock_abi, seccomp_filter_supported
 

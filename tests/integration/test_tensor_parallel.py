@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from engine.config import load_model_config
-from engine.kv_cache import KVCache, KVSpec
+from engine.kv.kv_cache import KVCache, KVSpec
 from engine.models.llama import AttentionMetadata
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
 
 ARCHS = ("llama", "qwen2", "qwen3", "llama-v509")  # the last: a vocabulary that does not split evenly
 OPTS = {"max_num_batched_tokens": 32, "block_size": 4, "seed": 0}
@@ -140,7 +140,7 @@ def tp_results(make_tiny_model, tmp_path_factory) -> dict:
 def reference(tp_results) -> dict:
     """The unsharded engine and model on the same folders, in this process."""
     from engine.llm import LLM
-    from engine.loader import load_weights
+    from engine.weights.loader import load_weights
     from engine.models.llama import LlamaModel
 
     torch.set_num_threads(1)
@@ -288,7 +288,7 @@ def test_unsplittable_models_are_refused(make_tiny_model):
 
 def test_shards_concatenate_to_the_checkpoint(make_tiny_model):
     """Rank 0's and rank 1's slices, put back together, are the unsharded weights (no processes)."""
-    from engine.loader import load_weights
+    from engine.weights.loader import load_weights
     from engine.models.llama import LlamaModel
     from engine.parallel.group import TPGroup
     from engine.parallel.loader import load_shard

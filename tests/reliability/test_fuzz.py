@@ -16,8 +16,8 @@ from pydantic import ValidationError
 from cache.errors import ManifestError, SafetensorsError
 from cache.manifest import parse as parse_manifest
 from cache.safetensors_check import DTYPE_BYTES, parse_header
-from engine.tokenizer_chat import ChatTemplate, ChatTemplateError, ChatTemplateLimits, check_inputs
-from agent.openai_schema import ChatCompletionRequest, first_error
+from text.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateLimits, check_inputs
+from agent.http.openai_schema import ChatCompletionRequest, first_error
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DIGEST = "ab" * 32

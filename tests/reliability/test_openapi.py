@@ -13,7 +13,7 @@ import jsonschema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.openapi import build_spec
+from agent.http.openapi import build_spec
 from tests.reliability.rel_helpers import ADMIN, MODEL, ensure_loaded, healthy
 from tests.reliability.schema_fuzz import SchemaStrategies
 

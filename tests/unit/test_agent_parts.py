@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from agent.commands._admin import human_bytes, human_duration, table
 from agent.commands.status import render
 from agent.metrics import Metrics
-from agent.openai_schema import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, first_error, json_depth_ok
+from agent.http.openai_schema import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, first_error, json_depth_ok
 from agent.systemd import Notifier
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, OutOfPages, PageAllocator, PageError, default_page_hasher
+from engine.sched.block_manager import BlockManager, OutOfPages, PageAllocator, PageError, default_page_hasher
 
 
 def check_invariants(bm: BlockManager, alloc: PageAllocator) -> None:

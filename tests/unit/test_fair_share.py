@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.fair_share import FairShareError, FairSharePicker
+from engine.core.fair_share import FairShareError, FairSharePicker
 
 
 def run_trace(picker: FairSharePicker, duration: float, step_time: dict[str, float],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 
-from engine import protocol as P
+from engine.worker import protocol as P
 
 
 def _memory(n: int) -> dict:

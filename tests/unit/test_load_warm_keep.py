@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.warm_tier import WarmTier
+from engine.weights.warm_tier import WarmTier
 
 
 def _tensors(seed: int, rows: int = 8) -> dict[str, torch.Tensor]:

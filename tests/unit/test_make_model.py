@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from agent.cli import main as cli_main
-from engine import modelgen
-from engine.modelgen import ARCHS, ModelGenError, make_model, model_config, tensor_specs
-from engine.modelgen_safetensors import plan_shards
-from engine.modelgen_tokenizer import build_tokenizer, special_ids
+from modelgen import make as modelgen
+from modelgen.make import ARCHS, ModelGenError, make_model, model_config, tensor_specs
+from modelgen.safetensors_writer import plan_shards
+from modelgen.tokenizer import build_tokenizer, special_ids
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -237,7 +237,7 @@ def test_failure_leaves_nothing_behind(tmp_path, monkeypatch):
 def test_bf16_model_with_vocab_past_the_tokenizer(tmp_path, monkeypatch):
     """The 8B preset's traits (bf16, 128256-row vocab over a 512-token tokenizer) at a
     size a test can write: transformers loads it and our tokenizer decodes any id."""
-    from engine.tokenizer import REPLACEMENT, Tokenizer
+    from text.tokenizer import REPLACEMENT, Tokenizer
 
     small_8b = modelgen.Shape(64, 1, 4, 2, 128, 2048, 4096, "bfloat16", 16)
     monkeypatch.setattr(modelgen, "_PRESETS", {**modelgen._PRESETS, "llama-3.1-8b": small_8b})
@@ -258,7 +258,7 @@ def test_tokenizer_is_independent_of_hash_seed():
     import subprocess
     import sys
 
-    code = ("import hashlib; from engine.modelgen_tokenizer import build_tokenizer; "
+    code = ("import hashlib; from modelgen.tokenizer import build_tokenizer; "
             "print(hashlib.sha256(build_tokenizer().to_str().encode()).hexdigest())")
     digests = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -269,7 +269,7 @@ def test_tokenizer_is_independent_of_hash_seed():
 
 
 def test_learn_merges_stops_when_nothing_repeats():
-    from engine.modelgen_tokenizer import TokenizerBuildError, learn_merges
+    from modelgen.tokenizer import TokenizerBuildError, learn_merges
 
     # "abab" and "Ġabab" once each: (Ġ, abab) occurs once, so merging stops there.
     assert learn_merges("abab abab", 100) == [("a", "b"), ("ab", "ab")]

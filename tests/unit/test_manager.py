@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from agent.config import load_settings
-from agent.manager import ManagerError, ModelManager, ModelNotReady, QueueFull, State, UnknownModel
+from agent.manager.manager import ManagerError, ModelManager, ModelNotReady, QueueFull, State, UnknownModel
 from agent.metrics import Metrics
-from agent.worker_client import WorkerClient
+from agent.worker.client import WorkerClient
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from engine.errors import EngineError
-from engine.memory import (
+from engine.core.ledger import (
     GiB,
     LedgerError,
     LoadRefused,

@@ -1,4 +1,4 @@
-"""Mixed-step graph inputs (engine/cuda_graphs_mixed.py), checked on CPU without a graph: every
+"""Mixed-step graph inputs (engine/runner/mixed_graphs.py), checked on CPU without a graph: every
 step is padded to a token bucket and run through the exact forward a captured graph replays
 (full-size sequence buffers, padding tokens that belong to no sequence, the prefill kernel for
 every row), and must give the tokens of the unpadded engine — with the torch references and with
@@ -15,7 +15,7 @@ if torch.cuda.is_available():  # pragma: no cover - tests/gpu covers the capture
     pytest.skip("CPU emulation of the graphs; tests/gpu replays real ones", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
 
-from engine.cuda_graphs_mixed import MixedGraphs  # noqa: E402
+from engine.runner.mixed_graphs import MixedGraphs  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 

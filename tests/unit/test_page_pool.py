@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, OutOfPages, PageError
-from engine.page_pool import (
+from engine.sched.block_manager import BlockManager, OutOfPages, PageError
+from engine.kv.page_pool import (
     ModelPageSource,
     PagePool,
     PagePoolError,
@@ -279,7 +279,7 @@ def test_resize_refuses_while_views_are_held_and_changes_nothing():
 
 
 def test_failed_allocation_during_resize_keeps_the_old_pool(monkeypatch):
-    from engine.page_memory import PoolMemory
+    from engine.kv.page_memory import PoolMemory
 
     pool = PagePool(4, 1024, device="cpu")
     pool.register("a", **SMALL)
@@ -331,7 +331,7 @@ def test_block_manager_runs_on_the_pool():
 
 
 def test_flat_buffer_matches_the_engine_kv_cache_layout():
-    from engine.kv_cache import KVCache, KVSpec
+    from engine.kv.kv_cache import KVCache, KVSpec
 
     pool = PagePool(5, 4096, device="cpu")
     lay = pool.register("big", **BIG)
@@ -348,6 +348,6 @@ def test_flat_buffer_matches_the_engine_kv_cache_layout():
 
 
 def test_import_stays_torch_free():
-    code = "import sys, engine.page_pool; print('torch' in sys.modules)"
+    code = "import sys, engine.kv.page_pool; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -8,7 +8,7 @@ import struct
 import msgpack
 import pytest
 
-from engine import protocol as P
+from engine.worker import protocol as P
 
 
 def _body(obj: object) -> bytes:

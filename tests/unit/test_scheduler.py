@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, PageAllocator
+from engine.sched.block_manager import BlockManager, PageAllocator
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError, SchedulerOutput
-from engine.sequence import FinishReason, SequenceStatus
+from engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError, SchedulerOutput
+from engine.sched.sequence import FinishReason, SequenceStatus
 
 VOCAB = 50
 EOS = 0
@@ -301,7 +301,7 @@ def test_plain_data_modules_import_no_torch():
     import sys
     from pathlib import Path
 
-    code = ("import sys, engine, engine.scheduler, engine.block_manager, engine.sequence, engine.sampling, "
+    code = ("import sys, engine, engine.sched.scheduler, engine.sched.block_manager, engine.sched.sequence, engine.sampling, "
             "engine.config, engine.errors; engine.SamplingParams; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],

@@ -8,8 +8,8 @@ import os
 import select
 import threading
 
-from engine.step_waiter import StepWaiter
-from engine.worker import STATUS_INTERVAL_S, Worker
+from engine.worker.step_waiter import StepWaiter
+from engine.worker.main import STATUS_INTERVAL_S, Worker
 
 
 class _Event:

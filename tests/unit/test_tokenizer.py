@@ -1,4 +1,4 @@
-"""engine.tokenizer: encode/decode, incremental detokenization, stop strings."""
+"""text.tokenizer: encode/decode, incremental detokenization, stop strings."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.tokenizer import (
+from text.tokenizer import (
     REPLACEMENT,
     IncrementalDetokenizer,
     StopMatcher,

@@ -1,4 +1,4 @@
-"""engine.tokenizer chat templates: parity with transformers, hostile templates, bounds."""
+"""text.tokenizer chat templates: parity with transformers, hostile templates, bounds."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from engine.tokenizer import ChatTemplateError, ChatTemplateLimits, Tokenizer
-from engine.tokenizer_chat import ChatTemplate
+from text.tokenizer import ChatTemplateError, ChatTemplateLimits, Tokenizer
+from text.chat_template import ChatTemplate
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""engine.warm_tier on CPU: byte-exact round trips, LRU eviction under the budget, refusals."""
+"""engine.weights.warm_tier on CPU: byte-exact round trips, LRU eviction under the budget, refusals."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.warm_tier import WarmTier, WarmTierError
+from engine.weights.warm_tier import WarmTier, WarmTierError
 
 
 def model(seed, n=1000):
@@ -113,7 +113,7 @@ def test_arena_range_of_an_entry_being_restored_is_not_reused_until_it_ends():
 
 
 def test_arena_take_and_give_coalesce():
-    from engine.warm_tier import _Arena
+    from engine.weights.warm_tier import _Arena
 
     a = _Arena(torch.empty(1000, dtype=torch.uint8))
     offs = [a.take(100) for _ in range(5)]

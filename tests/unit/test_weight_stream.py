@@ -1,4 +1,4 @@
-"""engine.weight_stream on CPU: bytes land in the right (fused) destinations, through the direct
+"""engine.weights.weight_stream on CPU: bytes land in the right (fused) destinations, through the direct
 path and through the ring (tiny chunks and two slots, so slots are recycled many times)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from cache.safetensors_check import check_file
-from engine.weight_stream import CopyJob, WeightStreamError, stream_to_device
+from engine.weights.weight_stream import CopyJob, WeightStreamError, stream_to_device
 
 
 @pytest.fixture()

@@ -1,0 +1,185 @@
+"""The admin API (``/admin/v1``): list, inspect, load, unload and pull models; agent status.
+
+Served on the TCP listener behind a bearer token (``server.admin_token``, compared in constant
+time; with no token configured, admin over TCP is refused) and on the admin unix socket without
+one: the socket's file mode (0660) is the access control there. Load, unload and pull run in the
+background: the answer is 202 with the model's state to poll, or, with ``?wait=true``, the final
+state once the operation has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+import agent
+from agent.manager.manager import ManagerError, State
+
+if TYPE_CHECKING:
+    from agent.app import AgentContext
+
+MAX_WAIT_S = 3600.0
+
+
+def _error(status: int, message: str, code: str, retry_after: float | None = None) -> web.Response:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                             status=status, headers=headers)
+
+
+def is_unix_peer(request: web.Request) -> bool:
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return sock is not None and getattr(sock, "family", None) == socket.AF_UNIX
+
+
+def admin_authorized(request: web.Request, token: str) -> bool:
+    if is_unix_peer(request):
+        return True
+    if not token:
+        return False
+    auth = request.headers.get("Authorization", "")
+    given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    return hmac.compare_digest(given.encode(), token.encode())
+
+
+class AdminApi:
+    def __init__(self, ctx: AgentContext) -> None:
+        self.ctx = ctx
+        self._token = ctx.settings.server.admin_token.get_secret_value()
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/admin/v1/status", self.status),
+            web.get("/admin/v1/models", self.list_models),
+            web.get("/admin/v1/models/{name}", self.get_model),
+            web.post("/admin/v1/models/{name}/load", self.load),
+            web.post("/admin/v1/models/{name}/unload", self.unload),
+            web.post("/admin/v1/models/{name}/pull", self.pull),
+            web.post("/admin/v1/models/{name}/pin", self.pin),
+            web.post("/admin/v1/models/{name}/unpin", self.unpin),
+        ]
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith("/admin/") and not admin_authorized(request, self._token):
+            why = ("a valid admin token is required (Authorization: Bearer ...)" if self._token
+                   else "the admin API over TCP is off (no server.admin_token); use the admin unix socket")
+            return _error(401, why, "unauthorized")
+        return await handler(request)
+
+    # --- views ------------------------------------------------------------------------------
+
+    def status_dict(self) -> dict[str, Any]:
+        ctx = self.ctx
+        w = ctx.worker.state
+        now = time.monotonic()
+        models = [ctx.manager.describe(e) for e in sorted(ctx.manager.models.values(), key=lambda e: e.name)]
+        cache = ctx.manager.source.stats() if ctx.manager.source is not None else {}
+        return {
+            "version": agent.__version__,
+            "pid": os.getpid(),
+            "uptime_s": round(now - ctx.started, 3),
+            "ready": ctx.health.ready()[0],
+            "draining": ctx.draining,
+            "worker": {
+                "pid": ctx.worker.pid, "alive": w.alive, "device": w.device, "engine_error": w.engine_error or None,
+                "restarts": w.restarts, "last_exit": w.last_exit or None, "steps": w.steps, "phase": w.phase,
+                "heartbeat_age_s": round(now - w.last_frame, 3) if w.alive else None,
+            },
+            "budget": ctx.budget(),
+            "cache": {"max_bytes": int(cache.get("max_bytes", ctx.settings.cache.max_bytes)),
+                      "used_bytes": int(cache.get("used_bytes", 0)), "dir": str(ctx.settings.cache.dir)},
+            "models": models,
+            # The worker's last EngineCore.stats(): what the engine itself holds, per model.
+            "engine": {"models": w.models, "kv_pages_used": sum(int(m.get("kv_pages_used", 0) or 0)
+                                                                for m in w.models.values()),
+                       "memory": w.memory or None},  # the ledger's split in bytes (Status.memory)
+        }
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status_dict())
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        m = self.ctx.manager
+        return web.json_response({"models": [m.describe(e) for e in sorted(m.models.values(), key=lambda e: e.name)]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        try:
+            e = self.ctx.manager.get(request.match_info["name"])
+        except ManagerError as ex:
+            return _error(ex.status, str(ex), ex.code)
+        return web.json_response({"model": self.ctx.manager.describe(e)})
+
+    # --- operations -------------------------------------------------------------------------
+
+    async def _operate(self, request: web.Request, op: str, goal: set[State]) -> web.Response:
+        name = request.match_info["name"]
+        mgr = self.ctx.manager
+        if self.ctx.draining:
+            return _error(503, "the agent is shutting down", "shutting_down")
+        try:
+            if op == "unload" and "drain_timeout" in request.query:
+                drain = float(request.query["drain_timeout"])
+                if not 0 <= drain <= MAX_WAIT_S:
+                    raise ValueError(drain)
+                task = mgr.unload(name, drain_s=drain)
+            else:
+                task = getattr(mgr, op)(name)
+        except ValueError:
+            return _error(400, f"drain_timeout must be seconds in [0, {MAX_WAIT_S:g}]", "invalid_value")
+        except ManagerError as ex:
+            return _error(ex.status, str(ex), ex.code, ex.retry_after)
+        wait = request.query.get("wait", "").lower() in ("1", "true", "yes")
+        if task is not None and wait:
+            try:
+                timeout = min(float(request.query.get("timeout", MAX_WAIT_S)), MAX_WAIT_S)
+            except ValueError:
+                return _error(400, "timeout must be a number of seconds", "invalid_value")
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+            except asyncio.TimeoutError:
+                pass
+        e = mgr.get(name)
+        body = {"model": mgr.describe(e)}
+        if e.state is State.FAILED and e.refusal and (wait or task is None):
+            # Refused for room: the client's budget problem, with the engine's numbers.
+            return web.json_response({**body, "error": {"message": e.reason, "type": "invalid_request_error",
+                                                        "param": None, "code": "no_room", "details": e.refusal}},
+                                     status=507)
+        if e.state is State.FAILED and (wait or task is None):
+            return web.json_response({**body, "error": {"message": e.reason, "type": "server_error",
+                                                        "param": None, "code": f"{op}_failed"}}, status=500)
+        done = e.state in goal
+        return web.json_response(body, status=200 if done else 202)
+
+    async def load(self, request: web.Request) -> web.Response:
+        return await self._operate(request, "load", {State.READY})
+
+    async def unload(self, request: web.Request) -> web.Response:
+        return await self._operate(request, "unload", {State.CACHED, State.ABSENT})
+
+    async def _pin(self, request: web.Request, pinned: bool) -> web.Response:
+        try:
+            e = self.ctx.manager.set_pin(request.match_info["name"], pinned)
+        except ManagerError as ex:
+            return _error(ex.status, str(ex), ex.code)
+        return web.json_response({"model": self.ctx.manager.describe(e)})
+
+    async def pin(self, request: web.Request) -> web.Response:
+        """Never evict this model for another's load, never unload it when idle."""
+        return await self._pin(request, True)
+
+    async def unpin(self, request: web.Request) -> web.Response:
+        return await self._pin(request, False)
+
+    async def pull(self, request: web.Request) -> web.Response:
+        return await self._operate(request, "pull", {State.CACHED, State.LOADING, State.READY, State.DRAINING,
+                                                     State.UNLOADING})

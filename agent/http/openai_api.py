@@ -1,0 +1,349 @@
+"""The OpenAI-compatible API: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``.
+
+A request is parsed (size and JSON depth bounded), validated (every field bounded), tokenized
+(chat template in the tokenizer's sandboxed Jinja), admitted under the model's queue limit and
+sent to the engine; outputs come back as token ids and are detokenized here. Streaming answers
+are SSE; a client that goes away cancels the handler (aiohttp ``handler_cancellation``), and the
+``finally`` aborts the request in the engine before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from agent.worker.generation import Delta, Generation
+from agent.log import bind_request_id, get_logger, new_request_id
+from agent.manager.manager import ManagerError
+from agent.http.openai_schema import (
+    MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest, first_error, json_depth_ok,
+)
+from agent.http.sse import encode as sse_encode
+from agent.worker.client import WorkerDied, WorkerError
+
+if TYPE_CHECKING:
+    from agent.app import AgentContext
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          408: "invalid_request_error",
+          413: "invalid_request_error", 503: "server_error", 500: "server_error"}
+TOKENIZE_INLINE_CHARS = 16_384
+DEFAULT_COMPLETION_TOKENS = 16
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+BODY_TIMEOUT_S = 30.0  # a client trickling its body holds a connection, not the server  # longer texts tokenize in a thread so the loop keeps serving
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def _stream_error(e: WorkerError) -> ApiError:
+    """A failure after the request was sent: refused by the engine (400), engine gone or
+    shutting down (503), anything else (500)."""
+    if e.code in ("EngineError", "SamplingParamsError"):
+        return ApiError(400, str(e), code="invalid_request")
+    unavailable = isinstance(e, WorkerDied) or e.code in ("shutting_down", "aborted")
+    return ApiError(503 if unavailable else 500, str(e), code=e.code)
+
+
+def _from_manager(e: ManagerError) -> ApiError:
+    return ApiError(e.status, str(e), param="model", code=e.code, retry_after=e.retry_after)
+
+
+async def read_json(request: web.Request) -> Any:
+    """The body as JSON, with the size (client_max_size) and nesting depth bounded."""
+    # asyncio.timeout, not wait_for: wait_for reads in a task of its own, and a refused body's
+    # exception then sits in a cycle (task -> exception -> traceback -> frames -> task) that
+    # keeps the partial body alive until the cyclic GC runs: ~20 MB per refused 100 MB upload.
+    err: ApiError | None = None
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        err = ApiError(413, f"the body is larger than {request.app._client_max_size} bytes", code="body_too_large")
+    except TimeoutError:
+        err = ApiError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g}s", code="body_timeout")
+    if err is not None:  # raised outside the handler: no link back to the frames that held the body
+        raise err
+    try:
+        obj = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the JSON body nests too deeply", code="invalid_json") from None
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not json_depth_ok(obj):
+        raise ApiError(400, "the JSON body nests too deeply", code="invalid_json")
+    if not isinstance(obj, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return obj
+
+
+class OpenAIApi:
+    def __init__(self, ctx: AgentContext) -> None:
+        self.ctx = ctx
+        self._keys = [k.get_secret_value().encode() for k in ctx.settings.server.api_keys if k.get_secret_value()]
+        self._log = get_logger("openai")
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/v1/models", self.list_models),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+        ]
+
+    def _check_key(self, request: web.Request) -> None:
+        if not self._keys:
+            return
+        auth = request.headers.get("Authorization", "")
+        given = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+        # Compare against every key so the time taken says nothing about which one was close.
+        ok = False
+        for k in self._keys:
+            ok |= hmac.compare_digest(given, k)
+        if not ok:
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer ...)", code="invalid_api_key")
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        try:
+            self._check_key(request)
+        except ApiError as e:
+            return e.response()
+        data = [{"id": e.name, "object": "model", "created": int(self.ctx.started_wall), "owned_by": "infire",
+                 "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len))}
+                for e in self.ctx.manager.ready_models()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    # --- the request path -------------------------------------------------------------------
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        given = request.headers.get("X-Request-Id", "")
+        rid = bind_request_id(given if _REQUEST_ID_RE.match(given) else new_request_id())
+        model_label = ""  # only known models become label values: clients cannot grow the series
+        status = 500
+        try:
+            self._check_key(request)
+            if self.ctx.draining:
+                raise ApiError(503, "the server is shutting down", code="shutting_down", retry_after=5)
+            body = await read_json(request)
+            try:
+                req: ChatCompletionRequest | CompletionRequest = (
+                    ChatCompletionRequest.model_validate(body) if chat else CompletionRequest.model_validate(body))
+            except ValidationError as e:
+                param, msg = first_error(e)
+                raise ApiError(400, msg, param=param, code="invalid_value") from None
+            if req.model in self.ctx.manager.models:
+                model_label = req.model
+            try:
+                admission = await self.ctx.manager.admit_wait(req.model)  # autoload waits, bounded
+            except ManagerError as e:
+                raise _from_manager(e) from None
+            with admission as entry:
+                resp = await self._run(request, req, entry, chat, rid)
+            status = resp.status
+            return resp
+        except ApiError as e:
+            status = e.status
+            if status >= 500:  # ours, not the client's: worth a line (the request id is bound)
+                self._log.warning("request_failed", status=status, code=e.code, error=e.message)
+            resp = e.response()
+            resp.headers["X-Request-Id"] = rid
+            return resp
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's code for it)
+            raise
+        finally:
+            self.ctx.metrics.requests.labels(model=model_label, status=str(status)).inc()
+
+    async def _prompt_ids(self, req: Any, entry: Any, chat: bool) -> list[int]:
+        tok = entry.tokenizer
+        if chat:
+            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+            size = sum(len(m["content"]) for m in messages)
+            work = lambda: tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),  # noqa: E731
+                                      add_special_tokens=False)
+        elif isinstance(req.prompt, str):
+            size = len(req.prompt)
+            work = lambda: tok.encode(req.prompt)  # noqa: E731
+        else:
+            vocab = int(entry.info.get("vocab_size", 0) or getattr(tok, "vocab_size", 0))
+            bad = next((t for t in req.prompt if vocab and t >= vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary (size {vocab})", param="prompt")
+            return list(req.prompt)
+        try:
+            ids = work() if size < TOKENIZE_INLINE_CHARS else await asyncio.to_thread(work)
+        except Exception as e:  # template errors, template output bounds
+            raise ApiError(400, f"{'messages' if chat else 'prompt'}: {e}", param="messages" if chat else "prompt") from None
+        return list(ids)
+
+    def _samplings(self, req: Any, max_tokens: int, chat: bool) -> list[dict[str, Any]]:
+        from engine.sampling import SamplingParams, SamplingParamsError
+
+        logprobs = req.logprobs_count() if chat else req.logprobs
+        out = []
+        for i in range(req.n):
+            # With a seed and n > 1 each choice gets its own seed, else the n answers are equal.
+            seed = None if req.seed is None else (req.seed + i) % (1 << 63)
+            sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+                                min_p=req.min_p, seed=seed, max_tokens=max_tokens,
+                                ignore_eos=req.ignore_eos, logprobs=logprobs)
+            try:
+                sp.validate()
+            except SamplingParamsError as e:
+                raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
+            out.append(sp.to_dict())
+        return out
+
+    async def _run(self, request: web.Request, req: Any, entry: Any, chat: bool, rid: str) -> web.StreamResponse:
+        prompt_ids = await self._prompt_ids(req, entry, chat)
+        ctx_len = int(entry.info.get("max_model_len", entry.settings.max_model_len))
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
+        if len(prompt_ids) >= ctx_len or len(prompt_ids) > MAX_PROMPT_TOKENS:
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {ctx_len}",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
+        limit = req.output_limit() if chat else req.max_tokens
+        if limit is None:  # OpenAI's defaults: the rest of the context for chat, 16 for completions
+            limit = ctx_len - len(prompt_ids) if chat else min(DEFAULT_COMPLETION_TOKENS, ctx_len - len(prompt_ids))
+        max_tokens = limit
+        if len(prompt_ids) + max_tokens > ctx_len:
+            raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds this "
+                                f"model's context of {ctx_len} tokens",
+                           param="max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens",
+                           code="context_length_exceeded")
+        samplings = self._samplings(req, max_tokens, chat)
+        from text.tokenizer import IncrementalDetokenizer, StopMatcher
+
+        base_id = ("chatcmpl-" if chat else "cmpl-") + rid
+        gen = Generation(self.ctx.worker, self.ctx.metrics, entry.name, base_id, entry.tokenizer,
+                         req.stop_list(), IncrementalDetokenizer, StopMatcher)
+        try:
+            try:
+                gen.start(prompt_ids, samplings)
+            except WorkerDied as e:
+                raise ApiError(503, str(e), code="engine_unavailable", retry_after=2) from None
+            except WorkerError as e:
+                raise ApiError(400, str(e), code=e.code) from None
+            fmt = _Formatter(base_id, entry.name, chat, entry.tokenizer)
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                return await self._stream(request, gen, fmt, include_usage, rid)
+            resp = await self._collect(gen, fmt, len(prompt_ids))
+            resp.headers["X-Request-Id"] = rid
+            return resp
+        finally:
+            gen.close()
+
+    async def _collect(self, gen: Generation, fmt: _Formatter, n_prompt: int) -> web.Response:
+        try:
+            async for _ in gen.deltas():
+                pass
+        except WorkerError as e:
+            raise _stream_error(e) from None
+        usage = gen.usage()
+        usage["prompt_tokens"] = usage["prompt_tokens"] or n_prompt
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return web.json_response(fmt.full(list(gen.choices.values()), usage))
+
+    async def _stream(self, request: web.Request, gen: Generation, fmt: _Formatter, include_usage: bool,
+                      rid: str) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no", "X-Request-Id": rid})
+        await resp.prepare(request)
+        try:
+            if fmt.chat:
+                await resp.write(fmt.sse(fmt.role_chunks(len(gen.choices), include_usage)))
+            async for deltas in gen.deltas():
+                await resp.write(fmt.sse([fmt.chunk(d, include_usage) for d in deltas]))
+            if include_usage:
+                await resp.write(fmt.sse([fmt.usage_chunk(gen.usage())]))
+            await resp.write(b"data: [DONE]\n\n")
+        except WorkerError as e:
+            err = _stream_error(e)
+            self._log.warning("stream_failed", status=err.status, code=err.code, error=err.message)
+            await resp.write(fmt.sse([err.body()]))
+        except (ConnectionResetError, ConnectionError):
+            return resp  # the client left; close() aborts in the engine
+
+        await resp.write_eof()
+        return resp
+
+
+class _Formatter:
+    """OpenAI response and chunk shapes for one request."""
+
+    def __init__(self, base_id: str, model: str, chat: bool, tokenizer: Any) -> None:
+        self.id, self.model, self.chat, self.tok = base_id, model, chat, tokenizer
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    sse = staticmethod(sse_encode)
+
+    def _envelope(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
+        d: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                             "choices": choices}
+        if include_usage:
+            d["usage"] = None
+        return d
+
+    def role_chunks(self, n: int, include_usage: bool) -> list[dict[str, Any]]:
+        return [self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}], include_usage) for i in range(n)]
+
+    def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
+        lp = self._logprobs(d.token_ids, d.logprobs) if d.logprobs else None
+        if self.chat:
+            delta = {"content": d.text} if d.text else {}
+            choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        else:
+            choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+        return self._envelope([choice], include_usage)
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        d = self._envelope([], False)
+        d["usage"] = usage
+        return d
+
+    def full(self, choices: list[Any], usage: dict[str, int]) -> dict[str, Any]:
+        out = []
+        for c in sorted(choices, key=lambda c: c.index):
+            lp = self._logprobs(c.token_ids, c.logprobs) if c.logprobs else None
+            text = "".join(c.text)
+            if self.chat:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": out, "usage": usage}
+
+    def _logprobs(self, token_ids: list[int], entries: list[Any]) -> dict[str, Any]:
+        from agent.http.logprobs import chat_logprobs, completion_logprobs
+
+        if self.chat:
+            return chat_logprobs(self.tok, token_ids, entries)
+        return completion_logprobs(self.tok, token_ids, entries)

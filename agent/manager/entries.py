@@ -1,0 +1,139 @@
+"""The ModelManager's vocabulary: states, legal transitions, errors, the per-model entry.
+
+Split from ``agent.manager.manager`` (which re-exports every name here) so the state machine, the room
+planner (``agent.manager.room``) and the APIs share one definition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Protocol
+
+from agent.config import ModelSettings
+
+
+class State(str, Enum):
+    ABSENT = "absent"
+    PULLING = "pulling"
+    CACHED = "cached"
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    UNLOADING = "unloading"
+    FAILED = "failed"
+
+
+NEXT_STATES: dict[State, frozenset[State]] = {
+    State.ABSENT: frozenset({State.PULLING, State.CACHED, State.FAILED}),
+    State.PULLING: frozenset({State.CACHED, State.FAILED}),
+    State.CACHED: frozenset({State.PULLING, State.LOADING, State.ABSENT}),
+    State.LOADING: frozenset({State.READY, State.FAILED, State.CACHED}),
+    State.READY: frozenset({State.DRAINING, State.LOADING, State.FAILED}),
+    State.DRAINING: frozenset({State.UNLOADING, State.LOADING, State.FAILED}),
+    State.UNLOADING: frozenset({State.CACHED, State.LOADING, State.FAILED}),
+    State.FAILED: frozenset({State.PULLING, State.LOADING, State.CACHED, State.ABSENT}),
+}
+
+
+class ManagerError(Exception):
+    """A model operation was refused. ``status`` is the HTTP status the APIs answer with."""
+
+    status = 409
+    code = "conflict"
+
+    def __init__(self, message: str, *, retry_after: float | None = None,
+                 details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.details = dict(details or {})
+
+
+class UnknownModel(ManagerError):
+    status, code = 404, "model_not_found"
+
+
+class ModelNotReady(ManagerError):
+    status, code = 503, "model_not_ready"
+
+
+class QueueFull(ManagerError):
+    status, code = 503, "queue_full"
+
+
+class NoRoom(ManagerError):
+    """A load that does not fit the memory budget even after evicting every idle model it may;
+    ``details`` holds the engine's figures (needed, free, evictable, budget, short)."""
+
+    status, code = 507, "no_room"
+
+
+class ModelSource(Protocol):
+    """What the manager needs of the disk cache (``agent.manager.model_source`` adapts DiskCache)."""
+
+    def snapshot(self, name: str) -> Path | None: ...
+    def cached_names(self) -> list[str]: ...
+    async def pull(self, name: str) -> Path: ...
+    def pull_progress(self, name: str) -> dict[str, Any] | None: ...
+    def pin(self, name: str) -> None: ...
+    def unpin(self, name: str) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    settings: ModelSettings
+    state: State = State.ABSENT
+    reason: str = ""
+    snapshot: Path | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None
+    in_flight: int = 0
+    last_used: float | None = None  # wall clock, for humans
+    last_used_mono: float = 0.0  # monotonic: LRU order and keep_alive
+    load_seconds: float | None = None
+    task: asyncio.Task[None] | None = None
+    want_loaded: bool = False  # reload after a worker restart
+    pinned: bool = False  # pinned in the disk cache (loaded or loading), not the user's pin
+    pin_override: bool | None = None  # set through the admin API; None: settings.pin
+    refusal: dict[str, Any] = field(default_factory=dict)  # figures of the last load refused for room
+    # Held for the whole of a load or an unload: two operations on one model never interleave.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def queue_limit(self) -> int:
+        # Running plus as many waiting: past that, a client is better served by a 503 and a
+        # retry elsewhere than by a queue it cannot see the end of.
+        q = self.settings.max_queue
+        return q if q is not None else 2 * self.settings.max_num_seqs
+
+    @property
+    def pin(self) -> bool:
+        """Never evicted for another model's load, never unloaded when idle."""
+        return self.settings.pin if self.pin_override is None else self.pin_override
+
+    def touch(self) -> None:
+        self.last_used, self.last_used_mono = time.time(), time.monotonic()
+
+    def idle_for(self, now: float) -> float:
+        return now - self.last_used_mono if self.in_flight == 0 else 0.0
+
+
+class Admission:
+    """One admitted request's slot; use as a context manager so the slot is always returned."""
+
+    def __init__(self, entry: ModelEntry) -> None:
+        self.entry = entry
+
+    def __enter__(self) -> ModelEntry:
+        self.entry.in_flight += 1
+        self.entry.touch()
+        return self.entry
+
+    def __exit__(self, *exc: Any) -> None:
+        self.entry.in_flight -= 1
+        self.entry.touch()

@@ -1,0 +1,359 @@
+"""ModelManager: the life of every model the agent knows about.
+
+Each model has one state::
+
+    absent → pulling → cached → loading → ready → draining → unloading → cached
+                  ↘         ↘          ↘                         ↘
+                   failed (with a reason; a later pull or load starts over)
+
+Every transition is logged (``model_state``) and mirrored in ``infire_model_state``. Pulls go
+through the disk cache (:class:`ModelSource`), loads and unloads through the engine worker.
+Long operations run as background tasks owned by the manager, one per model at a time (and
+under the model's lock), so a slow load never blocks another model's traffic; callers either
+poll the state or await the task. When the worker dies, models that were ready go back to
+loading and are loaded again once a new worker says hello.
+
+The memory budget, LRU eviction, keep-alive and autoload live in ``agent.manager.room``; the
+states, errors and the per-model entry in ``agent.manager.entries`` (re-exported here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from agent.config import MODEL_NAME_RE, ModelSettings, Settings
+from agent.log import get_logger
+from agent.manager.room import RoomMixin
+from agent.manager.entries import (
+    NEXT_STATES,
+    Admission,
+    ManagerError,
+    ModelEntry,
+    ModelNotReady,
+    ModelSource,
+    NoRoom,
+    QueueFull,
+    State,
+    UnknownModel,
+)
+from agent.metrics import Metrics
+from agent.worker.client import WorkerClient, WorkerError
+
+__all__ = ["Admission", "ManagerError", "ModelEntry", "ModelManager", "ModelNotReady", "ModelSource", "NoRoom",
+           "QueueFull", "State", "UnknownModel"]
+
+WORKER_WAIT_S = 180.0
+
+
+TokenizerLoader = Callable[[Path], Any]
+Verifier = Callable[[ModelEntry], Awaitable[bool]]
+
+
+class ModelManager(RoomMixin):
+    def __init__(self, settings: Settings, worker: WorkerClient, source: ModelSource | None,
+                 metrics: Metrics, load_tokenizer: TokenizerLoader, verify: Verifier | None = None) -> None:
+        self.settings = settings
+        self.worker = worker
+        self.source = source
+        self.metrics = metrics
+        self.load_tokenizer = load_tokenizer
+        self.verify = verify  # a one-token decode after a load: "ready" means it can generate
+        self.models: dict[str, ModelEntry] = {}
+        self._log = get_logger("manager")
+        self._room = asyncio.Lock()  # plan → evict → load, one load at a time (manager_room)
+        self._keep_alive: asyncio.Task[None] | None = None
+        for m in settings.models:
+            self._entry(m.name)
+        if source is not None:
+            for name in source.cached_names():
+                self._entry(name)
+
+    # --- registry ---------------------------------------------------------------------------
+
+    def _entry(self, name: str, create: bool = True) -> ModelEntry:
+        e = self.models.get(name)
+        if e is not None:
+            return e
+        if not create or not isinstance(name, str) or not MODEL_NAME_RE.match(name):
+            raise UnknownModel(f"the model {name!r} does not exist")
+        e = ModelEntry(name=name, settings=self.settings.model(name) or ModelSettings(name=name))
+        snap = self.source.snapshot(name) if self.source is not None else None
+        if snap is not None:
+            e.state, e.snapshot = State.CACHED, snap
+        self.models[name] = e
+        self.metrics.set_model_state(name, e.state.value)
+        return e
+
+    def get(self, name: str) -> ModelEntry:
+        """A known model (configured, cached or touched by the admin API), else UnknownModel."""
+        e = self.models.get(name)
+        if e is None:
+            raise UnknownModel(f"the model {name!r} does not exist")
+        return e
+
+    def _set(self, e: ModelEntry, state: State, reason: str = "") -> None:
+        if state != e.state and state not in NEXT_STATES[e.state]:
+            raise ManagerError(f"{e.name}: cannot go from {e.state.value} to {state.value}")
+        if state != e.state:
+            self._log.info("model_state", model=e.name, state=state.value, previous=e.state.value, reason=reason or None)
+        e.state, e.reason = state, reason
+        self.metrics.set_model_state(e.name, state.value)
+
+    def ready_models(self) -> list[ModelEntry]:
+        return [e for e in self.models.values() if e.state is State.READY]
+
+    def busy(self) -> bool:
+        """Some model is being pulled or loaded (systemd wants EXTEND_TIMEOUT_USEC then)."""
+        return any(e.state in (State.PULLING, State.LOADING) for e in self.models.values())
+
+    # --- background operations --------------------------------------------------------------
+
+    def _start(self, e: ModelEntry, coro: Any) -> asyncio.Task[None]:
+        if e.task is not None and not e.task.done():
+            coro.close()
+            raise ManagerError(f"{e.name} is {e.state.value}; try again when that finishes", retry_after=1.0)
+        e.task = asyncio.create_task(coro, name=f"model-{e.name}")
+        return e.task
+
+    def pull(self, name: str) -> asyncio.Task[None] | None:
+        """Start a pull; None when the model is loaded or on its way (its files are cached)."""
+        if self.source is None:
+            raise ManagerError("no model store is configured")
+        e = self._entry(name)
+        if e.state in (State.LOADING, State.READY, State.DRAINING, State.UNLOADING):
+            return None
+        if e.state is State.PULLING:
+            raise ManagerError(f"{name} is being pulled", retry_after=1.0)
+        task = self._start(e, self._pull(e))
+        self._set(e, State.PULLING)  # visible to the caller before the task first runs
+        return task
+
+    async def _pull(self, e: ModelEntry) -> None:
+        if self.source is None:
+            self._set(e, State.FAILED, "no model store is configured")
+            return
+        self._set(e, State.PULLING)
+        t0 = time.monotonic()
+        try:
+            e.snapshot = await self.source.pull(e.name)
+        except Exception as ex:
+            self.metrics.pull_failures.labels(model=e.name).inc()
+            self._set(e, State.FAILED, f"pull failed: {type(ex).__name__}: {ex}")
+            return
+        self.metrics.pull_seconds.labels(model=e.name).observe(time.monotonic() - t0)
+        self._set(e, State.CACHED)
+
+    def load(self, name: str) -> asyncio.Task[None] | None:
+        """Start loading (pulling first when needed); None when it is already ready."""
+        e = self._entry(name, create=self.source is not None)
+        if e.state is State.READY:
+            return None
+        if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
+            raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
+        task = self._start(e, self._load(e))
+        self._set(e, State.LOADING if e.snapshot is not None and e.snapshot.exists() else State.PULLING)
+        return task
+
+    async def _load(self, e: ModelEntry) -> None:
+        async with e.lock:
+            await self._load_locked(e)
+
+    async def _load_locked(self, e: ModelEntry) -> None:
+        if e.snapshot is None or not e.snapshot.exists():
+            await self._pull(e)
+            if e.state is not State.CACHED:
+                return
+        self._set(e, State.LOADING)
+        e.want_loaded, e.refusal = True, {}
+        self._pin(e, True)
+        in_engine = False
+        try:
+            await self._wait_worker()
+            t0 = time.monotonic()
+            # The tokenizer loads in a thread while the worker loads weights.
+            tok_task = asyncio.ensure_future(asyncio.to_thread(self.load_tokenizer, e.snapshot))
+            try:
+                loaded = await self._engine_load(e)
+            except BaseException:
+                tok_task.cancel()
+                raise
+            in_engine = True
+            e.tokenizer = await tok_task
+            e.info, e.load_seconds = dict(loaded.info), time.monotonic() - t0
+            if self.verify is not None and not await self.verify(e):
+                raise WorkerError("the model loaded but could not decode a token", "decode_failed")
+        except asyncio.CancelledError:
+            raise
+        except Exception as ex:
+            e.want_loaded = False
+            if isinstance(ex, NoRoom):
+                e.refusal = dict(ex.details)
+            if in_engine and self.worker.alive:
+                try:
+                    await self.worker.unload(e.name)  # do not leave a half-good model holding memory
+                except WorkerError:
+                    pass
+            e.tokenizer = None
+            self._pin(e, False)
+            self._set(e, State.FAILED, str(ex) if isinstance(ex, NoRoom) else f"load failed: {ex}")
+            return
+        self.metrics.load_seconds.labels(model=e.name).observe(e.load_seconds)
+        e.touch()  # keep_alive and LRU count from the load, not from an older use
+        self._set(e, State.READY)
+
+    def _pin(self, e: ModelEntry, pinned: bool) -> None:
+        """Keep the cache from evicting a model that is loaded or loading (idempotent)."""
+        if self.source is None or e.pinned == pinned:
+            return
+        (self.source.pin if pinned else self.source.unpin)(e.name)
+        e.pinned = pinned
+
+    async def _wait_worker(self) -> None:
+        deadline = time.monotonic() + WORKER_WAIT_S
+        while not self.worker.alive:
+            if time.monotonic() > deadline:
+                raise WorkerError("the engine worker did not come up", "worker_down")
+            await asyncio.sleep(0.1)
+        if self.worker.state.engine_error:
+            raise WorkerError(f"the engine is unavailable: {self.worker.state.engine_error}", "no_engine")
+
+    def unload(self, name: str, drain_s: float | None = None) -> asyncio.Task[None] | None:
+        """Start draining (up to ``drain_s``, default ``server.drain_timeout``; then what is left
+        is aborted) and unloading; None when it is not loaded."""
+        e = self.get(name)
+        if e.state is State.FAILED and not e.want_loaded and (e.task is None or e.task.done()):
+            # Nothing of it is in the engine: unloading clears the failure.
+            e.refusal = {}
+            self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT, "unloaded after a failure")
+            return None
+        if e.state in (State.CACHED, State.ABSENT):
+            return None
+        if e.state is not State.READY:
+            raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
+        task = self._start(e, self._unload(e, drain_s))
+        self._set(e, State.DRAINING)
+        return task
+
+    async def _unload(self, e: ModelEntry, drain_s: float | None = None, reason: str = "") -> None:
+        async with e.lock:
+            await self._unload_locked(e, drain_s, reason)
+
+    async def _unload_locked(self, e: ModelEntry, drain_s: float | None, reason: str) -> None:
+        self._set(e, State.DRAINING, reason)
+        e.want_loaded = False
+        deadline = time.monotonic() + (self.settings.server.drain_timeout if drain_s is None else drain_s)
+        while e.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if e.in_flight:
+            self._log.warning("drain_timeout", model=e.name, in_flight=e.in_flight)
+        self._set(e, State.UNLOADING, reason)
+        try:
+            if self.worker.alive:
+                await self.worker.unload(e.name)  # aborts whatever did not drain in time
+        except WorkerError as ex:
+            self._log.warning("unload_error", model=e.name, error=str(ex))
+        e.tokenizer, e.info = None, {}
+        self._pin(e, False)
+        self.metrics.forget_model(e.name)
+        self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT, reason)
+
+    def set_pin(self, name: str, pinned: bool | None) -> ModelEntry:
+        """Pin (never evicted, never unloaded when idle) or unpin; None goes back to the config."""
+        e = self.get(name)
+        e.pin_override = pinned
+        self._log.info("model_pin", model=name, pinned=e.pin)
+        return e
+
+    def start(self) -> None:
+        """Start the keep-alive task (needs a running loop); ``close`` stops it."""
+        if self._keep_alive is None:
+            self._keep_alive = asyncio.create_task(self.run_keep_alive(), name="keep-alive")
+
+    async def preload(self) -> None:
+        """Load every ``preload`` model; returns when each is ready or failed."""
+        tasks = []
+        for m in self.settings.models:
+            if m.preload:
+                try:
+                    t = self.load(m.name)
+                except ManagerError as ex:  # e.g. a load already started through the admin API
+                    self._log.warning("preload_skipped", model=m.name, error=str(ex))
+                    continue
+                if t is not None:
+                    tasks.append(t)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def preload_ready(self) -> bool:
+        return all(self.models[m.name].state is State.READY for m in self.settings.models if m.preload)
+
+    # --- worker events ----------------------------------------------------------------------
+
+    async def on_worker_down(self) -> None:
+        for e in self.models.values():
+            if e.state in (State.READY, State.DRAINING, State.UNLOADING) or (e.state is State.LOADING and e.want_loaded):
+                if e.task is not None and not e.task.done():
+                    e.task.cancel()
+                if e.want_loaded:
+                    self._set(e, State.LOADING, "the engine worker restarted; reloading")
+                else:  # it was on its way out anyway: finish the unload's bookkeeping
+                    self._set(e, State.UNLOADING, "the engine worker exited")
+                    e.tokenizer, e.info = None, {}
+                    self._pin(e, False)
+                    self.metrics.forget_model(e.name)
+                    self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT)
+
+    async def on_worker_up(self) -> None:
+        for e in list(self.models.values()):
+            if e.state is State.LOADING and e.want_loaded and (e.task is None or e.task.done()):
+                e.task = asyncio.create_task(self._load(e), name=f"reload-{e.name}")
+
+    # --- admission --------------------------------------------------------------------------
+
+    def admit(self, name: str) -> "Admission":
+        """Reserve a slot for one request; raise UnknownModel, ModelNotReady or QueueFull."""
+        e = self.models.get(name)
+        if e is None:
+            raise UnknownModel(f"the model {name!r} does not exist")
+        if e.state is not State.READY:
+            retry = 2.0 if e.state in (State.LOADING, State.PULLING) else 1.0 if e.state in (
+                State.DRAINING, State.UNLOADING) else None
+            why = f" ({e.reason})" if e.reason else ""
+            raise ModelNotReady(f"the model {name!r} is {e.state.value}{why}", retry_after=retry)
+        if e.in_flight >= e.queue_limit:
+            raise QueueFull(f"the model {name!r} has {e.in_flight} requests in flight; try again shortly",
+                            retry_after=1.0)
+        return Admission(e)
+
+    async def close(self) -> None:
+        if self._keep_alive is not None:
+            self._keep_alive.cancel()
+            await asyncio.gather(self._keep_alive, return_exceptions=True)
+        for e in self.models.values():
+            if e.task is not None and not e.task.done():
+                e.task.cancel()
+        await asyncio.gather(*(e.task for e in self.models.values() if e.task is not None), return_exceptions=True)
+
+    # --- views ------------------------------------------------------------------------------
+
+    def describe(self, e: ModelEntry) -> dict[str, Any]:
+        stats = self.worker.state.models.get(e.name, {}) if e.state is State.READY else {}
+        return {
+            "name": e.name, "state": e.state.value, "reason": e.reason or None,
+            "device_bytes": int(stats.get("device_bytes", e.info.get("device_bytes", 0)) or 0),
+            "kv_pages": {"used": int(stats.get("kv_pages_used", 0)), "total": int(stats.get("kv_pages_total", e.info.get("kv_pages", 0)) or 0)},
+            "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
+            "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
+            "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len)),
+            "vocab_size": int(e.info["vocab_size"]) if "vocab_size" in e.info else None,
+            "preload": e.settings.preload, "queue_limit": e.queue_limit, "pinned": e.pin,
+            "autoload": self.autoload_enabled(e), "keep_alive_s": e.settings.keep_alive,
+            "idle_s": round(e.idle_for(time.monotonic()), 3) if e.state is State.READY else None,
+            "refusal": e.refusal or None,
+            "snapshot": str(e.snapshot) if e.snapshot is not None else None,
+            "pull": self.source.pull_progress(e.name) if e.state is State.PULLING and self.source else None,
+        }

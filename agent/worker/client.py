@@ -1,0 +1,400 @@
+"""Start, talk to and supervise the engine worker process.
+
+The agent owns one :class:`WorkerClient`. It spawns ``python -m engine.worker`` with one end of
+a unix socketpair, reads frames on the other, and routes each request's outputs to that
+request's :class:`EngineRequest` queue. The worker's death is seen at once (EOF on the socket
+and the process exit): every in-flight request gets a :class:`WorkerDied` in its queue, pending
+loads fail, ``on_down`` runs, and the worker is started again with exponential backoff;
+``on_up`` then runs so the model manager can reload what was loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.log import get_logger
+from engine.worker import protocol as P
+
+HELLO_TIMEOUT_S = 120.0  # importing torch and initialising CUDA on a cold node is slow
+HEARTBEAT_STALE_S = 3.0
+STALL_S = 20.0  # busy with no engine step for this long: wedged (a first-step kernel compile can take a while)
+BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
+
+
+class WorkerError(Exception):
+    """The worker refused a command (bad request, load failure); ``code`` is its error type and
+    ``details`` its structured figures (a load refused for room: ``code == "no_room"``)."""
+
+    def __init__(self, message: str, code: str = "internal", details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.details = dict(details or {})
+
+
+class WorkerDied(WorkerError):
+    """The worker exited (or is not running) while the command or request was in flight."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="worker_died")
+
+
+@dataclass
+class EngineRequest:
+    """One request in the engine: outputs (``TokenOutput``) or a final exception arrive on ``queue``."""
+
+    req_id: str
+    model: str
+    queue: asyncio.Queue[P.TokenOutput | Exception] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+@dataclass
+class WorkerState:
+    pid: int | None = None
+    alive: bool = False
+    device: str = ""
+    engine_error: str = ""
+    budget_bytes: int = 0
+    started_at: float = 0.0
+    last_frame: float = 0.0
+    phase: str = "idle"
+    phase_seconds: float = 0.0
+    steps: int = 0
+    busy: bool = False
+    last_progress: float = 0.0
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)  # the engine's ledger split (Status.memory)
+    restarts: int = 0
+    last_exit: str = ""
+
+
+Hook = Callable[[], Awaitable[None]]
+
+
+class WorkerClient:
+    def __init__(
+        self,
+        options: dict[str, Any],
+        *,
+        engine: str = "core",
+        on_up: Hook | None = None,
+        on_down: Hook | None = None,
+        on_restart: Callable[[], None] | None = None,
+    ) -> None:
+        self.options = options
+        self.engine = engine
+        self.on_up = on_up
+        self.on_down = on_down
+        self.on_restart = on_restart
+        self.state = WorkerState()
+        self.last_decode: dict[str, float] = {}
+        self._log = get_logger("worker_client")
+        self._proc: asyncio.subprocess.Process | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._streams: dict[str, EngineRequest] = {}
+        self._pending: dict[tuple[str, str], asyncio.Future[Any]] = {}
+        self._aborts: list[str] = []
+        self._hello: asyncio.Future[P.Hello] | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._first_up = asyncio.Event()
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def start(self, wait: bool = True) -> None:
+        """Start supervising; with ``wait``, return once the first worker said Hello."""
+        self._supervisor = asyncio.create_task(self._supervise(), name="worker-supervisor")
+        if wait:
+            await asyncio.wait(
+                [asyncio.ensure_future(self._first_up.wait()), self._supervisor],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Ask the worker to exit, kill it after ``timeout``, and stop supervising."""
+        self._stopping = True
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            try:
+                self._send(P.Shutdown())
+            except WorkerDied:
+                proc.terminate()  # not talking yet (still starting): nothing to finish cleanly
+            try:
+                await asyncio.wait_for(proc.wait(), timeout)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            try:
+                await self._supervisor
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._fail_all("the agent is shutting down")
+
+    async def _supervise(self) -> None:
+        delay = BACKOFF_MIN_S
+        while not self._stopping:
+            started = time.monotonic()
+            try:
+                await self._run_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # keep supervising whatever went wrong with one worker
+                self._log.error("worker_failed", error=f"{type(e).__name__}: {e}")
+            if self._stopping:
+                return
+            if time.monotonic() - started > STABLE_S:
+                delay = BACKOFF_MIN_S
+            self._log.warning("worker_restart_scheduled", delay_s=delay, last_exit=self.state.last_exit)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX_S)
+            self.state.restarts += 1
+            if self.on_restart:
+                self.on_restart()
+
+    async def _run_once(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "engine.worker", "--fd", str(child.fileno()),
+                "--options", json.dumps(self.options), "--engine", self.engine,
+                pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL,
+            )
+        finally:
+            child.close()
+        proc = self._proc
+        reader, self._writer = await asyncio.open_unix_connection(sock=parent)
+        self.state = WorkerState(pid=proc.pid, started_at=time.monotonic(), restarts=self.state.restarts)
+        self._hello = asyncio.get_running_loop().create_future()
+        read_task = asyncio.create_task(self._read_loop(reader), name="worker-reader")
+        up_task: asyncio.Task[None] | None = None
+        try:
+            hello = await asyncio.wait_for(asyncio.shield(self._hello), HELLO_TIMEOUT_S)
+            self.state.alive = True
+            self.state.device, self.state.engine_error = hello.device, hello.engine_error
+            self.state.budget_bytes = hello.budget_bytes
+            self.state.last_frame = self.state.last_progress = time.monotonic()
+            self._log.info("worker_up", pid=hello.pid, device=hello.device, engine_error=hello.engine_error or None)
+            self._first_up.set()
+            if self.on_up:
+                up_task = asyncio.create_task(self.on_up(), name="worker-on-up")
+            # Either the socket closing or the process exiting means the worker is gone.
+            wait_proc = asyncio.create_task(proc.wait())
+            await asyncio.wait([read_task, wait_proc], return_when=asyncio.FIRST_COMPLETED)
+            wait_proc.cancel()
+        except asyncio.TimeoutError:
+            self._log.error("worker_no_hello", timeout_s=HELLO_TIMEOUT_S)
+        finally:
+            await self._reap(proc, read_task, up_task)
+
+    async def _reap(self, proc: asyncio.subprocess.Process, read_task: asyncio.Task[None], up_task: Any) -> None:
+        was_alive = self.state.alive
+        self.state.alive = False
+        if proc.returncode is None:
+            proc.kill()
+        rc = await proc.wait()
+        read_task.cancel()
+        if up_task is not None:
+            up_task.cancel()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+        self.state.last_exit = how
+        if not self._stopping:
+            self._log.error("worker_exited", pid=proc.pid, how=how)
+        self._fail_all(f"the engine worker exited ({how}); the request was aborted")
+        if was_alive and self.on_down and not self._stopping:
+            await self.on_down()
+
+    def _fail_all(self, message: str) -> None:
+        streams, self._streams = self._streams, {}
+        for s in streams.values():
+            s.finished = True
+            s.queue.put_nowait(WorkerDied(message))
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(WorkerDied(message))
+        if self._hello is not None and not self._hello.done():
+            self._hello.cancel()
+
+    # --- reading ----------------------------------------------------------------------------
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                n = P.frame_length(await reader.readexactly(P.HEADER_BYTES))
+                self._dispatch(P.decode(await reader.readexactly(n)))
+        except asyncio.IncompleteReadError:
+            return  # EOF: the worker is gone
+        except P.ProtocolError as e:
+            self._log.error("worker_protocol_error", error=str(e))
+            if self._proc is not None and self._proc.returncode is None:
+                self._proc.kill()  # a worker that speaks garbage is not trusted further
+
+    def _dispatch(self, msg: P.Message) -> None:
+        now = time.monotonic()
+        st = self.state
+        st.last_frame = now
+        if isinstance(msg, P.Tokens):
+            for out in P.unpack_outputs(msg):
+                req = self._streams.get(out.req_id)
+                if req is None:
+                    continue  # aborted on our side already
+                if out.new_token_ids:
+                    self.last_decode[req.model] = now
+                if out.finish_reason is not None:
+                    req.finished = True
+                    del self._streams[out.req_id]
+                req.queue.put_nowait(out)
+        elif isinstance(msg, P.Heartbeat):
+            st.phase, st.phase_seconds = msg.phase, msg.phase_seconds
+        elif isinstance(msg, P.Status):
+            if msg.steps != st.steps:
+                st.last_progress = now
+            st.steps, st.busy, st.models, st.memory = msg.steps, msg.busy, msg.models, msg.memory
+        elif isinstance(msg, P.Hello):
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_result(msg)
+        elif isinstance(msg, P.Loaded):
+            self._resolve(("load", msg.model), msg)
+        elif isinstance(msg, P.Unloaded):
+            self._resolve(("unload", msg.model), msg)
+        elif isinstance(msg, P.Error):
+            self._on_error(msg)
+        else:
+            self._log.warning("worker_unexpected_message", tag=msg.TAG)
+
+    def _resolve(self, key: tuple[str, str], value: Any) -> None:
+        fut = self._pending.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(value)
+
+    def _on_error(self, msg: P.Error) -> None:
+        err = WorkerError(msg.message, msg.code, msg.details)
+        if msg.req_id:
+            req = self._streams.pop(msg.req_id, None)
+            if req is not None:
+                req.finished = True
+                req.queue.put_nowait(err)
+            return
+        fut = self._pending.pop((msg.op, msg.model), None)
+        if fut is not None and not fut.done():
+            fut.set_exception(err)
+        else:
+            self._log.error("worker_error", op=msg.op, code=msg.code, message=msg.message)
+
+    # --- commands ---------------------------------------------------------------------------
+
+    def _send(self, msg: P.Message) -> None:
+        if self._writer is None or not self.state.alive or self._writer.is_closing():
+            raise WorkerDied("the engine worker is not running")
+        self._writer.write(P.encode(msg))
+
+    def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: dict[str, Any],
+            queue: asyncio.Queue[P.TokenOutput | Exception] | None = None) -> EngineRequest:
+        """Send one request to the engine; raises WorkerDied when no worker is up.
+
+        Requests may share one ``queue`` (the choices of one HTTP request); outputs carry req_id.
+        """
+        if req_id in self._streams:
+            raise WorkerError(f"duplicate request id {req_id!r}", "duplicate")
+        self._send(P.Add(req_id=req_id, model=model, prompt_token_ids=prompt_token_ids, sampling=sampling))
+        req = EngineRequest(req_id, model) if queue is None else EngineRequest(req_id, model, queue)
+        self._streams[req_id] = req
+        return req
+
+    def abort(self, req_id: str) -> None:
+        """Abort in the engine (no-op when finished). Aborts of one loop turn share one frame."""
+        req = self._streams.pop(req_id, None)
+        if req is None:
+            return
+        req.finished = True
+        if not self._aborts:
+            asyncio.get_running_loop().call_soon(self._flush_aborts)
+        self._aborts.append(req_id)
+
+    def abort_all(self, message: str, code: str) -> int:
+        """Abort every request in the engine and fail its stream with ``WorkerError(code)``."""
+        streams, self._streams = self._streams, {}
+        for req in streams.values():
+            req.finished = True
+            req.queue.put_nowait(WorkerError(message, code))
+        if streams:
+            try:
+                self._send(P.Abort(req_ids=list(streams)))
+            except WorkerDied:
+                pass
+        return len(streams)
+
+    def _flush_aborts(self) -> None:
+        ids, self._aborts = self._aborts, []
+        try:
+            self._send(P.Abort(req_ids=ids))
+        except WorkerDied:
+            pass  # nothing to abort in a dead worker
+
+    async def _command(self, key: tuple[str, str], msg: P.Message, timeout: float | None) -> Any:
+        if key in self._pending:
+            raise WorkerError(f"a {key[0]} of {key[1]!r} is already in progress", "busy")
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._send(msg)
+        self._pending[key] = fut
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        finally:
+            if self._pending.get(key) is fut:
+                del self._pending[key]
+
+    async def load(self, model: str, model_dir: str, *, max_model_len: int, max_num_seqs: int,
+                   weight: float = 1.0, evictable: list[str] | None = None,
+                   timeout: float | None = None) -> P.Loaded:
+        """``evictable``: models the caller would unload to make room, least recently used first."""
+        return await self._command(
+            ("load", model),
+            P.Load(model=model, model_dir=model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                   weight=weight, evictable=list(evictable or [])),
+            timeout,
+        )
+
+    async def unload(self, model: str, timeout: float | None = 60.0) -> None:
+        await self._command(("unload", model), P.Unload(model=model), timeout)
+        self.last_decode.pop(model, None)
+
+    # --- health -----------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self.state.alive
+
+    @property
+    def pid(self) -> int | None:
+        return self.state.pid if self.state.alive else None
+
+    def heartbeat_fresh(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return self.state.alive and now - self.state.last_frame < HEARTBEAT_STALE_S
+
+    def progressing(self, now: float | None = None) -> bool:
+        """Fresh, and either idle, loading, or stepping: the systemd watchdog's condition."""
+        now = time.monotonic() if now is None else now
+        st = self.state
+        if not self.heartbeat_fresh(now):
+            return False
+        if st.phase.startswith("loading:"):
+            return True
+        return not st.busy or now - st.last_progress < STALL_S
+
+    def in_flight(self, model: str | None = None) -> int:
+        if model is None:
+            return len(self._streams)
+        return sum(1 for r in self._streams.values() if r.model == model)

@@ -1,0 +1,194 @@
+"""EngineCore's shared KV pool: its size, its resizes, and the runners over its memory.
+
+A mixin of :class:`engine.core.engine_core.EngineCore` (split out so each file stays short); it uses the
+core's ``pool``, ``ledger``, ``_slots``, ``device`` and limits. Policy (docs/multi-model.md):
+the pool is re-created only when no sequence holds a page, so a resize never copies KV data;
+a load that must shrink it (its weights need the room) or grow it (its guaranteed minimum
+needs pages) while sequences are live preempts them first (they recompute, token-identical);
+any other resize waits for an idle pool.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.core.memory_plan import LoadNeeds, pool_target
+from engine.errors import EngineError
+from engine.kv.kv_cache import KVCache, KVSpec
+from engine.core.ledger import LedgerError
+from engine.runner.model_runner import ModelRunner
+from engine.kv.page_pool import PagePool, PoolBusyError
+from engine.sampling import SamplingParams
+from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
+
+if TYPE_CHECKING:  # pragma: no cover
+    from engine.core.engine_core import ModelSlot
+    from engine.core.ledger import MemoryLedger
+
+
+class PoolKeeper:
+    """The pool half of EngineCore."""
+
+    pool: PagePool | None
+    ledger: "MemoryLedger"
+    device: torch.device
+    max_num_batched_tokens: int
+    decode_buckets: tuple[int, ...]
+    _slots: dict[str, "ModelSlot"]
+
+    def _fit_pool(self, new: LoadNeeds | None, kv_after: int | None) -> None:
+        """Resize the pool to its target when that is cheap (no live page) or required by a load
+        (``new``): the weights need room the pool holds, or its minimum needs pages the pool lacks.
+        A required resize with live pages preempts every running sequence first."""
+        if self.pool is not None and not self.pool.models() and (new is None or new.page_bytes != self.pool.page_bytes):
+            self.pool = None  # no model on it: gone now; a load makes one of its own page size
+            self.ledger.set_kv_pool(0)
+        if self.pool is None:
+            if new is None:
+                return
+            self.pool = PagePool(0, new.page_bytes, self.device)
+        pool = self.pool
+        pb = pool.page_bytes
+        pooled = [s for s in self._slots.values() if s.pages is not None]
+        wants = [s.needs.want_pages for s in pooled] + ([new.want_pages] if new else [])
+        if kv_after is None:
+            snap = self.ledger.snapshot()
+            kv_after = snap.free + snap.kv_pool_bytes  # the budget beside weights and workspace
+        target = pool_target(kv_after, pb, wants)
+        cur = pool.num_pages
+        if target == cur:
+            return
+        idle = all(pool.num_used(n) == 0 for n in pool.models())
+        if not idle:
+            must_shrink = new is not None and cur * pb > kv_after
+            must_grow = new is not None and pool.num_free - pool.num_reserved < new.min_pages
+            if not (must_shrink or must_grow):
+                return  # a grow (or a trim after unload) waits until the pool is idle
+            for s in pooled:
+                for seq in list(s.scheduler.running):
+                    s.scheduler.preempt(seq.req_id)
+            if any(pool.num_used(n) for n in pool.models()):
+                raise EngineError("KV pages are still held after preempting every running sequence")
+        self._resize_pool(target)
+
+    def _resize_pool(self, target: int) -> None:
+        """Re-create the (idle) pool with ``target`` pages; runners are rebuilt on the new memory.
+        Ledger order: a larger pool is booked before it is allocated, a smaller one after."""
+        pool = self.pool
+        old = pool.num_pages
+        pooled = [s for s in self._slots.values() if s.pages is not None]
+        for s in pooled:  # views (and captured graphs) of the old memory must go first
+            s.runner = s.kv = None
+        try:
+            if target > old:
+                self.ledger.set_kv_pool(target * pool.page_bytes)
+            try:
+                try:
+                    pool.resize(target)
+                except PoolBusyError:
+                    gc.collect()  # a reference cycle may still hold the old views; then retry once
+                    pool.resize(target)
+            except Exception:
+                if target > old:
+                    self.ledger.set_kv_pool(old * pool.page_bytes)
+                raise
+            if target < old:
+                self.ledger.set_kv_pool(target * pool.page_bytes)
+        except (LedgerError, EngineError) as e:
+            raise EngineError(f"KV pool resize {old} -> {target} pages failed: {e}") from e
+        finally:
+            for s in pooled:
+                self._attach_runner(s)
+
+    def _attach_runner(self, slot: ModelSlot) -> None:
+        """KV views over the pool and a runner on them (on CUDA: its decode graphs captured)."""
+        slot.kv, slot.runner = self._new_runner(slot.name, slot.config, slot.model, slot.max_num_seqs,
+                                                slot.scheduler.config.max_model_len)
+
+    def _new_runner(self, name: str, cfg, model, max_num_seqs: int, max_model_len: int) -> tuple[KVCache, ModelRunner]:
+        """The KV cache over model ``name``'s pages of the pool and a runner on it; touches no slot
+        (the load thread's :class:`engine.runner.prebuild.RunnerBuild` calls it too)."""
+        lay = self.pool.layout(name)
+        spec = KVSpec(cfg.num_layers, lay.tokens_per_page, cfg.num_kv_heads, cfg.head_dim, getattr(torch, lay.dtype))
+        if lay.tokens_per_page * lay.bytes_per_token == self.pool.page_bytes:
+            kv = KVCache.from_buffer(spec, self.pool.flat_buffer(name))
+        else:  # padded pages: per-layer views whose page stride is the whole page
+            kv = KVCache.from_views(spec, self.pool.kv_views(name))
+        return kv, ModelRunner(model, kv, self.max_num_batched_tokens, max_num_seqs, max_model_len,
+                               decode_buckets=self.decode_buckets, stream_pool=self.streams)
+
+    def _warm_up(self, slot: ModelSlot) -> None:
+        """One step at the largest batch (every row sampled) so its peak can be measured. The
+        sequences share one block table of the model's own guaranteed pages: their K/V writes
+        land only there, and the pages are freed after."""
+        cfg = slot.scheduler.config
+        per_seq = min(cfg.max_model_len - 1, self.max_num_batched_tokens)
+        table = [slot.pages.allocate() for _ in range(-(-per_seq // slot.pages.block_size))]
+        out = SchedulerOutput()
+        left = self.max_num_batched_tokens
+        params = SamplingParams(temperature=0)
+        while left > 0 and len(out.seqs) < slot.max_num_seqs:
+            n = min(per_seq, left)
+            i = len(out.seqs)
+            out.seqs.append(ScheduledSeq(-1 - i, f"warmup{i}", [0] * n, 0, table, True, 0, params))
+            out.num_batched_tokens += n
+            left -= n
+        try:
+            slot.runner.execute(out)
+        finally:
+            for page in table:
+                slot.pages.free(page)
+
+    def _device_allocated(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def _device_peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def _return_device_memory(self) -> None:
+        """After a model's tensors are dropped: hand their device memory back to the driver,
+        except the KV pool's segment, which is still alive here and stays cached when the pool
+        is trimmed or dropped after this.
+
+        Memory handed back must be scrubbed by the driver before it is handed out again, which a
+        reload right after an unload waits for: a 90 GB allocation takes 0.04 s fresh and 0.28 s
+        right after a free (H200, ``ops/gpu/pool_fit_probe.py``), while a cached segment of the
+        same or a larger size is taken back at once. The weights and the graphs' private pools
+        are released (a reload of 16 GB of weights waits little, and stale graph pools would
+        otherwise pile up until an allocation fails). The cycle collector runs first: a reference
+        cycle may still hold the model's tensors (a full collection costs ~70 ms on a loaded
+        worker; an unload is rare).
+        """
+        if self.device.type != "cuda":
+            return
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def memory(self) -> dict[str, Any]:
+        """The budget and who holds it, in bytes: ``budget``, ``used`` (weights + workspace + the
+        whole KV pool), ``free``, ``weights``, ``workspace``, ``kv`` (the pool), ``kv_used`` (its
+        pages held), ``page_bytes``, ``kv_pages`` / ``kv_pages_free``, and per model ``weights``,
+        ``workspace``, ``kv_min``, ``kv_used``, ``kv_pages_used``, ``kv_pages_total``."""
+        snap = self.ledger.snapshot()
+        pool = self.pool
+        pb = pool.page_bytes if pool is not None else 0
+        models = {}
+        for name, s in self._slots.items():
+            if s.pages is None:
+                continue
+            models[name] = {"weights": snap.weights.get(name, 0), "workspace": snap.workspace.get(name, 0),
+                            "kv_min": snap.kv_min.get(name, 0), "kv_used": s.pages.num_used * pb,
+                            "kv_pages_used": s.pages.num_used, "kv_pages_total": s.pages.num_total}
+        return {"budget": snap.budget, "used": snap.used, "free": snap.free,
+                "weights": sum(snap.weights.values()), "workspace": sum(snap.workspace.values()),
+                "kv": snap.kv_pool_bytes, "kv_used": sum(m["kv_used"] for m in models.values()),
+                "page_bytes": pb, "kv_pages": pool.num_pages if pool is not None else 0,
+                "kv_pages_free": pool.num_free if pool is not None else 0, "models": models}

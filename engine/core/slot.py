@@ -1,0 +1,66 @@
+"""The records EngineCore hands out and keeps per model (re-exported by ``engine.core.engine_core``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import ModelConfig
+from engine.core.memory_plan import LoadNeeds
+from engine.kv.kv_cache import KVCache
+from engine.runner.model_runner import ModelRunner
+from engine.models.llama import LlamaModel
+from engine.kv.page_pool import ModelPageSource
+from engine.sched.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    device_bytes: int
+    kv_pages: int
+    block_size: int
+
+
+@dataclass
+class RequestOutput:
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # None | "stop" | "length" | "abort"
+    logprobs: list | None  # one entry per new token: {"token_id", "logprob", "top_logprobs"}
+    num_prompt_tokens: int
+
+
+@dataclass
+class ModelSlot:
+    """One loaded model. ``pages`` is set for models on the shared pool; a slot without it
+    (the tensor-parallel engine's) owns its KV cache and is not booked in the ledger."""
+
+    name: str
+    config: ModelConfig
+    model: LlamaModel
+    kv: KVCache | None
+    runner: ModelRunner | None
+    scheduler: Scheduler
+    weight: float
+    weight_bytes: int
+    info: ModelInfo
+    vtime: float = 0.0  # kept for callers that set it; the picker keeps the real clock
+    steps: int = 0
+    last_step_s: float = 1e-3
+    pages: ModelPageSource | None = None
+    needs: LoadNeeds | None = None
+    max_num_seqs: int = 0
+    workspace_bytes: int = 0
+    warm_key: str | None = None  # identity of the weight files, for the warm tier
+    last_request_t: float = float("-inf")  # perf_counter of its newest request (EngineCore._yields)
+    parked: int = 0  # times step() returned with this model's step parked (EngineCore.parked)
+    parked_s: float = 0.0  # the caller's time from those returns to its next step() call
+
+    @property
+    def device_bytes(self) -> int:
+        if self.pages is None:
+            return self.weight_bytes + (self.kv.nbytes if self.kv is not None else 0)
+        return self.weight_bytes + self.workspace_bytes + self.pages.num_used * self.needs.page_bytes

@@ -1,0 +1,104 @@
+"""The device memory behind a PagePool: one ``uint8`` tensor ``[num_pages, page_bytes]``, the
+per-model K/V views over it, and the resize that keeps live pages.
+
+Kept apart from the page accounting in ``engine/kv/page_pool.py`` so that module stays importable
+without torch; the pool creates a ``PoolMemory`` only when it is given a device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from engine.kv.layout import KVLayout, PagePoolError, PoolBusyError
+
+KVViews = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class PoolMemory:
+    """The pool's bytes on ``device``; views are cached per model until the next resize."""
+
+    def __init__(self, num_pages: int, page_bytes: int, device: Any) -> None:
+        self.page_bytes = page_bytes
+        self.device = torch.device(device)
+        self.tensor: torch.Tensor | None = self._zeros(num_pages)
+        self._views: dict[str, KVViews] = {}
+
+    def _zeros(self, num_pages: int) -> torch.Tensor:
+        # Zeroed, so a kernel that reads a masked, never-written slot sees no NaN bit patterns.
+        return torch.zeros((num_pages, self.page_bytes), dtype=torch.uint8, device=self.device)
+
+    @property
+    def num_pages(self) -> int:
+        return 0 if self.tensor is None else self.tensor.shape[0]
+
+    def views(self, model: str, lay: KVLayout) -> KVViews:
+        """Per layer ``(k, v)`` of shape ``[num_pages, tokens_per_page, kv_heads, head_dim]``.
+
+        Inside a page the model's data is ``[layers, 2, tokens_per_page, kv_heads, head_dim]``
+        from byte 0; the page stride is the whole page (``page_bytes // itemsize`` elements),
+        whatever part of the page the model fills.
+        """
+        cached = self._views.get(model)
+        if cached is not None:
+            return cached
+        flat = self._require().view(getattr(torch, lay.dtype))  # [num_pages, page_elems]
+        block = lay.tokens_per_page * lay.num_kv_heads * lay.head_dim
+        size = (self.num_pages, lay.tokens_per_page, lay.num_kv_heads, lay.head_dim)
+        stride = (self.page_bytes // lay.itemsize, lay.num_kv_heads * lay.head_dim, lay.head_dim, 1)
+        base = flat.storage_offset()
+        views = [(torch.as_strided(flat, size, stride, base + 2 * layer * block),
+                  torch.as_strided(flat, size, stride, base + (2 * layer + 1) * block))
+                 for layer in range(lay.num_layers)]
+        self._views[model] = views
+        return views
+
+    def flat(self, lay: KVLayout) -> torch.Tensor:
+        return self._require().view(getattr(torch, lay.dtype)).view(-1)
+
+    def forget(self, model: str) -> None:
+        self._views.pop(model, None)
+
+    def resize(self, num_pages: int, live: list[int]) -> None:
+        """Re-create the memory with ``num_pages`` pages; pages in ``live`` (all below
+        ``num_pages``) keep their bytes, through host memory, so the device never holds the old
+        and the new tensor at once. Raises ``PoolBusyError``, changing nothing, when views
+        handed out earlier are still referenced (the old memory could not be released)."""
+        old = self._require()
+        old_pages = old.shape[0]
+        index = torch.tensor(sorted(live), dtype=torch.long, device=old.device) if live else None
+        saved = old.index_select(0, index).to("cpu") if live else None
+        self._views.clear()
+        # Dtype-changing views are not autograd views of the byte tensor: watch the storage.
+        ref = StorageWeakRef(old.untyped_storage())
+        self.tensor = None
+        del old
+        if not ref.expired():
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            self.tensor = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(
+                storage, 0, (storage.nbytes() // self.page_bytes, self.page_bytes))
+            raise PoolBusyError("views of the pool are still referenced outside it; drop them "
+                                "(fetch kv_views again after the resize) before resizing")
+        # No empty_cache here: it synchronizes the device and unmaps every cached block (after an
+        # unload, the old weights' ~300 blocks), which a reload then maps again; a request the
+        # cached blocks cannot serve makes torch's allocator release them and retry by itself.
+        try:
+            new = self._zeros(num_pages)
+        except RuntimeError as e:  # torch.OutOfMemoryError is one
+            # Put the old pages back where they were, so the pool and its books stay as before.
+            new = self._zeros(old_pages)
+            if saved is not None:
+                new.index_copy_(0, index, saved.to(self.device))
+            self.tensor = new
+            raise PagePoolError(f"could not allocate {num_pages} pages ({e}); the pool keeps "
+                                f"its {old_pages} pages") from e
+        if saved is not None:
+            new.index_copy_(0, index, saved.to(self.device))
+        self.tensor = new
+
+    def _require(self) -> torch.Tensor:
+        if self.tensor is None:  # only between the release and the allocation of a resize
+            raise PoolBusyError("the pool's memory is being re-created")
+        return self.tensor

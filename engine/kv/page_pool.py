@@ -1,0 +1,353 @@
+"""PagePool: one pool of fixed-size byte pages holding the KV cache of every loaded model.
+
+Memory is one ``uint8`` tensor ``[num_pages, page_bytes]``. A model registers with its KV shape
+and gets ``tokens_per_page = page_bytes // bytes_per_token`` (bytes_per_token = layers × 2 ×
+kv_heads × head_dim × dtype size) and, per layer, K and V views ``[num_pages, tokens_per_page,
+kv_heads, head_dim]`` whose page stride is the whole page: inside a page the model's data is laid
+out ``[layers, 2, tokens_per_page, kv_heads, head_dim]``. Page ids are global, so the same page
+serves a big model or a small one as load shifts.
+
+Sharing rules, all O(1) per call:
+- each model has a guaranteed minimum of pages, held back from everyone else while it is below
+  it, so a burst on one model cannot lock another out (invariant: free pages ≥ the sum over
+  models of ``max(0, min - counted)``);
+- an optional cap per model;
+- above their minimums, models take free pages first come first served.
+
+Resizing (see docs/multi-model.md): ``fence(limit)`` stops handing out pages ``>= limit`` so they
+drain as sequences finish; ``resize(n)`` then re-creates the memory, copying the live pages
+through host memory so page ids and contents survive and device peak is max(old, new), never
+old + new. ``generation`` changes on every resize and cached views are invalidated.
+
+The module imports no torch at import time, so torch-free code (block manager, scheduler tests)
+may use it; a pool built with ``device=None`` does the accounting only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.sched.block_manager import OutOfPages
+from engine.kv.layout import (
+    PAGE_ALIGN,
+    KVLayout,
+    ModelPageSource,
+    PageOwnershipError,
+    PagePoolError,
+    PoolBusyError,
+    PoolExhausted,
+    _positive_int,
+    kv_layout,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from engine.kv.page_memory import PoolMemory
+
+__all__ = ["PAGE_ALIGN", "KVLayout", "ModelPageSource", "PageOwnershipError", "PagePool",
+           "PagePoolError", "PoolBusyError", "PoolExhausted", "kv_layout"]
+
+
+class _Slot:
+    """One registration of a model; allocators bound to an unregistered slot stop working."""
+
+    __slots__ = ("name", "layout", "min_pages", "max_pages", "used", "counted", "pages", "active")
+
+    def __init__(self, name: str, layout: KVLayout, min_pages: int, max_pages: int | None) -> None:
+        self.name = name
+        self.layout = layout
+        self.min_pages = min_pages
+        self.max_pages = max_pages
+        self.used = 0  # pages held
+        self.counted = 0  # pages held below the fence: only these count toward the minimum
+        self.pages: set[int] = set()
+        self.active = True
+
+    def reserve(self) -> int:
+        return max(0, self.min_pages - self.counted)
+
+
+class _ModelAllocator:
+    """``ModelPageSource`` for one model registration."""
+
+    def __init__(self, pool: PagePool, slot: _Slot) -> None:
+        self._pool = pool
+        self._slot = slot
+
+    @property
+    def block_size(self) -> int:
+        return self._slot.layout.tokens_per_page
+
+    @property
+    def num_free(self) -> int:
+        return self._pool._available(self._live())
+
+    @property
+    def num_total(self) -> int:
+        slot = self._live()
+        return slot.used + self._pool._available(slot)
+
+    @property
+    def num_used(self) -> int:
+        return self._live().used
+
+    def allocate(self) -> int:
+        page_id = self._pool._allocate(self._live())
+        if page_id is None:
+            raise OutOfPages(f"no KV page free for {self._slot.name!r}")
+        return page_id
+
+    def try_allocate(self) -> int | None:
+        return self._pool._allocate(self._live())
+
+    def free(self, page_id: int) -> None:
+        self._pool._free(self._live(), page_id)
+
+    def can_allocate(self, n: int) -> bool:
+        return self._pool._available(self._live()) >= n
+
+    def _live(self) -> _Slot:
+        if not self._slot.active:
+            raise PagePoolError(f"model {self._slot.name!r} is no longer registered in the pool")
+        return self._slot
+
+
+class PagePool:
+    """The shared KV page pool. ``device=None``: accounting only, no memory, no views."""
+
+    def __init__(self, num_pages: int, page_bytes: int, device: Any = None) -> None:
+        self.page_bytes = _positive_int("page_bytes", page_bytes)
+        if page_bytes % PAGE_ALIGN:
+            raise PagePoolError(f"page_bytes must be a multiple of {PAGE_ALIGN}, got {page_bytes}")
+        self.num_pages = _positive_int("num_pages", num_pages, 0)
+        self.device = device
+        self.generation = 0
+        self._limit = num_pages  # pages >= limit are fenced: never handed out
+        self._free_ids: list[int] = list(range(num_pages - 1, -1, -1))  # stack, low ids first
+        self._owner: list[_Slot | None] = [None] * num_pages
+        self._slots: dict[str, _Slot] = {}
+        self._reserve = 0  # sum of slot.reserve(): free pages held back for minimums
+        self._memory: PoolMemory | None = None
+        if device is not None:
+            from engine.kv.page_memory import PoolMemory
+
+            self._memory = PoolMemory(num_pages, page_bytes, device)
+
+    # -- models -----------------------------------------------------------------------------------
+    def register(self, model: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: Any, min_pages: int = 0, max_pages: int | None = None,
+                 tokens_per_page: int | None = None) -> KVLayout:
+        """Add a model; ``tokens_per_page`` may ask for fewer tokens than fit (kernel tiling).
+
+        Raises ``PoolExhausted`` when ``min_pages`` cannot be guaranteed from the free pages that
+        are not already held back for other models' minimums.
+        """
+        if model in self._slots:
+            raise PagePoolError(f"model {model!r} is already registered in the pool")
+        layout = kv_layout(self.page_bytes, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, dtype=dtype, tokens_per_page=tokens_per_page)
+        _positive_int("min_pages", min_pages, 0)
+        if max_pages is not None and _positive_int("max_pages", max_pages, 0) < min_pages:
+            raise PagePoolError(f"max_pages {max_pages} < min_pages {min_pages} for {model!r}")
+        spare = len(self._free_ids) - self._reserve
+        if min_pages > spare:
+            raise PoolExhausted(f"cannot guarantee {min_pages} pages to {model!r}: {spare} free "
+                                f"pages are not held for other models ({len(self._free_ids)} "
+                                f"free, {self._reserve} held back)")
+        self._slots[model] = _Slot(model, layout, min_pages, max_pages)
+        self._reserve += min_pages
+        return layout
+
+    def unregister(self, model: str) -> None:
+        """Remove a model that holds no pages (``free_all`` first); its allocators go dead."""
+        slot = self._slot(model)
+        if slot.used:
+            raise PoolBusyError(f"model {model!r} still holds {slot.used} pages")
+        self._reserve -= slot.reserve()
+        slot.active = False
+        del self._slots[model]
+        if self._memory is not None:
+            self._memory.forget(model)
+
+    def allocator_for(self, model: str) -> ModelPageSource:
+        return _ModelAllocator(self, self._slot(model))
+
+    def layout(self, model: str) -> KVLayout:
+        return self._slot(model).layout
+
+    def free_all(self, model: str) -> int:
+        """Give back every page ``model`` holds (unload, abort of everything); returns how many."""
+        slot = self._slot(model)
+        pages = list(slot.pages)
+        for page_id in pages:
+            self._free(slot, page_id)
+        return len(pages)
+
+    # -- the O(1) core ----------------------------------------------------------------------------
+    def _available(self, slot: _Slot) -> int:
+        # Below its minimum a model may also take the pages held back for it.
+        n = len(self._free_ids) - self._reserve + slot.reserve()
+        if slot.max_pages is not None:
+            n = min(n, slot.max_pages - slot.used)
+        return max(0, n)
+
+    def _allocate(self, slot: _Slot) -> int | None:
+        if self._available(slot) < 1:
+            return None
+        page_id = self._free_ids.pop()
+        if slot.counted < slot.min_pages:
+            self._reserve -= 1
+        slot.counted += 1
+        slot.used += 1
+        slot.pages.add(page_id)
+        self._owner[page_id] = slot
+        return page_id
+
+    def _free(self, slot: _Slot, page_id: int) -> None:
+        if isinstance(page_id, bool) or not isinstance(page_id, int) or not 0 <= page_id < self.num_pages:
+            raise PagePoolError(f"{page_id!r} is not a page id of this pool (0..{self.num_pages - 1})")
+        if self._owner[page_id] is not slot:
+            owner = self._owner[page_id]
+            who = "nobody (double free)" if owner is None else repr(owner.name)
+            raise PageOwnershipError(f"{slot.name!r} frees page {page_id}, held by {who}")
+        self._owner[page_id] = None
+        slot.pages.discard(page_id)
+        slot.used -= 1
+        if page_id < self._limit:
+            slot.counted -= 1
+            if slot.counted < slot.min_pages:
+                self._reserve += 1
+            self._free_ids.append(page_id)
+        # A fenced page just drains: it is not handed out again before the resize.
+
+    # -- shrinking and growing ----------------------------------------------------------------------
+    def fence(self, limit: int) -> int:
+        """Stop handing out pages ``>= limit`` (ahead of ``resize(limit)``); returns how many of
+        them are still held. Pages above the fence no longer count toward a model's minimum, so
+        the minimums must be honourable from the pages below it, else ``PoolExhausted``."""
+        _positive_int("limit", limit, 0)
+        if limit > self.num_pages:
+            raise PagePoolError(f"fence {limit} is past the pool's {self.num_pages} pages")
+        counted = {s.name: sum(1 for p in s.pages if p < limit) for s in self._slots.values()}
+        reserve = sum(max(0, s.min_pages - counted[s.name]) for s in self._slots.values())
+        free_below = limit - sum(counted.values())
+        if free_below < reserve:
+            raise PoolExhausted(f"a fence at {limit} pages leaves {free_below} free pages below it "
+                                f"but {reserve} are guaranteed to models")
+        self._limit = limit
+        for s in self._slots.values():
+            s.counted = counted[s.name]
+        self._reserve = reserve
+        self._free_ids = [p for p in range(limit - 1, -1, -1) if self._owner[p] is None]
+        return self.num_fenced_in_use()
+
+    def num_fenced_in_use(self) -> int:
+        return sum(1 for p in range(self._limit, self.num_pages) if self._owner[p] is not None)
+
+    def resize(self, num_pages: int) -> None:
+        """Re-create the pool with ``num_pages`` pages, keeping page ids and live contents.
+
+        Pages ``>= num_pages`` must be free (``fence`` first and let them drain). Live pages are
+        copied through host memory and the old memory is released before the new is allocated,
+        so the device never holds both. Views from before must have been dropped: if any is still
+        referenced, nothing changes and ``PoolBusyError`` is raised (the old memory could not be
+        released). Book a larger size in the ledger before growing; shrink the ledger after.
+        """
+        _positive_int("num_pages", num_pages, 0)
+        held_above = sum(1 for p in range(num_pages, self.num_pages) if self._owner[p] is not None)
+        if held_above:
+            raise PoolBusyError(f"cannot resize to {num_pages} pages: {held_above} pages above "
+                                "are still held (fence and let them drain first)")
+        used = sum(s.used for s in self._slots.values())
+        reserve = sum(max(0, s.min_pages - s.used) for s in self._slots.values())
+        if num_pages - used < reserve:
+            raise PoolExhausted(f"{num_pages} pages cannot hold {used} live pages plus "
+                                f"{reserve} guaranteed to models")
+        if self._memory is not None:
+            self._memory.resize(num_pages, [p for s in self._slots.values() for p in s.pages])
+        self._owner = self._owner[:num_pages] + [None] * max(0, num_pages - self.num_pages)
+        self.num_pages = self._limit = num_pages
+        for s in self._slots.values():
+            s.counted = s.used
+        self._reserve = reserve
+        self._free_ids = [p for p in range(num_pages - 1, -1, -1) if self._owner[p] is None]
+        self.generation += 1
+
+    # -- memory and views -----------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def kv_views(self, model: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer ``(k_cache, v_cache)``, each ``[num_pages, tokens_per_page, kv_heads,
+        head_dim]`` over the shared memory; page stride = ``page_bytes // itemsize`` elements.
+        Valid until the next ``resize`` (``generation`` changes): do not keep them across one."""
+        slot = self._slot(model)
+        return self._require_memory().views(model, slot.layout)
+
+    def flat_buffer(self, model: str) -> torch.Tensor:
+        """The whole pool as one 1-D tensor of the model's dtype: the buffer
+        ``engine.kv.kv_cache.KVCache.from_buffer`` takes. Only for a layout that fills its page
+        exactly (``tokens_per_page * bytes_per_token == page_bytes``), because ``KVCache``
+        assumes a page stride of exactly one page of its own data."""
+        lay = self._slot(model).layout
+        if lay.tokens_per_page * lay.bytes_per_token != self.page_bytes:
+            raise PagePoolError(f"{model!r} fills {lay.tokens_per_page * lay.bytes_per_token} of "
+                                f"{self.page_bytes} page bytes; use kv_views for padded pages")
+        return self._require_memory().flat(lay)
+
+    def _require_memory(self) -> PoolMemory:
+        if self._memory is None:
+            raise PagePoolError("this pool has no memory (built with device=None)")
+        return self._memory
+
+    # -- reading ------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Free pages that may be handed out (below the fence), including held-back ones."""
+        return len(self._free_ids)
+
+    @property
+    def num_reserved(self) -> int:
+        """Free pages held back for models below their minimum."""
+        return self._reserve
+
+    def num_used(self, model: str) -> int:
+        return self._slot(model).used
+
+    def models(self) -> list[str]:
+        return list(self._slots)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per model: ``used``, ``min``, ``max`` (-1: no cap), ``available`` (what it could take)."""
+        return {n: {"used": s.used, "min": s.min_pages,
+                    "max": -1 if s.max_pages is None else s.max_pages,
+                    "available": self._available(s)} for n, s in self._slots.items()}
+
+    def audit(self) -> None:
+        """Recount everything from the owner table; ``PagePoolError`` on any disagreement.
+        O(pages): for tests and debug checks after unload, not for every step."""
+        owned = [0] * len(self._slots)
+        index = {id(s): i for i, s in enumerate(self._slots.values())}
+        for page_id, owner in enumerate(self._owner):
+            if owner is not None:
+                if id(owner) not in index or page_id not in owner.pages:
+                    raise PagePoolError(f"page {page_id} has a stale owner {owner.name!r}")
+                owned[index[id(owner)]] += 1
+        for s, n in zip(self._slots.values(), owned):
+            below = sum(1 for p in s.pages if p < self._limit)
+            if n != s.used or len(s.pages) != s.used or below != s.counted:
+                raise PagePoolError(f"{s.name!r}: owns {n} pages, books {s.used} / {s.counted}")
+        free = sorted(self._free_ids)
+        expect = [p for p in range(self._limit) if self._owner[p] is None]
+        if free != expect:
+            raise PagePoolError("the free list disagrees with the owner table (leak or double free)")
+        if self._reserve != sum(s.reserve() for s in self._slots.values()) or self._reserve > len(free):
+            raise PagePoolError(f"held-back pages {self._reserve} are wrong or exceed {len(free)} free")
+
+    def _slot(self, model: str) -> _Slot:
+        try:
+            return self._slots[model]
+        except KeyError:
+            raise PagePoolError(f"model {model!r} is not registered in the pool") from None

@@ -1,0 +1,398 @@
+"""SchedulerOutput → tensors → model → logits → sampled ids. The only place objects become tensors.
+
+One step: the flat inputs (token ids, positions, slot mapping) and the attention metadata
+(query_start_loc, seq_lens, block_tables) are built on the host as plain lists, copied once
+into persistent device buffers sized for the largest step, and the model runs on views of
+those buffers. The hidden rows of the last token of each sequence that samples this step go
+through the LM head and the sampler; copying the chosen ids back (plus the requested
+logprobs) is the step's only host sync.
+
+Persistent buffers are what decode CUDA graphs need: a graph captured for a batch bucket
+reads the same addresses every replay. On CUDA with ``decode_buckets`` set, the graphs
+(:mod:`engine.runner.cuda_graphs`) are captured when the runner is built (at model load) and replay
+every decode-only step; mixed prefill+decode steps run eagerly.
+
+A step is :meth:`ModelRunner.launch` (host lists → buffers, kernels queued, the ids' copy into
+pinned host memory queued behind an event) then :meth:`ModelRunner.collect` (wait for that
+event, read the ids): a caller can do host work for the next step between the two.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import os
+import time
+
+import numpy as np
+import torch
+
+from engine import kernels
+from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.mixed_graphs import DEFAULT_MIXED_BUCKETS, MixedGraphs
+from engine.kv.kv_cache import KVCache
+from engine.models.llama import AttentionMetadata, LlamaModel
+from engine.runner.logprobs import logprobs_result
+from engine.runner.step import PendingStep, PreparedStep, StepResult
+from engine.sched.scheduler import PLACEHOLDER, SchedulerOutput
+from engine.runner.streams import StepStreams, StreamPool
+
+__all__ = ["ModelRunner", "PendingStep", "PreparedStep", "StepResult"]
+
+
+def _smallest_at_least(buckets: tuple[int, ...], n: int) -> int | None:
+    """The smallest of the sorted ``buckets`` that is >= ``n`` (None: none is)."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+class ModelRunner:
+    """Runs one model's steps over its KV cache."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int, decode_buckets: tuple[int, ...] = (), cuda_graphs: bool | None = None,
+                 mixed_buckets: tuple[int, ...] | None = None, stream_pool: StreamPool | None = None) -> None:
+        """``stream_pool``: where its streams come from (the core's, shared by its runners; None:
+        a pool of its own)."""
+        self.model = model
+        self.max_model_len = max_model_len
+        # Batch sizes decode steps are padded to (the CUDA-graph buckets); () runs exact shapes.
+        self.decode_buckets = tuple(sorted(b for b in decode_buckets if 0 < b <= min(max_num_seqs, max_num_batched_tokens)))
+        self.kv = kv
+        self.device = model.device
+        self.block_size = kv.block_size
+        self.max_tokens = max_num_batched_tokens
+        self.max_seqs = max_num_seqs
+        self.max_pages = -(-max_model_len // self.block_size)
+        dev = self.device
+        i32, i64 = torch.int32, torch.int64
+        self._input_ids = torch.zeros(self.max_tokens, dtype=i64, device=dev)
+        self._positions = torch.zeros(self.max_tokens, dtype=i64, device=dev)
+        self._slots = torch.full((self.max_tokens,), -1, dtype=i64, device=dev)
+        self._qsl = torch.zeros(self.max_seqs + 1, dtype=i32, device=dev)
+        self._seq_lens = torch.zeros(self.max_seqs, dtype=i32, device=dev)
+        self._block_tables = torch.zeros(self.max_seqs, self.max_pages, dtype=i32, device=dev)
+        self._rows = torch.zeros(self.max_seqs, dtype=i64, device=dev)
+        self._fill_dst = torch.zeros(self.max_seqs, dtype=i64, device=dev)
+        self._fill_src = torch.zeros(self.max_seqs, dtype=i64, device=dev)
+        # Host staging of the same sizes, pinned on CUDA so the copies are async; an event marks
+        # when the last step's copies have left the staging memory, before it is overwritten.
+        self._pin = dev.type == "cuda"
+        if self._pin and stream_pool is None:
+            stream_pool = StreamPool(dev)
+        self.streams = StepStreams(dev, stream_pool) if StepStreams.wanted(dev) else None
+        self._copies_done = torch.cuda.Event() if self._pin else None
+        self._staging: dict[int, torch.Tensor] = {}
+        for buf in (self._input_ids, self._positions, self._slots, self._qsl, self._seq_lens, self._block_tables,
+                    self._rows, self._fill_dst, self._fill_src):
+            host = torch.empty(buf.numel(), dtype=buf.dtype)
+            self._staging[id(buf)] = host.pin_memory() if self._pin else host
+        # Two pinned id buffers (and events), alternating, so step N+1 can launch before N is collected.
+        self._ids_host = [torch.empty(self.max_seqs, dtype=i64).pin_memory() for _ in range(2)] if self._pin else []
+        # Waiting for the ids yields the core (blocking sync) instead of spinning on it, unless
+        # INFIRE_SYNC=spin: a spinning wait costs a whole CPU core for the GPU's whole step.
+        blocking = os.environ.get("INFIRE_SYNC", "block").strip().lower() != "spin"
+        self._ids_ready = [torch.cuda.Event(blocking=blocking) for _ in range(2)] if self._pin else []
+        self._flip = 0
+        # The last launched step's sampled ids on the device, and each sampling sequence's row in
+        # them: a step scheduled ahead takes its placeholder input tokens from there.
+        self._prev_ids: torch.Tensor | None = None
+        self._prev_rows: dict[int, int] = {}
+        # Host seconds spent building and launching steps, and blocked waiting for their ids.
+        self.host_seconds = 0.0
+        self.host_graph_seconds = 0.0  # the share of host_seconds spent on graph-replayed steps
+        self.wait_seconds = 0.0
+        self.graph_steps = 0
+        self.mixed_graph_steps = 0
+        self.graphs: DecodeGraphs | None = None
+        self.mixed: MixedGraphs | None = None
+        if cuda_graphs is None:
+            cuda_graphs = os.environ.get("INFIRE_CUDA_GRAPHS", "1") != "0"
+        if cuda_graphs and self._pin and self.decode_buckets:
+            # At load: the largest bucket (it sizes the shared pool) and those up to
+            # INFIRE_GRAPHS_AT_LOAD_MAX (default 8: the latency buckets); the rest at first use.
+            try:
+                now_max = int(os.environ.get("INFIRE_GRAPHS_AT_LOAD_MAX", "8"))
+            except ValueError:
+                raise ValueError("INFIRE_GRAPHS_AT_LOAD_MAX must be an integer") from None
+            self.graphs = DecodeGraphs(self.device, streams=stream_pool)
+            self.graphs.capture(self, self.decode_buckets, defer=tuple(b for b in self.decode_buckets if b > now_max))
+        if mixed_buckets is None:
+            mixed_buckets = DEFAULT_MIXED_BUCKETS if os.environ.get("INFIRE_MIXED_GRAPHS", "1") != "0" else ()
+        # Token buckets of the mixed-step graphs (engine/runner/mixed_graphs.py), on CUDA with graphs.
+        self.mixed_buckets = tuple(sorted(b for b in mixed_buckets if 0 < b <= self.max_tokens))
+        if cuda_graphs and self._pin and self.mixed_buckets:
+            self.mixed = MixedGraphs(self.device, pool=self.graphs._pool if self.graphs is not None else None,
+                                     streams=stream_pool)
+            self.mixed.capture(self, self.mixed_buckets)
+
+    def decode_meta(self, bucket: int) -> AttentionMetadata:
+        """Metadata of a padded decode step of ``bucket`` rows, on the buffers' fixed prefixes."""
+        return AttentionMetadata(slot_mapping=self._slots[:bucket], query_start_loc=self._qsl[:bucket + 1],
+                                 seq_lens=self._seq_lens[:bucket], block_tables=self._block_tables[:bucket],
+                                 max_query_len=1, max_seq_len=self.max_model_len)
+
+    def _to_device(self, dst: torch.Tensor, values: np.ndarray) -> torch.Tensor:
+        """Copy a host array into a contiguous prefix of the persistent buffer ``dst``; return that view."""
+        src = torch.from_numpy(values)
+        n = src.numel()
+        view = dst.view(-1)[:n].view(src.shape)
+        if self._pin:
+            stage = self._staging[id(dst)][:n].view(src.shape)
+            stage.copy_(src)
+            view.copy_(stage, non_blocking=True)
+        else:
+            view.copy_(src)
+        return view
+
+    def decode_bucket(self, num_seqs: int) -> int | None:
+        """The smallest decode bucket holding ``num_seqs`` sequences (None: none does)."""
+        return _smallest_at_least(self.decode_buckets, num_seqs)
+
+    def capture_deferred_graphs(self) -> float:
+        """Capture every graph still deferred to its first use (decode and mixed); the seconds."""
+        t = time.perf_counter()
+        with self._on_last():  # after the last step, which may still read the input buffers
+            if self.graphs is not None:
+                for b in sorted(self.graphs.deferred, reverse=True):
+                    self.graphs.capture_deferred(self, b)
+            if self.mixed is not None:
+                for b in sorted(self.mixed.deferred, reverse=True):
+                    self.mixed.capture_deferred(self, b)
+        return time.perf_counter() - t
+
+    def _on_last(self):
+        return self.streams.on_last() if self.streams is not None else contextlib.nullcontext()
+
+    @property
+    def graph_tokens(self) -> int:
+        """The most tokens a step can have and still replay a graph (0: none captured)."""
+        mixed = self.mixed_buckets[-1] if self.mixed is not None and self.mixed_buckets else 0
+        decode = self.decode_buckets[-1] if self.graphs is not None and self.decode_buckets else 0
+        return max(mixed, decode)
+
+    def mixed_bucket(self, num_tokens: int) -> int | None:
+        """The smallest mixed-step graph bucket holding ``num_tokens`` tokens (None: none does)."""
+        return _smallest_at_least(self.mixed_buckets, num_tokens) if self.mixed is not None else None
+
+    def prepare(self, out: SchedulerOutput, pad_to: int | None = None,
+                pad_tokens: int | None = None) -> PreparedStep:
+        """Flat inputs and attention metadata of a step, in the persistent device buffers.
+
+        ``pad_to`` (decode-only steps) pads the batch to that many one-token sequences, the
+        fixed shape a captured decode graph replays: padding tokens write nowhere (slot -1) and
+        attend to one position of page 0; their rows are never sampled. Block tables then take
+        the full ``max_pages`` width. ``pad_tokens`` (a mixed-step graph's bucket) pads the
+        tokens to that count with slot -1 and fills ``query_start_loc`` / ``seq_lens`` for all
+        ``max_num_seqs`` sequences (the rest empty), block tables at full width.
+        """
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+        bs = self.block_size
+        seqs = out.seqs
+        b = len(seqs)
+        if pad_to is not None and (out.num_decodes != b or not b <= pad_to <= self.max_seqs):
+            raise ValueError(f"pad_to={pad_to} needs a decode-only step of at most that many sequences")
+        if pad_to is not None and pad_tokens is not None:
+            raise ValueError("pad_to and pad_tokens exclude each other")
+        rows_total = pad_to or b
+        ids: list[int] = []
+        for s in seqs:
+            ids.extend(s.token_ids)
+        n_tok = np.ones(rows_total, dtype=np.int64)
+        n_tok[:b] = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=b)
+        starts = np.zeros(rows_total, dtype=np.int64)
+        starts[:b] = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=b)
+        seq_lens = starts + n_tok
+        qsl = np.zeros(rows_total + 1, dtype=np.int64)
+        np.cumsum(n_tok, out=qsl[1:])
+        n = int(qsl[-1])
+        max_seq = int(seq_lens.max())
+        full_width = pad_to is not None or pad_tokens is not None
+        max_pages = self.max_pages if full_width else -(-max_seq // bs)
+        if (n > self.max_tokens or rows_total > self.max_seqs or -(-max_seq // bs) > self.max_pages
+                or (pad_tokens is not None and not n <= pad_tokens <= self.max_tokens)):
+            raise ValueError("step larger than the runner's buffers (scheduler limits disagree with the runner)")
+        tables = np.zeros((rows_total, max_pages), dtype=np.int32)
+        if b:
+            # every row's first pages in one pass: flat page list, then a row-major mask fill
+            bts = [s.block_table for s in seqs]
+            lens = np.fromiter(map(len, bts), dtype=np.int64, count=b)
+            if int(lens.max()) > max_pages:
+                bts = [t[:max_pages] for t in bts]
+                lens = np.minimum(lens, max_pages)
+            flat = np.fromiter(itertools.chain.from_iterable(bts), dtype=np.int32, count=int(lens.sum()))
+            tables[:b][np.arange(max_pages) < lens[:, None]] = flat
+        seq_of_tok = np.repeat(np.arange(rows_total), n_tok)
+        pos = np.arange(n, dtype=np.int64) - np.repeat(qsl[:-1] - starts, n_tok)
+        slots = tables[seq_of_tok, pos // bs].astype(np.int64) * bs + pos % bs
+        if rows_total > b:
+            slots[len(ids):] = -1
+            ids.extend([0] * (rows_total - b))
+        entries = [i for i, s in enumerate(seqs) if s.sample]
+        rows = qsl[1:][entries] - 1 if entries else np.zeros(0, dtype=np.int64)
+        if pad_tokens is not None and pad_tokens > n:
+            slots = np.concatenate([slots, np.full(pad_tokens - n, -1, dtype=np.int64)])
+            pos = np.concatenate([pos, np.zeros(pad_tokens - n, dtype=np.int64)])
+            ids.extend([0] * (pad_tokens - n))
+        if pad_tokens is not None:
+            qsl_full = np.full(self.max_seqs + 1, n, dtype=np.int64)
+            qsl_full[:b + 1] = qsl
+            lens_full = np.zeros(self.max_seqs, dtype=np.int64)
+            lens_full[:b] = seq_lens
+            qsl, seq_lens = qsl_full, lens_full
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(self._slots, slots),
+            query_start_loc=self._to_device(self._qsl, qsl.astype(np.int32)),
+            seq_lens=self._to_device(self._seq_lens, seq_lens.astype(np.int32)),
+            block_tables=self._to_device(self._block_tables, tables),
+            # a mixed graph's route: the prefill kernel, whatever the rows' lengths
+            max_query_len=max(int(n_tok.max()), 2) if pad_tokens is not None else int(n_tok.max()),
+            # A padded decode step runs with the captured graphs' bound, so eager and replayed
+            # bucket steps launch identical kernels (same split layout, same bits).
+            max_seq_len=self.max_model_len if pad_to is not None else max_seq,
+        )
+        fill = self._placeholders(out, ids) if out.num_placeholders else None
+        step = PreparedStep(
+            input_ids=self._to_device(self._input_ids, np.asarray(ids, dtype=np.int64)),
+            positions=self._to_device(self._positions, pos),
+            meta=meta,
+            logits_rows=self._to_device(self._rows, np.asarray(rows, dtype=np.int64)),
+            sample_entries=entries,
+            is_decode_only=out.num_decodes == b,
+        )
+        if fill is not None:
+            dst, src = fill
+            self._input_ids.index_copy_(0, self._to_device(self._fill_dst, dst),
+                                        self._prev_ids.index_select(0, self._to_device(self._fill_src, src)))
+        if self._copies_done is not None:
+            self._copies_done.record()
+        return step
+
+    def _placeholders(self, out: SchedulerOutput, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Token positions of the step's placeholder inputs (decode rows: row i is token i) and
+        their rows in the previous launch's sampled ids; the host ids get 0 there."""
+        dst, src = [], []
+        rows = self._prev_rows
+        for i in range(out.num_decodes):
+            e = out.seqs[i]
+            if e.token_ids[0] == PLACEHOLDER:
+                r = rows.get(e.seq_id)
+                if r is None or self._prev_ids is None:
+                    raise ValueError(f"sequence {e.seq_id}: placeholder input without a launched step sampling it")
+                dst.append(i)
+                src.append(r)
+                ids[i] = 0
+        if len(dst) != out.num_placeholders:
+            raise ValueError("placeholder inputs outside the decode rows")
+        return np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
+
+    @torch.inference_mode()
+    def forward_logits(self, step: PreparedStep) -> torch.Tensor:
+        """[S, vocab] float32 logits of the sampled rows."""
+        hidden = self.model(step.input_ids, step.positions, self.kv, step.meta)
+        return self.model.compute_logits(hidden.index_select(0, step.logits_rows))
+
+    def launch(self, out: SchedulerOutput, urgent: bool = False) -> PendingStep:
+        """Queue the step's work on the device; returns before the GPU is done. On CUDA it runs
+        on this runner's own streams (engine/runner/streams.py), the high-priority one if
+        ``urgent``, so steps of different models run side by side."""
+        if self.streams is None:
+            return self._launch(out)
+        with torch.cuda.stream(self.streams.enter(urgent, self._prev_ids)):
+            return self._launch(out)
+
+    @torch.inference_mode()
+    def _launch(self, out: SchedulerOutput) -> PendingStep:
+        t0 = time.perf_counter()
+        b = len(out.seqs)
+        pad = self.decode_bucket(b) if b and out.num_decodes == b else None
+        replay = pad is not None and self.graphs is not None and all(s.sample for s in out.seqs)
+        if replay and pad in self.graphs.deferred:
+            self.graphs.capture_deferred(self, pad)  # before prepare: a capture writes the input buffers
+        mixed = None
+        if not replay and b:
+            mixed = self.mixed_bucket(sum(len(s.token_ids) for s in out.seqs))
+            if mixed is not None:
+                pad = None
+                if mixed in self.mixed.deferred:
+                    self.mixed.capture_deferred(self, mixed)
+        step = self.prepare(out, pad_to=pad, pad_tokens=mixed)
+        self._prev_ids, self._prev_rows = None, {}
+        ids = None
+        graph = False
+        if replay and pad in self.graphs.graphs:
+            logits_all, ids_all = self.graphs.replay(pad)
+            logits, ids = logits_all[:b], ids_all[:b]
+            self.graph_steps += 1
+            graph = True
+        elif mixed is not None or not step.sample_entries:
+            if mixed is not None:
+                hidden = self.mixed.replay(mixed)
+                self.mixed_graph_steps += 1
+                graph = True
+            else:  # a prefill chunk that samples nothing
+                hidden = self.model(step.input_ids, step.positions, self.kv, step.meta)
+            if not step.sample_entries:
+                dt = time.perf_counter() - t0
+                self.host_seconds += dt
+                self.host_graph_seconds += dt if graph else 0.0
+                return PendingStep(0, None, None, None, None, None)
+            logits = self.model.compute_logits(hidden.index_select(0, step.logits_rows))
+        else:
+            logits = self.forward_logits(step)
+        params = [out.seqs[i].params for i in step.sample_entries]
+        if not all(p.temperature == 0 for p in params):
+            dev = logits.device
+            ids = kernels.sample(
+                logits,
+                torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev, non_blocking=True),
+                torch.tensor([p.top_k for p in params], dtype=torch.int32).to(dev, non_blocking=True),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32).to(dev, non_blocking=True),
+                torch.tensor([p.seed or 0 for p in params], dtype=torch.int64).to(dev, non_blocking=True),
+                torch.tensor([out.seqs[i].output_step for i in step.sample_entries],
+                             dtype=torch.int64).to(dev, non_blocking=True),
+            )
+        elif ids is None:
+            ids = logits.argmax(dim=-1)
+        # the next step, scheduled before this one's ids reach the host, reads them from here
+        self._prev_ids = ids
+        self._prev_rows = {out.seqs[i].seq_id: k for k, i in enumerate(step.sample_entries)}
+        want_lp = [p.logprobs for p in params]
+        if any(n is not None for n in want_lp):
+            self.host_seconds += time.perf_counter() - t0
+            return PendingStep(len(params), None, None, ids, logits, want_lp)
+        host = ready = None
+        if graph:
+            self.host_graph_seconds += time.perf_counter() - t0
+        if self._pin:
+            self._flip ^= 1
+            host = self._ids_host[self._flip][:len(params)]
+            host.copy_(ids, non_blocking=True)
+            ready = self._ids_ready[self._flip]
+            ready.record()
+        self.host_seconds += time.perf_counter() - t0
+        return PendingStep(len(params), host, ready, ids, None, None)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step's ids (the step's only host sync) and return them."""
+        if pending.num_sampled == 0:
+            return StepResult([], [])
+        t0 = time.perf_counter()
+        try:
+            if pending.want_logprobs is not None:
+                with self._on_last():
+                    return logprobs_result(pending.logits, pending.ids, pending.want_logprobs)
+            if pending.ready is not None:
+                pending.ready.synchronize()
+                return StepResult(pending.ids_host.tolist(), [None] * pending.num_sampled)
+            return StepResult(pending.ids.tolist(), [None] * pending.num_sampled)
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        if not out.seqs:
+            return StepResult([], [])
+        return self.collect(self.launch(out))

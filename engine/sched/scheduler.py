@@ -1,0 +1,332 @@
+"""Token-budget continuous-batching scheduler of one model (no torch import).
+
+Each :meth:`Scheduler.schedule` call fills one step under ``max_num_batched_tokens``:
+
+1. running sequences that are decoding (one token each), oldest first;
+2. running sequences still prefilling, one chunk each (at most ``max_prefill_chunk`` tokens);
+3. waiting sequences, admitted in order while pages, budget and ``max_num_seqs`` allow.
+
+So a long prompt is split across steps and shares them with decodes (chunked prefill). When a
+running sequence needs a page and none is free, the *newest* running sequence is preempted by
+recompute: its pages are freed, it keeps its output tokens and goes back to the front of the
+waiting queue, to be prefilled again (prompt + output) when pages are free. A preempted
+sequence is never dropped. Aborts free pages at once, whatever state the sequence is in.
+
+The output is a :class:`SchedulerOutput` of plain ints and lists. The scheduler is per model and
+holds no global state, so a multi-model EngineCore keeps one per model and picks which to step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.sched.block_manager import BlockManager
+from engine.sampling import SamplingParams
+from engine.sched.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class SchedulerConfigError(ValueError):
+    """The scheduler limits are inconsistent (e.g. one max-length sequence cannot fit)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    max_prefill_chunk: int | None = None  # None: limited by the budget only
+    eos_token_ids: tuple[int, ...] = ()
+    # Free pages a new admission must leave for the running sequences to grow into, as a
+    # fraction of all pages; without it a fresh admission is often preempted the next step.
+    admission_watermark: float = 0.01
+
+    def validate(self) -> "SchedulerConfig":
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise SchedulerConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.admission_watermark, (int, float)) or not 0 <= self.admission_watermark < 1:
+            raise SchedulerConfigError(f"admission_watermark must be in [0, 1), got {self.admission_watermark!r}")
+        if self.max_prefill_chunk is not None and (not isinstance(self.max_prefill_chunk, int) or self.max_prefill_chunk < 1):
+            raise SchedulerConfigError(f"max_prefill_chunk must be None or >= 1, got {self.max_prefill_chunk!r}")
+        return self
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: compute ``token_ids`` at positions ``start_pos..``."""
+
+    seq_id: int
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]  # live table; valid for this step only
+    sample: bool  # the chunk reaches the end of the sequence: sample its next token
+    output_step: int  # output tokens so far: the counter of seeded sampling
+    params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step (cached + new)."""
+        return self.start_pos + len(self.token_ids)
+
+
+# The input token of a decode whose previous token is still being sampled on the device
+# (scheduled ahead, docs/engine.md "Asynchronous steps"): the runner takes it from that step.
+PLACEHOLDER = -1
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefill chunks
+    num_decodes: int = 0  # the first num_decodes entries are one-token decodes
+    num_batched_tokens: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)
+    num_placeholders: int = 0  # decode entries whose token_ids is [PLACEHOLDER]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Waiting and running queues of one model, over its :class:`BlockManager`."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config.validate()
+        self.blocks = block_manager
+        if block_manager.pages_for_tokens(config.max_model_len) > block_manager.num_total_pages:
+            raise SchedulerConfigError(
+                f"{block_manager.num_total_pages} KV pages of {block_manager.block_size} tokens cannot hold "
+                f"one sequence of max_model_len={config.max_model_len}"
+            )
+        self._eos = frozenset(config.eos_token_ids)
+        self._watermark = int(block_manager.num_total_pages * config.admission_watermark)
+        self._next_seq_id = 0
+        self._seqs: dict[str, Sequence] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival, oldest first
+
+    # -- requests --------------------------------------------------------------------------
+    def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request. The caller validated ids and params; lengths are checked here."""
+        if req_id in self._seqs:
+            raise ValueError(f"request id {req_id!r} is already live")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate "
+                f"(max_model_len={self.config.max_model_len})"
+            )
+        seq = Sequence(self._next_seq_id, req_id, list(prompt_token_ids), params, arrival=self._next_seq_id)
+        self._next_seq_id += 1
+        self._seqs[req_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, req_id: str) -> Sequence | None:
+        """Finish the request as aborted and free its pages; None when unknown or finished."""
+        seq = self._seqs.pop(req_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = FinishReason.ABORT
+        return seq
+
+    def get(self, req_id: str) -> Sequence | None:
+        return self._seqs.get(req_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self, max_tokens: int | None = None) -> SchedulerOutput:
+        """One step's batch; ``max_tokens`` lowers this step's token budget (the engine's cap
+        while other models share the device), never below one token."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens if max_tokens is None else max(1, min(max_tokens, cfg.max_num_batched_tokens))
+        chunk_cap = cfg.max_prefill_chunk or budget
+        planned: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, tokens); insertion order
+        decodes: set[int] = set()  # the seq_ids loop 1 planned
+        preempted: list[Sequence] = []
+
+        def reserve(seq: Sequence, n: int) -> bool:
+            """Pages for n more tokens of a running seq, preempting newer ones; False: seq itself went."""
+            nonlocal budget
+            while not self.blocks.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                if victim.seq_id in planned:
+                    budget += planned.pop(victim.seq_id)[1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    return False
+            return True
+
+        # 1. decodes, oldest first. Each running sequence's kind is read once: this loop runs
+        # for every running sequence every step (hundreds), so it stays lean.
+        prefilling: list[Sequence] = []
+        for seq in list(self.running):
+            if budget < 1:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted by an older sequence's growth in this loop
+            total = len(seq.token_ids) + seq.num_inflight
+            if not (seq.num_computed_tokens + 1 == total and total > seq.num_prompt_tokens):
+                prefilling.append(seq)
+                continue
+            if seq.num_inflight and (seq.num_inflight > 1 or self._ends_at(seq, total)):
+                continue  # its token in flight is its last (length), or it is already a step ahead
+            if reserve(seq, 1):
+                planned[seq.seq_id] = (seq, 1)
+                decodes.add(seq.seq_id)
+                budget -= 1
+
+        # 2. running sequences still prefilling (chunked prefill continues).
+        for seq in prefilling:
+            if budget < 1:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            n = min(seq.num_uncomputed_tokens, chunk_cap, budget)
+            if reserve(seq, n):
+                planned[seq.seq_id] = (seq, n)
+                budget -= n
+
+        # 3. admissions; a sequence preempted in this very step waits for the next one.
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_inflight or (seq.num_preemptions and any(seq is p for p in preempted)):
+                break  # (a token in flight: preempted mid-step; it resumes once the token is known)
+            n = min(seq.num_uncomputed_tokens, chunk_cap, budget)
+            reserve_pages = self._watermark if self.running else 0
+            need = self.blocks.num_new_pages(seq.seq_id, seq.num_computed_tokens + n)
+            if not self.blocks.can_allocate(need + reserve_pages):
+                break
+            if not self.blocks.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            planned[seq.seq_id] = (seq, n)
+            budget -= n
+
+        # Entries in planning order, which puts loop 1's decodes first.
+        out = SchedulerOutput(preempted_req_ids=[s.req_id for s in preempted])
+        seqs_out = out.seqs
+        table = self.blocks.block_table
+        # Tokens count as computed once scheduled (the step's K/V writes are queued in order);
+        # a sampling entry adds one token in flight until update() learns its value.
+        for seq, n in planned.values():
+            start = seq.num_computed_tokens
+            toks = seq.token_ids
+            total = len(toks) + seq.num_inflight
+            chunk = toks[start:start + n]
+            if len(chunk) < n:  # only a decode of the token in flight
+                chunk = [PLACEHOLDER]
+                out.num_placeholders += 1
+            sample = start + n == total
+            seqs_out.append(ScheduledSeq(seq.seq_id, seq.req_id, chunk, start, table(seq.seq_id), sample,
+                                         total - seq.num_prompt_tokens, seq.params))
+            seq.num_computed_tokens = start + n
+            seq.num_inflight += sample
+            out.num_batched_tokens += n
+        out.num_decodes = sum(1 for i in decodes if i in planned)  # a decode may have been preempted since
+        return out
+
+    def preempt(self, req_id: str) -> bool:
+        """Preempt a running request by recompute (e.g. it holds pages a shrinking pool fences).
+
+        Its pages are freed now; it keeps its output and resumes from the waiting queue's front.
+        False when the request is not running.
+        """
+        seq = self._seqs.get(req_id)
+        if seq is None or seq.status is not SequenceStatus.RUNNING:
+            return False
+        self._preempt(seq)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        # Preempted sequences lead the waiting queue, oldest first, ahead of fresh requests.
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].num_preemptions and self.waiting[i].arrival < seq.arrival:
+            i += 1
+        self.waiting.insert(i, seq)
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """Apply a step's results; ``sampled`` holds one id per entry with ``sample`` set, in order.
+
+        Returns the sequences that got a new token (finished ones carry ``finish_reason``).
+        Entries whose request was aborted after scheduling are skipped.
+        """
+        want = sum(1 for s in out.seqs if s.sample)
+        if len(sampled) != want:
+            raise ValueError(f"expected {want} sampled ids, got {len(sampled)}")
+        it = iter(sampled)
+        got: list[Sequence] = []
+        for s in out.seqs:
+            tok = next(it) if s.sample else None
+            seq = self._seqs.get(s.req_id)
+            if seq is None or seq.seq_id != s.seq_id:
+                continue  # aborted or finished after it was scheduled
+            if tok is not None:
+                seq.num_inflight -= 1
+                seq.token_ids.append(tok)
+            running = seq.status is SequenceStatus.RUNNING  # else preempted after this step was scheduled
+            if running:
+                self.blocks.record_computed(seq.seq_id, seq.token_ids,
+                                            min(seq.num_computed_tokens, len(seq.token_ids)))
+            if tok is None:
+                continue
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                self._finish(seq, reason)
+            got.append(seq)
+        return got
+
+    def _ends_at(self, seq: Sequence, total: int) -> bool:
+        """Whether a sequence of ``total`` tokens (its tokens in flight counted) is done by length."""
+        return total - seq.num_prompt_tokens >= seq.params.max_tokens or total >= self.config.max_model_len
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+        p = seq.params
+        if (not p.ignore_eos and tok in self._eos) or tok in p.stop_token_ids:
+            return FinishReason.STOP
+        if self._ends_at(seq, seq.num_tokens):
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.seq_id)
+        self._seqs.pop(seq.req_id, None)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

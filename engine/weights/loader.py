@@ -1,0 +1,222 @@
+"""Weights: safetensors files → the model's (fused) parameters, in place.
+
+Only safetensors is read: pickle-based formats (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``)
+are refused, never opened. Every file's header is validated by
+:func:`cache.safetensors_check.check_file` before a tensor is read. Every parameter slot must
+be filled exactly once, with the shape the config implies; anything missing, repeated,
+misshapen or unknown is a :class:`WeightsError` naming the tensor and file.
+
+Copies go through :func:`engine.weights.weight_stream.stream_to_device`: on CUDA, reader threads fill a
+ring of pinned buffers and two streams copy each range straight into its row range of the fused
+destination (a dtype cast, when the file's differs, runs on the device); on CPU the readers
+``pread`` into the tensors' bytes. The warm tier (:mod:`engine.weights.warm_tier`) keeps unloaded
+weights in pinned host RAM: :func:`stash_weights` at unload, :func:`load_or_restore` at load.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cache.errors import SafetensorsError
+from cache.safetensors_check import check_file
+from engine.errors import WeightsError
+from engine.weights.warm_tier import WarmTier, WarmTierError
+from engine.weights.weight_stream import CopyJob, stream_to_device
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Buffers some exporters add that the engine recomputes itself.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@dataclass
+class WeightsReady:
+    """The load thread's result: the filled model and how it was filled."""
+
+    model: torch.nn.Module  # an engine.models.llama.LlamaModel
+    nbytes: int
+    source: str  # "warm" | "disk"
+    key: str
+    ready: Any  # torch.cuda.Event recorded behind the copies and the rope cache (None on CPU)
+    runner: Any = None  # (pool generation, kv, runner) built beside the copies, or None
+
+
+@dataclass
+class PendingLoad:
+    """An EngineCore load between its phases (``engine.core.loading``): booked in the ledger and
+    the pool, its weights being read in a load thread. ``done()`` is true once ``finish_load``
+    would not block; ``future`` takes a done callback (it runs on the load thread)."""
+
+    name: str
+    model_dir: str
+    cfg: Any  # engine.config.ModelConfig
+    max_len: int
+    dtype: torch.dtype
+    needs: Any  # engine.core.memory_plan.LoadNeeds
+    max_num_seqs: int
+    weight: float
+    started: float
+    timings: dict[str, float] = field(default_factory=dict)
+    future: Future = field(default_factory=Future)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    trim: bool = False  # an unload meanwhile left the pool to be trimmed when this load ends
+    prebuild: bool = False  # build the runner beside the weights (engine.runner.prebuild)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+def drop_result(p: PendingLoad) -> None:
+    """Forget a finished load thread's model, so its device memory goes with the undo."""
+    f = p.future
+    if f.done() and not f.cancelled() and f.exception() is None:
+        p.future = Future()
+        p.future.cancel()
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a model folder (via the shard index when there is one)."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            doc = json.loads(index.read_text(encoding="utf-8"))
+            names = sorted(set(doc["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise WeightsError(f"{index.name} is malformed: {e}") from None
+        files = []
+        for n in names:
+            if not isinstance(n, str) or "/" in n or "\\" in n or n.startswith(".") or not n.endswith(".safetensors"):
+                raise WeightsError(f"{index.name} names a bad shard file {n!r}")
+            if not (d / n).is_file():
+                raise WeightsError(f"shard {n} listed in {index.name} is missing")
+            files.append(d / n)
+        return files
+    files = sorted(d.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in d.iterdir() if p.suffix in PICKLE_SUFFIXES) if d.is_dir() else []
+    if pickles:
+        raise WeightsError(f"{d}: only pickle-format weights ({', '.join(pickles[:3])}); safetensors is required")
+    raise WeightsError(f"{d}: no *.safetensors weight files")
+
+
+def checked_tensors(path: Path, slots: dict, filled: set[str]):
+    """Validate one file's header, then yield ``(info, slot)`` for each tensor this model takes.
+
+    Refuses (WeightsError, naming file and tensor) a bad header, an unexpected or repeated
+    tensor and a dtype other than F32/F16/BF16; marks each yielded name in ``filled``. Shapes
+    are the caller's to check: a tensor-parallel shard expects slices, not the whole tensor.
+    """
+    try:
+        header = check_file(path)
+    except SafetensorsError as e:
+        raise WeightsError(f"{path.name}: {e}") from None
+    for info in header.tensors:
+        name = info.name
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and name not in slots:
+            continue  # a tied head saved anyway: the embedding is the head
+        slot = slots.get(name)
+        if slot is None:
+            raise WeightsError(f"{path.name}: unexpected tensor {name!r} for this architecture")
+        if name in filled:
+            raise WeightsError(f"{path.name}: tensor {name!r} appears twice in the checkpoint")
+        if info.dtype not in _ST_DTYPES:
+            raise WeightsError(f"{path.name}: tensor {name!r} has dtype {info.dtype}, expected F32/F16/BF16")
+        filled.add(name)
+        yield info, slot
+
+
+def _file_jobs(path: Path, slots: dict[str, tuple[torch.Tensor, int, int]], filled: set[str]) -> list[CopyJob]:
+    """One copy job per tensor of the file (a row range of its slot), shapes checked."""
+    jobs = []
+    for info, (dest, start, rows) in checked_tensors(path, slots, filled):
+        want = (rows, *dest.shape[1:])
+        if tuple(info.shape) != want:
+            raise WeightsError(f"{path.name}: tensor {info.name!r} has shape {list(info.shape)}, expected {list(want)}")
+        src = _ST_DTYPES[info.dtype]
+        jobs.append(CopyJob(path, info.begin, info.end - info.begin, dest.data[start:start + rows],
+                            src_dtype=None if src == dest.dtype else src))
+    return jobs
+
+
+def load_weights(model: torch.nn.Module, model_dir: str | Path, *, threads: int = 4, streams: int = 2,
+                 cancel: threading.Event | None = None) -> int:
+    """Fill ``model.weight_slots()`` from the folder's safetensors; returns the bytes loaded.
+
+    Every header is checked and every tensor matched to its slot before a byte is copied; then
+    one :func:`stream_to_device` call moves all files' ranges straight into the (fused) weights.
+    ``cancel`` set stops the copy at its next chunk (:class:`WeightStreamError`).
+    """
+    slots = model.weight_slots()
+    filled: set[str] = set()
+    jobs: list[CopyJob] = []
+    for path in weight_files(model_dir):
+        jobs.extend(_file_jobs(path, slots, filled))
+    missing = sorted(set(slots) - filled)
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise WeightsError(f"{model_dir}: missing weights {', '.join(missing[:3])}{more}")
+    stream_to_device(jobs, threads=threads, streams=streams, cancel=cancel)
+    return model.nbytes
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weight tensors by parameter name, each once (a tied head is the embedding)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out[name] = p.data
+    return out
+
+
+def warm_key(name: str, model_dir: str | Path) -> str:
+    """The warm-tier key of a model folder: its name and the identity of its weight files.
+
+    Files are hard links into content-addressed blobs, so (inode, size, mtime) changes when a new
+    version of the model is pulled into the same snapshot path: a stale copy is never restored.
+    """
+    parts = [name]
+    for f in weight_files(model_dir):
+        st = f.stat()
+        parts.append(f"{f.name}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}")
+    return "|".join(parts)
+
+
+def stash_weights(tier: WarmTier | None, key: str, model: torch.nn.Module) -> bool:
+    """At unload: keep a host copy of the model's weights in the warm tier (False: no tier or no room).
+
+    A copy already stored under ``key`` is kept as it is: the key names the files' identity and
+    the engine never writes weights, so the bytes are the same (a 16 GB re-copy costs seconds).
+    """
+    if tier is None:
+        return False
+    tensors = model_tensors(model)
+    return tier.keep(key, tensors) or tier.put(key, tensors)
+
+
+def load_or_restore(model: torch.nn.Module, model_dir: str | Path, tier: WarmTier | None = None,
+                    key: str | None = None, *, cancel: threading.Event | None = None) -> tuple[int, str]:
+    """Fill the model from the warm tier when it holds ``key``, else from the files.
+
+    Returns (bytes, source) with source "warm" or "disk". The tier's copy stays (most recently
+    used); a copy whose shapes no longer match (the folder changed) is discarded and the files read.
+    """
+    if tier is not None and key is not None:
+        try:
+            if tier.restore(key, model_tensors(model)):
+                return model.nbytes, "warm"
+        except WarmTierError:
+            tier.discard(key)
+    return load_weights(model, model_dir, cancel=cancel), "disk"

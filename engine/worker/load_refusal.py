@@ -1,0 +1,86 @@
+"""The numbers of a load that does not fit, for the worker's ``Error(op="load", code="no_room")``.
+
+The agent decides evictions (it knows who is idle and who is pinned); the engine knows the
+bytes. A ``Load`` offers the models the agent would evict, least recently used first; when the
+engine refuses, :func:`refusal_details` answers with ``needed``, ``free``, ``evictable``,
+``budget``, ``short`` (bytes) and ``evict``: the shortest prefix of the offer that makes room,
+or ``[]`` when even evicting every offered model would not.
+
+Two engines give these numbers: one whose refusal carries them (``LoadRefused`` of the
+MemoryLedger: ``needed``, ``free``, ``budget`` and, when ``load_model`` was given the offer,
+``evict``), and the per-model-cache EngineCore,
+whose refusal is a plain ``EngineError``; for it the need is worked out here the way its
+``load_model`` sizes a model (weights on the meta device, the step workspace, one longest
+sequence of KV pages).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import ModelConfigError, WeightsError
+
+
+def _estimate_need(core: Any, model_dir: str, max_model_len: int, max_num_seqs: int) -> int:
+    import torch
+
+    from engine.config import load_model_config
+    from engine.kv.kv_cache import KVSpec
+    from engine.models.llama import LlamaModel
+
+    cfg = load_model_config(model_dir)
+    dtype = core._dtype_for(cfg)
+    weight_bytes = LlamaModel(cfg, dtype, torch.device("meta")).nbytes
+    max_len = min(max_model_len, cfg.max_position_embeddings)
+    if cfg.sliding_window is not None:
+        max_len = min(max_len, cfg.sliding_window)
+    workspace = core.max_num_batched_tokens * (cfg.hidden_size * 8 + cfg.intermediate_size * 4) * 4 \
+        + max_num_seqs * cfg.vocab_size * 8
+    spec = KVSpec(cfg.num_layers, core.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    return int(weight_bytes + workspace + -(-max_len // core.block_size) * spec.page_bytes)
+
+
+def accepts_evictable(core: Any) -> bool:
+    """Whether ``core.load_model`` takes the offer itself (``evictable=``)."""
+    import inspect
+
+    try:
+        return "evictable" in inspect.signature(core.load_model).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def refusal_details(core: Any, exc: Exception, *, model_dir: str, max_model_len: int, max_num_seqs: int,
+                    offered: list[str]) -> dict[str, Any] | None:
+    """The refusal's numbers, or None when ``exc`` is not a refusal for lack of room."""
+    if isinstance(exc, (ModelConfigError, WeightsError)):
+        return None
+    sizes = {name: int(s.get("device_bytes", 0) or 0) for name, s in core.stats().items()}
+    if all(hasattr(exc, a) for a in ("needed", "free", "budget")):
+        needed, free, budget = int(exc.needed), int(exc.free), int(exc.budget)
+    else:
+        budget = getattr(core, "memory_budget_bytes", None)
+        if budget is None:
+            return None
+        try:
+            needed = _estimate_need(core, model_dir, max_model_len, max_num_seqs)
+        except Exception:  # config or weights unreadable: the load failed for that, not for room
+            return None
+        free = int(budget) - sum(sizes.values())
+        if needed <= free:
+            return None  # it would fit: this refusal is about something else
+    if hasattr(exc, "evict") and hasattr(exc, "evictable_models"):
+        # The ledger planned against the offer itself (the worker passed it to load_model).
+        return {"needed": needed, "free": free, "evictable": int(exc.evictable), "budget": budget,
+                "short": max(0, int(exc.short)), "evict": [str(m) for m in exc.evict]}
+    offer = [m for m in offered if m in sizes]
+    evict: list[str] = []
+    room = free
+    for name in offer:
+        if room >= needed:
+            break
+        evict.append(name)
+        room += sizes[name]
+    evictable = sum(sizes[m] for m in offer)
+    return {"needed": needed, "free": free, "evictable": evictable, "budget": int(budget),
+            "short": max(0, needed - free - evictable), "evict": evict if room >= needed else []}

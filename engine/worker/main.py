@@ -1,0 +1,361 @@
+"""The engine worker process: ``python -m engine.worker --fd N --options JSON``.
+
+The agent starts this process with one end of a unix socketpair on fd N (no path on disk that
+anyone else could connect to). The main loop is a plain selector loop, no asyncio: it reads
+whatever commands have arrived without blocking (timeout 0 while the engine has work), runs one
+``EngineCore.step()``, and sends that step's outputs for all requests as one ``Tokens`` frame.
+A side thread sends ``Heartbeat`` frames so the agent can tell "alive but inside a long load"
+from "dead". The worker exits when the socket closes, so it never outlives the agent.
+
+A ``Load`` does not stop the loop: ``EngineCore.begin_load`` books it and starts reading the
+weights in a load thread, the loop keeps stepping the other models, and when the weights are in
+(the thread wakes the selector) ``finish_load`` installs the model and ``Loaded`` is sent. Loads
+run one at a time, in arrival order; an ``Unload`` of a model whose load is queued or in flight
+cancels it (``Error(op="load", code="cancelled")``, then ``Unloaded``). A core whose
+``load_model`` is its own (the tensor-parallel engine) loads inside the loop as before.
+
+``--engine none`` runs the loop with no EngineCore (loads are refused with a clear error): the
+agent's supervision tests exercise the process and the protocol without torch."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from engine.worker import protocol as P
+from engine.worker.step_waiter import StepWaiter
+from engine.worker.setup import confine, make_core
+
+STATUS_INTERVAL_S = 0.25
+HEARTBEAT_INTERVAL_S = 0.5
+RECV_BYTES = 1 << 20
+
+
+class _Conn:
+    """The socket, with a lock so the heartbeat thread and the main loop never interleave frames."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.decoder = P.FrameDecoder()
+
+    def send(self, msg: P.Message) -> None:
+        frame = P.encode(msg)
+        with self.lock:
+            self.sock.sendall(frame)
+
+    def read_available(self) -> list[P.Message] | None:
+        """All complete messages readable now; None once the peer has closed."""
+        msgs: list[P.Message] = []
+        while True:
+            try:
+                data = self.sock.recv(RECV_BYTES, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return msgs
+            except (ConnectionResetError, OSError):
+                return None
+            if not data:
+                return None
+            msgs.extend(self.decoder.feed(data))
+
+
+class _Phase:
+    """What the main loop is doing, for the heartbeat thread to report."""
+
+    def __init__(self) -> None:
+        self.name = "idle"
+        self.since = time.monotonic()
+
+    def set(self, name: str) -> None:
+        if name != self.name:
+            self.name, self.since = name, time.monotonic()
+
+
+def _loads_in_background(core: Any) -> bool:
+    """Whether ``core.load_model`` is EngineCore's own three phases (begin, weights, finish)."""
+    load = getattr(type(core), "load_model", None)
+    return getattr(load, "__qualname__", "") == "ModelLoader.load_model" and hasattr(core, "begin_load")
+
+
+class Worker:
+    def __init__(self, conn: _Conn, core: Any) -> None:
+        self.conn = conn
+        self.core = core
+        self.phase = _Phase()
+        self.steps = 0
+        self.running = True
+        self._last_status = 0.0
+        self._queued: deque[P.Load] = deque()  # loads waiting for the one in flight
+        self._loading: tuple[P.Load, Any, float] | None = None  # (message, PendingLoad, start)
+        # The load thread writes a byte here when its weights are in, so an idle loop wakes up
+        # (a pipe, not a socket: the sandbox may deny creating sockets).
+        self._wake_r, self._wake_w = os.pipe()
+        for end in (self._wake_r, self._wake_w):
+            os.set_blocking(end, False)
+        self._waiter: StepWaiter | None = None  # made at the first parked step
+
+    # --- commands ---------------------------------------------------------------------------
+
+    def handle(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Add):
+            self._add(msg)
+        elif isinstance(msg, P.Abort):
+            if self.core is not None:
+                for rid in msg.req_ids:
+                    self.core.abort_request(rid)
+        elif isinstance(msg, P.Load):
+            self._load(msg)
+        elif isinstance(msg, P.Unload):
+            self._unload(msg)
+        elif isinstance(msg, P.Shutdown):
+            self.running = False
+        else:
+            self.conn.send(P.Error(op=msg.TAG, message=f"the worker does not accept {msg.TAG!r}", code="protocol"))
+
+    def _no_engine(self, op: str, **ids: str) -> bool:
+        if self.core is None:
+            self.conn.send(P.Error(op=op, message="the worker runs without an engine", code="no_engine", **ids))
+            return True
+        return False
+
+    def _add(self, msg: P.Add) -> None:
+        if self._no_engine("add", req_id=msg.req_id, model=msg.model):
+            return
+        from engine.sampling import SamplingParams
+
+        try:
+            params = SamplingParams.from_dict(msg.sampling)
+            self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids, params)
+        except Exception as e:  # EngineError, SamplingParamsError: the request's fault, not ours
+            self.conn.send(P.Error(op="add", message=str(e), code=type(e).__name__, req_id=msg.req_id, model=msg.model))
+
+    def _load(self, msg: P.Load) -> None:
+        if not self._no_engine("load", model=msg.model):
+            self._queued.append(msg)
+            self._next_load()
+
+    def _offer(self, msg: P.Load) -> dict[str, Any]:
+        from engine.worker.load_refusal import accepts_evictable
+
+        return {"evictable": list(msg.evictable)} if msg.evictable and accepts_evictable(self.core) else {}
+
+    def _load_failed(self, msg: P.Load, e: Exception) -> None:
+        from engine.worker.load_refusal import refusal_details
+
+        details = refusal_details(self.core, e, model_dir=msg.model_dir, max_model_len=msg.max_model_len,
+                                  max_num_seqs=msg.max_num_seqs, offered=list(msg.evictable))
+        code = "no_room" if details is not None else type(e).__name__
+        self.conn.send(P.Error(op="load", message=f"{type(e).__name__}: {e}", code=code, model=msg.model,
+                               details=P.plain(details or {})))
+
+    def _next_load(self) -> None:
+        """Begin the oldest queued load when none is in flight (refusals are answered at once)."""
+        while self._loading is None and self._queued:
+            msg = self._queued.popleft()
+            t0 = time.monotonic()
+            args = dict(max_model_len=msg.max_model_len, max_num_seqs=msg.max_num_seqs, weight=msg.weight,
+                        **self._offer(msg))
+            try:
+                if not _loads_in_background(self.core):  # a load_model of its own: inside the loop
+                    self.phase.set(f"loading:{msg.model}")
+                    self._loaded(msg, self.core.load_model(msg.model, msg.model_dir, **args), t0)
+                    continue
+                pending = self.core.begin_load(msg.model, msg.model_dir, **args)
+            except Exception as e:
+                self._load_failed(msg, e)
+                continue
+            self._loading = (msg, pending, t0)
+            pending.future.add_done_callback(lambda _f: self._wake())
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # the loop is gone, or a wake-up is already pending
+            os.write(self._wake_w, b"x")
+
+    def _finish_load(self) -> None:
+        """Install the load in flight once its weights are in."""
+        if self._loading is None or not self._loading[1].done():
+            return
+        msg, pending, t0 = self._loading
+        self._loading = None
+        try:
+            self._loaded(msg, self.core.finish_load(pending), t0)
+        except Exception as e:
+            self._load_failed(msg, e)
+        self._next_load()
+
+    def _loaded(self, msg: P.Load, info: Any, t0: float) -> None:
+        self.conn.send(P.Loaded(model=msg.model, info=P.info_dict(info), seconds=time.monotonic() - t0))
+
+    def _cancel_load(self, model: str) -> bool:
+        """Cancel a queued or in-flight load of ``model`` (its ``Load`` is answered with
+        ``Error(code="cancelled")``); True when there was one."""
+        queued = [m for m in self._queued if m.model == model]
+        for m in queued:
+            self._queued.remove(m)
+        flight = self._loading is not None and self._loading[0].model == model
+        if not (queued or flight):
+            return False
+        try:
+            if flight:
+                pending, self._loading = self._loading[1], None
+                self.core.cancel_load(pending)  # waits for the load thread to let go of the weights
+        finally:
+            self.conn.send(P.Error(op="load", message=f"the load of {model!r} was cancelled by an unload",
+                                   code="cancelled", model=model))
+            self._next_load()
+        return True
+
+    def _unload(self, msg: P.Unload) -> None:
+        if self._no_engine("unload", model=msg.model):
+            return
+        try:
+            if self._cancel_load(msg.model):
+                self.conn.send(P.Unloaded(model=msg.model))
+                return
+            self.core.unload_model(msg.model)
+        except Exception as e:
+            self.conn.send(P.Error(op="unload", message=str(e), code=type(e).__name__, model=msg.model))
+            return
+        # Requests the unload aborted surface in the next step's outputs; flush them now so the
+        # agent is not left waiting on a model that is gone.
+        if self.core.has_unfinished_requests():
+            self._step()
+        self.conn.send(P.Unloaded(model=msg.model))
+
+    # --- loop -------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        self.phase.set("stepping")
+        outs = self.core.step()
+        self.steps += 1
+        if outs:
+            packed = [
+                P.pack_output(o.req_id, list(o.new_token_ids), o.finish_reason, P.plain(o.logprobs),
+                              o.num_prompt_tokens)
+                for o in outs
+            ]
+            self.conn.send(P.Tokens(step=self.steps, outputs=packed))
+
+    def _busy(self) -> bool:
+        return self.core is not None and self.core.has_unfinished_requests()
+
+    def _maybe_status(self, busy: bool) -> None:
+        now = time.monotonic()
+        if now - self._last_status < STATUS_INTERVAL_S:
+            return
+        self._last_status = now
+        models = P.plain(self.core.stats()) if self.core is not None else {}
+        memory = P.status_memory(self.core.memory()) if hasattr(self.core, "memory") else {}
+        self.conn.send(P.Status(steps=self.steps, busy=busy, models=models, memory=memory))
+
+    def run(self) -> int:
+        sel = selectors.DefaultSelector()
+        sel.register(self.conn.sock, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        while self.running:
+            busy = self._busy()
+            if not busy:
+                self.phase.set(f"loading:{self._loading[0].model}" if self._loading else "idle")
+            for key, _ in sel.select(self._wait_for(busy)):
+                if key.fileobj == self._wake_r:
+                    self._drain_wake()
+                    continue
+                msgs = self.conn.read_available()
+                if msgs is None:
+                    return 0  # the agent is gone: nothing left to serve
+                for m in msgs:
+                    self.handle(m)
+            self._finish_load()
+            if self._busy():
+                self._step()
+            self._maybe_status(self._busy())
+        return 0
+
+    def _wait_for(self, busy: bool) -> float | None:
+        """How long the next select may sleep: not at all while steps are due; while a step is
+        parked (engine.core.engine_core.EngineCore.parked) until it is done (the waiter's wake-up) or a
+        request comes; idle, until the next status."""
+        event = self.core.parked() if busy else None
+        if event is not None:
+            if self._waiter is None:
+                self._waiter = StepWaiter(self._wake)
+            self._waiter.watch(event)
+            return STATUS_INTERVAL_S
+        return 0 if busy else STATUS_INTERVAL_S
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            while os.read(self._wake_r, 4096):
+                pass
+
+
+def _heartbeat_loop(conn: _Conn, phase: _Phase, stop: threading.Event) -> None:
+    seq = 0
+    while not stop.wait(HEARTBEAT_INTERVAL_S):
+        seq += 1
+        try:
+            conn.send(P.Heartbeat(seq=seq, phase=phase.name, phase_seconds=time.monotonic() - phase.since))
+        except OSError:
+            return
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL us if the agent dies (Linux), so a worker never lingers."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="engine.worker")
+    ap.add_argument("--fd", type=int, required=True, help="inherited unix socket")
+    ap.add_argument("--options", default="{}", help="JSON engine options")
+    ap.add_argument("--engine", choices=["core", "none"], default="core")
+    args = ap.parse_args(argv)
+    options = json.loads(args.options)
+    if not isinstance(options, dict):
+        print("--options must be a JSON object", file=sys.stderr)
+        return 2
+    options["engine"] = args.engine
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent decides when we stop
+    sock = socket.socket(fileno=args.fd)
+    sock.setblocking(True)
+    os.dup(sock.fileno())  # never closed: EOF must mean the process is gone
+    conn = _Conn(sock)
+    core, device, err = make_core(options)
+    if skipped := (confine(options) if core is not None else ""):
+        print(f"engine.worker: sandbox skipped: {skipped}", file=sys.stderr)
+    if getattr(core, "warm_tier", None) is not None and core.device.type == "cuda":  # pin it now,
+        core.warm_tier.prepin_async()  # confined, not at the first unload
+    budget = int(getattr(core, "memory_budget_bytes", None) or 0)
+    conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err, budget_bytes=budget))
+    worker = Worker(conn, core)
+    stop = threading.Event()
+    hb = threading.Thread(target=_heartbeat_loop, args=(conn, worker.phase, stop), daemon=True, name="heartbeat")
+    hb.start()
+    try:
+        return worker.run()
+    except (BrokenPipeError, ConnectionResetError):
+        return 0
+    finally:
+        stop.set()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

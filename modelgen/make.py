@@ -1,0 +1,318 @@
+"""Random-weight Hugging Face model folders: the test and benchmark models.
+
+``make_model(out_dir, arch, preset, seed)`` writes ``config.json`` (as transformers expects
+for the architecture), ``generation_config.json``, safetensors shards (with an index when
+there is more than one), ``tokenizer.json`` and ``tokenizer_config.json``.
+
+Weights are normal with std 0.02, norm weights 1.0. Each tensor is drawn from its own
+generator seeded by ``(seed, tensor name)``, in fixed-size row chunks, so the output is
+deterministic for a seed on a device type (CPU and CUDA draw different numbers) and memory
+holds at most one chunk of one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from modelgen.safetensors_writer import (
+    DEFAULT_MAX_SHARD_BYTES,
+    TensorSpec,
+    index_json,
+    plan_shards,
+    shard_file_names,
+    write_shard,
+)
+from modelgen.tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    EOT_TOKEN,
+    PAD_TOKEN,
+    build_tokenizer,
+    special_ids,
+    tokenizer_config,
+)
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+PRESETS = ("tiny", "small", "llama-3.1-8b")
+INIT_STD = 0.02
+
+# Elements drawn per chunk: bounds host memory for the 8B preset's big matrices. Part of
+# the determinism contract: changing it changes the weights a seed gives.
+_CHUNK_ELEMS = 1 << 24
+
+_ARCH_CLASS = MappingProxyType({
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+})
+
+
+class ModelGenError(ValueError):
+    """Bad arguments to the model generator (unknown arch/preset, unusable output dir)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A preset's dimensions; the architecture decides the rest (biases, norms, rope)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    max_position: int
+    vocab: int | None  # None: the tokenizer's size
+    dtype: str  # "float32" | "bfloat16"
+    qwen3_head_dim: int  # head_dim for qwen3; other archs use hidden // heads
+
+
+_PRESETS = MappingProxyType({
+    # qwen3's head_dim differs from hidden // heads in tiny/small so that path is exercised.
+    "tiny": Shape(64, 2, 4, 2, 128, 2048, None, "float32", 32),
+    "small": Shape(256, 4, 8, 2, 512, 4096, None, "float32", 64),
+    "llama-3.1-8b": Shape(4096, 32, 32, 8, 14336, 131072, 128256, "bfloat16", 128),
+})
+
+
+def _check(arch: str, preset: str) -> Shape:
+    if arch not in ARCHS:
+        raise ModelGenError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if preset not in _PRESETS:
+        raise ModelGenError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    return _PRESETS[preset]
+
+
+def head_dim(arch: str, preset: str) -> int:
+    shape = _check(arch, preset)
+    return shape.qwen3_head_dim if arch == "qwen3" else shape.hidden // shape.heads
+
+
+def ties_embeddings(arch: str, preset: str) -> bool:
+    """qwen3 tiny/small tie lm_head to the embedding (as small Qwen3 models do)."""
+    _check(arch, preset)
+    return arch == "qwen3" and preset in ("tiny", "small")
+
+
+def model_config(arch: str, preset: str, vocab_size: int, specials: dict[str, int]) -> dict:
+    """``config.json`` for ``arch``/``preset`` with the given vocabulary and special ids."""
+    shape = _check(arch, preset)
+    cls, model_type = _ARCH_CLASS[arch]
+    eos = [specials[EOS_TOKEN], specials[EOT_TOKEN]]
+    cfg: dict[str, Any] = {
+        "architectures": [cls],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": head_dim(arch, preset),
+        "hidden_act": "silu",
+        "max_position_embeddings": shape.max_position,
+        "initializer_range": INIT_STD,
+        "rms_norm_eps": 1e-5 if arch in ("llama", "mistral") else 1e-6,
+        "use_cache": True,
+        "tie_word_embeddings": ties_embeddings(arch, preset),
+        "attention_dropout": 0.0,
+        "bos_token_id": specials[BOS_TOKEN],
+        "eos_token_id": eos,
+        "pad_token_id": specials[PAD_TOKEN],
+        "torch_dtype": shape.dtype,
+    }
+    if arch == "llama":
+        # Llama 3.1's scaling; the original context is 1/16 of the full one as in 8B, so the
+        # low-, mid- and high-frequency bands all occur even at tiny head sizes.
+        cfg["rope_theta"] = 500000.0
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": shape.max_position // 16,
+        }
+        cfg["attention_bias"] = False
+        cfg["mlp_bias"] = False
+        cfg["pretraining_tp"] = 1
+    elif arch == "mistral":
+        cfg["rope_theta"] = 1000000.0
+        cfg["sliding_window"] = None
+    else:
+        cfg["rope_theta"] = 1000000.0
+        cfg["use_sliding_window"] = False
+        cfg["sliding_window"] = None
+        cfg["max_window_layers"] = shape.layers
+        if arch == "qwen3":
+            cfg["attention_bias"] = False
+    return cfg
+
+
+def tensor_specs(arch: str, preset: str, vocab_size: int) -> list[TensorSpec]:
+    """Every weight the architecture has, in layer order, with HF names and shapes."""
+    shape = _check(arch, preset)
+    st = "BF16" if shape.dtype == "bfloat16" else "F32"
+    h, d = shape.hidden, head_dim(arch, preset)
+    q, kv = shape.heads * d, shape.kv_heads * d
+
+    def w(name: str, *dims: int, init: str = "normal") -> TensorSpec:
+        return TensorSpec(name, tuple(dims), st, init)
+
+    specs = [w("model.embed_tokens.weight", vocab_size, h)]
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        specs.append(w(p + "input_layernorm.weight", h, init="ones"))
+        specs += [
+            w(p + "self_attn.q_proj.weight", q, h),
+            w(p + "self_attn.k_proj.weight", kv, h),
+            w(p + "self_attn.v_proj.weight", kv, h),
+        ]
+        if arch == "qwen2":
+            specs += [
+                w(p + "self_attn.q_proj.bias", q),
+                w(p + "self_attn.k_proj.bias", kv),
+                w(p + "self_attn.v_proj.bias", kv),
+            ]
+        if arch == "qwen3":
+            specs += [
+                w(p + "self_attn.q_norm.weight", d, init="ones"),
+                w(p + "self_attn.k_norm.weight", d, init="ones"),
+            ]
+        specs += [
+            w(p + "self_attn.o_proj.weight", h, q),
+            w(p + "post_attention_layernorm.weight", h, init="ones"),
+            w(p + "mlp.gate_proj.weight", shape.intermediate, h),
+            w(p + "mlp.up_proj.weight", shape.intermediate, h),
+            w(p + "mlp.down_proj.weight", h, shape.intermediate),
+        ]
+    specs.append(w("model.norm.weight", h, init="ones"))
+    if not ties_embeddings(arch, preset):
+        specs.append(w("lm_head.weight", vocab_size, h))
+    return specs
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _resolve_device(device: str) -> Any:
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ModelGenError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelGenError("device cuda requested but CUDA is not available")
+    return torch.device(device)
+
+
+def _chunk_source(seed: int, device: Any) -> Callable[[TensorSpec], Iterator[memoryview]]:
+    import torch
+
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16}
+
+    def chunks(spec: TensorSpec) -> Iterator[memoryview]:
+        rows = spec.shape[0]
+        row_elems = 1
+        for dim in spec.shape[1:]:
+            row_elems *= dim
+        step = max(1, _CHUNK_ELEMS // row_elems)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(_tensor_seed(seed, spec.name))
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            dims = (n, *spec.shape[1:])
+            if spec.init == "ones":
+                t = torch.ones(dims, dtype=dtypes[spec.dtype])
+            else:
+                t = torch.randn(dims, generator=gen, device=device, dtype=torch.float32)
+                t = (t * INIT_STD).to(dtypes[spec.dtype]).cpu()
+            # Raw little-endian bytes; bf16 has no numpy dtype, so go through uint8.
+            yield memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+    return chunks
+
+
+def make_model(
+    out_dir: str | os.PathLike[str],
+    arch: str,
+    preset: str,
+    seed: int = 0,
+    device: str = "auto",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Write a random-weight model folder at ``out_dir`` and return its path.
+
+    The folder is built next to ``out_dir`` and renamed into place at the end, so a crash
+    or interrupt never leaves a half-written model under the final name. ``out_dir`` must
+    not exist, or be an empty directory.
+    """
+    shape = _check(arch, preset)
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ModelGenError(f"output {out} exists and is not an empty directory")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ModelGenError(f"{out.parent} is not a directory")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ModelGenError(f"seed must be a non-negative integer, got {seed!r}")
+    dev = _resolve_device(device)
+    say = progress or (lambda _msg: None)
+
+    tok = build_tokenizer()
+    specials = special_ids(tok)
+    tok_size = tok.get_vocab_size(with_added_tokens=True)
+    vocab = shape.vocab if shape.vocab is not None else -(-tok_size // 64) * 64
+    specs = tensor_specs(arch, preset, vocab)
+    shards = plan_shards(specs, max_shard_bytes)
+    names = shard_file_names(len(shards))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        cfg = model_config(arch, preset, vocab, specials)
+        _write_json(tmp / "config.json", cfg)
+        _write_json(
+            tmp / "generation_config.json",
+            {
+                "bos_token_id": cfg["bos_token_id"],
+                "eos_token_id": cfg["eos_token_id"],
+                "pad_token_id": cfg["pad_token_id"],
+            },
+        )
+        tok.save(str(tmp / "tokenizer.json"))
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config(tok, shape.max_position))
+        _write_json(
+            tmp / "special_tokens_map.json",
+            {"bos_token": BOS_TOKEN, "eos_token": EOT_TOKEN, "pad_token": PAD_TOKEN},
+        )
+        chunks = _chunk_source(seed, dev)
+        for shard, name in zip(shards, names):
+            say(f"writing {name} ({sum(s.nbytes for s in shard) / 1e9:.2f} GB)")
+            write_shard(tmp / name, shard, chunks)
+        if len(shards) > 1:
+            _write_json(tmp / "model.safetensors.index.json", index_json(shards, names))
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
