@@ -24,6 +24,7 @@ from aiohttp import web
 
 from agent.http.admin_api import AdminApi
 from agent.config import Settings
+from agent.context import AgentContext
 from agent.http.health import Canary, Health
 from agent.log import get_logger
 from agent.manager.manager import ModelManager
@@ -33,36 +34,18 @@ from agent.http.openapi import routes as openapi_routes
 from agent.systemd import Notifier
 from agent.worker.client import WorkerClient
 
-CTX: web.AppKey["AgentContext"] = web.AppKey("ctx")
+CTX: web.AppKey[AgentContext] = web.AppKey("ctx")
+BACKGROUND: web.AppKey[Background] = web.AppKey("background")
 TICK_S = 1.0
 SHUTDOWN_GRACE_S = 5.0  # after our own drain: time for handlers to write their last bytes
 
 
 @dataclass
-class AgentContext:
-    settings: Settings
-    metrics: Metrics
-    worker: WorkerClient
-    notifier: Notifier
-    engine: str = "core"
-    started: float = field(default_factory=time.monotonic)
-    started_wall: float = field(default_factory=time.time)
-    draining: bool = False
-    manager: ModelManager = None  # type: ignore[assignment]  # set by the manager context
-    health: Health = None  # type: ignore[assignment]
-    canary: Canary = None  # type: ignore[assignment]
-    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+class Background:
+    """What the app runs beside the handlers: the canary and the background tasks."""
 
-    def budget(self) -> dict[str, Any]:
-        g = self.settings.gpu
-        total: int | None = self.worker.state.budget_bytes or None  # what the engine works with
-        if total is None and isinstance(g.memory_budget, int):
-            total = int(g.memory_budget)
-        used = sum(int(s.get("device_bytes", 0) or 0) for s in self.worker.state.models.values())
-        out: dict[str, Any] = {"total_bytes": total, "used_bytes": used}
-        if isinstance(g.memory_budget, float):
-            out["fraction"] = g.memory_budget
-        return out
+    canary: Canary  # one instance: its request ids never collide with each other
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
 
 def worker_options(settings: Settings) -> dict[str, Any]:
@@ -101,18 +84,17 @@ async def _worker_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _manager_ctx(app: web.Application) -> AsyncIterator[None]:
-    ctx = app[CTX]
+    ctx, bg = app[CTX], app[BACKGROUND]
     source = None
     if ctx.engine != "none":
         from agent.manager.model_source import CacheSource
 
         source = CacheSource.from_settings(ctx.settings)
-    ctx.canary = Canary(ctx)  # one instance: its request ids never collide with each other
     ctx.manager = ModelManager(ctx.settings, ctx.worker, source, ctx.metrics, _load_tokenizer,
-                               verify=ctx.canary.probe)
+                               verify=bg.canary.probe)
     ctx.worker.on_up = ctx.manager.on_worker_up
     ctx.worker.on_down = ctx.manager.on_worker_down
-    ctx.tasks.append(asyncio.create_task(ctx.manager.preload(), name="preload"))
+    bg.tasks.append(asyncio.create_task(ctx.manager.preload(), name="preload"))
     ctx.manager.start()  # keep_alive: idle models unload after their time
     yield
     await ctx.manager.close()
@@ -121,14 +103,14 @@ async def _manager_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
-    ctx = app[CTX]
-    ctx.tasks.append(asyncio.create_task(ctx.canary.run(), name="canary"))
-    ctx.tasks.append(asyncio.create_task(_notify_loop(ctx), name="sd-notify"))
+    ctx, bg = app[CTX], app[BACKGROUND]
+    bg.tasks.append(asyncio.create_task(bg.canary.run(), name="canary"))
+    bg.tasks.append(asyncio.create_task(_notify_loop(ctx), name="sd-notify"))
     yield
-    for t in ctx.tasks:
+    for t in bg.tasks:
         t.cancel()
-    await asyncio.gather(*ctx.tasks, return_exceptions=True)
-    ctx.tasks.clear()
+    await asyncio.gather(*bg.tasks, return_exceptions=True)
+    bg.tasks.clear()
 
 
 LIFECYCLE: tuple[Callable[[web.Application], AsyncIterator[None]], ...] = (
@@ -187,19 +169,20 @@ def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | 
     ctx = AgentContext(settings=settings, metrics=metrics, notifier=notifier or Notifier(), engine=engine,
                        worker=WorkerClient(worker_options(settings), engine=engine,
                                            on_restart=metrics.worker_restarts.inc))
-    admin = AdminApi(ctx)
+    health = Health(ctx)
+    admin = AdminApi(ctx, health)
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[admin.middleware])
     app[CTX] = ctx
-    ctx.health = Health(ctx)
+    app[BACKGROUND] = Background(canary=Canary(ctx))
     app.add_routes(OpenAIApi(ctx).routes())
     app.add_routes(admin.routes())
-    app.add_routes(ctx.health.routes())
+    app.add_routes(health.routes())
     app.add_routes(openapi_routes())
 
     async def metrics_handler(request: web.Request) -> web.Response:
         metrics.worker_up.set(1 if ctx.worker.alive else 0)
         metrics.refresh_engine(ctx.worker.state.models)
-        metrics.ready.set(1 if ctx.health.ready()[0] else 0)
+        metrics.ready.set(1 if health.ready()[0] else 0)
         b = ctx.budget()
         metrics.gpu_budget.set(b["total_bytes"] or 0)
         if ctx.manager is not None and ctx.manager.source is not None:

@@ -26,6 +26,7 @@ from typing import Callable
 
 from cache.errors import (CacheError, CacheFullError, ETagChangedError, IntegrityError, SafetensorsError,
                           StoreError)
+from cache.fsync import fsync_dir
 from cache.progress import Progress
 from cache.retry import RetryPolicy, call_with_retries
 from cache.store import ObjectInfo, Store, blob_key
@@ -98,14 +99,6 @@ class PartLimiter:
         with self._cond:
             self.limit = max(self._min, self.limit // 2)
             self._ok = 0
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _disk_error(e: OSError, what: str) -> CacheError:
@@ -190,7 +183,7 @@ def _commit_empty(dest: Path, cfg: DownloadConfig) -> None:
             os.fsync(f.fileno())
     os.replace(tmp, dest)
     if cfg.fsync:
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
 
 
 def _download_once(store: Store, digest: str, size: int, partial_dir: Path, dest: Path, cfg: DownloadConfig,
@@ -243,7 +236,7 @@ def _download_once(store: Store, digest: str, size: int, partial_dir: Path, dest
         os.close(fd)
     os.rename(partial, dest)
     if cfg.fsync:
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
     state.path.unlink(missing_ok=True)
     return dest
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cache.errors import ManifestError
+from cache.strict_json import no_duplicate_keys
 
 MANIFEST_VERSION = 1
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
@@ -151,7 +152,7 @@ def parse(data: bytes, expected_name: str | None = None) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"manifest is {len(data)} bytes (at most {MAX_MANIFEST_BYTES})")
     try:
-        doc = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=no_duplicate_keys("manifest", ManifestError))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"manifest is not valid JSON: {e}") from None
     if not isinstance(doc, dict):
@@ -181,15 +182,6 @@ def parse(data: bytes, expected_name: str | None = None) -> Manifest:
         raise ManifestError(f"manifest total_size {doc['total_size']!r} is not the sum of its file sizes "
                             f"({manifest.total_size})")
     return manifest
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise ManifestError(f"manifest repeats the key {k!r}")
-        out[k] = v
-    return out
 
 
 def hash_file(path: Path, chunk: int = 8 << 20) -> tuple[int, str]:

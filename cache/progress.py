@@ -13,6 +13,8 @@ import time
 from collections import deque
 from typing import TextIO
 
+from cache.sizes import human_bytes
+
 
 class Progress:
     def __init__(self, name: str = "", total_bytes: int = 0, window_s: float = 5.0) -> None:
@@ -83,14 +85,6 @@ class Progress:
             }
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def render_bar(snap: dict, width: int = 30) -> str:
     """One line: ``name [#####.....]  45% 1.2 GiB/2.7 GiB 350.0 MiB/s ETA 4s``."""
     total = snap["total_bytes"] or 1
@@ -99,7 +93,7 @@ def render_bar(snap: dict, width: int = 30) -> str:
     eta = snap["eta_s"]
     eta_s = "--" if eta is None else f"{eta:.0f}s"
     return (f"{snap['name']} [{'#' * filled}{'.' * (width - filled)}] {frac * 100:3.0f}% "
-            f"{_human(snap['done_bytes'])}/{_human(snap['total_bytes'])} {_human(snap['rate_bytes_s'])}/s ETA {eta_s}")
+            f"{human_bytes(snap['done_bytes'])}/{human_bytes(snap['total_bytes'])} {human_bytes(snap['rate_bytes_s'])}/s ETA {eta_s}")
 
 
 class BarPrinter:

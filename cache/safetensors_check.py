@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cache.errors import SafetensorsError
+from cache.strict_json import no_duplicate_keys
 
 MAX_HEADER_BYTES = 100 << 20  # the reference implementation's own bound
 MAX_TENSORS = 1_000_000
@@ -48,15 +49,6 @@ class SafetensorsHeader:
     metadata: dict[str, str]
 
 
-def _pairs(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise SafetensorsError(f"header repeats the key {k!r}")
-        out[k] = v
-    return out
-
-
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -66,7 +58,7 @@ def parse_header(header: bytes, file_size: int, where: str = "file") -> Safetens
     n = len(header)
     data_start = 8 + n
     try:
-        doc = json.loads(header.decode("utf-8"), object_pairs_hook=_pairs)
+        doc = json.loads(header.decode("utf-8"), object_pairs_hook=no_duplicate_keys("header", SafetensorsError))
     except UnicodeDecodeError:
         raise SafetensorsError(f"{where}: header is not UTF-8") from None
     except json.JSONDecodeError as e:

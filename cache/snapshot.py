@@ -15,17 +15,10 @@ import uuid
 from pathlib import Path
 
 from cache.errors import CacheError, CacheFullError, ManifestError
+from cache.fsync import fsync_dir
 from cache import manifest as mf
 
 LAST_USED = ".last_used"
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_manifest(models_dir: Path, name: str) -> mf.Manifest | None:

@@ -7,6 +7,8 @@ import sys
 import time
 from typing import Any
 
+from cache.sizes import human_bytes
+
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
@@ -26,17 +28,6 @@ def client(args: argparse.Namespace) -> Any:
         print(e, file=sys.stderr)
         return None
     return AdminClient.from_settings(settings, timeout=args.timeout)
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{n} B"
 
 
 def human_duration(s: float | None) -> str:

@@ -8,8 +8,9 @@ import sys
 from typing import Any
 
 from agent.commands._admin import (
-    EXIT_FAIL, EXIT_OK, EXIT_USAGE, MODEL_HEADERS, add_common, client, human_bytes, human_duration, model_rows, table,
+    EXIT_FAIL, EXIT_OK, EXIT_USAGE, MODEL_HEADERS, add_common, client, human_duration, model_rows, table,
 )
+from cache.sizes import human_bytes
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -14,15 +14,14 @@ import hmac
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 import agent
-from agent.manager.manager import ManagerError, State
-
-if TYPE_CHECKING:
-    from agent.app import AgentContext
+from agent.context import AgentContext
+from agent.http.health import Health
+from agent.manager.entries import ManagerError, State
 
 MAX_WAIT_S = 3600.0
 
@@ -51,8 +50,9 @@ def admin_authorized(request: web.Request, token: str) -> bool:
 
 
 class AdminApi:
-    def __init__(self, ctx: AgentContext) -> None:
+    def __init__(self, ctx: AgentContext, health: Health) -> None:
         self.ctx = ctx
+        self.health = health
         self._token = ctx.settings.server.admin_token.get_secret_value()
 
     def routes(self) -> list[web.RouteDef]:
@@ -87,7 +87,7 @@ class AdminApi:
             "version": agent.__version__,
             "pid": os.getpid(),
             "uptime_s": round(now - ctx.started, 3),
-            "ready": ctx.health.ready()[0],
+            "ready": self.health.ready()[0],
             "draining": ctx.draining,
             "worker": {
                 "pid": ctx.worker.pid, "alive": w.alive, "device": w.device, "engine_error": w.engine_error or None,

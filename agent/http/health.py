@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
+from agent.context import AgentContext
 from agent.log import get_logger
-from agent.manager.manager import ModelEntry, State
+from agent.manager.entries import ModelEntry, State
 from agent.worker.client import WorkerError
-
-if TYPE_CHECKING:
-    from agent.app import AgentContext
 
 CANARY_INTERVAL_S = 10.0
 DECODE_FRESH_S = 45.0

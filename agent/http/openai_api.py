@@ -14,22 +14,20 @@ import hmac
 import json
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from agent.worker.generation import Delta, Generation
+from agent.context import AgentContext
 from agent.log import bind_request_id, get_logger, new_request_id
-from agent.manager.manager import ManagerError
+from agent.manager.entries import ManagerError
 from agent.http.openai_schema import (
     MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest, first_error, json_depth_ok,
 )
 from agent.http.sse import encode as sse_encode
 from agent.worker.client import WorkerDied, WorkerError
-
-if TYPE_CHECKING:
-    from agent.app import AgentContext
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           408: "invalid_request_error",

@@ -1,7 +1,7 @@
 """The ModelManager's vocabulary: states, legal transitions, errors, the per-model entry.
 
-Split from ``agent.manager.manager`` (which re-exports every name here) so the state machine, the room
-planner (``agent.manager.room``) and the APIs share one definition.
+The manager (``agent.manager.manager``), its room planner (``agent.manager.room``) and the APIs
+import these from here.
 """
 
 from __future__ import annotations

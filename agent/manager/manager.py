@@ -13,8 +13,16 @@ under the model's lock), so a slow load never blocks another model's traffic; ca
 poll the state or await the task. When the worker dies, models that were ready go back to
 loading and are loaded again once a new worker says hello.
 
-The memory budget, LRU eviction, keep-alive and autoload live in ``agent.manager.room``; the
-states, errors and the per-model entry in ``agent.manager.entries`` (re-exported here).
+Room for a load: one global ``asyncio.Lock`` (the room lock) covers "plan → evict → load" so two
+loads never plan on the same free bytes; pulls, tokenizer loads and the post-load check stay
+outside it, so different models still load in parallel up to the engine step. A ``Load`` offers
+the models :class:`~agent.manager.room.RoomPlanner` finds evictable; a refusal for room names
+the shortest prefix of that offer that makes room. Those are drained and unloaded, and the load
+is tried once more; a second refusal, or one that eviction cannot cure, fails the load with the
+engine's numbers. Idle models are unloaded once their keep_alive has passed; with autoload on,
+a request for a cached model that is not loaded loads it first.
+
+The states, errors and the per-model entry are in ``agent.manager.entries``.
 """
 
 from __future__ import annotations
@@ -27,7 +35,6 @@ from typing import Any
 
 from agent.config import MODEL_NAME_RE, ModelSettings, Settings
 from agent.log import get_logger
-from agent.manager.room import RoomMixin
 from agent.manager.entries import (
     NEXT_STATES,
     Admission,
@@ -40,20 +47,19 @@ from agent.manager.entries import (
     State,
     UnknownModel,
 )
+from agent.manager.room import RoomPlanner
 from agent.metrics import Metrics
 from agent.worker.client import WorkerClient, WorkerError
 
-__all__ = ["Admission", "ManagerError", "ModelEntry", "ModelManager", "ModelNotReady", "ModelSource", "NoRoom",
-           "QueueFull", "State", "UnknownModel"]
-
 WORKER_WAIT_S = 180.0
+KEEP_ALIVE_TICK_S = 0.25
 
 
 TokenizerLoader = Callable[[Path], Any]
 Verifier = Callable[[ModelEntry], Awaitable[bool]]
 
 
-class ModelManager(RoomMixin):
+class ModelManager:
     def __init__(self, settings: Settings, worker: WorkerClient, source: ModelSource | None,
                  metrics: Metrics, load_tokenizer: TokenizerLoader, verify: Verifier | None = None) -> None:
         self.settings = settings
@@ -64,7 +70,8 @@ class ModelManager(RoomMixin):
         self.verify = verify  # a one-token decode after a load: "ready" means it can generate
         self.models: dict[str, ModelEntry] = {}
         self._log = get_logger("manager")
-        self._room = asyncio.Lock()  # plan → evict → load, one load at a time (manager_room)
+        self._room = asyncio.Lock()  # plan → evict → load, one load at a time
+        self._planner = RoomPlanner(self.models)
         self._keep_alive: asyncio.Task[None] | None = None
         for m in settings.models:
             self._entry(m.name)
@@ -205,6 +212,36 @@ class ModelManager(RoomMixin):
         e.touch()  # keep_alive and LRU count from the load, not from an older use
         self._set(e, State.READY)
 
+    async def _engine_load(self, e: ModelEntry) -> Any:
+        """Load ``e`` in the worker under the room lock, evicting what the engine names once."""
+        s = e.settings
+        async with self._room:
+            for attempt in (1, 2):
+                offered = self._planner.evictable(exclude=e.name)
+                try:
+                    return await self.worker.load(e.name, str(e.snapshot), max_model_len=s.max_model_len,
+                                                  max_num_seqs=s.max_num_seqs, weight=s.weight, evictable=offered)
+                except WorkerError as ex:
+                    if ex.code != "no_room":
+                        raise
+                    plan = self._planner.after_refusal(offered, ex.details)
+                    if attempt == 2 or not plan.victims:
+                        raise plan.refusal(e.name) from None
+                self._log.info("evict_for_load", model=e.name, evict=list(plan.victims),
+                               needed=plan.details["needed"], free=plan.details["free"])
+                for name in plan.victims:
+                    await self._evict(self.models[name], f"evicted to make room for {e.name}")
+        raise NoRoom(f"no room to load {e.name!r}")  # not reached: the second attempt returns or raises
+
+    async def _evict(self, v: ModelEntry, why: str) -> None:
+        """Unload an idle model as its own operation (so the admin API sees it busy)."""
+        if v.state is not State.READY or v.in_flight or (v.task is not None and not v.task.done()):
+            return  # it changed since the offer: the retry will be refused if room is still short
+        self._log.info("evict", model=v.name, reason=why)
+        v.task = asyncio.create_task(self._unload(v, reason=why), name=f"evict-{v.name}")
+        self._set(v, State.DRAINING, why)  # before any await: no request is admitted past this
+        await asyncio.shield(v.task)
+
     def _pin(self, e: ModelEntry, pinned: bool) -> None:
         """Keep the cache from evicting a model that is loaded or loading (idempotent)."""
         if self.source is None or e.pinned == pinned:
@@ -273,6 +310,16 @@ class ModelManager(RoomMixin):
         if self._keep_alive is None:
             self._keep_alive = asyncio.create_task(self.run_keep_alive(), name="keep-alive")
 
+    async def run_keep_alive(self, tick: float = KEEP_ALIVE_TICK_S) -> None:
+        """Background task: unload idle models once their keep_alive has passed."""
+        while True:
+            await asyncio.sleep(tick)
+            for e in self._planner.idle_expired(time.monotonic()):
+                self._log.info("keep_alive_unload", model=e.name, idle_s=round(e.idle_for(time.monotonic()), 3),
+                               keep_alive_s=e.settings.keep_alive)
+                e.task = asyncio.create_task(self._unload(e, reason="idle past keep_alive"), name=f"idle-{e.name}")
+                self._set(e, State.DRAINING, "idle past keep_alive")
+
     async def preload(self) -> None:
         """Load every ``preload`` model; returns when each is ready or failed."""
         tasks = []
@@ -314,7 +361,7 @@ class ModelManager(RoomMixin):
 
     # --- admission --------------------------------------------------------------------------
 
-    def admit(self, name: str) -> "Admission":
+    def admit(self, name: str) -> Admission:
         """Reserve a slot for one request; raise UnknownModel, ModelNotReady or QueueFull."""
         e = self.models.get(name)
         if e is None:
@@ -328,6 +375,40 @@ class ModelManager(RoomMixin):
             raise QueueFull(f"the model {name!r} has {e.in_flight} requests in flight; try again shortly",
                             retry_after=1.0)
         return Admission(e)
+
+    def autoload_enabled(self, e: ModelEntry) -> bool:
+        a = e.settings.autoload
+        return self.settings.server.autoload if a is None else a
+
+    async def admit_wait(self, name: str, timeout: float | None = None) -> Admission:
+        """Like ``admit``; with autoload on, a cached model that is not loaded is loaded first.
+
+        The request waits for the load, at most ``timeout`` (``server.autoload_timeout``); then
+        ModelNotReady (503 + Retry-After). Models not in the cache are not pulled for a request.
+        """
+        e = self.models.get(name)
+        if e is None or e.state is State.READY or not self.autoload_enabled(e):
+            return self.admit(name)
+        limit = self.settings.server.autoload_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while e.state is not State.READY:
+            if e.state in (State.CACHED, State.FAILED) and e.snapshot is not None and (e.task is None or e.task.done()):
+                self.load(name)
+            elif e.state is State.ABSENT:
+                return self.admit(name)  # not cached: refused as not ready, never pulled here
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = f" ({e.reason})" if e.reason else ""
+                raise ModelNotReady(f"the model {name!r} did not become ready within {limit:g} s "
+                                    f"(it is {e.state.value}){why}", retry_after=max(1.0, limit / 4))
+            task = e.task
+            if task is not None and not task.done():
+                await asyncio.wait([asyncio.ensure_future(asyncio.shield(task))], timeout=min(left, 0.5))
+            else:
+                await asyncio.sleep(min(left, 0.05))
+            if e.state is State.FAILED:
+                raise ModelNotReady(f"the model {name!r} could not be loaded: {e.reason}", retry_after=max(1.0, limit / 4))
+        return self.admit(name)
 
     async def close(self) -> None:
         if self._keep_alive is not None:

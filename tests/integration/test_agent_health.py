@@ -11,7 +11,8 @@ import uvloop
 from agent.http import health
 from agent.app import CTX, build_app
 from agent.config import load_settings
-from agent.manager.manager import ModelManager, State
+from agent.manager.entries import State
+from agent.manager.manager import ModelManager
 from agent.systemd import Notifier
 
 
@@ -27,7 +28,7 @@ def test_readiness_needs_a_fresh_worker_and_a_recent_decode(monkeypatch, tmp_pat
                                    verify=health.Canary(ctx).probe)
         await ctx.worker.start()
         try:
-            h = ctx.health
+            h = health.Health(ctx)
             ok, why = h.ready()
             assert not ok and why == ["m: absent"]
             e = ctx.manager.get("m")

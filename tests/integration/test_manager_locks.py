@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from agent.config import load_settings
-from agent.manager.manager import ManagerError, ModelManager, ModelNotReady, State
+from agent.manager.entries import ManagerError, ModelNotReady, State
+from agent.manager.manager import ModelManager
 from agent.metrics import Metrics
 from agent.worker.client import WorkerError
 
@@ -171,7 +172,7 @@ async def test_autoload_waits_for_the_load_and_times_out_with_retry_after(monkey
 
 
 async def test_max_queue_bounds_requests_in_flight(monkeypatch, tmp_path) -> None:
-    from agent.manager.manager import QueueFull
+    from agent.manager.entries import QueueFull
 
     mgr = _manager(monkeypatch, tmp_path, FakeWorker(), '[{"name": "q", "max_num_seqs": 4, "max_queue": 3},'
                    ' {"name": "d", "max_num_seqs": 4}]', ["q", "d"])

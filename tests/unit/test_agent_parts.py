@@ -8,7 +8,8 @@ import socket
 import pytest
 from pydantic import ValidationError
 
-from agent.commands._admin import human_bytes, human_duration, table
+from agent.commands._admin import human_duration, table
+from cache.sizes import human_bytes
 from agent.commands.status import render
 from agent.metrics import Metrics
 from agent.http.openai_schema import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, first_error, json_depth_ok

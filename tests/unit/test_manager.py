@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agent.config import load_settings
-from agent.manager.manager import ManagerError, ModelManager, ModelNotReady, QueueFull, State, UnknownModel
+from agent.manager.entries import ManagerError, ModelNotReady, QueueFull, State, UnknownModel
+from agent.manager.manager import ModelManager
 from agent.metrics import Metrics
 from agent.worker.client import WorkerClient
 

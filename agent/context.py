@@ -1,0 +1,41 @@
+"""The state the HTTP handlers share: settings, metrics, the worker client, the model manager.
+
+:mod:`agent.app` builds one :class:`AgentContext` and its lifecycle fills in the manager; the
+handlers in :mod:`agent.http` read it and import nothing of the app.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.config import Settings
+from agent.manager.manager import ModelManager
+from agent.metrics import Metrics
+from agent.systemd import Notifier
+from agent.worker.client import WorkerClient
+
+
+@dataclass
+class AgentContext:
+    settings: Settings
+    metrics: Metrics
+    worker: WorkerClient
+    notifier: Notifier
+    engine: str = "core"
+    started: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
+    draining: bool = False
+    manager: ModelManager = None  # type: ignore[assignment]  # set by the manager context
+
+    def budget(self) -> dict[str, Any]:
+        g = self.settings.gpu
+        total: int | None = self.worker.state.budget_bytes or None  # what the engine works with
+        if total is None and isinstance(g.memory_budget, int):
+            total = int(g.memory_budget)
+        used = sum(int(s.get("device_bytes", 0) or 0) for s in self.worker.state.models.values())
+        out: dict[str, Any] = {"total_bytes": total, "used_bytes": used}
+        if isinstance(g.memory_budget, float):
+            out["fraction"] = g.memory_budget
+        return out
