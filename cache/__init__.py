@@ -13,7 +13,9 @@ from cache.errors import (CacheError, CacheFullError, ETagChangedError, Integrit
                           NotFoundError, SafetensorsError, StoreError)
 from cache.progress import Progress
 from cache.retry import RetryPolicy
-from cache.store import FileStore, ObjectInfo, Store, open_store
+from cache.file_store import FileStore
+from cache.object_store import ObjectInfo, Store
+from cache.store import open_store
 
 __all__ = [
     "CacheError", "CacheFullError", "DiskCache", "DownloadConfig", "ETagChangedError", "FileStore",

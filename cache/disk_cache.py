@@ -1,6 +1,6 @@
 """DiskCache: verified, content-addressed model cache under a byte quota.
 
-Layout (docs/architecture.md, "Disk cache")::
+Layout (:mod:`cache.layout`; docs/architecture.md, "Disk cache")::
 
     blobs/sha256/<hex>                 verified, immutable blobs
     partial/<hex>.partial, .state      resumable downloads
@@ -25,16 +25,19 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from agent.log import get_logger
+import structlog
+
 from cache import eviction, snapshot
 from cache import manifest as mf
 from cache.downloader import DownloadConfig, PartLimiter, download_blob
 from cache.errors import CacheError, CacheFullError, NotFoundError
+from cache.layout import CacheLayout
 from cache.locks import FileLock
 from cache.progress import Progress
 from cache.retry import call_with_retries
 from cache.safetensors_check import check_file
-from cache.store import Store, manifest_key
+from cache.scan import clean_partials, scan_cache
+from cache.object_store import Store, manifest_key
 
 
 class DiskCache:
@@ -51,13 +54,9 @@ class DiskCache:
         self.download = download or DownloadConfig()
         self.partial_ttl_s = partial_ttl_s
         self.progress_log_interval_s = progress_log_interval_s
-        self.blobs_dir = self.dir / "blobs" / "sha256"
-        self.partial_dir = self.dir / "partial"
-        self.models_dir = self.dir / "models"
-        self.locks_dir = self.dir / "locks"
-        for d in (self.blobs_dir, self.partial_dir, self.models_dir, self.locks_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        self._log = get_logger("cache", cache_dir=str(self.dir))
+        self.layout = CacheLayout(self.dir)
+        self.layout.create()
+        self._log = structlog.get_logger("cache").bind(cache_dir=str(self.dir))
         self._pins: dict[str, tuple[int, FileLock]] = {}
         self._inflight: dict[str, tuple[asyncio.Task, list[int]]] = {}
         self._progress: dict[str, Progress] = {}
@@ -68,46 +67,33 @@ class DiskCache:
     def snapshot_path(self, name: str) -> Path | None:
         """The snapshot folder of a cached model (complete and verified at pull), else None."""
         mf.validate_name(name)
-        p = self.models_dir / name / "snapshot"
-        return p if (self.models_dir / name / "manifest.json").is_file() and p.is_dir() else None
+        p = self.layout.models_dir / name / "snapshot"
+        return p if (self.layout.models_dir / name / "manifest.json").is_file() and p.is_dir() else None
 
     def manifest(self, name: str) -> mf.Manifest | None:
-        return snapshot.read_manifest(self.models_dir, mf.validate_name(name))
+        return snapshot.read_manifest(self.layout.models_dir, mf.validate_name(name))
 
     def model_names(self) -> list[str]:
-        return sorted(p.name for p in self.models_dir.iterdir()
-                      if not p.name.startswith(".") and (p / "manifest.json").is_file())
+        return self.layout.model_names()
 
     def pulls_in_progress(self) -> dict[str, dict]:
         return {name: p.snapshot() for name, p in self._progress.items()}
 
-    def _blob_sizes(self) -> dict[str, int]:
-        out = {}
-        with os.scandir(self.blobs_dir) as it:
-            for e in it:
-                if not e.name.startswith("."):
-                    out[e.name] = e.stat().st_size
-        return out
-
-    def _partial_bytes(self) -> int:
-        with os.scandir(self.partial_dir) as it:
-            return sum(e.stat().st_blocks * 512 for e in it if e.name.endswith(".partial"))
-
     def used_bytes(self) -> int:
-        return sum(self._blob_sizes().values()) + self._partial_bytes()
+        return self.layout.used_bytes()
 
     def stats(self) -> dict[str, Any]:
         """``{"max_bytes", "used_bytes", "models": [{"name", "size_bytes", "last_used", "pinned", "files"}]}``."""
-        sizes = self._blob_sizes()
+        sizes = self.layout.blob_sizes()
         models = []
         for name in self.model_names():
-            m = snapshot.read_manifest(self.models_dir, name)
+            m = snapshot.read_manifest(self.layout.models_dir, name)
             if m is None:
                 continue
             models.append({"name": name, "size_bytes": sum(m.unique_blobs().values()),
-                           "last_used": snapshot.last_used(self.models_dir, name),
+                           "last_used": snapshot.last_used(self.layout.models_dir, name),
                            "pinned": name in self._pins, "files": len(m.files)})
-        return {"max_bytes": self.max_bytes, "used_bytes": sum(sizes.values()) + self._partial_bytes(),
+        return {"max_bytes": self.max_bytes, "used_bytes": sum(sizes.values()) + self.layout.partial_bytes(),
                 "models": models, "pulls": self.pulls_in_progress()}
 
     # ------------------------------------------------------------ pins and LRU
@@ -117,10 +103,10 @@ class DiskCache:
         mf.validate_name(name)
         count, lock = self._pins.get(name, (0, None))
         if lock is None:
-            lock = FileLock(self.locks_dir / f"pin-{name}.lock")
+            lock = self.layout.pin_lock(name)
             lock.acquire(timeout=10.0, shared=True)  # eviction holds it exclusively only briefly
         self._pins[name] = (count + 1, lock)
-        snapshot.touch(self.models_dir, name)
+        snapshot.touch(self.layout.models_dir, name)
 
     def unpin(self, name: str) -> None:
         count, lock = self._pins.get(name, (0, None))
@@ -131,14 +117,14 @@ class DiskCache:
             lock.release()
         else:
             self._pins[name] = (count - 1, lock)
-        snapshot.touch(self.models_dir, name)
+        snapshot.touch(self.layout.models_dir, name)
 
     def is_pinned(self, name: str) -> bool:
         return name in self._pins
 
     def touch(self, name: str) -> None:
         """Record a use (LRU)."""
-        snapshot.touch(self.models_dir, mf.validate_name(name))
+        snapshot.touch(self.layout.models_dir, mf.validate_name(name))
 
     async def evict_to_fit(self, incoming_bytes: int, keep: frozenset[str] = frozenset(),
                            keep_blobs: frozenset[str] = frozenset()) -> list[str]:
@@ -146,17 +132,14 @@ class DiskCache:
 
         Raises CacheFullError (evicting nothing) when the room cannot be made.
         """
-        async with FileLock(self.locks_dir / "cache.lock"):
-            return await asyncio.to_thread(eviction.evict, self, incoming_bytes, keep, keep_blobs)
+        async with FileLock(self.layout.locks_dir / "cache.lock"):
+            return await asyncio.to_thread(
+                eviction.evict, self.layout, eviction.Quota(self.max_bytes, self.high, self.low), incoming_bytes,
+                keep, keep_blobs, active_blobs=self._active_blobs, pinned=self.pinned_anywhere)
 
-    def _pinned_anywhere(self, name: str) -> bool:
-        if name in self._pins:
-            return True
-        lock = FileLock(self.locks_dir / f"pin-{name}.lock")
-        if lock.try_acquire():
-            lock.release()
-            return False
-        return True
+    def pinned_anywhere(self, name: str) -> bool:
+        """Pinned by this process or by another one (its shared pin flock is held)."""
+        return name in self._pins or self.layout.pinned_by_some_process(name)
 
     # ------------------------------------------------------------ pull
 
@@ -192,7 +175,7 @@ class DiskCache:
         started = time.monotonic()
         logger = asyncio.create_task(self._log_progress(progress))
         try:
-            async with FileLock(self.locks_dir / f"model-{name}.lock"):
+            async with FileLock(self.layout.locks_dir / f"model-{name}.lock"):
                 path = await self._pull_locked(store, name, progress)
             secs = time.monotonic() - started
             got = progress.downloaded_bytes
@@ -228,11 +211,11 @@ class DiskCache:
             raise NotFoundError(f"model {name!r} is not in the store {store.url}", status=404) from None
         manifest = mf.parse(raw, expected_name=name)
         progress.set_total(manifest.total_size)
-        current = snapshot.read_manifest(self.models_dir, name)
+        current = snapshot.read_manifest(self.layout.models_dir, name)
         if current == manifest and self.snapshot_path(name) is not None:
             progress.add_resumed(manifest.total_size)
             self.touch(name)
-            return self.models_dir / name / "snapshot"
+            return self.layout.models_dir / name / "snapshot"
         self._log.info("pull.start", model=name, files=len(manifest.files), total_bytes=manifest.total_size)
         blobs = manifest.unique_blobs()
         for d in blobs:
@@ -250,10 +233,10 @@ class DiskCache:
                 await self._fetch_blobs(store, manifest, missing, progress)
                 progress.set_state("verifying")
                 await asyncio.to_thread(self._check_safetensors, manifest)
-                async with FileLock(self.locks_dir / "cache.lock"):
+                async with FileLock(self.layout.locks_dir / "cache.lock"):
                     # Another process may have evicted an unreferenced blob of ours meanwhile.
                     if len(await asyncio.to_thread(self._present, blobs)) == len(blobs):
-                        path = await asyncio.to_thread(snapshot.commit, self.models_dir, self.blobs_dir,
+                        path = await asyncio.to_thread(snapshot.commit, self.layout.models_dir, self.layout.blobs_dir,
                                                        manifest, cfg.fsync)
                         return path
             raise CacheError(f"{name}: blobs kept disappearing while the snapshot was committed")
@@ -267,7 +250,7 @@ class DiskCache:
         out = set()
         for d, size in blobs.items():
             try:
-                if (self.blobs_dir / d).stat().st_size == size:
+                if (self.layout.blobs_dir / d).stat().st_size == size:
                     out.add(d)
             except FileNotFoundError:
                 pass
@@ -278,7 +261,7 @@ class DiskCache:
         partial_have = 0
         for d in missing:
             try:
-                partial_have += (self.partial_dir / f"{d}.partial").stat().st_blocks * 512
+                partial_have += (self.layout.partial_dir / f"{d}.partial").stat().st_blocks * 512
             except FileNotFoundError:
                 pass
         incoming = max(0, sum(missing.values()) - partial_have)
@@ -320,9 +303,9 @@ class DiskCache:
 
     async def _fetch_blob(self, store: Store, digest: str, size: int, progress: Progress,
                           check: Callable[[Path], Any] | None, limiter: PartLimiter) -> None:
-        async with FileLock(self.locks_dir / f"blob-{digest}.lock"):
+        async with FileLock(self.layout.locks_dir / f"blob-{digest}.lock"):
             abort = threading.Event()
-            fut = _in_own_thread(lambda: download_blob(store, digest, size, self.partial_dir, self.blobs_dir,
+            fut = _in_own_thread(lambda: download_blob(store, digest, size, self.layout.partial_dir, self.layout.blobs_dir,
                                                        self.download, progress, abort, check, limiter))
             try:
                 await asyncio.shield(fut)
@@ -337,28 +320,26 @@ class DiskCache:
     def _check_safetensors(self, manifest: mf.Manifest) -> None:
         for f in manifest.files:
             if f.path.endswith(".safetensors"):
-                check_file(self.blobs_dir / f.sha256)
+                check_file(self.layout.blobs_dir / f.sha256)
 
     async def cleanup_partials(self) -> int:
         """Remove partial downloads untouched for ``partial_ttl_s`` (and dead commit leftovers)."""
-        from cache.scan import clean_partials
-
-        return await asyncio.to_thread(clean_partials, self)
+        return await asyncio.to_thread(clean_partials, self.layout, self.partial_ttl_s)
 
     async def remove(self, name: str) -> None:
         """Drop a model (refused while pinned); its blobs go when no other model uses them."""
         mf.validate_name(name)
-        if self._pinned_anywhere(name):
+        if self.pinned_anywhere(name):
             raise CacheError(f"{name} is pinned (loaded or loading)")
-        async with FileLock(self.locks_dir / "cache.lock"):
-            await asyncio.to_thread(snapshot.remove, self.models_dir, name)
-            await asyncio.to_thread(eviction.drop_unreferenced_blobs, self)
+        async with FileLock(self.layout.locks_dir / "cache.lock"):
+            await asyncio.to_thread(snapshot.remove, self.layout.models_dir, name)
+            await asyncio.to_thread(eviction.drop_unreferenced_blobs, self.layout, self._active_blobs)
 
     async def scan(self, rehash: bool = False, repair: bool = False,
                    on_file: Callable[[str], None] | None = None) -> dict[str, Any]:
-        from cache.scan import scan_cache
-
-        return await _in_own_thread(lambda: scan_cache(self, rehash, repair, on_file))  # a re-hash takes minutes
+        return await _in_own_thread(lambda: scan_cache(  # a re-hash takes minutes
+            self.layout, self.max_bytes, pinned_here=self.is_pinned, pinned_anywhere=self.pinned_anywhere,
+            rehash=rehash, repair=repair, on_file=on_file))
 
 
 def _in_own_thread(fn: Callable[[], Any]) -> asyncio.Future:

@@ -29,7 +29,7 @@ from cache.errors import (CacheError, CacheFullError, ETagChangedError, Integrit
 from cache.fsync import fsync_dir
 from cache.progress import Progress
 from cache.retry import RetryPolicy, call_with_retries
-from cache.store import ObjectInfo, Store, blob_key
+from cache.object_store import ObjectInfo, Store, blob_key
 
 STATE_VERSION = 1
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()

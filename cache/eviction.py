@@ -10,15 +10,14 @@ is evicted and CacheFullError is raised.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+import structlog
 
 from cache import snapshot
 from cache.errors import CacheFullError
-from cache.locks import FileLock
-
-if TYPE_CHECKING:
-    from cache.disk_cache import DiskCache
+from cache.layout import CacheLayout
 
 
 @dataclass(frozen=True)
@@ -77,61 +76,71 @@ def plan(models: list[ModelUse], blob_sizes: dict[str, int], orphan_mtimes: dict
     return Plan(tuple(victims), tuple(dead), freed)
 
 
-def live_blobs(cache: "DiskCache") -> set[str]:
-    """Blobs referenced by a committed model or needed by a pull of this process."""
-    live = set(cache._active_blobs)
-    for name in cache.model_names():
-        m = snapshot.read_manifest(cache.models_dir, name)
+@dataclass(frozen=True)
+class Quota:
+    max_bytes: int
+    high: float  # a pull that would bring usage above high * max_bytes evicts ...
+    low: float  # ... until usage plus the incoming bytes is under low * max_bytes
+
+
+def live_blobs(layout: CacheLayout, active_blobs: Collection[str]) -> set[str]:
+    """Blobs referenced by a committed model or in ``active_blobs`` (needed by a pull of this process)."""
+    live = set(active_blobs)
+    for name in layout.model_names():
+        m = snapshot.read_manifest(layout.models_dir, name)
         if m is not None:
             live |= set(m.unique_blobs())
     return live
 
 
-def evict(cache: "DiskCache", incoming: int, keep: frozenset[str], keep_blobs: frozenset[str]) -> list[str]:
-    """Plan and apply an eviction; the caller holds ``cache.lock``. Returns the evicted models."""
-    sizes = cache._blob_sizes()
+def evict(layout: CacheLayout, quota: Quota, incoming: int, keep: frozenset[str], keep_blobs: frozenset[str], *,
+          active_blobs: Collection[str], pinned: Callable[[str], bool]) -> list[str]:
+    """Plan and apply an eviction; the caller holds ``cache.lock``. Returns the evicted models.
+
+    ``pinned(name)``: the model is pinned by this process or another one."""
+    log = structlog.get_logger("cache").bind(cache_dir=str(layout.root))
+    sizes = layout.blob_sizes()
     uses: list[ModelUse] = []
     referenced: set[str] = set()
-    for name in cache.model_names():
-        m = snapshot.read_manifest(cache.models_dir, name)
+    for name in layout.model_names():
+        m = snapshot.read_manifest(layout.models_dir, name)
         if m is None:
             continue
         blobs = frozenset(m.unique_blobs())
         referenced |= blobs
-        uses.append(ModelUse(name, blobs, snapshot.last_used(cache.models_dir, name),
-                             pinned=cache._pinned_anywhere(name)))
-    protected = keep_blobs | frozenset(cache._active_blobs)
+        uses.append(ModelUse(name, blobs, snapshot.last_used(layout.models_dir, name), pinned=pinned(name)))
+    protected = keep_blobs | frozenset(active_blobs)
     orphans = {}
     for d in sizes:
         if d not in referenced and d not in protected:
             try:
-                orphans[d] = (cache.blobs_dir / d).stat().st_mtime
+                orphans[d] = (layout.blobs_dir / d).stat().st_mtime
             except FileNotFoundError:
                 pass
-    used = sum(sizes.values()) + cache._partial_bytes()
-    p = plan(uses, sizes, orphans, used, incoming, cache.max_bytes, cache.high, cache.low,
+    used = sum(sizes.values()) + layout.partial_bytes()
+    p = plan(uses, sizes, orphans, used, incoming, quota.max_bytes, quota.high, quota.low,
              keep_blobs=protected, keep_models=keep)
     for name in p.models:
-        lock = FileLock(cache.locks_dir / f"pin-{name}.lock")
+        lock = layout.pin_lock(name)
         if not lock.try_acquire():  # pinned meanwhile by another process: leave it
             continue
         try:
-            snapshot.remove(cache.models_dir, name)
+            snapshot.remove(layout.models_dir, name)
         finally:
             lock.release()
-        cache._log.info("cache.evict", model=name)
-    live = live_blobs(cache)
+        log.info("cache.evict", model=name)
+    live = live_blobs(layout, active_blobs)
     for d in p.blobs:
         if d not in live:
-            (cache.blobs_dir / d).unlink(missing_ok=True)
+            (layout.blobs_dir / d).unlink(missing_ok=True)
     return list(p.models)
 
 
-def drop_unreferenced_blobs(cache: "DiskCache") -> int:
-    live = live_blobs(cache)
+def drop_unreferenced_blobs(layout: CacheLayout, active_blobs: Collection[str]) -> int:
+    live = live_blobs(layout, active_blobs)
     dropped = 0
-    for d in cache._blob_sizes():
+    for d in layout.blob_sizes():
         if d not in live:
-            (cache.blobs_dir / d).unlink(missing_ok=True)
+            (layout.blobs_dir / d).unlink(missing_ok=True)
             dropped += 1
     return dropped

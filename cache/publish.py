@@ -10,19 +10,20 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from agent.log import get_logger
+import structlog
+
 from cache import manifest as mf
 from cache.errors import IntegrityError
 from cache.progress import Progress
 from cache.retry import RetryPolicy, call_with_retries
 from cache.safetensors_check import check_file
-from cache.store import Store, blob_key, manifest_key
+from cache.object_store import Store, blob_key, manifest_key
 
 
 def publish_model(store: Store, directory: str | Path, name: str, progress: Progress | None = None,
                   retry: RetryPolicy | None = None, concurrency: int = 4) -> mf.Manifest:
     """Upload ``directory`` as model ``name``; returns the manifest written. Blocking."""
-    log = get_logger("publish", model=name, store=store.url)
+    log = structlog.get_logger("publish").bind(model=name, store=store.url)
     retry = retry or RetryPolicy()
     progress = progress or Progress(name)
     progress.set_state("hashing")

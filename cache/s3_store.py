@@ -20,7 +20,7 @@ import botocore.exceptions
 
 from cache.errors import ETagChangedError, NotFoundError, StoreError
 from cache.retry import RetryPolicy, call_with_retries
-from cache.store import ObjectInfo, RangeReader, Store
+from cache.object_store import ObjectInfo, RangeReader, Store
 
 _RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}

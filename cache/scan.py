@@ -9,34 +9,34 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from cache import manifest as mf
 from cache import snapshot
+from cache.layout import CacheLayout
 from cache.locks import FileLock
 
-if TYPE_CHECKING:
-    from cache.disk_cache import DiskCache
 
-
-def scan_cache(cache: "DiskCache", rehash: bool = False, repair: bool = False,
+def scan_cache(layout: CacheLayout, max_bytes: int, *, pinned_here: Callable[[str], bool],
+               pinned_anywhere: Callable[[str], bool], rehash: bool = False, repair: bool = False,
                on_file: Callable[[str], None] | None = None) -> dict[str, Any]:
-    sizes = cache._blob_sizes()
+    """``pinned_here``: pinned by this process (reported); ``pinned_anywhere``: by any (kept by a repair)."""
+    sizes = layout.blob_sizes()
     hashed: dict[str, bool] = {}
     bad_blobs: set[str] = set()
     models = []
     referenced: set[str] = set()
-    for name in cache.model_names():
+    for name in layout.model_names():
         problems: list[str] = []
-        m = snapshot.read_manifest(cache.models_dir, name)
+        m = snapshot.read_manifest(layout.models_dir, name)
         if m is None:
             models.append({"name": name, "ok": False, "problems": ["manifest.json unreadable"], "size_bytes": 0,
-                           "last_used": snapshot.last_used(cache.models_dir, name), "pinned": cache.is_pinned(name)})
+                           "last_used": snapshot.last_used(layout.models_dir, name), "pinned": pinned_here(name)})
             continue
         referenced |= set(m.unique_blobs())
-        snap = cache.models_dir / name / "snapshot"
+        snap = layout.models_dir / name / "snapshot"
         for f in m.files:
-            blob = cache.blobs_dir / f.sha256
+            blob = layout.blobs_dir / f.sha256
             if f.sha256 not in sizes:
                 problems.append(f"{f.path}: blob missing")
                 continue
@@ -60,19 +60,19 @@ def scan_cache(cache: "DiskCache", rehash: bool = False, repair: bool = False,
                     bad_blobs.add(f.sha256)
         models.append({"name": name, "ok": not problems, "problems": problems,
                        "size_bytes": sum(m.unique_blobs().values()),
-                       "last_used": snapshot.last_used(cache.models_dir, name), "pinned": cache.is_pinned(name)})
+                       "last_used": snapshot.last_used(layout.models_dir, name), "pinned": pinned_here(name)})
     repaired = []
     if repair:
         for entry in models:
-            if not entry["ok"] and not cache._pinned_anywhere(entry["name"]):
-                snapshot.remove(cache.models_dir, entry["name"])
+            if not entry["ok"] and not pinned_anywhere(entry["name"]):
+                snapshot.remove(layout.models_dir, entry["name"])
                 repaired.append(entry["name"])
         for d in bad_blobs:
-            (cache.blobs_dir / d).unlink(missing_ok=True)
-    partials = sorted(p.name for p in cache.partial_dir.glob("*.partial"))
+            (layout.blobs_dir / d).unlink(missing_ok=True)
+    partials = sorted(p.name for p in layout.partial_dir.glob("*.partial"))
     return {
-        "max_bytes": cache.max_bytes,
-        "used_bytes": cache.used_bytes(),
+        "max_bytes": max_bytes,
+        "used_bytes": layout.used_bytes(),
         "models": models,
         "orphan_blobs": sorted(d for d in sizes if d not in referenced),
         "partials": partials,
@@ -80,25 +80,25 @@ def scan_cache(cache: "DiskCache", rehash: bool = False, repair: bool = False,
     }
 
 
-def clean_partials(cache: "DiskCache") -> int:
-    """Remove partial downloads untouched for ``partial_ttl_s`` whose blob lock is free."""
+def clean_partials(layout: CacheLayout, ttl_s: float) -> int:
+    """Remove partial downloads untouched for ``ttl_s`` whose blob lock is free."""
     removed = 0
     now = time.time()
-    for p in cache.partial_dir.glob("*.partial"):
+    for p in layout.partial_dir.glob("*.partial"):
         digest = p.name[: -len(".partial")]
         try:
-            if now - p.stat().st_mtime < cache.partial_ttl_s:
+            if now - p.stat().st_mtime < ttl_s:
                 continue
         except FileNotFoundError:
             continue
-        lock = FileLock(cache.locks_dir / f"blob-{digest}.lock")
+        lock = FileLock(layout.locks_dir / f"blob-{digest}.lock")
         if not lock.try_acquire():  # being downloaded right now
             continue
         try:
             p.unlink(missing_ok=True)
-            (cache.partial_dir / f"{digest}.state").unlink(missing_ok=True)
+            (layout.partial_dir / f"{digest}.state").unlink(missing_ok=True)
             removed += 1
         finally:
             lock.release()
-    snapshot.clean_leftovers(cache.models_dir)
+    snapshot.clean_leftovers(layout.models_dir)
     return removed

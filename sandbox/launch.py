@@ -134,8 +134,8 @@ def confine(policy: SandboxPolicy) -> SandboxReport:
 
 
 def confine_worker(
-    cache_dir: str | None = None,
-    runtime_dir: str | None = None,
+    cache_dir: str,
+    runtime_dir: str,
     parent_pid: int | None = None,
     required: list[str] | tuple[str, ...] = (),
     read_only: list[str] | tuple[str, ...] = (),
@@ -143,16 +143,10 @@ def confine_worker(
 ) -> SandboxReport:
     """:func:`confine` with :func:`default_policy`, from JSON-friendly keyword arguments.
 
-    This is what ``engine.worker`` calls with its ``sandbox_options``. Missing dirs fall back to
-    the agent's defaults (``$CACHE_DIRECTORY`` / ``$RUNTIME_DIRECTORY`` under systemd). The
-    outcome goes to stderr as one line (warnings for inactive layers come from :func:`confine`
+    This is what ``engine.worker`` calls with its ``sandbox_options`` (the agent passes its cache
+    and runtime dirs, ``agent.app.worker_options``). The outcome goes to stderr as one line (warnings for inactive layers come from :func:`confine`
     through ``logging``); the returned report is for the worker's status.
     """
-    if cache_dir is None or runtime_dir is None:
-        from agent.config import default_cache_dir, default_runtime_dir
-
-        cache_dir = cache_dir or str(default_cache_dir())
-        runtime_dir = runtime_dir or str(default_runtime_dir())
     policy = default_policy(
         cache_dir,
         runtime_dir,

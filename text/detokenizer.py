@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from text.tokenizer import Tokenizer
+from typing import Protocol
 
 # A character is at most 4 UTF-8 bytes; byte-fallback tokenizers spend one id per byte.
 _MAX_PENDING_IDS = 8
@@ -15,6 +12,17 @@ _MAX_PENDING_IDS = 8
 
 class StopStringError(ValueError):
     """Stop strings that are not a bounded list of non-empty strings."""
+
+
+class TokenDecoder(Protocol):
+    """What the detokenizer needs of a tokenizer (:class:`text.tokenizer.Tokenizer` has it)."""
+
+    @property
+    def is_byte_level(self) -> bool: ...
+    def validate_ids(self, ids: Iterable[int]) -> None: ...
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes | None: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+    def knows(self, token_id: int) -> bool: ...
 
 
 class IncrementalDetokenizer:
@@ -34,7 +42,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: TokenDecoder,
         *,
         skip_special_tokens: bool = True,
         context_ids: Sequence[int] = (),

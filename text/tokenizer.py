@@ -25,19 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from text.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateLimits
-from text.detokenizer import IncrementalDetokenizer, StopMatcher, StopStringError
 
-__all__ = [
-    "ChatTemplateError",
-    "ChatTemplateLimits",
-    "IncrementalDetokenizer",
-    "REPLACEMENT",
-    "StopMatcher",
-    "StopStringError",
-    "Tokenizer",
-    "TokenizerError",
-    "byte_to_unicode",
-]
+__all__ = ["REPLACEMENT", "Tokenizer", "TokenizerError", "byte_to_unicode"]
 
 REPLACEMENT = "\ufffd"
 _REPLACEMENT_BYTES = REPLACEMENT.encode()

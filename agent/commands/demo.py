@@ -70,7 +70,7 @@ def seed_store(root: Path, name: str, arch: str, preset: str) -> str:
     """Make and publish the model unless the store already has it; returns the store URL."""
     from cache import open_store
     from cache.publish import publish_model
-    from cache.store import manifest_key
+    from cache.object_store import manifest_key
 
     store_dir = root / "store"
     store_dir.mkdir(parents=True, exist_ok=True)

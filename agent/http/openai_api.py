@@ -234,7 +234,7 @@ class OpenAIApi:
                            param="max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens",
                            code="context_length_exceeded")
         samplings = self._samplings(req, max_tokens, chat)
-        from text.tokenizer import IncrementalDetokenizer, StopMatcher
+        from text.detokenizer import IncrementalDetokenizer, StopMatcher
 
         base_id = ("chatcmpl-" if chat else "cmpl-") + rid
         gen = Generation(self.ctx.worker, self.ctx.metrics, entry.name, base_id, entry.tokenizer,

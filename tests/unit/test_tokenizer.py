@@ -9,14 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from text.tokenizer import (
-    REPLACEMENT,
-    IncrementalDetokenizer,
-    StopMatcher,
-    StopStringError,
-    Tokenizer,
-    TokenizerError,
-)
+from text.detokenizer import IncrementalDetokenizer, StopMatcher, StopStringError
+from text.tokenizer import REPLACEMENT, Tokenizer, TokenizerError
 
 # Code points from several scripts, emoji (4-byte UTF-8) and modifiers, controls.
 _ALPHABET = st.characters(

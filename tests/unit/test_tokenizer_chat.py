@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from text.tokenizer import ChatTemplateError, ChatTemplateLimits, Tokenizer
-from text.chat_template import ChatTemplate
+from text.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateLimits
+from text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

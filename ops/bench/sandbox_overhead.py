@@ -1,6 +1,6 @@
 """Measure what the sandbox costs: syscalls, file opens, a torch matmul and engine decode.
 
-``python -m sandbox.overhead --model-dir DIR [--pairs 15]`` starts two long-lived workers, one
+``python ops/bench/sandbox_overhead.py --model-dir DIR [--pairs 15]`` starts two long-lived workers, one
 unconfined and one confined (:func:`sandbox.launch.confine` with the worker's default policy,
 applied after the model is loaded, as the engine worker does), and has them run the same short
 block of work back to back, alternating who goes first, ``--pairs`` times per workload. Each
@@ -19,9 +19,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
-from sandbox.launch import confine, default_policy
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from sandbox.launch import confine, default_policy  # noqa: E402
 
 WORKLOADS = ("getppid_ns", "stat_ns", "open_close_ns", "matmul_ms", "engine_tok_s")
 
@@ -75,7 +79,7 @@ def _serve(mode: str, model_dir: str, runtime_dir: str) -> None:
 class _Side:
     def __init__(self, mode: str, model_dir: str, runtime_dir: str) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "sandbox.overhead", "--serve", mode, "--model-dir", model_dir,
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", mode, "--model-dir", model_dir,
                                       "--runtime-dir", runtime_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env)
         self.hello = self._read()
@@ -124,7 +128,7 @@ def measure(model_dir: str, pairs: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sandbox.overhead", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python ops/bench/sandbox_overhead.py", description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--pairs", type=int, default=15)
     ap.add_argument("--serve", choices=("on", "off"), help=argparse.SUPPRESS)
