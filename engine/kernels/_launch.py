@@ -29,6 +29,10 @@ from typing import Any
 
 import torch
 
+# INFIRE_TRITON_FAST_LAUNCH=0 (a debug escape hatch, read once at import): every launch takes
+# Triton's own path.
+_FAST_LAUNCH = os.environ.get("INFIRE_TRITON_FAST_LAUNCH", "1") != "0"
+
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _FLOAT = ("f",)
 _NONE = ("n",)
@@ -56,7 +60,7 @@ class CachedLauncher:
         self._device = None
         # False: every launch takes the normal path (INFIRE_TRITON_FAST_LAUNCH=0 at import, or a
         # disagreement found at a miss)
-        self.enabled = os.environ.get("INFIRE_TRITON_FAST_LAUNCH", "1") != "0"
+        self.enabled = _FAST_LAUNCH
         self.hits = 0
         self.misses = 0
         try:

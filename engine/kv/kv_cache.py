@@ -1,8 +1,9 @@
 """KV-cache storage of one model: per-layer K/V views addressed by page id and slot.
 
 One buffer laid out page-major, ``[num_pages, num_layers, 2, block_size, num_kv_heads, head_dim]``,
-which is exactly the page layout of the shared PagePool of DESIGN §5: a page holds the K and V
-of ``block_size`` tokens for every layer. Each layer's K (and V) is a strided view
+which is exactly the page layout of the shared :class:`engine.kv.page_pool.PagePool`
+(docs/architecture.md, "KV cache"): a page holds the K and V of ``block_size`` tokens for every
+layer. Each layer's K (and V) is a strided view
 ``[num_pages, block_size, num_kv_heads, head_dim]`` whose page stride is the whole page, so the
 model and the kernels already run on the pool's layout; the pool will only hand a different
 buffer (and global page ids) to :meth:`KVCache.from_buffer`.

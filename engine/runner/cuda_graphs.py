@@ -1,11 +1,13 @@
-"""Decode CUDA graphs: one graph per batch bucket, captured at model load, replayed for decode steps.
+"""The CUDA graphs of a runner's steps: decode graphs by batch bucket, mixed-step graphs by token
+bucket, both captured on the runner's :class:`~engine.runner.step_buffers.StepBuffers` and
+replayed on whatever a step wrote there.
 
-A decode-only step (every sequence one token, all sampling) is padded by the runner to the
-smallest bucket ≥ its batch (:meth:`engine.runner.model_runner.ModelRunner.prepare` with ``pad_to``):
-the inputs land in prefixes of the runner's persistent buffers, which are exactly the tensors
-each graph was captured on. A graph holds the model forward, the LM head on every row of the
-bucket, and the greedy argmax; a step with sampling rows runs the sampler eagerly on the graph's
-logits. Mixed prefill+decode steps never come here.
+**Decode graphs.** A decode-only step (every sequence one token, all sampling) is padded by the
+runner to the smallest bucket ≥ its batch (:meth:`engine.runner.model_runner.ModelRunner.prepare`
+with ``pad_to``): the inputs land in prefixes of the persistent buffers, which are exactly the
+tensors each graph was captured on. A graph holds the model forward, the LM head on every row of
+the bucket, and the greedy argmax; a step with sampling rows runs the sampler eagerly on the
+graph's logits. Mixed prefill+decode steps never use them.
 
 Capture: the Triton kernels and cuBLAS are warmed up eagerly at the largest and the smallest
 bucket first (compiles and workspace allocations cannot happen inside a capture; every kernel
@@ -13,50 +15,68 @@ shape constant is a model constant, so two warm-ups reach every compiled variant
 reduce only runs when a bucket is small enough to split), then the largest bucket and the
 buckets not deferred are captured, largest first, into one shared memory pool, so the smaller
 graphs reuse the largest one's activations. Deferred buckets (the runner defers those above
-``INFIRE_GRAPHS_AT_LOAD_MAX``) are captured into the same pool by :meth:`DecodeGraphs.capture_deferred`
-just before the first step that needs them. Captures use ``CUDAGraph.capture_begin/end`` on a
-side stream, without ``torch.cuda.graph``'s synchronize + gc + empty_cache per graph. Decode attention is captured with ``max_seq_len = max_model_len``, which is valid
-for every replay whose sequences are no longer (docs/kernels.md, "CUDA graphs").
+``engine.runner.model_runner.GRAPHS_AT_LOAD_MAX``) are captured into the same pool by
+:meth:`GraphSet.capture_deferred` just before the first step that needs them. Captures use
+``CUDAGraph.capture_begin/end`` on a side stream, without ``torch.cuda.graph``'s synchronize + gc
++ empty_cache per graph. Decode attention is captured with ``max_seq_len = max_model_len``, which
+is valid for every replay whose sequences are no longer (docs/kernels.md, "CUDA graphs").
 
 Padding rows (slot -1, one token at position 0 of page 0) write nothing and are never read back.
+
+**Mixed-step graphs**: the model forward of any step of up to a bucket of tokens, replayed.
+Under steady serving load nearly every step is *mixed*: the running sequences' decodes plus a
+chunk of a newly arrived prompt. Run eagerly such a step costs ~14 ms of host time for ~400
+kernel launches on an 8B model, more than the GPU needs for it, so the GPU waits on Python.
+These graphs remove that cost for steps of up to ``max(buckets)`` tokens.
+
+What makes one graph valid for every mix of sequences at its token bucket ``N``: every kernel's
+grid depends only on ``N`` and on the runner's ``max_num_seqs`` (fixed per runner), and the
+batch layout is read from device buffers at replay. Attention runs two kernels over all
+``max_num_seqs`` sequence slots, each taking the rows that are its own by their query length
+read on the device: the decode kernel the one-token queries (grid ``max_num_seqs`` × KV heads ×
+the splits for ``max_model_len``), the prefill kernel the longer ones (``cdiv(N, TPT) +
+max_num_seqs`` work items, each locating its sequence by a binary search over
+``query_start_loc``). The runner fills ``query_start_loc`` for all ``max_num_seqs`` entries
+(unused sequences are empty and their work items exit at once), the block tables at full width,
+and pads the tokens to ``N`` with slot -1 (no KV write). Padding tokens belong to no sequence:
+their rows carry garbage through row-wise ops only (linear layers, norms, RoPE, activation) and
+are never sampled.
+
+A mixed graph holds the forward up to the final norm's hidden states; the LM head and the
+sampler run eagerly on the sampled rows only (a graph with a fixed row count would pay the LM
+head for ``max_num_seqs`` rows every step). Mixed graphs share the decode graphs' memory pool:
+they replay one at a time. The largest bucket is captured at load (so the load's measured
+workspace includes the pool's size); the others at their first use.
+
+The graph sets keep no reference to the runner (no cycle: an unloaded model's memory goes when
+its runner does): they hold the buffers, the model and its KV cache.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.errors import EngineError
+from engine.kv.kv_cache import KVCache
+from engine.runner.step_buffers import StepBuffers
 
-if TYPE_CHECKING:  # the runner imports this module
-    from engine.runner.model_runner import ModelRunner
+if TYPE_CHECKING:
     from engine.runner.streams import StreamPool
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
+# Token buckets of the mixed-step graphs: dense where serving steps live (the running batch plus
+# one prompt chunk).
+DEFAULT_MIXED_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+                         1280, 1536, 1792, 2048)
+
 
 class CudaGraphError(EngineError):
-    """Capturing or replaying a decode graph failed."""
-
-
-def set_triton_cache_dir(cache_dir: str | os.PathLike) -> str:
-    """Point Triton's compile cache at ``<cache_dir>/triton`` unless TRITON_CACHE_DIR is already set.
-
-    Call before the first kernel compiles (the worker does it at start), so a restart finds
-    every kernel compiled. Returns the directory in effect.
-    """
-    current = os.environ.get("TRITON_CACHE_DIR")
-    if current:
-        return current
-    path = Path(cache_dir) / "triton"
-    path.mkdir(parents=True, exist_ok=True)
-    os.environ["TRITON_CACHE_DIR"] = str(path)
-    return str(path)
+    """Capturing or replaying a step graph failed."""
 
 
 @dataclass
@@ -67,17 +87,24 @@ class _Graph:
 
 
 class GraphSet:
-    """Graphs of one runner by bucket, in one memory pool, some deferred to their first use.
+    """Graphs of one runner's steps by bucket, in one memory pool, some deferred to their first use.
 
-    A subclass gives ``_fill_padding(r, b)`` (the inputs a capture runs on), ``_forward(r, b)``
+    ``bufs`` are the runner's step buffers (what every capture and replay reads), ``model`` and
+    ``kv`` what is run, ``streams`` the core's pool the capture stream is lent from, ``pool`` a
+    graph memory pool to share (None: the first capture's own). A kind gives
+    ``_fill_padding(bufs, b)`` (the inputs a capture runs on), ``_forward(bufs, model, kv, b)``
     (what is recorded; its outputs are kept) and ``_keep(b, graph, outputs)``."""
 
     kind = "graph"
 
-    def __init__(self, device: torch.device, pool=None, streams: "StreamPool | None" = None) -> None:
+    def __init__(self, device: torch.device, bufs: StepBuffers, model: Any, kv: KVCache,
+                 streams: "StreamPool", pool=None) -> None:
         if device.type != "cuda":
             raise CudaGraphError(f"{self.kind}s need a CUDA device")
         self.device = device
+        self.bufs = bufs
+        self.model = model
+        self.kv = kv
         self.capture_seconds = 0.0  # at load (warm-ups excluded)
         self.warmup_seconds = 0.0
         self.deferred: set[int] = set()  # buckets captured at their first use instead of at load
@@ -86,22 +113,26 @@ class GraphSet:
         self._streams = streams
         self._stream: torch.cuda.Stream | None = None
 
+    @property
+    def pool(self):
+        """The graphs' memory pool (None before the first capture), for another set to share."""
+        return self._pool
+
     def _capture_stream(self) -> torch.cuda.Stream:
         """The side stream captures record on: one per graph set, lent by the runner's pool
         (engine/runner/streams.py: every new stream costs a cuBLAS workspace for good)."""
         if self._stream is None:
-            self._stream = (self._streams.take(self) if self._streams is not None
-                            else torch.cuda.Stream(device=self.device))
+            self._stream = self._streams.take(self)
         return self._stream
 
-    def _capture_one(self, r: "ModelRunner", b: int) -> None:
+    def _capture_one(self, b: int) -> None:
         """One bucket into the shared pool. Unlike ``torch.cuda.graph`` no synchronize, gc or
         empty_cache per graph: the inputs are written on the current stream before the capture
         stream starts recording, and nothing executes while it records. Thread-local mode: other
         threads' CUDA calls (a load thread's copies, NCCL's watchdog polling its events under
         tensor parallelism) must neither fail nor abort the capture; only this thread's work is
         recorded in either mode."""
-        self._fill_padding(r, b)
+        self._fill_padding(self.bufs, b)
         g = torch.cuda.CUDAGraph()
         self._capture_stream().wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
@@ -110,7 +141,7 @@ class GraphSet:
             else:
                 g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                outputs = self._forward(r, b)
+                outputs = self._forward(self.bufs, self.model, self.kv, b)
             finally:
                 g.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
@@ -118,17 +149,17 @@ class GraphSet:
             self._pool = g.pool()
         self._keep(b, g, outputs)
 
-    def _warm(self, r: "ModelRunner", order: list[int]) -> None:
+    def _warm(self, order: list[int]) -> None:
         """Run the largest and smallest bucket eagerly first: Triton compiles and cuBLAS
         workspace allocations cannot happen inside a capture (every kernel constant is a model
         constant, so two sizes reach every compiled variant)."""
         for b in sorted({order[0], order[-1]}, reverse=True):
-            self._fill_padding(r, b)
-            self._forward(r, b)
+            self._fill_padding(self.bufs, b)
+            self._forward(self.bufs, self.model, self.kv, b)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def capture_deferred(self, r: "ModelRunner", bucket: int) -> None:
+    def capture_deferred(self, bucket: int) -> None:
         """Capture a deferred bucket now (the runner calls this before preparing the step that
         needs it, since a capture writes padding into the input buffers)."""
         if bucket not in self.deferred:
@@ -136,15 +167,17 @@ class GraphSet:
         self.deferred.discard(bucket)
         t = time.perf_counter()
         try:
-            self._capture_one(r, bucket)
+            self._capture_one(bucket)
         except RuntimeError as e:
             raise CudaGraphError(f"{self.kind} capture of bucket {bucket} failed: {e}") from e
         self.deferred_capture_seconds += time.perf_counter() - t
 
-    def _fill_padding(self, r: "ModelRunner", bucket: int) -> None:  # pragma: no cover - abstract
+    @staticmethod
+    def _fill_padding(bufs: StepBuffers, bucket: int) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _forward(self, r: "ModelRunner", bucket: int):  # pragma: no cover - abstract
+    @staticmethod
+    def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _keep(self, bucket: int, graph: torch.cuda.CUDAGraph, outputs) -> None:  # pragma: no cover
@@ -156,49 +189,47 @@ class DecodeGraphs(GraphSet):
 
     kind = "decode graph"
 
-    def __init__(self, device: torch.device, streams: "StreamPool | None" = None) -> None:
-        super().__init__(device, streams=streams)
+    def __init__(self, device: torch.device, bufs: StepBuffers, model: Any, kv: KVCache,
+                 streams: "StreamPool") -> None:
+        super().__init__(device, bufs, model, kv, streams)
         self.graphs: dict[int, _Graph] = {}
 
     def _keep(self, bucket: int, graph: torch.cuda.CUDAGraph, outputs) -> None:
         self.graphs[bucket] = _Graph(graph, *outputs)
 
     @staticmethod
-    def _fill_padding(r: "ModelRunner", bucket: int) -> None:
+    def _fill_padding(bufs: StepBuffers, bucket: int) -> None:
         """The padded-decode inputs a capture runs on: every row a padding row."""
-        r._input_ids[:bucket].zero_()
-        r._positions[:bucket].zero_()
-        r._slots[:bucket].fill_(-1)
-        r._qsl[:bucket + 1].copy_(torch.arange(bucket + 1, dtype=torch.int32, device=r.device))
-        r._seq_lens[:bucket].fill_(1)
-        r._block_tables[:bucket].zero_()
+        bufs.input_ids[:bucket].zero_()
+        bufs.positions[:bucket].zero_()
+        bufs.slots[:bucket].fill_(-1)
+        bufs.qsl[:bucket + 1].copy_(torch.arange(bucket + 1, dtype=torch.int32, device=bufs.device))
+        bufs.seq_lens[:bucket].fill_(1)
+        bufs.block_tables[:bucket].zero_()
 
     @staticmethod
-    def _forward(r: "ModelRunner", bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = r.decode_meta(bucket)
-        hidden = r.model(r._input_ids[:bucket], r._positions[:bucket], r.kv, meta)
-        logits = r.model.compute_logits(hidden)
+    def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        meta = bufs.decode_meta(bucket)
+        hidden = model(bufs.input_ids[:bucket], bufs.positions[:bucket], kv, meta)
+        logits = model.compute_logits(hidden)
         return logits, logits.argmax(dim=-1)
 
     @torch.inference_mode()
-    def capture(self, r: "ModelRunner", buckets: tuple[int, ...], defer: tuple[int, ...] = ()) -> None:
-        """Warm up, then capture every bucket of runner ``r`` (largest first, one shared pool)
-        except those in ``defer``, which :meth:`capture_deferred` captures at their first use.
-
-        The graphs keep no reference to the runner (no cycle: an unloaded model's memory goes
-        when its runner does)."""
+    def capture(self, buckets: tuple[int, ...], defer: tuple[int, ...] = ()) -> None:
+        """Warm up, then capture every bucket (largest first, one shared pool) except those in
+        ``defer``, which :meth:`capture_deferred` captures at their first use."""
         if not buckets:
             return
         order = sorted(set(buckets), reverse=True)
         t0 = time.perf_counter()
-        self._warm(r, order)
+        self._warm(order)
         t1 = time.perf_counter()
         self._capture_stream()
         now = [b for b in order if b not in set(defer) or b == order[0]]
         self.deferred = {b for b in order if b not in now}
         try:
             for b in now:
-                self._capture_one(r, b)
+                self._capture_one(b)
             torch.cuda.synchronize(self.device)
         except RuntimeError as e:
             self.graphs.clear()
@@ -208,9 +239,64 @@ class DecodeGraphs(GraphSet):
         self.capture_seconds = time.perf_counter() - t1
 
     def replay(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the bucket's graph on the inputs already in the runner's buffers: (logits, ids)."""
+        """Run the bucket's graph on the inputs already in the step buffers: (logits, ids)."""
         g = self.graphs.get(bucket)
         if g is None:
             raise CudaGraphError(f"no decode graph for batch {bucket}")
         g.graph.replay()
         return g.logits, g.ids
+
+
+class MixedGraphs(GraphSet):
+    """The captured mixed-step graphs of one runner, by token bucket."""
+
+    kind = "mixed-step graph"
+
+    def __init__(self, device: torch.device, bufs: StepBuffers, model: Any, kv: KVCache,
+                 streams: "StreamPool", pool=None) -> None:
+        super().__init__(device, bufs, model, kv, streams, pool)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _keep(self, bucket: int, graph: torch.cuda.CUDAGraph, outputs) -> None:
+        self.graphs[bucket] = (graph, outputs)
+
+    @staticmethod
+    def _fill_padding(bufs: StepBuffers, bucket: int) -> None:
+        """Inputs a capture (or warm-up) runs on: every token padding, every sequence empty."""
+        bufs.input_ids[:bucket].zero_()
+        bufs.positions[:bucket].zero_()
+        bufs.slots[:bucket].fill_(-1)
+        bufs.qsl.zero_()
+        bufs.seq_lens.zero_()
+        bufs.block_tables.zero_()
+
+    @staticmethod
+    def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int) -> torch.Tensor:
+        """The forward a mixed graph records: [bucket, hidden] final-norm hidden states."""
+        return model(bufs.input_ids[:bucket], bufs.positions[:bucket], kv, bufs.mixed_meta(bucket))
+
+    @torch.inference_mode()
+    def capture(self, buckets: tuple[int, ...]) -> None:
+        """Warm the kernels up eagerly at the largest and smallest bucket (no compile may happen
+        inside a capture), capture the largest now and defer the rest to their first use."""
+        if not buckets:
+            return
+        order = sorted(set(buckets), reverse=True)
+        t0 = time.perf_counter()
+        self._warm(order)
+        try:
+            self._capture_one(order[0])
+            torch.cuda.synchronize(self.device)
+        except RuntimeError as e:
+            self.graphs.clear()
+            raise CudaGraphError(f"mixed-step graph capture failed: {e}") from e
+        self.deferred = set(order[1:])
+        self.capture_seconds = time.perf_counter() - t0
+
+    def replay(self, bucket: int) -> torch.Tensor:
+        """Run the bucket's forward on the step buffers; the [bucket, hidden] output."""
+        entry = self.graphs.get(bucket)
+        if entry is None:
+            raise CudaGraphError(f"no mixed-step graph for {bucket} tokens")
+        entry[0].replay()
+        return entry[1]

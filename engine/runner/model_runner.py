@@ -7,10 +7,11 @@ those buffers. The hidden rows of the last token of each sequence that samples t
 through the LM head and the sampler; copying the chosen ids back (plus the requested
 logprobs) is the step's only host sync.
 
-Persistent buffers are what decode CUDA graphs need: a graph captured for a batch bucket
-reads the same addresses every replay. On CUDA with ``decode_buckets`` set, the graphs
-(:mod:`engine.runner.cuda_graphs`) are captured when the runner is built (at model load) and replay
-every decode-only step; mixed prefill+decode steps run eagerly.
+Persistent buffers (:mod:`engine.runner.step_buffers`) are what CUDA graphs need: a graph
+captured for a bucket reads the same addresses every replay. On CUDA with ``cuda_graphs`` on, the
+graphs (:mod:`engine.runner.cuda_graphs`) are captured when the runner is built (at model load,
+some deferred to their first use): decode graphs replay the decode-only steps of their batch
+buckets, mixed-step graphs the forward of the other steps up to their token buckets.
 
 A step is :meth:`ModelRunner.launch` (host lists → buffers, kernels queued, the ids' copy into
 pinned host memory queued behind an event) then :meth:`ModelRunner.collect` (wait for that
@@ -22,23 +23,27 @@ from __future__ import annotations
 import bisect
 import contextlib
 import itertools
-import os
 import time
 
 import numpy as np
 import torch
 
 from engine import kernels
-from engine.runner.cuda_graphs import DecodeGraphs
-from engine.runner.mixed_graphs import DEFAULT_MIXED_BUCKETS, MixedGraphs
+from engine.errors import EngineError
 from engine.kv.kv_cache import KVCache
 from engine.models.llama import AttentionMetadata, LlamaModel
+from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS, DecodeGraphs, MixedGraphs
 from engine.runner.logprobs import logprobs_result
 from engine.runner.step import PendingStep, PreparedStep, StepResult
-from engine.sched.scheduler import PLACEHOLDER, SchedulerOutput
+from engine.runner.step_buffers import StepBuffers
 from engine.runner.streams import StepStreams, StreamPool
+from engine.sched.scheduler import PLACEHOLDER, SchedulerOutput
 
-__all__ = ["ModelRunner", "PendingStep", "PreparedStep", "StepResult"]
+__all__ = ["GRAPHS_AT_LOAD_MAX", "ModelRunner", "PendingStep", "PreparedStep", "StepResult", "graph_buckets"]
+
+# Decode-graph buckets up to this batch (the latency buckets) are captured at load, with the
+# largest bucket (it sizes the shared pool); the others at their first use.
+GRAPHS_AT_LOAD_MAX = 8
 
 
 def _smallest_at_least(buckets: tuple[int, ...], n: int) -> int | None:
@@ -47,14 +52,26 @@ def _smallest_at_least(buckets: tuple[int, ...], n: int) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+def graph_buckets(device: torch.device, cuda_graphs: bool, decode_buckets: tuple[int, ...],
+                  mixed_buckets: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The decode and the mixed-step buckets a runner captures graphs for: all of them on CUDA
+    with ``cuda_graphs`` on, none otherwise (graphs exist only on CUDA; off turns off both kinds)."""
+    if not cuda_graphs or device.type != "cuda":
+        return (), ()
+    return decode_buckets, mixed_buckets
+
+
 class ModelRunner:
     """Runs one model's steps over its KV cache."""
 
     def __init__(self, model: LlamaModel, kv: KVCache, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, decode_buckets: tuple[int, ...] = (), cuda_graphs: bool | None = None,
+                 max_model_len: int, decode_buckets: tuple[int, ...] = (), cuda_graphs: bool = True,
                  mixed_buckets: tuple[int, ...] | None = None, stream_pool: StreamPool | None = None) -> None:
-        """``stream_pool``: where its streams come from (the core's, shared by its runners; None:
-        a pool of its own)."""
+        """``decode_buckets``: the batch sizes decode steps are padded to (() runs exact shapes);
+        ``cuda_graphs``: on CUDA, capture the decode graphs of those buckets and the mixed-step
+        graphs of ``mixed_buckets`` (None: :data:`DEFAULT_MIXED_BUCKETS`); False captures neither.
+        ``stream_pool``: where its streams come from, the core's, shared by its runners; required
+        on CUDA (None elsewhere)."""
         self.model = model
         self.max_model_len = max_model_len
         # Batch sizes decode steps are padded to (the CUDA-graph buckets); () runs exact shapes.
@@ -66,34 +83,18 @@ class ModelRunner:
         self.max_seqs = max_num_seqs
         self.max_pages = -(-max_model_len // self.block_size)
         dev = self.device
-        i32, i64 = torch.int32, torch.int64
-        self._input_ids = torch.zeros(self.max_tokens, dtype=i64, device=dev)
-        self._positions = torch.zeros(self.max_tokens, dtype=i64, device=dev)
-        self._slots = torch.full((self.max_tokens,), -1, dtype=i64, device=dev)
-        self._qsl = torch.zeros(self.max_seqs + 1, dtype=i32, device=dev)
-        self._seq_lens = torch.zeros(self.max_seqs, dtype=i32, device=dev)
-        self._block_tables = torch.zeros(self.max_seqs, self.max_pages, dtype=i32, device=dev)
-        self._rows = torch.zeros(self.max_seqs, dtype=i64, device=dev)
-        self._fill_dst = torch.zeros(self.max_seqs, dtype=i64, device=dev)
-        self._fill_src = torch.zeros(self.max_seqs, dtype=i64, device=dev)
-        # Host staging of the same sizes, pinned on CUDA so the copies are async; an event marks
-        # when the last step's copies have left the staging memory, before it is overwritten.
+        i64 = torch.int64
         self._pin = dev.type == "cuda"
         if self._pin and stream_pool is None:
-            stream_pool = StreamPool(dev)
-        self.streams = StepStreams(dev, stream_pool) if StepStreams.wanted(dev) else None
-        self._copies_done = torch.cuda.Event() if self._pin else None
-        self._staging: dict[int, torch.Tensor] = {}
-        for buf in (self._input_ids, self._positions, self._slots, self._qsl, self._seq_lens, self._block_tables,
-                    self._rows, self._fill_dst, self._fill_src):
-            host = torch.empty(buf.numel(), dtype=buf.dtype)
-            self._staging[id(buf)] = host.pin_memory() if self._pin else host
+            raise EngineError("a runner on CUDA needs the core's stream pool")
+        # The persistent inputs every step (and every captured graph) reads, and their staging.
+        self.bufs = StepBuffers(dev, self.max_tokens, self.max_seqs, self.max_pages, max_model_len)
+        self.streams = StepStreams(dev, stream_pool) if self._pin else None
         # Two pinned id buffers (and events), alternating, so step N+1 can launch before N is collected.
         self._ids_host = [torch.empty(self.max_seqs, dtype=i64).pin_memory() for _ in range(2)] if self._pin else []
-        # Waiting for the ids yields the core (blocking sync) instead of spinning on it, unless
-        # INFIRE_SYNC=spin: a spinning wait costs a whole CPU core for the GPU's whole step.
-        blocking = os.environ.get("INFIRE_SYNC", "block").strip().lower() != "spin"
-        self._ids_ready = [torch.cuda.Event(blocking=blocking) for _ in range(2)] if self._pin else []
+        # Waiting for the ids yields the core (blocking sync) instead of spinning on it: a
+        # spinning wait costs a whole CPU core for the GPU's whole step.
+        self._ids_ready = [torch.cuda.Event(blocking=True) for _ in range(2)] if self._pin else []
         self._flip = 0
         # The last launched step's sampled ids on the device, and each sampling sequence's row in
         # them: a step scheduled ahead takes its placeholder input tokens from there.
@@ -107,44 +108,20 @@ class ModelRunner:
         self.mixed_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
-        if cuda_graphs is None:
-            cuda_graphs = os.environ.get("INFIRE_CUDA_GRAPHS", "1") != "0"
-        if cuda_graphs and self._pin and self.decode_buckets:
-            # At load: the largest bucket (it sizes the shared pool) and those up to
-            # INFIRE_GRAPHS_AT_LOAD_MAX (default 8: the latency buckets); the rest at first use.
-            try:
-                now_max = int(os.environ.get("INFIRE_GRAPHS_AT_LOAD_MAX", "8"))
-            except ValueError:
-                raise ValueError("INFIRE_GRAPHS_AT_LOAD_MAX must be an integer") from None
-            self.graphs = DecodeGraphs(self.device, streams=stream_pool)
-            self.graphs.capture(self, self.decode_buckets, defer=tuple(b for b in self.decode_buckets if b > now_max))
         if mixed_buckets is None:
-            mixed_buckets = DEFAULT_MIXED_BUCKETS if os.environ.get("INFIRE_MIXED_GRAPHS", "1") != "0" else ()
-        # Token buckets of the mixed-step graphs (engine/runner/mixed_graphs.py), on CUDA with graphs.
+            mixed_buckets = DEFAULT_MIXED_BUCKETS
+        # Token buckets of the mixed-step graphs (engine/runner/cuda_graphs.py), on CUDA with graphs.
         self.mixed_buckets = tuple(sorted(b for b in mixed_buckets if 0 < b <= self.max_tokens))
-        if cuda_graphs and self._pin and self.mixed_buckets:
-            self.mixed = MixedGraphs(self.device, pool=self.graphs._pool if self.graphs is not None else None,
-                                     streams=stream_pool)
-            self.mixed.capture(self, self.mixed_buckets)
-
-    def decode_meta(self, bucket: int) -> AttentionMetadata:
-        """Metadata of a padded decode step of ``bucket`` rows, on the buffers' fixed prefixes."""
-        return AttentionMetadata(slot_mapping=self._slots[:bucket], query_start_loc=self._qsl[:bucket + 1],
-                                 seq_lens=self._seq_lens[:bucket], block_tables=self._block_tables[:bucket],
-                                 max_query_len=1, max_seq_len=self.max_model_len)
-
-    def _to_device(self, dst: torch.Tensor, values: np.ndarray) -> torch.Tensor:
-        """Copy a host array into a contiguous prefix of the persistent buffer ``dst``; return that view."""
-        src = torch.from_numpy(values)
-        n = src.numel()
-        view = dst.view(-1)[:n].view(src.shape)
-        if self._pin:
-            stage = self._staging[id(dst)][:n].view(src.shape)
-            stage.copy_(src)
-            view.copy_(stage, non_blocking=True)
-        else:
-            view.copy_(src)
-        return view
+        decode_now, mixed_now = graph_buckets(dev, cuda_graphs, self.decode_buckets, self.mixed_buckets)
+        if decode_now:
+            # At load: the largest bucket (it sizes the shared pool) and those up to
+            # GRAPHS_AT_LOAD_MAX (the latency buckets); the rest at first use.
+            self.graphs = DecodeGraphs(dev, self.bufs, model, kv, stream_pool)
+            self.graphs.capture(decode_now, defer=tuple(b for b in decode_now if b > GRAPHS_AT_LOAD_MAX))
+        if mixed_now:
+            self.mixed = MixedGraphs(dev, self.bufs, model, kv, stream_pool,
+                                     pool=self.graphs.pool if self.graphs is not None else None)
+            self.mixed.capture(mixed_now)
 
     def decode_bucket(self, num_seqs: int) -> int | None:
         """The smallest decode bucket holding ``num_seqs`` sequences (None: none does)."""
@@ -156,10 +133,10 @@ class ModelRunner:
         with self._on_last():  # after the last step, which may still read the input buffers
             if self.graphs is not None:
                 for b in sorted(self.graphs.deferred, reverse=True):
-                    self.graphs.capture_deferred(self, b)
+                    self.graphs.capture_deferred(b)
             if self.mixed is not None:
                 for b in sorted(self.mixed.deferred, reverse=True):
-                    self.mixed.capture_deferred(self, b)
+                    self.mixed.capture_deferred(b)
         return time.perf_counter() - t
 
     def _on_last(self):
@@ -187,8 +164,9 @@ class ModelRunner:
         tokens to that count with slot -1 and fills ``query_start_loc`` / ``seq_lens`` for all
         ``max_num_seqs`` sequences (the rest empty), block tables at full width.
         """
-        if self._copies_done is not None:
-            self._copies_done.synchronize()
+        bufs = self.bufs
+        if bufs.copies_done is not None:
+            bufs.copies_done.synchronize()
         bs = self.block_size
         seqs = out.seqs
         b = len(seqs)
@@ -243,10 +221,10 @@ class ModelRunner:
             lens_full[:b] = seq_lens
             qsl, seq_lens = qsl_full, lens_full
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(self._slots, slots),
-            query_start_loc=self._to_device(self._qsl, qsl.astype(np.int32)),
-            seq_lens=self._to_device(self._seq_lens, seq_lens.astype(np.int32)),
-            block_tables=self._to_device(self._block_tables, tables),
+            slot_mapping=bufs.to_device(bufs.slots, slots),
+            query_start_loc=bufs.to_device(bufs.qsl, qsl.astype(np.int32)),
+            seq_lens=bufs.to_device(bufs.seq_lens, seq_lens.astype(np.int32)),
+            block_tables=bufs.to_device(bufs.block_tables, tables),
             # a mixed graph's route: the prefill kernel, whatever the rows' lengths
             max_query_len=max(int(n_tok.max()), 2) if pad_tokens is not None else int(n_tok.max()),
             # A padded decode step runs with the captured graphs' bound, so eager and replayed
@@ -255,19 +233,19 @@ class ModelRunner:
         )
         fill = self._placeholders(out, ids) if out.num_placeholders else None
         step = PreparedStep(
-            input_ids=self._to_device(self._input_ids, np.asarray(ids, dtype=np.int64)),
-            positions=self._to_device(self._positions, pos),
+            input_ids=bufs.to_device(bufs.input_ids, np.asarray(ids, dtype=np.int64)),
+            positions=bufs.to_device(bufs.positions, pos),
             meta=meta,
-            logits_rows=self._to_device(self._rows, np.asarray(rows, dtype=np.int64)),
+            logits_rows=bufs.to_device(bufs.rows, np.asarray(rows, dtype=np.int64)),
             sample_entries=entries,
             is_decode_only=out.num_decodes == b,
         )
         if fill is not None:
             dst, src = fill
-            self._input_ids.index_copy_(0, self._to_device(self._fill_dst, dst),
-                                        self._prev_ids.index_select(0, self._to_device(self._fill_src, src)))
-        if self._copies_done is not None:
-            self._copies_done.record()
+            bufs.input_ids.index_copy_(0, bufs.to_device(bufs.fill_dst, dst),
+                                       self._prev_ids.index_select(0, bufs.to_device(bufs.fill_src, src)))
+        if bufs.copies_done is not None:
+            bufs.copies_done.record()
         return step
 
     def _placeholders(self, out: SchedulerOutput, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -310,14 +288,14 @@ class ModelRunner:
         pad = self.decode_bucket(b) if b and out.num_decodes == b else None
         replay = pad is not None and self.graphs is not None and all(s.sample for s in out.seqs)
         if replay and pad in self.graphs.deferred:
-            self.graphs.capture_deferred(self, pad)  # before prepare: a capture writes the input buffers
+            self.graphs.capture_deferred(pad)  # before prepare: a capture writes the input buffers
         mixed = None
         if not replay and b:
             mixed = self.mixed_bucket(sum(len(s.token_ids) for s in out.seqs))
             if mixed is not None:
                 pad = None
                 if mixed in self.mixed.deferred:
-                    self.mixed.capture_deferred(self, mixed)
+                    self.mixed.capture_deferred(mixed)
         step = self.prepare(out, pad_to=pad, pad_tokens=mixed)
         self._prev_ids, self._prev_rows = None, {}
         ids = None

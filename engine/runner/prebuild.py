@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,27 +25,31 @@ from typing import Any
 
 import torch
 
+from engine.errors import EngineError
+from engine.runner.streams import StreamPool
+
 log = logging.getLogger(__name__)
 
 
-def prebuild_wanted(device: torch.device, warm_tier: Any, key: str, shape: str) -> bool:
+def prebuild_wanted(device: torch.device, warm_tier: Any, key: str, shape: str, allow_cpu: bool = False) -> bool:
     """Whether a load of warm-tier ``key`` at workspace ``shape`` builds its runner beside the
     weights: the tier holds the copy and the workspace figure measured at that shape (so the
-    load skips its warm-up). On by default on CUDA; ``INFIRE_PREBUILD_RUNNER=0`` turns it off,
-    ``=1`` turns it on elsewhere too (CPU tests)."""
-    env = os.environ.get("INFIRE_PREBUILD_RUNNER", "")
-    if env == "0" or warm_tier is None or (device.type != "cuda" and env != "1"):
+    load skips its warm-up). Only on CUDA, unless ``allow_cpu`` (CPU tests of the overlap)."""
+    if warm_tier is None or (device.type != "cuda" and not allow_cpu):
         return False
     return key in warm_tier and warm_tier.noted(key, shape) is not None
 
 
 class RunnerBuild:
-    """``make()`` run on a thread of its own under a fresh stream of ``device``; :meth:`result`
-    joins it and returns what ``make`` returned, or None when it failed (the caller builds the
-    runner the usual way then; the failure is logged)."""
+    """``make()`` run on a thread of its own, on CUDA under a stream lent by the core's pool;
+    :meth:`result` joins it and returns what ``make`` returned, or None when it failed (the
+    caller builds the runner the usual way then; the failure is logged)."""
 
-    def __init__(self, make: Callable[[], Any], device: torch.device, name: str, streams: Any = None) -> None:
-        """``streams``: the core's :class:`engine.runner.streams.StreamPool` (None: a new stream)."""
+    def __init__(self, make: Callable[[], Any], device: torch.device, name: str,
+                 streams: StreamPool | None) -> None:
+        """``streams``: the core's stream pool; required on CUDA (None elsewhere)."""
+        if device.type == "cuda" and streams is None:
+            raise EngineError("a runner build on CUDA needs the core's stream pool")
         self._result: Any = None
         self._streams = streams
         self.error: BaseException | None = None
@@ -61,8 +64,7 @@ class RunnerBuild:
             with contextlib.ExitStack() as ctx:
                 if device.type == "cuda":
                     ctx.enter_context(torch.cuda.device(device))
-                    stream = (self._streams.take(self) if self._streams is not None
-                              else torch.cuda.Stream(device=device))
+                    stream = self._streams.take(self)
                     stream.wait_stream(torch.cuda.current_stream(device))  # the rope cache built there
                     ctx.enter_context(torch.cuda.stream(stream))
                 result = make()

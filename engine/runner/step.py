@@ -30,6 +30,11 @@ class PendingStep:
     logits: torch.Tensor | None  # kept only when logprobs are wanted
     want_logprobs: list[int | None] | None
 
+    def done(self) -> bool:
+        """Whether the step's ids have reached host memory: its ``ready`` event has fired, or it
+        has none (CPU, logprobs wanted, nothing sampled). Never blocks."""
+        return self.ready is None or self.ready.query()
+
 
 @dataclass
 class StepResult:

@@ -18,7 +18,6 @@ Ordering rules, all by stream waits (no host sync):
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 from collections.abc import Iterator
 
@@ -61,18 +60,13 @@ class StreamPool:
 class StepStreams:
     """A runner's normal and urgent streams on ``device`` and the one its last step used."""
 
-    def __init__(self, device: torch.device, pool: StreamPool | None = None) -> None:
+    def __init__(self, device: torch.device, pool: StreamPool) -> None:
+        """``pool``: the core's, shared by its runners (the streams go back to it with this object)."""
         self.device = device
-        pool = pool if pool is not None else StreamPool(device)
         self.normal = pool.take(self, 0)
         self.urgent = pool.take(self, URGENT_PRIORITY)
         self.last: torch.cuda.Stream | None = None
         self.urgent_steps = 0
-
-    @staticmethod
-    def wanted(device: torch.device) -> bool:
-        """On CUDA unless ``INFIRE_MODEL_STREAMS=0`` (every step on the caller's stream)."""
-        return device.type == "cuda" and os.environ.get("INFIRE_MODEL_STREAMS", "1") != "0"
 
     def enter(self, urgent: bool, carried: torch.Tensor | None) -> torch.cuda.Stream:
         """The stream for the next step, ordered after the caller's stream and the last step."""

@@ -61,10 +61,6 @@ class StreamStats:
     seconds: float
     chunks: int
 
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
 
 @dataclass(frozen=True)
 class _Chunk:

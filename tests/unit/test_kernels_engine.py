@@ -5,18 +5,25 @@ dtypes, mixed prefill + decode steps) are what the kernels handle."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 if torch.cuda.is_available():  # pragma: no cover - covered by tests/gpu on a GPU machine
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from engine.kernels import _dispatch  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _triton_interpreted():
+    """The Triton kernels run interpreted while this module's tests run (Triton reads the switch
+    when a kernel module is first imported, at a test's first Triton call); restored after."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
 
 
 def test_engine_tokens_identical_with_triton_kernels(make_tiny_model, monkeypatch):
@@ -28,6 +35,7 @@ def test_engine_tokens_identical_with_triton_kernels(make_tiny_model, monkeypatc
     got = {}
     for mode in ("torch", "triton"):
         monkeypatch.setenv("INFIRE_KERNELS", mode)
+        monkeypatch.setattr(_dispatch, "_forced", None)  # read again at the next kernel call
         llm = LLM(model_dir, device="cpu", max_model_len=128, block_size=16, max_prefill_chunk=16, dtype="float32")
         got[mode] = [o.token_ids for o in llm.generate(prompts, params)]
     assert all(len(t) == 10 for t in got["torch"])

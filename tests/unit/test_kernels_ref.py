@@ -203,16 +203,23 @@ def test_sample_distribution_and_filters():
 
 
 def test_dispatch_env(monkeypatch):
-    from engine.kernels import backend_for, rms_norm
+    from engine.kernels import _dispatch, backend_for, rms_norm
 
     x = torch.randn(2, 8)
     monkeypatch.setenv("INFIRE_KERNELS", "torch")
+    monkeypatch.setattr(_dispatch, "_forced", None)
     assert backend_for(x) == "torch"
+    monkeypatch.setenv("INFIRE_KERNELS", "triton")
+    assert backend_for(x) == "torch"  # read once: the first call's choice holds
     monkeypatch.delenv("INFIRE_KERNELS")
+    monkeypatch.setattr(_dispatch, "_forced", None)
     assert backend_for(x) == "torch"  # CPU tensors always take the reference by default
     torch.testing.assert_close(rms_norm(x, torch.ones(8), 1e-6), rms_norm_ref(x, torch.ones(8), 1e-6))
     monkeypatch.setenv("INFIRE_KERNELS", "cuda-please")
+    monkeypatch.setattr(_dispatch, "_forced", None)
     with pytest.raises(KernelError):
+        backend_for(x)
+    with pytest.raises(KernelError):  # a bad value is not kept: every call says so
         backend_for(x)
     with pytest.raises(KernelError):
         rms_norm(x, torch.ones(7), 1e-6)

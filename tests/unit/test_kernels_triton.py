@@ -14,10 +14,13 @@ import torch
 
 if torch.cuda.is_available():  # pragma: no cover - on a GPU the compiled kernels are tested in tests/gpu
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # read when the @triton.jit modules below are first imported
 pytest.importorskip("triton")
+# Triton reads the switch when a @triton.jit module is first imported: on for the imports below,
+# then back as it was (the fixture below turns it on again while this module's tests run).
+_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
 
-from engine.kernels import activation, attention, kv_write, norm, rope  # noqa: E402
+from engine.kernels import _dispatch, activation, attention, kv_write, norm, rope  # noqa: E402
 from engine.kernels.sample import filter_ref, sample as sample_api, sample_ref  # noqa: E402
 from engine.kernels.activation_triton import silu_and_mul_triton  # noqa: E402
 from engine.kernels.attention_triton import decode_splits, paged_attention_triton  # noqa: E402
@@ -26,6 +29,19 @@ from engine.kernels.norm_triton import rms_norm_triton  # noqa: E402
 from engine.kernels.rope_triton import apply_rope_triton  # noqa: E402
 from engine.kernels.sample_triton import sample_triton  # noqa: E402
 from tests.unit.test_kernels_ref import build_batch, make_pool  # noqa: E402
+
+if _INTERPRET is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _INTERPRET
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _triton_interpreted():
+    """TRITON_INTERPRET=1 while this module's tests run; restored after."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
 
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -207,6 +223,7 @@ def test_sample_is_batch_independent_and_respects_filters():
 
 def test_public_api_forced_triton(monkeypatch):
     monkeypatch.setenv("INFIRE_KERNELS", "triton")
+    monkeypatch.setattr(_dispatch, "_forced", None)  # read again at the next kernel call
     x, w = torch.randn(3, 16), torch.randn(16)
     torch.testing.assert_close(norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))
     args = _sample_case(4, 64, 9)

@@ -1,4 +1,4 @@
-"""Mixed-step graph inputs (engine/runner/mixed_graphs.py), checked on CPU without a graph: every
+"""Mixed-step graph inputs (engine/runner/cuda_graphs.py), checked on CPU without a graph: every
 step is padded to a token bucket and run through the exact forward a captured graph replays
 (full-size sequence buffers, padding tokens that belong to no sequence, the prefill kernel for
 every row), and must give the tokens of the unpadded engine — with the torch references and with
@@ -6,17 +6,17 @@ the Triton kernels under the interpreter."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 if torch.cuda.is_available():  # pragma: no cover - tests/gpu covers the captured graphs
     pytest.skip("CPU emulation of the graphs; tests/gpu replays real ones", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
 
-from engine.runner.mixed_graphs import MixedGraphs  # noqa: E402
+from engine.kernels import _dispatch  # noqa: E402
 from engine.llm import LLM  # noqa: E402
+from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS, MixedGraphs  # noqa: E402
+from engine.runner import model_runner  # noqa: E402
+from engine.runner.model_runner import graph_buckets  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 3, 8, 21, 4, 6, 11, 19, 20, 22, 23, 24, 30], [3, 4, 5], [7] * 40, [9, 2]]
@@ -24,6 +24,15 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
           SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=5, max_tokens=7, ignore_eos=True),
           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _triton_interpreted():
+    """The Triton kernels run interpreted while this module's tests run (Triton reads the switch
+    when a kernel module is first imported, at a test's first Triton call); restored after."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
 
 
 class EagerMixed:
@@ -37,7 +46,7 @@ class EagerMixed:
     def replay(self, bucket: int) -> torch.Tensor:
         self.buckets.append(bucket)
         with torch.inference_mode():
-            return MixedGraphs._forward(self.runner, bucket)
+            return MixedGraphs._forward(self.runner.bufs, self.runner.model, self.runner.kv, bucket)
 
 
 def _generate(model_dir, padded: bool):
@@ -57,6 +66,7 @@ def _generate(model_dir, padded: bool):
 def test_every_step_padded_to_a_token_bucket_gives_the_same_tokens(make_tiny_model, monkeypatch, kernels):
     pytest.importorskip("triton") if kernels == "triton" else None
     monkeypatch.setenv("INFIRE_KERNELS", kernels)
+    monkeypatch.setattr(_dispatch, "_forced", None)  # read again at the next kernel call
     model_dir = make_tiny_model("llama")
     plain, _ = _generate(model_dir, padded=False)
     padded, fake = _generate(model_dir, padded=True)
@@ -83,3 +93,50 @@ def test_prepare_pads_tokens_and_fills_every_sequence_slot(make_tiny_model):
     assert step.meta.max_query_len >= 2 and step.logits_rows.tolist() == [4]
     with pytest.raises(ValueError):
         slot.runner.prepare(out, pad_tokens=4)  # fewer than the step's tokens
+
+
+
+class _RecordedGraphs:
+    """Stands in for a graph set: records the buckets the runner asks it to capture."""
+
+    captures: list[tuple[str, tuple[int, ...]]] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.pool, self.deferred, self.graphs = None, set(), {}
+
+    def capture(self, buckets, defer=()) -> None:
+        self.captures.append((type(self).__name__, tuple(buckets)))
+
+
+class _Decode(_RecordedGraphs):
+    pass
+
+
+class _Mixed(_RecordedGraphs):
+    pass
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_cuda_graphs_off_captures_neither_decode_nor_mixed_graphs(make_tiny_model, monkeypatch, on):
+    """A runner built with ``cuda_graphs=False`` plans no graph of either kind (where graphs
+    exist, on CUDA: stood in for here), while it still pads decode steps to its buckets."""
+    cuda = torch.device("cuda")
+    assert graph_buckets(cuda, False, (1, 2, 4), (16, 32)) == ((), ())
+    assert graph_buckets(torch.device("cpu"), True, (1, 2, 4), (16, 32)) == ((), ())
+    llm = LLM(make_tiny_model("llama"), device="cpu", max_model_len=64, block_size=4, dtype="float32",
+              max_num_seqs=4)
+    base = next(iter(llm.core._slots.values())).runner
+    monkeypatch.setattr(model_runner, "graph_buckets", lambda dev, *a: graph_buckets(cuda, *a))
+    monkeypatch.setattr(model_runner, "DecodeGraphs", _Decode)
+    monkeypatch.setattr(model_runner, "MixedGraphs", _Mixed)
+    monkeypatch.setattr(_RecordedGraphs, "captures", [])
+    runner = model_runner.ModelRunner(base.model, base.kv, base.max_tokens, base.max_seqs, base.max_model_len,
+                                      decode_buckets=(1, 2, 4), cuda_graphs=on)
+    mixed = tuple(b for b in DEFAULT_MIXED_BUCKETS if b <= base.max_tokens)
+    assert runner.decode_buckets == (1, 2, 4) and runner.mixed_buckets == mixed and mixed
+    if on:
+        assert _RecordedGraphs.captures == [("_Decode", (1, 2, 4)), ("_Mixed", mixed)]
+        assert isinstance(runner.graphs, _Decode) and isinstance(runner.mixed, _Mixed)
+    else:
+        assert _RecordedGraphs.captures == []
+        assert runner.graphs is None and runner.mixed is None and runner.graph_tokens == 0
