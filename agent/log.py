@@ -28,10 +28,6 @@ def bind_request_id(request_id: str | None = None) -> str:
     return rid
 
 
-def current_request_id() -> str | None:
-    return _request_id.get()
-
-
 def _add_request_id(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
     rid = _request_id.get()
     if rid is not None and "request_id" not in event:

@@ -2,7 +2,9 @@
 
 The worker calls it once, after CUDA is initialised and before it serves::
 
-    from sandbox.launch import confine, default_policy, die_with_parent
+    from sandbox.launch import confine
+    from sandbox.limits import die_with_parent
+    from sandbox.policy import default_policy
     die_with_parent(agent_pid)                     # first thing in the worker's main()
     ...                                            # init CUDA, connect the IPC socket
     report = confine(default_policy(settings.cache.dir, worker_runtime_dir, parent_pid=agent_pid))
@@ -25,32 +27,7 @@ import sys
 from collections.abc import Callable
 
 from sandbox import bpf, landlock, limits, seccomp
-from sandbox.policy import (
-    PROTECTIONS,
-    Protection,
-    SandboxError,
-    SandboxPolicy,
-    SandboxPolicyError,
-    SandboxReport,
-    SandboxUnavailableError,
-    default_policy,
-)
-
-__all__ = [
-    "PROTECTIONS",
-    "Protection",
-    "SandboxError",
-    "SandboxPolicy",
-    "SandboxPolicyError",
-    "SandboxReport",
-    "SandboxUnavailableError",
-    "confine",
-    "confine_worker",
-    "default_policy",
-    "die_with_parent",
-]
-
-die_with_parent = limits.die_with_parent
+from sandbox.policy import SandboxPolicy, SandboxReport, SandboxUnavailableError, default_policy
 
 _log = logging.getLogger("infire.sandbox")
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from sandbox import _libc
-from sandbox.launch import confine, default_policy
-from sandbox.policy import SandboxPolicy
+from sandbox.launch import confine
+from sandbox.policy import SandboxPolicy, default_policy
 
 _PTRACE_TRACEME = 0
 _PTRACE_ATTACH = 16

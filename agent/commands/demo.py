@@ -105,12 +105,6 @@ def write_config(root: Path, store_url: str, name: str, port: int) -> Path:
     return cfg
 
 
-def _port_of(cfg: Path) -> int:
-    from agent.config import load_settings
-
-    return load_settings(cfg).server.port
-
-
 def start_daemon(root: Path, cfg: Path) -> subprocess.Popen[bytes]:
     log = open(root / "agent.log", "ab")
     env = {**os.environ, "INFIRE_CONFIG": str(cfg)}

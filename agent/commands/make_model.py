@@ -3,29 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-from types import MappingProxyType
+
+from agent.units import parse_size
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 PRESETS = ("tiny", "small", "llama-3.1-8b")
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = MappingProxyType({
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6,
-    "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-})
-
 
 def _shard_size(text: str) -> int:
     """``5GB`` (decimal, as Hugging Face counts), ``512MiB`` or plain bytes."""
-    m = _SIZE.match(text)
-    unit = (m.group(2) or "").lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 512MiB, 1000000)")
-    size = int(float(m.group(1)) * _UNITS[unit])
+    try:
+        size = parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 512MiB, 1000000)") from None
     if size <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
     return size

@@ -11,8 +11,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
+from engine.sampling import MAX_LOGPROBS, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_MAX
+
 MAX_N = 8
-MAX_LOGPROBS = 20
 MAX_STOP = 8
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
@@ -20,9 +21,7 @@ MAX_MESSAGE_CHARS = 1_000_000
 MAX_CONTENT_PARTS = 64
 MAX_PROMPT_CHARS = 4_000_000
 MAX_PROMPT_TOKENS = 1 << 20
-MAX_TOKENS = 1 << 20
 MAX_JSON_DEPTH = 32
-SEED_MAX = (1 << 63) - 1
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -40,10 +39,10 @@ class _Sampling(_Body):
     """Fields shared by both endpoints."""
 
     model: ModelName
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=1 << 20)  # -1 and 0 both mean off (vLLM uses -1)
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # -1 and 0 both mean off (vLLM uses -1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     n: int = Field(1, ge=1, le=MAX_N)
@@ -139,7 +138,7 @@ class ResponseFormat(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None

@@ -1,8 +1,8 @@
-"""Offline engine throughput on the sharegpt-like workload (DESIGN §7), no HTTP in the way.
+"""Offline engine throughput on the sharegpt-like workload (``ops/bench/workload.py``), no HTTP in the way.
 
 Every request is added to one in-process EngineCore at t0 (mode "offline"), or N are kept in
 flight (``--concurrency N``, mode "concurrency-N"), and the engine is stepped until all finish.
-Prints and saves one JSON result with the DESIGN §7 keys: req/s, output and total tok/s, TTFT and
+Prints and saves one JSON result with the keys of docs/perf.md: req/s, output and total tok/s, TTFT and
 TPOT p50/p99 (TTFT counts from when a request was added, so it includes queueing), and CPU cores
 used (process CPU seconds per wall second).
 

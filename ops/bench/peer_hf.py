@@ -2,10 +2,10 @@
 
     python -m ops.bench.peer_hf --model-dir DIR [--num-requests 200] [--seed 0]
 
-Takes the first N requests of the sharegpt-like workload (DESIGN §7, the same prompts as
+Takes the first N requests of the sharegpt-like workload (``ops/bench/workload.py``, the same prompts as
 engine_bench). ``generate_batch`` takes one ``max_new_tokens`` for the whole batch, so every
 request asks for the workload's mean output length (rounded) with eos ignored where the version
-allows; tokens are counted from what came back. Prints one JSON line last (the DESIGN §7 keys;
+allows; tokens are counted from what came back. Prints one JSON line last (the keys of docs/perf.md;
 TTFT/TPOT are null: the call returns only at the end).
 """
 

@@ -25,7 +25,8 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from sandbox.launch import confine, default_policy  # noqa: E402
+from sandbox.launch import confine  # noqa: E402
+from sandbox.policy import default_policy  # noqa: E402
 
 WORKLOADS = ("getppid_ns", "stat_ns", "open_close_ns", "matmul_ms", "engine_tok_s")
 

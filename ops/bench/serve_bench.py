@@ -1,4 +1,4 @@
-"""Serving benchmark: the sharegpt-like workload (DESIGN §7) through the agent's HTTP API.
+"""Serving benchmark: the sharegpt-like workload (``ops/bench/workload.py``) through the agent's HTTP API.
 
 Streams ``POST /v1/completions`` (prompt as token ids, ``ignore_eos``, ``max_tokens`` = the
 drawn output length, usage in the last chunk) at a fixed concurrency or an arrival rate
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048 + 16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-requests", type=int, default=1000)
-    ap.add_argument("--concurrency", type=int, help="requests in flight (DESIGN §7: 200)")
+    ap.add_argument("--concurrency", type=int, help="requests in flight (the docs/perf.md serving runs: 200)")
     ap.add_argument("--rate", type=float, help="arrivals per second (inf: all at once)")
     ap.add_argument("--vocab-size", type=int, help="default: the model's")
     ap.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""The "sharegpt-like" workload of DESIGN §7 — keep this recipe exact so figures compare.
+"""The "sharegpt-like" workload of the benchmarks (docs/perf.md) — keep this recipe exact so figures compare.
 
 ``numpy.random.default_rng(seed)``; per request: draw the input length
 ``int(exp(normal(5.05, 1.0)))`` then the output length ``int(exp(normal(4.90, 0.9)))``,

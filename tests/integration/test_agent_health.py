@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
@@ -45,14 +46,15 @@ def test_readiness_needs_a_fresh_worker_and_a_recent_decode(monkeypatch, tmp_pat
             ctx.draining = True
             assert h.ready() == (False, ["shutting down"])
             ctx.draining = False
-            ctx.worker._proc.send_signal(signal.SIGSTOP)  # the heartbeat goes stale
+            pid = ctx.worker.state.pid
+            os.kill(pid, signal.SIGSTOP)  # the heartbeat goes stale
             try:
                 deadline = time.monotonic() + 10
                 while ctx.worker.heartbeat_fresh() and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
                 assert h.ready() == (False, ["engine worker down or not responding"])
             finally:
-                ctx.worker._proc.send_signal(signal.SIGCONT)
+                os.kill(pid, signal.SIGCONT)
         finally:
             await ctx.worker.stop(timeout=5)
 

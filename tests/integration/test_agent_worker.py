@@ -89,12 +89,12 @@ def test_sigkill_fails_in_flight_and_restarts() -> None:
 def test_wedged_worker_is_neither_fresh_nor_progressing() -> None:
     async def body(client: wc.WorkerClient, ups: list[int], downs: list[int]) -> None:
         pid = client.state.pid
-        client._proc.send_signal(signal.SIGSTOP)  # a wedged worker: heartbeats stop
+        os.kill(pid, signal.SIGSTOP)  # a wedged worker: heartbeats stop
         try:
             await _wait_for(lambda: not client.heartbeat_fresh(), 10)
             assert not client.progressing()
         finally:
-            client._proc.send_signal(signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
         await _wait_for(client.heartbeat_fresh, 5)
         assert client.state.pid == pid and downs == []
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.launch import SandboxPolicy, SandboxPolicyError, confine
+from sandbox.launch import confine
+from sandbox.policy import SandboxPolicy, SandboxPolicyError
 from tests.integration.sandbox_helpers import REPO, landlock_abi
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -54,7 +55,7 @@ def test_worker_dies_when_agent_is_killed() -> None:
         import subprocess, sys, time
         child = subprocess.Popen([sys.executable, "-c",
             "import os, time\\n"
-            "from sandbox.launch import die_with_parent\\n"
+            "from sandbox.limits import die_with_parent\\n"
             "die_with_parent(os.getppid())\\n"
             "print('ready', flush=True)\\n"
             "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
@@ -68,7 +69,7 @@ def test_worker_dies_when_agent_is_killed() -> None:
 
 def test_worker_whose_parent_already_changed_kills_itself() -> None:
     """If the agent died before the prctl ran, the death signal would never come: we self-kill."""
-    code = "from sandbox.launch import die_with_parent; die_with_parent(1 << 22); print('survived')"
+    code = "from sandbox.limits import die_with_parent; die_with_parent(1 << 22); print('survived')"
     proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=30)
     assert proc.returncode == -signal.SIGKILL
     assert "survived" not in proc.stdout
@@ -99,7 +100,8 @@ def test_required_layer_that_cannot_apply_raises() -> None:
     code = textwrap.dedent(
         """
         import sys
-        from sandbox.launch import SandboxPolicy, SandboxUnavailableError, confine
+        from sandbox.launch import confine
+        from sandbox.policy import SandboxPolicy, SandboxUnavailableError
         try:
             confine(SandboxPolicy(read_only=(sys.prefix,), disabled=frozenset({"no_new_privs"}),
                                   required=frozenset({"landlock"})))
@@ -133,7 +135,8 @@ UNPRIVILEGED = textwrap.dedent(
     """
     import json, os, resource, sys, threading
     sys.path.insert(0, REPO)
-    from sandbox.launch import SandboxPolicy, confine
+    from sandbox.launch import confine
+    from sandbox.policy import SandboxPolicy
     agent = os.getpid()
     r, w = os.pipe()
     if os.fork() == 0:  # the worker: same uid as the agent, no capabilities

@@ -1,0 +1,25 @@
+"""Prometheus metrics: one registry per instance, model state, engine gauges, forgetting a model."""
+
+from __future__ import annotations
+
+from agent.metrics import Metrics
+
+
+def test_metrics_registries_are_per_instance() -> None:
+    a, b = Metrics(), Metrics()
+    a.requests.labels(model="m", status="200").inc()
+    assert b'infire_requests_total{model="m",status="200"} 1.0' in a.render()
+    assert b"infire_requests_total{" not in b.render()
+    a.set_model_state("m", "ready")
+    a.set_model_state("m", "draining")
+    text = a.render().decode()
+    assert 'infire_model_state{model="m",state="draining"} 1.0' in text
+    assert 'infire_model_state{model="m",state="ready"} 0.0' in text
+    a.refresh_engine({"m": {"running": 2, "waiting": 1, "kv_pages_used": 3, "kv_pages_total": 9, "device_bytes": 10,
+                            "parked": 4, "parked_s": 0.012}})
+    text = a.render().decode()
+    assert 'infire_running_sequences{model="m"} 2.0' in text and "infire_gpu_used_bytes 10.0" in text
+    assert 'infire_parked_steps{model="m"} 4.0' in text and 'infire_parked_seconds{model="m"} 0.012' in text
+    a.forget_model("m")
+    text = a.render().decode()
+    assert 'infire_running_sequences{model="m"}' not in text and 'infire_parked_steps{model="m"}' not in text
