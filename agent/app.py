@@ -58,7 +58,9 @@ def worker_options(settings: Settings) -> dict[str, Any]:
     return {"device": g.device, "max_num_batched_tokens": e.max_num_batched_tokens,
             "memory_budget_bytes": budget, "memory_budget_fraction": fraction,
             "cpu_memory_budget_bytes": g.cpu_memory_budget, "sandbox": e.sandbox,
-            "warm_tier_bytes": g.warm_tier_bytes, "cuda_graphs": e.cuda_graphs, "async_steps": e.async_steps,
+            "warm_tier_bytes": g.warm_tier_bytes,
+            # engine.options.EngineOptions, one key per field (the worker checks them strictly)
+            "cuda_graphs": e.cuda_graphs, "async_steps": e.async_steps, "page_bytes": e.page_bytes,
             "shared_step_tokens": e.shared_step_tokens, "quiet_window_ms": e.quiet_window_ms,
             # The worker writes only its runtime dir and Triton's compile cache under the cache dir.
             "sandbox_options": {"cache_dir": str(settings.cache.dir), "runtime_dir": str(settings.server.runtime_dir),

@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, V
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from agent.units import parse_duration, parse_fraction_or_size, parse_size
+from engine.options import EngineOptions
 
 MODEL_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 
@@ -108,20 +109,15 @@ class GpuSettings(_Section):
 
 
 class EngineSettings(_Section):
-    # 4096: the serving (latency) shape measured on the H200 (docs/perf.md); offline runs use more.
-    max_num_batched_tokens: int = Field(4096, ge=16, le=1 << 20)
-    page_bytes: ByteSize = parse_size("2MiB")
-    cuda_graphs: bool = True
-    async_steps: bool = True  # on CUDA: schedule step N+1 while the GPU runs step N
-    # While another model is active, no step takes more tokens than this (0: no cap): bounds how
-    # long a quiet model's new request waits behind another model's step. 512 with the window below
-    # kept a quiet model's TTFT within 2x of solo next to 512 requests in flight, both models
-    # saturated at 0.99x and light load at >= 0.97x (H200, docs/perf.md).
-    shared_step_tokens: int = Field(512, ge=0, le=1 << 20)
-    # While a model with at most a quarter of a busy model's requests had one within this many ms,
-    # the busy model's steps are not launched ahead of the host (0: off): the quiet model's new
-    # prompt runs without the busy model's next step beside it. A model's "active" lasts as long.
-    quiet_window_ms: int = Field(1000, ge=0, le=60_000)
+    """The engine's switches; every default is :class:`engine.options.EngineOptions`' (the one
+    place they live, with what each does and why it is set so)."""
+
+    max_num_batched_tokens: int = Field(EngineOptions.max_num_batched_tokens, ge=16, le=1 << 20)
+    page_bytes: ByteSize | None = EngineOptions.page_bytes  # None: the first load sets it
+    cuda_graphs: bool = EngineOptions.cuda_graphs
+    async_steps: bool = EngineOptions.async_steps
+    shared_step_tokens: int = Field(EngineOptions.shared_step_tokens, ge=0, le=1 << 20)
+    quiet_window_ms: int = Field(EngineOptions.quiet_window_ms, ge=0, le=60_000)
     sandbox: bool = True
 
 

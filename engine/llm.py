@@ -10,11 +10,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine.core.engine_core import EngineCore, ModelInfo
+from engine.core.engine_core import EngineCore
+from engine.core.slot import ModelInfo
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
 
 _MODEL_NAME = "default"
+# Offline generation keeps its own step size: 2048 tokens, the engine's offline shape before the
+# serving default (engine.options.EngineOptions, chosen for a quiet model's latency) took its place.
+OFFLINE_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -35,7 +39,7 @@ class LLM:
     """
 
     def __init__(self, model_dir: str | Path, *, device: str = "auto", max_model_len: int = 4096,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, block_size: int = 16,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = OFFLINE_BATCHED_TOKENS, block_size: int = 16,
                  num_kv_pages: int | None = None, max_prefill_chunk: int | None = None, dtype: str | None = None,
                  memory_budget_bytes: int | None = None, seed: int | None = None) -> None:
         self.model_dir = Path(model_dir)

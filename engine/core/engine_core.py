@@ -1,49 +1,56 @@
-"""EngineCore: loaded models, their requests, and the step loop (docs/architecture.md).
+"""EngineCore: the loaded models, their requests, and the step loop (docs/architecture.md).
 
-Several models share one device under one budget (docs/multi-model.md): a
-:class:`~engine.core.ledger.MemoryLedger` books every byte (weights, workspace, the KV pool), one
-:class:`~engine.kv.page_pool.PagePool` holds the KV pages of every model (a guaranteed minimum
-each, the rest to whoever asks), and a :class:`~engine.core.fair_share.FairSharePicker` chooses
-which model runs each step (weighted fair share of measured step time). Each loaded model is a
-:class:`ModelSlot` with its own scheduler, block manager (over the pool's allocator for it)
-and runner (over the pool's views). Outputs of aborts and unloads are returned by the next step.
+Several models share one device under one budget (docs/multi-model.md). EngineCore owns the
+requests (which model each belongs to, the outputs not yet returned), the step in flight and the
+loop; it hands each other concern to one collaborator:
 
-Pool size policy: the pool is re-created only when no sequence holds a page, so a resize never
-copies KV data. A load computes the pool's target (the budget beside all weights and workspace,
-capped by what the models can use); if the pool must shrink to make room for the weights, or
-grow to back the new model's minimum, while sequences are live, those sequences are preempted
-(they recompute later, token-identical); a mere grow waits until the pool is idle. An unload
-trims the pool when it leaves it idle.
+- :class:`~engine.core.pool_keeper.PoolKeeper`: the :class:`~engine.core.ledger.MemoryLedger`
+  (every byte booked: weights, workspace, the KV pool), the shared
+  :class:`~engine.kv.page_pool.PagePool` (a guaranteed minimum of pages per model, the rest to
+  whoever asks), its resizes, and the runners over it;
+- :class:`~engine.core.loading.ModelLoader`: loads (three phases, one in flight) and unloads;
+- :class:`~engine.core.fair_share.FairSharePicker`: which model runs each step (weighted fair
+  share of measured step time);
+- :class:`~engine.core.step_policy.StepPolicy`: the multi-model rules of a step (yield, cap,
+  urgent, hold, overlap).
+
+Each loaded model is a :class:`~engine.core.slot.ModelSlot` with its own scheduler, block manager
+(over the pool's allocator for it) and runner (over the pool's views). Outputs of aborts and
+unloads are returned by the next step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.core.loading import DTYPES, ModelLoader
-from engine.core.memory_plan import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, make_ledger
-from engine.core.pool_keeper import PoolKeeper
-from engine.core.step_policy import QuietPolicy, cap_when, quiet_window
-from engine.core.slot import ModelInfo, ModelSlot, RequestOutput
-from engine.runner.cuda_graphs import DEFAULT_BUCKETS
-from engine.errors import EngineError, RequestError
+from engine.config import ModelConfig
 from engine.core.fair_share import FairSharePicker
-from engine.core.ledger import LoadPlan, LoadRefused
-from engine.runner.step import PendingStep, StepResult
+from engine.core.ledger import LoadPlan, MemoryLedger
+from engine.core.loading import DTYPES, ModelLoader
+from engine.core.memory_plan import make_ledger
+from engine.core.pool_keeper import PoolKeeper
+from engine.core.slot import ModelInfo, ModelSlot, RequestOutput
+from engine.core.step_policy import StepPolicy
+from engine.errors import EngineError, RequestError
 from engine.kv.page_pool import PagePool
+from engine.options import EngineOptions
+from engine.runner.cuda_graphs import DEFAULT_BUCKETS
+from engine.runner.step import PendingStep, StepResult
+from engine.runner.streams import StreamPool
 from engine.sampling import SamplingParams, SamplingParamsError
 from engine.sched.scheduler import SchedulerOutput
-from engine.runner.streams import StreamPool
+from engine.weights.loader import PendingLoad
 from engine.weights.warm_tier import WarmTier
 
-__all__ = ["DEFAULT_CPU_BUDGET", "GPU_BUDGET_FRACTION", "EngineCore", "LoadPlan", "LoadRefused",
-           "ModelInfo", "ModelSlot", "RequestOutput"]
+__all__ = ["EngineCore", "InFlight"]
+
+_DEFAULTS = EngineOptions()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -58,14 +65,14 @@ def resolve_device(device: str) -> torch.device:
     return d
 
 
-def _done(f: "_InFlight") -> bool:
-    """Whether a launched step's ids are ready (no wait)."""
-    return f.pending is None or f.pending.ready is None or f.pending.ready.query()
-
-
 @dataclasses.dataclass
-class _InFlight:
-    """A launched step (``pending``), or one a synchronous runner already ran (``result``)."""
+class InFlight:
+    """A launched step (``pending``), or one a synchronous runner already ran (``result``).
+
+    The only place the core looks at a step's device event: :meth:`ready` and :meth:`wait`.
+    :meth:`EngineCore.parked` hands this object out, so a caller can wait for a parked step
+    without knowing what the device uses to signal it.
+    """
 
     slot: ModelSlot
     out: SchedulerOutput
@@ -74,30 +81,54 @@ class _InFlight:
     t_launch: float
     holds: bool = False  # an urgent prefill: another model's next step is not queued beside it
 
+    def ready(self) -> bool:
+        """Whether the step's ids are on the host (no wait)."""
+        return self.pending is None or self.pending.done()
 
-class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
+    def wait(self) -> None:
+        """Block until the step's ids are on the host (on CUDA a blocking-sync event: the thread
+        sleeps); raises what the device raises when the step failed."""
+        if self.pending is not None and self.pending.ready is not None:
+            self.pending.ready.synchronize()
+
+    @property
+    def collect_now(self) -> bool:
+        """Whether the step must be collected right after its launch: it ran synchronously, or it
+        wants logprobs, which read the logits at collect (a later launch would overwrite them)."""
+        return self.pending is None or self.pending.want_logprobs is not None
+
+
+class EngineCore:
     """Loads models and steps their requests. Not thread-safe: one caller drives it.
 
-    ``memory_budget`` (or the older ``memory_budget_bytes``): bytes, or on CUDA a fraction of
-    the device's total; None: 90 % of what CUDA has free now, 4 GiB on CPU. ``page_bytes``: the
-    pool's page size; None: set by the first load to ``block_size`` tokens of that model.
-    ``warmup``: run one largest-batch step at load to measure the workspace (None: on CUDA).
-    ``async_steps``: launch step N+1 before collecting step N (None: on CUDA; see :meth:`step`).
-    ``shared_step_tokens``: while another model is active (see ``_capped``), no step takes more
-    tokens than this, so a model whose request arrives waits for at most one short step of another
-    (None: off).
-    ``quiet_window_s``: see :meth:`_yields` (None: ``INFIRE_QUIET_WINDOW_MS``, unset = 0 = off).
+    Every behaviour switch defaults to :class:`~engine.options.EngineOptions` (the daemon's
+    defaults). ``memory_budget`` (or the older ``memory_budget_bytes``): bytes, or on CUDA a
+    fraction of the device's total; None: 90 % of what CUDA has free now, 4 GiB on CPU.
+    ``page_bytes``: the pool's page size; None: set by the first load to ``block_size`` tokens of
+    that model. ``warmup``: run one largest-batch step at load to measure the workspace (None: on
+    CUDA). ``cuda_graphs``: False captures no graph at all (decode or mixed); ``decode_buckets``:
+    the decode batch sizes padded to (None: the graph buckets on CUDA with graphs, else none);
+    ``mixed_buckets``: the token counts of the mixed-step graphs (None: the runner's default).
+    ``async_steps``: launch step N+1 before collecting step N (None: on CUDA; True forces it on
+    CPU too; see :meth:`step`). ``shared_step_tokens``: while another model is active, no step
+    takes more tokens than this (None: off; :class:`~engine.core.step_policy.StepPolicy`).
+    ``quiet_window_s``: how long a model's request keeps it active (0: off; see ``StepPolicy``).
+    ``prebuild_runner``: on a warm reload that skips the warm-up, build the runner beside the
+    weights (engine/runner/prebuild.py; None: on CUDA; True: on CPU too, for tests).
     """
 
-    def __init__(self, device: str = "auto", max_num_batched_tokens: int = 2048,
+    def __init__(self, device: str = "auto", max_num_batched_tokens: int = _DEFAULTS.max_num_batched_tokens,
                  memory_budget_bytes: int | None = None, *, block_size: int = 16,
                  max_prefill_chunk: int | None = None, dtype: str | None = None, seed: int | None = None,
-                 decode_buckets: tuple[int, ...] | None = None, memory_budget: int | float | None = None,
-                 page_bytes: int | None = None, warmup: bool | None = None, warm_tier_bytes: int = 0,
-                 async_steps: bool | None = None, shared_step_tokens: int | None = None,
-                 quiet_window_s: float | None = None) -> None:
+                 decode_buckets: tuple[int, ...] | None = None, mixed_buckets: tuple[int, ...] | None = None,
+                 memory_budget: int | float | None = None,
+                 page_bytes: int | None = _DEFAULTS.page_bytes, warmup: bool | None = None, warm_tier_bytes: int = 0,
+                 cuda_graphs: bool = _DEFAULTS.cuda_graphs, async_steps: bool | None = None,
+                 shared_step_tokens: int | None = _DEFAULTS.shared_step_tokens,
+                 quiet_window_s: float = _DEFAULTS.quiet_window_s, prebuild_runner: bool | None = None) -> None:
         self.device = resolve_device(device)
-        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
+        if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
+                or max_num_batched_tokens < 1:
             raise EngineError("max_num_batched_tokens must be an integer >= 1")
         if not isinstance(block_size, int) or block_size < 1:
             raise EngineError("block_size must be an integer >= 1")
@@ -108,49 +139,48 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
         if page_bytes is not None and (isinstance(page_bytes, bool) or not isinstance(page_bytes, int)
                                        or page_bytes < 1):
             raise EngineError("page_bytes must be a positive integer")
-        self.max_num_batched_tokens = max_num_batched_tokens
-        if shared_step_tokens is not None and (isinstance(shared_step_tokens, bool)
-                                               or not isinstance(shared_step_tokens, int) or shared_step_tokens < 1):
-            raise EngineError("shared_step_tokens must be None or an integer >= 1")
-        self.shared_step_tokens = shared_step_tokens
-        self.block_size = block_size
-        self.max_prefill_chunk = max_prefill_chunk
-        self.dtype_override = dtype
-        if decode_buckets is None:  # CUDA graphs by default where they exist; none on CPU
-            decode_buckets = DEFAULT_BUCKETS if self.device.type == "cuda" else ()
-        self.decode_buckets = tuple(decode_buckets)  # decode batch sizes padded to (graph buckets)
+        if not isinstance(cuda_graphs, bool):
+            raise EngineError("cuda_graphs must be true or false")
         if isinstance(warm_tier_bytes, bool) or not isinstance(warm_tier_bytes, int) or warm_tier_bytes < 0:
             raise EngineError("warm_tier_bytes must be an integer >= 0")
+        cuda = self.device.type == "cuda"
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size
+        self.max_prefill_chunk = max_prefill_chunk
+        self.cuda_graphs = cuda_graphs
+        if decode_buckets is None:  # the graph buckets where graphs are captured; none on CPU
+            decode_buckets = DEFAULT_BUCKETS if cuda and cuda_graphs else ()
+        self.decode_buckets = tuple(decode_buckets)  # decode batch sizes padded to (graph buckets)
         # Host copies of unloaded models' weights, so a reload is one device copy.
         self.warm_tier = WarmTier(warm_tier_bytes) if warm_tier_bytes else None
-        self.page_bytes = page_bytes
-        self.warmup = self.device.type == "cuda" if warmup is None else bool(warmup)
-        self._budget_arg = memory_budget if memory_budget is not None else memory_budget_bytes
-        self.ledger = make_ledger(self._budget_arg, self.device)
-        self.pool: PagePool | None = None  # created by the first load (it knows the page size)
-        # Streams the runners borrow and give back (each new stream costs a cuBLAS workspace for good).
-        self.streams = StreamPool(self.device) if self.device.type == "cuda" else None
-        self.picker = FairSharePicker()
-        self._slots: dict[str, ModelSlot] = {}
-        self._req_model: dict[str, str] = {}
-        self._pending: list[RequestOutput] = []
         # Steps overlap with the host's work for the next one (see step()); off on CPU, where a
         # launch runs to completion anyway.
-        self.async_steps = self.device.type == "cuda" if async_steps is None else bool(async_steps)
-        self._inflight: _InFlight | None = None
-        self._parked = False  # the last step() left a yielding model's step in flight, not done
-        self._parked_at = 0.0
-        # A quiet model's prefill runs without another model's step queued behind it (_overlaps);
-        # INFIRE_URGENT_HOLDS=0 turns that off (benchmarks compare both).
-        self.urgent_holds = os.environ.get("INFIRE_URGENT_HOLDS", "1") != "0"
-        # While a quieter model had a request within this window, a busy model's step is collected
-        # before anything else is scheduled (_yields). None: INFIRE_QUIET_WINDOW_MS, else 0 = off.
-        self.quiet_window_s = quiet_window(quiet_window_s)
-        self.cap_when = cap_when()  # when shared_step_tokens applies (_capped)
+        self.async_steps = cuda if async_steps is None else bool(async_steps)
+        self._budget_arg = memory_budget if memory_budget is not None else memory_budget_bytes
+        # Streams the runners borrow and give back (each new stream costs a cuBLAS workspace for good).
+        self.streams = StreamPool(self.device) if cuda else None
+        self.picker = FairSharePicker()
+        self._slots: dict[str, ModelSlot] = {}  # the loaded models, shared with the collaborators
+        self._req_model: dict[str, str] = {}
+        self._pending: list[RequestOutput] = []
+        self._inflight: InFlight | None = None
+        self._parked_at: float | None = None  # when the last step() left a yielding model's step parked
         self._last_done = 0.0
+        self._pools = PoolKeeper(make_ledger(self._budget_arg, self.device), self.device, self._slots,
+                                 max_num_batched_tokens=max_num_batched_tokens, decode_buckets=self.decode_buckets,
+                                 mixed_buckets=mixed_buckets, cuda_graphs=cuda_graphs, streams=self.streams)
+        self._loader = ModelLoader(self._pools, self._slots, self.picker, self.warm_tier, self._settle,
+                                   device=self.device, dtype=dtype, block_size=block_size,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   max_prefill_chunk=max_prefill_chunk, page_bytes=page_bytes,
+                                   warmup=cuda if warmup is None else bool(warmup),
+                                   prebuild_runner=prebuild_runner)
+        self.policy = StepPolicy(self._slots, quiet_window_s=quiet_window_s, shared_step_tokens=shared_step_tokens,
+                                 cuda=cuda)
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.
         self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
 
+    # -- read accessors --------------------------------------------------------------------
     @property
     def memory_budget_bytes(self) -> int | float | None:
         """The budget as given (None: the default); ``memory()["budget"]`` is the resolved bytes."""
@@ -160,8 +190,113 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
     def memory_budget_bytes(self, value: int | float | None) -> None:
         if self._slots:
             raise EngineError("the memory budget can only change while no model is loaded")
-        self.ledger = make_ledger(value, self.device)
+        self._pools.ledger = make_ledger(value, self.device)
         self._budget_arg = value
+
+    @property
+    def ledger(self) -> MemoryLedger:
+        return self._pools.ledger
+
+    @property
+    def pool(self) -> PagePool | None:
+        """The shared KV pool (None until the first load)."""
+        return self._pools.pool
+
+    @property
+    def warmup(self) -> bool:
+        return self._loader.warmup
+
+    @property
+    def quiet_window_s(self) -> float:
+        return self.policy.quiet_window_s
+
+    @property
+    def shared_step_tokens(self) -> int | None:
+        return self.policy.shared_step_tokens
+
+    @property
+    def last_load_timings(self) -> dict[str, float]:
+        """Each phase's seconds of the last finished load."""
+        return self._loader.last_load_timings
+
+    @property
+    def loading(self) -> PendingLoad | None:
+        """The load in flight (between :meth:`begin_load` and its finish or cancel), or None."""
+        return self._loader.pending
+
+    def slot(self, name: str) -> ModelSlot:
+        """The loaded model ``name`` (its scheduler, runner, counters): for tests and tools."""
+        slot = self._slots.get(name)
+        if slot is None:
+            raise EngineError(f"model {name!r} is not loaded")
+        return slot
+
+    def slots(self) -> dict[str, ModelSlot]:
+        """Every loaded model by name (a copy of the table)."""
+        return dict(self._slots)
+
+    def in_flight(self) -> InFlight | None:
+        """The step launched and not yet collected, if any."""
+        return self._inflight
+
+    def dtype_for(self, cfg: ModelConfig) -> torch.dtype:
+        """The dtype a model of ``cfg`` runs in on this engine."""
+        return self._loader.dtype_for(cfg)
+
+    # -- models ----------------------------------------------------------------------------
+    def check_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
+                   *, num_kv_pages: int | None = None, block_size: int | None = None,
+                   evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:
+        """The plan of a load without doing it (:meth:`ModelLoader.check_load`)."""
+        return self._loader.check_load(name, model_dir, max_model_len, max_num_seqs, num_kv_pages=num_kv_pages,
+                                       block_size=block_size, evictable=evictable)
+
+    def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
+                   weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
+                   evictable: tuple[str, ...] | list[str] = ()) -> ModelInfo:
+        """Book, load weights, give the model its KV pages and make it schedulable
+        (:meth:`ModelLoader.load_model`: raises :class:`~engine.core.ledger.LoadRefused` before
+        the device is touched when it does not fit)."""
+        return self._loader.load_model(name, model_dir, max_model_len, max_num_seqs, weight,
+                                       num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable)
+
+    def begin_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
+                   weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
+                   evictable: tuple[str, ...] | list[str] = ()) -> PendingLoad:
+        """Phase 1 of a load here, phase 2 in a load thread (:meth:`ModelLoader.begin_load`);
+        end it with :meth:`finish_load` or :meth:`cancel_load`."""
+        return self._loader.begin_load(name, model_dir, max_model_len, max_num_seqs, weight,
+                                       num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable)
+
+    def finish_load(self, pending: PendingLoad) -> ModelInfo:
+        """Phase 3 of a load: install the model (:meth:`ModelLoader.finish_load`)."""
+        return self._loader.finish_load(pending)
+
+    def cancel_load(self, pending: PendingLoad) -> None:
+        """Stop a load begun here and release what it booked (:meth:`ModelLoader.cancel_load`)."""
+        self._loader.cancel_load(pending)
+
+    def unload_model(self, name: str) -> None:
+        """Abort what is left of the model's requests (reported by the next step) and free it:
+        every page back to the pool, every byte out of the ledger; the pool is trimmed when idle.
+        A model still loading (:meth:`begin_load`) has its load cancelled instead."""
+        pending = self._loader.pending
+        if name not in self._slots and pending is not None and pending.name == name:
+            self._loader.cancel_load(pending)
+            return
+        if name not in self._slots:
+            raise EngineError(f"model {name!r} is not loaded")
+        self._settle()
+        for req_id in [r for r, m in self._req_model.items() if m == name]:
+            self.abort_request(req_id)
+        self._loader.unload(name)
+
+    def models(self) -> dict[str, ModelInfo]:
+        return {n: s.info for n, s in self._slots.items()}
+
+    def memory(self) -> dict[str, Any]:
+        """The budget and who holds it (:meth:`PoolKeeper.memory`)."""
+        return self._pools.memory()
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -213,63 +348,46 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
                 or any(s.scheduler.has_unfinished() for s in self._slots.values()))
 
     # -- the loop --------------------------------------------------------------------------
-    def _settle(self) -> None:
-        """Finish the step in flight, if any; its outputs are returned by the next step."""
-        f, self._inflight = self._inflight, None
-        if f is not None:
-            self._pending.extend(self._complete(f))
-
-    def _pick(self, exclude: ModelSlot | None = None) -> ModelSlot | None:
-        busy = [n for n, s in self._slots.items() if s.scheduler.has_unfinished() and s is not exclude]
-        for n in busy:
-            if n not in self.picker:  # a slot added by a subclass without the picker
-                self.picker.add_model(n, self._slots[n].weight)
-        name = self.picker.pick(busy)
-        return self._slots[name] if name is not None else None
-
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch of one model; outputs of every request that moved.
 
-        With asynchronous steps (the default on CUDA) the batch is launched and this call
-        returns the outputs of the *previous* launch, collected after the new one was queued:
-        the host schedules and prepares step N+1 while the GPU runs step N. A decode scheduled
-        ahead of its previous token reads that token on the device (scheduler PLACEHOLDER).
+        Schedule (the picked model's next batch), launch it, complete what is due. With
+        asynchronous steps (the default on CUDA) the batch is launched and this call returns the
+        outputs of the *previous* launch, collected after the new one was queued: the host
+        schedules and prepares step N+1 while the GPU runs step N. A decode scheduled ahead of its
+        previous token reads that token on the device (scheduler PLACEHOLDER). The policy decides
+        when a model yields (:meth:`parked`), when a batch must not be queued behind the step in
+        flight, and how a batch is launched.
         """
         outs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
-        new = None
-        if self._parked and prev is not None:  # how long the caller slept on the parked step
+        if self._parked_at is not None and prev is not None:  # how long the caller slept on it
             prev.slot.parked_s += time.perf_counter() - self._parked_at
-        self._parked = False
+        self._parked_at = None
+        new = None
         try:
-            # Yielding: the busy model's next step waits until its step in flight is collected;
-            # meanwhile only the other models are scheduled (a quiet model's new prompt goes out
-            # at once, beside the busy step's tail, on its high-priority stream).
-            yielding = prev is not None and self._yields(prev.slot)
-            slot = self._pick(exclude=prev.slot if yielding else None)
-            sched_out = self._schedule(slot) if slot is not None else None
-            if yielding and sched_out is None:
-                if not _done(prev):  # parked: the caller waits for it or for a new request
-                    prev.slot.parked += 1
-                    self._inflight, prev, self._parked, self._parked_at = prev, None, True, time.perf_counter()
-                    return outs
-                prev, done = None, prev
-                outs.extend(self._complete(done))
+            # schedule: while the busy model yields, its next step waits until its step in flight
+            # is collected; meanwhile only the other models are scheduled (a quiet model's new
+            # prompt goes out at once, beside the busy step's tail, on its high-priority stream).
+            yielding = prev is not None and self.policy.yields(prev.slot)
+            slot, batch = self._schedule(exclude=prev.slot if yielding else None)
+            if batch is None and yielding and not prev.ready():
+                self._park(prev)  # the caller waits for it or for a new request
                 return outs
-            if prev is not None and sched_out is not None and not self._overlaps(slot, sched_out, prev):
-                prev, done = None, prev
-                try:
-                    outs.extend(self._complete(done))
-                except EngineError as e:  # the batch was scheduled: its books must not stay half-done
-                    raise self._failed(slot, sched_out, e) from e
-            if sched_out is not None:
-                new = self._launch(slot, sched_out)
+            # launch: behind the step in flight when the policy lets it, else after collecting it
+            if batch is not None:
+                if prev is not None and not self.policy.overlaps(slot, batch, prev.slot, prev.holds):
+                    prev, done = None, prev
+                    try:
+                        outs.extend(self._complete(done))
+                    except EngineError as e:  # the batch was scheduled: its books must not stay half-done
+                        raise self._failed(slot, batch, e) from e
+                new = self._launch(slot, batch)
+            # complete: the step launched before, and the new one when it cannot stay in flight
             if prev is not None:
                 prev, done = None, prev
                 outs.extend(self._complete(done))
-            if new is not None and (new.pending is None or new.pending.want_logprobs is not None):
-                # ran synchronously, or wants logprobs, which read the logits at collect (a later
-                # launch would overwrite them): complete it now
+            if new is not None and new.collect_now:
                 new, done = None, new
                 outs.extend(self._complete(done))
         except EngineError:
@@ -279,73 +397,75 @@ class EngineCore(ModelLoader, PoolKeeper, QuietPolicy):
         self._inflight = new
         return outs
 
-    def parked(self) -> "torch.cuda.Event | None":
+    def parked(self) -> InFlight | None:
         """After a :meth:`step` that returned while a yielding model's step was still running:
-        the event its ids' arrival records. The caller waits for that event or a new request,
-        whichever comes first, before the next call (instead of calling again at once). None
-        otherwise."""
+        that step, whose :meth:`InFlight.wait` returns once its ids are in. The caller waits for
+        it or a new request, whichever comes first, before the next call (instead of calling
+        again at once); the same object is returned until the next :meth:`step`. None otherwise."""
         f = self._inflight
-        if not self._parked or f is None or f.pending is None:
+        if self._parked_at is None or f is None or f.pending is None:
             return None
-        return f.pending.ready
+        return f
 
-    def _schedule(self, slot: ModelSlot) -> SchedulerOutput | None:
-        """The model's next batch, None when nothing is admissible (no pages for it now, or only
-        tokens in flight): then a nominal step is charged so the pick moves on to the other
-        models instead of choosing this one forever."""
-        if self.shared_step_tokens and self._capped(slot):
-            sched_out = slot.scheduler.schedule(self.shared_step_tokens)
-        else:
-            sched_out = slot.scheduler.schedule()
-        if sched_out.is_empty:
+    def _park(self, prev: InFlight) -> None:
+        prev.slot.parked += 1
+        self._inflight, self._parked_at = prev, time.perf_counter()
+
+    def _settle(self) -> None:
+        """Finish the step in flight, if any; its outputs are returned by the next step."""
+        f, self._inflight = self._inflight, None
+        if f is not None:
+            self._pending.extend(self._complete(f))
+
+    def _pick(self, exclude: ModelSlot | None) -> ModelSlot | None:
+        busy = [n for n, s in self._slots.items() if s.scheduler.has_unfinished() and s is not exclude]
+        name = self.picker.pick(busy)
+        return self._slots[name] if name is not None else None
+
+    def _schedule(self, exclude: ModelSlot | None) -> tuple[ModelSlot | None, SchedulerOutput | None]:
+        """The picked model and its next batch (None when nothing is admissible: no pages for it
+        now, or only tokens in flight; then a nominal step is charged so the pick moves on to the
+        other models instead of choosing this one forever)."""
+        slot = self._pick(exclude)
+        if slot is None:
+            return None, None
+        cap = self.policy.step_tokens(slot)
+        batch = slot.scheduler.schedule(cap) if cap else slot.scheduler.schedule()
+        if batch.is_empty:
             self.picker.charge(slot.name, slot.last_step_s)
-            return None
-        return sched_out
+            return slot, None
+        return slot, batch
 
-    def _overlaps(self, slot: ModelSlot, sched_out: SchedulerOutput, prev: _InFlight) -> bool:
-        """Whether a batch may be launched behind the step in flight. Not one that runs eagerly
-        on CUDA: its hundreds of launches would queue behind that step and hold its tokens back
-        for the whole of a large step (a quiet model's TTFT next to a flooded one). Nor another
-        model's batch behind a quiet model's prefill (``holds``): that prefill is a first token
-        someone waits for, and on its own it finishes in one step's time instead of sharing the
-        GPU with two of the busy model's steps (the one already queued and this one)."""
-        if self.device.type != "cuda":
-            return True
-        if prev.holds and prev.slot is not slot:
-            return False
-        return sched_out.num_batched_tokens <= getattr(slot.runner, "graph_tokens", 0)
-
-    def _launch(self, slot: ModelSlot, sched_out: SchedulerOutput) -> _InFlight:
+    def _launch(self, slot: ModelSlot, batch: SchedulerOutput) -> InFlight:
         """Queue the batch on the device (or run it: synchronous steps)."""
         t0 = time.perf_counter()
         try:
             if self.async_steps:
-                urgent = self._urgent(slot)
-                holds = urgent and self.urgent_holds and sched_out.num_batched_tokens > sched_out.num_decodes
-                return _InFlight(slot, sched_out, slot.runner.launch(sched_out, urgent), None, t0, holds)
-            return _InFlight(slot, sched_out, None, slot.runner.execute(sched_out), t0)
+                plan = self.policy.launch(slot, batch)
+                return InFlight(slot, batch, slot.runner.launch(batch, plan.urgent), None, t0, plan.holds)
+            return InFlight(slot, batch, None, slot.runner.execute(batch), t0)
         except Exception as e:
-            raise self._failed(slot, sched_out, e) from e
+            raise self._failed(slot, batch, e) from e
 
-    def _failed(self, slot: ModelSlot, sched_out, e: Exception) -> EngineError:
+    def _failed(self, slot: ModelSlot, batch: SchedulerOutput, e: Exception) -> EngineError:
         """Keep the books straight after a failed step: its requests end as aborted (pages freed,
         outputs queued for the next step); the error to raise."""
-        for entry in sched_out.seqs:
+        for entry in batch.seqs:
             self.abort_request(entry.req_id)
         return EngineError(f"model {slot.name!r}: step failed: {type(e).__name__}: {e}")
 
-    def _complete(self, f: _InFlight) -> list[RequestOutput]:
+    def _complete(self, f: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's ids, apply them to its scheduler, return the outputs."""
-        slot, sched_out = f.slot, f.out
+        slot, batch = f.slot, f.out
         try:
             result = f.result if f.result is not None else slot.runner.collect(f.pending)
         except Exception as e:
-            raise self._failed(slot, sched_out, e) from e
+            raise self._failed(slot, batch, e) from e
         outs: list[RequestOutput] = []
         logprobs = {}
-        for idx, entry in enumerate(e for e in sched_out.seqs if e.sample):
+        for idx, entry in enumerate(e for e in batch.seqs if e.sample):
             logprobs[entry.req_id] = result.logprobs[idx]
-        for seq in slot.scheduler.update(sched_out, result.token_ids):
+        for seq in slot.scheduler.update(batch, result.token_ids):
             reason = seq.finish_reason.value if seq.finish_reason is not None else None
             lp = logprobs.get(seq.req_id)
             outs.append(RequestOutput(seq.req_id, [seq.token_ids[-1]], reason, [lp] if lp is not None else None,

@@ -1,4 +1,10 @@
-"""EngineCore's model half (a mixin): validate, book, load (or restore from the warm tier), unload.
+"""ModelLoader: validate, book, load (or restore from the warm tier) and unload models.
+
+It owns the load in flight and the models' entries in the core's table of loaded models; the
+bytes are booked through the :class:`~engine.core.pool_keeper.PoolKeeper` (ledger and pool), the
+step share through the :class:`~engine.core.fair_share.FairSharePicker`, and unloaded weights go
+to the :class:`~engine.weights.warm_tier.WarmTier`. ``settle`` (the core's) finishes the step in
+flight before anything a step reads (pages, pool, slots) changes.
 
 A load has three phases, so a caller that keeps stepping other models is not paused by the
 seconds a large model's weights take (:meth:`ModelLoader.begin_load`, then ``finish_load``):
@@ -18,72 +24,78 @@ load releases exactly what it booked. ``last_load_timings`` has each phase's sec
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sched.block_manager import BlockManager
-from engine.config import ModelConfig, load_model_config
+from engine.config import ModelConfig, load_model_config, usable_len
+from engine.core.fair_share import FairSharePicker
+from engine.core.ledger import LoadPlan, LoadRefused
 from engine.core.memory_plan import LoadNeeds, load_needs
+from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
 from engine.errors import EngineError
-from engine.weights.loader import PendingLoad, WeightsReady, drop_result, load_or_restore, stash_weights, warm_key
-from engine.core.ledger import LoadPlan, LoadRefused
 from engine.models.llama import LlamaModel
+from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS
 from engine.runner.prebuild import RunnerBuild, prebuild_wanted
+from engine.sched.block_manager import BlockManager
 from engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from engine.core.fair_share import FairSharePicker
-    from engine.core.ledger import MemoryLedger
-    from engine.kv.page_pool import PagePool
-    from engine.weights.warm_tier import WarmTier
+from engine.weights.loader import PendingLoad, WeightsReady, drop_result, load_or_restore, stash_weights, warm_key
+from engine.weights.warm_tier import WarmTier
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def dtype_for(cfg: ModelConfig, override: str | None, device: torch.device) -> torch.dtype:
+    """The dtype a model runs in: ``override`` (a DTYPES name), else float32 on CPU (half-precision
+    matmuls there are slow and inexact), else the checkpoint's half type (bfloat16 for float32)."""
+    if override:
+        return DTYPES[override]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if cfg.dtype == "float32" else DTYPES[cfg.dtype]
+
+
 class ModelLoader:
-    """The load/unload half of EngineCore."""
+    """Loads and unloads the models of one engine (see the module docstring).
 
-    ledger: "MemoryLedger"
-    pool: "PagePool | None"
-    picker: "FairSharePicker"
-    warm_tier: "WarmTier | None"
-    device: torch.device
-    dtype_override: str | None
-    block_size: int
-    max_num_batched_tokens: int
-    max_prefill_chunk: int | None
-    decode_buckets: tuple[int, ...]
-    page_bytes: int | None
-    warmup: bool
-    _slots: dict[str, ModelSlot]
-    _req_model: dict[str, str]
-    # Instance attributes once set (class defaults so EngineCore.__init__ need not know them):
-    _pending_load: PendingLoad | None = None
-    last_load_timings: dict[str, float] = {}  # noqa: RUF012 - replaced, never mutated, by each load
+    ``slots``: the core's name -> ModelSlot table (a model enters it at install, leaves at
+    unload). The keyword arguments are the core's limits every load is built with.
+    """
 
-    def _settle(self) -> None:  # pragma: no cover - EngineCore's: finish the step in flight
-        raise NotImplementedError
+    def __init__(self, pools: PoolKeeper, slots: dict[str, ModelSlot], picker: FairSharePicker,
+                 warm_tier: WarmTier | None, settle: Callable[[], None], *, device: torch.device,
+                 dtype: str | None, block_size: int, max_num_batched_tokens: int, max_prefill_chunk: int | None,
+                 page_bytes: int | None, warmup: bool, prebuild_runner: bool | None) -> None:
+        self._pools = pools
+        self._slots = slots
+        self._picker = picker
+        self.warm_tier = warm_tier
+        self._settle = settle
+        self.device = device
+        self.dtype_override = dtype
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_chunk = max_prefill_chunk
+        self.page_bytes = page_bytes
+        self.warmup = warmup
+        self.prebuild_runner = prebuild_runner  # None: on CUDA (engine/runner/prebuild.py)
+        self.pending: PendingLoad | None = None  # the load in flight
+        self.last_load_timings: dict[str, float] = {}
 
-    def _dtype_for(self, cfg: ModelConfig) -> torch.dtype:
-        if self.dtype_override:
-            return DTYPES[self.dtype_override]
-        if self.device.type == "cpu":
-            return torch.float32  # CPU matmuls in half precision are slow and inexact
-        return torch.bfloat16 if cfg.dtype == "float32" else DTYPES[cfg.dtype]
+    def dtype_for(self, cfg: ModelConfig) -> torch.dtype:
+        return dtype_for(cfg, self.dtype_override, self.device)
 
-    def _check_load_args(self, name: str, weight: float, max_model_len: int, max_num_seqs: int) -> None:
+    def check_load_args(self, name: str, weight: float, max_model_len: int, max_num_seqs: int) -> None:
         """The arguments every load takes, checked before any file is read."""
         if not isinstance(name, str) or not name:
             raise EngineError("model name must be a non-empty string")
         if name in self._slots:
             raise EngineError(f"model {name!r} is already loaded")
-        if self._pending_load is not None and self._pending_load.name == name:
+        if self.pending is not None and self.pending.name == name:
             raise EngineError(f"model {name!r} is already loading")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
             raise EngineError("weight must be a positive number")
@@ -95,16 +107,14 @@ class ModelLoader:
                  weight: float, num_kv_pages: int | None,
                  block_size: int | None) -> tuple[ModelConfig, int, torch.dtype, LoadNeeds]:
         """Validate a load and compute what it needs; touches nothing."""
-        self._check_load_args(name, weight, max_model_len, max_num_seqs)
+        self.check_load_args(name, weight, max_model_len, max_num_seqs)
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
                                        or block_size < 1):
             raise EngineError("block_size must be an integer >= 1")
         cfg = load_model_config(model_dir)
-        max_len = min(max_model_len, cfg.max_position_embeddings)
-        if cfg.sliding_window is not None:
-            max_len = min(max_len, cfg.sliding_window)  # inside the window attention is full
-        dtype = self._dtype_for(cfg)
-        pool_pb = self.pool.page_bytes if self.pool is not None and self.pool.models() else self.page_bytes
+        max_len = usable_len(cfg, max_model_len)
+        dtype = self.dtype_for(cfg)
+        pool_pb = self._pools.pool.page_bytes if self._pools.pool is not None and self._pools.pool.models() else self.page_bytes
         needs = load_needs(cfg, dtype, max_len=max_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=self.max_num_batched_tokens, pool_page_bytes=pool_pb,
                            block_size=block_size or self.block_size,
@@ -118,7 +128,7 @@ class ModelLoader:
         used first) must be unloaded first, and the numbers; raises :class:`LoadRefused` (with
         ``needed``/``free``/``evictable``/``budget``/``short``) when even that is not enough."""
         _, _, _, needs = self._prepare(name, model_dir, max_model_len, max_num_seqs, 1.0, num_kv_pages, block_size)
-        return self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
+        return self._pools.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
                                       evictable=list(evictable))
 
     def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
@@ -147,39 +157,40 @@ class ModelLoader:
         t0 = time.perf_counter()
         cfg, max_len, dtype, needs = self._prepare(name, model_dir, max_model_len, max_num_seqs, weight,
                                                    num_kv_pages, block_size)
-        if self._pending_load is not None:
-            raise EngineError(f"model {self._pending_load.name!r} is loading; one load at a time")
+        if self.pending is not None:
+            raise EngineError(f"model {self.pending.name!r} is loading; one load at a time")
         t1 = time.perf_counter()
         self._settle()  # no step in flight while pages, pool and slots change
         try:
-            plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
+            plan = self._pools.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
         except LoadRefused as e:
             raise self._refusal(name, needs, e, evictable) from None
         t_pool = time.perf_counter()
-        self._fit_pool(needs, plan.kv_pool_bytes_after)
+        self._pools.fit(needs, plan.kv_pool_bytes_after)
         t_pool = time.perf_counter() - t_pool
         try:
-            self.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace_bytes,
+            self._pools.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace_bytes,
                                         min_kv_bytes=needs.min_kv_bytes)
         except EngineError:
-            self._fit_pool(None, None)
+            self._pools.fit(None, None)
             raise
         try:
             # Registered now, not after the weights: while they load, other models' bursts must
             # not take the pages its minimum needs.
-            self.pool.register(name, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+            self._pools.pool.register(name, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, dtype=dtype, min_pages=needs.min_pages,
                                max_pages=needs.want_pages, tokens_per_page=needs.tokens_per_page)
         except BaseException:
-            self.ledger.release(name)
-            self._fit_pool(None, None)
+            self._pools.ledger.release(name)
+            self._pools.fit(None, None)
             raise
         pending = PendingLoad(name, str(model_dir), cfg, max_len, dtype, needs, max_num_seqs, float(weight), t0)
-        pending.prebuild = self.warmup and prebuild_wanted(
+        pending.prebuild = self.warmup and self.prebuild_runner is not False and prebuild_wanted(
             self.device, self.warm_tier, warm_key(name, model_dir),
-            self._workspace_shape(max_num_seqs, max_len, dtype, needs.tokens_per_page))
+            self._workspace_shape(max_num_seqs, max_len, dtype, needs.tokens_per_page),
+            allow_cpu=bool(self.prebuild_runner))
         pending.timings.update(config_s=t1 - t0, book_s=time.perf_counter() - t1, pool_s=t_pool)
-        self._pending_load = pending
+        self.pending = pending
         threading.Thread(target=self._load_thread, args=(pending,), name=f"engine-load-{name}",
                          daemon=True).start()
         return pending
@@ -205,9 +216,9 @@ class ModelLoader:
             tb = time.perf_counter()
             build = None
             if p.prebuild:
-                gen = self.pool.generation
-                build = RunnerBuild(lambda: (gen, *self._new_runner(p.name, p.cfg, model, p.max_num_seqs, p.max_len)),
-                                    self.device, p.name, self.streams)
+                gen = self._pools.pool.generation
+                build = RunnerBuild(lambda: (gen, *self._pools.new_runner(p.name, p.cfg, model, p.max_num_seqs, p.max_len)),
+                                    self.device, p.name, self._pools.streams)
             try:
                 nbytes, source = load_or_restore(model, p.model_dir, self.warm_tier, key, cancel=p.cancel)
             finally:
@@ -227,7 +238,7 @@ class ModelLoader:
         """Phase 3: wait for the weights (if they are still coming), then install the model on
         this thread: scheduler, runner (graphs), warm-up, schedulable. On any failure, here or
         in the load thread, everything the load booked is released and the error raised."""
-        if pending is not self._pending_load:
+        if pending is not self.pending:
             raise EngineError(f"the load of {pending.name!r} is not in flight")
         t0 = time.perf_counter()
         weights = None
@@ -238,14 +249,14 @@ class ModelLoader:
             info = self._install(pending, weights)
         except BaseException:
             weights = None  # the traceback keeps this frame: the weights must not stay with it
-            self._pending_load = None
+            self.pending = None
             self._settle()
             drop_result(pending)
             self._undo_load(pending.name)
             raise
-        self._pending_load = None
+        self.pending = None
         if pending.trim:
-            self._fit_pool(None, None)  # the trim an unload skipped while this load was in flight
+            self._pools.fit(None, None)  # the trim an unload skipped while this load was in flight
         pending.timings.update(wait_s=t1 - t0, total_s=time.perf_counter() - pending.started)
         self.last_load_timings = dict(pending.timings)
         return info
@@ -253,13 +264,13 @@ class ModelLoader:
     def cancel_load(self, pending: PendingLoad) -> None:
         """Stop a load begun here: the weight read stops at its next chunk, then everything it
         booked is released (this waits for the load thread to let go of the weights)."""
-        if pending is not self._pending_load:
+        if pending is not self.pending:
             raise EngineError(f"the load of {pending.name!r} is not in flight")
         pending.cancel.set()
         try:
             pending.future.exception()  # wait; its outcome no longer matters
         finally:
-            self._pending_load = None
+            self.pending = None
             self._settle()
             drop_result(pending)
             self._undo_load(pending.name)
@@ -267,54 +278,53 @@ class ModelLoader:
     def _undo_load(self, name: str) -> None:
         """Release what a load booked: slot, picker entry, then its books (:meth:`_release_books`)."""
         self._slots.pop(name, None)
-        if name in self.picker:
-            self.picker.remove_model(name)
+        if name in self._picker:
+            self._picker.remove_model(name)
         self._release_books(name)
 
     def _release_books(self, name: str) -> None:
         """A model's pages and pool registration, its device memory and its ledger entry, then the
         pool's trim (left to the end of a load in flight: that model is in the pool but not yet
         among the slots whose wants size it)."""
-        if self.pool is not None and name in self.pool.models():
-            self.pool.free_all(name)  # the backstop: an unload's aborts freed them already
-            self.pool.unregister(name)
-        if name in self.ledger:
-            self.ledger.release(name)
-        self._return_device_memory()  # before the trim: the pool's segment stays cached
-        if self._pending_load is None:
-            self._fit_pool(None, None)
+        if self._pools.pool is not None and name in self._pools.pool.models():
+            self._pools.pool.free_all(name)  # the backstop: an unload's aborts freed them already
+            self._pools.pool.unregister(name)
+        if name in self._pools.ledger:
+            self._pools.ledger.release(name)
+        self._pools.return_device_memory()  # before the trim: the pool's segment stays cached
+        if self.pending is None:
+            self._pools.fit(None, None)
         else:
-            self._pending_load.trim = True
+            self.pending.trim = True
 
     def _refusal(self, name: str, needs: LoadNeeds, e: LoadRefused, evictable) -> LoadRefused:
         """The refusal with what evicting the offered models (those loaded here) would do."""
-        offered = tuple(m for m in dict.fromkeys(evictable) if m in self.ledger)  # an offer may be stale
+        offered = tuple(m for m in dict.fromkeys(evictable) if m in self._pools.ledger)  # an offer may be stale
         if not offered:
             return e
         try:
-            plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
+            plan = self._pools.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
                                           evictable=list(offered))
         except LoadRefused as full:
             return full
-        snap = self.ledger.snapshot()
+        snap = self._pools.ledger.snapshot()
         total = sum(snap.weights[m] + snap.workspace[m] + snap.kv_min[m] for m in offered)
         return LoadRefused(name, needed=e.needed, free=e.free, evictable=total, budget=e.budget,
                            evictable_models=offered, parts=e.parts, evict=plan.evict)
 
     def _workspace_shape(self, max_num_seqs: int, max_len: int, dtype: torch.dtype, tokens_per_page: int) -> str:
         """What a measured workspace figure depends on besides the weights: the step's limits,
-        the graph buckets captured at load and the block-table width."""
+        the graphs captured at load and the block-table width."""
         return repr((str(self.device), str(dtype), max_num_seqs, max_len, tokens_per_page,
-                     self.max_num_batched_tokens, self.max_prefill_chunk, tuple(self.decode_buckets),
-                     os.environ.get("INFIRE_CUDA_GRAPHS", "1"), os.environ.get("INFIRE_GRAPHS_AT_LOAD_MAX", "8"),
-                     os.environ.get("INFIRE_MIXED_GRAPHS", "1")))
+                     self.max_num_batched_tokens, self.max_prefill_chunk, tuple(self._pools.decode_buckets),
+                     self._pools.cuda_graphs, self._pools.mixed_buckets or DEFAULT_MIXED_BUCKETS))
 
     def _install(self, p: PendingLoad, w: WeightsReady) -> ModelInfo:
         if w.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(w.ready)
         t0 = time.perf_counter()
         cfg, needs, name = p.cfg, p.needs, p.name
-        pages = self.pool.allocator_for(name)
+        pages = self._pools.pool.allocator_for(name)
         try:
             sched = Scheduler(
                 SchedulerConfig(max_num_seqs=p.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -336,27 +346,27 @@ class ModelLoader:
         # A runner built beside the weights serves when nothing is to be measured and the pool's
         # memory is the one it was built on; otherwise it is dropped before the measurement.
         pre, w.runner = w.runner, None
-        if pre is not None and (known is None or pre[0] != self.pool.generation):
+        if pre is not None and (known is None or pre[0] != self._pools.pool.generation):
             pre = None
-        before = self._device_allocated()
+        before = self._pools.device_allocated()
         t1 = time.perf_counter()
         if pre is not None:
             slot.kv, slot.runner = pre[1], pre[2]
         else:
-            self._attach_runner(slot)
+            self._pools.attach_runner(slot)
         del pre
         t2 = time.perf_counter()
         if self.warmup and known is None:
-            self._warm_up(slot)
+            self._pools.warm_up(slot)
         t3 = time.perf_counter()
-        measured = self._device_peak() - before if self.device.type == "cuda" else None
+        measured = self._pools.device_peak() - before if self.device.type == "cuda" else None
         if measured is not None or known is not None:
             # Graph pools and the warm-up's activations, measured (or measured at an earlier load
             # of these weights at this shape); never below the estimate, because the warm-up may
             # not have reached the largest step's peak.
             slot.workspace_bytes = max(measured or 0, known or 0, needs.workspace_bytes)
-            self.ledger.record_workspace(name, slot.workspace_bytes)
-        self.picker.add_model(name, p.weight)
+            self._pools.ledger.record_workspace(name, slot.workspace_bytes)
+        self._picker.add_model(name, p.weight)
         slot.info = ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids),
                               w.nbytes + slot.workspace_bytes + needs.min_kv_bytes, pages.num_total,
                               needs.tokens_per_page)
@@ -365,20 +375,11 @@ class ModelLoader:
                          measure_s=time.perf_counter() - t3)
         return slot.info
 
-    def unload_model(self, name: str) -> None:
-        """Abort what is left of the model's requests (reported by the next step) and free it:
-        every page back to the pool, every byte out of the ledger; the pool is trimmed when idle.
-        A model still loading (:meth:`begin_load`) has its load cancelled instead."""
-        slot = self._slots.get(name)
-        pending = self._pending_load
-        if slot is None and pending is not None and pending.name == name:
-            self.cancel_load(pending)
-            return
-        if slot is None:
-            raise EngineError(f"model {name!r} is not loaded")
-        self._settle()
-        for req_id in [r for r, m in self._req_model.items() if m == name]:
-            self.abort_request(req_id)
+    def unload(self, name: str) -> None:
+        """Free a loaded model whose requests are aborted and whose step is settled: weights to
+        the warm tier (when it keeps them), every page back to the pool, every byte out of the
+        ledger; the pool is trimmed when idle."""
+        slot = self._slots[name]
         stashed = slot.warm_key is not None and slot.model is not None and stash_weights(
             self.warm_tier, slot.warm_key, slot.model)
         if stashed and self.warmup and slot.needs is not None:
@@ -388,11 +389,8 @@ class ModelLoader:
                                           slot.model.dtype, slot.needs.tokens_per_page)
             self.warm_tier.note(slot.warm_key, shape, slot.workspace_bytes)
         del self._slots[name]
-        if name in self.picker:
-            self.picker.remove_model(name)
+        if name in self._picker:
+            self._picker.remove_model(name)
         slot.runner = slot.kv = slot.model = None
         del slot
         self._release_books(name)
-
-    def models(self) -> dict[str, ModelInfo]:
-        return {n: s.info for n, s in self._slots.items()}

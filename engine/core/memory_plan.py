@@ -1,6 +1,6 @@
 """EngineCore's memory side: the budget, what a load needs, and the shared KV pool's size.
 
-Split from ``engine/core/engine_core.py`` so the step loop stays short. Everything here is decided before
+Pure functions the loader and the pool keeper share. Everything here is decided before
 the device is touched (docs/multi-model.md): a :class:`LoadNeeds` is computed from the model's
 config alone (weight bytes of a model built on torch's ``meta`` device, so exact after the dtype
 conversion), and the pool's size is a pure function of the ledger and the loaded models.
@@ -56,9 +56,12 @@ def make_ledger(budget: int | float | None, device: torch.device) -> MemoryLedge
         raise EngineError(f"memory budget: {e}") from None
 
 
-def workspace_estimate(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """Activations of the largest step, with room for the float32 logits of every sequence."""
-    return (max_num_batched_tokens * (cfg.hidden_size * 8 + cfg.intermediate_size * 4) * 4
+def workspace_estimate(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, *,
+                       intermediate_size: int | None = None) -> int:
+    """Activations of the largest step, with room for the float32 logits of every sequence.
+    ``intermediate_size``: of the MLP shard one rank holds (tensor parallel); None: the model's."""
+    inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
+    return (max_num_batched_tokens * (cfg.hidden_size * 8 + inter * 4) * 4
             + max_num_seqs * cfg.vocab_size * 8)
 
 

@@ -1,45 +1,57 @@
-"""EngineCore's shared KV pool: its size, its resizes, and the runners over its memory.
+"""PoolKeeper: the memory ledger, the shared KV pool, its resizes, and the runners over its memory.
 
-A mixin of :class:`engine.core.engine_core.EngineCore` (split out so each file stays short); it uses the
-core's ``pool``, ``ledger``, ``_slots``, ``device`` and limits. Policy (docs/multi-model.md):
-the pool is re-created only when no sequence holds a page, so a resize never copies KV data;
-a load that must shrink it (its weights need the room) or grow it (its guaranteed minimum
-needs pages) while sequences are live preempts them first (they recompute, token-identical);
-any other resize waits for an idle pool.
+It owns the :class:`~engine.core.ledger.MemoryLedger` (every byte booked) and the
+:class:`~engine.kv.page_pool.PagePool` (every model's KV pages), and builds each model's KV views
+and :class:`~engine.runner.model_runner.ModelRunner` over the pool (rebuilt when the pool is
+re-created). It reads the core's table of loaded models, and changes only their ``kv``/``runner``.
+
+Policy (docs/multi-model.md): the pool is re-created only when no sequence holds a page, so a
+resize never copies KV data; a load that must shrink it (its weights need the room) or grow it
+(its guaranteed minimum needs pages) while sequences are live preempts them first (they
+recompute, token-identical); any other resize waits for an idle pool.
 """
 
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from engine.core.ledger import LedgerError, MemoryLedger
 from engine.core.memory_plan import LoadNeeds, pool_target
+from engine.core.slot import ModelSlot
 from engine.errors import EngineError
 from engine.kv.kv_cache import KVCache, KVSpec
-from engine.core.ledger import LedgerError
-from engine.runner.model_runner import ModelRunner
 from engine.kv.page_pool import PagePool, PoolBusyError
+from engine.runner.model_runner import ModelRunner
+from engine.runner.streams import StreamPool
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
 
-if TYPE_CHECKING:  # pragma: no cover
-    from engine.core.engine_core import ModelSlot
-    from engine.core.ledger import MemoryLedger
-
 
 class PoolKeeper:
-    """The pool half of EngineCore."""
+    """The ledger and the pool of one engine, and the runners over the pool.
 
-    pool: PagePool | None
-    ledger: "MemoryLedger"
-    device: torch.device
-    max_num_batched_tokens: int
-    decode_buckets: tuple[int, ...]
-    _slots: dict[str, "ModelSlot"]
+    ``slots``: the core's name -> ModelSlot table (read; runners attached to its slots).
+    ``max_num_batched_tokens``, ``decode_buckets``, ``mixed_buckets``, ``cuda_graphs``: what every
+    runner is built with. ``streams``: the core's stream pool its runners borrow from (None off CUDA).
+    """
 
-    def _fit_pool(self, new: LoadNeeds | None, kv_after: int | None) -> None:
+    def __init__(self, ledger: MemoryLedger, device: torch.device, slots: dict[str, ModelSlot], *,
+                 max_num_batched_tokens: int, decode_buckets: tuple[int, ...],
+                 mixed_buckets: tuple[int, ...] | None, cuda_graphs: bool, streams: StreamPool | None) -> None:
+        self.ledger = ledger
+        self.pool: PagePool | None = None  # created by the first load (it knows the page size)
+        self.device = device
+        self._slots = slots
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_buckets = decode_buckets
+        self.mixed_buckets = mixed_buckets
+        self.cuda_graphs = cuda_graphs
+        self.streams = streams
+
+    def fit(self, new: LoadNeeds | None, kv_after: int | None) -> None:
         """Resize the pool to its target when that is cheap (no live page) or required by a load
         (``new``): the weights need room the pool holds, or its minimum needs pages the pool lacks.
         A required resize with live pages preempts every running sequence first."""
@@ -72,9 +84,9 @@ class PoolKeeper:
                     s.scheduler.preempt(seq.req_id)
             if any(pool.num_used(n) for n in pool.models()):
                 raise EngineError("KV pages are still held after preempting every running sequence")
-        self._resize_pool(target)
+        self._resize(target)
 
-    def _resize_pool(self, target: int) -> None:
+    def _resize(self, target: int) -> None:
         """Re-create the (idle) pool with ``target`` pages; runners are rebuilt on the new memory.
         Ledger order: a larger pool is booked before it is allocated, a smaller one after."""
         pool = self.pool
@@ -101,14 +113,14 @@ class PoolKeeper:
             raise EngineError(f"KV pool resize {old} -> {target} pages failed: {e}") from e
         finally:
             for s in pooled:
-                self._attach_runner(s)
+                self.attach_runner(s)
 
-    def _attach_runner(self, slot: ModelSlot) -> None:
+    def attach_runner(self, slot: ModelSlot) -> None:
         """KV views over the pool and a runner on them (on CUDA: its decode graphs captured)."""
-        slot.kv, slot.runner = self._new_runner(slot.name, slot.config, slot.model, slot.max_num_seqs,
+        slot.kv, slot.runner = self.new_runner(slot.name, slot.config, slot.model, slot.max_num_seqs,
                                                 slot.scheduler.config.max_model_len)
 
-    def _new_runner(self, name: str, cfg, model, max_num_seqs: int, max_model_len: int) -> tuple[KVCache, ModelRunner]:
+    def new_runner(self, name: str, cfg, model, max_num_seqs: int, max_model_len: int) -> tuple[KVCache, ModelRunner]:
         """The KV cache over model ``name``'s pages of the pool and a runner on it; touches no slot
         (the load thread's :class:`engine.runner.prebuild.RunnerBuild` calls it too)."""
         lay = self.pool.layout(name)
@@ -118,9 +130,10 @@ class PoolKeeper:
         else:  # padded pages: per-layer views whose page stride is the whole page
             kv = KVCache.from_views(spec, self.pool.kv_views(name))
         return kv, ModelRunner(model, kv, self.max_num_batched_tokens, max_num_seqs, max_model_len,
-                               decode_buckets=self.decode_buckets, stream_pool=self.streams)
+                               decode_buckets=self.decode_buckets, cuda_graphs=self.cuda_graphs,
+                               mixed_buckets=self.mixed_buckets, stream_pool=self.streams)
 
-    def _warm_up(self, slot: ModelSlot) -> None:
+    def warm_up(self, slot: ModelSlot) -> None:
         """One step at the largest batch (every row sampled) so its peak can be measured. The
         sequences share one block table of the model's own guaranteed pages: their K/V writes
         land only there, and the pages are freed after."""
@@ -142,18 +155,18 @@ class PoolKeeper:
             for page in table:
                 slot.pages.free(page)
 
-    def _device_allocated(self) -> int:
+    def device_allocated(self) -> int:
         if self.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         return torch.cuda.memory_allocated(self.device)
 
-    def _device_peak(self) -> int:
+    def device_peak(self) -> int:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
 
-    def _return_device_memory(self) -> None:
+    def return_device_memory(self) -> None:
         """After a model's tensors are dropped: hand their device memory back to the driver,
         except the KV pool's segment, which is still alive here and stays cached when the pool
         is trimmed or dropped after this.

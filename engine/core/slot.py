@@ -1,4 +1,5 @@
-"""The records EngineCore hands out and keeps per model (re-exported by ``engine.core.engine_core``)."""
+"""The records EngineCore hands out (:class:`ModelInfo`, :class:`RequestOutput`) and keeps per loaded
+model (:class:`ModelSlot`); this module is their only home."""
 
 from __future__ import annotations
 
@@ -47,7 +48,6 @@ class ModelSlot:
     weight: float
     weight_bytes: int
     info: ModelInfo
-    vtime: float = 0.0  # kept for callers that set it; the picker keeps the real clock
     steps: int = 0
     last_step_s: float = 1e-3
     pages: ModelPageSource | None = None
@@ -55,7 +55,7 @@ class ModelSlot:
     max_num_seqs: int = 0
     workspace_bytes: int = 0
     warm_key: str | None = None  # identity of the weight files, for the warm tier
-    last_request_t: float = float("-inf")  # perf_counter of its newest request (EngineCore._yields)
+    last_request_t: float = float("-inf")  # perf_counter of its newest request (StepPolicy)
     parked: int = 0  # times step() returned with this model's step parked (EngineCore.parked)
     parked_s: float = 0.0  # the caller's time from those returns to its next step() call
 

@@ -1,45 +1,26 @@
-"""How the engine treats a quiet model next to a busy one: which step goes on the high-priority
-stream (engine/runner/streams.py), when a busy model's steps are capped (``shared_step_tokens``), and
-when it yields (its next step waits for the one in flight, EngineCore.parked). A mixin of
-:class:`engine.core.engine_core.EngineCore`; it reads the core's ``_slots`` and ``quiet_window_s``.
-docs/multi-model.md has the measurements behind each rule.
+"""StepPolicy: how the engine treats a quiet model next to a busy one.
+
+It owns the multi-model rules of the step loop (docs/multi-model.md has the measurements behind
+each): when a busy model *yields* (its next step waits for the one in flight, so a quiet model's
+new prompt goes out at once: :meth:`EngineCore.parked`), how many tokens a step may take while
+another model is active (``shared_step_tokens``), which step goes on the high-priority stream
+(*urgent*, engine/runner/streams.py), whether an urgent prefill *holds* the other models' next
+launch, and whether a batch may be launched behind the step in flight (*overlap*). It reads the
+loaded models (the core's name -> ModelSlot table, shared, never changed here) and nothing else.
 """
 
 from __future__ import annotations
 
-import os
 import time
+from dataclasses import dataclass
 
 from engine.core.slot import ModelSlot
 from engine.errors import EngineError
-
-
-def quiet_window(seconds: float | None) -> float:
-    """The quiet window in seconds: ``seconds``, or (None) ``INFIRE_QUIET_WINDOW_MS`` / 1000, unset 0."""
-    if seconds is None:
-        raw = os.environ.get("INFIRE_QUIET_WINDOW_MS", "").strip()
-        try:
-            seconds = float(raw) / 1000 if raw else 0.0
-        except ValueError:
-            raise EngineError(f"INFIRE_QUIET_WINDOW_MS must be a number of milliseconds, got {raw!r}") from None
-        if not 0 <= seconds <= 60:
-            raise EngineError(f"INFIRE_QUIET_WINDOW_MS must be between 0 and 60000 ms, got {raw!r}")
-    elif isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 60:
-        raise EngineError("quiet_window_s must be a number of seconds between 0 and 60")
-    return float(seconds)
-
+from engine.sched.scheduler import SchedulerOutput
 
 # A model yields to another only when it has at least this many times that one's requests: two
 # about equally busy models (both saturated, both at light load) keep launching ahead.
 QUIET_RATIO = 4
-
-
-def cap_when() -> str:
-    """``INFIRE_SHARED_CAP``: when the shared step cap holds, ``active`` (default) or ``loaded``."""
-    raw = os.environ.get("INFIRE_SHARED_CAP", "active").strip() or "active"
-    if raw not in ("active", "loaded"):
-        raise EngineError(f"INFIRE_SHARED_CAP must be 'active' or 'loaded', got {raw!r}")
-    return raw
 
 
 def requests(slot: ModelSlot) -> int:
@@ -47,43 +28,50 @@ def requests(slot: ModelSlot) -> int:
     return slot.scheduler.num_running + slot.scheduler.num_waiting
 
 
-class QuietPolicy:
-    """The rules; the core supplies ``_slots`` (name -> ModelSlot) and ``quiet_window_s``."""
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How a scheduled batch goes out: on the high-priority stream (``urgent``), and whether
+    another model's next step must not be queued beside it (``holds``)."""
 
-    _slots: dict[str, ModelSlot]
-    quiet_window_s: float
-    cap_when: str
+    urgent: bool = False
+    holds: bool = False
 
-    def _urgent(self, slot: ModelSlot) -> bool:
-        """Whether the step goes on its runner's high-priority stream (engine/runner/streams.py):
-        its model has fewer requests than every other model with work (the quiet one next to a
-        flooded one), so its kernels are served first while the other's step drains."""
-        if len(self._slots) < 2:
-            return False
-        mine = requests(slot)
-        others = [requests(s) for s in self._slots.values() if s is not slot and s.scheduler.has_unfinished()]
-        return bool(others) and mine < min(others)
 
-    def _capped(self, slot: ModelSlot) -> bool:
-        """Whether ``slot``'s steps are capped at ``shared_step_tokens``: while another model is
-        active (``INFIRE_SHARED_CAP=active``, the default: a model beside idle ones keeps its full
-        steps) or merely loaded (``loaded``: a quiet model's first request after a lull never finds
-        an uncapped step running; docs/perf.md, the 4c78b73 row, has the runs behind both)."""
-        if self.cap_when == "loaded":
-            return len(self._slots) > 1
-        return self._others_active(slot)
+class StepPolicy:
+    """The rules over ``slots`` (the core's table of loaded models).
 
-    def _others_active(self, slot: ModelSlot) -> bool:
-        """Whether another model has requests, or had one within the quiet window."""
-        since = time.perf_counter() - self.quiet_window_s
-        return any(s is not slot and (s.scheduler.has_unfinished() or s.last_request_t >= since)
-                   for s in self._slots.values())
+    ``quiet_window_s``: how long a model's request keeps it "active" (0: no yielding; the cap
+    then holds only while another model has requests). ``shared_step_tokens``: the step cap
+    while another model is active (None: no cap). ``cuda``: the device runs steps
+    asynchronously, so launch order matters (on CPU every batch may overlap).
+    """
 
-    def _yields(self, slot: ModelSlot) -> bool:
+    def __init__(self, slots: dict[str, ModelSlot], *, quiet_window_s: float, shared_step_tokens: int | None,
+                 cuda: bool) -> None:
+        if isinstance(quiet_window_s, bool) or not isinstance(quiet_window_s, (int, float)) \
+                or not 0 <= quiet_window_s <= 60:
+            raise EngineError("quiet_window_s must be a number of seconds between 0 and 60")
+        if shared_step_tokens is not None and (isinstance(shared_step_tokens, bool)
+                                               or not isinstance(shared_step_tokens, int) or shared_step_tokens < 1):
+            raise EngineError("shared_step_tokens must be None or an integer >= 1")
+        self._slots = slots
+        self.quiet_window_s = float(quiet_window_s)
+        self.shared_step_tokens = shared_step_tokens
+        self._cuda = cuda
+
+    def step_tokens(self, slot: ModelSlot) -> int | None:
+        """The most tokens ``slot``'s next batch may take (None: its scheduler's own limit): the
+        shared cap while another model has requests or had one within the quiet window (a model
+        beside idle ones keeps its full steps)."""
+        if self.shared_step_tokens and self._others_active(slot):
+            return self.shared_step_tokens
+        return None
+
+    def yields(self, slot: ModelSlot) -> bool:
         """Whether ``slot``'s next step waits until its step in flight is collected (the other
-        models are scheduled meanwhile, and :meth:`step` returns instead of blocking on it while
-        nothing else has work: :meth:`parked`): some model with at most a ``QUIET_RATIO``-th of
-        its requests had one within ``quiet_window_s``.
+        models are scheduled meanwhile, and ``step()`` returns instead of blocking on it while
+        nothing else has work: ``EngineCore.parked``): some model with at most a
+        ``QUIET_RATIO``-th of its requests had one within ``quiet_window_s``.
 
         Launching ahead queues the busy model's next step before the host can see a request that
         arrives while the current one runs; the quiet model's prefill then shares the GPU with that
@@ -94,4 +82,37 @@ class QuietPolicy:
         since = time.perf_counter() - self.quiet_window_s
         mine = requests(slot)
         return any(s is not slot and s.last_request_t >= since and requests(s) * QUIET_RATIO <= mine
+                   for s in self._slots.values())
+
+    def overlaps(self, slot: ModelSlot, batch: SchedulerOutput, prev_slot: ModelSlot, prev_holds: bool) -> bool:
+        """Whether ``batch`` may be launched behind the step in flight (of ``prev_slot``). Not one
+        that runs eagerly on CUDA: its hundreds of launches would queue behind that step and hold
+        its tokens back for the whole of a large step (a quiet model's TTFT next to a flooded one).
+        Nor another model's batch behind a quiet model's prefill (``prev_holds``): that prefill is
+        a first token someone waits for, and on its own it finishes in one step's time instead of
+        sharing the GPU with two of the busy model's steps (the one already queued and this one)."""
+        if not self._cuda:
+            return True
+        if prev_holds and prev_slot is not slot:
+            return False
+        return batch.num_batched_tokens <= slot.runner.graph_tokens
+
+    def launch(self, slot: ModelSlot, batch: SchedulerOutput) -> LaunchPlan:
+        """How ``batch`` is launched. Urgent: its model has fewer requests than every other model
+        with work (the quiet one next to a flooded one), so its kernels are served first while the
+        other's step drains. An urgent batch that prefills holds the others' next launch."""
+        urgent = self._urgent(slot)
+        return LaunchPlan(urgent, urgent and batch.num_batched_tokens > batch.num_decodes)
+
+    def _urgent(self, slot: ModelSlot) -> bool:
+        if len(self._slots) < 2:
+            return False
+        mine = requests(slot)
+        others = [requests(s) for s in self._slots.values() if s is not slot and s.scheduler.has_unfinished()]
+        return bool(others) and mine < min(others)
+
+    def _others_active(self, slot: ModelSlot) -> bool:
+        """Whether another model has requests, or had one within the quiet window."""
+        since = time.perf_counter() - self.quiet_window_s
+        return any(s is not slot and (s.scheduler.has_unfinished() or s.last_request_t >= since)
                    for s in self._slots.values())

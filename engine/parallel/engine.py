@@ -22,18 +22,20 @@ from typing import Any
 import torch
 
 from engine.sched.block_manager import BlockManager, PageAllocator
-from engine.config import ModelConfig, load_model_config
-from engine.core.engine_core import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, EngineCore, ModelInfo, ModelSlot
+from engine.config import ModelConfig, load_model_config, usable_len
+from engine.core.engine_core import EngineCore
+from engine.core.loading import DTYPES
+from engine.core.memory_plan import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, workspace_estimate
+from engine.core.slot import ModelInfo, ModelSlot
 from engine.errors import EngineError
 from engine.kv.kv_cache import KVCache, KVSpec
 from engine.runner.model_runner import ModelRunner, StepResult
+from engine.runner.streams import StreamPool
 from engine.parallel.group import TPError, TPGroup
 from engine.parallel.loader import load_shard
 from engine.parallel.shard import TPModel, plan_shards
 from engine.parallel.wire import ControlChannel, StepDecoder, StepEncoder, WireError
 from engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError, SchedulerOutput
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -65,7 +67,7 @@ def build_shard(group: TPGroup, spec: dict[str, Any], used_bytes: int) -> RankSh
     try:
         cfg = load_model_config(spec["model_dir"])
         plan = plan_shards(cfg, group.rank, group.world_size)
-        dtype = _DTYPES[spec["dtype"]]
+        dtype = DTYPES[spec["dtype"]]
         model = TPModel(plan, group, dtype, group.device)
         weight_bytes = load_shard(model, spec["model_dir"])
         model.build_rope_cache(spec["max_len"])
@@ -74,9 +76,8 @@ def build_shard(group: TPGroup, spec: dict[str, Any], used_bytes: int) -> RankSh
         if spec["num_kv_pages"] is not None:
             local_pages = spec["num_kv_pages"]
         else:
-            lc = plan.local
-            workspace = spec["max_num_batched_tokens"] * (cfg.hidden_size * 8 + lc.intermediate_size * 4) * 4 \
-                + spec["max_num_seqs"] * cfg.vocab_size * 8
+            workspace = workspace_estimate(cfg, spec["max_num_batched_tokens"], spec["max_num_seqs"],
+                                           intermediate_size=plan.local.intermediate_size)
             budget = spec["budget"]
             if isinstance(budget, float) and 0 < budget <= 1:  # a fraction of the device (of the CPU default)
                 if group.device.type == "cuda":
@@ -110,7 +111,8 @@ def build_shard(group: TPGroup, spec: dict[str, Any], used_bytes: int) -> RankSh
     # Decode graphs (CUDA) are captured here, in lockstep on every rank: the warm-up forwards
     # run the collectives, so NCCL's communicators exist before the capture starts.
     runner = ModelRunner(model, kv, spec["max_num_batched_tokens"], spec["max_num_seqs"], spec["max_len"],
-                         decode_buckets=tuple(spec["decode_buckets"]))
+                         decode_buckets=tuple(spec["decode_buckets"]), cuda_graphs=spec["cuda_graphs"],
+                         stream_pool=StreamPool(group.device) if group.device.type == "cuda" else None)
     return RankShard(cfg, model, kv, runner, weight_bytes)
 
 
@@ -159,20 +161,18 @@ class TPEngineCore(EngineCore):
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None) -> ModelInfo:
         if self._closed:
             raise TPError("the TP engine is closed")
-        self._check_load_args(name, weight, max_model_len, max_num_seqs)
+        self._loader.check_load_args(name, weight, max_model_len, max_num_seqs)
         if num_kv_pages is not None and (isinstance(num_kv_pages, bool) or not isinstance(num_kv_pages, int)):
             raise EngineError("num_kv_pages must be an integer")
         cfg = load_model_config(model_dir)
         plan_shards(cfg, 0, self.group.world_size)  # refuse an unsplittable model before any rank loads
-        max_len = min(max_model_len, cfg.max_position_embeddings)
-        if cfg.sliding_window is not None:
-            max_len = min(max_len, cfg.sliding_window)
-        dtype = self._dtype_for(cfg)
+        max_len = usable_len(cfg, max_model_len)
+        dtype = self.dtype_for(cfg)
         spec = {"name": name, "model_dir": str(Path(model_dir).resolve()), "max_len": max_len,
                 "max_num_seqs": max_num_seqs, "block_size": block_size or self.block_size,
-                "dtype": next(k for k, v in _DTYPES.items() if v == dtype), "num_kv_pages": num_kv_pages,
+                "dtype": next(k for k, v in DTYPES.items() if v == dtype), "num_kv_pages": num_kv_pages,
                 "max_num_batched_tokens": self.max_num_batched_tokens, "decode_buckets": list(self.decode_buckets),
-                "budget": self.memory_budget_bytes}
+                "cuda_graphs": self.cuda_graphs, "budget": self.memory_budget_bytes}
         self.channel.send({"op": "load", "spec": spec})
         shard = build_shard(self.group, spec, sum(s.device_bytes for s in self._slots.values()))
         try:
@@ -188,10 +188,9 @@ class TPEngineCore(EngineCore):
         runner = TPRunner(name, shard.runner, self.channel)
         info = ModelInfo(name, cfg.vocab_size, max_len, list(cfg.eos_token_ids), shard.device_bytes,
                          shard.kv.num_pages, spec["block_size"])
-        busy = [s.vtime for s in self._slots.values() if s.scheduler.has_unfinished()]
         self._slots[name] = ModelSlot(name, cfg, shard.model, shard.kv, runner, sched, float(weight),
-                                      shard.weight_bytes, info, vtime=min(busy) if busy else 0.0,
-                                      max_num_seqs=max_num_seqs)
+                                      shard.weight_bytes, info, max_num_seqs=max_num_seqs)
+        self.picker.add_model(name, float(weight))
         return info
 
     def unload_model(self, name: str) -> None:

@@ -45,10 +45,6 @@ class TPGroup:
     device_group: Any  # torch ProcessGroup for tensors on ``device``
     cpu_group: Any  # gloo ProcessGroup for host tensors (control channel, load agreement)
 
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns it (no-op for one rank)."""
         if self.world_size > 1:

@@ -4,22 +4,15 @@ A *page* (block) holds the K/V of ``block_size`` consecutive tokens of one seque
 layers. A sequence's *block table* lists its page ids in token order; it only grows while the
 sequence lives and is returned whole when the sequence finishes, is aborted or is preempted.
 
-Pages come from an injectable :class:`PageSource`. Today that is :class:`PageAllocator`, a free
-list over ``num_pages`` ids of one model's cache; later the multi-model PagePool of DESIGN §5
-hands out *global* page ids from one shared byte pool through the same three calls, with its own
-per-model quota — nothing here assumes ids are dense or start at 0.
-
-Prefix reuse hook: when ``page_hasher`` is given, every page that becomes full of computed
-tokens gets a chained hash (hash of the previous page's hash and this page's token ids),
-readable through :meth:`BlockManager.page_hashes`. Lookup-and-share of those pages (with
-reference counts) is the later half of prefix caching; the hashes are the stable key for it.
+Pages come from an injectable :class:`PageSource`: a :class:`PageAllocator` (a free list over
+``num_pages`` ids of one model's cache), or the shared PagePool's allocator for one model
+(engine/kv/page_pool.py), which hands out *global* page ids through the same calls —
+nothing here assumes ids are dense or start at 0.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 
 class OutOfPages(Exception):
@@ -79,28 +72,15 @@ class PageAllocator:
         self._free.append(page_id)
 
 
-PageHasher = Callable[[bytes | None, Sequence[int]], bytes]
-
-
-def default_page_hasher(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Chained, process-independent page hash (Python's ``hash`` is salted per process)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"\0" * 16)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
-
-
 class BlockManager:
     """Block tables of the live sequences of one model, over an injected page source."""
 
-    def __init__(self, block_size: int, pages: PageSource, page_hasher: PageHasher | None = None) -> None:
+    def __init__(self, block_size: int, pages: PageSource) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
         self.pages = pages
         self._tables: dict[int, list[int]] = {}
-        self._hasher = page_hasher
-        self._hashes: dict[int, list[bytes]] = {}
         self._used = 0
 
     # -- sizes -----------------------------------------------------------------------------
@@ -149,7 +129,6 @@ class BlockManager:
     def free(self, seq_id: int) -> int:
         """Return every page of the sequence; unknown ids are a no-op. Returns pages freed."""
         table = self._tables.pop(seq_id, None)
-        self._hashes.pop(seq_id, None)
         if not table:
             return 0
         # Reverse: the tail pages are the least likely to be worth reusing soon.
@@ -160,19 +139,3 @@ class BlockManager:
 
     def live_sequences(self) -> list[int]:
         return list(self._tables)
-
-    # -- prefix hashing hook ---------------------------------------------------------------
-    def record_computed(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
-        """Hash the pages that became full of computed tokens (no-op without a hasher)."""
-        if self._hasher is None or seq_id not in self._tables:
-            return
-        hashes = self._hashes.setdefault(seq_id, [])
-        full = min(num_computed // self.block_size, len(self._tables[seq_id]))
-        bs = self.block_size
-        while len(hashes) < full:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(self._hasher(parent, token_ids[i * bs:(i + 1) * bs]))
-
-    def page_hashes(self, seq_id: int) -> list[bytes]:
-        return list(self._hashes.get(seq_id, ()))

@@ -297,10 +297,6 @@ class Scheduler:
             if tok is not None:
                 seq.num_inflight -= 1
                 seq.token_ids.append(tok)
-            running = seq.status is SequenceStatus.RUNNING  # else preempted after this step was scheduled
-            if running:
-                self.blocks.record_computed(seq.seq_id, seq.token_ids,
-                                            min(seq.num_computed_tokens, len(seq.token_ids)))
             if tok is None:
                 continue
             reason = self._stop_reason(seq, tok)

@@ -72,7 +72,3 @@ class Sequence:
     def is_decoding(self) -> bool:
         """Exactly one token (the last sampled, known or in flight) is left to compute."""
         return self.num_uncomputed_tokens == 1 and self.num_output_tokens + self.num_inflight > 0
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED

@@ -22,20 +22,16 @@ from engine.errors import ModelConfigError, WeightsError
 
 
 def _estimate_need(core: Any, model_dir: str, max_model_len: int, max_num_seqs: int) -> int:
-    import torch
-
-    from engine.config import load_model_config
+    from engine.config import load_model_config, usable_len
+    from engine.core.memory_plan import weight_bytes as model_weight_bytes
+    from engine.core.memory_plan import workspace_estimate
     from engine.kv.kv_cache import KVSpec
-    from engine.models.llama import LlamaModel
 
     cfg = load_model_config(model_dir)
-    dtype = core._dtype_for(cfg)
-    weight_bytes = LlamaModel(cfg, dtype, torch.device("meta")).nbytes
-    max_len = min(max_model_len, cfg.max_position_embeddings)
-    if cfg.sliding_window is not None:
-        max_len = min(max_len, cfg.sliding_window)
-    workspace = core.max_num_batched_tokens * (cfg.hidden_size * 8 + cfg.intermediate_size * 4) * 4 \
-        + max_num_seqs * cfg.vocab_size * 8
+    dtype = core.dtype_for(cfg)
+    weight_bytes = model_weight_bytes(cfg, dtype)
+    max_len = usable_len(cfg, max_model_len)
+    workspace = workspace_estimate(cfg, core.max_num_batched_tokens, max_num_seqs)
     spec = KVSpec(cfg.num_layers, core.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
     return int(weight_bytes + workspace + -(-max_len // core.block_size) * spec.page_bytes)
 

@@ -11,8 +11,7 @@ A ``Load`` does not stop the loop: ``EngineCore.begin_load`` books it and starts
 weights in a load thread, the loop keeps stepping the other models, and when the weights are in
 (the thread wakes the selector) ``finish_load`` installs the model and ``Loaded`` is sent. Loads
 run one at a time, in arrival order; an ``Unload`` of a model whose load is queued or in flight
-cancels it (``Error(op="load", code="cancelled")``, then ``Unloaded``). A core whose
-``load_model`` is its own (the tensor-parallel engine) loads inside the loop as before.
+cancels it (``Error(op="load", code="cancelled")``, then ``Unloaded``).
 
 ``--engine none`` runs the loop with no EngineCore (loads are refused with a clear error): the
 agent's supervision tests exercise the process and the protocol without torch."""
@@ -81,12 +80,6 @@ class _Phase:
             self.name, self.since = name, time.monotonic()
 
 
-def _loads_in_background(core: Any) -> bool:
-    """Whether ``core.load_model`` is EngineCore's own three phases (begin, weights, finish)."""
-    load = getattr(type(core), "load_model", None)
-    return getattr(load, "__qualname__", "") == "ModelLoader.load_model" and hasattr(core, "begin_load")
-
-
 class Worker:
     def __init__(self, conn: _Conn, core: Any) -> None:
         self.conn = conn
@@ -144,11 +137,6 @@ class Worker:
             self._queued.append(msg)
             self._next_load()
 
-    def _offer(self, msg: P.Load) -> dict[str, Any]:
-        from engine.worker.load_refusal import accepts_evictable
-
-        return {"evictable": list(msg.evictable)} if msg.evictable and accepts_evictable(self.core) else {}
-
     def _load_failed(self, msg: P.Load, e: Exception) -> None:
         from engine.worker.load_refusal import refusal_details
 
@@ -163,14 +151,10 @@ class Worker:
         while self._loading is None and self._queued:
             msg = self._queued.popleft()
             t0 = time.monotonic()
-            args = dict(max_model_len=msg.max_model_len, max_num_seqs=msg.max_num_seqs, weight=msg.weight,
-                        **self._offer(msg))
             try:
-                if not _loads_in_background(self.core):  # a load_model of its own: inside the loop
-                    self.phase.set(f"loading:{msg.model}")
-                    self._loaded(msg, self.core.load_model(msg.model, msg.model_dir, **args), t0)
-                    continue
-                pending = self.core.begin_load(msg.model, msg.model_dir, **args)
+                pending = self.core.begin_load(msg.model, msg.model_dir, max_model_len=msg.max_model_len,
+                                               max_num_seqs=msg.max_num_seqs, weight=msg.weight,
+                                               evictable=list(msg.evictable))
             except Exception as e:
                 self._load_failed(msg, e)
                 continue
@@ -255,7 +239,7 @@ class Worker:
             return
         self._last_status = now
         models = P.plain(self.core.stats()) if self.core is not None else {}
-        memory = P.status_memory(self.core.memory()) if hasattr(self.core, "memory") else {}
+        memory = P.status_memory(self.core.memory()) if self.core is not None else {}
         self.conn.send(P.Status(steps=self.steps, busy=busy, models=models, memory=memory))
 
     def run(self) -> int:
@@ -283,13 +267,13 @@ class Worker:
 
     def _wait_for(self, busy: bool) -> float | None:
         """How long the next select may sleep: not at all while steps are due; while a step is
-        parked (engine.core.engine_core.EngineCore.parked) until it is done (the waiter's wake-up) or a
-        request comes; idle, until the next status."""
-        event = self.core.parked() if busy else None
-        if event is not None:
+        parked (EngineCore.parked) until it is done (the waiter's wake-up) or a request comes;
+        idle, until the next status."""
+        step = self.core.parked() if busy else None
+        if step is not None:
             if self._waiter is None:
                 self._waiter = StepWaiter(self._wake)
-            self._waiter.watch(event)
+            self._waiter.watch(step)
             return STATUS_INTERVAL_S
         return 0 if busy else STATUS_INTERVAL_S
 
@@ -339,11 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     os.dup(sock.fileno())  # never closed: EOF must mean the process is gone
     conn = _Conn(sock)
     core, device, err = make_core(options)
-    if skipped := (confine(options) if core is not None else ""):
-        print(f"engine.worker: sandbox skipped: {skipped}", file=sys.stderr)
-    if getattr(core, "warm_tier", None) is not None and core.device.type == "cuda":  # pin it now,
+    if core is not None:
+        confine(options)
+    if core is not None and core.warm_tier is not None and core.device.type == "cuda":  # pin it now,
         core.warm_tier.prepin_async()  # confined, not at the first unload
-    budget = int(getattr(core, "memory_budget_bytes", None) or 0)
+    budget = int(core.memory_budget_bytes or 0) if core is not None else 0
     conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err, budget_bytes=budget))
     worker = Worker(conn, core)
     stop = threading.Event()

@@ -1,6 +1,10 @@
 """How the engine worker process sets itself up, in this order: the engine from the agent's
 options (the CUDA context made, the budget fixed), then the sandbox around it (engine/worker/main.py's
-``main`` calls both before its loop)."""
+``main`` calls both before its loop).
+
+The options are the agent's ``worker_options`` (agent/app.py): the engine's switches
+(:class:`engine.options.EngineOptions`, checked strictly here) plus the device, the budget, the
+warm tier and the sandbox's options."""
 
 from __future__ import annotations
 
@@ -15,17 +19,18 @@ def make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
         return None, "none", ""
     try:
         from engine.core.engine_core import EngineCore
-        from engine.runner.cuda_graphs import set_triton_cache_dir
+        from engine.options import EngineOptions
+        from engine.kernels.triton_cache import set_triton_cache_dir
 
+        opts = EngineOptions.from_dict(options)
         if cache_dir := (options.get("sandbox_options") or {}).get("cache_dir"):
             set_triton_cache_dir(cache_dir)  # compiled kernels survive restarts
         core = EngineCore(
-            device=options.get("device", "auto"), max_num_batched_tokens=int(options.get("max_num_batched_tokens", 4096)),
-            memory_budget_bytes=options.get("memory_budget_bytes"),
-            decode_buckets=None if options.get("cuda_graphs", True) else (),
-            async_steps=None if options.get("async_steps", True) else False,
-            shared_step_tokens=int(options.get("shared_step_tokens") or 0) or None,
-            quiet_window_s=None if options.get("quiet_window_ms") is None else int(options["quiet_window_ms"]) / 1000,
+            device=options.get("device", "auto"), max_num_batched_tokens=opts.max_num_batched_tokens,
+            memory_budget_bytes=options.get("memory_budget_bytes"), page_bytes=opts.page_bytes,
+            cuda_graphs=opts.cuda_graphs,
+            async_steps=None if opts.async_steps else False,  # on: where steps run asynchronously (CUDA)
+            shared_step_tokens=opts.shared_step_tokens or None, quiet_window_s=opts.quiet_window_s,
             warm_tier_bytes=int(options.get("warm_tier_bytes", 0)),
         )
         fraction = options.get("memory_budget_fraction")
@@ -43,21 +48,15 @@ def make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
             core.memory_budget_bytes = int(options["cpu_memory_budget_bytes"])
     except Exception as e:  # report, do not crash-loop: the agent shows it in status
         return None, "none", f"{type(e).__name__}: {e}"
-    return core, str(getattr(core, "device", options.get("device", "auto"))), ""
+    return core, str(core.device), ""
 
 
-def confine(options: dict[str, Any]) -> str:
-    """Apply the sandbox after the device is initialised; '' or the reason it was skipped."""
+def confine(options: dict[str, Any]) -> None:
+    """Apply the sandbox (when ``options["sandbox"]``) after the device is initialised; its report
+    goes to stderr."""
     if not options.get("sandbox", False):
-        return ""
-    try:
-        from sandbox import launch
-    except ImportError:
-        return "sandbox module unavailable"
-    fn = getattr(launch, "confine_worker", None)
-    if fn is None:
-        return "sandbox.launch has no confine_worker"
-    report = fn(**options.get("sandbox_options", {}))
-    to_dict = getattr(report, "to_dict", None)
-    print(f"engine.worker: sandbox: {json.dumps(to_dict() if to_dict else str(report), default=str)}", file=sys.stderr)
-    return ""
+        return
+    from sandbox import launch
+
+    report = launch.confine_worker(**options.get("sandbox_options", {}))
+    print(f"engine.worker: sandbox: {json.dumps(report.to_dict(), default=str)}", file=sys.stderr)

@@ -2,10 +2,11 @@
 
 While a quiet model is active the busy model's next step waits for its step in flight, and
 ``step()`` returns instead of blocking on it. The loop must then sleep until either that step is
-done or a new request arrives; a CUDA event cannot be selected on, so one thread waits on it
-(a blocking-sync event: the thread sleeps, no core spins) and writes a byte to the loop's wake-up
-pipe when it fires. The loop hands the event over on every pass while the step stays parked (each
-request that arrives meanwhile is a pass); an event already being waited on is not queued again.
+done or a new request arrives; the step's completion cannot be selected on, so one thread calls
+its ``wait()`` (on CUDA a blocking-sync event: the thread sleeps, no core spins) and writes a byte
+to the loop's wake-up pipe when it returns. The loop hands the parked step over on every pass
+while it stays parked (each request that arrives meanwhile is a pass); a step already being
+waited on is not queued again.
 """
 
 from __future__ import annotations
@@ -13,25 +14,31 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
+
+
+class Waitable(Protocol):
+    """What :meth:`EngineCore.parked` returns: ``wait()`` blocks until the step's ids are in."""
+
+    def wait(self) -> None: ...
 
 
 class StepWaiter:
-    """A daemon thread that synchronizes on the events it is given and calls ``wake`` after each."""
+    """A daemon thread that waits on the parked steps it is given and calls ``wake`` after each."""
 
     def __init__(self, wake: Callable[[], None]) -> None:
         self._wake = wake
-        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._waiting: Any = None  # the event handed over last, until its wake-up is sent
+        self._events: queue.SimpleQueue[Waitable | None] = queue.SimpleQueue()
+        self._waiting: Waitable | None = None  # the step handed over last, until its wake-up is sent
         self._thread = threading.Thread(target=self._run, name="engine-step-waiter", daemon=True)
         self._thread.start()
 
-    def watch(self, event: Any) -> None:
-        """Wake the loop once ``event`` (a ``torch.cuda.Event``) has fired."""
-        if event is self._waiting:
+    def watch(self, step: Waitable) -> None:
+        """Wake the loop once ``step.wait()`` has returned."""
+        if step is self._waiting:
             return
-        self._waiting = event
-        self._events.put(event)
+        self._waiting = step
+        self._events.put(step)
 
     def close(self) -> None:
         self._events.put(None)
@@ -43,7 +50,7 @@ class StepWaiter:
             if event is None:
                 return
             try:
-                event.synchronize()
+                event.wait()
             except Exception:  # the device failed: the loop's next step reports it
                 pass
             if self._waiting is event:

@@ -49,10 +49,8 @@ def sharp_model(tmp_path_factory):
 def _engine(model_dir, graphs: bool, monkeypatch, mixed: bool = False):
     from engine.core.engine_core import EngineCore
 
-    monkeypatch.setenv("INFIRE_CUDA_GRAPHS", "1" if graphs else "0")
-    monkeypatch.setenv("INFIRE_MIXED_GRAPHS", "1" if mixed else "0")
     core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
-                      decode_buckets=(1, 2, 4, 8, 16))
+                      decode_buckets=(1, 2, 4, 8, 16), cuda_graphs=graphs, mixed_buckets=None if mixed else ())
     core.load_model("m", model_dir, max_model_len=256, max_num_seqs=16)
     return core
 
@@ -82,7 +80,7 @@ def test_engine_bf16_matches_transformers(arch, sharp_model, monkeypatch):
 
     d = sharp_model(arch)
     core = _engine(d, True, monkeypatch)
-    runner = core._slots["m"].runner
+    runner = core.slot("m").runner
     assert runner.graphs is not None and runner.graphs.graphs
     toks, lps = _run(core, PROMPTS, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True, logprobs=5))
     assert runner.graph_steps > 0
@@ -124,7 +122,7 @@ def test_cuda_graph_decode_matches_eager(arch, sharp_model, monkeypatch):
         for graphs in (True, False):
             core = _engine(d, graphs, monkeypatch)
             got[graphs], _ = _run(core, PROMPTS, params)
-            runner = core._slots["m"].runner
+            runner = core.slot("m").runner
             assert (runner.graph_steps > 0) == graphs
             del core
         assert got[True] == got[False]
@@ -133,7 +131,7 @@ def test_cuda_graph_decode_matches_eager(arch, sharp_model, monkeypatch):
 def test_capture_is_fast_and_leaves_the_cache_untouched(sharp_model, monkeypatch):
     d = sharp_model("llama")
     core = _engine(d, True, monkeypatch)
-    slot = core._slots["m"]
+    slot = core.slot("m")
     g = slot.runner.graphs
     assert sorted(g.graphs) == [1, 2, 4, 8, 16]
     assert g.capture_seconds < 1.0, g.capture_seconds
@@ -148,16 +146,16 @@ def test_capture_is_fast_and_leaves_the_cache_untouched(sharp_model, monkeypatch
 
 
 def test_deferred_graphs_match_eager_and_launches_are_cached(sharp_model, monkeypatch):
-    """Buckets above INFIRE_GRAPHS_AT_LOAD_MAX are captured at their first decode step and give
+    """Buckets above GRAPHS_AT_LOAD_MAX are captured at their first decode step and give
     the eager tokens; every Triton kernel the engine ran went through the cached launch path."""
     from engine.kernels import activation_triton, attention_triton, kv_write_triton, norm_triton, rope_triton
     from engine.sampling import SamplingParams
 
     d = sharp_model("llama")
     params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
-    monkeypatch.setenv("INFIRE_GRAPHS_AT_LOAD_MAX", "1")
+    monkeypatch.setattr("engine.runner.model_runner.GRAPHS_AT_LOAD_MAX", 1)
     core = _engine(d, True, monkeypatch)
-    g = core._slots["m"].runner.graphs
+    g = core.slot("m").runner.graphs
     assert sorted(g.graphs) == [1, 16] and g.deferred == {2, 4, 8}
     got, _ = _run(core, PROMPTS, params)
     assert 8 in g.graphs and 8 not in g.deferred and g.deferred_capture_seconds > 0
@@ -193,13 +191,13 @@ def test_mixed_step_graphs_match_their_eager_forward(arch, sharp_model, monkeypa
     d = sharp_model(arch)
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=GEN, ignore_eos=True)
     core = _engine(d, True, monkeypatch, mixed=True)
-    runner = core._slots["m"].runner
+    runner = core.slot("m").runner
     assert runner.mixed is not None and max(runner.mixed_buckets) in runner.mixed.graphs
     got, _ = _run(core, PROMPTS, params)
     assert runner.mixed_graph_steps > 0 and runner.graph_steps > 0
     del core, runner
     core = _engine(d, True, monkeypatch, mixed=True)
-    runner = core._slots["m"].runner
+    runner = core.slot("m").runner
     runner.mixed = _EagerMixed(runner)
     want, _ = _run(core, PROMPTS, params)
     assert runner.mixed.steps > 0
@@ -207,7 +205,7 @@ def test_mixed_step_graphs_match_their_eager_forward(arch, sharp_model, monkeypa
     del core, runner
     # replaying every captured bucket on all-padding inputs writes no K/V
     core = _engine(d, True, monkeypatch, mixed=True)
-    slot = core._slots["m"]
+    slot = core.slot("m")
     slot.kv.buffer.zero_()
     g = slot.runner.mixed
     for b in sorted(g.graphs):

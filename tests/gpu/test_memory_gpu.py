@@ -52,7 +52,6 @@ def _live_tensors() -> list[tuple]:
 def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(small_model, monkeypatch, graphs):
     from engine.core.engine_core import EngineCore
 
-    monkeypatch.setenv("INFIRE_CUDA_GRAPHS", "1" if graphs else "0")
     # cuBLAS's workspace (32 MiB on Hopper) is made by the first matmul of the process and kept.
     x = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
     (x @ x).sum().item()
@@ -60,7 +59,7 @@ def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(s
     gc.collect()
     base_live = _live_since(0)
     core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0,
-                      memory_budget_bytes=2 << 30, decode_buckets=(1, 2, 4))
+                      memory_budget_bytes=2 << 30, decode_buckets=(1, 2, 4), cuda_graphs=graphs)
     try:
         # A pool (256 sequences of 2048 tokens) far larger than the weights, workspace and graphs,
         # so whether a reload took it from the cache or from the driver shows in the reserved bytes.

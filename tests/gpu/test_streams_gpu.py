@@ -26,9 +26,8 @@ def _run(dirs, monkeypatch, streams: str, window_ms: str = "0", parked: list | N
     from engine.sampling import SamplingParams
 
     monkeypatch.setenv("INFIRE_MODEL_STREAMS", streams)
-    monkeypatch.setenv("INFIRE_QUIET_WINDOW_MS", window_ms)
     core = EngineCore(device="cuda", dtype="float32", max_num_batched_tokens=256, seed=0,
-                      decode_buckets=(1, 2, 4, 8, 16))
+                      decode_buckets=(1, 2, 4, 8, 16), quiet_window_s=int(window_ms) / 1000)
     core.load_model("flood", dirs[0], max_model_len=256, max_num_seqs=16)
     core.load_model("quiet", dirs[1], max_model_len=256, max_num_seqs=4)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -42,13 +41,13 @@ def _run(dirs, monkeypatch, streams: str, window_ms: str = "0", parked: list | N
             core.add_request(f"q{steps}", "quiet", list(range(100, 100 + 5 * steps)), greedy)
         for out in core.step():
             tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
-        event = core.parked()
-        if event is not None and parked is not None:
+        step = core.parked()
+        if step is not None and parked is not None:
             parked.append(steps)
-            event.synchronize()  # as the worker's waiter does
+            step.wait()  # as the worker's waiter does
         steps += 1
-    urgent = {n: (s.runner.streams.urgent_steps if s.runner.streams is not None else 0) for n, s in core._slots.items()}
-    for n in list(core._slots):
+    urgent = {n: (s.runner.streams.urgent_steps if s.runner.streams is not None else 0) for n, s in core.slots().items()}
+    for n in core.slots():
         core.unload_model(n)
     return tokens, urgent
 

@@ -29,7 +29,7 @@ def _run(core, prompts, params, model="m", abort_at: dict[str, int] | None = Non
     toks = {f"r{i}": [] for i in range(len(prompts))}
     reasons, lps = {}, {}
     steps = placeholders = 0
-    runner = core._slots[model].runner
+    runner = core.slot(model).runner
     launch = runner.launch
 
     def spy(out, *rest):
@@ -108,9 +108,9 @@ def test_unload_and_load_settle_the_step_in_flight(model_dir, make_tiny_model):
     outs = []
     for _ in range(4):
         outs += core.step()
-    assert core._inflight is not None
+    assert core.in_flight() is not None
     core.load_model("q", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4)  # settles first
-    assert core._inflight is None
+    assert core.in_flight() is None
     core.unload_model("m")
     while core.has_unfinished_requests():
         outs += core.step()

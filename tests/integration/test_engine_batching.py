@@ -79,7 +79,7 @@ def reference(model_dir):
 def test_variants_match_one_at_a_time(model_dir, reference, variant):
     core = make_core(model_dir, **variant)
     preempted = []
-    sched = core._slots["m"].scheduler
+    sched = core.slot("m").scheduler
     orig = sched.schedule
 
     def spy():
@@ -106,7 +106,7 @@ def test_abort_frees_every_page_and_spares_the_others(model_dir, reference, when
     for _ in range(n_steps):
         for o in core.step():
             got[o.req_id] += o.new_token_ids
-    seq = core._slots["m"].scheduler.get(victim)
+    seq = core.slot("m").scheduler.get(victim)
     if when == "mid_prefill":
         assert 0 < seq.num_computed_tokens < seq.num_prompt_tokens
     else:
@@ -254,7 +254,7 @@ def test_a_failing_step_aborts_its_batch_and_keeps_the_books(model_dir):
     core = make_core(model_dir)
     core.add_request("a", "m", PROMPTS[1], GREEDY)
     core.add_request("b", "m", PROMPTS[2], GREEDY)
-    runner = core._slots["m"].runner
+    runner = core.slot("m").runner
 
     def boom(out):
         raise RuntimeError("device fell over")
@@ -271,7 +271,7 @@ def test_a_failing_step_aborts_its_batch_and_keeps_the_books(model_dir):
 def test_decode_steps_padded_to_graph_buckets_give_the_same_tokens(model_dir, reference):
     core = EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, decode_buckets=(8, 3, 999))
     core.load_model("m", model_dir, max_model_len=64, max_num_seqs=8)
-    runner = core._slots["m"].runner
+    runner = core.slot("m").runner
     assert runner.decode_buckets == (3, 8)  # sorted; a bucket above max_num_seqs is dropped
     shapes = []
     orig = runner.prepare

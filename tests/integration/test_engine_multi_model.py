@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from engine.core.engine_core import EngineCore, LoadRefused
+from engine.core.engine_core import EngineCore
+from engine.core.ledger import LoadRefused
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
 
@@ -308,3 +309,24 @@ def test_weights_split_measured_step_time(dirs):
     # ...so measured time splits about 3:1.
     ratio = core.picker.gpu_seconds("heavy") / core.picker.gpu_seconds("light")
     assert 2.0 <= ratio <= 4.5, ratio
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_every_runner_is_built_with_the_cores_cuda_graphs(dirs, monkeypatch, graphs):
+    """``cuda_graphs`` reaches every runner the core builds: at load and when a resize of the
+    pool rebuilds the runners of the models already loaded."""
+    import engine.core.pool_keeper as pool_keeper
+
+    seen: list[bool] = []
+    real = pool_keeper.ModelRunner
+
+    def spy(*args, **kw):
+        seen.append(kw["cuda_graphs"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pool_keeper, "ModelRunner", spy)
+    core = core_for(cuda_graphs=graphs)
+    load(core, "a", dirs["a"])
+    load(core, "b", dirs["b"])  # the pool grows: a's runner is rebuilt on the new memory
+    assert len(seen) >= 3 and set(seen) == {graphs}
+    assert core.decode_buckets == ()  # no graph buckets on CPU either way

@@ -63,7 +63,7 @@ def test_prefill_logits_at_every_position_match(arch, sharp, oracle_model):
     d = oracle_model(arch, sharp)
     hf = hf_model(d)
     core = engine(d)
-    slot = core._slots["m"]
+    slot = core.slot("m")
     prompts = PROMPTS[:3]
     # Allocate pages for a hand-made prefill step of three sequences and run the model on it.
     out = SchedulerOutput()
@@ -89,7 +89,7 @@ def test_decode_logits_at_every_step_and_greedy_tokens_match(arch, sharp, oracle
     d = oracle_model(arch, sharp)
     hf = hf_model(d)
     core = engine(d)
-    runner = core._slots["m"].runner
+    runner = core.slot("m").runner
     captured: list[tuple[list[str], torch.Tensor]] = []
     orig = runner.forward_logits
 

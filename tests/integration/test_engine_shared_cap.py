@@ -18,7 +18,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 def _run(core: EngineCore, model: str, sizes: list[int], beside: str | None = None) -> dict[str, list[int]]:
     """Serve PROMPTS on ``model``, recording its step sizes; ``beside``: a model kept busy
     (one long request) the whole time."""
-    slot = core._slots[model]
+    slot = core.slot(model)
     schedule = slot.scheduler.schedule
 
     def spy(max_tokens=None):
@@ -48,7 +48,7 @@ def test_steps_are_capped_while_models_share_the_device(make_tiny_model):
     want = _run(alone, "a", sizes_alone)
     assert max(sizes_alone) > 8
 
-    core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1, shared_step_tokens=8)
+    core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1, shared_step_tokens=8, quiet_window_s=0)
     core.load_model("a", a, max_model_len=64, max_num_seqs=4)
     core.load_model("b", b, max_model_len=64, max_num_seqs=4)
     sizes: list[int] = []
@@ -63,9 +63,8 @@ def test_steps_are_capped_while_models_share_the_device(make_tiny_model):
     assert max(sizes) > 8
 
 
-def test_the_cap_holds_through_the_quiet_window_after_the_other_model_went_idle(make_tiny_model, monkeypatch):
-    monkeypatch.setenv("INFIRE_QUIET_WINDOW_MS", "60000")
-    core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1, shared_step_tokens=8)
+def test_the_cap_holds_through_the_quiet_window_after_the_other_model_went_idle(make_tiny_model):
+    core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1, shared_step_tokens=8, quiet_window_s=60)
     core.load_model("a", make_tiny_model("llama"), max_model_len=64, max_num_seqs=4)
     core.load_model("b", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4)
     core.add_request("b0", "b", [5, 6], SamplingParams(temperature=0, max_tokens=1))
@@ -82,21 +81,6 @@ def test_a_bad_cap_is_refused(bad):
         EngineCore(device="cpu", shared_step_tokens=bad)
 
 
-def test_with_the_cap_on_while_loaded_an_idle_neighbour_caps_too(make_tiny_model, monkeypatch):
-    monkeypatch.setenv("INFIRE_SHARED_CAP", "loaded")
-    core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1, shared_step_tokens=8)
-    core.load_model("a", make_tiny_model("llama"), max_model_len=64, max_num_seqs=4)
-    core.load_model("b", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4)
-    sizes: list[int] = []
-    _run(core, "a", sizes)  # b never had a request
-    assert max(sizes) == 8
-    core.unload_model("b")
-    sizes.clear()
-    _run(core, "a", sizes)
-    assert max(sizes) > 8
-
-
-def test_a_bad_cap_setting_is_refused_with_its_name(monkeypatch):
-    monkeypatch.setenv("INFIRE_SHARED_CAP", "always")
-    with pytest.raises(EngineError, match="INFIRE_SHARED_CAP"):
-        EngineCore(device="cpu")
+def test_the_defaults_are_the_daemons():
+    core = EngineCore(device="cpu")
+    assert core.shared_step_tokens == 512 and core.quiet_window_s == 1.0 and core.max_num_batched_tokens == 4096

@@ -13,6 +13,7 @@ import pytest
 
 from engine.core import loading as core_load
 from engine.core.engine_core import EngineCore
+from engine.core.pool_keeper import PoolKeeper
 from engine.errors import EngineError, WeightsError
 from engine.sampling import SamplingParams
 
@@ -83,10 +84,9 @@ def test_timings_and_a_warm_reload_skip_the_warm_up_at_the_same_shape(make_tiny_
 @pytest.mark.parametrize("prebuild", ["1", "0"])
 def test_a_warm_reload_builds_its_runner_beside_the_weights(make_tiny_model, monkeypatch, prebuild):
     """Where the warm-up is skipped, the load thread builds the runner while the weights are
-    restored (INFIRE_PREBUILD_RUNNER; on by default on CUDA): same tokens, same books."""
-    monkeypatch.setenv("INFIRE_PREBUILD_RUNNER", prebuild)
+    restored (``prebuild_runner``; on by default on CUDA): same tokens, same books."""
     d = make_tiny_model("llama")
-    core = _core(warmup=True, warm_tier_bytes=1 << 30)
+    core = _core(warmup=True, warm_tier_bytes=1 << 30, prebuild_runner=prebuild == "1")
     core.load_model("a", d, max_model_len=128, max_num_seqs=4)
     assert core.last_load_timings["prebuilt_runner_s"] == 0.0  # nothing in the tier yet
     ref = _generate(core, "a")
@@ -161,7 +161,7 @@ def test_a_failed_weight_read_leaves_the_books_as_they_were(make_tiny_model, tmp
     assert _books(core) != before  # booked while its weights are read
     with pytest.raises(WeightsError):
         core.finish_load(pending)
-    assert _books(core) == before and core._pending_load is None
+    assert _books(core) == before and core.loading is None
     while core.has_unfinished_requests():
         core.step()
     core.load_model("b", make_tiny_model("llama", seed=1), max_model_len=128, max_num_seqs=4)
@@ -178,7 +178,7 @@ def test_unloading_a_model_that_is_loading_cancels_it(make_tiny_model, monkeypat
     assert gate.entered.wait(30)
     core.unload_model("b")  # cancels: the read stops at its first chunk
     assert pending.done() and isinstance(pending.future.exception(), WeightsError)
-    assert _books(core) == before and core._pending_load is None
+    assert _books(core) == before and core.loading is None
     gate.open.set()
     core.load_model("b", db, max_model_len=128, max_num_seqs=4)
     assert sorted(core.models()) == ["a", "b"]
@@ -214,17 +214,17 @@ def test_a_load_ended_after_its_weights_are_in_releases_everything(make_tiny_mod
     core.unload_model("b")  # cancelled with its weights already read
     assert _books(core) == before and pending.done()
 
-    attach = core._attach_runner
+    new_runner = PoolKeeper.new_runner
 
-    def broken(slot):
-        if slot.name == "b":
+    def broken(self, name, *rest):
+        if name == "b":
             raise RuntimeError("capture failed")
-        attach(slot)  # a's runner, rebuilt when the pool is resized back
+        return new_runner(self, name, *rest)  # a's runner, rebuilt when the pool is resized back
 
-    monkeypatch.setattr(core, "_attach_runner", broken)
+    monkeypatch.setattr(PoolKeeper, "new_runner", broken)
     with pytest.raises(RuntimeError, match="capture failed"):
         core.load_model("b", db, max_model_len=128, max_num_seqs=4)  # fails while installing
-    assert _books(core) == before and core._pending_load is None
+    assert _books(core) == before and core.loading is None
     assert _generate(core, "a") == _generate(_ref_core(da), "a")
 
 

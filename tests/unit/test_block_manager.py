@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sched.block_manager import BlockManager, OutOfPages, PageAllocator, PageError, default_page_hasher
+from engine.sched.block_manager import BlockManager, OutOfPages, PageAllocator, PageError
 
 
 def check_invariants(bm: BlockManager, alloc: PageAllocator) -> None:
@@ -87,33 +87,3 @@ def test_random_traces_never_leak_or_share(block_size, num_pages, ops):
             bm.free(sid)
             lengths.pop(sid, None)
         check_invariants(bm, a)
-
-
-def test_prefix_hashes_chain_and_depend_on_content():
-    rng = random.Random(0)
-    toks = [rng.randrange(1000) for _ in range(11)]
-    bm = BlockManager(4, PageAllocator(10), page_hasher=default_page_hasher)
-    bm.ensure_capacity(1, 11)
-    bm.record_computed(1, toks, 3)
-    assert bm.page_hashes(1) == []
-    bm.record_computed(1, toks, 11)
-    h = bm.page_hashes(1)
-    assert len(h) == 2  # the third page is not full
-    # Same prefix, same hashes; a change in page 0 changes every later hash (chained).
-    bm.ensure_capacity(2, 8)
-    bm.record_computed(2, toks[:8], 8)
-    assert bm.page_hashes(2) == h
-    other = [toks[0] + 1] + toks[1:8]
-    bm.ensure_capacity(3, 8)
-    bm.record_computed(3, other, 8)
-    h3 = bm.page_hashes(3)
-    assert h3[0] != h[0] and h3[1] != h[1]
-    bm.free(1)
-    assert bm.page_hashes(1) == []
-
-
-def test_no_hasher_no_hashes():
-    bm = BlockManager(2, PageAllocator(4))
-    bm.ensure_capacity(1, 4)
-    bm.record_computed(1, [1, 2, 3, 4], 4)
-    assert bm.page_hashes(1) == []

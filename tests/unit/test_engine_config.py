@@ -100,3 +100,31 @@ def test_folder_errors(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ModelConfigError, match="JSON object"):
         load_model_config(tmp_path)
+
+
+def test_usable_len_is_capped_by_positions_and_window():
+    from engine.config import usable_len
+
+    cfg = parse_config(LLAMA31_HUB)
+    assert usable_len(cfg, 1 << 30) == cfg.max_position_embeddings
+    assert usable_len(cfg, 64) == 64
+    windowed = parse_config({**LLAMA31_HUB, "sliding_window": 100})
+    assert usable_len(windowed, 4096) == 100
+
+
+def test_engine_options_are_the_daemons_defaults_and_strictly_typed():
+    from agent.config import EngineSettings
+    from engine.errors import EngineError
+    from engine.options import EngineOptions
+
+    opts = EngineOptions()
+    e = EngineSettings()
+    for name in ("max_num_batched_tokens", "page_bytes", "cuda_graphs", "async_steps", "shared_step_tokens",
+                 "quiet_window_ms"):
+        assert getattr(e, name) == getattr(opts, name)
+    assert EngineOptions.from_dict({"cuda_graphs": False, "device": "cpu"}) == EngineOptions(cuda_graphs=False)
+    assert EngineOptions(quiet_window_ms=250).quiet_window_s == 0.25
+    for bad in ({"cuda_graphs": 1}, {"max_num_batched_tokens": "4096"}, {"quiet_window_ms": 60_001},
+                {"shared_step_tokens": -1}, {"page_bytes": True}, {"async_steps": None}):
+        with pytest.raises(EngineError, match=next(iter(bad))):
+            EngineOptions.from_dict(bad)

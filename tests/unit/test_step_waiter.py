@@ -13,7 +13,7 @@ from engine.worker.main import STATUS_INTERVAL_S, Worker
 
 
 class _Event:
-    """Stands in for a torch.cuda.Event: synchronize() returns once fire() was called."""
+    """Stands in for EngineCore.parked()'s step: wait() returns once fire() was called."""
 
     def __init__(self) -> None:
         self._fired = threading.Event()
@@ -21,7 +21,7 @@ class _Event:
     def fire(self) -> None:
         self._fired.set()
 
-    def synchronize(self) -> None:
+    def wait(self) -> None:
         self._fired.wait(10)
 
 
