@@ -128,3 +128,14 @@ def test_engine_options_are_the_daemons_defaults_and_strictly_typed():
                 {"shared_step_tokens": -1}, {"page_bytes": True}, {"async_steps": None}):
         with pytest.raises(EngineError, match=next(iter(bad))):
             EngineOptions.from_dict(bad)
+
+
+def test_the_worker_refuses_a_mistyped_engine_option_with_its_name():
+    from engine.worker.setup import make_core
+
+    core, device, err = make_core({"engine": "core", "device": "cpu", "cuda_graphs": "no"})
+    assert core is None and device == "none" and "cuda_graphs" in err
+    core, device, err = make_core({"engine": "core", "device": "cpu", "cuda_graphs": False, "quiet_window_ms": 0,
+                                   "shared_step_tokens": 0, "page_bytes": None})
+    assert err == "" and device == "cpu"
+    assert not core.cuda_graphs and core.quiet_window_s == 0 and core.shared_step_tokens is None
