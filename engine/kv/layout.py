@@ -1,6 +1,6 @@
 """The torch-free vocabulary of the shared KV page pool: its errors, the page-source protocol a
 block manager is given, and a model's page geometry. Split from ``engine/kv/page_pool.py`` so the
-pool's accounting stays short; import these names from either module.
+pool's accounting stays short; these names are imported from here.
 """
 
 from __future__ import annotations

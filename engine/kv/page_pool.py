@@ -45,8 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from engine.kv.page_memory import PoolMemory
 
-__all__ = ["PAGE_ALIGN", "KVLayout", "ModelPageSource", "PageOwnershipError", "PagePool",
-           "PagePoolError", "PoolBusyError", "PoolExhausted", "kv_layout"]
+__all__ = ["PagePool"]
 
 
 class _Slot:

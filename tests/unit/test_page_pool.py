@@ -14,15 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.sched.block_manager import BlockManager, OutOfPages, PageError
-from engine.kv.page_pool import (
+from engine.kv.layout import (
     ModelPageSource,
-    PagePool,
     PagePoolError,
     PageOwnershipError,
     PoolBusyError,
     PoolExhausted,
     kv_layout,
 )
+from engine.kv.page_pool import PagePool
 
 # Model "big": 2 layers x 2 x 2 heads x 8 dims x fp16 = 128 B/token; "small": 1 x 2 x 1 x 4 x fp32.
 BIG = dict(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
