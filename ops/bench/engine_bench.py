@@ -117,7 +117,7 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     t_load = time.perf_counter()
     info = core.load_model("bench", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
     load_s = time.perf_counter() - t_load
-    runner = core._slots["bench"].runner
+    runner = core.slot("bench").runner
     # Graphs deferred to their first use are captured now, outside the clock (a server pays
     # this once per load; reported as deferred_capture_s).
     deferred_capture_s = runner.capture_deferred_graphs()

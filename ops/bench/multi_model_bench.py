@@ -48,10 +48,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.core.engine_core import LoadRefused
+from engine.core.ledger import LoadRefused
 from ops.bench.engine_bench import _commit, _device_name
 from ops.bench.multi_model_phases import Bench, light_ratios
-from ops.bench.multi_model_setup import env, make_models, plan_budget, ratio
+from ops.bench.multi_model_setup import make_models, plan_budget, ratio
 from ops.bench.multi_model_summary import goals, summary
 
 
@@ -156,12 +156,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--max-num-seqs", type=int, default=512)
     g.add_argument("--max-num-batched-tokens", type=int, default=16384)
     g.add_argument("--decode-buckets", type=int, nargs="*", default=None, help="default: the engine's")
-    g.add_argument("--graphs-at-load-max", type=int, help="INFIRE_GRAPHS_AT_LOAD_MAX for this run (default: engine's)")
     g.add_argument("--warm-tier-bytes", type=int, default=0, help="pinned host RAM for unloaded weights")
     g.add_argument("--shared-step-tokens", type=int, default=512,
                    help="cap on a step's tokens while another model is active (0: none; the daemon's default 512)")
     g.add_argument("--quiet-window-ms", type=int, default=None,
-                   help="EngineCore quiet_window_s in ms (default: INFIRE_QUIET_WINDOW_MS if set, else the daemon's 1000)")
+                   help="EngineCore quiet_window_s in ms (default: the engine's, the daemon's 1000)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cpu-threads", type=int, default=1, help="torch intra-op threads on the CPU (0: torch's)")
     w = p.add_argument_group("workloads")
@@ -197,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     meta = {"command": "python -m ops.bench.multi_model_bench " + " ".join(shlex.quote(x) for x in argv),
             "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": _commit()}
-    graphs = None if a.graphs_at_load_max is None else str(a.graphs_at_load_max)
-    with (tempfile.TemporaryDirectory(prefix="mm-bench-") as tmp, env("INFIRE_GRAPHS_AT_LOAD_MAX", graphs),
-          cpu_threads(a)):
+    with tempfile.TemporaryDirectory(prefix="mm-bench-") as tmp, cpu_threads(a):
         if a.big and a.small:
             dirs = {"A": Path(a.big[0]), "B": Path(a.big[1]), "C": Path(a.small)}
         else:

@@ -10,7 +10,6 @@ during a long step is added late and that lateness counts) to the call that retu
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 from collections import Counter, defaultdict
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from ops.bench.multi_model_setup import Plan, counter_delta, engine_counters, ratio
 from ops.bench.workload import percentile as pct
@@ -27,12 +27,10 @@ from ops.bench.workload import BenchRequest, sharegpt_like
 INF = float("inf")
 
 
-def _quiet_window_s(a: argparse.Namespace) -> float | None:
-    """``--quiet-window-ms``; unset: the environment's (None) if it names one, else the daemon's 1 s."""
+def _quiet_window_s(a: argparse.Namespace) -> float:
+    """``--quiet-window-ms``; unset: the engine's default (the daemon's)."""
     ms = getattr(a, "quiet_window_ms", None)
-    if ms is not None:
-        return ms / 1000
-    return None if os.environ.get("INFIRE_QUIET_WINDOW_MS", "").strip() else 1.0
+    return EngineOptions().quiet_window_s if ms is None else ms / 1000
 
 
 class Tracker:
@@ -161,11 +159,11 @@ class Bench:
             now = tr.now()
             tr.tick(now)
             tr.take(outs, now)
-        event = self.core.parked()
-        if event is not None:
+        parked = self.core.parked()
+        if parked is not None:
             # The worker sleeps in its selector until a waiter thread sees the event; polling
             # every 0.2 ms here keeps the bench to one thread at a comparable wake-up latency.
-            while not event.query() and (until is None or tr is None or tr.now() < until):
+            while not parked.ready() and (until is None or tr is None or tr.now() < until):
                 time.sleep(0.0002)
 
     def drain(self, tr: Tracker | None = None) -> None:
@@ -214,7 +212,7 @@ class Bench:
                 n += 1
         self.drain()
         for m in models:  # mixed-step buckets the traffic did not reach: none left to a timed window
-            runner = getattr(self.core._slots.get(m), "runner", None)
+            runner = getattr(self.core.slots().get(m), "runner", None)
             if runner is not None and hasattr(runner, "capture_deferred_graphs"):
                 runner.capture_deferred_graphs()
         left = {m: c["deferred_graphs"] + c["deferred_mixed_graphs"] for m, c in engine_counters(self.core).items()}

@@ -9,14 +9,13 @@ cap), so the budget that holds A and B holds their KV too, and C cannot borrow i
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-from collections.abc import Iterator
+
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.core.engine_core import EngineCore, LoadRefused
+from engine.core.engine_core import EngineCore
+from engine.core.ledger import LoadRefused
 
 GIB = 1 << 30
 
@@ -86,28 +85,11 @@ def plan_budget(a: argparse.Namespace, dirs: dict[str, Path]) -> Plan:
                 "needs(A) + needs(B) + needs(C) // 2: A and B fit with their reserved KV, C does not")
 
 
-@contextlib.contextmanager
-def env(name: str, value: str | None) -> Iterator[None]:
-    """``os.environ[name] = value`` for the block (None: leave it as it is)."""
-    if value is None:
-        yield
-        return
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def engine_counters(core: EngineCore) -> dict[str, dict[str, Any]]:
     """Per model: engine steps, graph-replayed steps, runner host/wait seconds, decode buckets not
     yet captured. Diagnostics read from the engine's internals, defensively: {} when absent."""
     out: dict[str, dict[str, Any]] = {}
-    for name, slot in list(getattr(core, "_slots", {}).items()):
+    for name, slot in core.slots().items():
         r = getattr(slot, "runner", None)
         g = getattr(r, "graphs", None)
         mixed = getattr(r, "mixed", None)

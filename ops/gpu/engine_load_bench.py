@@ -90,7 +90,7 @@ def load_once(core: EngineCore, model_dir: str, max_num_seqs: int = 256) -> dict
     while core.has_unfinished_requests():
         core.step()
     t2 = time.perf_counter()
-    g = core._slots["m"].runner.graphs
+    g = core.slot("m").runner.graphs
     return {"load_s": t1 - t0, "to_first_token_s": t2 - t0, "device_gb": info.device_bytes / 1e9,
             "graph_capture_s": g.capture_seconds if g else None, "graph_warmup_s": g.warmup_seconds if g else None,
             "timings": dict(core.last_load_timings)}

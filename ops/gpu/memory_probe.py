@@ -10,7 +10,6 @@ Prints the twelve largest segments (type, MiB, MiB allocated, address) and the l
 from __future__ import annotations
 
 import gc
-import os
 import sys
 from pathlib import Path
 
@@ -48,12 +47,11 @@ def serve(core: EngineCore) -> None:
 
 def main(argv: list[str]) -> int:
     model = Path(argv[0]) if argv else make_model(Path("/tmp/memory-probe/small"), "llama", "small", seed=0)
-    for graphs in ("0", "1"):
-        os.environ["INFIRE_CUDA_GRAPHS"] = graphs
-        print(f"=== CUDA graphs {graphs}")
+    for graphs in (False, True):
+        print(f"=== CUDA graphs {int(graphs)}")
         segments("start")
         core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0,
-                          memory_budget_bytes=2 << 30, decode_buckets=(1, 2, 4))
+                          memory_budget_bytes=2 << 30, decode_buckets=(1, 2, 4), cuda_graphs=graphs)
         core.load_model("m", model, max_model_len=2048, max_num_seqs=256)
         print("pool MiB", core.pool.num_pages * core.pool.page_bytes // MiB, "ledger", core.ledger.snapshot())
         serve(core)

@@ -24,10 +24,10 @@ print(sys.argv[2], "req/s %.1f tok/s %.0f ttft50 %.0f tpot50 %.1f cpu %.2f" % (e
       {kk: (v["steps"], round(v["ms_mean"] or 0, 1)) for kk, v in k.items()}, "host", {kk: round(v, 2) for kk, v in e.get("host_ms_by_kind", {}).items()})
 PY
 }
-eb c200_mixed "INFIRE_MIXED_GRAPHS=1" --concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096
-[ -n "${AB:-}" ] && eb c200_sync "INFIRE_MIXED_GRAPHS=1" --concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096 --sync
-eb off_16k_mixed "INFIRE_MIXED_GRAPHS=1" --max-num-seqs 512 --max-num-batched-tokens 16384
-eb off_4k_mixed "INFIRE_MIXED_GRAPHS=1" --max-num-seqs 256 --max-num-batched-tokens 4096 --batch1
+eb c200_mixed "" --concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096
+[ -n "${AB:-}" ] && eb c200_sync "" --concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096 --sync
+eb off_16k_mixed "" --max-num-seqs 512 --max-num-batched-tokens 16384
+eb off_4k_mixed "" --max-num-seqs 256 --max-num-batched-tokens 4096 --batch1
 if [ -z "${NO_SERVE:-}" ]; then
   timeout ${SERVE_S:-150} python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 200 \
     --num-requests 1000 --max-model-len 4096 --max-num-seqs 256 --out "$OUT/serve_c200.json" >> "$OUT/bench_log.txt" 2>&1 || status=1

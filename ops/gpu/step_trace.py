@@ -13,8 +13,6 @@ import random
 import sys
 import time
 
-os.environ.setdefault("INFIRE_MIXED_GRAPHS", "0")
-os.environ.setdefault("INFIRE_CUDA_GRAPHS", "0")
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -67,13 +65,13 @@ def main() -> int:
     batch = int(os.environ.get("TRACE_BATCH", "200"))
     ctx = int(os.environ.get("TRACE_CTX", "300"))
     chunk = int(os.environ.get("TRACE_CHUNK", "216"))
-    core = EngineCore(device="cuda", max_num_batched_tokens=4096, seed=0)
+    core = EngineCore(device="cuda", max_num_batched_tokens=4096, seed=0, cuda_graphs=False)  # eager: every kernel in the trace
     core.load_model("m", model_dir, max_model_len=4096, max_num_seqs=256)
     rng = random.Random(0)
     p = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
     for i in range(batch):
         core.add_request(f"r{i}", "m", [rng.randrange(100, 100000) for _ in range(ctx)], p)
-    slot = core._slots["m"]
+    slot = core.slot("m")
     while slot.scheduler.num_waiting or any(not s.is_decoding for s in slot.scheduler.running):
         core.step()
     for _ in range(3):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU run for the per-model streams, the urgent-prefill hold and the memory/reload work: GPU
+# One GPU run for the multi-model step rules and the memory/reload work: GPU
 # tests, then the quiet model's TTFT next to floods under each setting in $MM, then (unless
 # MM_ONLY=1) the engine at concurrency 200 and the load bench. JSON under $OUT, logs in $LOGS.
 #   . ops/gpu/env.sh; MM="name:ENV=1,ENV2=0:shared_tokens ..." [PHASES="ttft saturated light"] bash ops/gpu/streams_check.sh
@@ -20,7 +20,7 @@ mm() {  # name, comma-separated env, shared step tokens
     --trickle ${TRICKLE:-24} --shared-step-tokens "$3" --out "$OUT/mm_$1.json" > "$LOGS/mm_$1.txt" 2>&1 || status=1
   echo "== $1 ($2, shared $3)"; grep -E "TTFT|flooded|swap|in [0-9.]+ s from" "$LOGS/mm_$1.txt" || tail -n 5 "$LOGS/mm_$1.txt"
 }
-for spec in ${MM:-streams_512:INFIRE_MODEL_STREAMS=1:512 nostreams_512:INFIRE_MODEL_STREAMS=0:512}; do
+for spec in ${MM:-cap_512::512 nocap::0}; do
   IFS=: read -r name envs shared <<< "$spec"
   mm "$name" "$envs" "$shared"
 done
