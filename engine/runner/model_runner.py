@@ -39,7 +39,7 @@ from engine.runner.step_buffers import StepBuffers
 from engine.runner.streams import StepStreams, StreamPool
 from engine.sched.scheduler import PLACEHOLDER, SchedulerOutput
 
-__all__ = ["GRAPHS_AT_LOAD_MAX", "ModelRunner", "PendingStep", "PreparedStep", "StepResult", "graph_buckets"]
+__all__ = ["GRAPHS_AT_LOAD_MAX", "ModelRunner", "graph_buckets"]
 
 # Decode-graph buckets up to this batch (the latency buckets) are captured at load, with the
 # largest bucket (it sizes the shared pool); the others at their first use.
