@@ -139,7 +139,7 @@ def test_capture_is_fast_and_leaves_the_cache_untouched(sharp_model, monkeypatch
     # graph on all-padding inputs — padding rows (slot -1) must write nothing
     slot.kv.buffer.zero_()
     for b in sorted(g.graphs):
-        g._fill_padding(slot.runner, b)
+        g._fill_padding(slot.runner.bufs, b)
         g.replay(b)
     torch.cuda.synchronize()
     assert not slot.kv.buffer.any().item()
@@ -174,11 +174,11 @@ class _EagerMixed:
         self.runner, self.deferred, self.steps = runner, set(), 0
 
     def replay(self, bucket: int):
-        from engine.runner.mixed_graphs import MixedGraphs
+        from engine.runner.cuda_graphs import MixedGraphs
 
         self.steps += 1
         with torch.inference_mode():
-            return MixedGraphs._forward(self.runner, bucket)
+            return MixedGraphs._forward(self.runner.bufs, self.runner.model, self.runner.kv, bucket)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -209,7 +209,7 @@ def test_mixed_step_graphs_match_their_eager_forward(arch, sharp_model, monkeypa
     slot.kv.buffer.zero_()
     g = slot.runner.mixed
     for b in sorted(g.graphs):
-        g._fill_padding(slot.runner, b)
+        g._fill_padding(slot.runner.bufs, b)
         g.replay(b)
     torch.cuda.synchronize()
     assert not slot.kv.buffer.any().item()
