@@ -23,7 +23,8 @@ from engine.core.memory_plan import LoadNeeds, pool_target
 from engine.core.slot import ModelSlot
 from engine.errors import EngineError
 from engine.kv.kv_cache import KVCache, KVSpec
-from engine.kv.page_pool import PagePool, PoolBusyError
+from engine.kv.layout import PoolBusyError
+from engine.kv.page_pool import PagePool
 from engine.runner.model_runner import ModelRunner
 from engine.runner.streams import StreamPool
 from engine.sampling import SamplingParams

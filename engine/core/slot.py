@@ -10,7 +10,7 @@ from engine.core.memory_plan import LoadNeeds
 from engine.kv.kv_cache import KVCache
 from engine.runner.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
-from engine.kv.page_pool import ModelPageSource
+from engine.kv.layout import ModelPageSource
 from engine.sched.scheduler import Scheduler
 
 

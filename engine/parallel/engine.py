@@ -29,7 +29,8 @@ from engine.core.memory_plan import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, wor
 from engine.core.slot import ModelInfo, ModelSlot
 from engine.errors import EngineError
 from engine.kv.kv_cache import KVCache, KVSpec
-from engine.runner.model_runner import ModelRunner, StepResult
+from engine.runner.model_runner import ModelRunner
+from engine.runner.step import StepResult
 from engine.runner.streams import StreamPool
 from engine.parallel.group import TPError, TPGroup
 from engine.parallel.loader import load_shard

@@ -21,23 +21,27 @@ def two_models(tmp_path_factory):
     return make_model(root / "llama", "llama", "small", seed=0), make_model(root / "qwen3", "qwen3", "small", seed=1)
 
 
-def _run(dirs, monkeypatch, streams: str, window_ms: str = "0", parked: list | None = None):
+def _run(dirs, window_ms: str = "0", parked: list | None = None, only: str | None = None):
+    """The flood (24 requests at once) and the quiet model (3 requests arriving while it runs) in one
+    engine; ``only``: that model alone, with the same requests at the same steps."""
     from engine.core.engine_core import EngineCore
     from engine.sampling import SamplingParams
 
-    monkeypatch.setenv("INFIRE_MODEL_STREAMS", streams)
     core = EngineCore(device="cuda", dtype="float32", max_num_batched_tokens=256, seed=0,
                       decode_buckets=(1, 2, 4, 8, 16), quiet_window_s=int(window_ms) / 1000)
-    core.load_model("flood", dirs[0], max_model_len=256, max_num_seqs=16)
-    core.load_model("quiet", dirs[1], max_model_len=256, max_num_seqs=4)
+    if only in (None, "flood"):
+        core.load_model("flood", dirs[0], max_model_len=256, max_num_seqs=16)
+    if only in (None, "quiet"):
+        core.load_model("quiet", dirs[1], max_model_len=256, max_num_seqs=4)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=24, ignore_eos=True)
-    for i in range(24):
-        core.add_request(f"f{i}", "flood", list(range(10 + i, 40 + 3 * i)), greedy if i % 2 else seeded)
+    if only in (None, "flood"):
+        for i in range(24):
+            core.add_request(f"f{i}", "flood", list(range(10 + i, 40 + 3 * i)), greedy if i % 2 else seeded)
     tokens: dict[str, list[int]] = {}
     steps = 0
-    while core.has_unfinished_requests():
-        if steps in (3, 9, 20):  # quiet requests arrive while the flood runs
+    while core.has_unfinished_requests() or steps <= 20:
+        if steps in (3, 9, 20) and only in (None, "quiet"):  # quiet requests arrive while the flood runs
             core.add_request(f"q{steps}", "quiet", list(range(100, 100 + 5 * steps)), greedy)
         for out in core.step():
             tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
@@ -46,19 +50,22 @@ def _run(dirs, monkeypatch, streams: str, window_ms: str = "0", parked: list | N
             parked.append(steps)
             step.wait()  # as the worker's waiter does
         steps += 1
-    urgent = {n: (s.runner.streams.urgent_steps if s.runner.streams is not None else 0) for n, s in core.slots().items()}
+    urgent = {n: s.runner.streams.urgent_steps for n, s in core.slots().items()}
     for n in core.slots():
         core.unload_model(n)
     return tokens, urgent
 
 
-def test_models_on_their_own_streams_give_the_tokens_of_one_stream(two_models, monkeypatch):
-    one, urgent_off = _run(two_models, monkeypatch, "0")
-    own, urgent_on = _run(two_models, monkeypatch, "1")
-    assert len(one) == 27 and all(len(t) == 24 for t in one.values())
-    assert own == one
-    assert urgent_off == {"flood": 0, "quiet": 0}
-    assert urgent_on["quiet"] > 0 and urgent_on["flood"] == 0
+def test_models_on_their_own_streams_give_the_tokens_of_each_model_alone(two_models):
+    # Each runner launches on streams of its own, the quiet model's steps on the urgent one; the
+    # tokens are those each model gives when it is the only one loaded (one runner, one stream).
+    both, urgent = _run(two_models)
+    flood, flood_urgent = _run(two_models, only="flood")
+    quiet, quiet_urgent = _run(two_models, only="quiet")
+    assert len(both) == 27 and all(len(t) == 24 for t in both.values())
+    assert both == {**flood, **quiet}
+    assert urgent["quiet"] > 0 and urgent["flood"] == 0
+    assert flood_urgent == {"flood": 0} and quiet_urgent == {"quiet": 0}  # alone, nothing is urgent
 
 
 def test_a_stream_pool_lends_a_stream_again_once_its_borrower_is_gone():
@@ -83,10 +90,10 @@ def test_a_stream_pool_lends_a_stream_again_once_its_borrower_is_gone():
     assert pool.created == 3
 
 
-def test_a_busy_model_parks_its_step_for_a_quiet_one_and_the_tokens_stay_the_same(two_models, monkeypatch):
-    plain, _ = _run(two_models, monkeypatch, "1")
+def test_a_busy_model_parks_its_step_for_a_quiet_one_and_the_tokens_stay_the_same(two_models):
+    plain, _ = _run(two_models)
     parked: list[int] = []
-    yielding, urgent = _run(two_models, monkeypatch, "1", window_ms="60000", parked=parked)
+    yielding, urgent = _run(two_models, window_ms="60000", parked=parked)
     assert yielding == plain
     assert parked and parked[0] >= 3  # only once the quiet model had a request
     assert urgent["quiet"] > 0

@@ -23,7 +23,8 @@ from engine.weights.loader import load_weights
 from engine.core.ledger import MemoryLedger
 from engine.runner.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
-from engine.kv.page_pool import ModelPageSource, PagePool
+from engine.kv.layout import ModelPageSource
+from engine.kv.page_pool import PagePool
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import Scheduler, SchedulerConfig
 
