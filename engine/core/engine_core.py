@@ -151,8 +151,6 @@ class EngineCore:
         if decode_buckets is None:  # the graph buckets where graphs are captured; none on CPU
             decode_buckets = DEFAULT_BUCKETS if cuda and cuda_graphs else ()
         self.decode_buckets = tuple(decode_buckets)  # decode batch sizes padded to (graph buckets)
-        # Host copies of unloaded models' weights, so a reload is one device copy.
-        self.warm_tier = WarmTier(warm_tier_bytes) if warm_tier_bytes else None
         # Steps overlap with the host's work for the next one (see step()); off on CPU, where a
         # launch runs to completion anyway.
         self.async_steps = cuda if async_steps is None else bool(async_steps)
@@ -169,7 +167,9 @@ class EngineCore:
         self._pools = PoolKeeper(make_ledger(self._budget_arg, self.device), self.device, self._slots,
                                  max_num_batched_tokens=max_num_batched_tokens, decode_buckets=self.decode_buckets,
                                  mixed_buckets=mixed_buckets, cuda_graphs=cuda_graphs, streams=self.streams)
-        self._loader = ModelLoader(self._pools, self._slots, self.picker, self.warm_tier, self._settle,
+        # Host copies of unloaded models' weights, so a reload is one device copy (the loader's).
+        warm_tier = WarmTier(warm_tier_bytes) if warm_tier_bytes else None
+        self._loader = ModelLoader(self._pools, self._slots, self.picker, warm_tier, self._settle,
                                    device=self.device, dtype=dtype, block_size=block_size,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_prefill_chunk=max_prefill_chunk, page_bytes=page_bytes,
@@ -205,6 +205,16 @@ class EngineCore:
     @property
     def warmup(self) -> bool:
         return self._loader.warmup
+
+    @property
+    def warm_tier(self) -> WarmTier | None:
+        """The host-RAM tier of unloaded weights (None: off). Benchmarks swap it out for a while
+        to time a load without it; it is the loader's, so a swap reaches every load and unload."""
+        return self._loader.warm_tier
+
+    @warm_tier.setter
+    def warm_tier(self, tier: WarmTier | None) -> None:
+        self._loader.warm_tier = tier
 
     @property
     def quiet_window_s(self) -> float:

@@ -5,7 +5,7 @@
 #   mkdir -p .old/C && git archive C | tar -x -C .old/C && echo C > .old/C/COMMIT
 # and carried):
 #   . ops/gpu/env.sh; OLD=.old/C bash ops/gpu/compare_trees.sh engine   # offline bench + load, x2
-#   . ops/gpu/env.sh; OLD=.old/C bash ops/gpu/compare_trees.sh serve    # tests/gpu, then daemon c200
+#   . ops/gpu/env.sh; OLD=.old/C [LOAD=1] bash ops/gpu/compare_trees.sh serve    # tests/gpu, daemon c200 [, load]
 set -u
 phase=${1:-engine}
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
@@ -46,6 +46,7 @@ if [ "$phase" = engine ]; then
 else
   in_tree "$NEW" "${TESTS_TIMEOUT:-260}" python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.txt" 2>&1 || status=1
   serve_bench "$OLD" old; serve_bench "$NEW" new
+  if [ -n "${LOAD:-}" ]; then load_bench "$NEW" new; load_bench "$OLD" old; fi
 fi
 python3 - "$OUT" "$old_name" "$new_name" <<'PY'
 import glob, json, os, sys
