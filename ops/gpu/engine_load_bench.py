@@ -149,12 +149,15 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--skip-dropped", action="store_true", default=os.environ.get("LOAD_SKIP_DROPPED") == "1")
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the step budget, which sizes the warm-up step (default: the engine's, the daemon's 4096)")
     a = ap.parse_args()
     files = weight_files(a.model_dir)
     size = sum(f.stat().st_size for f in files)
     cuda = a.device == "cuda"
+    budget = {} if a.max_num_batched_tokens is None else {"max_num_batched_tokens": a.max_num_batched_tokens}
     core = EngineCore(device=a.device, decode_buckets=DEFAULT_BUCKETS if cuda else (), warmup=True,
-                      warm_tier_bytes=size + (1 << 30))
+                      warm_tier_bytes=size + (1 << 30), **budget)
     key = warm_key("m", a.model_dir)
     res: dict = {"model_dir": str(a.model_dir), "file_bytes": size,
                  "gpu": torch.cuda.get_device_name() if cuda else a.device}
