@@ -218,6 +218,17 @@ def _bind_admin_socket(path: Path) -> None:
     raise RuntimeError(f"another agent is listening on {path}")
 
 
+def _unlink_own_socket(path: Path, own: os.stat_result | None) -> None:
+    """Remove the admin socket this agent bound, so no stale socket outlives it; never one that
+    another agent bound (a refused start, or a path taken over since)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return
+    if own is not None and (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino):
+        path.unlink(missing_ok=True)
+
+
 async def _drain(ctx: AgentContext, timeout: float) -> None:
     """Let admitted requests finish until ``timeout``; then fail the rest with a clear error
     (their handlers still write it to the client) and abort them in the engine."""
@@ -248,13 +259,15 @@ async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await runner.setup()
+    sock_path = s.admin_socket_path()
+    own_socket: os.stat_result | None = None  # the socket this agent bound, removed at exit
     try:
         tcp = web.TCPSite(runner, s.host, s.port, backlog=1024)
         await tcp.start()
-        sock_path = s.admin_socket_path()
         sock_path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
         _bind_admin_socket(sock_path)
         await web.UnixSite(runner, str(sock_path)).start()
+        own_socket = sock_path.stat()
         os.chmod(sock_path, 0o660)
         port = tcp._server.sockets[0].getsockname()[1] if tcp._server and tcp._server.sockets else s.port
         log.info("listening", host=s.host, port=port, admin_socket=str(sock_path), pid=os.getpid())
@@ -265,6 +278,7 @@ async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event
         await _drain(ctx, s.drain_timeout)
     finally:
         await runner.cleanup()
+        _unlink_own_socket(sock_path, own_socket)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         log.info("stopped")

@@ -35,11 +35,17 @@ def _is_root() -> bool:
 
 
 def default_runtime_dir() -> Path:
-    """systemd's RuntimeDirectory, else the user's XDG runtime dir, else /tmp."""
+    """systemd's RuntimeDirectory, else the user's XDG runtime dir, else /run/infire for root
+    (the unit's RuntimeDirectory=), else /tmp.
+
+    The one place both the daemon (its admin socket) and the CLI (where it looks for that
+    socket) take it from: ``serve``, ``demo`` and ``status`` in the same environment meet."""
     if os.environ.get("RUNTIME_DIRECTORY"):
         return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
     if os.environ.get("XDG_RUNTIME_DIR"):
         return Path(os.environ["XDG_RUNTIME_DIR"]) / "infire"
+    if _is_root():
+        return Path("/run/infire")
     return Path("/tmp") / f"infire-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 

@@ -66,4 +66,20 @@ def model_rows(models: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-MODEL_HEADERS = ["MODEL", "STATE", "GPU", "KV PAGES", "IN-FLIGHT", "LAST USE"]
+def memory_name(device: str | None) -> str:
+    """What the budget is of, by the worker's device: "GPU" on CUDA, "CPU" on the CPU."""
+    d = (device or "").split(":")[0].lower()
+    return {"cuda": "GPU", "cpu": "CPU"}.get(d, "DEVICE")
+
+
+def model_headers(device: str | None) -> list[str]:
+    """The model table's columns; the memory column is named by the worker's device."""
+    return ["MODEL", "STATE", f"{memory_name(device)} MEM", "KV PAGES", "IN-FLIGHT", "LAST USE"]
+
+
+def model_table(st: dict[str, Any]) -> str:
+    """The models of a status answer as a table, or a line saying there are none."""
+    models = st.get("models") or []
+    if not models:
+        return "no models known (try: infire-agent load NAME)"
+    return table(model_headers((st.get("worker") or {}).get("device")), model_rows(models))

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace, op: str) -> int:
     try:
         status, body = c.operate(args.name, op, wait=not args.no_wait, timeout=args.wait_timeout)
     except AgentDown as e:
-        print(f"{op} {args.name}: {e}", file=sys.stderr)
+        print(f"{op} {args.name}: infire-agent is not running: {e}", file=sys.stderr)
         return EXIT_FAIL
     m = body.get("model") or {}
     if status >= 400:

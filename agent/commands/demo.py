@@ -3,7 +3,9 @@
 1. Seeds a local file store (under the user's data dir) with a small generated model
    (``make-model`` + ``publish``), once; later runs reuse it.
 2. Starts the daemon on loopback in the background (or reuses one already running), with that
-   store, a cache next to it and the model preloaded; its log goes to a file.
+   store, a cache next to it and the model preloaded; its log goes to a file. Its admin socket
+   is at the default place (``server.runtime_dir``), where ``infire-agent status``, ``load``,
+   ``publish`` and ``stop`` look with no setting.
 3. Streams one chat answer through the OpenAI API and prints it as it arrives.
 4. Leaves the daemon running and prints the commands to try next.
 
@@ -29,11 +31,12 @@ DEFAULT_MODEL = "demo-llama"
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="seed a local store with a small model, start the daemon, stream one answer")
     p.add_argument("--dir", help="demo folder (default: $XDG_DATA_HOME/infire/demo)")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
-    p.add_argument("--preset", default="small", choices=["tiny", "small"])
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"],
+                   help="architecture of the generated model (default llama, served as demo-llama)")
+    p.add_argument("--preset", default="small", choices=["tiny", "small"], help="size of the generated model (default small)")
     p.add_argument("--port", type=int, default=8080, help="preferred port (a free one is picked if taken)")
-    p.add_argument("--prompt", default="Say hello to the edge.")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--prompt", default="Say hello to the edge.", help="the chat message of the one streamed answer")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens of that answer (default 48)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the model to be ready")
     p.set_defaults(func=run)
 
@@ -94,10 +97,12 @@ def seed_store(root: Path, name: str, arch: str, preset: str) -> str:
 
 
 def write_config(root: Path, store_url: str, name: str, port: int) -> Path:
+    """The demo daemon's config. No runtime_dir: the admin socket goes where the CLI looks by
+    default (``server.runtime_dir``'s one default), so ``infire-agent status`` finds it as is."""
     cfg = root / "agent.toml"
     cfg.write_text(
         "# written by `infire-agent demo`\n"
-        f'[server]\nhost = "127.0.0.1"\nport = {port}\nruntime_dir = "{root / "run"}"\n\n'
+        f'[server]\nhost = "127.0.0.1"\nport = {port}\n\n'
         f'[store]\nurl = "{store_url}"\n\n'
         f'[cache]\ndir = "{root / "cache"}"\nmax_bytes = "10GiB"\n\n'
         f'[[models]]\nname = "{name}"\npreload = true\nmax_model_len = 2048\nmax_num_seqs = 32\n'
@@ -114,29 +119,53 @@ def start_daemon(root: Path, cfg: Path) -> subprocess.Popen[bytes]:
                             start_new_session=True)
 
 
-def wait_ready(port: int, name: str, proc: subprocess.Popen[bytes] | None, timeout: float, log_path: Path) -> None:
-    import http.client
+def waiting_for(st: dict | None, name: str) -> str | None:
+    """What a starting daemon is busy with, in words, from its admin status (None: not up
+    yet); "" when ``name`` is ready. Raises RuntimeError when the model failed."""
+    if st is None:
+        return "the daemon to start listening"
+    w = st.get("worker") or {}
+    m = next((m for m in st.get("models") or [] if m.get("name") == name), None)
+    if m is not None and m.get("state") == "failed":
+        raise RuntimeError(f"{name} failed: {m.get('reason')}")
+    if not w.get("alive"):
+        if w.get("last_exit"):
+            return f"the engine worker to restart (it exited: {w['last_exit']})"
+        return "the engine worker to start (it imports torch and checks the device)"
+    state = (m or {}).get("state")
+    if state == "ready":
+        return ""
+    if state == "pulling":
+        pull = m.get("pull") or {}
+        done = f" ({100 * pull['done_bytes'] / pull['total_bytes']:.0f}%)" if pull.get("total_bytes") else ""
+        return f"{name} to be pulled into the cache{done}"
+    if state == "loading":
+        return f"{name} to load on the {w.get('device') or 'device'} (weights, KV pool, a first decode)"
+    return f"{name} to start loading"
 
+
+def wait_ready(cfg: Path, name: str, proc: subprocess.Popen[bytes] | None, timeout: float, log_path: Path) -> None:
+    """Until ``name`` is ready on the agent of ``cfg``, saying what it waits for as that changes."""
+    from agent.admin_client import AdminClient, AdminError, AgentDown
+    from agent.config import load_settings
+
+    client = AdminClient.from_settings(load_settings(cfg), timeout=5)
     deadline = time.monotonic() + timeout
-    last = ""
+    last = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
             raise RuntimeError(f"the daemon exited with code {proc.returncode}; its log ends:\n{tail}")
         try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            c.request("GET", f"/readyz/{name}")
-            r = c.getresponse()
-            body = json.loads(r.read() or b"{}")
-            c.close()
-            if r.status == 200:
-                return
-            checks = "; ".join(body.get("checks", []))
-            if checks != last:
-                _say(f"waiting: {checks}")
-                last = checks
-        except (OSError, ValueError):
-            pass
+            st = client.status()
+        except (AgentDown, AdminError):
+            st = None
+        what = waiting_for(st, name)
+        if what == "":
+            return
+        if what != last:
+            _say(f"waiting for {what}")
+            last = what
         time.sleep(0.25)
     raise TimeoutError(f"{name} was not ready after {timeout:.0f}s (see {log_path})")
 
@@ -177,20 +206,30 @@ def stream_chat(port: int, name: str, prompt: str, max_tokens: int) -> dict:
     return usage
 
 
-def _running_port(cfg: Path) -> int | None:
-    """The port of an agent already answering on this config's admin socket, else None."""
-    from agent.admin_client import AdminClient, AgentDown
+def _running_agent(cfg: Path) -> dict | None:
+    """The status of an agent already answering on this config's admin socket, else None."""
+    from agent.admin_client import AdminClient, AdminError, AgentDown
     from agent.config import load_settings
 
-    settings = load_settings(cfg)
     try:
-        AdminClient.from_settings(settings, timeout=3).status()
-    except AgentDown:
+        return AdminClient.from_settings(load_settings(cfg), timeout=3).status()
+    except (AgentDown, AdminError):
         return None
-    return settings.server.port
+
+
+def _cli_finds(cfg: Path) -> bool:
+    """Whether the CLI, run as is in this environment, talks to the agent of ``cfg``."""
+    from agent.config import ConfigError, load_settings
+
+    try:
+        here = load_settings().server.admin_socket_path()
+    except ConfigError:
+        return False
+    return here == load_settings(cfg).server.admin_socket_path()
 
 
 def run(args: argparse.Namespace) -> int:
+    from agent.config import ConfigError, load_settings
     from agent.log import configure_logging
 
     configure_logging("console", "warning")
@@ -200,29 +239,39 @@ def run(args: argparse.Namespace) -> int:
     try:
         store_url = seed_store(root, name, args.arch, args.preset)
         cfg = root / "agent.toml"
-        port = _running_port(cfg) if cfg.exists() else None
+        if not cfg.exists():
+            write_config(root, store_url, name, args.port)
+        running = _running_agent(cfg)
         proc = None
-        if port is not None:
-            _say(f"an agent is already running on 127.0.0.1:{port}; reusing it")
+        if running is not None:
+            theirs = (running.get("store") or {}).get("url")
+            if theirs != store_url:
+                raise RuntimeError(
+                    f"another agent (pid {running.get('pid')}, store {theirs}) is listening on "
+                    f"{load_settings(cfg).server.admin_socket_path()}; stop it first (`infire-agent stop`), or run the "
+                    "demo with INFIRE_SERVER__RUNTIME_DIR set to another folder")
+            port = load_settings(cfg).server.port
+            _say(f"an agent is already running on 127.0.0.1:{port} (pid {running.get('pid')}); reusing it")
             _load_via_admin(cfg, name)
         else:
             port = _pick_port(args.port)
             cfg = write_config(root, store_url, name, port)
             _say(f"starting the daemon on 127.0.0.1:{port} (log: {root / 'agent.log'})")
             proc = start_daemon(root, cfg)
-        wait_ready(port, name, proc, args.timeout, root / "agent.log")
+        wait_ready(cfg, name, proc, args.timeout, root / "agent.log")
         _say(f"{name} is ready; streaming one chat answer (random weights: the text is noise)\n")
         usage = stream_chat(port, name, args.prompt, args.max_tokens)
-    except (RuntimeError, TimeoutError, OSError) as e:
+    except (RuntimeError, TimeoutError, OSError, ConfigError) as e:
         print(f"\ndemo failed: {e}", file=sys.stderr)
         return 1
     print(f"\n\n==> {usage.get('completion_tokens', '?')} tokens in {usage['seconds']}s "
           f"(first token after {usage['ttft_s']}s)")
     base = f"http://127.0.0.1:{port}"
     cli = sys.argv[0] if Path(sys.argv[0]).name == "infire-agent" else f"{sys.executable} -m agent.cli"
-    env = f"INFIRE_CONFIG={cfg} {cli}"
+    env = cli if _cli_finds(cfg) else f"INFIRE_CONFIG={cfg} {cli}"
+    pid = proc.pid if proc else running.get("pid") if running else None
     print(f"""
-The daemon keeps running{f" (pid {proc.pid}; stop it with `kill {proc.pid}`)" if proc else ""}. Try:
+The daemon keeps running (pid {pid}, config {cfg}). Try:
 
   {env} status
   curl -s {base}/v1/models
@@ -231,6 +280,8 @@ The daemon keeps running{f" (pid {proc.pid}; stop it with `kill {proc.pid}`)" if
   curl -s {base}/readyz ; curl -s {base}/metrics | grep infire_
   {env} unload {name} ; {env} load {name}
   tail -f {root / 'agent.log'}
+
+Stop it with `{env} stop` (it drains, removes its socket and exits); `scripts/run.sh` starts it again.
 """)
     return 0
 

@@ -39,8 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Write config.json, safetensors weights (normal, std 0.02), a byte-level "
         "BPE tokenizer and a chat template: the model tests and benchmarks run on.",
     )
-    p.add_argument("--arch", required=True, choices=ARCHS)
-    p.add_argument("--preset", required=True, choices=PRESETS)
+    p.add_argument("--arch", required=True, choices=ARCHS, help="model architecture (its config.json and weight names)")
+    p.add_argument("--preset", required=True, choices=PRESETS,
+                   help="shapes: tiny and small (test models), llama-3.1-8b (the real model's shapes, bfloat16)")
     p.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     p.add_argument("--seed", type=_seed, default=0, help="weights seed (default 0)")
     p.add_argument(

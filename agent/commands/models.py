@@ -6,13 +6,13 @@ import argparse
 import json
 import sys
 
-from agent.commands._admin import EXIT_FAIL, EXIT_OK, EXIT_USAGE, MODEL_HEADERS, add_common, client, model_rows, table
+from agent.commands._admin import EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_common, client, model_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="list the agent's models and their states")
     add_common(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the models as the admin API's JSON list")
     p.set_defaults(func=run)
 
 
@@ -23,9 +23,12 @@ def run(args: argparse.Namespace) -> int:
     if c is None:
         return EXIT_USAGE
     try:
-        models = c.models()
-    except (AgentDown, AdminError) as e:
+        st = c.status()  # the models, and the worker's device that names the memory column
+    except AgentDown as e:
+        print(f"infire-agent is not running: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except AdminError as e:
         print(f"models: {e}", file=sys.stderr)
         return EXIT_FAIL
-    print(json.dumps(models, indent=2) if args.json else (table(MODEL_HEADERS, model_rows(models)) if models else "no models"))
+    print(json.dumps(st.get("models") or [], indent=2) if args.json else model_table(st))
     return EXIT_OK

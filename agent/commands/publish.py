@@ -1,13 +1,17 @@
 """``infire-agent publish DIR --name NAME``: upload a model folder to the store.
 
-Blobs first (skipped when the store already has them), the manifest last. Exit codes: 0 done,
-1 store failure, 2 bad input (refused before anything was uploaded).
+Blobs first (skipped when the store already has them), the manifest last. The store is
+``--store``, else ``store.url`` when the config file or ``INFIRE_STORE__URL`` sets it, else the
+store of the agent answering on the admin socket (so a model published next to a running
+``demo`` or ``serve`` is one it can load); with none of these it refuses rather than guess.
+Exit codes: 0 done, 1 store failure, 2 bad input (refused before anything was uploaded).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,10 +19,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dir", help="model folder (config.json, *.safetensors, tokenizer files)")
     p.add_argument("--name", required=True, help="model name (^[a-z0-9][a-z0-9._-]{0,127}$)")
     p.add_argument("--config", help="TOML config file (default: $INFIRE_CONFIG)")
-    p.add_argument("--store", help="store URL (default: settings store.url)")
+    p.add_argument("--store", help="store URL, file:///dir or s3://bucket/prefix (default: settings store.url "
+                                   "when set, else the running agent's store)")
     p.add_argument("--part-size", help="multipart upload part size (default 64MiB, at least 5MiB)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+def _store(args: argparse.Namespace, settings: Any) -> dict[str, Any] | None:
+    """The store to publish to (url, endpoint_url, region, path_style), or None when neither
+    the command line, the settings nor a running agent names one."""
+    from pydantic import ValidationError
+
+    from agent.admin_client import AdminClient, AdminError, AgentDown
+    from agent.config import StoreSettings
+
+    s = settings.store.model_dump()
+    if args.store:
+        return {**s, "url": args.store}
+    if "url" in settings.store.model_fields_set:
+        return s
+    try:
+        running = AdminClient.from_settings(settings, timeout=5.0).status().get("store")
+    except (AgentDown, AdminError):
+        return None
+    try:
+        return StoreSettings.model_validate(running).model_dump()  # the agent's answer, checked
+    except ValidationError:
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,11 +64,17 @@ def run(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     configure_logging(settings.log_format, "warning" if not args.quiet else "error")
-    url = args.store or settings.store.url
+    where = _store(args, settings)
+    if where is None:
+        print(f"publish {args.name}: no store configured and no agent running to publish for: pass --store URL, "
+              "or set store.url in the config file (--config FILE or INFIRE_CONFIG) or INFIRE_STORE__URL",
+              file=sys.stderr)
+        return 2
+    url = where["url"]
     progress = Progress(args.name)
     try:
-        store = open_store(url, settings.store.endpoint_url or None, settings.store.region,
-                           settings.store.path_style, **(opts if url.startswith("s3://") else {}))
+        store = open_store(url, where["endpoint_url"] or None, where["region"], where["path_style"],
+                           **(opts if url.startswith("s3://") else {}))
         try:
             if args.quiet:
                 m = publish_model(store, args.dir, args.name, progress)

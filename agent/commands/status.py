@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from agent.commands._admin import (
-    EXIT_FAIL, EXIT_OK, EXIT_USAGE, MODEL_HEADERS, add_common, client, human_duration, model_rows, table,
+    EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_common, client, human_duration, memory_name, model_table,
 )
 from cache.sizes import human_bytes
 
@@ -20,28 +20,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def budget_line(st: dict[str, Any]) -> list[str]:
+    """The memory budget at a glance: used / free / evictable of the total, named by device;
+    then what the used part is made of, when the engine has reported its books."""
+    b, w = st.get("budget") or {}, st.get("worker") or {}
+    mem = (st.get("engine") or {}).get("memory") or {}
+    what = f"{memory_name(w.get('device'))} memory"
+    total = mem.get("budget") or b.get("total_bytes")
+    if not total:
+        return ["budget: not known yet (the engine worker sizes it when it starts)"]
+    used = int(mem.get("used", b.get("used_bytes")) or 0)
+    # What a load may evict now (the manager's rule): ready, unpinned, nothing in flight.
+    evictable = sum(int(m.get("device_bytes") or 0) for m in st.get("models") or []
+                    if m.get("state") == "ready" and not m.get("pinned") and not m.get("in_flight"))
+    lines = [f"budget: {human_bytes(used)} used / {human_bytes(max(0, total - used))} free / "
+             f"{human_bytes(evictable)} evictable of {human_bytes(total)} {what}"]
+    if mem:  # the engine's own books, as the worker last reported them
+        lines.append(f"  used = weights {human_bytes(mem.get('weights'))} + workspace {human_bytes(mem.get('workspace'))}"
+                     f" + KV pool {human_bytes(mem.get('kv'))} ({human_bytes(mem.get('kv_used'))} in use,"
+                     f" {mem.get('kv_pages_free', 0)} of {mem.get('kv_pages', 0)} pages free)")
+    return lines
+
+
 def render(st: dict[str, Any]) -> str:
-    w, b, c = st["worker"], st["budget"], st["cache"]
+    w, c = st["worker"], st["cache"]
     worker = f"worker pid {w['pid']} ({w.get('device') or '?'})" if w.get("alive") else "worker DOWN"
     if w.get("engine_error"):
         worker += f" engine error: {w['engine_error']}"
     head = [
         f"infire-agent {st['version']}  up {human_duration(st['uptime_s'])}  {worker}  "
         f"{'ready' if st.get('ready') else 'NOT READY'}" + ("  draining" if st.get("draining") else ""),
-        f"budget: {human_bytes(b.get('used_bytes'))} used of {human_bytes(b.get('total_bytes'))}"
-        f"   cache: {human_bytes(c.get('used_bytes'))} used of {human_bytes(c.get('max_bytes'))}"
+        *budget_line(st),
+        f"cache: {human_bytes(c.get('used_bytes'))} used of {human_bytes(c.get('max_bytes'))}"
         f"   worker restarts: {w.get('restarts', 0)}",
+        "",
     ]
-    mem = (st.get("engine") or {}).get("memory")
-    if mem:  # the engine's own books, as the worker last reported them
-        head.append(f"engine: {human_bytes(mem.get('used'))} of {human_bytes(mem.get('budget'))}"
-                    f" = weights {human_bytes(mem.get('weights'))} + workspace {human_bytes(mem.get('workspace'))}"
-                    f" + KV pool {human_bytes(mem.get('kv'))} ({human_bytes(mem.get('kv_used'))} in use,"
-                    f" {mem.get('kv_pages_free', 0)} of {mem.get('kv_pages', 0)} pages free)")
-    head.append("")
-    models = st.get("models") or []
-    body = table(MODEL_HEADERS, model_rows(models)) if models else "no models known (try: infire-agent pull NAME)"
-    return "\n".join(head) + body
+    return "\n".join(head) + model_table(st)
 
 
 def run(args: argparse.Namespace) -> int:

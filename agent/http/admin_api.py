@@ -97,6 +97,8 @@ class AdminApi:
             "budget": ctx.budget(),
             "cache": {"max_bytes": int(cache.get("max_bytes", ctx.settings.cache.max_bytes)),
                       "used_bytes": int(cache.get("used_bytes", 0)), "dir": str(ctx.settings.cache.dir)},
+            # Where this agent pulls from: `infire-agent publish` with no store set publishes here.
+            "store": ctx.settings.store.model_dump(),
             "models": models,
             # The worker's last EngineCore.stats(): what the engine itself holds, per model.
             "engine": {"models": w.models, "kv_pages_used": sum(int(m.get("kv_pages_used", 0) or 0)

@@ -13,11 +13,12 @@ from tests.integration.agent_harness import REPO, free_port
 
 
 def test_demo_end_to_end_then_reuse(tmp_path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "INFIRE_ENGINE__SANDBOX": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "INFIRE_ENGINE__SANDBOX": "false",
+           "INFIRE_SERVER__RUNTIME_DIR": str(tmp_path / "run")}  # the admin socket, away from a real agent's
     cmd = [sys.executable, "-m", "agent.cli", "demo", "--dir", str(tmp_path / "demo"), "--port", str(free_port()),
            "--preset", "tiny", "--max-tokens", "8"]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    pid_match = re.search(r"\(pid (\d+);", r.stdout)
+    pid_match = re.search(r"\(pid (\d+),", r.stdout)
     try:
         assert r.returncode == 0, r.stdout + r.stderr
         assert "publishing demo-llama" in r.stdout and "demo-llama is ready" in r.stdout

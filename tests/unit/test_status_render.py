@@ -21,9 +21,43 @@ def test_status_rendering() -> None:
     out = render(st)
     assert "pulling 50% of 1.0 GiB" in out
     assert "NOT READY" in out and "worker restarts: 2" in out and "load failed: boom" in out and "never" in out
-    assert "engine:" not in out  # no memory report from the worker yet
+    assert "used =" not in out  # no memory report from the worker yet
+    budget = [ln for ln in out.splitlines() if ln.startswith("budget")]
+    assert budget == ["budget: 1.0 MiB used / 1023.0 MiB free / 0 B evictable of 1.0 GiB CPU memory"], budget
     st["engine"] = {"memory": {"budget": 4 << 30, "used": 3 << 30, "weights": 2 << 30, "workspace": 0,
                                "kv": 1 << 30, "kv_used": 1 << 29, "kv_pages": 64, "kv_pages_free": 32}}
-    line = next(ln for ln in render(st).splitlines() if ln.startswith("engine:"))
-    assert line == ("engine: 3.0 GiB of 4.0 GiB = weights 2.0 GiB + workspace 0 B + KV pool 1.0 GiB "
-                    "(512.0 MiB in use, 32 of 64 pages free)"), line
+    lines = render(st).splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("budget"))
+    assert lines[i] == "budget: 3.0 GiB used / 1.0 GiB free / 0 B evictable of 4.0 GiB CPU memory", lines[i]
+    assert lines[i + 1] == ("  used = weights 2.0 GiB + workspace 0 B + KV pool 1.0 GiB "
+                            "(512.0 MiB in use, 32 of 64 pages free)"), lines[i + 1]
+
+
+def _model(name: str, state: str, device_bytes: int, **kw) -> dict:
+    return {"name": name, "state": state, "reason": None, "device_bytes": device_bytes, "kv_pages": {},
+            "in_flight": 0, "last_used": None, "pinned": False, **kw}
+
+
+def test_budget_line_counts_what_a_load_may_evict() -> None:
+    """Evictable: ready, unpinned models with nothing in flight (the manager's rule)."""
+    st = {"version": "0.1.0", "uptime_s": 1, "ready": True,
+          "worker": {"pid": 7, "alive": True, "device": "cuda:0", "restarts": 0},
+          "budget": {"total_bytes": 80 << 30, "used_bytes": 30 << 30}, "cache": {"max_bytes": 1 << 40, "used_bytes": 0},
+          "models": [_model("idle", "ready", 8 << 30), _model("pinned", "ready", 10 << 30, pinned=True),
+                     _model("busy", "ready", 12 << 30, in_flight=3), _model("cold", "cached", 0)]}
+    out = render(st)
+    budget = [ln for ln in out.splitlines() if ln.startswith("budget")]
+    assert budget == ["budget: 30.0 GiB used / 50.0 GiB free / 8.0 GiB evictable of 80.0 GiB GPU memory"], budget
+    header = next(ln for ln in out.splitlines() if ln.startswith("MODEL"))
+    assert header.split()[:4] == ["MODEL", "STATE", "GPU", "MEM"]
+
+
+def test_memory_is_named_by_the_device() -> None:
+    st = {"version": "0.1.0", "uptime_s": 1, "ready": True,
+          "worker": {"pid": 7, "alive": True, "device": "cpu", "restarts": 0},
+          "budget": {"total_bytes": None, "used_bytes": 0, "fraction": 0.9}, "cache": {"max_bytes": 1, "used_bytes": 0},
+          "models": [_model("m", "cached", 0)]}
+    out = render(st)
+    header = next(ln for ln in out.splitlines() if ln.startswith("MODEL"))
+    assert "CPU MEM" in header and "GPU" not in out
+    assert "budget: not known yet (the engine worker sizes it when it starts)" in out
