@@ -6,14 +6,21 @@ down in reverse: runtime dir → engine worker → model manager (+ preload) →
 systemd STOPPING=1, refuses new work (503), lets in-flight requests finish up to
 ``server.drain_timeout``, fails the rest with a "shutting down" error that their clients see
 (and aborts them in the engine), stops listening, then stops the worker.
+
+Every answer under ``/v1`` is in OpenAI's error shape, the server's own ones too (no route, wrong
+method: :func:`v1_errors`). A request aiohttp cannot parse is the client's fault: it is one info
+line with the reason, rate-limited (:class:`ProtocolLog`), not an error with a traceback that any
+client could flood the log with.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -21,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from agent.http.admin_api import AdminApi
 from agent.config import Settings
@@ -29,7 +37,7 @@ from agent.http.health import Canary, Health
 from agent.log import get_logger
 from agent.manager.manager import ModelManager
 from agent.metrics import CONTENT_TYPE, Metrics
-from agent.http.openai_api import OpenAIApi
+from agent.http.openai_api import ApiError, OpenAIApi
 from agent.http.openapi import routes as openapi_routes
 from agent.systemd import Notifier
 from agent.worker.client import WorkerClient
@@ -38,6 +46,61 @@ CTX: web.AppKey[AgentContext] = web.AppKey("ctx")
 BACKGROUND: web.AppKey[Background] = web.AppKey("background")
 TICK_S = 1.0
 SHUTDOWN_GRACE_S = 5.0  # after our own drain: time for handlers to write their last bytes
+MALFORMED_LOG_INTERVAL_S = 1.0  # at most one malformed-request line per interval; the rest counted
+
+
+class ProtocolLog:
+    """The HTTP server's own logger (aiohttp's ``logger=``). A request that does not parse
+    (aiohttp's ``HttpProcessingError``: bad headers, lengths, encodings) is logged as one info
+    line with its reason, at most one per ``interval_s`` (the next line says how many were
+    skipped); everything else goes to aiohttp's logger unchanged, tracebacks included."""
+
+    def __init__(self, interval_s: float = MALFORMED_LOG_INTERVAL_S) -> None:
+        self._log = get_logger("http")
+        self._std = logging.getLogger("aiohttp.server")
+        self._interval_s = interval_s
+        self._next = 0.0
+        self._skipped = 0
+
+    def exception(self, msg: str, *args: Any, exc_info: Any = True, **kw: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if not isinstance(exc, HttpProcessingError):
+            self._std.exception(msg, *args, exc_info=exc_info, **kw)
+            return
+        now = time.monotonic()
+        if now < self._next:
+            self._skipped += 1
+            return
+        self._next = now + self._interval_s
+        reason = (exc.message or type(exc).__name__).strip().splitlines()[0][:200]
+        remote = args[0] if args else None
+        self._log.info("malformed_request", status=exc.code, reason=reason, remote=remote, skipped=self._skipped)
+        self._skipped = 0
+
+    def __getattr__(self, name: str) -> Any:  # debug, warning, ...: aiohttp's logger as it is
+        return getattr(self._std, name)
+
+
+@web.middleware
+async def v1_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Under /v1, the server's own refusals (no such route, wrong method, ...) in OpenAI's shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if not (request.path == "/v1" or request.path.startswith("/v1/")) or e.status < 400:
+            raise
+        if isinstance(e, web.HTTPMethodNotAllowed):
+            allowed = ", ".join(sorted(e.allowed_methods))
+            err = ApiError(405, f"{request.method} is not allowed on {request.path[:200]}; Allow: {allowed}",
+                           code="method_not_allowed")
+        elif e.status == 404:
+            err = ApiError(404, f"no such endpoint: {request.method} {request.path[:200]}", code="not_found")
+        else:
+            err = ApiError(e.status, e.reason, code=None)
+        resp = err.response()
+        if isinstance(e, web.HTTPMethodNotAllowed):
+            resp.headers["Allow"] = e.headers.get("Allow", "")
+        return resp
 
 
 @dataclass
@@ -173,7 +236,7 @@ def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | 
                                            on_restart=metrics.worker_restarts.inc))
     health = Health(ctx)
     admin = AdminApi(ctx, health)
-    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[admin.middleware])
+    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[admin.middleware, v1_errors])
     app[CTX] = ctx
     app[BACKGROUND] = Background(canary=Canary(ctx))
     app.add_routes(OpenAIApi(ctx).routes())
@@ -253,6 +316,9 @@ async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event
         app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
         keepalive_timeout=s.keepalive_timeout, max_line_size=s.max_header_bytes,
         max_field_size=s.max_header_bytes, max_headers=s.max_headers,
+        # Bodies are decoded by the handlers (openai_api.read_json): a coding they do not take is
+        # a 415 in OpenAI's shape there, not a plain-text 400 from the parser.
+        auto_decompress=False, logger=ProtocolLog(),
     )
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -14,10 +14,20 @@ honest. Negative or non-integer ids are a :class:`TokenizerError`.
 For byte-level BPE tokenizers (Llama 3, Qwen, Mistral's newer ones) every id maps to a
 fixed byte string, so decoding is joining bytes and UTF-8 decoding them; the incremental
 detokenizer then emits exactly the complete characters (see ``text/detokenizer.py``).
+
+Long texts: :meth:`Tokenizer.min_tokens` bounds a text's token count from below without
+tokenizing it (a token stands for at most ``L`` bytes of input, ``L`` the longest token's length,
+so ``B`` bytes need at least ``B / L`` tokens), which lets a caller refuse a prompt that cannot fit
+its context before paying for it. :meth:`Tokenizer.encode` runs the Rust tokenizer through
+``encode_batch_fast``, which releases the GIL while it works (plain ``encode`` holds it: 8 s for
+4 MB with every other Python thread stopped), and with ``limit`` refuses an over-long result
+before its ids become a Python list.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,17 +36,35 @@ from typing import Any
 
 from text.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateLimits
 
-__all__ = ["REPLACEMENT", "Tokenizer", "TokenizerError", "byte_to_unicode"]
+__all__ = ["REPLACEMENT", "TokenLimitExceeded", "Tokenizer", "TokenizerError", "byte_to_unicode"]
 
 REPLACEMENT = "\ufffd"
 _REPLACEMENT_BYTES = REPLACEMENT.encode()
 # Real tokenizer.json files are up to ~20 MB (Llama 3: 9 MB, Qwen 2.5: 7 MB).
 _MAX_TOKENIZER_JSON_BYTES = 64 * 1024 * 1024
 _MAX_CONFIG_JSON_BYTES = 16 * 1024 * 1024
+# Texts at least this long give their encoding's memory back to the OS once done: the Rust side
+# allocates hundreds of bytes per token in its worker threads' malloc arenas, which glibc keeps.
+_TRIM_AFTER_CHARS = 1 << 20
+# Normalizers that map each character to one or more characters (never to none): a character
+# is at most 4 UTF-8 bytes and its image at least 1, so they shrink the input at most 4 times.
+_NORMALIZERS_PER_CHAR = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
+# Pre-tokenizers that split or map the input without dropping any of it.
+_PRE_TOKENIZERS_KEEPING = frozenset({"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split",
+                                     "Punctuation"})
 
 
 class TokenizerError(ValueError):
     """A tokenizer folder cannot be read, or ids/text given to it are invalid."""
+
+
+class TokenLimitExceeded(TokenizerError):
+    """A text has ``tokens`` tokens (``exact``) or at least that many (not ``exact``), which is
+    not under ``limit``."""
+
+    def __init__(self, tokens: int, limit: int, *, exact: bool) -> None:
+        self.tokens, self.limit, self.exact = tokens, limit, exact
+        super().__init__(f"the text has {'' if exact else 'at least '}{tokens} tokens; at most {limit - 1} fit")
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -107,6 +135,88 @@ def _is_byte_level(spec: Mapping[str, Any]) -> bool:
     return byte_level and model.get("type") == "BPE"
 
 
+def _shrink_factor(spec: Mapping[str, Any]) -> int | None:
+    """How many input bytes one byte of the model's input can stand for after normalization and
+    pre-tokenization, when that is bounded; None when a step may drop input (stripping, replacing,
+    whitespace splitting), an unknown token may swallow a run of characters, or the result is
+    truncated: then no lower bound on the token count can be promised."""
+    if spec.get("truncation"):
+        return None
+
+    def parts(node: Any, key: str) -> list[Mapping[str, Any]] | None:
+        if node is None:
+            return []
+        if not isinstance(node, Mapping):
+            return None
+        if node.get("type") == "Sequence":
+            out: list[Mapping[str, Any]] = []
+            for sub in node.get(key) or []:
+                found = parts(sub, key)
+                if found is None:
+                    return None
+                out.extend(found)
+            return out
+        return [node]
+
+    factor = 1
+    normalizers = parts(spec.get("normalizer"), "normalizers")
+    if normalizers is None:
+        return None
+    for n in normalizers:
+        kind = n.get("type")
+        if kind in _NORMALIZERS_PER_CHAR:
+            factor *= 4
+        elif kind == "Prepend":
+            continue
+        elif kind == "Replace":
+            pattern, content = n.get("pattern") or {}, n.get("content")
+            find = pattern.get("String") if isinstance(pattern, Mapping) else None
+            # A fixed string replaced by one at least as long never shrinks the input.
+            if not (isinstance(find, str) and isinstance(content, str) and len(content.encode()) >= len(find.encode())):
+                return None
+        else:
+            return None
+    pre = parts(spec.get("pre_tokenizer"), "pretokenizers")
+    if pre is None:
+        return None
+    for p in pre:
+        if p.get("type") not in _PRE_TOKENIZERS_KEEPING or p.get("behavior") == "Removed":
+            return None
+    model = spec.get("model") or {}
+    vocab = model.get("vocab") if isinstance(model.get("vocab"), Mapping) else {}
+    if model.get("type") == "BPE":
+        if model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+            return factor  # an unknown character becomes its bytes, one token each
+        if any(p.get("type") == "ByteLevel" for p in pre) and all(ch in vocab for ch in byte_to_unicode().values()):
+            return factor  # every input byte is a symbol of the vocabulary
+        if model.get("unk_token") is not None and not model.get("fuse_unk"):
+            return factor  # one unknown token per unknown character
+        return None  # unknown characters dropped, or a run of them fused into one token
+    if model.get("type") == "Unigram" and model.get("byte_fallback"):
+        pieces = {p[0] for p in model.get("vocab") or [] if isinstance(p, list) and p}
+        if all(f"<0x{b:02X}>" in pieces for b in range(256)):
+            return factor
+    return None  # WordPiece, WordLevel, Unigram without byte fallback: an unknown word is one token
+
+
+def _trim_heap() -> None:
+    """Give freed heap back to the OS (glibc keeps it in its arenas otherwise); a no-op elsewhere."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return lib if lib is not None and hasattr(lib, "malloc_trim") else None
+
+
+_LIBC = _libc()
+
+
 class Tokenizer:
     """A model's tokenizer. Immutable after construction; safe to share between threads."""
 
@@ -120,7 +230,10 @@ class Tokenizer:
         bos_token_id: int | None,
         chat_template: str | None,
         chat_limits: ChatTemplateLimits | None = None,
+        shrink_factor: int | None = None,
     ) -> None:
+        """``shrink_factor``: how many input bytes a byte after normalization may stand for, or
+        None when the token count has no lower bound from the length (see :meth:`min_tokens`)."""
         self._backend = backend
         self.special_tokens = dict(special_tokens)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
@@ -155,6 +268,18 @@ class Tokenizer:
             for i, t in added.items():
                 table[i] = t.content.encode()
             self._bytes = table
+        # The longest token in bytes of input: added tokens match their content in the raw text;
+        # a vocabulary token's string is at least as long as the input it stands for (byte-level
+        # symbols and SentencePiece's "\u2581" are longer than the byte they stand for).
+        longest = max((len(t.content.encode()) for t in added.values()), default=1)
+        if self._bytes is not None:
+            longest = max(longest, max((len(b) for b in self._bytes if b), default=1))
+        else:
+            longest = max(longest, max((len(t.encode()) for t in vocab), default=1))
+        # An added token that strips the whitespace beside it stands for any run of it: no bound.
+        if any(t.lstrip or t.rstrip for t in added.values()):
+            shrink_factor = None
+        self._bytes_per_token: int | None = None if shrink_factor is None else max(1, longest) * shrink_factor
 
     @classmethod
     def from_dir(
@@ -226,19 +351,45 @@ class Tokenizer:
             bos_token_id=bos,
             chat_template=template,
             chat_limits=chat_limits,
+            shrink_factor=_shrink_factor(spec),
         )
 
     # -- encode / decode -------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, *, limit: int | None = None) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer adds (bos).
 
         Text produced by :meth:`apply_chat_template` already holds the bos token: encode it
-        with ``add_special_tokens=False``.
+        with ``add_special_tokens=False``. With ``limit``, a text of ``limit`` tokens or more
+        raises :class:`TokenLimitExceeded`: at once when :meth:`min_tokens` already says so,
+        else after tokenizing, before the ids are built. The GIL is released while the Rust side
+        works, so a long text tokenized in a thread does not stop the others.
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode needs a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if limit is not None and (at_least := self.min_tokens(text)) >= limit:
+            raise TokenLimitExceeded(at_least, limit, exact=False)
+        try:
+            enc = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+            if limit is not None and len(enc) >= limit:
+                raise TokenLimitExceeded(len(enc), limit, exact=True)
+            return enc.ids
+        finally:
+            enc = None
+            if len(text) >= _TRIM_AFTER_CHARS:
+                _trim_heap()
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the number of tokens of ``text`` (0 when none can be promised).
+
+        A token stands for at most ``L`` bytes of input (the longest token, times how much the
+        tokenizer's normalizer may shrink its input), so ``B`` bytes need at least ``B / L``
+        tokens. O(1) for ASCII text; one UTF-8 pass otherwise.
+        """
+        if self._bytes_per_token is None:
+            return 0
+        n = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        return -(-n // self._bytes_per_token)
 
     def validate_ids(self, ids: Iterable[int]) -> None:
         """Raise :class:`TokenizerError` unless every id is a non-negative int."""
@@ -286,6 +437,10 @@ class Tokenizer:
         if run:
             out.append(self._backend.decode(run, skip_special_tokens=skip_special_tokens))
         return "".join(out)
+
+    def token_name(self, token_id: int) -> str | None:
+        """The vocabulary's string for ``token_id`` (e.g. ``"<0xE2>"``, ``"\u2581the"``); None if unknown."""
+        return self._backend.id_to_token(token_id)
 
     def knows(self, token_id: int) -> bool:
         """Whether the tokenizer has a token for ``token_id``."""

@@ -3,11 +3,27 @@
 The engine sends, per generated token, ``{"token_id", "logprob", "top_logprobs": [{"token_id",
 "logprob"}, ...]}`` with the top entries best first (``RequestOutput.logprobs``). Only token ids cross
 the IPC; the text of each token is decoded here.
+
+How a token shows on its own (:func:`token_view`), as vLLM shows it: its text when its bytes are
+valid UTF-8 by themselves; else ``"bytes:"`` and its bytes as ``\\xNN`` escapes (``"bytes:\\xe2\\x80"``:
+a token holding the first two bytes of a three-byte character), so no two byte tokens read as the
+same U+FFFD. An id the tokenizer does not know (a vocabulary padded past the tokenizer's) shows as
+``"token_id:N"``, vLLM's form for ids, with no bytes. Chat ``bytes`` are the token's own bytes.
+
+Legacy completions are keyed by those strings (``top_logprobs`` is a dict): should two ids still
+show alike (an added token spelled like a vocabulary one), the later one is keyed ``"token_id:N"``,
+so every alternative is returned. Their ``tokens`` are the text each sampled token added to the
+answer (the pieces the detokenizer emitted: ``""`` for a byte that only starts a character, the
+whole character for the one completing it), so ``"".join(tokens) == text`` and ``text_offset``
+counts characters of ``text``, as OpenAI's does.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback tokens
 
 
 def _entry(raw: Any) -> tuple[float, list[tuple[int, float]]]:
@@ -17,31 +33,55 @@ def _entry(raw: Any) -> tuple[float, list[tuple[int, float]]]:
     raise ValueError(f"unexpected logprobs entry {raw!r}")
 
 
-def _text(tok: Any, token_id: int) -> str:
-    return tok.decode([token_id])
+def token_view(tok: Any, token_id: int) -> tuple[str, bytes | None]:
+    """(how ``token_id`` shows on its own, the bytes it stands for; None when unknown)."""
+    if not tok.knows(token_id):
+        return f"token_id:{token_id}", None
+    raw = tok.token_bytes(token_id)
+    if raw is None:  # not byte-level: a byte-fallback piece, or text
+        m = _BYTE_PIECE.fullmatch(tok.token_name(token_id) or "")
+        if m is None:
+            text = tok.decode([token_id])
+            return text, text.encode("utf-8", "surrogatepass")
+        raw = bytes([int(m.group(1), 16)])
+    try:
+        return raw.decode("utf-8"), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
 
 def chat_logprobs(tok: Any, token_ids: list[int], entries: list[Any]) -> dict[str, Any]:
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = token_view(tok, token_id)
+        return {"token": text, "logprob": logprob, "bytes": None if raw is None else list(raw)}
+
     content = []
     for tid, raw in zip(token_ids, entries):
         lp, top = _entry(raw)
-        text = _text(tok, tid)
-        content.append({
-            "token": text, "logprob": lp, "bytes": list(text.encode()),
-            "top_logprobs": [{"token": (t := _text(tok, i)), "logprob": v, "bytes": list(t.encode())} for i, v in top],
-        })
+        content.append({**one(tid, lp), "top_logprobs": [one(i, v) for i, v in top]})
     return {"content": content}
 
 
-def completion_logprobs(tok: Any, token_ids: list[int], entries: list[Any]) -> dict[str, Any]:
+def completion_logprobs(tok: Any, token_ids: list[int], pieces: list[str], entries: list[Any],
+                        text: str | None = None) -> dict[str, Any]:
+    """``pieces``: the text each token added; ``text``: the answer, when it may end before the
+    tokens do (a stop string cut it): the tokens past its end are left out."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = 0
-    for tid, raw in zip(token_ids, entries):
+    for tid, piece, raw in zip(token_ids, pieces, entries):
         lp, top = _entry(raw)
-        text = _text(tok, tid)
-        tokens.append(text)
+        cut = text is not None and offset + len(piece) > len(text)
+        if cut:
+            piece = piece[: max(0, len(text) - offset)]
+        tokens.append(piece)
         token_lps.append(lp)
-        tops.append({_text(tok, i): v for i, v in top} if top else None)
+        alternatives: dict[str, float] = {}
+        for i, v in top:
+            key = token_view(tok, i)[0]
+            alternatives[f"token_id:{i}" if key in alternatives else key] = v
+        tops.append(alternatives or None)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(piece)
+        if cut:
+            break
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -1,10 +1,17 @@
-"""The OpenAI-compatible API: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``.
+"""The OpenAI-compatible API: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
+``POST /v1/chat/completions``.
 
-A request is parsed (size and JSON depth bounded), validated (every field bounded), tokenized
-(chat template in the tokenizer's sandboxed Jinja), admitted under the model's queue limit and
-sent to the engine; outputs come back as token ids and are detokenized here. Streaming answers
-are SSE; a client that goes away cancels the handler (aiohttp ``handler_cancellation``), and the
-``finally`` aborts the request in the engine before the next step.
+A request is parsed (size, content coding and JSON depth bounded), validated (every field
+bounded), tokenized (chat template in the tokenizer's sandboxed Jinja; a prompt that cannot fit
+the context by its length alone is refused before that, and long texts tokenize in a thread
+without the GIL), admitted under the model's queue limit and sent to the engine under request ids
+of its own (a client's ``X-Request-Id`` names the request in logs and the answer only, so two
+requests that reuse one never meet); outputs come back as token ids and are detokenized here.
+Streaming answers are SSE; a client that goes away cancels the handler (aiohttp
+``handler_cancellation``), and the ``finally`` aborts the request in the engine before the next step.
+
+Bodies are decoded here, not by aiohttp (the server runs with ``auto_decompress=False``): gzip and
+deflate up to the body limit, anything else a 415 in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import hmac
 import json
 import re
 import time
+import zlib
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 from pydantic import ValidationError
 
 from agent.worker.generation import Delta, Generation
@@ -28,14 +37,18 @@ from agent.http.openai_schema import (
 )
 from agent.http.sse import encode as sse_encode
 from agent.worker.client import WorkerDied, WorkerError
+from text.tokenizer import TokenLimitExceeded
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          408: "invalid_request_error",
-          413: "invalid_request_error", 503: "server_error", 500: "server_error"}
-TOKENIZE_INLINE_CHARS = 16_384
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 417: "invalid_request_error", 503: "server_error", 500: "server_error"}
+TOKENIZE_INLINE_CHARS = 16_384  # longer texts tokenize in a thread so the loop keeps serving
+DECODE_INLINE_BYTES = 65_536  # longer compressed bodies inflate in a thread (zlib drops the GIL)
 DEFAULT_COMPLETION_TOKENS = 16
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-BODY_TIMEOUT_S = 30.0  # a client trickling its body holds a connection, not the server  # longer texts tokenize in a thread so the loop keeps serving
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+BODY_TIMEOUT_S = 30.0  # a client trickling its body holds a connection, not the server
+# Content codings a body may come in, with zlib's window bits for each (gzip header / zlib header).
+_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 class ApiError(Exception):
@@ -66,8 +79,43 @@ def _from_manager(e: ManagerError) -> ApiError:
     return ApiError(e.status, str(e), param="model", code=e.code, retry_after=e.retry_after)
 
 
+def _inflate(raw: bytes, coding: str, limit: int) -> bytes:
+    """``raw`` decoded from ``coding``; ApiError past ``limit`` bytes or when it is not that coding."""
+    wbits = _CODINGS[coding]
+    try:
+        d = zlib.decompressobj(wbits)
+        out = d.decompress(raw, limit + 1)
+    except zlib.error:
+        if coding != "deflate":
+            raise ApiError(400, f"the body is not valid {coding} data", code="invalid_encoding") from None
+        try:  # "deflate" is sent both with and without the zlib header
+            d = zlib.decompressobj(-zlib.MAX_WBITS)
+            out = d.decompress(raw, limit + 1)
+        except zlib.error:
+            raise ApiError(400, "the body is not valid deflate data", code="invalid_encoding") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise ApiError(413, f"the decoded body is larger than {limit} bytes", code="body_too_large")
+    if not d.eof:
+        raise ApiError(400, f"the {coding} body is truncated", code="invalid_encoding")
+    return out
+
+
+async def _decode_body(request: web.Request, raw: bytes) -> bytes:
+    coding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if coding in ("", "identity"):
+        return raw
+    if coding not in _CODINGS:
+        raise ApiError(415, f"Content-Encoding {coding[:40]!r} is not supported; send identity, gzip or deflate",
+                       param="Content-Encoding", code="unsupported_content_encoding")
+    limit = request.app._client_max_size
+    if len(raw) <= DECODE_INLINE_BYTES:
+        return _inflate(raw, coding, limit)
+    return await asyncio.to_thread(_inflate, raw, coding, limit)
+
+
 async def read_json(request: web.Request) -> Any:
-    """The body as JSON, with the size (client_max_size) and nesting depth bounded."""
+    """The body as JSON, with the size (client_max_size, before and after decoding), the content
+    coding and the nesting depth bounded."""
     # asyncio.timeout, not wait_for: wait_for reads in a task of its own, and a refused body's
     # exception then sits in a cycle (task -> exception -> traceback -> frames -> task) that
     # keeps the partial body alive until the cyclic GC runs: ~20 MB per refused 100 MB upload.
@@ -81,6 +129,7 @@ async def read_json(request: web.Request) -> Any:
         err = ApiError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g}s", code="body_timeout")
     if err is not None:  # raised outside the handler: no link back to the frames that held the body
         raise err
+    raw = await _decode_body(request, raw)
     try:
         obj = json.loads(raw)
     except RecursionError:
@@ -103,15 +152,40 @@ class OpenAIApi:
     def routes(self) -> list[web.RouteDef]:
         return [
             web.get("/v1/models", self.list_models),
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models/{model}", self.get_model),
+            web.post("/v1/completions", self.completions, expect_handler=self.expect),
+            web.post("/v1/chat/completions", self.chat_completions, expect_handler=self.expect),
         ]
+
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: a refusal the headers already decide (no key, a body over the
+        limit) is answered now, so the client never sends the body; else 100 Continue."""
+        expect = request.headers.get("Expect", "").lower()
+        if expect != "100-continue":
+            err = ApiError(417, f"Expect: {expect[:40]!r} is not understood (only 100-continue)",
+                           param="Expect", code="expectation_failed")
+        elif request.content_length is not None and request.content_length > request.app._client_max_size:
+            err = ApiError(413, f"the body is larger than {request.app._client_max_size} bytes", code="body_too_large")
+        else:
+            try:
+                self._check_key(request)
+            except ApiError as e:
+                err = e
+            else:
+                if request.version == HttpVersion11:
+                    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    request.writer.output_size = 0  # the answer proper has not started
+                return None
+        resp = err.response()
+        resp.force_close()  # the body will not come: the connection cannot carry another request
+        return resp
 
     def _check_key(self, request: web.Request) -> None:
         if not self._keys:
             return
         auth = request.headers.get("Authorization", "")
-        given = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+        # Header bytes that are not UTF-8 arrive as surrogate escapes: encode them back to bytes.
+        given = auth[7:].strip().encode("utf-8", "surrogateescape") if auth[:7].lower() == "bearer " else b""
         # Compare against every key so the time taken says nothing about which one was close.
         ok = False
         for k in self._keys:
@@ -124,10 +198,24 @@ class OpenAIApi:
             self._check_key(request)
         except ApiError as e:
             return e.response()
-        data = [{"id": e.name, "object": "model", "created": int(self.ctx.started_wall), "owned_by": "infire",
-                 "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len))}
-                for e in self.ctx.manager.ready_models()]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": [self._model_view(e) for e in self.ctx.manager.ready_models()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        """One model, as the list shows it (the SDK's ``models.retrieve``); 404 when not listed."""
+        try:
+            self._check_key(request)
+            name = request.match_info["model"]
+            entry = next((e for e in self.ctx.manager.ready_models() if e.name == name), None)
+            if entry is None:
+                raise ApiError(404, f"the model {name[:128]!r} does not exist or is not loaded", param="model",
+                               code="model_not_found")
+        except ApiError as e:
+            return e.response()
+        return web.json_response(self._model_view(entry))
+
+    def _model_view(self, e: Any) -> dict[str, Any]:
+        return {"id": e.name, "object": "model", "created": int(self.ctx.started_wall), "owned_by": "infire",
+                "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len))}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -139,7 +227,10 @@ class OpenAIApi:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         given = request.headers.get("X-Request-Id", "")
-        rid = bind_request_id(given if _REQUEST_ID_RE.match(given) else new_request_id())
+        rid = bind_request_id(given if _REQUEST_ID_RE.fullmatch(given) else new_request_id())
+        # The engine's ids are ours alone: a client reusing an X-Request-Id (a retry, a bug) must
+        # never reach, abort or be refused for another request. Without the header the two agree.
+        uid = rid if rid != given else new_request_id()
         model_label = ""  # only known models become label values: clients cannot grow the series
         status = 500
         try:
@@ -160,7 +251,7 @@ class OpenAIApi:
             except ManagerError as e:
                 raise _from_manager(e) from None
             with admission as entry:
-                resp = await self._run(request, req, entry, chat, rid)
+                resp = await self._run(request, req, entry, chat, rid, uid)
             status = resp.status
             return resp
         except ApiError as e:
@@ -176,16 +267,21 @@ class OpenAIApi:
         finally:
             self.ctx.metrics.requests.labels(model=model_label, status=str(status)).inc()
 
-    async def _prompt_ids(self, req: Any, entry: Any, chat: bool) -> list[int]:
+    async def _prompt_ids(self, req: Any, entry: Any, chat: bool, ctx_len: int) -> list[int]:
+        """The prompt's ids; a prompt of ``ctx_len`` tokens or more is refused, by its length alone
+        when that already tells (before any tokenizing), else before its ids are built."""
         tok = entry.tokenizer
+        limit = min(ctx_len, MAX_PROMPT_TOKENS + 1)
         if chat:
-            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+            messages = [m.template_view() for m in req.messages]
             size = sum(len(m["content"]) for m in messages)
             work = lambda: tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),  # noqa: E731
-                                      add_special_tokens=False)
+                                      add_special_tokens=False, limit=limit)
         elif isinstance(req.prompt, str):
             size = len(req.prompt)
-            work = lambda: tok.encode(req.prompt)  # noqa: E731
+            if (at_least := tok.min_tokens(req.prompt)) >= limit:  # O(1): no thread, no tokenizing
+                raise self._too_long(at_least, ctx_len, chat, exact=False)
+            work = lambda: tok.encode(req.prompt, limit=limit)  # noqa: E731
         else:
             vocab = int(entry.info.get("vocab_size", 0) or getattr(tok, "vocab_size", 0))
             bad = next((t for t in req.prompt if vocab and t >= vocab), None)
@@ -194,9 +290,16 @@ class OpenAIApi:
             return list(req.prompt)
         try:
             ids = work() if size < TOKENIZE_INLINE_CHARS else await asyncio.to_thread(work)
+        except TokenLimitExceeded as e:
+            raise self._too_long(e.tokens, ctx_len, chat, exact=e.exact) from None
         except Exception as e:  # template errors, template output bounds
             raise ApiError(400, f"{'messages' if chat else 'prompt'}: {e}", param="messages" if chat else "prompt") from None
         return list(ids)
+
+    @staticmethod
+    def _too_long(n: int, ctx_len: int, chat: bool, *, exact: bool) -> ApiError:
+        return ApiError(400, f"the prompt has {'' if exact else 'at least '}{n} tokens; this model's context is {ctx_len}",
+                        param="messages" if chat else "prompt", code="context_length_exceeded")
 
     def _samplings(self, req: Any, max_tokens: int, chat: bool) -> list[dict[str, Any]]:
         from engine.sampling import SamplingParams, SamplingParamsError
@@ -216,14 +319,14 @@ class OpenAIApi:
             out.append(sp.to_dict())
         return out
 
-    async def _run(self, request: web.Request, req: Any, entry: Any, chat: bool, rid: str) -> web.StreamResponse:
-        prompt_ids = await self._prompt_ids(req, entry, chat)
+    async def _run(self, request: web.Request, req: Any, entry: Any, chat: bool, rid: str,
+                   uid: str) -> web.StreamResponse:
         ctx_len = int(entry.info.get("max_model_len", entry.settings.max_model_len))
+        prompt_ids = await self._prompt_ids(req, entry, chat, ctx_len)
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
         if len(prompt_ids) >= ctx_len or len(prompt_ids) > MAX_PROMPT_TOKENS:
-            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {ctx_len}",
-                           param="messages" if chat else "prompt", code="context_length_exceeded")
+            raise self._too_long(len(prompt_ids), ctx_len, chat, exact=True)
         limit = req.output_limit() if chat else req.max_tokens
         if limit is None:  # OpenAI's defaults: the rest of the context for chat, 16 for completions
             limit = ctx_len - len(prompt_ids) if chat else min(DEFAULT_COMPLETION_TOKENS, ctx_len - len(prompt_ids))
@@ -236,7 +339,7 @@ class OpenAIApi:
         samplings = self._samplings(req, max_tokens, chat)
         from text.detokenizer import IncrementalDetokenizer, StopMatcher
 
-        base_id = ("chatcmpl-" if chat else "cmpl-") + rid
+        base_id = ("chatcmpl-" if chat else "cmpl-") + uid
         gen = Generation(self.ctx.worker, self.ctx.metrics, entry.name, base_id, entry.tokenizer,
                          req.stop_list(), IncrementalDetokenizer, StopMatcher)
         try:
@@ -313,7 +416,7 @@ class _Formatter:
                                  "finish_reason": None}], include_usage) for i in range(n)]
 
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
-        lp = self._logprobs(d.token_ids, d.logprobs) if d.logprobs else None
+        lp = self._logprobs(d.token_ids, d.pieces or [], d.logprobs) if d.logprobs else None
         if self.chat:
             delta = {"content": d.text} if d.text else {}
             choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
@@ -329,8 +432,8 @@ class _Formatter:
     def full(self, choices: list[Any], usage: dict[str, int]) -> dict[str, Any]:
         out = []
         for c in sorted(choices, key=lambda c: c.index):
-            lp = self._logprobs(c.token_ids, c.logprobs) if c.logprobs else None
             text = "".join(c.text)
+            lp = self._logprobs(c.token_ids, c.pieces, c.logprobs, text) if c.logprobs else None
             if self.chat:
                 out.append({"index": c.index, "message": {"role": "assistant", "content": text},
                             "logprobs": lp, "finish_reason": c.finish_reason})
@@ -339,9 +442,10 @@ class _Formatter:
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": usage}
 
-    def _logprobs(self, token_ids: list[int], entries: list[Any]) -> dict[str, Any]:
+    def _logprobs(self, token_ids: list[int], pieces: list[str], entries: list[Any],
+                  text: str | None = None) -> dict[str, Any]:
         from agent.http.logprobs import chat_logprobs, completion_logprobs
 
         if self.chat:
             return chat_logprobs(self.tok, token_ids, entries)
-        return completion_logprobs(self.tok, token_ids, entries)
+        return completion_logprobs(self.tok, token_ids, pieces, entries, text)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator
 
 from engine.sampling import MAX_LOGPROBS, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_MAX
 
@@ -69,6 +69,13 @@ class _Sampling(_Body):
             raise ValueError("penalties are not supported; send 0 or leave it out")
         return v
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not info.data.get("stream", False):
+            raise ValueError("only allowed when stream is true")
+        return v
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -116,6 +123,7 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, StringConstraints(max_length=MAX_MESSAGE_CHARS)] | list[TextPart] | None = None
     name: str | None = Field(None, max_length=64)
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256)  # the call a tool message answers
 
     @field_validator("content")
     @classmethod
@@ -130,6 +138,15 @@ class ChatMessage(_Body):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def template_view(self) -> dict[str, str]:
+        """The message as chat templates see it (transformers' keys; unset ones left out)."""
+        view = {"role": self.role, "content": self.text()}
+        if self.name:
+            view["name"] = self.name
+        if self.tool_call_id is not None:
+            view["tool_call_id"] = self.tool_call_id
+        return view
 
 
 class ResponseFormat(_Body):

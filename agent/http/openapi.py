@@ -47,8 +47,9 @@ def _response_schemas() -> dict[str, Any]:
                             "choices": {"type": "array", "items": text_choice}}),
         "ChatCompletion": _obj({**envelope, "object": {"const": "chat.completion"},
                                 "choices": {"type": "array", "items": chat_choice}}),
-        "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj(
-            {"id": s, "object": {"const": "model"}, "created": i, "owned_by": s, "max_model_len": i})}}),
+        "Model": _obj({"id": s, "object": {"const": "model"}, "created": i, "owned_by": s, "max_model_len": i}),
+        "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array",
+                                                                  "items": {"$ref": _REF.format(model="Model")}}}),
         "AdminModel": model_view,
         "AdminModelList": _obj({"models": {"type": "array", "items": {"$ref": _REF.format(model="AdminModel")}}}),
         "AdminModelOne": _obj({"model": {"$ref": _REF.format(model="AdminModel")}}),
@@ -91,7 +92,8 @@ def build_spec() -> dict[str, Any]:
     sse = {"text/event-stream": {"schema": {"type": "string"}}}
 
     def generate(req: str, resp: str) -> dict[str, Any]:
-        answers = _answers({200: (_JSON, _ref(resp))}, (400, 401, 404, 408, 413, 503))
+        # 415: a Content-Encoding other than identity, gzip, deflate; 417: an Expect other than 100-continue.
+        answers = _answers({200: (_JSON, _ref(resp))}, (400, 401, 404, 408, 413, 415, 417, 503))
         answers["200"]["content"].update(sse)
         return {"post": {"security": bearer, "requestBody": {"required": True, "content": {_JSON: {
             "schema": _ref(req)}}}, "responses": answers}}
@@ -107,6 +109,9 @@ def build_spec() -> dict[str, Any]:
     model_probe = _answers({200: (_JSON, _ref("Probe")), 404: (_JSON, _ref("Probe")), 503: (_JSON, _ref("Probe"))}, ())
     paths: dict[str, Any] = {
         "/v1/models": {"get": {"security": bearer, "responses": _answers({200: (_JSON, _ref("ModelList"))}, (401,))}},
+        "/v1/models/{model}": {"get": {"summary": "one model of the list", "security": bearer,
+                                       "parameters": [{**name_param, "name": "model"}],
+                                       "responses": _answers({200: (_JSON, _ref("Model"))}, (401, 404))}},
         "/v1/completions": generate("CompletionRequest", "Completion"),
         "/v1/chat/completions": generate("ChatCompletionRequest", "ChatCompletion"),
         "/livez": probe, "/readyz": probe,

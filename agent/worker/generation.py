@@ -29,6 +29,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[Any] | None
     finish_reason: str | None
+    pieces: list[str] | None = None  # with logprobs: the text each token added (one per token id)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # with logprobs: the text each token added
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
 
@@ -53,9 +55,19 @@ class Choice:
         if finish == "abort":
             # Not ours (ours are dropped before they arrive): the model was unloaded under it.
             raise WorkerError("the request was aborted in the engine (the model was unloaded)", "aborted")
-        new_text = self.detok.push(ids) if ids else ""
+        # With logprobs each token is detokenized alone, so each knows the text it added: a byte
+        # that only starts a character adds "", the one completing it the whole character.
+        pieces = [self.detok.push([i]) for i in ids] if out.logprobs else None
+        new_text = "".join(pieces) if pieces is not None else self.detok.push(ids) if ids else ""
         if finish is not None:
-            new_text += self.detok.flush()
+            tail = self.detok.flush()
+            new_text += tail
+            if tail and pieces:
+                pieces[-1] += tail
+            elif tail and self.pieces:
+                self.pieces[-1] += tail
+        if pieces is not None:
+            self.pieces.extend(pieces)
         emit, stopped = self.matcher.push(new_text) if self.matcher is not None else (new_text, False)
         if stopped:
             finish = "stop"
@@ -63,7 +75,7 @@ class Choice:
             emit += self.matcher.flush()  # nothing more can complete a stop string
         self.finish_reason = finish
         self.text.append(emit)
-        return Delta(self.index, emit, ids, out.logprobs or None, finish)
+        return Delta(self.index, emit, ids, out.logprobs or None, finish, pieces)
 
 
 class Generation:
@@ -90,14 +102,18 @@ class Generation:
         self._itl = metrics.itl.labels(model=model)
 
     def start(self, prompt_token_ids: list[int], samplings: list[dict[str, Any]]) -> None:
-        """Send one engine request per choice. Raises WorkerError (the caller answers 503/400)."""
+        """Send one engine request per choice. Raises WorkerError (the caller answers 503/400).
+
+        ``base_id`` must be unique to this request (the handler makes it; a client's
+        X-Request-Id is not): the engine knows requests by these ids alone. A choice is recorded
+        only once its request was sent, so ``close()`` aborts only what this request started."""
         for i, sampling in enumerate(samplings):
             req_id = f"{self.base_id}-{i}"
             matcher = self._make_matcher(self.stops) if self.stops else None
             # The prompt's tail gives non-byte-level detokenizers their leading-space context.
             detok = self._make_detok(self.tokenizer, context_ids=prompt_token_ids[-8:])
-            self.choices[req_id] = Choice(i, req_id, detok, matcher)
             self._requests.append(self.worker.add(req_id, self.model, prompt_token_ids, sampling, queue=self.queue))
+            self.choices[req_id] = Choice(i, req_id, detok, matcher)
 
     @property
     def done(self) -> bool:
