@@ -46,7 +46,8 @@ def admin_authorized(request: web.Request, token: str) -> bool:
         return False
     auth = request.headers.get("Authorization", "")
     given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-    return hmac.compare_digest(given.encode(), token.encode())
+    # Header bytes that are not UTF-8 arrive as surrogate escapes: encode them back to bytes.
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode())
 
 
 class AdminApi:
