@@ -141,7 +141,7 @@ class ModelSettings(_Section):
     @field_validator("name")
     @classmethod
     def _check_name(cls, v: str) -> str:
-        if not MODEL_NAME_RE.match(v):
+        if not MODEL_NAME_RE.fullmatch(v):
             raise ValueError(f"{v!r} is not a model name (^[a-z0-9][a-z0-9._-]{{0,127}}$)")
         return v
 

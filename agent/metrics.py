@@ -85,5 +85,14 @@ class Metrics:
             except KeyError:
                 pass
 
+    def drop_model(self, model: str) -> None:
+        """Drop every series of a model name the agent forgets (one the store does not know)."""
+        self.forget_model(model)
+        for s in MODEL_STATES:
+            try:
+                self.model_state.remove(model, s)
+            except KeyError:
+                pass
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

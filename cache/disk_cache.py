@@ -30,7 +30,8 @@ import structlog
 from cache import eviction, snapshot
 from cache import manifest as mf
 from cache.downloader import DownloadConfig, PartLimiter, download_blob
-from cache.errors import CacheError, CacheFullError, NotFoundError
+from cache.errors import CacheError, CacheFullError, ModelNotInStore, NotFoundError
+from cache.integrity import Report, check as check_snapshot
 from cache.layout import CacheLayout
 from cache.locks import FileLock
 from cache.progress import Progress
@@ -38,6 +39,8 @@ from cache.retry import call_with_retries
 from cache.safetensors_check import check_file
 from cache.scan import clean_partials, scan_cache
 from cache.object_store import Store, manifest_key
+
+PIN_WAIT_S = 10.0  # how long a pin waits for another process's exclusive hold of the pin lock
 
 
 class DiskCache:
@@ -98,13 +101,22 @@ class DiskCache:
 
     # ------------------------------------------------------------ pins and LRU
 
-    def pin(self, name: str) -> None:
-        """Mark a model loaded/loading: never evicted until the matching ``unpin``."""
+    async def pin(self, name: str, timeout: float = PIN_WAIT_S) -> None:
+        """Mark a model loaded/loading: never evicted until the matching ``unpin``.
+
+        Eviction and removal hold the model's pin lock exclusively only briefly; one held longer
+        (another process stuck, or hostile) is waited for without blocking the loop, at most
+        ``timeout`` seconds, then CacheError.
+        """
         mf.validate_name(name)
         count, lock = self._pins.get(name, (0, None))
         if lock is None:
             lock = self.layout.pin_lock(name)
-            lock.acquire(timeout=10.0, shared=True)  # eviction holds it exclusively only briefly
+            try:
+                await asyncio.wait_for(lock.acquire_async(shared=True), timeout)
+            except TimeoutError:
+                raise CacheError(f"{name}: its cache pin lock {lock.path} has been held by another process "
+                                 f"for over {timeout:g} s (an eviction or removal that did not finish)") from None
         self._pins[name] = (count + 1, lock)
         snapshot.touch(self.layout.models_dir, name)
 
@@ -143,16 +155,20 @@ class DiskCache:
 
     # ------------------------------------------------------------ pull
 
-    async def pull(self, store: Store, name: str, progress: Progress | None = None) -> Path:
+    async def pull(self, store: Store, name: str, progress: Progress | None = None, *, verify: bool = False) -> Path:
         """Make ``name`` complete and verified in the cache; returns its snapshot folder.
 
+        A model already cached is checked first (:mod:`cache.integrity`: sizes, and the sha256 of
+        files changed since they were verified; every sha256 with ``verify``) and repaired when
+        something is wrong: bad blobs are dropped and fetched again, the snapshot is rebuilt.
         Concurrent calls for one model share a single pull (and the first caller's ``progress``);
-        the pull is cancelled only when every caller is. Raises ManifestError (nothing written), StoreError, IntegrityError,
-        CacheFullError, SafetensorsError.
+        the pull is cancelled only when every caller is. Raises ManifestError (nothing written),
+        NotFoundError (not in the store: nothing written, no lock file either), StoreError,
+        IntegrityError, CacheFullError, SafetensorsError.
         """
         mf.validate_name(name)
         if name not in self._inflight:
-            task = asyncio.create_task(self._pull(store, name, progress or Progress(name)))
+            task = asyncio.create_task(self._pull(store, name, progress or Progress(name), verify))
             entry = (task, [0])
             self._inflight[name] = entry
             task.add_done_callback(lambda _t: self._inflight.pop(name, None)
@@ -170,13 +186,15 @@ class DiskCache:
         finally:
             waiters[0] -= 1
 
-    async def _pull(self, store: Store, name: str, progress: Progress) -> Path:
+    async def _pull(self, store: Store, name: str, progress: Progress, verify: bool) -> Path:
         self._progress[name] = progress
         started = time.monotonic()
         logger = asyncio.create_task(self._log_progress(progress))
         try:
+            # The manifest first: a name the store does not know leaves nothing behind.
+            manifest = await self._fetch_manifest(store, name, progress)
             async with FileLock(self.layout.locks_dir / f"model-{name}.lock"):
-                path = await self._pull_locked(store, name, progress)
+                path = await self._pull_locked(store, manifest, progress, verify)
             secs = time.monotonic() - started
             got = progress.downloaded_bytes
             self._log.info("pull.done", model=name, seconds=round(secs, 3), downloaded_bytes=got,
@@ -200,22 +218,43 @@ class DiskCache:
             await asyncio.sleep(self.progress_log_interval_s)
             self._log.info("pull.progress", **{k: v for k, v in progress.snapshot().items() if k != "elapsed_s"})
 
-    async def _pull_locked(self, store: Store, name: str, progress: Progress) -> Path:
-        cfg = self.download
+    async def _fetch_manifest(self, store: Store, name: str, progress: Progress) -> mf.Manifest:
         progress.set_state("manifest")
         try:
             raw = await asyncio.to_thread(call_with_retries,
                                           lambda: store.get_bytes(manifest_key(name), mf.MAX_MANIFEST_BYTES),
-                                          cfg.retry, f"manifest of {name}")
+                                          self.download.retry, f"manifest of {name}")
         except NotFoundError:
-            raise NotFoundError(f"model {name!r} is not in the store {store.url}", status=404) from None
-        manifest = mf.parse(raw, expected_name=name)
+            raise ModelNotInStore(f"model {name!r} is not in the store {store.url}", status=404) from None
+        return mf.parse(raw, expected_name=name)
+
+    async def check(self, name: str, rehash: bool = False, blobs: bool = False) -> Report:
+        """The integrity of a cached model's snapshot (:mod:`cache.integrity`): as the engine
+        reads it, or with ``blobs`` as a pull would keep it; CacheError when it is not cached."""
+        m = self.manifest(name)
+        if m is None or self.snapshot_path(name) is None:
+            raise CacheError(f"{name} is not cached")
+        blobs_dir = self.layout.blobs_dir if blobs else None
+        return await _in_own_thread(lambda: check_snapshot(self.layout.models_dir / name, m, rehash=rehash,
+                                                           blobs_dir=blobs_dir))
+
+    async def _pull_locked(self, store: Store, manifest: mf.Manifest, progress: Progress, verify: bool) -> Path:
+        name = manifest.name
+        cfg = self.download
         progress.set_total(manifest.total_size)
         current = snapshot.read_manifest(self.layout.models_dir, name)
         if current == manifest and self.snapshot_path(name) is not None:
-            progress.add_resumed(manifest.total_size)
-            self.touch(name)
-            return self.layout.models_dir / name / "snapshot"
+            progress.set_state("verifying")
+            report = await _in_own_thread(lambda: check_snapshot(
+                self.layout.models_dir / name, manifest, rehash=verify, blobs_dir=self.layout.blobs_dir))
+            if report.ok:
+                progress.add_resumed(manifest.total_size)
+                self.touch(name)
+                return self.layout.models_dir / name / "snapshot"
+            self._log.warning("pull.repair", model=name, problems=report.problems())
+            for f in report.findings:  # wrong bytes: fetched again below
+                if f.bad_blob is not None:
+                    (self.layout.blobs_dir / f.bad_blob).unlink(missing_ok=True)
         self._log.info("pull.start", model=name, files=len(manifest.files), total_bytes=manifest.total_size)
         blobs = manifest.unique_blobs()
         for d in blobs:

@@ -48,3 +48,7 @@ class NotFoundError(StoreError):
 
 class ETagChangedError(StoreError):
     """The object changed while it was being read (If-Match failed or another ETag came back)."""
+
+
+class ModelNotInStore(NotFoundError):
+    """The store has no manifest under that model name: nothing was written for it."""

@@ -73,13 +73,13 @@ class Manifest:
 
 
 def validate_name(name: object) -> str:
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ManifestError(f"{name!r} is not a model name (^[a-z0-9][a-z0-9._-]{{0,127}}$)")
     return name
 
 
 def validate_digest(digest: object, where: str = "sha256") -> str:
-    if not isinstance(digest, str) or not DIGEST_RE.match(digest):
+    if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
         raise ManifestError(f"{where}: {digest!r} is not 64 lowercase hex digits")
     return digest
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from cache.errors import CacheError, CacheFullError, ManifestError
 from cache.fsync import fsync_dir
+from cache import integrity
 from cache import manifest as mf
 
 LAST_USED = ".last_used"
@@ -79,6 +80,7 @@ def commit(models_dir: Path, blobs_dir: Path, manifest: mf.Manifest, fsync: bool
                 made.add(dest.parent)
             _link(blob, dest)
         (tmp / "manifest.json").write_bytes(manifest.to_json())
+        integrity.record(tmp, manifest)  # every blob was verified on its way in
         (tmp / LAST_USED).touch()
         if fsync:
             for d in sorted(made, key=lambda p: len(p.parts), reverse=True):

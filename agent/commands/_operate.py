@@ -21,7 +21,7 @@ def run(args: argparse.Namespace, op: str) -> int:
     from agent.admin_client import AgentDown
     from agent.config import MODEL_NAME_RE
 
-    if not MODEL_NAME_RE.match(args.name):
+    if not MODEL_NAME_RE.fullmatch(args.name):
         print(f"{op}: {args.name!r} is not a model name (^[a-z0-9][a-z0-9._-]{{0,127}}$)", file=sys.stderr)
         return EXIT_USAGE
     c = client(args)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import os
 import socket
 import time
@@ -19,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 import agent
+from agent.config import MODEL_NAME_RE
 from agent.context import AgentContext
 from agent.http.health import Health
 from agent.manager.entries import ManagerError, State
@@ -66,6 +68,7 @@ class AdminApi:
             web.post("/admin/v1/models/{name}/pull", self.pull),
             web.post("/admin/v1/models/{name}/pin", self.pin),
             web.post("/admin/v1/models/{name}/unpin", self.unpin),
+            web.post("/admin/v1/models/{name}/verify", self.verify),
         ]
 
     @web.middleware
@@ -74,6 +77,10 @@ class AdminApi:
             why = ("a valid admin token is required (Authorization: Bearer ...)" if self._token
                    else "the admin API over TCP is off (no server.admin_token); use the admin unix socket")
             return _error(401, why, "unauthorized")
+        name = request.match_info.get("name")
+        if request.path.startswith("/admin/") and name is not None and not MODEL_NAME_RE.fullmatch(name):
+            # Refused before anything (an entry, a lock file, a metrics label) is made for it.
+            return _error(400, f"{name!r} is not a model name (^[a-z0-9][a-z0-9._-]{{0,127}}$)", "invalid_value")
         return await handler(request)
 
     # --- views ------------------------------------------------------------------------------
@@ -128,38 +135,51 @@ class AdminApi:
         mgr = self.ctx.manager
         if self.ctx.draining:
             return _error(503, "the agent is shutting down", "shutting_down")
+        wait = op == "verify" or _flag(request, "wait")
         try:
-            if op == "unload" and "drain_timeout" in request.query:
-                drain = float(request.query["drain_timeout"])
-                if not 0 <= drain <= MAX_WAIT_S:
-                    raise ValueError(drain)
+            timeout = _seconds(request, "timeout", MAX_WAIT_S)
+            drain = _seconds(request, "drain_timeout", None) if op == "unload" else None
+        except ValueError as ex:
+            return _error(400, str(ex), "invalid_value")
+        try:
+            if op == "unload":
                 task = mgr.unload(name, drain_s=drain)
+            elif op == "pull":
+                task = mgr.pull(name, verify=_flag(request, "verify"))
+            elif op == "verify":
+                task = mgr.verify_files(name)
             else:
                 task = getattr(mgr, op)(name)
-        except ValueError:
-            return _error(400, f"drain_timeout must be seconds in [0, {MAX_WAIT_S:g}]", "invalid_value")
         except ManagerError as ex:
             return _error(ex.status, str(ex), ex.code, ex.retry_after)
-        wait = request.query.get("wait", "").lower() in ("1", "true", "yes")
+        e = mgr.models.get(name)
         if task is not None and wait:
-            try:
-                timeout = min(float(request.query.get("timeout", MAX_WAIT_S)), MAX_WAIT_S)
-            except ValueError:
-                return _error(400, "timeout must be a number of seconds", "invalid_value")
             try:
                 await asyncio.wait_for(asyncio.shield(task), timeout)
             except asyncio.TimeoutError:
                 pass
-        e = mgr.get(name)
-        body = {"model": mgr.describe(e)}
+        if e is None or mgr.models.get(name) is not e:
+            # Not in the store (nor configured or cached): forgotten, nothing left of it.
+            why = (e.reason if e is not None else "") or f"the model {name!r} does not exist"
+            return _error(404, why, "model_not_found")
+        body: dict[str, Any] = {"model": mgr.describe(e)}
+        if op == "verify" and (e.state is not State.FAILED or (e.last_verify or {}).get("ok")):
+            # 200: nothing wrong, or repaired; 409: wrong, but loaded (repaired by its next load).
+            v = e.last_verify or {}
+            return web.json_response({**body, "verify": v}, status=200 if v.get("ok") or v.get("repaired") else 409)
         if e.state is State.FAILED and e.refusal and (wait or task is None):
             # Refused for room: the client's budget problem, with the engine's numbers.
             return web.json_response({**body, "error": {"message": e.reason, "type": "invalid_request_error",
                                                         "param": None, "code": "no_room", "details": e.refusal}},
                                      status=507)
         if e.state is State.FAILED and (wait or task is None):
-            return web.json_response({**body, "error": {"message": e.reason, "type": "server_error",
-                                                        "param": None, "code": f"{op}_failed"}}, status=500)
+            # A typed failure (broken files, a busy cache lock) answers its own status; the rest is ours.
+            status, code = (e.failure.status, e.failure.code) if e.failure is not None else (500, f"{op}_failed")
+            retry = e.failure.retry_after if e.failure is not None else None
+            return web.json_response({**body, "error": {"message": e.reason,
+                                                        "type": "server_error" if status >= 500 else "invalid_request_error",
+                                                        "param": None, "code": code}}, status=status,
+                                     headers={"Retry-After": str(max(1, round(retry)))} if retry else None)
         done = e.state in goal
         return web.json_response(body, status=200 if done else 202)
 
@@ -184,5 +204,27 @@ class AdminApi:
         return await self._pin(request, False)
 
     async def pull(self, request: web.Request) -> web.Response:
+        """``?verify=true`` reads every sha256 of a cached model (sizes are always checked)."""
         return await self._operate(request, "pull", {State.CACHED, State.LOADING, State.READY, State.DRAINING,
                                                      State.UNLOADING})
+
+    async def verify(self, request: web.Request) -> web.Response:
+        """Check every sha256 of a cached model and repair it (unless loaded); always waits."""
+        return await self._operate(request, "verify", {State.CACHED, State.READY, State.ABSENT})
+
+
+def _flag(request: web.Request, key: str) -> bool:
+    return request.query.get(key, "").lower() in ("1", "true", "yes")
+
+
+def _seconds(request: web.Request, key: str, default: float | None) -> float | None:
+    """A query parameter in seconds, finite and in [0, MAX_WAIT_S]; ValueError naming it."""
+    if key not in request.query:
+        return default
+    try:
+        v = float(request.query[key])
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and 0 <= v <= MAX_WAIT_S):
+        raise ValueError(f"{key} must be seconds in [0, {MAX_WAIT_S:g}], not {request.query[key]!r}")
+    return v

@@ -1,15 +1,20 @@
 """Probes: ``/livez``, ``/readyz``, ``/readyz/{model}``, and the canary that keeps readiness honest.
 
-Ready means more than "process up": the worker's heartbeat is fresh, the engine is making
-progress, and each preload model (or the named model) is ready *and has decoded a token
-recently*. Traffic refreshes that on its own; when a model is idle the :class:`Canary` sends it
-a one-token greedy request every ``CANARY_INTERVAL_S`` so an engine that can no longer decode
-shows up as not ready within a minute rather than on the next user request.
+Live: the agent itself answers (its event loop runs); never the worker's state or a model's, so
+a liveness probe does not restart the agent while it recovers a worker. Ready (the node may take
+traffic): the worker's heartbeat is fresh, the engine is making progress, and every *pinned*
+model (one loaded at start or since: a pin alone loads nothing) is ready *and has decoded a
+token recently*. Preload means "load at start": a preload model counts until it has been ready
+once, and not after (the policy may evict it for an autoloaded one). ``/readyz/{model}`` answers the same for one model. Traffic refreshes the
+decode on its own; when a model is idle the :class:`Canary` sends it a one-token greedy request
+every ``CANARY_INTERVAL_S`` so an engine that can no longer decode, or decodes non-finite
+logits, shows up as not ready within a minute rather than on the next user request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -41,6 +46,13 @@ class Health:
             return False, f"{e.name}: no decode in the last {DECODE_FRESH_S:.0f}s"
         return True, f"{e.name}: ready"
 
+    @staticmethod
+    def required(e: ModelEntry) -> bool:
+        """A model the node's readiness waits for: a preload model until it has been ready once
+        (start-up), and a pinned one that was loaded (at start, or since: its pin keeps it)."""
+        started = e.been_ready or e.settings.preload
+        return (e.settings.preload and not e.been_ready) or (e.pin and started)
+
     def ready(self) -> tuple[bool, list[str]]:
         ctx = self.ctx
         now = time.monotonic()
@@ -51,17 +63,18 @@ class Health:
         if not ctx.worker.progressing(now):
             return False, ["engine worker stalled"]
         reasons, ok = [], True
-        for m in ctx.settings.models:
-            if m.preload:
-                good, why = self.model_ready(ctx.manager.models[m.name], now)
+        for e in sorted(ctx.manager.models.values(), key=lambda e: e.name):
+            if self.required(e):
+                good, why = self.model_ready(e, now)
                 ok &= good
                 reasons.append(why)
         return ok, reasons or ["worker up"]
 
     async def livez(self, request: web.Request) -> web.Response:
-        alive = self.ctx.worker.alive
-        return web.json_response({"status": "ok" if alive else "worker down", "worker_pid": self.ctx.worker.pid},
-                                 status=200 if alive else 503)
+        """200 whenever the agent answers: the worker's restarts and the models' states are
+        readiness, not liveness (the worker's state is reported, never failed on)."""
+        return web.json_response({"status": "ok", "worker_alive": self.ctx.worker.alive,
+                                  "worker_pid": self.ctx.worker.pid})
 
     async def readyz(self, request: web.Request) -> web.Response:
         ok, reasons = self.ready()
@@ -104,7 +117,8 @@ class Canary:
         tok = e.tokenizer
         first = getattr(tok, "bos_token_id", None)
         prompt = [first if isinstance(first, int) else 0]
-        sampling: dict[str, Any] = {"temperature": 0.0, "max_tokens": 1, "ignore_eos": True}
+        # logprobs 0: the chosen token's logprob, which is NaN when the logits are not finite.
+        sampling: dict[str, Any] = {"temperature": 0.0, "max_tokens": 1, "ignore_eos": True, "logprobs": 0}
         try:
             req = self.ctx.worker.add(req_id, e.name, prompt, sampling)
         except WorkerError as ex:
@@ -115,6 +129,13 @@ class Canary:
                 out = await asyncio.wait_for(req.queue.get(), CANARY_TIMEOUT_S)
                 if isinstance(out, Exception):
                     self._log.warning("canary_failed", model=e.name, error=str(out))
+                    return False
+                bad = [lp.get("logprob") for lp in out.logprobs or () if isinstance(lp, dict)
+                       and not (isinstance(lp.get("logprob"), (int, float)) and math.isfinite(lp["logprob"]))]
+                if bad:
+                    self._log.error("canary_non_finite", model=e.name, logprob=str(bad[0]))
+                    self.ctx.worker.abort(req_id)
+                    self.ctx.worker.last_decode.pop(e.name, None)  # that token proves nothing: not ready
                     return False
                 if out.finish_reason is not None:
                     return bool(out.new_token_ids) or e.name in self.ctx.worker.last_decode

@@ -64,6 +64,19 @@ class QueueFull(ManagerError):
     status, code = 503, "queue_full"
 
 
+class SnapshotBroken(ManagerError):
+    """The cached files do not match the model's manifest; the entry is marked for repair (the
+    next pull or load verifies every sha256 and fetches what is wrong)."""
+
+    status, code = 503, "snapshot_broken"
+
+
+class CacheBusy(ManagerError):
+    """Another process holds the model's cache lock past the deadline."""
+
+    status, code = 503, "cache_busy"
+
+
 class NoRoom(ManagerError):
     """A load that does not fit the memory budget even after evicting every idle model it may;
     ``details`` holds the engine's figures (needed, free, evictable, budget, short)."""
@@ -76,9 +89,10 @@ class ModelSource(Protocol):
 
     def snapshot(self, name: str) -> Path | None: ...
     def cached_names(self) -> list[str]: ...
-    async def pull(self, name: str) -> Path: ...
+    async def pull(self, name: str, verify: bool = False) -> Path: ...
+    async def check(self, name: str, rehash: bool = False) -> list[str]: ...
     def pull_progress(self, name: str) -> dict[str, Any] | None: ...
-    def pin(self, name: str) -> None: ...
+    async def pin(self, name: str) -> None: ...
     def unpin(self, name: str) -> None: ...
     def stats(self) -> dict[str, int]: ...
 
@@ -101,6 +115,10 @@ class ModelEntry:
     pinned: bool = False  # pinned in the disk cache (loaded or loading), not the user's pin
     pin_override: bool | None = None  # set through the admin API; None: settings.pin
     refusal: dict[str, Any] = field(default_factory=dict)  # figures of the last load refused for room
+    failure: ManagerError | None = None  # why it is failed, typed (the APIs answer its status)
+    needs_repair: bool = False  # the next pull or load verifies every sha256 (a load failed)
+    been_ready: bool = False  # ready at least once since the agent started (preload is done)
+    last_verify: dict[str, Any] | None = None  # the last verify action's findings
     # Held for the whole of a load or an unload: two operations on one model never interleave.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 

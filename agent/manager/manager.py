@@ -38,18 +38,21 @@ from agent.log import get_logger
 from agent.manager.entries import (
     NEXT_STATES,
     Admission,
+    CacheBusy,
     ManagerError,
     ModelEntry,
     ModelNotReady,
     ModelSource,
     NoRoom,
     QueueFull,
+    SnapshotBroken,
     State,
     UnknownModel,
 )
 from agent.manager.room import RoomPlanner
 from agent.metrics import Metrics
 from agent.worker.client import WorkerClient, WorkerError
+from cache.errors import CacheError, ModelNotInStore
 
 WORKER_WAIT_S = 180.0
 KEEP_ALIVE_TICK_S = 0.25
@@ -85,7 +88,7 @@ class ModelManager:
         e = self.models.get(name)
         if e is not None:
             return e
-        if not create or not isinstance(name, str) or not MODEL_NAME_RE.match(name):
+        if not create or not isinstance(name, str) or not MODEL_NAME_RE.fullmatch(name):
             raise UnknownModel(f"the model {name!r} does not exist")
         e = ModelEntry(name=name, settings=self.settings.model(name) or ModelSettings(name=name))
         snap = self.source.snapshot(name) if self.source is not None else None
@@ -102,13 +105,22 @@ class ModelManager:
             raise UnknownModel(f"the model {name!r} does not exist")
         return e
 
-    def _set(self, e: ModelEntry, state: State, reason: str = "") -> None:
+    def _set(self, e: ModelEntry, state: State, reason: str = "", failure: ManagerError | None = None) -> None:
         if state != e.state and state not in NEXT_STATES[e.state]:
             raise ManagerError(f"{e.name}: cannot go from {e.state.value} to {state.value}")
         if state != e.state:
             self._log.info("model_state", model=e.name, state=state.value, previous=e.state.value, reason=reason or None)
-        e.state, e.reason = state, reason
-        self.metrics.set_model_state(e.name, state.value)
+        e.state, e.reason, e.failure = state, reason, failure if state is State.FAILED else None
+        e.been_ready |= state is State.READY
+        if self.models.get(e.name) is e:  # a dropped entry leaves no series behind
+            self.metrics.set_model_state(e.name, state.value)
+
+    def _drop(self, e: ModelEntry) -> None:
+        """Forget a name the store does not know (and nothing configures or caches): no entry,
+        no metrics series, nothing on disk; the next request for it is a plain 404."""
+        if self.models.get(e.name) is e:
+            del self.models[e.name]
+            self.metrics.drop_model(e.name)
 
     def ready_models(self) -> list[ModelEntry]:
         return [e for e in self.models.values() if e.state is State.READY]
@@ -126,7 +138,7 @@ class ModelManager:
         e.task = asyncio.create_task(coro, name=f"model-{e.name}")
         return e.task
 
-    def pull(self, name: str) -> asyncio.Task[None] | None:
+    def pull(self, name: str, verify: bool = False) -> asyncio.Task[None] | None:
         """Start a pull; None when the model is loaded or on its way (its files are cached)."""
         if self.source is None:
             raise ManagerError("no model store is configured")
@@ -135,22 +147,33 @@ class ModelManager:
             return None
         if e.state is State.PULLING:
             raise ManagerError(f"{name} is being pulled", retry_after=1.0)
-        task = self._start(e, self._pull(e))
+        task = self._start(e, self._pull_op(e, verify))
         self._set(e, State.PULLING)  # visible to the caller before the task first runs
         return task
 
-    async def _pull(self, e: ModelEntry) -> None:
+    async def _pull_op(self, e: ModelEntry, verify: bool) -> None:
+        async with e.lock:
+            await self._pull(e, verify)
+
+    async def _pull(self, e: ModelEntry, verify: bool = False) -> None:
+        """Pull (verifying every sha256 with ``verify`` or after a failed load) and repair."""
         if self.source is None:
             self._set(e, State.FAILED, "no model store is configured")
             return
         self._set(e, State.PULLING)
         t0 = time.monotonic()
         try:
-            e.snapshot = await self.source.pull(e.name)
+            e.snapshot = await self.source.pull(e.name, verify=verify or e.needs_repair)
+        except ModelNotInStore as ex:
+            self._set(e, State.FAILED, f"pull failed: {ex}", UnknownModel(str(ex)))
+            if self.settings.model(e.name) is None and (e.snapshot is None or not e.snapshot.exists()):
+                self._drop(e)
+            return
         except Exception as ex:
             self.metrics.pull_failures.labels(model=e.name).inc()
             self._set(e, State.FAILED, f"pull failed: {type(ex).__name__}: {ex}")
             return
+        e.needs_repair = False
         self.metrics.pull_seconds.labels(model=e.name).observe(time.monotonic() - t0)
         self._set(e, State.CACHED)
 
@@ -162,23 +185,34 @@ class ModelManager:
         if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
         task = self._start(e, self._load(e))
-        self._set(e, State.LOADING if e.snapshot is not None and e.snapshot.exists() else State.PULLING)
+        files_ok = e.snapshot is not None and e.snapshot.exists() and not e.needs_repair
+        self._set(e, State.LOADING if files_ok else State.PULLING)
         return task
 
     async def _load(self, e: ModelEntry) -> None:
         async with e.lock:
-            await self._load_locked(e)
+            try:
+                await self._load_locked(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception as ex:  # unforeseen: the model still ends in a state with its reason
+                self._log.exception("load_error", model=e.name)
+                if e.state is not State.FAILED:
+                    e.want_loaded = False
+                    self._unpin(e)
+                    self._set(e, State.FAILED, f"load failed: {type(ex).__name__}: {ex}")
 
     async def _load_locked(self, e: ModelEntry) -> None:
-        if e.snapshot is None or not e.snapshot.exists():
+        if e.snapshot is None or not e.snapshot.exists() or e.needs_repair:
             await self._pull(e)
             if e.state is not State.CACHED:
                 return
         self._set(e, State.LOADING)
         e.want_loaded, e.refusal = True, {}
-        self._pin(e, True)
         in_engine = False
         try:
+            await self._pin(e)
+            await self._check_files(e)
             await self._wait_worker()
             t0 = time.monotonic()
             # The tokenizer loads in a thread while the worker loads weights.
@@ -199,14 +233,17 @@ class ModelManager:
             e.want_loaded = False
             if isinstance(ex, NoRoom):
                 e.refusal = dict(ex.details)
+            if isinstance(ex, SnapshotBroken) or (isinstance(ex, WorkerError) and ex.code not in ("no_room", "worker_down", "no_engine")):
+                e.needs_repair = True  # bad files or a model the engine could not load: verify it next time
             if in_engine and self.worker.alive:
                 try:
                     await self.worker.unload(e.name)  # do not leave a half-good model holding memory
                 except WorkerError:
                     pass
             e.tokenizer = None
-            self._pin(e, False)
-            self._set(e, State.FAILED, str(ex) if isinstance(ex, NoRoom) else f"load failed: {ex}")
+            self._unpin(e)
+            failure = ex if isinstance(ex, ManagerError) else None
+            self._set(e, State.FAILED, str(ex) if failure is not None else f"load failed: {ex}", failure)
             return
         self.metrics.load_seconds.labels(model=e.name).observe(e.load_seconds)
         e.touch()  # keep_alive and LRU count from the load, not from an older use
@@ -242,12 +279,60 @@ class ModelManager:
         self._set(v, State.DRAINING, why)  # before any await: no request is admitted past this
         await asyncio.shield(v.task)
 
-    def _pin(self, e: ModelEntry, pinned: bool) -> None:
-        """Keep the cache from evicting a model that is loaded or loading (idempotent)."""
-        if self.source is None or e.pinned == pinned:
+    async def _pin(self, e: ModelEntry) -> None:
+        """Keep the cache from evicting a model that is loaded or loading (idempotent). The
+        cache waits for its lock off the loop, with a deadline: CacheBusy past it."""
+        if self.source is None or e.pinned:
             return
-        (self.source.pin if pinned else self.source.unpin)(e.name)
-        e.pinned = pinned
+        try:
+            await self.source.pin(e.name)
+        except CacheError as ex:
+            raise CacheBusy(str(ex), retry_after=5.0) from None
+        e.pinned = True
+
+    def _unpin(self, e: ModelEntry) -> None:
+        if self.source is not None and e.pinned:
+            self.source.unpin(e.name)
+            e.pinned = False
+
+    async def _check_files(self, e: ModelEntry) -> None:
+        """Refuse to load files that are not the manifest's (sizes; the sha256 of any file
+        changed since it was verified): SnapshotBroken, and the entry is marked for repair."""
+        if self.source is None:
+            return
+        try:
+            problems = await self.source.check(e.name)
+        except CacheError as ex:
+            problems = [str(ex)]
+        if problems:
+            raise SnapshotBroken(f"the cached files of {e.name!r} are broken ({'; '.join(problems[:3])}); "
+                                 f"the next load or pull repairs them", retry_after=1.0)
+
+    def verify_files(self, name: str) -> asyncio.Task[None]:
+        """Check every sha256 of a cached model; repair it (fetch what is wrong) unless it is
+        loaded. The findings are in ``last_verify``."""
+        if self.source is None:
+            raise ManagerError("no model store is configured")
+        e = self.get(name)
+        if e.state not in (State.CACHED, State.FAILED, State.ABSENT, State.READY):
+            raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
+        return self._start(e, self._verify_files(e))
+
+    async def _verify_files(self, e: ModelEntry) -> None:
+        async with e.lock:
+            cached = e.snapshot is not None and e.snapshot.exists()
+            try:
+                problems = await self.source.check(e.name, rehash=True) if cached else ["not cached"]
+            except CacheError as ex:
+                problems = [str(ex)]
+            repaired = False
+            if problems and e.state is State.READY:
+                e.needs_repair = True  # in use: repaired by the next load
+            elif problems or e.needs_repair:
+                await self._pull(e, verify=True)
+                repaired = e.state is State.CACHED
+            e.last_verify = {"ok": not problems, "problems": problems, "repaired": repaired}
+            self._log.info("model_verify", model=e.name, **e.last_verify)
 
     async def _wait_worker(self) -> None:
         deadline = time.monotonic() + WORKER_WAIT_S
@@ -294,7 +379,7 @@ class ModelManager:
         except WorkerError as ex:
             self._log.warning("unload_error", model=e.name, error=str(ex))
         e.tokenizer, e.info = None, {}
-        self._pin(e, False)
+        self._unpin(e)
         self.metrics.forget_model(e.name)
         self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT, reason)
 
@@ -350,7 +435,7 @@ class ModelManager:
                 else:  # it was on its way out anyway: finish the unload's bookkeeping
                     self._set(e, State.UNLOADING, "the engine worker exited")
                     e.tokenizer, e.info = None, {}
-                    self._pin(e, False)
+                    self._unpin(e)
                     self.metrics.forget_model(e.name)
                     self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT)
 
@@ -367,8 +452,9 @@ class ModelManager:
         if e is None:
             raise UnknownModel(f"the model {name!r} does not exist")
         if e.state is not State.READY:
+            # Cached (autoload off): an operator's load or a keep-alive reload may bring it back.
             retry = 2.0 if e.state in (State.LOADING, State.PULLING) else 1.0 if e.state in (
-                State.DRAINING, State.UNLOADING) else None
+                State.DRAINING, State.UNLOADING) else 5.0 if e.state is State.CACHED else None
             why = f" ({e.reason})" if e.reason else ""
             raise ModelNotReady(f"the model {name!r} is {e.state.value}{why}", retry_after=retry)
         if e.in_flight >= e.queue_limit:

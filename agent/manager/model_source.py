@@ -29,11 +29,16 @@ class CacheSource:
     def cached_names(self) -> list[str]:
         return self.cache.model_names()
 
-    async def pull(self, name: str) -> Path:
-        return await self.cache.pull(self.store, name)
+    async def pull(self, name: str, verify: bool = False) -> Path:
+        return await self.cache.pull(self.store, name, verify=verify)
 
-    def pin(self, name: str) -> None:
-        self.cache.pin(name)
+    async def check(self, name: str, rehash: bool = False) -> list[str]:
+        """What is wrong with the cached files (empty: nothing); ``rehash`` reads every sha256
+        and checks the blobs too, else sizes and the hashes of files changed since verified."""
+        return (await self.cache.check(name, rehash=rehash, blobs=rehash)).problems()
+
+    async def pin(self, name: str) -> None:
+        await self.cache.pin(name)
 
     def unpin(self, name: str) -> None:
         self.cache.unpin(name)

@@ -70,17 +70,17 @@ def test_cli_load_unload_pull(daemon) -> None:
     r = _cli(daemon, "unload", MODEL)
     assert r.returncode == 0 and f"{MODEL}: cached" in r.stdout
     r = _cli(daemon, "load", "no-such-model")
-    assert r.returncode == 1 and "pull failed" in r.stderr, r.stderr
+    assert r.returncode == 2 and "not in the store" in r.stderr, r.stderr
     r = _cli(daemon, "load", "Bad Name")
     assert r.returncode == 2
 
 
 def test_load_failure_is_reported(daemon) -> None:
+    # Not in the store: 404 with the reason, and nothing of the name is kept
+    # (tests/integration/test_model_admission.py has the rest).
     code, body = daemon.post("/admin/v1/models/missing-model/load?wait=true", headers=TOKEN, timeout=60)
-    assert code == 500 and body["model"]["state"] == "failed"
-    assert body["error"]["code"] == "load_failed" and body["model"]["reason"]
-    code, body = daemon.get("/admin/v1/models/missing-model", TOKEN)
-    assert body["model"]["state"] == "failed"
+    assert code == 404 and body["error"]["code"] == "model_not_found" and "not in the store" in body["error"]["message"]
+    assert daemon.get("/admin/v1/models/missing-model", TOKEN)[0] == 404
     assert daemon.get("/admin/v1/models/never-heard-of", TOKEN)[0] == 404
 
 

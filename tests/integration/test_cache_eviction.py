@@ -37,7 +37,7 @@ async def test_lru_eviction_keeps_pinned_and_recent(tmp_path, store):
     for name in "abc":
         await cache.pull(store, name)
         time.sleep(0.02)
-    cache.pin("b")  # b is the least recently pulled, but loaded
+    await cache.pin("b")  # b is the least recently pulled, but loaded
     time.sleep(0.02)
     cache.touch("a")
     await cache.pull(store, "d")  # 4 models > 95 %: evict down to 85 %, i.e. one model
@@ -54,7 +54,7 @@ async def test_everything_pinned_means_cache_full_and_nothing_changes(tmp_path, 
     cache = _cache(tmp_path, int(store.sizes["a"] * 2.5))
     for name in "ab":
         await cache.pull(store, name)
-        cache.pin(name)
+        await cache.pin(name)
     before = tree_files(tmp_path / "cache")
     with pytest.raises(CacheFullError, match="pinned: a, b"):
         await cache.pull(store, "c")
@@ -69,8 +69,8 @@ async def test_pin_held_by_another_process_blocks_eviction(tmp_path, store):
     await cache.pull(store, "a")
     await cache.pull(store, "b")
     agent = _cache(tmp_path, int(store.sizes["a"] * 2.5))  # another holder of the same folder
-    agent.pin("a")
-    agent.pin("b")
+    await agent.pin("a")
+    await agent.pin("b")
     with pytest.raises(CacheFullError):
         await cache.pull(store, "c")
     with pytest.raises(CacheError, match="pinned"):

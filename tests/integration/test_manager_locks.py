@@ -64,7 +64,7 @@ class FakeSource:
     def cached_names(self) -> list[str]:
         return sorted(self.cached)
 
-    async def pull(self, name: str) -> Path:
+    async def pull(self, name: str, verify: bool = False) -> Path:
         await asyncio.sleep(self.pull_s)
         (self.root / name).mkdir(parents=True, exist_ok=True)
         self.cached.add(name)
@@ -73,7 +73,10 @@ class FakeSource:
     def pull_progress(self, name: str) -> None:
         return None
 
-    def pin(self, name: str) -> None: ...
+    async def check(self, name: str, rehash: bool = False) -> list[str]:
+        return []
+
+    async def pin(self, name: str) -> None: ...
     def unpin(self, name: str) -> None: ...
 
     def stats(self) -> dict[str, int]:
