@@ -187,3 +187,15 @@ def test_publish_with_no_store_and_no_agent_refuses(tmp_path: Path) -> None:
     for hint in ("store.url", "INFIRE_STORE__URL", "--store"):
         assert hint in r.stderr, r.stderr
     assert default_store.exists() == had_default_store, default_store
+
+
+def test_a_failed_pull_of_a_typo_leaves_nothing_in_models(tmp_path: Path) -> None:
+    d = Daemon(tmp_path).start(ready=False)  # an empty store: every name is a typo
+    env = {**_env(tmp_path), "INFIRE_SERVER__RUNTIME_DIR": str(d.runtime)}
+    try:
+        r = _cli(env, "pull", "tnyi")
+        assert r.returncode == 2 and "tnyi" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        listed = _cli(env, "models", "--json")
+        assert listed.returncode == 0 and json.loads(listed.stdout) == [], listed.stdout
+    finally:
+        d.stop()
