@@ -141,6 +141,9 @@ class AdminClient:
     def models(self) -> list[dict[str, Any]]:
         return self.call("GET", "/admin/v1/models")["models"]
 
-    def operate(self, name: str, op: str, wait: bool = True, timeout: float = 3600.0) -> tuple[int, dict[str, Any]]:
-        q = f"?wait=true&timeout={timeout:g}" if wait else ""
+    def operate(self, name: str, op: str, wait: bool = True, timeout: float = 3600.0,
+                verify: bool = False) -> tuple[int, dict[str, Any]]:
+        """POST the model operation ``op``; ``verify``: a pull reads every sha256 of a cached model."""
+        params = ([f"wait=true&timeout={timeout:g}"] if wait else []) + (["verify=true"] if verify else [])
+        q = "?" + "&".join(params) if params else ""
         return self.request("POST", f"/admin/v1/models/{urllib.parse.quote(name, safe='')}/{op}{q}", timeout=timeout + 10 if wait else None)

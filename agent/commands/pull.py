@@ -23,12 +23,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--part-size", help="download part size, e.g. 32MiB")
     p.add_argument("--concurrency", type=int, help="parts in flight at the start (default 16)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--verify", action="store_true",
+                   help="re-read every cached file's sha256 (sizes are always checked) and repair what differs")
     p.set_defaults(func=run)
 
 
 def pull_direct(name: str, *, store_url: str, cache_dir: str | Path, max_bytes: int, endpoint_url: str | None = None,
                 region: str = "auto", path_style: bool = False, part_size: int | None = None,
-                concurrency: int | None = None, progress_stream: TextIO | None = None) -> Path:
+                concurrency: int | None = None, progress_stream: TextIO | None = None, verify: bool = False) -> Path:
     """Pull ``name`` into the cache at ``cache_dir`` without an agent; returns the snapshot folder.
 
     Blocking (runs its own event loop); raises the typed errors of ``cache``.
@@ -51,20 +53,20 @@ def pull_direct(name: str, *, store_url: str, cache_dir: str | Path, max_bytes: 
     try:
         cache = DiskCache(cache_dir, max_bytes, download=cfg)
         if progress_stream is None:
-            return asyncio.run(cache.pull(store, name, progress))
+            return asyncio.run(cache.pull(store, name, progress, verify=verify))
         with BarPrinter(progress, progress_stream):
-            return asyncio.run(cache.pull(store, name, progress))
+            return asyncio.run(cache.pull(store, name, progress, verify=verify))
     finally:
         store.close()
 
 
-def _pull_via_agent(name: str, settings) -> int | None:
+def _pull_via_agent(name: str, settings, verify: bool = False) -> int | None:
     """Pull through a running agent's admin API (so its cache state stays in one process);
     None when no agent answers."""
     from agent.admin_client import AdminClient, AgentDown
 
     try:
-        status, body = AdminClient.from_settings(settings, timeout=5.0).operate(name, "pull", wait=True)
+        status, body = AdminClient.from_settings(settings, timeout=5.0).operate(name, "pull", wait=True, verify=verify)
     except AgentDown:
         return None
     model = body.get("model") or {}
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.log_format, "warning" if not args.quiet else "error")
     if not (args.store or args.cache_dir):
-        done = _pull_via_agent(args.name, settings)
+        done = _pull_via_agent(args.name, settings, args.verify)
         if done is not None:
             return done
     try:
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             args.name, store_url=args.store or settings.store.url, cache_dir=args.cache_dir or settings.cache.dir,
             max_bytes=settings.cache.max_bytes, endpoint_url=settings.store.endpoint_url or None,
             region=settings.store.region, path_style=settings.store.path_style, part_size=part_size,
-            concurrency=args.concurrency, progress_stream=None if args.quiet else sys.stderr)
+            concurrency=args.concurrency, progress_stream=None if args.quiet else sys.stderr, verify=args.verify)
     except ManifestError as e:
         print(f"pull {args.name}: {e}", file=sys.stderr)
         return 2

@@ -54,7 +54,9 @@ def _response_schemas() -> dict[str, Any]:
         "AdminModelList": _obj({"models": {"type": "array", "items": {"$ref": _REF.format(model="AdminModel")}}}),
         "AdminModelOne": _obj({"model": {"$ref": _REF.format(model="AdminModel")}}),
         "AdminOperation": _obj({"model": {"$ref": _REF.format(model="AdminModel")},
-                                "error": {"$ref": "#/components/schemas/Error/properties/error"}},
+                                "error": {"$ref": "#/components/schemas/Error/properties/error"},
+                                "verify": _obj({"ok": {"type": "boolean"}, "repaired": {"type": "boolean"},
+                                                "problems": {"type": "array", "items": s}})},
                                required=["model"]),
         "AdminStatus": _obj({"version": s, "pid": i, "uptime_s": n, "ready": {"type": "boolean"},
                              "draining": {"type": "boolean"}, "worker": {"type": "object"},
@@ -130,6 +132,11 @@ def build_spec() -> dict[str, Any]:
         "/admin/v1/models/{name}/load": admin_op("load"),
         "/admin/v1/models/{name}/unload": admin_op("unload"),
         "/admin/v1/models/{name}/pull": admin_op("pull"),
+        "/admin/v1/models/{name}/verify": {"post": {
+            "summary": "check a cached model's files (sizes and every sha256) and repair them unless it is loaded",
+            "security": bearer, "parameters": [name_param],
+            "responses": _answers({200: (_JSON, _ref("AdminOperation")), 409: (_JSON, _ref("AdminOperation"))},
+                                  (400, 401, 404, 503))}},
     }
     return {"openapi": "3.1.0",
             "info": {"title": "infire-agent", "version": agent.__version__,

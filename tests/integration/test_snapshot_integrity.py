@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -114,6 +115,27 @@ def test_verify_action_and_cli_check_and_repair(daemon) -> None:
     assert r.returncode == 0 and r.stdout.strip() == f"{MODEL}: ok", (r.stdout, r.stderr)
     r = subprocess.run([str(CLI), "verify", "never-heard-of"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "does not exist" in r.stderr, (r.stdout, r.stderr)
+
+
+def test_pull_verify_reads_every_sha256(daemon) -> None:
+    # Bytes changed in place with the file's stamp put back: only reading the sha256 tells.
+    assert _op(daemon, "pull")[0] == 200
+    w = _weights(daemon)
+    st = w.stat()
+    with open(w, "r+b") as f:
+        f.seek(st.st_size - 4)
+        tail = f.read(4)
+        f.seek(st.st_size - 4)
+        f.write(bytes(b ^ 0xFF for b in tail))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    env = {k: v for k, v in daemon.env.items() if k != "INFIRE_SERVER__ADMIN_TOKEN"}
+    r = subprocess.run([str(CLI), "pull", MODEL, "--quiet"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert hashlib.sha256(w.read_bytes()).hexdigest() != _manifest_sha(daemon, w.name)  # sizes and stamp agree
+    r = subprocess.run([str(CLI), "pull", MODEL, "--quiet", "--verify"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert hashlib.sha256(w.read_bytes()).hexdigest() == _manifest_sha(daemon, w.name)
 
 
 def test_a_model_with_non_finite_logits_never_becomes_ready(daemon) -> None:
