@@ -154,7 +154,7 @@ def _start_agent(args: argparse.Namespace, root: Path) -> tuple[Any, str, str, s
         f'max_num_seqs = {args.max_num_seqs}\n'
     )
     proc = start_daemon(root, cfg)
-    wait_ready(port, name, proc, 1800, root / "agent.log")
+    wait_ready(cfg, name, proc, 1800, root / "agent.log")
     return proc, f"http://127.0.0.1:{port}", name, token
 
 

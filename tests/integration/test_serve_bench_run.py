@@ -1,0 +1,24 @@
+"""The daemon-level benchmark runs end to end on CPU (a tiny model, a few requests): it starts the
+daemon the way `demo` does, so a change to those helpers that the bench was not updated for shows
+here and not first on the GPU machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.integration.agent_harness import REPO
+
+
+def test_serve_bench_runs_against_a_real_daemon(tmp_path) -> None:
+    out = tmp_path / "serve.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "INFIRE_ENGINE__SANDBOX": "false"}
+    r = subprocess.run([sys.executable, "-m", "ops.bench.serve_bench", "--arch", "llama", "--preset", "tiny",
+                        "--device", "cpu", "--num-requests", "6", "--concurrency", "3",
+                        "--max-num-seqs", "4", "--out", str(out)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["requests"] == 6 and report["req_s"] > 0 and report["mode"] == "concurrency-3"
