@@ -53,9 +53,11 @@ def test_worker_sigkill_mid_stream_then_recovers(make_tiny_model, tmp_path) -> N
         assert events and "[DONE]" not in events
         err = json.loads(events[-1])["error"]
         assert err["code"] == "worker_died" and "signal 9" in err["message"]
-        # Not ready while the worker is gone or the model reloads; ready again afterwards.
+        # The node is not ready while the worker is gone; the model reloads by itself and its own
+        # probe says when it is back (a preload model does not hold the node out: docs/operations.md).
         d.wait_for("/readyz", 503, timeout=10)
-        d.wait_for("/readyz", 200, timeout=90)
+        d.wait_for(f"/readyz/{MODEL}", 200, timeout=90)
+        d.wait_for("/readyz", 200, timeout=30)
         st = d.status()
         assert st["worker"]["pid"] != pid and st["worker"]["restarts"] == 1
         assert next(m for m in st["models"] if m["name"] == MODEL)["state"] == "ready"

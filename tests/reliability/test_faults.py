@@ -129,7 +129,8 @@ def test_worker_sigkill_under_load_then_sigterm_with_live_streams(make_tiny_mode
             c.close()
             assert events and "[DONE]" not in events
             assert json.loads(events[-1])["error"]["code"] == "worker_died"
-        d.wait_for("/readyz", 200, timeout=90)
+        d.wait_for(f"/readyz/{MODEL}", 200, timeout=90)  # the model reloaded in the new worker
+        d.wait_for("/readyz", 200, timeout=30)
         assert d.status()["worker"]["restarts"] == 1
         healthy(d)
         # SIGTERM with live streams: short ones finish, long ones get a clear error; exit 0.
