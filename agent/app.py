@@ -207,6 +207,8 @@ async def _notify_loop(ctx: AgentContext) -> None:
                 n.ready(status)
                 ready_sent, last_status = True, status
                 log.info("sd_ready", status=status)
+                record = ctx.startup_record(freeze=True)
+                get_logger("startup").info("startup", ready_s=record["ready_s"], phases=record["phases"])
             elif not ready_sent and (mgr.busy() or not ctx.worker.alive):
                 n.extend_timeout(TICK_S * 30)
             if status != last_status:
@@ -336,6 +338,7 @@ async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event
         own_socket = sock_path.stat()
         os.chmod(sock_path, 0o660)
         port = tcp._server.sockets[0].getsockname()[1] if tcp._server and tcp._server.sockets else s.port
+        ctx.startup.mark("http_listening")
         log.info("listening", host=s.host, port=port, admin_socket=str(sock_path), pid=os.getpid())
         await stop.wait()
         ctx.draining = True

@@ -13,6 +13,7 @@ from typing import Any
 from agent.config import Settings
 from agent.manager.manager import ModelManager
 from agent.metrics import Metrics
+from agent.startup import StartupRecord
 from agent.systemd import Notifier
 from agent.worker.client import WorkerClient
 
@@ -28,6 +29,14 @@ class AgentContext:
     started_wall: float = field(default_factory=time.time)
     draining: bool = False
     manager: ModelManager = None  # type: ignore[assignment]  # set by the manager context
+    startup: StartupRecord = field(default_factory=StartupRecord)  # made first: its clock starts here
+
+    def startup_record(self, freeze: bool = False) -> dict[str, Any]:
+        """The start's phases up to now (``freeze``: at ready, kept from then on)."""
+        preload = [self.manager.models[m.name] for m in self.settings.models
+                   if m.preload and m.name in self.manager.models] if self.manager is not None else []
+        how = self.startup.freeze if freeze else self.startup.compose
+        return how(self.worker.state, self.worker.load_timings, preload)
 
     def budget(self) -> dict[str, Any]:
         g = self.settings.gpu

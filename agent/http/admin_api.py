@@ -112,6 +112,8 @@ class AdminApi:
             "engine": {"models": w.models, "kv_pages_used": sum(int(m.get("kv_pages_used", 0) or 0)
                                                                 for m in w.models.values()),
                        "memory": w.memory or None},  # the ledger's split in bytes (Status.memory)
+            # The start from exec to ready by phase, seconds since the agent's exec (agent/startup.py).
+            "startup": ctx.startup_record(),
         }
 
     async def status(self, request: web.Request) -> web.Response:

@@ -61,7 +61,12 @@ def _response_schemas() -> dict[str, Any]:
         "AdminStatus": _obj({"version": s, "pid": i, "uptime_s": n, "ready": {"type": "boolean"},
                              "draining": {"type": "boolean"}, "worker": {"type": "object"},
                              "budget": {"type": "object"}, "cache": {"type": "object"},
-                             "models": {"type": "array", "items": {"$ref": _REF.format(model="AdminModel")}}}),
+                             "models": {"type": "array", "items": {"$ref": _REF.format(model="AdminModel")}},
+                             # exec to ready by phase, in seconds since the agent's exec; ready_s null until ready
+                             "startup": _obj({"phases": {"type": "array", "items": _obj(
+                                 {"name": s, "start_s": n, "seconds": n, "model": s, "parts": {"type": "object"}},
+                                 required=["name", "start_s", "seconds"])},
+                                 "ready_s": _nullable(n)})}),
         "Probe": {"type": "object"},
     }
 

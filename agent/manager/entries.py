@@ -119,6 +119,8 @@ class ModelEntry:
     needs_repair: bool = False  # the next pull or load verifies every sha256 (a load failed)
     been_ready: bool = False  # ready at least once since the agent started (preload is done)
     last_verify: dict[str, Any] | None = None  # the last verify action's findings
+    # The last load's steps in order (pull, verify, load, tokenizer, canary): (start, end), monotonic.
+    phases: dict[str, tuple[float, float]] = field(default_factory=dict)
     # Held for the whole of a load or an unload: two operations on one model never interleave.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 

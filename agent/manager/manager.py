@@ -203,30 +203,38 @@ class ModelManager:
                     self._set(e, State.FAILED, f"load failed: {type(ex).__name__}: {ex}")
 
     async def _load_locked(self, e: ModelEntry) -> None:
+        e.phases = {}
         if e.snapshot is None or not e.snapshot.exists() or e.needs_repair:
+            t = time.monotonic()
             await self._pull(e)
+            e.phases["pull"] = (t, time.monotonic())
             if e.state is not State.CACHED:
                 return
         self._set(e, State.LOADING)
         e.want_loaded, e.refusal = True, {}
         in_engine = False
         try:
+            t = time.monotonic()
             await self._pin(e)
             await self._check_files(e)
+            e.phases["verify"] = (t, time.monotonic())
             await self._wait_worker()
             t0 = time.monotonic()
             # The tokenizer loads in a thread while the worker loads weights.
-            tok_task = asyncio.ensure_future(asyncio.to_thread(self.load_tokenizer, e.snapshot))
+            tok_task = asyncio.ensure_future(asyncio.to_thread(self._tokenizer, e))
             try:
                 loaded = await self._engine_load(e)
             except BaseException:
                 tok_task.cancel()
                 raise
+            e.phases["load"] = (t0, time.monotonic())
             in_engine = True
             e.tokenizer = await tok_task
             e.info, e.load_seconds = dict(loaded.info), time.monotonic() - t0
+            t = time.monotonic()
             if self.verify is not None and not await self.verify(e):
                 raise WorkerError("the model loaded but could not decode a token", "decode_failed")
+            e.phases["canary"] = (t, time.monotonic())
         except asyncio.CancelledError:
             raise
         except Exception as ex:
@@ -248,6 +256,12 @@ class ModelManager:
         self.metrics.load_seconds.labels(model=e.name).observe(e.load_seconds)
         e.touch()  # keep_alive and LRU count from the load, not from an older use
         self._set(e, State.READY)
+
+    def _tokenizer(self, e: ModelEntry) -> Any:
+        t = time.monotonic()
+        tokenizer = self.load_tokenizer(e.snapshot)
+        e.phases["tokenizer"] = (t, time.monotonic())
+        return tokenizer
 
     async def _engine_load(self, e: ModelEntry) -> Any:
         """Load ``e`` in the worker under the room lock, evicting what the engine names once."""

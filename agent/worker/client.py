@@ -73,6 +73,12 @@ class WorkerState:
     memory: dict[str, Any] = field(default_factory=dict)  # the engine's ledger split (Status.memory)
     restarts: int = 0
     last_exit: str = ""
+    # This worker's start (monotonic): the exec asked for, the exec done, Hello received; and the
+    # worker's own phases from Hello.startup, (name, start_s, seconds) since its exec.
+    spawn_at: float = 0.0
+    spawned_at: float = 0.0
+    hello_at: float = 0.0
+    startup: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 Hook = Callable[[], Awaitable[None]]
@@ -95,6 +101,7 @@ class WorkerClient:
         self.on_restart = on_restart
         self.state = WorkerState()
         self.last_decode: dict[str, float] = {}
+        self.load_timings: dict[str, dict[str, float]] = {}  # each model's last load, by phase (Loaded.timings)
         self._log = get_logger("worker_client")
         self._proc: asyncio.subprocess.Process | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -162,6 +169,7 @@ class WorkerClient:
 
     async def _run_once(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        spawn_at = time.monotonic()
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "engine.worker", "--fd", str(child.fileno()),
@@ -172,7 +180,8 @@ class WorkerClient:
             child.close()
         proc = self._proc
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
-        self.state = WorkerState(pid=proc.pid, started_at=time.monotonic(), restarts=self.state.restarts)
+        self.state = WorkerState(pid=proc.pid, started_at=time.monotonic(), restarts=self.state.restarts,
+                                 spawn_at=spawn_at, spawned_at=time.monotonic())
         self._hello = asyncio.get_running_loop().create_future()
         read_task = asyncio.create_task(self._read_loop(reader), name="worker-reader")
         up_task: asyncio.Task[None] | None = None
@@ -263,9 +272,11 @@ class WorkerClient:
                 st.last_progress = now
             st.steps, st.busy, st.models, st.memory = msg.steps, msg.busy, msg.models, msg.memory
         elif isinstance(msg, P.Hello):
+            st.startup, st.hello_at = P.unpack_startup(msg), now  # a bad record: a protocol error
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(msg)
         elif isinstance(msg, P.Loaded):
+            self.load_timings[msg.model] = P.unpack_timings(msg)
             self._resolve(("load", msg.model), msg)
         elif isinstance(msg, P.Unloaded):
             self._resolve(("unload", msg.model), msg)

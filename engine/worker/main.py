@@ -80,6 +80,21 @@ class _Phase:
             self.name, self.since = name, time.monotonic()
 
 
+class _StartClock:
+    """The worker's start as phases (``Hello.startup``): each ``mark(name)`` ends the phase that
+    began at the previous mark, in seconds since this process's exec."""
+
+    def __init__(self) -> None:
+        self._offset = time.monotonic() - P.seconds_since_exec()  # the exec, on the monotonic clock
+        self._last = 0.0
+        self.phases: list[list[Any]] = []
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic() - self._offset
+        self.phases.append([name, round(self._last, 6), round(now - self._last, 6)])
+        self._last = now
+
+
 class Worker:
     def __init__(self, conn: _Conn, core: Any) -> None:
         self.conn = conn
@@ -178,7 +193,10 @@ class Worker:
         self._next_load()
 
     def _loaded(self, msg: P.Load, info: Any, t0: float) -> None:
-        self.conn.send(P.Loaded(model=msg.model, info=P.info_dict(info), seconds=time.monotonic() - t0))
+        timings = {str(k): float(v) for k, v in P.plain(self.core.last_load_timings).items()
+                   if isinstance(v, (int, float)) and v >= 0}  # figures only: the agent refuses the rest
+        self.conn.send(P.Loaded(model=msg.model, info=P.info_dict(info), seconds=time.monotonic() - t0,
+                                timings=timings))
 
     def _cancel_load(self, model: str) -> bool:
         """Cancel a queued or in-flight load of ``model`` (its ``Load`` is answered with
@@ -306,6 +324,8 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    clock = _StartClock()
+    clock.mark("python")  # the interpreter and this module's imports
     ap = argparse.ArgumentParser(prog="engine.worker")
     ap.add_argument("--fd", type=int, required=True, help="inherited unix socket")
     ap.add_argument("--options", default="{}", help="JSON engine options")
@@ -322,13 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     sock.setblocking(True)
     os.dup(sock.fileno())  # never closed: EOF must mean the process is gone
     conn = _Conn(sock)
-    core, device, err = make_core(options)
+    core, device, err = make_core(options, clock.mark)
+    clock.mark("device")  # the CUDA context and the budget (nothing more on CPU)
     if core is not None:
         confine(options)
+        clock.mark("sandbox")
     if core is not None and core.warm_tier is not None and core.device.type == "cuda":  # pin it now,
         core.warm_tier.prepin_async()  # confined, not at the first unload
     budget = int(core.memory_budget_bytes or 0) if core is not None else 0
-    conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err, budget_bytes=budget))
+    conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err, budget_bytes=budget,
+                      startup=clock.phases))
     worker = Worker(conn, core)
     stop = threading.Event()
     hb = threading.Thread(target=_heartbeat_loop, args=(conn, worker.phase, stop), daemon=True, name="heartbeat")

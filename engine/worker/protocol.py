@@ -20,7 +20,10 @@ process is alive even while the main loop is inside a long load) and Error.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
@@ -133,6 +136,9 @@ class Hello(Message):
     device: str
     engine_error: str = ""
     budget_bytes: int = 0  # the engine's memory budget (0: none known)
+    # The worker's start as ``[name, start_s, seconds]`` entries, in seconds since its own exec
+    # (:func:`seconds_since_exec`), in order. Optional within version 1: an older peer sends none.
+    startup: list[list[Any]] = field(default_factory=list)
 
 
 @_register
@@ -144,6 +150,9 @@ class Loaded(Message):
     model: str
     info: dict[str, Any]
     seconds: float
+    # EngineCore.last_load_timings of this load: each phase's seconds (config_s, weights_s, ...).
+    # Optional within version 1: an older peer sends none.
+    timings: dict[str, Any] = field(default_factory=dict)
 
 
 @_register
@@ -188,6 +197,50 @@ def unpack_outputs(msg: Tokens) -> list[TokenOutput]:
             raise ProtocolError(f"tokens: bad finish_reason {finish!r}")
         out.append(TokenOutput(req_id, ids, finish, logprobs, n_prompt))
     return out
+
+
+STARTUP_PHASES_MAX = 32  # entries a Hello.startup carries at most
+TIMINGS_MAX = 64  # keys a Loaded.timings carries at most
+_NAME_MAX = 64
+
+
+def seconds_since_exec() -> float:
+    """Seconds since this process was exec'd (Linux): the clock of ``Hello.startup``. The
+    kernel's start time of the process is in clock ticks since boot, so it is read against the
+    boot-time clock, not the wall clock (whose offset from boot is only known to a second)."""
+    with open(f"/proc/{os.getpid()}/stat", "rb") as f:
+        stat = f.read().rsplit(b")", 1)[1].split()
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - int(stat[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def _seconds(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def unpack_startup(msg: Hello) -> list[tuple[str, float, float]]:
+    """``Hello.startup`` checked: at most ``STARTUP_PHASES_MAX`` ``(name, start_s, seconds)``,
+    names short strings, figures finite and non-negative."""
+    if len(msg.startup) > STARTUP_PHASES_MAX:
+        raise ProtocolError(f"hello: more than {STARTUP_PHASES_MAX} startup phases")
+    out: list[tuple[str, float, float]] = []
+    for entry in msg.startup:
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise ProtocolError("hello: each startup phase must be a list of 3 items")
+        name, start, seconds = entry
+        if not isinstance(name, str) or not 0 < len(name) <= _NAME_MAX or not (_seconds(start) and _seconds(seconds)):
+            raise ProtocolError("hello: bad startup phase")
+        out.append((name, float(start), float(seconds)))
+    return out
+
+
+def unpack_timings(msg: Loaded) -> dict[str, float]:
+    """``Loaded.timings`` checked: at most ``TIMINGS_MAX`` short names to finite, non-negative seconds."""
+    if len(msg.timings) > TIMINGS_MAX:
+        raise ProtocolError(f"loaded: more than {TIMINGS_MAX} timings")
+    for name, seconds in msg.timings.items():
+        if not isinstance(name, str) or not 0 < len(name) <= _NAME_MAX or not _seconds(seconds):
+            raise ProtocolError("loaded: bad timing")
+    return {name: float(seconds) for name, seconds in msg.timings.items()}
 
 
 def pack_output(req_id: str, ids: list[int], finish: str | None, logprobs: Any, n_prompt: int) -> list[Any]:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
-def make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
-    """(core or None, device name, error text)."""
+def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _name: None) -> tuple[Any, str, str]:
+    """(core or None, device name, error text). ``mark(phase)`` is called as each phase of the
+    start ends ("engine_imports", "engine_core"; the device's context is the caller's next)."""
     if options.get("engine") == "none":
         return None, "none", ""
     try:
@@ -22,6 +24,7 @@ def make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
         from engine.options import EngineOptions
         from engine.kernels.triton_cache import set_triton_cache_dir
 
+        mark("engine_imports")
         opts = EngineOptions.from_dict(options)
         if cache_dir := (options.get("sandbox_options") or {}).get("cache_dir"):
             set_triton_cache_dir(cache_dir)  # compiled kernels survive restarts
@@ -33,6 +36,7 @@ def make_core(options: dict[str, Any]) -> tuple[Any, str, str]:
             shared_step_tokens=opts.shared_step_tokens or None, quiet_window_s=opts.quiet_window_s,
             warm_tier_bytes=int(options.get("warm_tier_bytes", 0)),
         )
+        mark("engine_core")
         fraction = options.get("memory_budget_fraction")
         if core.device.type == "cuda":
             import torch

@@ -3,7 +3,8 @@
 Streams ``POST /v1/completions`` (prompt as token ids, ``ignore_eos``, ``max_tokens`` = the
 drawn output length, usage in the last chunk) at a fixed concurrency or an arrival rate
 (``inf`` = all at once), and reports req/s, output and total tok/s, TTFT and TPOT p50/p99, and
-the CPU cores used by the agent and the worker (utime + stime from /proc per wall second).
+the CPU cores used by the agent's whole process tree (agent, worker, any other descendant; utime +
+stime from /proc per wall second).
 Either point it at a running agent (``--url``; CPU figures need it to be on this machine) or let
 it start one on a generated model (``--arch/--preset`` or ``--model-dir``).
 
@@ -43,6 +44,36 @@ def cpu_seconds(pid: int | None) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_pids(agent: int | None, worker: int | None) -> dict[str, set[int]]:
+    """The agent's process tree split into the agent, the worker and every other descendant (the
+    worker's included): tokenizers, compilers, anything a child started."""
+    import psutil
+
+    children: set[int] = set()
+    if agent:
+        try:
+            children = {c.pid for c in psutil.Process(agent).children(recursive=True)}
+        except psutil.Error:
+            pass
+    return {"agent": {agent} if agent else set(), "worker": {worker} if worker else set(),
+            "children": children - {agent, worker}}
+
+
+def tree_cpu_seconds(parts: dict[str, set[int]]) -> dict[str, dict[int, float]]:
+    """utime + stime of each process of ``tree_pids``'s parts."""
+    return {k: {pid: cpu_seconds(pid) for pid in pids} for k, pids in parts.items()}
+
+
+def tree_cpu_delta(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]]) -> dict[str, float]:
+    """CPU seconds each part used between two readings; a process seen only in ``after`` counts
+    whole (it started in between), one seen only in ``before`` not at all (its time is lost with it)."""
+    out = {}
+    for k, now in after.items():
+        then = before.get(k, {})
+        out[k] = sum(max(0.0, v - then.get(pid, 0.0)) for pid, v in now.items())
+    return out
 
 
 async def _one(session: Any, url: str, model: str, ids: list[int], out_len: int, seed: int, headers: dict) -> dict:
@@ -115,8 +146,10 @@ def report(results: list[dict], wall: float, cpu: dict[str, float]) -> dict[str,
         "output_tok_s": round(out_tok / wall, 2), "total_tok_s": round((out_tok + in_tok) / wall, 2),
         "ttft_ms_p50": rnd(percentile(ttft, 50)), "ttft_ms_p99": rnd(percentile(ttft, 99)),
         "tpot_ms_p50": rnd(percentile(tpot, 50)), "tpot_ms_p99": rnd(percentile(tpot, 99)),
+        # The whole process tree: the agent, the worker and every other descendant.
         "cpu_cores_agent": round(cpu["agent"] / wall, 3), "cpu_cores_worker": round(cpu["worker"] / wall, 3),
-        "cpu_cores": round((cpu["agent"] + cpu["worker"]) / wall, 3),
+        "cpu_cores_children": round(cpu.get("children", 0.0) / wall, 3),
+        "cpu_cores": round(sum(cpu.values()) / wall, 3),
     }
 
 
@@ -128,9 +161,10 @@ def _admin_status(url: str, token: str) -> dict:
         return json.loads(r.read())
 
 
-def _start_agent(args: argparse.Namespace, root: Path) -> tuple[Any, str, str, str]:
-    """Seed a store and start a daemon; returns (process, url, model name, admin token)."""
-    from agent.commands.demo import _pick_port, seed_store, start_daemon, wait_ready
+def prepare_agent(args: argparse.Namespace, root: Path, warm_tier_bytes: str = "0") -> tuple[Path, int, str, str]:
+    """Seed a store with the model (``--model-dir`` or a generated ``--arch/--preset``) and write a
+    config that preloads it; returns (config path, port, model name, admin token)."""
+    from agent.commands.demo import _pick_port, seed_store
 
     name = "bench-" + (Path(args.model_dir).name.lower() if args.model_dir else f"{args.arch}-{args.preset}")
     if args.model_dir:
@@ -149,10 +183,18 @@ def _start_agent(args: argparse.Namespace, root: Path) -> tuple[Any, str, str, s
     cfg.write_text(
         f'[server]\nport = {port}\nruntime_dir = "{root / "run"}"\nadmin_token = "{token}"\n\n'
         f'[store]\nurl = "{store_url}"\n\n[cache]\ndir = "{root / "cache"}"\n\n'
-        f'[gpu]\ndevice = "{args.device}"\n\n'
+        f'[gpu]\ndevice = "{args.device}"\nwarm_tier_bytes = "{warm_tier_bytes}"\n\n'
         f'[[models]]\nname = "{name}"\npreload = true\nmax_model_len = {args.max_model_len}\n'
         f'max_num_seqs = {args.max_num_seqs}\n'
     )
+    return cfg, port, name, token
+
+
+def _start_agent(args: argparse.Namespace, root: Path) -> tuple[Any, str, str, str]:
+    """Seed a store and start a daemon; returns (process, url, model name, admin token)."""
+    from agent.commands.demo import start_daemon, wait_ready
+
+    cfg, port, name, token = prepare_agent(args, root)
     proc = start_daemon(root, cfg)
     wait_ready(cfg, name, proc, 1800, root / "agent.log")
     return proc, f"http://127.0.0.1:{port}", name, token
@@ -196,10 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         if not vocab:
             ap.error("--vocab-size is needed (no admin token to read it from the agent)")
         reqs = sharegpt_like(a.num_requests, vocab, a.seed)
-        pids = {"agent": st.get("pid") or (proc.pid if proc else None), "worker": (st.get("worker") or {}).get("pid")}
-        before = {k: cpu_seconds(p) for k, p in pids.items()}
+        agent_pid, worker_pid = st.get("pid") or (proc.pid if proc else None), (st.get("worker") or {}).get("pid")
+        before = tree_cpu_seconds(tree_pids(agent_pid, worker_pid))
         results, wall = asyncio.run(drive(url, model, reqs, a.concurrency, a.rate, a.api_key, a.seed))
-        cpu = {k: cpu_seconds(p) - before[k] for k, p in pids.items()}
+        cpu = tree_cpu_delta(before, tree_cpu_seconds(tree_pids(agent_pid, worker_pid)))
     finally:
         if proc is not None:
             proc.terminate()

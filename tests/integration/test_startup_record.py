@@ -1,0 +1,84 @@
+"""The daemon's start from exec to ready, by phase (issue 18): admin status ``startup`` and the one
+``startup`` log line, from a real daemon that preloads a tiny model on CPU. Only order and
+consistency are checked here, never speed."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from tests.integration.agent_harness import Daemon, publish_tiny
+
+MODEL = "tiny"
+TICK = 0.011  # the kernel's process start time is in 10 ms ticks; figures are rounded to 1 us
+# The worker's own phases, one after another on its clock; worker_hello (ours) spans them.
+WORKER = ["worker_python", "worker_engine_imports", "worker_engine_core", "worker_device", "worker_sandbox"]
+AGENT = ["agent_start", "http_listening", "worker_spawn", "worker_hello"]
+MODEL_STEPS = ["model_pull", "model_verify", "model_load", "model_tokenizer", "model_canary"]
+
+
+def _startup_log(d: Daemon, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in d.logs().splitlines():
+            if line.startswith("{") and json.loads(line).get("event") == "startup":
+                return json.loads(line)
+        time.sleep(0.1)
+    raise AssertionError("no startup log line:\n" + d.logs()[-3000:])
+
+
+def test_admin_status_has_the_start_by_phase_from_exec_to_ready(make_tiny_model, tmp_path) -> None:
+    url = publish_tiny(make_tiny_model, tmp_path / "store", MODEL)
+    d = Daemon(tmp_path, store_url=url, models=[{"name": MODEL, "preload": True, "max_model_len": 256}])
+    t0 = time.monotonic()
+    d.start(timeout=120)
+    ready_seen = time.monotonic() - t0
+    try:
+        logged = _startup_log(d)  # logged once, at ready; the status keeps the same record from then on
+        record = d.status()["startup"]
+        assert record == {"phases": logged["phases"], "ready_s": logged["ready_s"]}
+        phases = record["phases"]
+        by_name = {p["name"]: p for p in phases}
+        names = [p["name"] for p in phases]
+        # Every phase of the agent, the worker and the preload model, each once, ordered by start.
+        assert sorted(names) == sorted(AGENT + WORKER + MODEL_STEPS), names
+        assert [p["start_s"] for p in phases] == sorted(p["start_s"] for p in phases)
+        assert [n for n in names if n in WORKER] == WORKER
+        for a, b in zip(WORKER, WORKER[1:]):
+            assert abs(by_name[a]["start_s"] + by_name[a]["seconds"] - by_name[b]["start_s"]) < 1e-5
+        assert all(p["start_s"] >= 0 and p["seconds"] >= 0 for p in phases), phases
+        assert all(p["model"] == MODEL for p in phases if p["name"].startswith("model_"))
+        # The worker's own phases (its clock) lie within its spawn and Hello (ours).
+        first, hello = by_name["worker_spawn"], by_name["worker_hello"]
+        hello_end = hello["start_s"] + hello["seconds"]
+        worker = [by_name[n] for n in WORKER]
+        assert worker[0]["start_s"] >= first["start_s"] - TICK
+        assert worker[-1]["start_s"] + worker[-1]["seconds"] <= hello_end + TICK
+        # The model loads after the worker's Hello and before the canary; the engine's own load
+        # phases come with the load.
+        load = by_name["model_load"]
+        assert load["start_s"] >= hello_end - 1e-5
+        assert by_name["model_canary"]["start_s"] >= load["start_s"] + load["seconds"] - 1e-5
+        assert {"weights_s", "total_s"} <= set(load["parts"]) and load["parts"]["total_s"] <= load["seconds"]
+        # Ready after every phase ended, after the sequential chain (agent, spawn, Hello, load,
+        # canary), and no later than this test saw /readyz 200 counted from before the exec.
+        ready = record["ready_s"]
+        assert all(p["start_s"] + p["seconds"] <= ready + 1e-5 for p in phases)
+        chain = sum(by_name[n]["seconds"] for n in ("agent_start", "worker_spawn", "worker_hello", "model_load",
+                                                    "model_canary"))
+        assert chain <= ready + 1e-5
+        assert ready <= ready_seen + TICK
+    finally:
+        d.stop()
+
+
+def test_the_record_of_a_restart_has_no_pull(make_tiny_model, tmp_path) -> None:
+    url = publish_tiny(make_tiny_model, tmp_path / "store", MODEL)
+    models = [{"name": MODEL, "preload": True, "max_model_len": 256}]
+    Daemon(tmp_path, store_url=url, models=models).start(timeout=120).stop()
+    d = Daemon(tmp_path, store_url=url, models=models).start(timeout=120)
+    try:
+        names = [p["name"] for p in d.status()["startup"]["phases"]]
+        assert "model_load" in names and "model_pull" not in names and "worker_hello" in names
+    finally:
+        d.stop()
