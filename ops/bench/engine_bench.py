@@ -37,6 +37,16 @@ from ops.bench.workload import NAME as WORKLOAD, TokenTimes, percentile, sharegp
 REPO = Path(__file__).resolve().parents[2]
 
 
+def save_result(result: dict, out: str | None, name: str) -> Path:
+    """Print ``result`` as JSON and write it to ``out`` (default: docs/perf/<name>.json)."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    path = Path(out) if out else REPO / "docs" / "perf" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    return path
+
+
 def _commit() -> str:
     if os.environ.get("INFIRE_COMMIT"):  # a copy without .git (the GPU machine's)
         return os.environ["INFIRE_COMMIT"]
@@ -274,13 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "peer": peer,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if not a.no_save:
+    if a.no_save:
+        print(json.dumps(result, indent=2))
+    else:
         slug = "".join(c if c.isalnum() or c in "-." else "-" for c in model_name.split(" ")[0])
-        out = Path(a.out) if a.out else REPO / "docs" / "perf" / f"{now:%Y%m%d-%H%M}-engine-{slug}-{commit}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+        out = save_result(result, a.out, f"{now:%Y%m%d-%H%M}-engine-{slug}-{commit}")
         print(f"saved {out}", file=sys.stderr)
     return 0
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.http import sse
-from ops.bench.engine_bench import REPO, _commit
+from ops.bench.engine_bench import _commit, save_result
 from ops.bench.workload import percentile
 from ops.bench.workload import NAME as WORKLOAD, sharegpt_like, summary
 
@@ -261,12 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         "model": model, "workload": {"name": WORKLOAD, **summary(reqs), "seed": a.seed, "vocab_size": vocab},
         "mode": mode, **report(results, wall, cpu),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if not a.no_save:
-        out = Path(a.out) if a.out else REPO / "docs" / "perf" / f"{now:%Y%m%d-%H%M}-serve-{model}-{mode}-{commit}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+    if a.no_save:
+        print(json.dumps(result, indent=2))
+    else:
+        save_result(result, a.out, f"{now:%Y%m%d-%H%M}-serve-{model}-{mode}-{commit}")
     return 0 if result["errors"] == 0 else 1
 
 

@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ops.bench.engine_bench import REPO, _commit
+from ops.bench.engine_bench import _commit, save_result
 from ops.bench.serve_bench import _admin_status, prepare_agent
 
 POLL_S = 0.01
@@ -142,12 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         "model": model, "mode": "startup", "warm_tier_bytes": a.warm_tier_bytes, "restarts": a.restarts,
         **summarize(starts), "starts": starts,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if not a.no_save:
-        out = Path(a.out) if a.out else REPO / "docs" / "perf" / f"{now:%Y%m%d-%H%M}-startup-{model}-{commit}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+    if a.no_save:
+        print(json.dumps(result, indent=2))
+    else:
+        save_result(result, a.out, f"{now:%Y%m%d-%H%M}-startup-{model}-{commit}")
     return 0 if all(s["exit_code"] == 0 for s in starts) else 1
 
 
