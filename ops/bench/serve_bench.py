@@ -22,6 +22,7 @@ import datetime as dt
 import json
 import os
 import random
+import re
 import shlex
 import sys
 import tempfile
@@ -132,6 +133,66 @@ async def drive(url: str, model: str, reqs: list[Any], concurrency: int | None, 
     return [r if isinstance(r, dict) else {"error": repr(r)} for r in results], wall
 
 
+def start_profile(folder: Path, pids: dict[str, int | None]) -> dict[str, Any]:
+    """One ``py-spy record`` per process (sampling, no pause of the target: ``--nonblocking``),
+    writing collapsed stacks to ``folder/<part>.txt``; none when py-spy is not installed."""
+    import shutil
+    import subprocess
+
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if spy is None:
+        print("serve_bench: py-spy not found; no profile", file=sys.stderr)
+        return {}
+    folder.mkdir(parents=True, exist_ok=True)
+    spies = {}
+    for part, pid in pids.items():
+        if pid:
+            cmd = [spy, "record", "--pid", str(pid), "--rate", "200", "--nonblocking", "--threads",
+                   "--format", "raw", "--output", str(folder / f"{part}.txt")]
+            spies[part] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / f"{part}.log", "wb"))
+    time.sleep(0.5)  # attached before the first request
+    return spies
+
+
+def stop_profile(folder: Path, spies: dict[str, Any], top: int = 40) -> None:
+    """Stop the samplers (SIGINT: they write their file) and sum the top functions of each part:
+    self samples (where the CPU was) and total samples (what was on the stack)."""
+    import signal as _signal
+
+    for p in spies.values():
+        p.send_signal(_signal.SIGINT)
+    summary: dict[str, Any] = {}
+    for part, p in spies.items():
+        try:
+            p.wait(30)
+        except Exception:
+            p.kill()
+        path = folder / f"{part}.txt"
+        if path.exists():
+            summary[part] = top_functions(path.read_text(errors="replace"), top)
+    (folder / "profile.json").write_text(json.dumps(summary, indent=1))
+
+
+def top_functions(collapsed: str, top: int = 40) -> dict[str, Any]:
+    """From collapsed stacks (``frame;frame;... count`` lines), the samples, and the ``top``
+    functions by self and by total samples."""
+    own: dict[str, int] = {}
+    total: dict[str, int] = {}
+    n = 0
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        c = int(count)
+        n += c
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]  # a function, not a line
+        own[frames[-1]] = own.get(frames[-1], 0) + c
+        for f in set(frames):
+            total[f] = total.get(f, 0) + c
+    rank = lambda d: [[k, v] for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]  # noqa: E731
+    return {"samples": n, "self": rank(own), "total": rank(total)}
+
+
 def report(results: list[dict], wall: float, cpu: dict[str, float]) -> dict[str, Any]:
     ok = [r for r in results if "error" not in r]
     out_tok = sum(r["out"] for r in ok)
@@ -219,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-serve-<model>-<mode>-<commit>.json)")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--profile", help="folder: py-spy samples of the agent and the worker over the run "
+                                      "(collapsed stacks, <part>.txt, and the top functions, profile.json)")
     a = ap.parse_args(argv)
     if (a.concurrency is None) == (a.rate is None):
         ap.error("give exactly one of --concurrency N or --rate R")
@@ -239,9 +302,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--vocab-size is needed (no admin token to read it from the agent)")
         reqs = sharegpt_like(a.num_requests, vocab, a.seed)
         agent_pid, worker_pid = st.get("pid") or (proc.pid if proc else None), (st.get("worker") or {}).get("pid")
+        spies = start_profile(Path(a.profile), {"agent": agent_pid, "worker": worker_pid}) if a.profile else {}
         before = tree_cpu_seconds(tree_pids(agent_pid, worker_pid))
         results, wall = asyncio.run(drive(url, model, reqs, a.concurrency, a.rate, a.api_key, a.seed))
         cpu = tree_cpu_delta(before, tree_cpu_seconds(tree_pids(agent_pid, worker_pid)))
+        if spies:
+            stop_profile(Path(a.profile), spies)
     finally:
         if proc is not None:
             proc.terminate()

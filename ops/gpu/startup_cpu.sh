@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Issue 18's figures in ONE device run: restart to ready (defaults, and a 40 GiB warm tier), the
+# daemon at c200 (req/s, the process tree's CPU; a py-spy profile of agent and worker), c1 TPOT.
+# Usage (repo root, on the GPU machine):
+#   . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/startup_cpu.sh [startup] [serve] [profile] [c1]
+# With OLD, the startup and serve parts run for the old tree too (alternating), for a same-run A/B.
+set -u
+OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
+M=${M8B:-/tmp/m8b}
+NEW=$PWD
+parts=${*:-startup serve profile c1}
+status=0
+site=${PYTHONPATH%%:*}
+in_tree() {  # in_tree DIR SECONDS CMD...
+  local dir=$1 secs=$2; shift 2
+  (cd "$dir" && PYTHONPATH="$site:$dir" INFIRE_COMMIT=$(cat "$dir/COMMIT" 2>/dev/null || echo new) \
+    timeout "$secs" "$@")
+}
+settle() {
+  pkill -f "agent.cli serve" 2>/dev/null; pkill -f engine.worker 2>/dev/null
+  for _ in $(seq 30); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && break; sleep 1; done
+}
+trees="new:$NEW"
+[ -n "${OLD:-}" ] && trees="old:$(cd "$OLD" && pwd) $trees"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$OUT/gpu_state.csv" 2>&1
+[ -f "$M/config.json" ] || in_tree "$NEW" 120 python3 -m agent.cli make-model --arch llama --preset llama-3.1-8b \
+  --out "$M" --device cuda > "$OUT/make_model.txt" 2>&1 || status=1
+for part in $parts; do
+  for t in $trees; do
+    name=${t%%:*}; dir=${t#*:}
+    case $part in
+      startup)
+        in_tree "$dir" 240 python3 -m ops.bench.startup_bench --model-dir "$M" --device cuda --restarts "${RESTARTS:-3}" \
+          --out "$OUT/startup_default_$name.json" > "$OUT/startup_default_$name.txt" 2>&1 || status=1; settle
+        in_tree "$dir" 240 python3 -m ops.bench.startup_bench --model-dir "$M" --device cuda --restarts "${RESTARTS:-3}" \
+          --warm-tier-bytes 40GiB --out "$OUT/startup_warm_$name.json" > "$OUT/startup_warm_$name.txt" 2>&1 || status=1; settle ;;
+      serve)
+        in_tree "$dir" 200 python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 200 \
+          --num-requests 1000 --max-model-len 4096 --max-num-seqs 256 \
+          --out "$OUT/serve_$name.json" > "$OUT/serve_$name.txt" 2>&1 || status=1; settle ;;
+      profile)
+        [ "$name" = new ] || continue
+        command -v py-spy >/dev/null || export PATH=$site/bin:$PATH
+        in_tree "$dir" 200 python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 200 \
+          --num-requests 1000 --max-model-len 4096 --max-num-seqs 256 --profile "$OUT/profile" \
+          --out "$OUT/serve_profiled_$name.json" > "$OUT/serve_profiled_$name.txt" 2>&1 || status=1; settle ;;
+      c1)
+        in_tree "$dir" 150 python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 1 \
+          --num-requests 24 --max-model-len 4096 --max-num-seqs 256 \
+          --out "$OUT/serve_c1_$name.json" > "$OUT/serve_c1_$name.txt" 2>&1 || status=1; settle ;;
+    esac
+  done
+done
+python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+for p in sorted(glob.glob(os.path.join(out, "*.json"))):
+    try:
+        d = json.load(open(p))
+    except (OSError, ValueError):
+        continue
+    keys = ("restart_to_ready_s", "first_start_to_ready_s", "first_token_after_restart_s_worst", "req_s",
+            "total_tok_s", "cpu_cores", "cpu_cores_agent", "cpu_cores_worker", "tpot_ms_p50", "ttft_ms_p99", "errors")
+    print(os.path.basename(p), {k: d[k] for k in keys if k in d})
+PY
+exit $status
