@@ -41,6 +41,7 @@ from agent.http.openai_api import ApiError, OpenAIApi
 from agent.http.openapi import routes as openapi_routes
 from agent.systemd import Notifier
 from agent.worker.client import WorkerClient
+from agent.worker.options import worker_options
 
 CTX: web.AppKey[AgentContext] = web.AppKey("ctx")
 BACKGROUND: web.AppKey[Background] = web.AppKey("background")
@@ -111,26 +112,6 @@ class Background:
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
 
-def worker_options(settings: Settings) -> dict[str, Any]:
-    g, e = settings.gpu, settings.engine
-    budget = g.memory_budget if isinstance(g.memory_budget, int) else None
-    fraction = g.memory_budget if isinstance(g.memory_budget, float) else None
-    if g.device == "cpu" and budget is None:
-        budget = g.cpu_memory_budget
-    # With device "auto" the worker picks: a fraction of the GPU, or the CPU byte budget.
-    return {"device": g.device, "max_num_batched_tokens": e.max_num_batched_tokens,
-            "memory_budget_bytes": budget, "memory_budget_fraction": fraction,
-            "cpu_memory_budget_bytes": g.cpu_memory_budget, "sandbox": e.sandbox,
-            "warm_tier_bytes": g.warm_tier_bytes,
-            # engine.options.EngineOptions, one key per field (the worker checks them strictly)
-            "cuda_graphs": e.cuda_graphs, "async_steps": e.async_steps, "page_bytes": e.page_bytes,
-            "shared_step_tokens": e.shared_step_tokens, "quiet_window_ms": e.quiet_window_ms,
-            # The worker writes only its runtime dir and Triton's compile cache under the cache dir.
-            "sandbox_options": {"cache_dir": str(settings.cache.dir), "runtime_dir": str(settings.server.runtime_dir),
-                                "read_write": [str(settings.cache.dir / "triton")],
-                                "parent_pid": os.getpid()}}
-
-
 # --- lifecycle contexts, in start order ------------------------------------------------------
 
 
@@ -143,7 +124,7 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _worker_ctx(app: web.Application) -> AsyncIterator[None]:
     ctx = app[CTX]
-    await ctx.worker.start(wait=False)  # HTTP comes up at once; /readyz says 503 until ready
+    await ctx.worker.start(wait=False)  # (if not started already) HTTP comes up at once; /readyz 503 until ready
     yield
     await ctx.worker.stop()
 
@@ -231,11 +212,16 @@ def _status_line(ctx: AgentContext) -> str:
     return "serving: " + (", ".join(parts) if parts else "no models loaded")
 
 
-def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | None = None) -> web.Application:
+def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | None = None,
+              worker: WorkerClient | None = None) -> web.Application:
+    """The app; ``worker``: a client already started for ``settings`` (the serve command starts it
+    before importing this module, so the worker's torch import overlaps the agent's), else a new one
+    that the lifecycle starts."""
     metrics = Metrics()
+    worker = worker or WorkerClient(worker_options(settings), engine=engine)
+    worker.on_restart = metrics.worker_restarts.inc
     ctx = AgentContext(settings=settings, metrics=metrics, notifier=notifier or Notifier(), engine=engine,
-                       worker=WorkerClient(worker_options(settings), engine=engine,
-                                           on_restart=metrics.worker_restarts.inc))
+                       worker=worker)
     health = Health(ctx)
     admin = AdminApi(ctx, health)
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[admin.middleware, v1_errors])
@@ -308,11 +294,12 @@ async def _drain(ctx: AgentContext, timeout: float) -> None:
         log.warning("drain_deadline_passed", aborted=n)
 
 
-async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event | None = None) -> None:
-    """Run until SIGTERM/SIGINT (or ``stop``), then drain and shut down."""
+async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event | None = None,
+                worker: WorkerClient | None = None) -> None:
+    """Run until SIGTERM/SIGINT (or ``stop``), then drain and shut down (``worker``: see :func:`build_app`)."""
     log = get_logger("serve")
     s = settings.server
-    app = build_app(settings, engine=engine)
+    app = build_app(settings, engine=engine, worker=worker)
     ctx = app[CTX]
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,

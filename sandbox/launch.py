@@ -121,7 +121,7 @@ def confine_worker(
     """:func:`confine` with :func:`default_policy`, from JSON-friendly keyword arguments.
 
     This is what ``engine.worker`` calls with its ``sandbox_options`` (the agent passes its cache
-    and runtime dirs, ``agent.app.worker_options``). The outcome goes to stderr as one line (warnings for inactive layers come from :func:`confine`
+    and runtime dirs, ``agent.worker.options.worker_options``). The outcome goes to stderr as one line (warnings for inactive layers come from :func:`confine`
     through ``logging``); the returned report is for the worker's status.
     """
     policy = default_policy(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +17,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.app import serve
     from agent.config import ConfigError, load_settings
     from agent.log import configure_logging, get_logger
 
@@ -33,8 +33,26 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         runner = asyncio.run
     try:
-        runner(serve(settings, engine=args.engine))
+        runner(_serve(settings, args.engine))
     except (OSError, RuntimeError) as e:  # port in use, live agent on the socket
         get_logger("serve").error("failed", error=str(e))
         return 1
     return 0
+
+
+async def _serve(settings: Any, engine: str) -> None:
+    """Start the engine worker first, then import and run the app: the worker's start (the torch
+    import, the CUDA context: seconds) overlaps the agent's own imports (aiohttp, the API, the
+    manager: ~1 s) instead of following them."""
+    from agent.worker.client import WorkerClient
+    from agent.worker.options import worker_options
+
+    worker = WorkerClient(worker_options(settings), engine=engine)
+    await worker.start(wait=False)
+    try:
+        await worker.spawned()
+        from agent.app import serve
+
+        await serve(settings, engine=engine, worker=worker)
+    finally:
+        await worker.stop()  # the app's lifecycle stopped it already, unless it never got that far

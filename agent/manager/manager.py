@@ -349,11 +349,9 @@ class ModelManager:
             self._log.info("model_verify", model=e.name, **e.last_verify)
 
     async def _wait_worker(self) -> None:
-        deadline = time.monotonic() + WORKER_WAIT_S
-        while not self.worker.alive:
-            if time.monotonic() > deadline:
-                raise WorkerError("the engine worker did not come up", "worker_down")
-            await asyncio.sleep(0.1)
+        # Woken by the worker's Hello (a load sent then starts at once, not at the next poll).
+        if not self.worker.alive and not await self.worker.wait_alive(WORKER_WAIT_S):
+            raise WorkerError("the engine worker did not come up", "worker_down")
         if self.worker.state.engine_error:
             raise WorkerError(f"the engine is unavailable: {self.worker.state.engine_error}", "no_engine")
 

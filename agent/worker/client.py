@@ -112,12 +112,31 @@ class WorkerClient:
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
         self._first_up = asyncio.Event()
+        self._spawned = asyncio.Event()  # the first worker process exists
+        self._up = asyncio.Event()  # set while a worker is alive (said Hello, not exited)
+
+    async def wait_alive(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until a worker is alive; whether one is."""
+        try:
+            await asyncio.wait_for(self._up.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return self.alive
+
+    async def spawned(self) -> None:
+        """Return once the first worker process was started (or supervision ended before that)."""
+        if self._supervisor is None:
+            raise RuntimeError("start() the client first")
+        await asyncio.wait([asyncio.ensure_future(self._spawned.wait()), self._supervisor],
+                           return_when=asyncio.FIRST_COMPLETED)
 
     # --- lifecycle --------------------------------------------------------------------------
 
     async def start(self, wait: bool = True) -> None:
-        """Start supervising; with ``wait``, return once the first worker said Hello."""
-        self._supervisor = asyncio.create_task(self._supervise(), name="worker-supervisor")
+        """Start supervising (once: a second call only waits); with ``wait``, return once the
+        first worker said Hello."""
+        if self._supervisor is None:
+            self._supervisor = asyncio.create_task(self._supervise(), name="worker-supervisor")
         if wait:
             await asyncio.wait(
                 [asyncio.ensure_future(self._first_up.wait()), self._supervisor],
@@ -178,6 +197,7 @@ class WorkerClient:
             )
         finally:
             child.close()
+        self._spawned.set()
         proc = self._proc
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
         self.state = WorkerState(pid=proc.pid, started_at=time.monotonic(), restarts=self.state.restarts,
@@ -188,6 +208,7 @@ class WorkerClient:
         try:
             hello = await asyncio.wait_for(asyncio.shield(self._hello), HELLO_TIMEOUT_S)
             self.state.alive = True
+            self._up.set()
             self.state.device, self.state.engine_error = hello.device, hello.engine_error
             self.state.budget_bytes = hello.budget_bytes
             self.state.last_frame = self.state.last_progress = time.monotonic()
@@ -207,6 +228,7 @@ class WorkerClient:
     async def _reap(self, proc: asyncio.subprocess.Process, read_task: asyncio.Task[None], up_task: Any) -> None:
         was_alive = self.state.alive
         self.state.alive = False
+        self._up.clear()
         if proc.returncode is None:
             proc.kill()
         rc = await proc.wait()

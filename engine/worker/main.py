@@ -347,8 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     if core is not None:
         confine(options)
         clock.mark("sandbox")
-    if core is not None and core.warm_tier is not None and core.device.type == "cuda":  # pin it now,
-        core.warm_tier.prepin_async()  # confined, not at the first unload
+    if core is not None and core.warm_tier is not None and core.device.type == "cuda":
+        # Pin it now (confined, not at the first unload), a piece at a time and never while a
+        # model loads: the first load after a restart must not wait for 40 GiB of pinning.
+        core.warm_tier.prepin_async(core.wait_no_load)
     budget = int(core.memory_budget_bytes or 0) if core is not None else 0
     conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err, budget_bytes=budget,
                       startup=clock.phases))

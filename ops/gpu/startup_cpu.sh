@@ -2,7 +2,7 @@
 # Issue 18's figures in ONE device run: restart to ready (defaults, and a 40 GiB warm tier), the
 # daemon at c200 (req/s, the process tree's CPU; a py-spy profile of agent and worker), c1 TPOT.
 # Usage (repo root, on the GPU machine):
-#   . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/startup_cpu.sh [startup] [serve] [profile] [c1]
+#   . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/startup_cpu.sh [startup] [serve] [profile] [pin] [c1]
 # With OLD, the startup and serve parts run for the old tree too (alternating), for a same-run A/B.
 set -u
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
@@ -44,6 +44,9 @@ for part in $parts; do
         in_tree "$dir" 200 python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 200 \
           --num-requests 1000 --max-model-len 4096 --max-num-seqs 256 --profile "$OUT/profile" \
           --out "$OUT/serve_profiled_$name.json" > "$OUT/serve_profiled_$name.txt" 2>&1 || status=1; settle ;;
+      pin)
+        [ "$name" = new ] || continue
+        in_tree "$dir" 120 python3 ops/gpu/warm_tier_probe.py "$OUT/warm_tier_probe.json" > "$OUT/warm_tier_probe.txt" 2>&1 || status=1 ;;
       c1)
         in_tree "$dir" 150 python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 1 \
           --num-requests 24 --max-model-len 4096 --max-num-seqs 256 \
@@ -51,7 +54,7 @@ for part in $parts; do
     esac
   done
 done
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
 import glob, json, os, sys
 out = sys.argv[1]
 for p in sorted(glob.glob(os.path.join(out, "*.json"))):
@@ -63,4 +66,6 @@ for p in sorted(glob.glob(os.path.join(out, "*.json"))):
             "total_tok_s", "cpu_cores", "cpu_cores_agent", "cpu_cores_worker", "tpot_ms_p50", "ttft_ms_p99", "errors")
     print(os.path.basename(p), {k: d[k] for k in keys if k in d})
 PY
+# At most 8 files come back from a device call: everything in one archive, the summary beside it.
+(cd "$OUT" && tar -czf /tmp/issue18-out.tgz --exclude=all.tgz . && find . -mindepth 1 -delete && mv /tmp/issue18-out.tgz all.tgz)
 exit $status

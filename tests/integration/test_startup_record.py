@@ -12,7 +12,7 @@ from tests.integration.agent_harness import Daemon, publish_tiny
 MODEL = "tiny"
 TICK = 0.011  # the kernel's process start time is in 10 ms ticks; figures are rounded to 1 us
 # The worker's own phases, one after another on its clock; worker_hello (ours) spans them.
-WORKER = ["worker_python", "worker_engine_imports", "worker_engine_core", "worker_device", "worker_sandbox"]
+WORKER = ["worker_python", "worker_torch", "worker_engine_imports", "worker_engine_core", "worker_device", "worker_sandbox"]
 AGENT = ["agent_start", "http_listening", "worker_spawn", "worker_hello"]
 MODEL_STEPS = ["model_pull", "model_verify", "model_load", "model_tokenizer", "model_canary"]
 
@@ -60,12 +60,15 @@ def test_admin_status_has_the_start_by_phase_from_exec_to_ready(make_tiny_model,
         assert load["start_s"] >= hello_end - 1e-5
         assert by_name["model_canary"]["start_s"] >= load["start_s"] + load["seconds"] - 1e-5
         assert {"weights_s", "total_s"} <= set(load["parts"]) and load["parts"]["total_s"] <= load["seconds"]
-        # Ready after every phase ended, after the sequential chain (agent, spawn, Hello, load,
-        # canary), and no later than this test saw /readyz 200 counted from before the exec.
+        # The worker is started first: its start overlaps the agent's own imports and listeners.
+        agent = by_name["agent_start"]
+        assert first["start_s"] < agent["start_s"] + agent["seconds"] <= by_name["http_listening"]["start_s"] + 1e-5
+        # Ready after every phase ended, after the sequential chain (spawn, Hello, load, canary),
+        # and no later than this test saw /readyz 200 counted from before the exec.
         ready = record["ready_s"]
         assert all(p["start_s"] + p["seconds"] <= ready + 1e-5 for p in phases)
-        chain = sum(by_name[n]["seconds"] for n in ("agent_start", "worker_spawn", "worker_hello", "model_load",
-                                                    "model_canary"))
+        chain = first["start_s"] + sum(by_name[n]["seconds"] for n in ("worker_spawn", "worker_hello", "model_load",
+                                                                       "model_canary"))
         assert chain <= ready + 1e-5
         assert ready <= ready_seen + TICK
     finally:

@@ -110,7 +110,7 @@ def test_units():
 
 
 def test_the_quiet_window_reaches_the_worker_and_is_bounded(monkeypatch):
-    from agent.app import worker_options
+    from agent.worker.options import worker_options
 
     assert worker_options(load_settings())["quiet_window_ms"] == 1000  # the measured default
     assert worker_options(load_settings())["shared_step_tokens"] == 512

@@ -125,3 +125,31 @@ def test_arena_take_and_give_coalesce():
     a.give(200, 100)  # joins 100..200 and 300..400
     assert a.free == [(100, 300), (650, 350)]
     assert a.take(1000) is None
+
+
+def test_the_arena_is_pinned_in_pieces_each_after_its_turn_and_copies_never_cross_a_piece():
+    m = model(11)  # embed is 16,000 bytes: with 4 KiB pieces it spans four or five of them
+    tier = WarmTier(3 * nbytes(m), pin=False, pin_chunk_bytes=4096)
+    turns = []
+    tier.prepin_async(lambda: turns.append(1)).join()
+    arena = tier._arena
+    base = arena.buf.data_ptr()
+    assert arena.cuts and all((base + c) % 4096 == 0 for c in arena.cuts)  # at page-aligned addresses
+    assert len(turns) == len(arena.cuts) + 1  # asked before every piece
+    # A range is split exactly at the cuts inside it, and nowhere else.
+    for off, n in ((0, arena.buf.numel()), (arena.cuts[0] - 10, 20), (arena.cuts[0], 4096), (5, 7)):
+        pieces = arena.pieces(off, n)
+        assert pieces[0][0] == 0 and pieces[-1][1] == n
+        assert all(a < b for a, b in pieces) and all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))
+        assert [off + b for _, b in pieces[:-1]] == [c for c in arena.cuts if off < c < off + n]
+    for i, name in enumerate("abc"):  # byte-exact through the split copies, both ways
+        assert tier.put(name, model(20 + i))
+    for i, name in enumerate("abc"):
+        want = model(20 + i)
+        dst = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in want.items()}
+        assert tier.restore(name, dst) and all(torch.equal(dst[k], want[k]) for k in want)
+
+
+def test_pin_chunk_must_be_whole_pages():
+    with pytest.raises(WarmTierError):
+        WarmTier(1 << 20, pin=False, pin_chunk_bytes=1000)

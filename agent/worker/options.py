@@ -1,0 +1,31 @@
+"""The engine worker's options, from the agent's settings: what ``python -m engine.worker``
+gets as ``--options`` JSON (engine/worker/setup.py reads them, strictly for the engine's own
+switches). Kept apart from the app so the serve command can start the worker before it
+imports the HTTP side (agent/commands/serve.py)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from agent.config import Settings
+
+
+def worker_options(settings: Settings) -> dict[str, Any]:
+    g, e = settings.gpu, settings.engine
+    budget = g.memory_budget if isinstance(g.memory_budget, int) else None
+    fraction = g.memory_budget if isinstance(g.memory_budget, float) else None
+    if g.device == "cpu" and budget is None:
+        budget = g.cpu_memory_budget
+    # With device "auto" the worker picks: a fraction of the GPU, or the CPU byte budget.
+    return {"device": g.device, "max_num_batched_tokens": e.max_num_batched_tokens,
+            "memory_budget_bytes": budget, "memory_budget_fraction": fraction,
+            "cpu_memory_budget_bytes": g.cpu_memory_budget, "sandbox": e.sandbox,
+            "warm_tier_bytes": g.warm_tier_bytes,
+            # engine.options.EngineOptions, one key per field (the worker checks them strictly)
+            "cuda_graphs": e.cuda_graphs, "async_steps": e.async_steps, "page_bytes": e.page_bytes,
+            "shared_step_tokens": e.shared_step_tokens, "quiet_window_ms": e.quiet_window_ms,
+            # The worker writes only its runtime dir and Triton's compile cache under the cache dir.
+            "sandbox_options": {"cache_dir": str(settings.cache.dir), "runtime_dir": str(settings.server.runtime_dir),
+                                "read_write": [str(settings.cache.dir / "triton")],
+                                "parent_pid": os.getpid()}}
