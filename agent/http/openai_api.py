@@ -379,7 +379,7 @@ class OpenAIApi:
             if fmt.chat:
                 await resp.write(fmt.sse(fmt.role_chunks(len(gen.choices), include_usage)))
             async for deltas in gen.deltas():
-                await resp.write(fmt.sse([fmt.chunk(d, include_usage) for d in deltas]))
+                await resp.write(b"".join([fmt.chunk_event(d, include_usage) for d in deltas]))
             if include_usage:
                 await resp.write(fmt.sse([fmt.usage_chunk(gen.usage())]))
             await resp.write(b"data: [DONE]\n\n")
@@ -394,6 +394,10 @@ class OpenAIApi:
         return resp
 
 
+def _compact(o: Any) -> bytes:
+    return json.dumps(o, separators=(",", ":")).encode()
+
+
 class _Formatter:
     """OpenAI response and chunk shapes for one request."""
 
@@ -401,6 +405,25 @@ class _Formatter:
         self.id, self.model, self.chat, self.tok = base_id, model, chat, tokenizer
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
+        # A streamed chunk without logprobs, as bytes around its varying parts (index, text,
+        # finish_reason): what ``sse([chunk(d)])`` encodes, byte for byte, without building and
+        # encoding the dict for every token (a fifth of the agent's CPU at c200 went to SSE
+        # encoding and JSON).
+        head = _compact({"id": self.id, "object": self.object, "created": self.created, "model": self.model})
+        self._head = b"data: " + head[:-1] + b',"choices":[{"index":'
+
+    def chunk_event(self, d: Delta, include_usage: bool) -> bytes:
+        """``sse([chunk(d, include_usage)])``."""
+        if d.logprobs:
+            return self.sse([self.chunk(d, include_usage)])
+        finish = b"null" if d.finish_reason is None else _compact(d.finish_reason)
+        if self.chat:
+            text = b'{"content":' + _compact(d.text) + b"}" if d.text else b"{}"
+            body = b',"delta":' + text
+        else:
+            body = b',"text":' + _compact(d.text)
+        tail = b',"logprobs":null,"finish_reason":' + finish + (b'}],"usage":null}\n\n' if include_usage else b"}]}\n\n")
+        return self._head + str(d.index).encode() + body + tail
 
     sse = staticmethod(sse_encode)
 

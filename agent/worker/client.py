@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.log import get_logger
+from agent.worker.mailbox import Mailbox
 from engine.worker import protocol as P
 
 HELLO_TIMEOUT_S = 120.0  # importing torch and initialising CUDA on a cold node is slow
@@ -51,7 +52,7 @@ class EngineRequest:
 
     req_id: str
     model: str
-    queue: asyncio.Queue[P.TokenOutput | Exception] = field(default_factory=asyncio.Queue)
+    queue: Mailbox[P.TokenOutput | Exception] = field(default_factory=Mailbox)
     finished: bool = False
 
 
@@ -334,7 +335,7 @@ class WorkerClient:
         self._writer.write(P.encode(msg))
 
     def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: dict[str, Any],
-            queue: asyncio.Queue[P.TokenOutput | Exception] | None = None) -> EngineRequest:
+            queue: Mailbox[P.TokenOutput | Exception] | None = None) -> EngineRequest:
         """Send one request to the engine; raises WorkerDied when no worker is up.
 
         Requests may share one ``queue`` (the choices of one HTTP request); outputs carry req_id.

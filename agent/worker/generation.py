@@ -9,7 +9,6 @@ at once and finishes with ``"stop"``.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any
 
 from agent.metrics import Metrics
 from agent.worker.client import EngineRequest, WorkerClient, WorkerError
+from agent.worker.mailbox import Mailbox
 from engine.worker import protocol as P
 
 
@@ -91,7 +91,7 @@ class Generation:
         self.stops = stops
         self._make_detok = make_detok
         self._make_matcher = make_matcher
-        self.queue: asyncio.Queue[P.TokenOutput | Exception] = asyncio.Queue()
+        self.queue: Mailbox[P.TokenOutput | Exception] = Mailbox()
         self.choices: dict[str, Choice] = {}
         self._requests: list[EngineRequest] = []
         self.started = time.monotonic()
@@ -128,8 +128,7 @@ class Generation:
         """
         while not self.done:
             items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
+            items += self.queue.take_all()
             out: list[Delta] = []
             for item in items:
                 if isinstance(item, Exception):

@@ -229,10 +229,6 @@ class EngineCore:
         """Each phase's seconds of the last finished load."""
         return self._loader.last_load_timings
 
-    def wait_no_load(self) -> None:
-        """Block until no load is in flight (for threads beside the loop: the warm tier's pinning)."""
-        self._loader.wait_no_load()
-
     @property
     def loading(self) -> PendingLoad | None:
         """The load in flight (between :meth:`begin_load` and its finish or cancel), or None."""

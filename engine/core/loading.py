@@ -83,28 +83,8 @@ class ModelLoader:
         self.page_bytes = page_bytes
         self.warmup = warmup
         self.prebuild_runner = prebuild_runner  # None: on CUDA (engine/runner/prebuild.py)
-        self._pending: PendingLoad | None = None
-        self._no_load = threading.Event()  # set while no load is in flight (see wait_no_load)
-        self._no_load.set()
+        self.pending: PendingLoad | None = None  # the load in flight
         self.last_load_timings: dict[str, float] = {}
-
-    @property
-    def pending(self) -> PendingLoad | None:
-        """The load in flight, or None."""
-        return self._pending
-
-    @pending.setter
-    def pending(self, p: PendingLoad | None) -> None:
-        self._pending = p
-        if p is None:
-            self._no_load.set()
-        else:
-            self._no_load.clear()
-
-    def wait_no_load(self) -> None:
-        """Block (another thread) until no load is in flight: the warm tier's start-up pinning
-        waits here between pieces, so it never holds up a model's load."""
-        self._no_load.wait()
 
     def dtype_for(self, cfg: ModelConfig) -> torch.dtype:
         return dtype_for(cfg, self.dtype_override, self.device)

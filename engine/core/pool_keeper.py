@@ -135,7 +135,9 @@ class PoolKeeper:
                                mixed_buckets=self.mixed_buckets, stream_pool=self.streams)
 
     def warm_up(self, slot: ModelSlot) -> None:
-        """One step at the largest batch (every row sampled) so its peak can be measured. The
+        """One step at the largest batch (every row sampled, with temperature: the sampler's
+        kernel and its candidate buffers are part of the peak, and its compile or cache load
+        happens here, not in the first sampled request's step) so its peak can be measured. The
         sequences share one block table of the model's own guaranteed pages: their K/V writes
         land only there, and the pages are freed after."""
         cfg = slot.scheduler.config
@@ -143,7 +145,7 @@ class PoolKeeper:
         table = [slot.pages.allocate() for _ in range(-(-per_seq // slot.pages.block_size))]
         out = SchedulerOutput()
         left = self.max_num_batched_tokens
-        params = SamplingParams(temperature=0)
+        params = SamplingParams(temperature=1.0, seed=0)
         while left > 0 and len(out.seqs) < slot.max_num_seqs:
             n = min(per_seq, left)
             i = len(out.seqs)

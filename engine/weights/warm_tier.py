@@ -11,8 +11,9 @@ the lock only for ``restore``'s device transfers of an entry that is pinned agai
 ``prepin()`` page-locks the whole budget once (a thread at start: ``prepin_async``); puts then take
 a range of that arena instead of pinning a buffer each (~0.3 s per GB on the H200). It pins in
 ``PIN_CHUNK_BYTES`` pieces, one ``cudaHostRegister`` each, and asks ``wait_turn`` before each: the
-worker passes "wait while a model loads", because a registration holds the driver up and a 40 GiB
-one in one call delayed the first load after a restart by 13 s (measured on the H200). Copies in
+worker passes "wait until the engine is idle", because a registration holds the driver up (on the
+H200, 40 GiB pinned at start delayed the first load after a restart by 13 s, and pinning between
+the steps of a request made it take 8.9 s). Copies in
 and out of the arena are split where one registration ends and the next begins, so each DMA stays
 inside one page-locked range.
 
@@ -37,7 +38,7 @@ import torch
 from engine.errors import EngineError
 
 _ALIGN = 256  # each tensor starts on a 256-byte boundary of the packed buffer
-PIN_CHUNK_BYTES = 256 << 20  # one registration: ~80 ms on the H200, the longest a load waits for pinning
+PIN_CHUNK_BYTES = 64 << 20  # one registration, ~30 ms on the H200: the longest a step or load waits for pinning
 log = logging.getLogger(__name__)
 
 

@@ -111,10 +111,17 @@ class Worker:
         for end in (self._wake_r, self._wake_w):
             os.set_blocking(end, False)
         self._waiter: StepWaiter | None = None  # made at the first parked step
+        # Set while the engine has nothing to do (no request, no load in flight or queued): the
+        # warm tier's start-up pinning runs only then (see main), because each page-locking call
+        # holds the driver up and a step or a load behind it waits (measured on the H200: a
+        # canary request behind 40 GiB of pinning took 8.9 s).
+        self.idle = threading.Event()
 
     # --- commands ---------------------------------------------------------------------------
 
     def handle(self, msg: P.Message) -> None:
+        if isinstance(msg, (P.Add, P.Load)):
+            self.idle.clear()  # before the work starts: the pinning stops at its next piece
         if isinstance(msg, P.Add):
             self._add(msg)
         elif isinstance(msg, P.Abort):
@@ -280,7 +287,12 @@ class Worker:
             self._finish_load()
             if self._busy():
                 self._step()
-            self._maybe_status(self._busy())
+            busy = self._busy()
+            self._maybe_status(busy)
+            if busy or self._loading is not None or self._queued:
+                self.idle.clear()
+            else:
+                self.idle.set()
         return 0
 
     def _wait_for(self, busy: bool) -> float | None:
@@ -347,14 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     if core is not None:
         confine(options)
         clock.mark("sandbox")
-    if core is not None and core.warm_tier is not None and core.device.type == "cuda":
-        # Pin it now (confined, not at the first unload), a piece at a time and never while a
-        # model loads: the first load after a restart must not wait for 40 GiB of pinning.
-        core.warm_tier.prepin_async(core.wait_no_load)
     budget = int(core.memory_budget_bytes or 0) if core is not None else 0
     conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err, budget_bytes=budget,
                       startup=clock.phases))
     worker = Worker(conn, core)
+    if core is not None and core.warm_tier is not None and core.device.type == "cuda":
+        # Pin it now (confined, not at the first unload), a piece at a time and only while the
+        # engine is idle: the first load after a restart must not wait for 40 GiB of pinning.
+        core.warm_tier.prepin_async(worker.idle.wait)
     stop = threading.Event()
     hb = threading.Thread(target=_heartbeat_loop, args=(conn, worker.phase, stop), daemon=True, name="heartbeat")
     hb.start()

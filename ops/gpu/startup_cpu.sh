@@ -2,7 +2,7 @@
 # Issue 18's figures in ONE device run: restart to ready (defaults, and a 40 GiB warm tier), the
 # daemon at c200 (req/s, the process tree's CPU; a py-spy profile of agent and worker), c1 TPOT.
 # Usage (repo root, on the GPU machine):
-#   . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/startup_cpu.sh [startup] [serve] [profile] [pin] [c1]
+#   . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/startup_cpu.sh [startup] [serve] [profile] [pin] [diag] [c1]
 # With OLD, the startup and serve parts run for the old tree too (alternating), for a same-run A/B.
 set -u
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
@@ -47,6 +47,14 @@ for part in $parts; do
       pin)
         [ "$name" = new ] || continue
         in_tree "$dir" 120 python3 ops/gpu/warm_tier_probe.py "$OUT/warm_tier_probe.json" > "$OUT/warm_tier_probe.txt" 2>&1 || status=1 ;;
+      diag)
+        [ "$name" = new ] || continue
+        { python3 -c "import torch, os; d = os.path.dirname(torch.__file__); print('torch', torch.__version__, d, 'writable', os.access(d, os.W_OK), 'pycache', os.path.isdir(os.path.join(d, '__pycache__')))"
+          for i in 1 2; do s=$(date +%s.%N); python3 -c "import torch"; echo "import torch: $(echo "$(date +%s.%N) - $s" | bc) s"; done
+          for i in 1 2; do s=$(date +%s.%N); PYTHONPYCACHEPREFIX=/tmp/pyc python3 -c "import torch"; echo "import torch, pycache prefix: $(echo "$(date +%s.%N) - $s" | bc) s"; done
+          s=$(date +%s.%N); python3 -c "import torch; torch.zeros(1, device='cuda')"; echo "import torch + context: $(echo "$(date +%s.%N) - $s" | bc) s"
+          LD_DEBUG=statistics python3 -c "import torch" 2>&1 | tail -12; } > "$OUT/torch_import.txt" 2>&1
+        python3 -X importtime -c "import torch" 2> "$OUT/torch_importtime.txt" ;;
       c1)
         in_tree "$dir" 150 python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 1 \
           --num-requests 24 --max-model-len 4096 --max-num-seqs 256 \

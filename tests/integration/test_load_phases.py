@@ -233,35 +233,3 @@ def _ref_core(d) -> EngineCore:
     core.load_model("a", d, max_model_len=128, max_num_seqs=4)
     return core
 
-
-def test_the_warm_tier_pins_only_between_loads(make_tiny_model, monkeypatch):
-    """The start-up pinning waits its turn before every piece: never while a load is in flight,
-    whether the load finishes, fails or is cancelled."""
-    from engine.weights.warm_tier import WarmTier
-
-    da, db = make_tiny_model("llama"), make_tiny_model("llama", seed=1)
-    core = _core()
-    gate = Gate()
-    monkeypatch.setattr(core_load, "load_or_restore", gate)
-    pending = core.begin_load("a", da, max_model_len=128, max_num_seqs=4)
-    assert gate.entered.wait(30)
-    tier = WarmTier(64 << 10, pin=False, pin_chunk_bytes=4096)
-    pinner = tier.prepin_async(core.wait_no_load)
-    pinner.join(0.3)
-    assert pinner.is_alive() and tier._arena is None  # held at its first piece while "a" loads
-    gate.open.set()
-    core.finish_load(pending)
-    pinner.join(30)
-    assert not pinner.is_alive() and tier._arena is not None  # pinned once the load was in
-    gate.open.clear()
-    gate.entered.clear()
-    pending = core.begin_load("b", db, max_model_len=128, max_num_seqs=4)
-    assert gate.entered.wait(30)
-    waiter = threading.Thread(target=core.wait_no_load, daemon=True)
-    waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive()
-    core.unload_model("b")  # a cancel ends the load as well
-    waiter.join(30)
-    assert not waiter.is_alive() and core.loading is None
-    gate.open.set()

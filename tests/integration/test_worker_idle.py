@@ -1,0 +1,76 @@
+"""The worker's ``idle`` gate (engine/worker/main.py): set only while the engine has nothing to do
+(no request, no load in flight or queued), cleared as soon as an Add or a Load arrives. The warm
+tier's start-up pinning waits on it before every piece, so pinning never runs beside a load or a
+step. A real worker loop (in a thread) over a real socketpair, on a CPU engine."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from engine.core.engine_core import EngineCore
+from engine.sampling import SamplingParams
+from engine.worker import protocol as P
+from engine.worker.main import Worker, _Conn
+
+
+class Agent:
+    """The agent's end of the socket: sends commands, collects every message the worker sends."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.decoder, self.got = sock, P.FrameDecoder(), []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while data := self.sock.recv(1 << 16):
+            with self.lock:
+                self.got.extend(self.decoder.feed(data))
+
+    def send(self, msg: P.Message) -> None:
+        self.sock.sendall(P.encode(msg))
+
+    def wait_for(self, kind: type, timeout: float = 60.0, **match) -> P.Message:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                for m in self.got:
+                    if isinstance(m, kind) and all(getattr(m, k) == v for k, v in match.items()):
+                        return m
+            time.sleep(0.005)
+        raise AssertionError(f"no {kind.__name__} {match} in {len(self.got)} messages")
+
+
+def test_idle_only_while_the_engine_has_nothing_to_do(make_tiny_model):
+    ours, theirs = socket.socketpair()
+    core = EngineCore(device="cpu", max_num_batched_tokens=64, memory_budget=64 << 20, seed=0)
+    worker = Worker(_Conn(theirs), core)
+    loop = threading.Thread(target=worker.run, daemon=True)
+    loop.start()
+    agent = Agent(ours)
+    try:
+        assert worker.idle.wait(5)  # nothing to do yet
+        # While a model loads, never idle: sampled all along until Loaded arrives.
+        agent.send(P.Load(model="m", model_dir=str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=4))
+        seen_idle_while_loading = []
+        while not any(isinstance(m, P.Loaded) for m in list(agent.got)):
+            if core.loading is not None:
+                seen_idle_while_loading.append(worker.idle.is_set())
+            time.sleep(0.001)
+        assert seen_idle_while_loading and not any(seen_idle_while_loading)
+        assert worker.idle.wait(5)
+        # A request: cleared from its Add until its last token is out.
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True).to_dict()
+        agent.send(P.Add(req_id="r", model="m", prompt_token_ids=[5, 9, 2, 7], sampling=params))
+        deadline = time.monotonic() + 60
+        while not core.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        while core.has_unfinished_requests():  # (idle read first: set only after the last token)
+            assert not worker.idle.is_set() or not core.has_unfinished_requests()
+            time.sleep(0.001)
+        assert worker.idle.wait(5)
+    finally:
+        agent.send(P.Shutdown())
+        loop.join(30)
+        ours.close()
