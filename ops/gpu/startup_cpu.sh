@@ -5,7 +5,10 @@
 #   . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/startup_cpu.sh [startup] [serve] [profile] [pin] [diag] [c1]
 # With OLD, the startup and serve parts run for the old tree too (alternating), for a same-run A/B.
 set -u
-OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
+# Results gather in a work folder; after each part they are archived to $OUT/all.tgz, the one file
+# that comes back (a device call returns at most 8 files, and what a killed call left).
+FINAL=${OUT:-./gpu_out}; mkdir -p "$FINAL"
+OUT=$(mktemp -d /tmp/issue18.XXXX)
 M=${M8B:-/tmp/m8b}
 NEW=$PWD
 parts=${*:-startup serve profile c1}
@@ -57,9 +60,10 @@ for part in $parts; do
         python3 -X importtime -c "import torch" 2> "$OUT/torch_importtime.txt" ;;
       c1)
         in_tree "$dir" 150 python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 1 \
-          --num-requests 24 --max-model-len 4096 --max-num-seqs 256 \
+          --num-requests "${C1_REQUESTS:-24}" --max-model-len 4096 --max-num-seqs 256 \
           --out "$OUT/serve_c1_$name.json" > "$OUT/serve_c1_$name.txt" 2>&1 || status=1; settle ;;
     esac
+    tar -czf "$FINAL/all.tgz" -C "$OUT" .
   done
 done
 python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
@@ -74,6 +78,5 @@ for p in sorted(glob.glob(os.path.join(out, "*.json"))):
             "total_tok_s", "cpu_cores", "cpu_cores_agent", "cpu_cores_worker", "tpot_ms_p50", "ttft_ms_p99", "errors")
     print(os.path.basename(p), {k: d[k] for k in keys if k in d})
 PY
-# At most 8 files come back from a device call: everything in one archive, the summary beside it.
-(cd "$OUT" && tar -czf /tmp/issue18-out.tgz --exclude=all.tgz . && find . -mindepth 1 -delete && mv /tmp/issue18-out.tgz all.tgz)
+tar -czf "$FINAL/all.tgz" -C "$OUT" .
 exit $status
