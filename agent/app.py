@@ -41,7 +41,7 @@ from agent.http.openai_api import ApiError, OpenAIApi
 from agent.http.openapi import routes as openapi_routes
 from agent.systemd import Notifier
 from agent.worker.client import WorkerClient
-from agent.worker.options import worker_options
+from agent.worker.options import worker_env, worker_options
 
 CTX: web.AppKey[AgentContext] = web.AppKey("ctx")
 BACKGROUND: web.AppKey[Background] = web.AppKey("background")
@@ -218,7 +218,7 @@ def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | 
     before importing this module, so the worker's torch import overlaps the agent's), else a new one
     that the lifecycle starts."""
     metrics = Metrics()
-    worker = worker or WorkerClient(worker_options(settings), engine=engine)
+    worker = worker or WorkerClient(worker_options(settings), engine=engine, env=worker_env(settings))
     worker.on_restart = metrics.worker_restarts.inc
     ctx = AgentContext(settings=settings, metrics=metrics, notifier=notifier or Notifier(), engine=engine,
                        worker=worker)

@@ -45,9 +45,9 @@ async def _serve(settings: Any, engine: str) -> None:
     import, the CUDA context: seconds) overlaps the agent's own imports (aiohttp, the API, the
     manager: ~1 s) instead of following them."""
     from agent.worker.client import WorkerClient
-    from agent.worker.options import worker_options
+    from agent.worker.options import worker_env, worker_options
 
-    worker = WorkerClient(worker_options(settings), engine=engine)
+    worker = WorkerClient(worker_options(settings), engine=engine, env=worker_env(settings))
     await worker.start(wait=False)
     try:
         await worker.spawned()

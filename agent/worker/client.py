@@ -91,12 +91,14 @@ class WorkerClient:
         options: dict[str, Any],
         *,
         engine: str = "core",
+        env: dict[str, str] | None = None,
         on_up: Hook | None = None,
         on_down: Hook | None = None,
         on_restart: Callable[[], None] | None = None,
     ) -> None:
         self.options = options
         self.engine = engine
+        self.env = env  # the worker's environment (None: the agent's)
         self.on_up = on_up
         self.on_down = on_down
         self.on_restart = on_restart
@@ -194,7 +196,7 @@ class WorkerClient:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "engine.worker", "--fd", str(child.fileno()),
                 "--options", json.dumps(self.options), "--engine", self.engine,
-                pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL,
+                pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL, env=self.env,
             )
         finally:
             child.close()

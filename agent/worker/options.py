@@ -6,6 +6,7 @@ imports the HTTP side (agent/commands/serve.py)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from agent.config import Settings
@@ -25,7 +26,23 @@ def worker_options(settings: Settings) -> dict[str, Any]:
             # engine.options.EngineOptions, one key per field (the worker checks them strictly)
             "cuda_graphs": e.cuda_graphs, "async_steps": e.async_steps, "page_bytes": e.page_bytes,
             "shared_step_tokens": e.shared_step_tokens, "quiet_window_ms": e.quiet_window_ms,
-            # The worker writes only its runtime dir and Triton's compile cache under the cache dir.
+            # The worker writes only its runtime dir, Triton's compile cache and its bytecode under the cache dir.
             "sandbox_options": {"cache_dir": str(settings.cache.dir), "runtime_dir": str(settings.server.runtime_dir),
-                                "read_write": [str(settings.cache.dir / "triton")],
+                                "read_write": [str(settings.cache.dir / "triton"), str(pycache_dir(settings))],
                                 "parent_pid": os.getpid()}}
+
+
+def pycache_dir(settings: Settings) -> Path:
+    return settings.cache.dir / "pycache"
+
+
+def worker_env(settings: Settings) -> dict[str, str]:
+    """The worker's environment: the agent's, with Python's bytecode cached under the cache dir
+    (``PYTHONPYCACHEPREFIX``, unless the operator set one) and written even where
+    ``PYTHONDONTWRITEBYTECODE`` is set. ``import torch`` compiled from source is seconds of every
+    start: on the H200 machine, whose torch was installed without bytecode, 2.8-4.7 s of a 6-9 s
+    restart (``worker_torch``), against ~1 s from bytecode."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONPYCACHEPREFIX", str(pycache_dir(settings)))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env

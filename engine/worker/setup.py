@@ -8,25 +8,21 @@ warm tier and the sandbox's options."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
 
 def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _name: None) -> tuple[Any, str, str]:
     """(core or None, device name, error text). ``mark(phase)`` is called as each phase of the
-    start ends ("torch", "engine_imports", "engine_core"; the device's context, made in a thread
-    beside the engine's imports, is the caller's next)."""
+    start ends ("torch", "engine_imports", "engine_core"; the device's context is the caller's next)."""
     if options.get("engine") == "none":
         return None, "none", ""
     try:
         import torch
 
         mark("torch")
-        context = _make_context_beside(str(options.get("device", "auto")))
         from engine.core.engine_core import EngineCore
         from engine.options import EngineOptions
         from engine.kernels.triton_cache import set_triton_cache_dir
@@ -45,11 +41,8 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
         )
         mark("engine_core")
         fraction = options.get("memory_budget_fraction")
-        if context is not None:
-            context.join()
         if core.device.type == "cuda":
-            # CUDA context now (the sandbox follows; made already, beside the imports, unless that
-            # failed: then this raises the reason); one torch thread: idle OpenMP workers spin.
+            # CUDA context now (the sandbox follows); one torch thread: idle OpenMP workers spin.
             torch.set_num_threads(1)
             torch.zeros(1, device=core.device)
             torch.cuda.synchronize(core.device)
@@ -61,27 +54,6 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
     except Exception as e:  # report, do not crash-loop: the agent shows it in status
         return None, "none", f"{type(e).__name__}: {e}"
     return core, str(core.device), ""
-
-
-def _make_context_beside(device: str) -> threading.Thread | None:
-    """Make the CUDA context in a thread while this one imports the engine (Triton, the kernels,
-    the model code: none needs a context). The two are the worker's longest start phases; the
-    import mostly waits on files and the context mostly on the driver, so they overlap. None on a
-    CPU device. A failure here is left to the main thread's own first CUDA call, which raises it."""
-    import torch
-
-    if device == "cpu" or not device.startswith(("cuda", "auto")) or not torch.cuda.is_available():
-        return None
-    index = torch.device(device).index if device.startswith("cuda") else None
-
-    def init() -> None:
-        with contextlib.suppress(Exception):
-            torch.zeros(1, device=torch.device("cuda", index or 0))
-            torch.cuda.synchronize()
-
-    t = threading.Thread(target=init, name="cuda-context", daemon=True)
-    t.start()
-    return t
 
 
 def confine(options: dict[str, Any]) -> None:
