@@ -12,10 +12,9 @@ the lock only for ``restore``'s device transfers of an entry that is pinned agai
 a range of that arena instead of pinning a buffer each (~0.3 s per GB on the H200). It pins in
 ``PIN_CHUNK_BYTES`` pieces, one ``cudaHostRegister`` each, and asks ``wait_turn`` before each: the
 worker passes "wait until the engine is idle", because a registration holds the driver up (on the
-H200, 40 GiB pinned at start delayed the first load after a restart by 13 s, and pinning between
-the steps of a request made it take 8.9 s). Copies in
-and out of the arena are split where one registration ends and the next begins, so each DMA stays
-inside one page-locked range.
+H200, 40 GiB pinned beside the first load after a restart held its KV pool's allocation up for
+6-11 s, and a 1-token request behind it took 8.9 s). Copies in and out of the arena are split
+where one registration ends and the next begins, so each DMA stays inside one page-locked range.
 
 ``note(name, tag, value)`` / ``noted(name, tag)`` keep small figures with a stored entry and go
 with it (EngineCore keeps the workspace it measured for those weights at one load shape there,
