@@ -26,9 +26,11 @@ def worker_options(settings: Settings) -> dict[str, Any]:
             # engine.options.EngineOptions, one key per field (the worker checks them strictly)
             "cuda_graphs": e.cuda_graphs, "async_steps": e.async_steps, "page_bytes": e.page_bytes,
             "shared_step_tokens": e.shared_step_tokens, "quiet_window_ms": e.quiet_window_ms,
-            # The worker writes only its runtime dir, Triton's compile cache and its bytecode under the cache dir.
+            # The worker writes only its runtime dir, Triton's compile cache, its load notes and its bytecode
+            # under the cache dir.
             "sandbox_options": {"cache_dir": str(settings.cache.dir), "runtime_dir": str(settings.server.runtime_dir),
-                                "read_write": [str(settings.cache.dir / "triton"), str(pycache_dir(settings))],
+                                "read_write": [str(settings.cache.dir / "triton"), str(settings.cache.dir / "engine"),
+                                               str(pycache_dir(settings))],
                                 "parent_pid": os.getpid()}}
 
 

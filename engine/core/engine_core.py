@@ -32,6 +32,7 @@ import torch
 from engine.config import ModelConfig
 from engine.core.fair_share import FairSharePicker
 from engine.core.ledger import LoadPlan, MemoryLedger
+from engine.core.load_notes import LoadNotes, setting as notes_setting
 from engine.core.loading import DTYPES, ModelLoader
 from engine.core.memory_plan import make_ledger
 from engine.core.pool_keeper import PoolKeeper
@@ -115,6 +116,8 @@ class EngineCore:
     ``quiet_window_s``: how long a model's request keeps it active (0: off; see ``StepPolicy``).
     ``prebuild_runner``: on a warm reload that skips the warm-up, build the runner beside the
     weights (engine/runner/prebuild.py; None: on CUDA; True: on CPU too, for tests).
+    ``load_notes_path``: a file where measured workspaces are kept across processes
+    (engine/core/load_notes.py), so a restart's load skips its warm-up (None: this process only).
     """
 
     def __init__(self, device: str = "auto", max_num_batched_tokens: int = _DEFAULTS.max_num_batched_tokens,
@@ -125,7 +128,8 @@ class EngineCore:
                  page_bytes: int | None = _DEFAULTS.page_bytes, warmup: bool | None = None, warm_tier_bytes: int = 0,
                  cuda_graphs: bool = _DEFAULTS.cuda_graphs, async_steps: bool | None = None,
                  shared_step_tokens: int | None = _DEFAULTS.shared_step_tokens,
-                 quiet_window_s: float = _DEFAULTS.quiet_window_s, prebuild_runner: bool | None = None) -> None:
+                 quiet_window_s: float = _DEFAULTS.quiet_window_s, prebuild_runner: bool | None = None,
+                 load_notes_path: str | Path | None = None) -> None:
         self.device = resolve_device(device)
         if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
                 or max_num_batched_tokens < 1:
@@ -174,7 +178,9 @@ class EngineCore:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_prefill_chunk=max_prefill_chunk, page_bytes=page_bytes,
                                    warmup=cuda if warmup is None else bool(warmup),
-                                   prebuild_runner=prebuild_runner)
+                                   prebuild_runner=prebuild_runner,
+                                   notes=LoadNotes(load_notes_path, notes_setting(self.device))
+                                   if load_notes_path is not None else None)
         self.policy = StepPolicy(self._slots, quiet_window_s=quiet_window_s, shared_step_tokens=shared_step_tokens,
                                  cuda=cuda)
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.

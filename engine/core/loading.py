@@ -34,6 +34,7 @@ import torch
 from engine.config import ModelConfig, load_model_config, usable_len
 from engine.core.fair_share import FairSharePicker
 from engine.core.ledger import LoadPlan, LoadRefused
+from engine.core.load_notes import LoadNotes
 from engine.core.memory_plan import LoadNeeds, load_needs
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
@@ -69,7 +70,8 @@ class ModelLoader:
     def __init__(self, pools: PoolKeeper, slots: dict[str, ModelSlot], picker: FairSharePicker,
                  warm_tier: WarmTier | None, settle: Callable[[], None], *, device: torch.device,
                  dtype: str | None, block_size: int, max_num_batched_tokens: int, max_prefill_chunk: int | None,
-                 page_bytes: int | None, warmup: bool, prebuild_runner: bool | None) -> None:
+                 page_bytes: int | None, warmup: bool, prebuild_runner: bool | None,
+                 notes: LoadNotes | None = None) -> None:
         self._pools = pools
         self._slots = slots
         self._picker = picker
@@ -83,6 +85,7 @@ class ModelLoader:
         self.page_bytes = page_bytes
         self.warmup = warmup
         self.prebuild_runner = prebuild_runner  # None: on CUDA (engine/runner/prebuild.py)
+        self.notes = notes  # measured workspaces kept across processes (None: this process only)
         self.pending: PendingLoad | None = None  # the load in flight
         self.last_load_timings: dict[str, float] = {}
 
@@ -185,10 +188,10 @@ class ModelLoader:
             self._pools.fit(None, None)
             raise
         pending = PendingLoad(name, str(model_dir), cfg, max_len, dtype, needs, max_num_seqs, float(weight), t0)
+        known = self._known_workspace(warm_key(name, model_dir),
+                                      self._workspace_shape(max_num_seqs, max_len, dtype, needs.tokens_per_page))
         pending.prebuild = self.warmup and self.prebuild_runner is not False and prebuild_wanted(
-            self.device, self.warm_tier, warm_key(name, model_dir),
-            self._workspace_shape(max_num_seqs, max_len, dtype, needs.tokens_per_page),
-            allow_cpu=bool(self.prebuild_runner))
+            self.device, known, allow_cpu=bool(self.prebuild_runner))
         pending.timings.update(config_s=t1 - t0, book_s=time.perf_counter() - t1, pool_s=t_pool)
         self.pending = pending
         threading.Thread(target=self._load_thread, args=(pending,), name=f"engine-load-{name}",
@@ -312,6 +315,16 @@ class ModelLoader:
         return LoadRefused(name, needed=e.needed, free=e.free, evictable=total, budget=e.budget,
                            evictable_models=offered, parts=e.parts, evict=plan.evict)
 
+    def _known_workspace(self, key: str, shape: str) -> int | None:
+        """The workspace measured for these weights at this shape before: the warm tier's note
+        (this process), else the load notes (an earlier one); None without a warm-up to skip."""
+        if not self.warmup:
+            return None
+        known = self.warm_tier.noted(key, shape) if self.warm_tier is not None else None
+        if known is None and self.notes is not None:
+            known = self.notes.get(key, shape)
+        return known
+
     def _workspace_shape(self, max_num_seqs: int, max_len: int, dtype: torch.dtype, tokens_per_page: int) -> str:
         """What a measured workspace figure depends on besides the weights: the step's limits,
         the graphs captured at load and the block-table width."""
@@ -339,10 +352,8 @@ class ModelLoader:
                          pages=pages, needs=needs, max_num_seqs=p.max_num_seqs,
                          workspace_bytes=needs.workspace_bytes, warm_key=w.key)
         self._slots[name] = slot
-        known = None
-        if self.warmup and self.warm_tier is not None:
-            shape = self._workspace_shape(p.max_num_seqs, p.max_len, p.dtype, needs.tokens_per_page)
-            known = self.warm_tier.noted(w.key, shape)
+        shape = self._workspace_shape(p.max_num_seqs, p.max_len, p.dtype, needs.tokens_per_page)
+        known = self._known_workspace(w.key, shape)
         # A runner built beside the weights serves when nothing is to be measured and the pool's
         # memory is the one it was built on; otherwise it is dropped before the measurement.
         pre, w.runner = w.runner, None
@@ -366,6 +377,8 @@ class ModelLoader:
             # not have reached the largest step's peak.
             slot.workspace_bytes = max(measured or 0, known or 0, needs.workspace_bytes)
             self._pools.ledger.record_workspace(name, slot.workspace_bytes)
+        if self.warmup and known is None and self.notes is not None:
+            self.notes.put(w.key, shape, slot.workspace_bytes)  # the next process books it
         self._picker.add_model(name, p.weight)
         slot.info = ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids),
                               w.nbytes + slot.workspace_bytes + needs.min_kv_bytes, pages.num_total,

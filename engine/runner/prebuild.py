@@ -1,14 +1,16 @@
 """A model's runner (its CUDA graphs) built while its weights are still being copied in.
 
 On a reload from the warm tier the weights are one PCIe copy (~0.3 s for 16 GB) and building
-the runner (buffers, graph warm-up and capture, ~0.15-0.3 s of host time) used to follow it.
+the runner (buffers, graph warm-up and capture, ~0.15-0.3 s of host time) used to follow it; on a
+restart's load from the page cache the weights take ~1 s and the runner (its Triton kernels
+loaded from their cache in a fresh process) 1.0-1.4 s.
 Capturing needs the weights' addresses, not their values, so the load thread starts this build
 as soon as the model's tensors are allocated and restores the weights beside it; the graphs'
 warm-up runs read half-copied weights, which only makes their (discarded) outputs garbage: the
 decode graphs' sampling is an argmax, which no value can make fail.
 
-Used only when the load skips its measured warm-up (the warm tier holds this model's workspace
-figure at this shape): a fresh measurement must see the runner's graph memory, and runs after
+Used only when the load skips its measured warm-up (the warm tier or the load notes on disk
+hold this model's workspace figure at this shape): a fresh measurement must see the runner's graph memory, and runs after
 the weights. The build runs on its own stream and thread; a capture there is thread-local, so
 the caller's thread keeps stepping other models. Its result is checked against the pool's
 ``generation`` at install: a resize in between rebuilds the runner on the new memory.
@@ -31,13 +33,12 @@ from engine.runner.streams import StreamPool
 log = logging.getLogger(__name__)
 
 
-def prebuild_wanted(device: torch.device, warm_tier: Any, key: str, shape: str, allow_cpu: bool = False) -> bool:
-    """Whether a load of warm-tier ``key`` at workspace ``shape`` builds its runner beside the
-    weights: the tier holds the copy and the workspace figure measured at that shape (so the
-    load skips its warm-up). Only on CUDA, unless ``allow_cpu`` (CPU tests of the overlap)."""
-    if warm_tier is None or (device.type != "cuda" and not allow_cpu):
-        return False
-    return key in warm_tier and warm_tier.noted(key, shape) is not None
+def prebuild_wanted(device: torch.device, known_workspace: int | None, allow_cpu: bool = False) -> bool:
+    """Whether a load builds its runner beside the weights: when the workspace figure of these
+    weights at this shape is known (the warm tier's note, or the load notes kept on disk from an
+    earlier process), so the load skips its warm-up. Only on CUDA, unless ``allow_cpu`` (CPU
+    tests of the overlap)."""
+    return known_workspace is not None and (device.type == "cuda" or allow_cpu)
 
 
 class RunnerBuild:

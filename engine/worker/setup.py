@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -29,15 +30,17 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
 
         mark("engine_imports")
         opts = EngineOptions.from_dict(options)
+        notes = None
         if cache_dir := (options.get("sandbox_options") or {}).get("cache_dir"):
             set_triton_cache_dir(cache_dir)  # compiled kernels survive restarts
+            notes = Path(cache_dir) / "engine" / "load-notes.json"  # and measured workspaces too
         core = EngineCore(
             device=options.get("device", "auto"), max_num_batched_tokens=opts.max_num_batched_tokens,
             memory_budget_bytes=options.get("memory_budget_bytes"), page_bytes=opts.page_bytes,
             cuda_graphs=opts.cuda_graphs,
             async_steps=None if opts.async_steps else False,  # on: where steps run asynchronously (CUDA)
             shared_step_tokens=opts.shared_step_tokens or None, quiet_window_s=opts.quiet_window_s,
-            warm_tier_bytes=int(options.get("warm_tier_bytes", 0)),
+            warm_tier_bytes=int(options.get("warm_tier_bytes", 0)), load_notes_path=notes,
         )
         mark("engine_core")
         fraction = options.get("memory_budget_fraction")

@@ -233,3 +233,30 @@ def _ref_core(d) -> EngineCore:
     core.load_model("a", d, max_model_len=128, max_num_seqs=4)
     return core
 
+
+
+@pytest.mark.parametrize("prebuild", [True, False])
+def test_a_restart_books_the_workspace_measured_by_the_process_before(make_tiny_model, tmp_path, prebuild):
+    """The load notes on disk carry a measured workspace to the next process: its first load of
+    the same weights at the same shape skips the warm-up and (``prebuild_runner``) builds the
+    runner beside the weights, with the same tokens and the same books; another shape measures."""
+    d = make_tiny_model("llama")
+    path = tmp_path / "engine" / "load-notes.json"
+    first = _core(warmup=True, load_notes_path=path, prebuild_runner=prebuild)
+    first.load_model("a", d, max_model_len=128, max_num_seqs=4)
+    assert first.last_load_timings["warmup_skipped"] == 0.0 and path.exists()
+    ref, books = _generate(first, "a"), _books(first)
+    del first
+    second = _core(warmup=True, load_notes_path=path, prebuild_runner=prebuild)  # "after the restart"
+    second.load_model("a", d, max_model_len=128, max_num_seqs=4)
+    t = second.last_load_timings
+    assert t["warm"] == 0.0 and t["warmup_skipped"] == 1.0
+    assert (t["prebuilt_runner_s"] > 0.0) == prebuild
+    assert _books(second) == books
+    assert _generate(second, "a") == ref
+    second.unload_model("a")
+    second.load_model("a", d, max_model_len=128, max_num_seqs=2)
+    assert second.last_load_timings["warmup_skipped"] == 0.0
+    third = _core(warmup=True, load_notes_path=path)
+    third.load_model("a", make_tiny_model("llama", seed=1), max_model_len=128, max_num_seqs=4)
+    assert third.last_load_timings["warmup_skipped"] == 0.0  # other weights: their own measurement

@@ -1,0 +1,72 @@
+"""engine.core.load_notes: measured workspaces kept on disk across processes, for this setting
+only, bounded, and never trusted when the file is damaged."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from engine.core import load_notes
+from engine.core.load_notes import MAX_NOTES, LoadNotes, setting
+
+
+def test_round_trip_across_instances_and_only_for_the_same_setting(tmp_path):
+    path = tmp_path / "engine" / "load-notes.json"
+    a = LoadNotes(path, "s1")
+    assert a.get("w", "shape") is None
+    assert a.put("w", "shape", 123) and a.get("w", "shape") == 123
+    assert LoadNotes(path, "s1").get("w", "shape") == 123  # a new process reads it
+    assert LoadNotes(path, "s1").get("w", "other shape") is None
+    assert LoadNotes(path, "s2").get("w", "shape") is None  # another engine, device or version
+    assert not a.put("w", "shape", 0) and not a.put("w", "shape", -5) and not a.put("w", "shape", True)
+    assert not a.put("w", "shape", 1 << 60)
+    assert LoadNotes(path, "s1").get("w", "shape") == 123
+    assert [p.name for p in path.parent.iterdir()] == ["load-notes.json"]  # no temporary left
+
+
+def test_a_damaged_file_is_ignored_whole_and_replaced(tmp_path, caplog):
+    path = tmp_path / "load-notes.json"
+    LoadNotes(path, "s").put("w", "x", 7)
+    good = json.loads(path.read_text())
+    key = next(iter(good["notes"]))
+    damaged = [b"{not json", b"[]", json.dumps({**good, "version": 99}).encode(),
+               json.dumps({**good, "notes": {key: "7"}}).encode(),
+               json.dumps({**good, "notes": {key: -1}}).encode(),
+               json.dumps({**good, "notes": {"short": 7}}).encode(),
+               json.dumps({**good, "notes": {key: 7.5}}).encode(),
+               b" " * (load_notes.MAX_FILE_BYTES + 1)]
+    for data in damaged:
+        path.write_bytes(data)
+        notes = LoadNotes(path, "s")
+        assert notes.get("w", "x") is None, data[:40]
+        assert notes.put("w", "y", 9) and LoadNotes(path, "s").get("w", "y") == 9  # rewritten whole
+
+
+def test_bounded_oldest_first(tmp_path):
+    notes = LoadNotes(tmp_path / "n.json", "s")
+    for i in range(MAX_NOTES + 10):
+        notes.put(f"w{i}", "x", i + 1)
+    again = LoadNotes(tmp_path / "n.json", "s")
+    assert again.get("w0", "x") is None and again.get(f"w{MAX_NOTES + 9}", "x") == MAX_NOTES + 10
+    assert sum(again.get(f"w{i}", "x") is not None for i in range(MAX_NOTES + 10)) == MAX_NOTES
+
+
+def test_a_failed_write_keeps_the_figure_in_this_process_only(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    notes = LoadNotes(blocked / "load-notes.json", "s")  # its folder cannot be made
+    assert not notes.put("w", "x", 5)
+    assert notes.get("w", "x") == 5
+
+
+def test_the_setting_names_the_versions_and_the_engine_code(tmp_path):
+    s = setting(torch.device("cpu"))
+    assert f"torch {torch.__version__}" in s and "|cpu|" in s and "engine " in s
+    assert setting(torch.device("cpu")) == s  # stable
+    tree = tmp_path / "engine"
+    (tree / "core").mkdir(parents=True)
+    (tree / "core" / "a.py").write_text("x = 1\n")
+    before = setting(torch.device("cpu"), tree)
+    (tree / "core" / "a.py").write_text("x = 22\n")  # a new build of the engine measures again
+    assert setting(torch.device("cpu"), tree) != before
