@@ -101,3 +101,62 @@ def test_the_record_of_a_restart_has_no_pull(make_tiny_model, tmp_path) -> None:
         assert "model_load" in names and "model_pull" not in names and "worker_hello" in names
     finally:
         d.stop()
+
+
+def _completion(d: Daemon) -> list:
+    code, body = d.post("/v1/completions", {"model": MODEL, "prompt": "Hello there", "max_tokens": 8,
+                                            "temperature": 0, "ignore_eos": True, "logprobs": 1})
+    assert code == 200, body
+    return body["choices"][0]["logprobs"]["tokens"]
+
+
+def _workers_of(root) -> list[int]:
+    """Engine worker processes started for a daemon under ``root`` (its cache dir is in their options)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "engine.worker" in cmd and str(root) in cmd:
+            out.append(p.pid)
+    return out
+
+
+def test_a_start_killed_at_any_point_leaves_what_the_next_start_needs(make_tiny_model, tmp_path) -> None:
+    """SIGKILL the agent at several points of a first start (pulling, the worker importing, the
+    load): the worker goes with it, and the next start becomes ready and answers as a clean start
+    does; no temporary file of the start (load notes, bytecode) is left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    url = publish_tiny(make_tiny_model, tmp_path / "clean" / "store", MODEL)
+    models = [{"name": MODEL, "preload": True, "max_model_len": 256}]
+    clean = Daemon(tmp_path / "clean", store_url=url, models=models).start(timeout=120)
+    try:
+        want = _completion(clean)
+    finally:
+        clean.stop()
+    root = tmp_path / "killed"
+    root.mkdir()
+    for delay in (0.2, 0.8, 1.5, 2.5, 4.0):
+        d = Daemon(root, store_url=url, models=models)
+        log = open(d.log_path, "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "serve"], cwd=d.env["PYTHONPATH"].split(os.pathsep)[0],
+                                env=d.env, stdout=log, stderr=subprocess.STDOUT)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        log.close()
+        deadline = time.monotonic() + 30  # the worker dies with its agent (PDEATHSIG, EOF)
+        while time.monotonic() < deadline and _workers_of(root):
+            time.sleep(0.1)
+        assert not _workers_of(root), delay
+    d = Daemon(root, store_url=url, models=models).start(timeout=120)
+    try:
+        assert _completion(d) == want
+        leftovers = [p for p in (root / "cache").rglob(".load-notes-*")]
+        assert not leftovers, leftovers
+    finally:
+        d.stop()
