@@ -12,21 +12,45 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agent.log import get_logger
 from agent.worker.mailbox import Mailbox
 from engine.worker import protocol as P
 
+PID_FILE = "worker.pid"  # in the runtime dir: the worker's pid, for the next agent to wait on
+PREVIOUS_WORKER_WAIT_S = 30.0  # a previous worker's exit (freeing the GPU) is waited for this long at most
 HELLO_TIMEOUT_S = 120.0  # importing torch and initialising CUDA on a cold node is slow
 HEARTBEAT_STALE_S = 3.0
 STALL_S = 20.0  # busy with no engine step for this long: wedged (a first-step kernel compile can take a while)
 BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
+
+
+def _read_pid(path: Path) -> int | None:
+    """The pid in a worker pid file (None: none, or not a plain positive number)."""
+    try:
+        text = path.read_text()[:32].strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() and 0 < int(text) < 1 << 22 else None
+
+
+def _is_worker_of(pid: int, runtime_dir: str) -> bool:
+    """Whether ``pid`` is alive and an engine worker started for ``runtime_dir`` (not a reused pid)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    cmd = raw.replace(b"\0", b" ").decode(errors="replace")
+    return state != "Z" and "engine.worker" in cmd and runtime_dir in cmd
 
 
 class WorkerError(Exception):
@@ -189,7 +213,40 @@ class WorkerClient:
             if self.on_restart:
                 self.on_restart()
 
+    def _pid_file(self) -> Path | None:
+        run = (self.options.get("sandbox_options") or {}).get("runtime_dir")
+        return Path(run) / PID_FILE if run else None
+
+    async def _wait_for_previous_worker(self) -> None:
+        """A worker of an earlier agent still alive (its pid in the runtime dir, its command
+        line an engine worker's for the same runtime dir) holds the GPU until it is gone: wait
+        for it, at most ``PREVIOUS_WORKER_WAIT_S``, before starting ours (the first load would
+        otherwise fail for memory it is about to free)."""
+        path = self._pid_file()
+        pid = _read_pid(path) if path is not None else None
+        if pid is None or pid == os.getpid() or not _is_worker_of(pid, str(path.parent)):
+            return
+        self._log.warning("previous_worker_alive", pid=pid, wait_s=PREVIOUS_WORKER_WAIT_S)
+        deadline = time.monotonic() + PREVIOUS_WORKER_WAIT_S
+        while time.monotonic() < deadline and _is_worker_of(pid, str(path.parent)):
+            await asyncio.sleep(0.05)
+        if _is_worker_of(pid, str(path.parent)):
+            self._log.error("previous_worker_still_alive", pid=pid)
+
+    def _write_pid(self, pid: int) -> None:
+        path = self._pid_file()
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+            tmp = path.with_name(f".{PID_FILE}.{os.getpid()}")
+            tmp.write_text(f"{pid}\n")
+            os.replace(tmp, path)
+        except OSError as e:  # no runtime dir yet, read-only: only the restart's wait is lost
+            self._log.warning("worker_pid_not_written", error=str(e))
+
     async def _run_once(self) -> None:
+        await self._wait_for_previous_worker()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         spawn_at = time.monotonic()
         try:
@@ -202,6 +259,7 @@ class WorkerClient:
             child.close()
         self._spawned.set()
         proc = self._proc
+        self._write_pid(proc.pid)
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
         self.state = WorkerState(pid=proc.pid, started_at=time.monotonic(), restarts=self.state.restarts,
                                  spawn_at=spawn_at, spawned_at=time.monotonic())

@@ -126,3 +126,66 @@ def test_stop_is_clean() -> None:
         assert c.state.restarts == 0
 
     uvloop.run(main())
+
+
+def test_a_previous_worker_still_alive_is_waited_for_before_ours_starts(tmp_path, monkeypatch) -> None:
+    """The runtime dir's worker.pid names the last worker; a new agent whose predecessor's worker
+    is still exiting (it holds the GPU) starts its own only once that one is gone, at most
+    PREVIOUS_WORKER_WAIT_S; a pid file naming anything else (garbage, a reused pid) is no reason
+    to wait."""
+    import subprocess
+    import sys
+    import threading
+
+    run = tmp_path / "run"
+    run.mkdir()
+    options = {"sandbox_options": {"runtime_dir": str(run)}}
+    # Stands in for the previous worker: an "engine.worker" for this runtime dir, exiting in 1.5 s.
+    old = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(float(sys.argv[1]))", "1.5",
+                            "engine.worker", str(run)])
+    (run / wc.PID_FILE).write_text(f"{old.pid}\n")
+
+    async def first() -> float:
+        c = wc.WorkerClient(options, engine="none")
+        await asyncio.wait_for(c.start(), 30)
+        try:
+            assert old.poll() is not None  # gone (reaped below by its parent, this test)
+            assert (run / wc.PID_FILE).read_text().strip() == str(c.state.pid)  # ours is named now
+            return c.state.spawn_at
+        finally:
+            await c.stop(timeout=5)
+
+    t0 = time.monotonic()
+    reaper = threading.Thread(target=old.wait, daemon=True)
+    reaper.start()
+    spawned = uvloop.run(first())
+    assert spawned - t0 >= 1.0  # it waited for the old one's exit
+    # Garbage, or a live process that is not a worker of this runtime dir: no wait at all.
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        for content in ("not a pid", "-4", "9" * 40, str(other.pid)):
+            (run / wc.PID_FILE).write_text(content)
+            t0 = time.monotonic()
+            assert uvloop.run(_spawn_at(options)) - t0 < 1.0, content
+        # One that never exits is waited for only up to the bound.
+        monkeypatch.setattr(wc, "PREVIOUS_WORKER_WAIT_S", 0.5)
+        stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "engine.worker", str(run)])
+        try:
+            (run / wc.PID_FILE).write_text(str(stuck.pid))
+            t0 = time.monotonic()
+            assert 0.4 <= uvloop.run(_spawn_at(options)) - t0 < 5.0
+        finally:
+            stuck.kill()
+            stuck.wait()
+    finally:
+        other.kill()
+        other.wait()
+
+
+async def _spawn_at(options: dict) -> float:
+    c = wc.WorkerClient(options, engine="none")
+    await asyncio.wait_for(c.start(), 30)
+    try:
+        return c.state.spawn_at
+    finally:
+        await c.stop(timeout=5)
