@@ -26,13 +26,15 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
         mark("torch")
         from engine.core.engine_core import EngineCore
         from engine.options import EngineOptions
-        from engine.kernels.triton_cache import set_triton_cache_dir
+        from engine.kernels.triton_cache import set_triton_cache_dir, sweep_triton_cache
 
         mark("engine_imports")
         opts = EngineOptions.from_dict(options)
         notes = None
         if cache_dir := (options.get("sandbox_options") or {}).get("cache_dir"):
-            set_triton_cache_dir(cache_dir)  # compiled kernels survive restarts
+            triton_dir = set_triton_cache_dir(cache_dir)  # compiled kernels survive restarts
+            for line in sweep_triton_cache(triton_dir):  # ... but a damaged one is compiled again
+                print(f"engine.worker: triton cache: removed {line}", file=sys.stderr)
             notes = Path(cache_dir) / "engine" / "load-notes.json"  # and measured workspaces too
         core = EngineCore(
             device=options.get("device", "auto"), max_num_batched_tokens=opts.max_num_batched_tokens,
