@@ -5,6 +5,7 @@ imports the HTTP side (agent/commands/serve.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,27 @@ def pycache_dir(settings: Settings) -> Path:
 
 
 def worker_env(settings: Settings) -> dict[str, str]:
-    """The worker's environment: the agent's, with Python's bytecode cached under the cache dir
-    (``PYTHONPYCACHEPREFIX``, unless the operator set one) and written even where
-    ``PYTHONDONTWRITEBYTECODE`` is set. ``import torch`` compiled from source is seconds of every
-    start: on the H200 machine, whose torch was installed without bytecode, 2.8-4.7 s of a 6-9 s
-    restart (``worker_torch``), against ~1 s from bytecode."""
+    """The worker's environment: the agent's, plus, where torch was installed without bytecode,
+    Python's bytecode cached under the cache dir (``PYTHONPYCACHEPREFIX``, written even where
+    ``PYTHONDONTWRITEBYTECODE`` is set). ``import torch`` compiled from source is seconds of every
+    start: on the H200 machine, whose torch has no bytecode, 2.8-4.7 s of a 6-9 s restart
+    (``worker_torch``), against ~1 s from bytecode. Where the installation has its bytecode (pip
+    writes it), nothing changes: a prefix would make Python ignore it and compile everything once
+    more, into the cache disk. An operator's own ``PYTHONPYCACHEPREFIX`` is kept."""
     env = dict(os.environ)
-    env.setdefault("PYTHONPYCACHEPREFIX", str(pycache_dir(settings)))
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if "PYTHONPYCACHEPREFIX" not in env and not has_bytecode("torch"):
+        env["PYTHONPYCACHEPREFIX"] = str(pycache_dir(settings))
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
+
+
+def has_bytecode(module: str) -> bool:
+    """Whether ``module``'s installed source has its compiled bytecode beside it (found without
+    importing it); True for a module that is not there (nothing to compile)."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return True
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return True
+    return os.path.exists(importlib.util.cache_from_source(spec.origin))

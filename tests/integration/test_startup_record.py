@@ -75,22 +75,6 @@ def test_admin_status_has_the_start_by_phase_from_exec_to_ready(make_tiny_model,
         d.stop()
 
 
-def test_the_worker_caches_its_bytecode_under_the_cache_dir(make_tiny_model, tmp_path, monkeypatch) -> None:
-    """Even where the environment says not to write bytecode: a restart must not compile torch
-    from source again (the worker's env, agent/worker/options.py)."""
-    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
-    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
-    url = publish_tiny(make_tiny_model, tmp_path / "store", MODEL)
-    d = Daemon(tmp_path, store_url=url, models=[{"name": MODEL, "preload": True, "max_model_len": 256}])
-    d.start(timeout=120)
-    try:
-        prefix = tmp_path / "cache" / "pycache"
-        assert list(prefix.rglob("engine/worker/main.*.pyc")), "the worker's own modules"
-        assert list(prefix.rglob("torch/__init__.*.pyc")), "torch's"
-    finally:
-        d.stop()
-
-
 def test_the_record_of_a_restart_has_no_pull(make_tiny_model, tmp_path) -> None:
     url = publish_tiny(make_tiny_model, tmp_path / "store", MODEL)
     models = [{"name": MODEL, "preload": True, "max_model_len": 256}]
