@@ -41,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(settings: Any, engine: str) -> None:
-    """Start the engine worker first, then import and run the app: the worker's start (the torch
-    import, the CUDA context: seconds) overlaps the agent's own imports (aiohttp, the API, the
-    manager: ~1 s) instead of following them."""
+    """Start the engine worker first, then import and run the app: the worker's start (its torch
+    import: seconds) overlaps the agent's own imports (aiohttp, the API, the manager) instead of
+    following them."""
     from agent.worker.client import WorkerClient
     from agent.worker.options import worker_env, worker_options
 
