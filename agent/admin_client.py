@@ -18,6 +18,21 @@ from typing import Any
 from agent.config import Settings
 
 
+def agent_listening(path: Path) -> bool:
+    """Whether an agent answers on the admin unix socket ``path`` (a connect succeeds); a stale
+    socket file, or none, is False."""
+    if not path.exists():
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 class AgentDown(Exception):
     """No agent answered on the admin socket or the TCP port; the message says where the client
     looked, why each place did not answer, and how to point it elsewhere."""

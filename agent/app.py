@@ -19,7 +19,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +31,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from agent.http.admin_api import AdminApi
 from agent.config import Settings
+from agent.admin_client import agent_listening
 from agent.context import AgentContext
 from agent.http.health import Canary, Health
 from agent.log import get_logger
@@ -256,17 +256,9 @@ def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | 
 
 def _bind_admin_socket(path: Path) -> None:
     """Refuse to start over a live agent's socket; remove a stale one."""
-    if not path.exists():
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        path.unlink(missing_ok=True)
-        return
-    finally:
-        probe.close()
-    raise RuntimeError(f"another agent is listening on {path}")
+    if agent_listening(path):
+        raise RuntimeError(f"another agent is listening on {path}")
+    path.unlink(missing_ok=True)
 
 
 def _unlink_own_socket(path: Path, own: os.stat_result | None) -> None:

@@ -44,9 +44,13 @@ async def _serve(settings: Any, engine: str) -> None:
     """Start the engine worker first, then import and run the app: the worker's start (its torch
     import: seconds) overlaps the agent's own imports (aiohttp, the API, the manager) instead of
     following them."""
+    from agent.admin_client import agent_listening
     from agent.worker.client import WorkerClient
     from agent.worker.options import worker_env, worker_options
 
+    sock = settings.server.admin_socket_path()
+    if agent_listening(sock):  # before a worker is spawned (it would wait on the live one's worker)
+        raise RuntimeError(f"another agent is listening on {sock}")
     worker = WorkerClient(worker_options(settings), engine=engine, env=worker_env(settings))
     await worker.start(wait=False)
     try:
