@@ -15,7 +15,8 @@ seconds a large model's weights take (:meth:`ModelLoader.begin_load`, then ``fin
 2. in a load thread: build the model, read its weights (or restore them from the warm tier) on
    side streams, the rope cache; an event recorded behind them orders the caller's later use;
 3. back on the caller's thread: scheduler, runner (graph capture), the measured warm-up (skipped
-   when the warm tier holds the workspace figure of this model at this shape) → schedulable.
+   when the warm tier or the load notes hold the workspace figure of this model at this shape)
+   → schedulable.
 
 ``load_model`` is the three in a row. One load is in flight at a time; a failed or cancelled
 load releases exactly what it booked. ``last_load_timings`` has each phase's seconds.
@@ -188,10 +189,10 @@ class ModelLoader:
             self._pools.fit(None, None)
             raise
         pending = PendingLoad(name, str(model_dir), cfg, max_len, dtype, needs, max_num_seqs, float(weight), t0)
-        known = self._known_workspace(warm_key(name, model_dir),
-                                      self._workspace_shape(max_num_seqs, max_len, dtype, needs.tokens_per_page))
+        pending.key = warm_key(name, model_dir)
+        pending.shape = self._workspace_shape(max_num_seqs, max_len, dtype, needs.tokens_per_page)
         pending.prebuild = self.warmup and self.prebuild_runner is not False and prebuild_wanted(
-            self.device, known, allow_cpu=bool(self.prebuild_runner))
+            self.device, self._known_workspace(pending.key, pending.shape), allow_cpu=bool(self.prebuild_runner))
         pending.timings.update(config_s=t1 - t0, book_s=time.perf_counter() - t1, pool_s=t_pool)
         self.pending = pending
         threading.Thread(target=self._load_thread, args=(pending,), name=f"engine-load-{name}",
@@ -212,7 +213,6 @@ class ModelLoader:
         cuda = self.device.type == "cuda"
         with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
             t0 = time.perf_counter()
-            key = warm_key(p.name, p.model_dir)
             model = LlamaModel(p.cfg, p.dtype, self.device)
             ta = time.perf_counter()
             model.build_rope_cache(p.max_len)  # computed, not read: before the runner build needs it
@@ -223,7 +223,7 @@ class ModelLoader:
                 build = RunnerBuild(lambda: (gen, *self._pools.new_runner(p.name, p.cfg, model, p.max_num_seqs, p.max_len)),
                                     self.device, p.name, self._pools.streams)
             try:
-                nbytes, source = load_or_restore(model, p.model_dir, self.warm_tier, key, cancel=p.cancel)
+                nbytes, source = load_or_restore(model, p.model_dir, self.warm_tier, p.key, cancel=p.cancel)
             finally:
                 runner = build.result() if build is not None else None  # never left using the model
             ready = None
@@ -235,7 +235,7 @@ class ModelLoader:
             p.timings.update(alloc_s=ta - t0, rope_s=tb - ta, weights_s=time.perf_counter() - tb,
                              warm=1.0 if source == "warm" else 0.0,
                              prebuilt_runner_s=build.seconds if build is not None else 0.0)
-            return WeightsReady(model, nbytes, source, key, ready, runner)
+            return WeightsReady(model, nbytes, source, ready, runner)
 
     def finish_load(self, pending: PendingLoad) -> ModelInfo:
         """Phase 3: wait for the weights (if they are still coming), then install the model on
@@ -350,10 +350,9 @@ class ModelLoader:
         slot = ModelSlot(name, cfg, w.model, None, None, sched, p.weight, w.nbytes,
                          ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids), 0, 0, 0),
                          pages=pages, needs=needs, max_num_seqs=p.max_num_seqs,
-                         workspace_bytes=needs.workspace_bytes, warm_key=w.key)
+                         workspace_bytes=needs.workspace_bytes, warm_key=p.key)
         self._slots[name] = slot
-        shape = self._workspace_shape(p.max_num_seqs, p.max_len, p.dtype, needs.tokens_per_page)
-        known = self._known_workspace(w.key, shape)
+        known = self._known_workspace(p.key, p.shape)
         # A runner built beside the weights serves when nothing is to be measured and the pool's
         # memory is the one it was built on; otherwise it is dropped before the measurement.
         pre, w.runner = w.runner, None
@@ -378,7 +377,7 @@ class ModelLoader:
             slot.workspace_bytes = max(measured or 0, known or 0, needs.workspace_bytes)
             self._pools.ledger.record_workspace(name, slot.workspace_bytes)
         if self.warmup and known is None and self.notes is not None:
-            self.notes.put(w.key, shape, slot.workspace_bytes)  # the next process books it
+            self.notes.put(p.key, p.shape, slot.workspace_bytes)  # the next process books it
         self._picker.add_model(name, p.weight)
         slot.info = ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids),
                               w.nbytes + slot.workspace_bytes + needs.min_kv_bytes, pages.num_total,

@@ -10,8 +10,8 @@ warm-up runs read half-copied weights, which only makes their (discarded) output
 decode graphs' sampling is an argmax, which no value can make fail.
 
 Used only when the load skips its measured warm-up (the warm tier or the load notes on disk
-hold this model's workspace figure at this shape): a fresh measurement must see the runner's graph memory, and runs after
-the weights. The build runs on its own stream and thread; a capture there is thread-local, so
+hold this model's workspace figure at this shape): a fresh measurement must see the runner's
+graph memory, and runs after the weights. The build runs on its own stream and thread; a capture there is thread-local, so
 the caller's thread keeps stepping other models. Its result is checked against the pool's
 ``generation`` at install: a resize in between rebuilds the runner on the new memory.
 """

@@ -43,7 +43,6 @@ class WeightsReady:
     model: torch.nn.Module  # an engine.models.llama.LlamaModel
     nbytes: int
     source: str  # "warm" | "disk"
-    key: str
     ready: Any  # torch.cuda.Event recorded behind the copies and the rope cache (None on CPU)
     runner: Any = None  # (pool generation, kv, runner) built beside the copies, or None
 
@@ -68,6 +67,8 @@ class PendingLoad:
     cancel: threading.Event = field(default_factory=threading.Event)
     trim: bool = False  # an unload meanwhile left the pool to be trimmed when this load ends
     prebuild: bool = False  # build the runner beside the weights (engine.runner.prebuild)
+    key: str = ""  # the weights' warm-tier key (warm_key), taken once at begin
+    shape: str = ""  # what its measured workspace depends on besides the weights (the load's shape)
 
     def done(self) -> bool:
         return self.future.done()

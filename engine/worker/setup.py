@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,18 +25,23 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
         import torch
 
         mark("torch")
+        from engine.kernels.triton_cache import set_triton_cache_dir
+
+        notes = sweep = None
+        if cache_dir := (options.get("sandbox_options") or {}).get("cache_dir"):
+            triton_dir = set_triton_cache_dir(cache_dir)  # compiled kernels survive restarts
+            # ... but a damaged one is compiled again. Beside the engine's imports: reading a few
+            # hundred kernels' records takes ~0.2 s, and no kernel loads before the first load.
+            sweep = threading.Thread(target=_sweep, args=(triton_dir,), name="triton-sweep", daemon=True)
+            sweep.start()
+            notes = Path(cache_dir) / "engine" / "load-notes.json"  # and measured workspaces too
         from engine.core.engine_core import EngineCore
         from engine.options import EngineOptions
-        from engine.kernels.triton_cache import set_triton_cache_dir, sweep_triton_cache
 
         mark("engine_imports")
         opts = EngineOptions.from_dict(options)
-        notes = None
-        if cache_dir := (options.get("sandbox_options") or {}).get("cache_dir"):
-            triton_dir = set_triton_cache_dir(cache_dir)  # compiled kernels survive restarts
-            for line in sweep_triton_cache(triton_dir):  # ... but a damaged one is compiled again
-                print(f"engine.worker: triton cache: removed {line}", file=sys.stderr)
-            notes = Path(cache_dir) / "engine" / "load-notes.json"  # and measured workspaces too
+        if sweep is not None:
+            sweep.join()
         core = EngineCore(
             device=options.get("device", "auto"), max_num_batched_tokens=opts.max_num_batched_tokens,
             memory_budget_bytes=options.get("memory_budget_bytes"), page_bytes=opts.page_bytes,
@@ -59,6 +65,13 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
     except Exception as e:  # report, do not crash-loop: the agent shows it in status
         return None, "none", f"{type(e).__name__}: {e}"
     return core, str(core.device), ""
+
+
+def _sweep(triton_dir: str) -> None:
+    from engine.kernels.triton_cache import sweep_triton_cache
+
+    for line in sweep_triton_cache(triton_dir):
+        print(f"engine.worker: triton cache: removed {line}", file=sys.stderr)
 
 
 def confine(options: dict[str, Any]) -> None:
