@@ -138,7 +138,6 @@ class WorkerClient:
         self._hello: asyncio.Future[P.Hello] | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
-        self._first_up = asyncio.Event()
         self._spawned = asyncio.Event()  # the first worker process exists
         self._up = asyncio.Event()  # set while a worker is alive (said Hello, not exited)
 
@@ -166,7 +165,7 @@ class WorkerClient:
             self._supervisor = asyncio.create_task(self._supervise(), name="worker-supervisor")
         if wait:
             await asyncio.wait(
-                [asyncio.ensure_future(self._first_up.wait()), self._supervisor],
+                [asyncio.ensure_future(self._up.wait()), self._supervisor],
                 return_when=asyncio.FIRST_COMPLETED,
             )
 
@@ -269,12 +268,11 @@ class WorkerClient:
         try:
             hello = await asyncio.wait_for(asyncio.shield(self._hello), HELLO_TIMEOUT_S)
             self.state.alive = True
-            self._up.set()
             self.state.device, self.state.engine_error = hello.device, hello.engine_error
             self.state.budget_bytes = hello.budget_bytes
             self.state.last_frame = self.state.last_progress = time.monotonic()
             self._log.info("worker_up", pid=hello.pid, device=hello.device, engine_error=hello.engine_error or None)
-            self._first_up.set()
+            self._up.set()
             if self.on_up:
                 up_task = asyncio.create_task(self.on_up(), name="worker-on-up")
             # Either the socket closing or the process exiting means the worker is gone.
