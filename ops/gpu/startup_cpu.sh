@@ -53,9 +53,10 @@ for part in $parts; do
       diag)
         [ "$name" = new ] || continue
         { python3 -c "import torch, os; d = os.path.dirname(torch.__file__); print('torch', torch.__version__, d, 'writable', os.access(d, os.W_OK), 'pycache', os.path.isdir(os.path.join(d, '__pycache__')))"
-          for i in 1 2; do s=$(date +%s.%N); python3 -c "import torch"; echo "import torch: $(echo "$(date +%s.%N) - $s" | bc) s"; done
-          for i in 1 2; do s=$(date +%s.%N); PYTHONPYCACHEPREFIX=/tmp/pyc python3 -c "import torch"; echo "import torch, pycache prefix: $(echo "$(date +%s.%N) - $s" | bc) s"; done
-          s=$(date +%s.%N); python3 -c "import torch; torch.zeros(1, device='cuda')"; echo "import torch + context: $(echo "$(date +%s.%N) - $s" | bc) s"
+          timed() { local label=$1; shift; TIMEFORMAT="$label: %R s"; time "$@"; }  # (the machine has no bc)
+          for i in 1 2; do timed "import torch" python3 -c "import torch"; done
+          for i in 1 2; do timed "import torch, pycache prefix" env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pyc python3 -c "import torch"; done
+          timed "import torch + context" python3 -c "import torch; torch.zeros(1, device='cuda')"
           LD_DEBUG=statistics python3 -c "import torch" 2>&1 | tail -12; } > "$OUT/torch_import.txt" 2>&1
         python3 -X importtime -c "import torch" 2> "$OUT/torch_importtime.txt" ;;
       c1)
