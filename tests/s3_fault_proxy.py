@@ -249,7 +249,8 @@ def tree_files(root: Path) -> list[str]:
 
 def fast_download(**overrides):
     """Tiny parts (many per file) and millisecond backoffs: fault tests stay fast."""
-    from cache import DownloadConfig, RetryPolicy
+    from cache.downloader import DownloadConfig
+    from cache.retry import RetryPolicy
 
     fields = dict(part_size=64 << 10, concurrency=4, min_concurrency=1, max_concurrency=8,
                   retry=RetryPolicy(attempts=6, base_delay=0.01, max_delay=0.05, max_retry_after=0.5))
@@ -258,7 +259,8 @@ def fast_download(**overrides):
 
 
 def s3_store(endpoint: str, bucket: str, read_timeout: float = 5.0, **kw):
-    from cache import RetryPolicy, open_store
+    from cache.retry import RetryPolicy
+    from cache.store import open_store
 
     return open_store(f"s3://{bucket}/store", endpoint, "us-east-1", True, read_timeout=read_timeout,
                       connect_timeout=2.0, multipart_threshold=kw.pop("multipart_threshold", 8 << 20),

@@ -71,7 +71,7 @@ def _say(msg: str) -> None:
 
 def seed_store(root: Path, name: str, arch: str, preset: str) -> str:
     """Make and publish the model unless the store already has it; returns the store URL."""
-    from cache import open_store
+    from cache.store import open_store
     from cache.publish import publish_model
     from cache.object_store import manifest_key
 

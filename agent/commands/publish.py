@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
     from agent.config import ConfigError, load_settings
     from agent.log import configure_logging
     from agent.units import parse_size
-    from cache import CacheError, ManifestError, Progress, SafetensorsError, open_store
+    from cache.errors import CacheError, ManifestError, SafetensorsError
+    from cache.progress import Progress
+    from cache.store import open_store
     from cache.progress import BarPrinter
     from cache.publish import publish_model
 

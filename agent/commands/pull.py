@@ -8,7 +8,6 @@ directly. Exit codes: 0 done, 1 store/integrity/disk failure, 2 bad input.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -35,7 +34,10 @@ def pull_direct(name: str, *, store_url: str, cache_dir: str | Path, max_bytes: 
 
     Blocking (runs its own event loop); raises the typed errors of ``cache``.
     """
-    from cache import DiskCache, DownloadConfig, Progress, open_store
+    from cache.disk_cache import DiskCache
+    from cache.downloader import DownloadConfig
+    from cache.progress import Progress
+    from cache.store import open_store
     from cache.manifest import validate_name
     from cache.progress import BarPrinter
 
@@ -49,6 +51,8 @@ def pull_direct(name: str, *, store_url: str, cache_dir: str | Path, max_bytes: 
     cfg = DownloadConfig(**fields)
     store = open_store(store_url, endpoint_url, region, path_style,
                        **({"max_connections": cfg.max_concurrency + 8} if store_url.startswith("s3://") else {}))
+    import asyncio
+
     progress = Progress(name)
     try:
         cache = DiskCache(cache_dir, max_bytes, download=cfg)
@@ -82,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from agent.config import ConfigError, load_settings
     from agent.log import configure_logging
     from agent.units import parse_size
-    from cache import CacheError, ManifestError
+    from cache.errors import CacheError, ManifestError
 
     try:
         settings = load_settings(args.config)

@@ -9,7 +9,6 @@ load); with none it checks the cache folder directly and repairs from the store.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from agent.commands._admin import EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_common, client
@@ -59,7 +58,9 @@ def _via_agent(args: argparse.Namespace) -> int | None:
 
 def _direct(args: argparse.Namespace) -> int:
     from agent.config import ConfigError, load_settings
-    from cache import CacheError, DiskCache, open_store
+    from cache.disk_cache import DiskCache
+    from cache.errors import CacheError
+    from cache.store import open_store
 
     try:
         s = load_settings(args.config)
@@ -80,6 +81,8 @@ def _direct(args: argparse.Namespace) -> int:
         finally:
             store.close()
         return {"problems": report.problems(), "repaired": True}
+
+    import asyncio
 
     try:
         return _report(args.name, asyncio.run(main()))

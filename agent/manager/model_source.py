@@ -17,7 +17,8 @@ class CacheSource:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "CacheSource":
-        from cache import DiskCache, open_store
+        from cache.disk_cache import DiskCache
+        from cache.store import open_store
 
         store = open_store(settings.store.url, settings.store.endpoint_url or None, settings.store.region,
                            settings.store.path_style)

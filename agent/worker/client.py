@@ -11,46 +11,33 @@ loads fail, ``on_down`` runs, and the worker is started again with exponential b
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import socket
-import sys
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from agent.log import get_logger
 from agent.worker.mailbox import Mailbox
+from agent.worker.spawn import Spawned, spawn_worker
+from cache.triton_cache import sweep_triton_cache, triton_cache_dir
 from engine.worker import protocol as P
 
-PID_FILE = "worker.pid"  # in the runtime dir: the worker's pid, for the next agent to wait on
-PREVIOUS_WORKER_WAIT_S = 30.0  # a previous worker's exit (freeing the GPU) is waited for this long at most
 HELLO_TIMEOUT_S = 120.0  # importing torch and initialising CUDA on a cold node is slow
 HEARTBEAT_STALE_S = 3.0
 STALL_S = 20.0  # busy with no engine step for this long: wedged (a first-step kernel compile can take a while)
 BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
 
 
-def _read_pid(path: Path) -> int | None:
-    """The pid in a worker pid file (None: none, or not a plain positive number)."""
-    try:
-        text = path.read_text()[:32].strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return int(text) if text.isdigit() and 0 < int(text) < 1 << 22 else None
+def _discard_spawned(spawned: Spawned) -> None:
+    spawned.sock.close()
+    spawned.proc.kill()
+    spawned.proc.wait()  # killed: at once
 
 
-def _is_worker_of(pid: int, runtime_dir: str) -> bool:
-    """Whether ``pid`` is alive and an engine worker started for ``runtime_dir`` (not a reused pid)."""
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    cmd = raw.replace(b"\0", b" ").decode(errors="replace")
-    return state != "Z" and "engine.worker" in cmd and runtime_dir in cmd
+def _discard(fut: asyncio.Future[Spawned]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        _discard_spawned(fut.result())
 
 
 class WorkerError(Exception):
@@ -119,7 +106,10 @@ class WorkerClient:
         on_up: Hook | None = None,
         on_down: Hook | None = None,
         on_restart: Callable[[], None] | None = None,
+        first: Spawned | None = None,
     ) -> None:
+        """``first``: a worker already started with ``spawn_worker`` (the serve command's, before
+        its event loop existed), supervised as the first one."""
         self.options = options
         self.engine = engine
         self.env = env  # the worker's environment (None: the agent's)
@@ -130,7 +120,10 @@ class WorkerClient:
         self.last_decode: dict[str, float] = {}
         self.load_timings: dict[str, dict[str, float]] = {}  # each model's last load, by phase (Loaded.timings)
         self._log = get_logger("worker_client")
-        self._proc: asyncio.subprocess.Process | None = None
+        self._first = first
+        self._proc: subprocess.Popen | None = None
+        self._exited: asyncio.Future[int] | None = None  # the current process's exit status, once it exits
+        self._swept: asyncio.Future[None] | None = None  # the current worker's kernel sweep (loads wait on it)
         self._writer: asyncio.StreamWriter | None = None
         self._streams: dict[str, EngineRequest] = {}
         self._pending: dict[tuple[str, str], asyncio.Future[Any]] = {}
@@ -172,17 +165,20 @@ class WorkerClient:
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit, kill it after ``timeout``, and stop supervising."""
         self._stopping = True
-        proc = self._proc
-        if proc is not None and proc.returncode is None:
+        if self._first is not None:  # never supervised (stopped before the supervisor ran)
+            _discard_spawned(self._first)
+            self._first = None
+        proc, exited = self._proc, self._exited
+        if proc is not None and exited is not None and not exited.done():
             try:
                 self._send(P.Shutdown())
             except WorkerDied:
                 proc.terminate()  # not talking yet (still starting): nothing to finish cleanly
             try:
-                await asyncio.wait_for(proc.wait(), timeout)
+                await asyncio.wait_for(asyncio.shield(exited), timeout)
             except asyncio.TimeoutError:
                 proc.kill()
-                await proc.wait()
+                await exited
         if self._supervisor is not None:
             self._supervisor.cancel()
             try:
@@ -212,56 +208,24 @@ class WorkerClient:
             if self.on_restart:
                 self.on_restart()
 
-    def _pid_file(self) -> Path | None:
-        run = (self.options.get("sandbox_options") or {}).get("runtime_dir")
-        return Path(run) / PID_FILE if run else None
-
-    async def _wait_for_previous_worker(self) -> None:
-        """A worker of an earlier agent still alive (its pid in the runtime dir, its command
-        line an engine worker's for the same runtime dir) holds the GPU until it is gone: wait
-        for it, at most ``PREVIOUS_WORKER_WAIT_S``, before starting ours (the first load would
-        otherwise fail for memory it is about to free)."""
-        path = self._pid_file()
-        pid = _read_pid(path) if path is not None else None
-        if pid is None or pid == os.getpid() or not _is_worker_of(pid, str(path.parent)):
-            return
-        self._log.warning("previous_worker_alive", pid=pid, wait_s=PREVIOUS_WORKER_WAIT_S)
-        deadline = time.monotonic() + PREVIOUS_WORKER_WAIT_S
-        while time.monotonic() < deadline and _is_worker_of(pid, str(path.parent)):
-            await asyncio.sleep(0.05)
-        if _is_worker_of(pid, str(path.parent)):
-            self._log.error("previous_worker_still_alive", pid=pid)
-
-    def _write_pid(self, pid: int) -> None:
-        path = self._pid_file()
-        if path is None:
-            return
-        try:
-            path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-            tmp = path.with_name(f".{PID_FILE}.{os.getpid()}")
-            tmp.write_text(f"{pid}\n")
-            os.replace(tmp, path)
-        except OSError as e:  # no runtime dir yet, read-only: only the restart's wait is lost
-            self._log.warning("worker_pid_not_written", error=str(e))
-
     async def _run_once(self) -> None:
-        await self._wait_for_previous_worker()
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        spawn_at = time.monotonic()
-        try:
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "engine.worker", "--fd", str(child.fileno()),
-                "--options", json.dumps(self.options), "--engine", self.engine,
-                pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL, env=self.env,
-            )
-        finally:
-            child.close()
+        spawned, self._first = self._first, None
+        if spawned is None:
+            spawning = asyncio.ensure_future(asyncio.to_thread(spawn_worker, self.options, self.engine, self.env))
+            try:
+                spawned = await asyncio.shield(spawning)
+            except asyncio.CancelledError:  # stopped while it waits for a previous worker: ours must not outlive us
+                spawning.add_done_callback(_discard)
+                raise
+        for event, fields in spawned.notes:
+            self._log.warning(event, **fields)
+        proc = self._proc = spawned.proc
+        self._exited = asyncio.ensure_future(asyncio.to_thread(proc.wait))
         self._spawned.set()
-        proc = self._proc
-        self._write_pid(proc.pid)
-        reader, self._writer = await asyncio.open_unix_connection(sock=parent)
+        self._swept = asyncio.ensure_future(self._sweep_kernels())
+        reader, self._writer = await asyncio.open_unix_connection(sock=spawned.sock)
         self.state = WorkerState(pid=proc.pid, started_at=time.monotonic(), restarts=self.state.restarts,
-                                 spawn_at=spawn_at, spawned_at=time.monotonic())
+                                 spawn_at=spawned.spawn_at, spawned_at=spawned.spawned_at)
         self._hello = asyncio.get_running_loop().create_future()
         read_task = asyncio.create_task(self._read_loop(reader), name="worker-reader")
         up_task: asyncio.Task[None] | None = None
@@ -276,21 +240,35 @@ class WorkerClient:
             if self.on_up:
                 up_task = asyncio.create_task(self.on_up(), name="worker-on-up")
             # Either the socket closing or the process exiting means the worker is gone.
-            wait_proc = asyncio.create_task(proc.wait())
-            await asyncio.wait([read_task, wait_proc], return_when=asyncio.FIRST_COMPLETED)
-            wait_proc.cancel()
+            await asyncio.wait([read_task, self._exited], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.TimeoutError:
             self._log.error("worker_no_hello", timeout_s=HELLO_TIMEOUT_S)
         finally:
             await self._reap(proc, read_task, up_task)
 
-    async def _reap(self, proc: asyncio.subprocess.Process, read_task: asyncio.Task[None], up_task: Any) -> None:
+    async def _sweep_kernels(self) -> None:
+        """Take damaged compiled kernels out of the worker's Triton cache (they would fail its
+        first load instead of compiling again), in a thread while the worker starts (reading a
+        few hundred kernels' records: ~0.3 s, which the worker's start no longer waits for)."""
+        cache_dir = (self.options.get("sandbox_options") or {}).get("cache_dir")
+        if not cache_dir:
+            return
+        try:
+            removed = await asyncio.to_thread(sweep_triton_cache, triton_cache_dir(cache_dir, self.env))
+        except Exception as e:  # never a reason to hold loads: Triton itself recompiles what it misses
+            self._log.warning("triton_cache_sweep_failed", error=f"{type(e).__name__}: {e}")
+            return
+        for line in removed:
+            self._log.warning("triton_cache_removed", entry=line)
+
+    async def _reap(self, proc: subprocess.Popen, read_task: asyncio.Task[None], up_task: Any) -> None:
         was_alive = self.state.alive
         self.state.alive = False
         self._up.clear()
-        if proc.returncode is None:
+        assert self._exited is not None
+        if not self._exited.done():
             proc.kill()
-        rc = await proc.wait()
+        rc = await asyncio.shield(self._exited)
         read_task.cancel()
         if up_task is not None:
             up_task.cancel()
@@ -450,7 +428,10 @@ class WorkerClient:
     async def load(self, model: str, model_dir: str, *, max_model_len: int, max_num_seqs: int,
                    weight: float = 1.0, evictable: list[str] | None = None,
                    timeout: float | None = None) -> P.Loaded:
-        """``evictable``: models the caller would unload to make room, least recently used first."""
+        """``evictable``: models the caller would unload to make room, least recently used first.
+        The first load of a worker waits for its kernel sweep."""
+        if self._swept is not None:
+            await asyncio.shield(self._swept)
         return await self._command(
             ("load", model),
             P.Load(model=model, model_dir=model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

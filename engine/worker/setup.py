@@ -8,6 +8,7 @@ warm tier and the sandbox's options."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 import threading
@@ -21,27 +22,27 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
     start ends ("torch", "engine_imports", "engine_core"; the device's context is the caller's next)."""
     if options.get("engine") == "none":
         return None, "none", ""
+    context = threading.Thread(target=open_cuda_context, args=(str(options.get("device", "auto")),),
+                               name="cuda-context", daemon=True)
+    context.start()  # beside torch's import, which does not need it
     try:
         import torch
 
         mark("torch")
-        from engine.kernels.triton_cache import set_triton_cache_dir
+        from cache.triton_cache import set_triton_cache_dir
 
-        notes = sweep = None
+        notes = None
         if cache_dir := (options.get("sandbox_options") or {}).get("cache_dir"):
-            triton_dir = set_triton_cache_dir(cache_dir)  # compiled kernels survive restarts
-            # ... but a damaged one is compiled again. Beside the engine's imports: reading a few
-            # hundred kernels' records takes ~0.2 s, and no kernel loads before the first load.
-            sweep = threading.Thread(target=_sweep, args=(triton_dir,), name="triton-sweep", daemon=True)
-            sweep.start()
-            notes = Path(cache_dir) / "engine" / "load-notes.json"  # and measured workspaces too
+            # Compiled kernels survive restarts (the agent sweeps out damaged ones before our
+            # first load: agent/worker/client.py), and so do measured workspaces.
+            set_triton_cache_dir(cache_dir)
+            notes = Path(cache_dir) / "engine" / "load-notes.json"
         from engine.core.engine_core import EngineCore
         from engine.options import EngineOptions
 
         mark("engine_imports")
         opts = EngineOptions.from_dict(options)
-        if sweep is not None:
-            sweep.join()
+        context.join()
         core = EngineCore(
             device=options.get("device", "auto"), max_num_batched_tokens=opts.max_num_batched_tokens,
             memory_budget_bytes=options.get("memory_budget_bytes"), page_bytes=opts.page_bytes,
@@ -67,11 +68,32 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
     return core, str(core.device), ""
 
 
-def _sweep(triton_dir: str) -> None:
-    from engine.kernels.triton_cache import sweep_triton_cache
+def cuda_index(device: str) -> int | None:
+    """The CUDA device ordinal a device option names ("auto" and "cuda": 0), None for the others."""
+    if device in ("auto", "cuda"):
+        return 0
+    head, _, index = device.partition(":")
+    return int(index) if head == "cuda" and index.isdigit() else None
 
-    for line in sweep_triton_cache(triton_dir):
-        print(f"engine.worker: triton cache: removed {line}", file=sys.stderr)
+
+def open_cuda_context(device: str) -> int | None:
+    """Initialise the CUDA driver and create ``device``'s primary context through the driver API
+    (ctypes: no torch needed), so that it is made while ``import torch`` runs (~1.6 s of Python on
+    the H200 machine, ctypes calls release the GIL) instead of after it, when the engine's first
+    CUDA call would (~0.3 s). The runtime torch uses takes that same primary context. Returns its
+    handle; None (nothing done) where there is no driver or device: torch then finds out and says so."""
+    index = cuda_index(device)
+    if index is None:
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    if (lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(dev), index) == 0
+            and lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0):
+        return ctx.value
+    return None
 
 
 def confine(options: dict[str, Any]) -> None:

@@ -33,7 +33,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from agent.units import parse_size  # noqa: E402
-from cache import DiskCache, DownloadConfig, Progress, open_store  # noqa: E402
+from cache.disk_cache import DiskCache  # noqa: E402
+from cache.downloader import DownloadConfig  # noqa: E402
+from cache.progress import Progress  # noqa: E402
+from cache.store import open_store  # noqa: E402
 from cache.publish import publish_model  # noqa: E402
 
 MACHINE = "CPU-only dev box (2 cores)"

@@ -229,7 +229,7 @@ def prepare_agent(args: argparse.Namespace, root: Path, warm_tier_bytes: str = "
 
     name = "bench-" + (Path(args.model_dir).name.lower() if args.model_dir else f"{args.arch}-{args.preset}")
     if args.model_dir:
-        from cache import open_store
+        from cache.store import open_store
         from cache.publish import publish_model
 
         store_url = (root / "store").as_uri()

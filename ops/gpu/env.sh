@@ -4,6 +4,11 @@
 # /tmp/site, puts the repo on PYTHONPATH, and keeps Triton's compile cache in the run's folder.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed" >&2
 export PYTHONPATH=/tmp/site:$PWD
+# Bytecode for the wheels and the repo, as an installation has it (pip compiles what it installs;
+# the machine's Python does not write bytecode itself): without it every start compiles the
+# agent's imports again (~0.5 s of a restart there). torch's is the worker's own concern
+# (agent/worker/options.py: worker_env).
+python3 -m compileall -q -j 0 /tmp/site agent cache engine sandbox text modelgen ops >/dev/null 2>&1 || true
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 export OUT=${OUT:-/tmp/out}

@@ -4,8 +4,10 @@ Usage: ``python ops/gpu/load_bench.py [GiB=4] [out.json]`` (default ``$OUT/load_
 Writes a random bf16 safetensors file of GiB size under $TMPDIR (deleted at the end), then times,
 each checked byte-exact against the file: safetensors ``load_file(device="cuda")``;
 ``stream_to_device`` at several thread counts, page cache warm and dropped (the file's pages are
-dropped with ``posix_fadvise(DONTNEED)``, which needs no root); the warm tier's restore (pinned
-host → device); and a ``dd``-style sequential read of the cold file for the disk's own rate.
+dropped with ``posix_fadvise(DONTNEED)``, which needs no root); page cache warm, a sweep of reader
+threads × chunk size, alone and beside a thread that holds the GIL in pure Python the way a
+runner's build does during a restart's load; the warm tier's restore (pinned host → device); and a
+``dd``-style sequential read of the cold file for the disk's own rate.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -95,6 +98,24 @@ def main() -> int:
             for threads in (1, 4, 8):
                 timed(f"stream_to_device threads={threads}",
                       lambda th=threads: stream_to_device(jobs, threads=th, streams=2), cold)
+        for busy in (False, True):
+            for threads in (4, 8, 12, 16):
+                for chunk_mib in (8, 16, 32):
+                    stop = threading.Event()
+
+                    def spin():
+                        n = 0
+                        while not stop.is_set():
+                            n += 1  # pure Python: holds the GIL between switch intervals
+                    side = threading.Thread(target=spin, daemon=True) if busy else None
+                    if side is not None:
+                        side.start()
+                    timed(f"sweep threads={threads} chunk={chunk_mib}MiB{' +busy thread' if busy else ''}",
+                          lambda th=threads, c=chunk_mib: stream_to_device(jobs, threads=th, streams=2,
+                                                                           chunk_bytes=c << 20), False)
+                    stop.set()
+                    if side is not None:
+                        side.join()
         tier = WarmTier(int(total * 1.1))
         t = time.perf_counter()
         tier.put("m", {k: torch.randn_like(v, dtype=torch.float32).bfloat16() for k, v in dst.items()})

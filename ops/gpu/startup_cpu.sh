@@ -2,7 +2,7 @@
 # Issue 18's figures in ONE device run: restart to ready (defaults, and a 40 GiB warm tier), the
 # daemon at c200 (req/s, the process tree's CPU; a py-spy profile of agent and worker), c1 TPOT.
 # Usage (repo root, on the GPU machine):
-#   . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/startup_cpu.sh [startup] [serve] [profile] [pin] [diag] [c1]
+#   . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/startup_cpu.sh [startup] [serve] [profile] [load] [probe] [pin] [diag] [c1]
 # With OLD, the startup and serve parts run for the old tree too (alternating), for a same-run A/B.
 set -u
 # Results gather in a work folder; after each part they are archived to $OUT/all.tgz, the one file
@@ -25,6 +25,7 @@ settle() {
 }
 trees="new:$NEW"
 [ -n "${OLD:-}" ] && trees="old:$(cd "$OLD" && pwd) $trees"
+[ -n "${OLD:-}" ] && { python3 -m compileall -q -j 0 "$OLD" >/dev/null 2>&1 || true; }  # as env.sh does for the new tree
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$OUT/gpu_state.csv" 2>&1
 [ -f "$M/config.json" ] || in_tree "$NEW" 120 python3 -m agent.cli make-model --arch llama --preset llama-3.1-8b \
   --out "$M" --device cuda > "$OUT/make_model.txt" 2>&1 || status=1
@@ -47,16 +48,35 @@ for part in $parts; do
         in_tree "$dir" 200 python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 200 \
           --num-requests 1000 --max-model-len 4096 --max-num-seqs 256 --profile "$OUT/profile" \
           --out "$OUT/serve_profiled_$name.json" > "$OUT/serve_profiled_$name.txt" 2>&1 || status=1; settle ;;
+      load)
+        [ "$name" = new ] || continue
+        in_tree "$dir" 240 python3 ops/gpu/load_bench.py "${LOAD_GIB:-8}" "$OUT/load_bench.json" > "$OUT/load_bench.txt" 2>&1 || status=1 ;;
+      probe)  # a restart's engine side alone (ops/gpu/restart_load_probe.py), the third run under py-spy
+        [ "$name" = new ] || continue
+        command -v py-spy >/dev/null || export PATH=$site/bin:$PATH
+        W=$(mktemp -d /tmp/probe.XXXX)
+        for run in first restart; do
+          in_tree "$dir" 150 env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX="$W/pyc" python3 ops/gpu/restart_load_probe.py \
+            "$M" "$W" "$OUT/probe_$run.json" > "$OUT/probe_$run.txt" 2>&1 || status=1
+        done
+        in_tree "$dir" 150 env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX="$W/pyc" py-spy record --threads --idle --rate 500 -f raw \
+          -o "$OUT/probe_spied.folded" -- python3 ops/gpu/restart_load_probe.py "$M" "$W" "$OUT/probe_spied.json" \
+          > "$OUT/probe_spied.txt" 2>&1 || status=1 ;;
       pin)
         [ "$name" = new ] || continue
         in_tree "$dir" 120 python3 ops/gpu/warm_tier_probe.py "$OUT/warm_tier_probe.json" > "$OUT/warm_tier_probe.txt" 2>&1 || status=1 ;;
       diag)
         [ "$name" = new ] || continue
-        { python3 -c "import torch, os; d = os.path.dirname(torch.__file__); print('torch', torch.__version__, d, 'writable', os.access(d, os.W_OK), 'pycache', os.path.isdir(os.path.join(d, '__pycache__')))"
+        { echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"
+          python3 -c "import torch, os; d = os.path.dirname(torch.__file__); print('torch', torch.__version__, d, 'writable', os.access(d, os.W_OK), 'pycache', os.path.isdir(os.path.join(d, '__pycache__')))"
           timed() { local label=$1; shift; TIMEFORMAT="$label: %R s"; time "$@"; }  # (the machine has no bc)
           for i in 1 2; do timed "import torch" python3 -c "import torch"; done
           for i in 1 2; do timed "import torch, pycache prefix" env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pyc python3 -c "import torch"; done
           timed "import torch + context" python3 -c "import torch; torch.zeros(1, device='cuda')"
+          python3 -c "
+import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); torch.cuda.init(); t2 = time.perf_counter()
+torch.zeros(1, device='cuda'); torch.cuda.synchronize(); t3 = time.perf_counter()
+print(f'in one process: import torch {t1 - t0:.3f} s, torch.cuda.init {t2 - t1:.3f} s, first tensor {t3 - t2:.3f} s')"
           LD_DEBUG=statistics python3 -c "import torch" 2>&1 | tail -12; } > "$OUT/torch_import.txt" 2>&1
         python3 -X importtime -c "import torch" 2> "$OUT/torch_importtime.txt" ;;
       c1)

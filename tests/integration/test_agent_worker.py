@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -12,6 +14,7 @@ import pytest
 import uvloop
 
 from agent.worker import client as wc
+from agent.worker import spawn as ws
 
 
 async def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -131,7 +134,7 @@ def test_stop_is_clean() -> None:
 def test_a_previous_worker_still_alive_is_waited_for_before_ours_starts(tmp_path, monkeypatch) -> None:
     """The runtime dir's worker.pid names the last worker; a new agent whose predecessor's worker
     is still exiting (it holds the GPU) starts its own only once that one is gone, at most
-    PREVIOUS_WORKER_WAIT_S; a pid file naming anything else (garbage, a reused pid) is no reason
+    ws.PREVIOUS_WORKER_WAIT_S; a pid file naming anything else (garbage, a reused pid) is no reason
     to wait."""
     import subprocess
     import sys
@@ -143,14 +146,14 @@ def test_a_previous_worker_still_alive_is_waited_for_before_ours_starts(tmp_path
     # Stands in for the previous worker: an "engine.worker" for this runtime dir, exiting in 1.5 s.
     old = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(float(sys.argv[1]))", "1.5",
                             "engine.worker", str(run)])
-    (run / wc.PID_FILE).write_text(f"{old.pid}\n")
+    (run / ws.PID_FILE).write_text(f"{old.pid}\n")
 
     async def first() -> float:
         c = wc.WorkerClient(options, engine="none")
         await asyncio.wait_for(c.start(), 30)
         try:
             assert old.poll() is not None  # gone (reaped below by its parent, this test)
-            assert (run / wc.PID_FILE).read_text().strip() == str(c.state.pid)  # ours is named now
+            assert (run / ws.PID_FILE).read_text().strip() == str(c.state.pid)  # ours is named now
             return c.state.spawn_at
         finally:
             await c.stop(timeout=5)
@@ -164,14 +167,14 @@ def test_a_previous_worker_still_alive_is_waited_for_before_ours_starts(tmp_path
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         for content in ("not a pid", "-4", "9" * 40, str(other.pid)):
-            (run / wc.PID_FILE).write_text(content)
+            (run / ws.PID_FILE).write_text(content)
             t0 = time.monotonic()
             assert uvloop.run(_spawn_at(options)) - t0 < 1.0, content
         # One that never exits is waited for only up to the bound.
-        monkeypatch.setattr(wc, "PREVIOUS_WORKER_WAIT_S", 0.5)
+        monkeypatch.setattr(ws, "PREVIOUS_WORKER_WAIT_S", 0.5)
         stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "engine.worker", str(run)])
         try:
-            (run / wc.PID_FILE).write_text(str(stuck.pid))
+            (run / ws.PID_FILE).write_text(str(stuck.pid))
             t0 = time.monotonic()
             assert 0.4 <= uvloop.run(_spawn_at(options)) - t0 < 5.0
         finally:
@@ -189,3 +192,70 @@ async def _spawn_at(options: dict) -> float:
         return c.state.spawn_at
     finally:
         await c.stop(timeout=5)
+
+
+def test_a_worker_spawned_before_the_loop_is_the_one_supervised() -> None:
+    """The serve command starts the first worker before it has an event loop (its torch import
+    then overlaps the agent's own imports); the client adopts exactly that process, and a
+    client stopped before it ever ran still takes it down."""
+    first = ws.spawn_worker({}, "none", None)
+
+    async def adopt() -> None:
+        c = wc.WorkerClient({}, engine="none", first=first)
+        await asyncio.wait_for(c.start(), 30)
+        try:
+            assert c.state.pid == first.proc.pid and c.alive
+            assert c.state.spawn_at == first.spawn_at <= first.spawned_at == c.state.spawned_at
+        finally:
+            await c.stop(timeout=5)
+        assert first.proc.returncode == 0  # asked to shut down, not killed
+
+    uvloop.run(adopt())
+    never_run = ws.spawn_worker({}, "none", None)
+
+    async def stop_at_once() -> None:
+        await wc.WorkerClient({}, engine="none", first=never_run).stop(timeout=5)
+
+    uvloop.run(stop_at_once())
+    assert never_run.proc.returncode is not None and never_run.sock.fileno() == -1
+
+
+def test_damaged_kernels_are_swept_before_the_workers_first_load(tmp_path, monkeypatch) -> None:
+    """The agent sweeps the worker's Triton cache (cache/triton_cache.py) while the worker
+    starts, and holds the first load until the sweep is done: a kernel whose metadata was cut
+    short is gone by the time the worker reads the Load; a sound one stays."""
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    triton = tmp_path / "cache" / "triton"
+    for key, meta in (("a" * 32, '{"name": "k"}'), ("b" * 32, '{"name": "k", "num_wa')):
+        d = triton / key
+        d.mkdir(parents=True)
+        (d / "k.json").write_text(meta)
+        (d / "k.cubin").write_bytes(b"\x7fELF")
+        (d / "__grp__k.json").write_text(json.dumps({"child_paths": {"k.json": str(d / "k.json"),
+                                                                     "k.cubin": str(d / "k.cubin")}}))
+    released = threading.Event()
+    real_sweep = wc.sweep_triton_cache
+
+    def slow_sweep(path: str) -> list[str]:
+        assert path == str(triton)
+        released.wait(10)
+        return real_sweep(path)
+
+    monkeypatch.setattr(wc, "sweep_triton_cache", slow_sweep)
+    options = {"sandbox_options": {"cache_dir": str(tmp_path / "cache")}}
+
+    async def main() -> None:
+        c = wc.WorkerClient(options, engine="none")
+        await asyncio.wait_for(c.start(), 30)
+        try:
+            load = asyncio.ensure_future(c.load("m", str(tmp_path), max_model_len=64, max_num_seqs=1, timeout=10))
+            await asyncio.sleep(0.3)
+            assert not load.done() and not c._pending  # not sent: the sweep still runs
+            released.set()
+            with pytest.raises(wc.WorkerError):  # (an engine-less worker refuses every load)
+                await load
+            assert not (triton / ("b" * 32)).exists() and (triton / ("a" * 32) / "k.cubin").exists()
+        finally:
+            await c.stop(timeout=5)
+
+    uvloop.run(main())

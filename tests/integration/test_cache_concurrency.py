@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cache import DiskCache
+from cache.disk_cache import DiskCache
 from cache.publish import publish_model
 from tests.s3_fault_proxy import (Fault, bucket, fast_download, make_model, moto_endpoint, proxy,  # noqa: F401
                                   s3_store)
@@ -19,7 +19,7 @@ from tests.s3_fault_proxy import (Fault, bucket, fast_download, make_model, moto
 REPO = Path(__file__).resolve().parents[2]
 PULLER = """
 import asyncio, sys
-from cache import DiskCache
+from cache.disk_cache import DiskCache
 from tests.s3_fault_proxy import fast_download, s3_store
 store = s3_store(sys.argv[1], sys.argv[2])
 print(asyncio.run(DiskCache(sys.argv[3], 1 << 30, download=fast_download()).pull(store, "m")))

@@ -8,7 +8,11 @@ import time
 
 import pytest
 
-from cache import CacheError, CacheFullError, DiskCache, FileStore
+from cache.disk_cache import DiskCache
+
+from cache.errors import CacheError, CacheFullError
+
+from cache.file_store import FileStore
 from cache.publish import publish_model
 from tests.s3_fault_proxy import fast_download, make_model, tree_files
 from tests.tmpfs import small_tmpfs

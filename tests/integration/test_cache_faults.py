@@ -8,7 +8,9 @@ import time
 import boto3
 import pytest
 
-from cache import DiskCache, IntegrityError, StoreError
+from cache.disk_cache import DiskCache
+
+from cache.errors import IntegrityError, StoreError
 from cache.progress import Progress
 from cache.publish import publish_model
 from tests.s3_fault_proxy import (Fault, bucket, fast_download, make_model, moto_endpoint, proxy,  # noqa: F401

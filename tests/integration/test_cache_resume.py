@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from cache import DiskCache
+from cache.disk_cache import DiskCache
 from cache.publish import publish_model
 from tests.s3_fault_proxy import (Fault, bucket, fast_download, make_model, moto_endpoint, proxy,  # noqa: F401
                                   s3_store)
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 PART = 64 << 10
 PULLER = """
 import asyncio, sys
-from cache import DiskCache
+from cache.disk_cache import DiskCache
 from tests.s3_fault_proxy import fast_download, s3_store
 store = s3_store(sys.argv[1], sys.argv[2], read_timeout=60)
 cache = DiskCache(sys.argv[3], 1 << 30, download=fast_download(concurrency=2, max_concurrency=2))

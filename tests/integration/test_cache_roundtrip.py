@@ -10,7 +10,11 @@ import os
 import pytest
 
 from agent.cli import main
-from cache import DiskCache, FileStore, NotFoundError, Progress, StoreError, open_store
+from cache.disk_cache import DiskCache
+from cache.errors import NotFoundError, StoreError
+from cache.file_store import FileStore
+from cache.progress import Progress
+from cache.store import open_store
 from cache.progress import render_bar
 from cache.publish import publish_model
 from tests.s3_fault_proxy import bucket, fast_download, make_model, moto_endpoint, proxy, s3_store  # noqa: F401

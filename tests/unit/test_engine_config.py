@@ -139,3 +139,14 @@ def test_the_worker_refuses_a_mistyped_engine_option_with_its_name():
                                    "shared_step_tokens": 0, "page_bytes": None})
     assert err == "" and device == "cpu"
     assert not core.cuda_graphs and core.quiet_window_s == 0 and core.shared_step_tokens is None
+
+
+def test_the_early_cuda_context_is_only_for_a_cuda_device() -> None:
+    """make_core opens the CUDA context beside torch's import, for the device the options name;
+    the CPU and engine-less workers never touch the driver (on a GPU, tests/gpu checks torch
+    then runs in that context)."""
+    from engine.worker.setup import cuda_index, open_cuda_context
+
+    assert [cuda_index(d) for d in ("auto", "cuda", "cuda:0", "cuda:3", "cpu", "cuda:x", "meta")] == [
+        0, 0, 0, 3, None, None, None]
+    assert open_cuda_context("cpu") is None

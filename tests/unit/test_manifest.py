@@ -8,7 +8,11 @@ import json
 
 import pytest
 
-from cache import DiskCache, FileStore, ManifestError
+from cache.disk_cache import DiskCache
+
+from cache.errors import ManifestError
+
+from cache.file_store import FileStore
 from cache import manifest as mf
 
 D = "a" * 64

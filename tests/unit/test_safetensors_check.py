@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from cache import DiskCache, FileStore, SafetensorsError
+from cache.disk_cache import DiskCache
+
+from cache.errors import SafetensorsError
+
+from cache.file_store import FileStore
 from cache import manifest as mf
 from cache.publish import publish_model
 from cache.safetensors_check import MAX_HEADER_BYTES, check_file

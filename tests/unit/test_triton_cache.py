@@ -1,4 +1,4 @@
-"""The Triton cache sweep at the worker's start (engine/kernels/triton_cache.py), on entries written
+"""The Triton cache sweep before a worker's first load (cache/triton_cache.py), on entries written
 by Triton's own cache manager: damaged kernels go (Triton compiles them again), so do dead
 writers' temporaries; sound kernels, foreign ones and records it does not understand stay."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from engine.kernels.triton_cache import sweep_triton_cache
+from cache.triton_cache import sweep_triton_cache
 
 triton_cache = pytest.importorskip("triton.runtime.cache")
 

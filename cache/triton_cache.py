@@ -1,5 +1,8 @@
-"""Where Triton keeps its compiled kernels: under the agent's cache directory, so a restart finds
-every kernel already compiled; and a sweep at start that takes out what would break a load.
+"""Where Triton keeps the engine's compiled kernels: under the agent's cache directory, so a
+restart finds every kernel already compiled; and a sweep that takes out what would break a load.
+
+Torch-free: the agent runs the sweep (in a thread, while its new worker imports torch: off the
+start's path) and holds the worker's first load until it is done; the worker points Triton here.
 
 Triton keys each kernel's directory by its source, its options, the Triton version and the
 target GPU, so kernels of another GPU or version are never picked (they only take room), and it
@@ -15,24 +18,26 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 MAX_GROUP_BYTES = 1 << 20  # a group record lists a few file paths
 
 
-def set_triton_cache_dir(cache_dir: str | os.PathLike) -> str:
-    """Point Triton's compile cache at ``<cache_dir>/triton`` unless TRITON_CACHE_DIR is already set.
+def triton_cache_dir(cache_dir: str | os.PathLike, env: Mapping[str, str] | None = None) -> str:
+    """The directory Triton's compile cache is in for a process with environment ``env`` (default:
+    this one's): ``TRITON_CACHE_DIR`` when set (an operator's), else ``<cache_dir>/triton``."""
+    env = os.environ if env is None else env
+    return env.get("TRITON_CACHE_DIR") or str(Path(cache_dir) / "triton")
 
-    Call before the first kernel compiles (the worker does it at start), so a restart finds
-    every kernel compiled. Returns the directory in effect.
-    """
-    current = os.environ.get("TRITON_CACHE_DIR")
-    if current:
-        return current
-    path = Path(cache_dir) / "triton"
-    path.mkdir(parents=True, exist_ok=True)
-    os.environ["TRITON_CACHE_DIR"] = str(path)
-    return str(path)
+
+def set_triton_cache_dir(cache_dir: str | os.PathLike) -> str:
+    """Point this process's Triton at :func:`triton_cache_dir` (made if missing). Call before the
+    first kernel compiles (the worker does it at start). Returns the directory in effect."""
+    path = triton_cache_dir(cache_dir)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = path
+    return path
 
 
 def _pid_alive(pid: int) -> bool:
