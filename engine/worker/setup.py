@@ -22,12 +22,12 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
     start ends ("torch", "engine_imports", "engine_core"; the device's context is the caller's next)."""
     if options.get("engine") == "none":
         return None, "none", ""
-    context = threading.Thread(target=open_cuda_context, args=(str(options.get("device", "auto")),),
-                               name="cuda-context", daemon=True)
-    context.start()  # beside torch's import, which does not need it
+    early = _EarlyDevice(str(options.get("device", "auto")))
+    early.start()  # beside torch's import, which does not need it
     try:
         import torch
 
+        early.torch_imported.set()
         mark("torch")
         from cache.triton_cache import set_triton_cache_dir
 
@@ -42,7 +42,7 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
 
         mark("engine_imports")
         opts = EngineOptions.from_dict(options)
-        context.join()
+        early.opened.wait()
         core = EngineCore(
             device=options.get("device", "auto"), max_num_batched_tokens=opts.max_num_batched_tokens,
             memory_budget_bytes=options.get("memory_budget_bytes"), page_bytes=opts.page_bytes,
@@ -66,6 +66,41 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
     except Exception as e:  # report, do not crash-loop: the agent shows it in status
         return None, "none", f"{type(e).__name__}: {e}"
     return core, str(core.device), ""
+
+
+class _EarlyDevice(threading.Thread):
+    """What a CUDA worker's start can do beside its imports: open the device's context
+    (:func:`open_cuda_context`, while torch is imported), then, once torch is, Triton's
+    installation hash (:func:`prime_triton`, while the engine's imports, the sandbox and the
+    first load's booking run)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__(name="early-device", daemon=True)
+        self.device = device
+        self.opened = threading.Event()  # the context is open, or found impossible
+        self.torch_imported = threading.Event()
+
+    def run(self) -> None:
+        try:
+            ctx = open_cuda_context(self.device)
+        finally:
+            self.opened.set()
+        if ctx is not None:
+            self.torch_imported.wait()
+            prime_triton()
+
+
+def prime_triton() -> None:
+    """Triton hashes its own installation (a sha256 of its ~500 MB library and of its sources)
+    the first time a process looks a kernel up in its cache, once per process. On a restart that
+    was the runner's build waiting (py-spy of a restart's load on the H200: 40 % of the build's
+    samples in ``triton_key``); computed here ahead of the first load, the build finds it cached.
+    The hashing releases the GIL. A Triton without that function: nothing to do."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return
+    triton_key()
 
 
 def cuda_index(device: str) -> int | None:

@@ -30,3 +30,23 @@ print("ok")
 def test_the_early_context_is_the_one_torch_uses() -> None:
     r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+PRIMED = """
+import time
+from engine.worker.setup import make_core
+core, device, err = make_core({"engine": "core", "device": "cuda"})
+assert core is not None and device.startswith("cuda"), err
+from triton.runtime.cache import triton_key
+deadline = time.monotonic() + 30
+while triton_key.cache_info().currsize == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)
+assert triton_key.cache_info().currsize == 1 and triton_key.cache_info().misses == 1
+print("ok")
+"""
+
+
+def test_a_cuda_workers_start_hashes_tritons_installation_before_any_kernel() -> None:
+    """The first kernel lookup of a process would otherwise hash Triton's installation first."""
+    r = subprocess.run([sys.executable, "-c", PRIMED], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
