@@ -22,7 +22,9 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
     start ends ("torch", "engine_imports", "engine_core"; the device's context is the caller's next)."""
     if options.get("engine") == "none":
         return None, "none", ""
-    early = _EarlyDevice(str(options.get("device", "auto")))
+    cache_dir = (options.get("sandbox_options") or {}).get("cache_dir")
+    early = _EarlyDevice(str(options.get("device", "auto")),
+                         Path(cache_dir) / "engine" / "triton-key.json" if cache_dir else None)
     early.start()  # beside torch's import, which does not need it
     try:
         import torch
@@ -32,7 +34,7 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
         from cache.triton_cache import set_triton_cache_dir
 
         notes = None
-        if cache_dir := (options.get("sandbox_options") or {}).get("cache_dir"):
+        if cache_dir:
             # Compiled kernels survive restarts (the agent sweeps out damaged ones before our
             # first load: agent/worker/client.py), and so do measured workspaces.
             set_triton_cache_dir(cache_dir)
@@ -71,12 +73,13 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
 class _EarlyDevice(threading.Thread):
     """What a CUDA worker's start can do beside its imports: open the device's context
     (:func:`open_cuda_context`, while torch is imported), then, once torch is, Triton's
-    installation hash (:func:`prime_triton`, while the engine's imports, the sandbox and the
-    first load's booking run)."""
+    installation hash (engine/worker/triton_key.py: kept in ``key_file`` across restarts;
+    while the engine's imports, the sandbox and the first load's booking run)."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, key_file: Path | None) -> None:
         super().__init__(name="early-device", daemon=True)
         self.device = device
+        self.key_file = key_file
         self.opened = threading.Event()  # the context is open, or found impossible
         self.torch_imported = threading.Event()
 
@@ -87,20 +90,9 @@ class _EarlyDevice(threading.Thread):
             self.opened.set()
         if ctx is not None:
             self.torch_imported.wait()
-            prime_triton()
+            from engine.worker.triton_key import prime_triton
 
-
-def prime_triton() -> None:
-    """Triton hashes its own installation (a sha256 of its ~500 MB library and of its sources)
-    the first time a process looks a kernel up in its cache, once per process. On a restart that
-    was the runner's build waiting (py-spy of a restart's load on the H200: 40 % of the build's
-    samples in ``triton_key``); computed here ahead of the first load, the build finds it cached.
-    The hashing releases the GIL. A Triton without that function: nothing to do."""
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:
-        return
-    triton_key()
+            prime_triton(self.key_file)
 
 
 def cuda_index(device: str) -> int | None:
