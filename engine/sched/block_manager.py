@@ -8,11 +8,23 @@ Pages come from an injectable :class:`PageSource`: a :class:`PageAllocator` (a f
 ``num_pages`` ids of one model's cache), or the shared PagePool's allocator for one model
 (engine/kv/page_pool.py), which hands out *global* page ids through the same calls —
 nothing here assumes ids are dense or start at 0.
+
+Prefix caching (with a :class:`~engine.sched.prefix_index.PrefixIndex`): a *full* page whose
+tokens are known and whose K/V is written (or queued to be, on the model's one stream, ahead of
+any step that could read it) is indexed by its key chain. A new sequence whose leading blocks'
+keys are indexed starts with those pages in its table (``take_prefix``) and computes only the
+rest; such pages are shared, counted by reference, and never written again (a sequence only
+writes past its shared prefix, into pages of its own). When the last table holding an indexed
+page lets go of it, the page is *parked* in the source: free for anyone, still indexed, handed
+out least recently parked first, and dropped from the index (``on_evict``) at that moment.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
+
+from engine.sched.prefix_index import PrefixIndex
 
 
 class OutOfPages(Exception):
@@ -24,7 +36,15 @@ class PageError(Exception):
 
 
 class PageSource(Protocol):
-    """Where pages come from: one model's free list today, the shared PagePool later."""
+    """Where pages come from: one model's free list, or its view of the shared PagePool.
+
+    ``num_free`` counts parked pages (free, still holding K/V a prefix index points at);
+    ``allocate`` hands out plain free pages first, then the least recently parked, calling
+    ``on_evict(page_id)`` for it first; ``park`` frees a page but keeps it for ``unpark``, which
+    takes it back (False when the page is not parked by this source's model or may not be taken
+    now: a cap, another model's minimum)."""
+
+    on_evict: Callable[[int], None] | None
 
     @property
     def num_free(self) -> int: ...
@@ -35,6 +55,10 @@ class PageSource(Protocol):
     def allocate(self) -> int: ...
 
     def free(self, page_id: int) -> None: ...
+
+    def park(self, page_id: int) -> None: ...
+
+    def unpark(self, page_id: int) -> bool: ...
 
 
 class PageAllocator:
@@ -48,40 +72,81 @@ class PageAllocator:
         # Pop from the end: low ids are handed out first, which keeps small runs compact.
         self._free = list(range(first_id + num_pages - 1, first_id - 1, -1))
         self._in_use = bytearray(num_pages)
+        self._parked: dict[int, None] = {}  # insertion order: least recently parked first
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._parked)
 
     @property
     def num_total(self) -> int:
         return self._total
 
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def parked_pages(self) -> list[int]:
+        """Parked pages, least recently parked first."""
+        return list(self._parked)
+
     def allocate(self) -> int:
-        if not self._free:
+        if self._free:
+            pid = self._free.pop()
+        elif self._parked:
+            pid = next(iter(self._parked))
+            del self._parked[pid]
+            if self.on_evict is not None:
+                self.on_evict(pid)
+        else:
             raise OutOfPages("no free KV page")
-        pid = self._free.pop()
         self._in_use[pid - self._first] = 1
         return pid
 
     def free(self, page_id: int) -> None:
+        self._release(page_id)
+        self._free.append(page_id)
+
+    def park(self, page_id: int) -> None:
+        self._release(page_id)
+        self._parked[page_id] = None
+
+    def unpark(self, page_id: int) -> bool:
+        if page_id not in self._parked:
+            return False
+        del self._parked[page_id]
+        self._in_use[page_id - self._first] = 1
+        return True
+
+    def drop_parked(self) -> list[int]:
+        """Turn every parked page into a plain free one (the index that kept them is gone)."""
+        pages = list(self._parked)
+        self._parked.clear()
+        self._free.extend(pages)
+        return pages
+
+    def _release(self, page_id: int) -> None:
         i = page_id - self._first
         if not 0 <= i < self._total or not self._in_use[i]:
             raise PageError(f"page {page_id} is not allocated here")
         self._in_use[i] = 0
-        self._free.append(page_id)
 
 
 class BlockManager:
-    """Block tables of the live sequences of one model, over an injected page source."""
+    """Block tables of the live sequences of one model, over an injected page source; with
+    ``prefix`` (this model's index), full pages are shared through it (the module's docstring)."""
 
-    def __init__(self, block_size: int, pages: PageSource) -> None:
+    def __init__(self, block_size: int, pages: PageSource, prefix: PrefixIndex | None = None) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
         self.pages = pages
+        self.prefix = prefix
         self._tables: dict[int, list[int]] = {}
-        self._used = 0
+        self._refs: dict[int, int] = {}  # page -> tables holding it (every page of every table)
+        if prefix is not None:
+            pages.on_evict = prefix.drop_page
 
     # -- sizes -----------------------------------------------------------------------------
     def pages_for_tokens(self, num_tokens: int) -> int:
@@ -105,7 +170,8 @@ class BlockManager:
 
     @property
     def num_used_pages(self) -> int:
-        return self._used
+        """Pages held by live tables, each once however many tables share it."""
+        return len(self._refs)
 
     # -- tables ----------------------------------------------------------------------------
     def ensure_capacity(self, seq_id: int, num_tokens: int) -> bool:
@@ -115,8 +181,9 @@ class BlockManager:
             return False
         table = self._tables.setdefault(seq_id, [])
         for _ in range(need):
-            table.append(self.pages.allocate())
-        self._used += need
+            pid = self.pages.allocate()
+            table.append(pid)
+            self._refs[pid] = 1
         return True
 
     def block_table(self, seq_id: int) -> list[int]:
@@ -127,15 +194,88 @@ class BlockManager:
         return seq_id in self._tables
 
     def free(self, seq_id: int) -> int:
-        """Return every page of the sequence; unknown ids are a no-op. Returns pages freed."""
+        """Let go of every page of the sequence (indexed ones no other table holds are parked);
+        unknown ids are a no-op. Returns how many pages were in its table."""
         table = self._tables.pop(seq_id, None)
         if not table:
             return 0
-        # Reverse: the tail pages are the least likely to be worth reusing soon.
+        refs, prefix = self._refs, self.prefix
+        # Reverse: a sequence's tail is parked before its head, so under pressure its last
+        # blocks are handed out first and the shared head (the likelier hit) stays longest.
         for pid in reversed(table):
-            self.pages.free(pid)
-        self._used -= len(table)
+            n = refs[pid] - 1
+            if n:
+                refs[pid] = n
+                continue
+            del refs[pid]
+            if prefix is not None and prefix.key(pid) is not None:
+                self.pages.park(pid)
+            else:
+                self.pages.free(pid)
         return len(table)
 
     def live_sequences(self) -> list[int]:
         return list(self._tables)
+
+    def refs(self, page_id: int) -> int:
+        return self._refs.get(page_id, 0)
+
+    # -- prefix caching --------------------------------------------------------------------
+    def cached_prefix(self, keys: list[bytes]) -> tuple[list[int], int]:
+        """The pages of the longest run of ``keys`` that is indexed, and how many of them are
+        parked (taking those uses free pages). Nothing changes."""
+        prefix = self.prefix
+        if prefix is None:
+            return [], 0
+        pages: list[int] = []
+        parked = 0
+        for key in keys:
+            pid = prefix.page(key)
+            if pid is None:
+                break
+            pages.append(pid)
+            parked += pid not in self._refs
+        return pages, parked
+
+    def take_prefix(self, seq_id: int, pages: list[int]) -> int:
+        """Start ``seq_id``'s (empty) table with ``pages`` (from :meth:`cached_prefix`, this
+        step); stops at the first parked page the source will not give back. Returns how many
+        it took."""
+        if self._tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id} already has pages")
+        table: list[int] = []
+        refs = self._refs
+        for pid in pages:
+            if pid in refs:
+                refs[pid] += 1
+            elif self.pages.unpark(pid):
+                refs[pid] = 1
+            else:
+                break
+            table.append(pid)
+        if table:
+            self._tables[seq_id] = table
+        return len(table)
+
+    def index_blocks(self, seq_id: int, keys: list[bytes], start: int, stop: int) -> int:
+        """Index the sequence's pages of blocks ``start .. stop - 1`` (each full, its tokens
+        known, its K/V written or queued on the model's stream) under ``keys``; returns
+        ``stop``, the next block to index."""
+        prefix = self.prefix
+        table = self._tables.get(seq_id)
+        if prefix is None or table is None:
+            return start
+        for i in range(start, stop):
+            prefix.add(keys[i], table[i])
+        return stop
+
+    def drop_prefix_cache(self) -> int:
+        """Forget the index: parked pages become plain free; pages in live tables stay where
+        they are (freed normally when their sequences end). Returns the entries dropped."""
+        if self.prefix is None:
+            return 0
+        dropped = self.prefix.clear()
+        for pid in dropped:
+            if pid not in self._refs and self.pages.unpark(pid):
+                self.pages.free(pid)
+        return len(dropped)

@@ -6,7 +6,12 @@ Each :meth:`Scheduler.schedule` call fills one step under ``max_num_batched_toke
 2. running sequences still prefilling, one chunk each (at most ``max_prefill_chunk`` tokens);
 3. waiting sequences, admitted in order while pages, budget and ``max_num_seqs`` allow.
 
-So a long prompt is split across steps and shares them with decodes (chunked prefill). When a
+So a long prompt is split across steps and shares them with decodes (chunked prefill). With a
+prefix index on the block manager, an admission first looks its leading full blocks up and
+starts with the cached pages in its table: only the rest is computed (and counts against the
+budget), and at least its last prompt token always is (its logits give the first output). A
+block's page is indexed once the block is full, its tokens are known and the step that writes
+its K/V is scheduled (the model's steps run in order on its stream). When a
 running sequence needs a page and none is free, the *newest* running sequence is preempted by
 recompute: its pages are freed, it keeps its output tokens and goes back to the front of the
 waiting queue, to be prefilled again (prompt + output) when pages are free. A preempted
@@ -23,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.sched.block_manager import BlockManager
+from engine.sched.prefix_index import extend_keys
 from engine.sampling import SamplingParams
 from engine.sched.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -214,17 +220,33 @@ class Scheduler:
                 budget -= n
 
         # 3. admissions; a sequence preempted in this very step waits for the next one.
+        blocks, prefix, bs = self.blocks, self.blocks.prefix, self.blocks.block_size
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_inflight or (seq.num_preemptions and any(seq is p for p in preempted)):
                 break  # (a token in flight: preempted mid-step; it resumes once the token is known)
-            n = min(seq.num_uncomputed_tokens, chunk_cap, budget)
+            hits: list[int] = []
+            parked = 0
+            if prefix is not None:
+                # Full blocks before the last token only: that one is always computed.
+                extend_keys(seq.block_keys, prefix.root, seq.token_ids, bs, seq.num_tokens - 1)
+                hits, parked = blocks.cached_prefix(seq.block_keys[:(seq.num_tokens - 1) // bs])
+            n = min(seq.num_uncomputed_tokens - len(hits) * bs, chunk_cap, budget)
             reserve_pages = self._watermark if self.running else 0
-            need = self.blocks.num_new_pages(seq.seq_id, seq.num_computed_tokens + n)
-            if not self.blocks.can_allocate(need + reserve_pages):
+            need = blocks.pages_for_tokens(len(hits) * bs + n) - len(hits) + parked
+            if not blocks.can_allocate(need + reserve_pages):
                 break
-            if not self.blocks.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n):
+            if hits:
+                seq.num_computed_tokens = blocks.take_prefix(seq.seq_id, hits) * bs
+                n = min(seq.num_uncomputed_tokens, chunk_cap, budget)
+            if not blocks.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n):
+                blocks.free(seq.seq_id)
+                seq.num_computed_tokens = 0
                 break
+            if prefix is not None and not seq.num_preemptions:
+                seq.num_cached_tokens = seq.num_computed_tokens
+                prefix.queried_tokens += seq.num_prompt_tokens
+                prefix.hit_tokens += seq.num_computed_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
@@ -251,6 +273,11 @@ class Scheduler:
             seq.num_computed_tokens = start + n
             seq.num_inflight += sample
             out.num_batched_tokens += n
+            if prefix is not None:
+                full = min(start + n, len(toks)) // bs  # blocks computed (or queued) with known tokens
+                if full > seq.num_indexed_blocks:
+                    extend_keys(seq.block_keys, prefix.root, toks, bs, full * bs)
+                    seq.num_indexed_blocks = blocks.index_blocks(seq.seq_id, seq.block_keys, seq.num_indexed_blocks, full)
         out.num_decodes = sum(1 for i in decodes if i in planned)  # a decode may have been preempted since
         return out
 
@@ -271,6 +298,7 @@ class Scheduler:
         self.blocks.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.num_indexed_blocks = 0  # its next table is other pages (or these again, as cache hits)
         seq.num_preemptions += 1
         # Preempted sequences lead the waiting queue, oldest first, ahead of fresh requests.
         i = 0

@@ -43,6 +43,11 @@ class Sequence:
     # Tokens sampled by a launched step whose values the host does not know yet (0 or 1; up to
     # 2 for a moment while the next step is scheduled ahead). They count as computed positions.
     num_inflight: int = 0
+    # Prefix caching: the key chain of the full blocks of known tokens so far, how many of those
+    # blocks are indexed, and how many prompt tokens the first admission found cached.
+    block_keys: list[bytes] = field(default_factory=list)
+    num_indexed_blocks: int = 0
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -85,8 +85,8 @@ def make(num_pages=64, block_size=4, **cfg) -> tuple[Scheduler, PageAllocator, F
     return sched, alloc, FakeRunner(num_pages, block_size)
 
 
-def drive(sched, alloc, runner, requests, abort_at=None, max_steps=10_000):
-    """Run to completion; returns {req_id: (tokens, reason)}; checks invariants every step."""
+def drive(sched, alloc, runner, requests, abort_at=None, max_steps=10_000, check=check_pages):
+    """Run to completion; returns {req_id: (tokens, reason)}; ``check``s invariants every step."""
     results: dict[str, tuple[list[int], str]] = {}
     pending = list(requests)
     step = 0
@@ -111,7 +111,7 @@ def drive(sched, alloc, runner, requests, abort_at=None, max_steps=10_000):
             toks.append(seq.token_ids[-1])
             if seq.finish_reason is not None:
                 results[seq.req_id] = (toks, seq.finish_reason.value)
-        check_pages(sched, alloc)
+        check(sched, alloc)
         step += 1
         assert step < max_steps, "no progress"
         if not out.seqs and sched.has_unfinished() and not pending:
@@ -302,6 +302,7 @@ def test_plain_data_modules_import_no_torch():
     from pathlib import Path
 
     code = ("import sys, engine, engine.sched.scheduler, engine.sched.block_manager, engine.sched.sequence, engine.sampling, "
+            "engine.sched.prefix_index, "
             "engine.config, engine.errors; engine.SamplingParams; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
