@@ -14,6 +14,15 @@ Sharing rules, all O(1) per call:
 - an optional cap per model;
 - above their minimums, models take free pages first come first served.
 
+Prefix caching: a model's block manager *parks* a page it no longer holds but whose K/V its
+prefix index still points at. A parked page is free (it counts as free for every model, for
+admission and for a loading model's room), sits in one pool-wide least-recently-parked order,
+and is handed out only after the plain free pages; the model that parked it is told
+(``on_evict`` of its allocator) just before. ``unpark`` takes one back for its model (a cache
+hit), under the same minimums and caps as an allocation. A fence or a resize evicts the parked
+pages it cuts off; a resize keeps the others' contents; unregistering a model frees its parked
+pages.
+
 Resizing (see docs/multi-model.md): ``fence(limit)`` stops handing out pages ``>= limit`` so they
 drain as sequences finish; ``resize(n)`` then re-creates the memory, copying the live pages
 through host memory so page ids and contents survive and device peak is max(old, new), never
@@ -51,7 +60,7 @@ __all__ = ["PagePool"]
 class _Slot:
     """One registration of a model; allocators bound to an unregistered slot stop working."""
 
-    __slots__ = ("name", "layout", "min_pages", "max_pages", "used", "counted", "pages", "active")
+    __slots__ = ("name", "layout", "min_pages", "max_pages", "used", "counted", "pages", "active", "on_evict")
 
     def __init__(self, name: str, layout: KVLayout, min_pages: int, max_pages: int | None) -> None:
         self.name = name
@@ -62,6 +71,7 @@ class _Slot:
         self.counted = 0  # pages held below the fence: only these count toward the minimum
         self.pages: set[int] = set()
         self.active = True
+        self.on_evict: Any = None  # called with a page id this model parked, when it is handed out
 
     def reserve(self) -> int:
         return max(0, self.min_pages - self.counted)
@@ -103,6 +113,23 @@ class _ModelAllocator:
     def free(self, page_id: int) -> None:
         self._pool._free(self._live(), page_id)
 
+    def park(self, page_id: int) -> None:
+        self._pool._free(self._live(), page_id, park=True)
+
+    def unpark(self, page_id: int) -> bool:
+        return self._pool._unpark(self._live(), page_id)
+
+    def drop_parked(self) -> list[int]:
+        return self._pool._drop_parked(self._live())
+
+    @property
+    def on_evict(self) -> Any:
+        return self._slot.on_evict
+
+    @on_evict.setter
+    def on_evict(self, hook: Any) -> None:
+        self._slot.on_evict = hook
+
     def can_allocate(self, n: int) -> bool:
         return self._pool._available(self._live()) >= n
 
@@ -124,6 +151,7 @@ class PagePool:
         self.generation = 0
         self._limit = num_pages  # pages >= limit are fenced: never handed out
         self._free_ids: list[int] = list(range(num_pages - 1, -1, -1))  # stack, low ids first
+        self._parked: dict[int, _Slot] = {}  # free pages still indexed, least recently parked first
         self._owner: list[_Slot | None] = [None] * num_pages
         self._slots: dict[str, _Slot] = {}
         self._reserve = 0  # sum of slot.reserve(): free pages held back for minimums
@@ -149,7 +177,7 @@ class PagePool:
         _positive_int("min_pages", min_pages, 0)
         if max_pages is not None and _positive_int("max_pages", max_pages, 0) < min_pages:
             raise PagePoolError(f"max_pages {max_pages} < min_pages {min_pages} for {model!r}")
-        spare = len(self._free_ids) - self._reserve
+        spare = self.num_free - self._reserve
         if min_pages > spare:
             raise PoolExhausted(f"cannot guarantee {min_pages} pages to {model!r}: {spare} free "
                                 f"pages are not held for other models ({len(self._free_ids)} "
@@ -163,6 +191,7 @@ class PagePool:
         slot = self._slot(model)
         if slot.used:
             raise PoolBusyError(f"model {model!r} still holds {slot.used} pages")
+        self._drop_parked(slot)  # its index goes with it: plain free pages now
         self._reserve -= slot.reserve()
         slot.active = False
         del self._slots[model]
@@ -186,7 +215,7 @@ class PagePool:
     # -- the O(1) core ----------------------------------------------------------------------------
     def _available(self, slot: _Slot) -> int:
         # Below its minimum a model may also take the pages held back for it.
-        n = len(self._free_ids) - self._reserve + slot.reserve()
+        n = len(self._free_ids) + len(self._parked) - self._reserve + slot.reserve()
         if slot.max_pages is not None:
             n = min(n, slot.max_pages - slot.used)
         return max(0, n)
@@ -194,16 +223,43 @@ class PagePool:
     def _allocate(self, slot: _Slot) -> int | None:
         if self._available(slot) < 1:
             return None
-        page_id = self._free_ids.pop()
+        if self._free_ids:
+            page_id = self._free_ids.pop()
+        else:
+            page_id = next(iter(self._parked))
+            self._evict(page_id)
+        self._take(slot, page_id)
+        return page_id
+
+    def _unpark(self, slot: _Slot, page_id: int) -> bool:
+        if self._parked.get(page_id) is not slot or self._available(slot) < 1:
+            return False
+        del self._parked[page_id]
+        self._take(slot, page_id)
+        return True
+
+    def _drop_parked(self, slot: _Slot) -> list[int]:
+        """Make ``slot``'s parked pages plain free ones (its index is gone); no hook is called."""
+        pages = [p for p, owner in self._parked.items() if owner is slot]
+        for page_id in pages:
+            del self._parked[page_id]
+            self._free_ids.append(page_id)
+        return pages
+
+    def _evict(self, page_id: int) -> None:
+        owner = self._parked.pop(page_id)
+        if owner.active and owner.on_evict is not None:
+            owner.on_evict(page_id)
+
+    def _take(self, slot: _Slot, page_id: int) -> None:
         if slot.counted < slot.min_pages:
             self._reserve -= 1
         slot.counted += 1
         slot.used += 1
         slot.pages.add(page_id)
         self._owner[page_id] = slot
-        return page_id
 
-    def _free(self, slot: _Slot, page_id: int) -> None:
+    def _free(self, slot: _Slot, page_id: int, park: bool = False) -> None:
         if isinstance(page_id, bool) or not isinstance(page_id, int) or not 0 <= page_id < self.num_pages:
             raise PagePoolError(f"{page_id!r} is not a page id of this pool (0..{self.num_pages - 1})")
         if self._owner[page_id] is not slot:
@@ -217,7 +273,12 @@ class PagePool:
             slot.counted -= 1
             if slot.counted < slot.min_pages:
                 self._reserve += 1
-            self._free_ids.append(page_id)
+            if park:
+                self._parked[page_id] = slot
+            else:
+                self._free_ids.append(page_id)
+        elif park and slot.on_evict is not None:
+            slot.on_evict(page_id)  # fenced: it drains and is not kept, so it leaves the index now
         # A fenced page just drains: it is not handed out again before the resize.
 
     # -- shrinking and growing ----------------------------------------------------------------------
@@ -238,7 +299,9 @@ class PagePool:
         for s in self._slots.values():
             s.counted = counted[s.name]
         self._reserve = reserve
-        self._free_ids = [p for p in range(limit - 1, -1, -1) if self._owner[p] is None]
+        for page_id in [p for p in self._parked if p >= limit]:
+            self._evict(page_id)
+        self._free_ids = [p for p in range(limit - 1, -1, -1) if self._owner[p] is None and p not in self._parked]
         return self.num_fenced_in_use()
 
     def num_fenced_in_use(self) -> int:
@@ -263,14 +326,16 @@ class PagePool:
         if num_pages - used < reserve:
             raise PoolExhausted(f"{num_pages} pages cannot hold {used} live pages plus "
                                 f"{reserve} guaranteed to models")
-        if self._memory is not None:
-            self._memory.resize(num_pages, [p for s in self._slots.values() for p in s.pages])
+        for page_id in [p for p in self._parked if p >= num_pages]:
+            self._evict(page_id)
+        if self._memory is not None:  # parked pages keep their K/V too
+            self._memory.resize(num_pages, [p for s in self._slots.values() for p in s.pages] + list(self._parked))
         self._owner = self._owner[:num_pages] + [None] * max(0, num_pages - self.num_pages)
         self.num_pages = self._limit = num_pages
         for s in self._slots.values():
             s.counted = s.used
         self._reserve = reserve
-        self._free_ids = [p for p in range(num_pages - 1, -1, -1) if self._owner[p] is None]
+        self._free_ids = [p for p in range(num_pages - 1, -1, -1) if self._owner[p] is None and p not in self._parked]
         self.generation += 1
 
     # -- memory and views -----------------------------------------------------------------------
@@ -304,8 +369,17 @@ class PagePool:
     # -- reading ------------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        """Free pages that may be handed out (below the fence), including held-back ones."""
-        return len(self._free_ids)
+        """Free pages that may be handed out (below the fence), including held-back and parked ones."""
+        return len(self._free_ids) + len(self._parked)
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def parked_pages(self, model: str | None = None) -> list[int]:
+        """Parked pages (of ``model``'s, or all), least recently parked first."""
+        slot = self._slot(model) if model is not None else None
+        return [p for p, owner in self._parked.items() if slot is None or owner is slot]
 
     @property
     def num_reserved(self) -> int:
@@ -338,10 +412,12 @@ class PagePool:
             below = sum(1 for p in s.pages if p < self._limit)
             if n != s.used or len(s.pages) != s.used or below != s.counted:
                 raise PagePoolError(f"{s.name!r}: owns {n} pages, books {s.used} / {s.counted}")
-        free = sorted(self._free_ids)
+        free = sorted(self._free_ids + list(self._parked))
         expect = [p for p in range(self._limit) if self._owner[p] is None]
-        if free != expect:
+        if free != expect or len(set(self._free_ids) & set(self._parked)):
             raise PagePoolError("the free list disagrees with the owner table (leak or double free)")
+        if any(owner not in self._slots.values() for owner in self._parked.values()):
+            raise PagePoolError("a parked page belongs to a model no longer registered")
         if self._reserve != sum(s.reserve() for s in self._slots.values()) or self._reserve > len(free):
             raise PagePoolError(f"held-back pages {self._reserve} are wrong or exceed {len(free)} free")
 

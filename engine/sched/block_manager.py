@@ -42,7 +42,8 @@ class PageSource(Protocol):
     ``allocate`` hands out plain free pages first, then the least recently parked, calling
     ``on_evict(page_id)`` for it first; ``park`` frees a page but keeps it for ``unpark``, which
     takes it back (False when the page is not parked by this source's model or may not be taken
-    now: a cap, another model's minimum)."""
+    now: a cap, another model's minimum); ``drop_parked`` makes every parked page of this model a
+    plain free one."""
 
     on_evict: Callable[[int], None] | None
 
@@ -59,6 +60,8 @@ class PageSource(Protocol):
     def park(self, page_id: int) -> None: ...
 
     def unpark(self, page_id: int) -> bool: ...
+
+    def drop_parked(self) -> list[int]: ...
 
 
 class PageAllocator:
@@ -274,8 +277,5 @@ class BlockManager:
         they are (freed normally when their sequences end). Returns the entries dropped."""
         if self.prefix is None:
             return 0
-        dropped = self.prefix.clear()
-        for pid in dropped:
-            if pid not in self._refs and self.pages.unpark(pid):
-                self.pages.free(pid)
-        return len(dropped)
+        self.pages.drop_parked()
+        return len(self.prefix.clear())

@@ -43,8 +43,8 @@ def check_cache(sched: Scheduler, alloc: PageAllocator) -> None:
     assert not parked & set(held), "a parked page is in a table"
     assert all(index.key(p) is not None for p in parked), "a parked page lost its index entry"
     assert all(p in held or p in parked for p in index.pages()), "an indexed page is plain free"
-    assert all(index.key(p) is not None for p, n in held.items() if n > 1), "an unindexed page is shared"
     by_id = {s.seq_id: s for s in sched.running}
+    check_shared_pages_are_full(bm, by_id)
     assert set(tables) <= set(by_id), "a waiting or finished sequence holds pages"
     for sid, table in tables.items():
         seq = by_id[sid]
@@ -53,6 +53,18 @@ def check_cache(sched: Scheduler, alloc: PageAllocator) -> None:
             key = index.key(p)
             assert key is None or key == seq.block_keys[i], "a page sits at another block's place"
     assert len(sched.running) <= sched.config.max_num_seqs
+
+
+def check_shared_pages_are_full(bm: BlockManager, seqs: dict) -> None:
+    """A page in two tables is at the same block of both, and full in both: no one writes it."""
+    where: dict[int, set[int]] = {}
+    for sid in bm.live_sequences():
+        seq = seqs[sid]
+        for i, p in enumerate(bm.block_table(sid)):
+            where.setdefault(p, set()).add(i)
+            if bm.refs(p) > 1:
+                assert (i + 1) * bm.block_size <= seq.num_computed_tokens, "a shared page is still being written"
+    assert all(len(blocks) == 1 for blocks in where.values()), "a page sits at two blocks"
 
 
 def shared_requests(rng: random.Random, n: int, block_size: int, max_len: int):
@@ -213,3 +225,82 @@ def test_keys_chain_and_depend_on_the_salt():
     assert block_key(block_key(a, [1, 2]), [3, 4]) != block_key(block_key(a, [9, 2]), [3, 4])  # the chain
     assert block_key(a, [1, 2]) == block_key(a, [1, 2])
     assert block_key(a, [1 << 40]) != block_key(a, [0])  # ids are not truncated
+
+
+def check_pool_models(pool, scheds: dict[str, Scheduler]) -> None:
+    pool.audit()
+    for name, sched in scheds.items():
+        bm, index = sched.blocks, sched.blocks.prefix
+        held = Counter(p for sid in bm.live_sequences() for p in bm.block_table(sid))
+        parked = set(pool.parked_pages(name))
+        assert all(bm.refs(p) == n for p, n in held.items()) and pool.num_used(name) == len(held)
+        assert all(index.key(p) is not None for p in parked), "a parked page lost its index entry"
+        assert all(p in held or p in parked for p in index.pages()), "an indexed page is free or another's"
+        check_shared_pages_are_full(bm, {seq.seq_id: seq for seq in sched.running})
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), block_size=st.sampled_from([2, 4]), budget=st.integers(2, 32),
+       spare_pages=st.integers(0, 12), shrinks=st.lists(st.integers(0, 60), max_size=3))
+def test_two_models_in_one_pool_with_shrinks_and_drops_give_reference_tokens(seed, block_size, budget, spare_pages,
+                                                                             shrinks):
+    """Two models' caches in one PagePool: their parked pages are free for both; a shrink
+    (fence, preempt the holders of fenced pages, resize) and a grow back, and dropping a
+    model's cache, never change a token."""
+    import torch
+
+    from engine.kv.layout import PoolExhausted
+    from engine.kv.page_pool import PagePool
+
+    rng = random.Random(seed)
+    max_len = 32
+    per_seq = -(-max_len // block_size)
+    full = 2 * per_seq + spare_pages
+    pool = PagePool(full, 1024)
+    scheds, runner, pending, results = {}, FakeRunner(full, block_size), {}, {}
+    for m in ("a", "b"):
+        pool.register(m, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, min_pages=per_seq,
+                      tokens_per_page=block_size)
+        scheds[m] = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=max_len,
+                                              eos_token_ids=(EOS,)),
+                              BlockManager(block_size, pool.allocator_for(m), PrefixIndex(f"model-{m}")))
+        pending[m] = [(f"{m}{rid}", p, sp) for rid, p, sp in shared_requests(rng, rng.randint(1, 8), block_size, max_len)]
+    shrink_at = set(shrinks)
+    fenced_to: int | None = None
+    for step in range(5_000):
+        if not any(pending.values()) and not any(s.has_unfinished() for s in scheds.values()):
+            break
+        m = rng.choice(["a", "b"])
+        sched = scheds[m]
+        if pending[m] and rng.random() < 0.5:
+            rid, prompt, params = pending[m].pop(0)
+            sched.add(rid, prompt, params)
+            results[rid] = ([], "", prompt, params)
+        if step in shrink_at and fenced_to is None:
+            try:
+                pool.fence(2 * per_seq)  # the minimums' worth: the spare pages go
+                fenced_to = 2 * per_seq
+            except PoolExhausted:  # the minimums cannot be kept below it right now: not this time
+                pass
+        if fenced_to is not None:
+            for name, s in scheds.items():  # what the engine does: holders of fenced pages start over
+                for seq in list(s.running):
+                    if any(p >= fenced_to for p in s.blocks.block_table(seq.seq_id)):
+                        s.preempt(seq.req_id)
+            if pool.num_fenced_in_use() == 0:
+                pool.resize(fenced_to)
+                pool.resize(full)  # and grow back
+                fenced_to = None
+        if rng.random() < 0.02:
+            sched.blocks.drop_prefix_cache()
+        out = sched.schedule()
+        sampled = runner.run(sched, out)
+        for seq in sched.update(out, sampled):
+            results[seq.req_id][0].append(seq.token_ids[-1])
+            if seq.finish_reason is not None:
+                results[seq.req_id] = (results[seq.req_id][0], seq.finish_reason.value) + results[seq.req_id][2:]
+        check_pool_models(pool, scheds)
+    else:
+        raise AssertionError("no progress")
+    for rid, (toks, reason, prompt, params) in results.items():
+        assert (toks, reason) == reference(prompt, params, max_len), rid
