@@ -137,6 +137,7 @@ class ModelSettings(_Section):
     weight: float = Field(1.0, gt=0, le=1000)  # share of GPU time when models compete
     autoload: bool | None = None  # None: server.autoload
     max_queue: int | None = Field(None, ge=1, le=1 << 20)  # requests in flight; None: 2 × max_num_seqs
+    prefix_caching: bool = True  # prompts sharing a prefix reuse its KV pages (docs/engine.md)
 
     @field_validator("name")
     @classmethod

@@ -31,7 +31,8 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _response_schemas() -> dict[str, Any]:
     s, i, n = {"type": "string"}, {"type": "integer"}, {"type": "number"}
-    usage = _obj({"prompt_tokens": i, "completion_tokens": i, "total_tokens": i})
+    usage = _obj({"prompt_tokens": i, "completion_tokens": i, "total_tokens": i,
+                  "prompt_tokens_details": _obj({"cached_tokens": i})})
     logprobs = _nullable({"type": "object"})
     finish = _nullable({"type": "string", "enum": ["stop", "length", "abort"]})
     text_choice = _obj({"index": i, "text": s, "logprobs": logprobs, "finish_reason": finish})

@@ -271,7 +271,8 @@ class ModelManager:
                 offered = self._planner.evictable(exclude=e.name)
                 try:
                     return await self.worker.load(e.name, str(e.snapshot), max_model_len=s.max_model_len,
-                                                  max_num_seqs=s.max_num_seqs, weight=s.weight, evictable=offered)
+                                                  max_num_seqs=s.max_num_seqs, weight=s.weight, evictable=offered,
+                                                  prefix_caching=s.prefix_caching)
                 except WorkerError as ex:
                     if ex.code != "no_room":
                         raise

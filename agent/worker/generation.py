@@ -44,9 +44,11 @@ class Choice:
     pieces: list[str] = field(default_factory=list)  # with logprobs: the text each token added
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt's, served from the engine's prefix cache
 
     def push(self, out: P.TokenOutput) -> Delta:
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         ids = list(out.new_token_ids)
         self.token_ids.extend(ids)
         if out.logprobs:
@@ -155,10 +157,14 @@ class Generation:
             self._itl.observe(now - self._last_token_at)
         self._last_token_at = now
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens the
+        engine did not compute (its prefix cache had them)."""
         prompt = max((c.num_prompt_tokens for c in self.choices.values()), default=0)
+        cached = max((c.num_cached_tokens for c in self.choices.values()), default=0)
         completion = sum(len(c.token_ids) for c in self.choices.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def close(self) -> None:
         """Abort whatever is still running in the engine and record token counts."""

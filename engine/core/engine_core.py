@@ -269,20 +269,22 @@ class EngineCore:
 
     def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = ()) -> ModelInfo:
+                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True) -> ModelInfo:
         """Book, load weights, give the model its KV pages and make it schedulable
         (:meth:`ModelLoader.load_model`: raises :class:`~engine.core.ledger.LoadRefused` before
         the device is touched when it does not fit)."""
         return self._loader.load_model(name, model_dir, max_model_len, max_num_seqs, weight,
-                                       num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable)
+                                       num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable,
+                                       prefix_caching=prefix_caching)
 
     def begin_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = ()) -> PendingLoad:
+                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True) -> PendingLoad:
         """Phase 1 of a load here, phase 2 in a load thread (:meth:`ModelLoader.begin_load`);
         end it with :meth:`finish_load` or :meth:`cancel_load`."""
         return self._loader.begin_load(name, model_dir, max_model_len, max_num_seqs, weight,
-                                       num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable)
+                                       num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable,
+                                       prefix_caching=prefix_caching)
 
     def finish_load(self, pending: PendingLoad) -> ModelInfo:
         """Phase 3 of a load: install the model (:meth:`ModelLoader.finish_load`)."""
@@ -357,7 +359,8 @@ class EngineCore:
             return
         seq = self._slots[model].scheduler.abort(req_id)
         if seq is not None:
-            self._pending.append(RequestOutput(req_id, [], "abort", None, seq.num_prompt_tokens))
+            self._pending.append(RequestOutput(req_id, [], "abort", None, seq.num_prompt_tokens,
+                                               seq.num_cached_tokens))
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self._pending) or self._inflight is not None
@@ -485,7 +488,7 @@ class EngineCore:
             reason = seq.finish_reason.value if seq.finish_reason is not None else None
             lp = logprobs.get(seq.req_id)
             outs.append(RequestOutput(seq.req_id, [seq.token_ids[-1]], reason, [lp] if lp is not None else None,
-                                      seq.num_prompt_tokens))
+                                      seq.num_prompt_tokens, seq.num_cached_tokens))
             if reason is not None:
                 self._req_model.pop(seq.req_id, None)
         now = time.perf_counter()

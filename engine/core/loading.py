@@ -44,6 +44,7 @@ from engine.models.llama import LlamaModel
 from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS
 from engine.runner.prebuild import RunnerBuild, prebuild_wanted
 from engine.sched.block_manager import BlockManager
+from engine.sched.prefix_index import PrefixIndex
 from engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError
 from engine.weights.loader import PendingLoad, WeightsReady, drop_result, load_or_restore, stash_weights, warm_key
 from engine.weights.warm_tier import WarmTier
@@ -137,7 +138,7 @@ class ModelLoader:
 
     def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = ()) -> ModelInfo:
+                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True) -> ModelInfo:
         """Book, load weights, give the model its KV pages and make it schedulable.
 
         A load that does not fit now raises :class:`LoadRefused` before the device is touched;
@@ -145,12 +146,13 @@ class ModelLoader:
         The three phases in a row (the weights still read in the load thread).
         """
         pending = self.begin_load(name, model_dir, max_model_len, max_num_seqs, weight,
-                                  num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable)
+                                  num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable,
+                                  prefix_caching=prefix_caching)
         return self.finish_load(pending)
 
     def begin_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = ()) -> PendingLoad:
+                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True) -> PendingLoad:
         """Phase 1 of a load on this thread (validate, the ledger's verdict, fit the pool, book the
         weights, register the pages), then start phase 2 (the weights) in a load thread.
 
@@ -190,6 +192,7 @@ class ModelLoader:
             raise
         pending = PendingLoad(name, str(model_dir), cfg, max_len, dtype, needs, max_num_seqs, float(weight), t0)
         pending.key = warm_key(name, model_dir)
+        pending.prefix_caching = bool(prefix_caching)
         pending.shape = self._workspace_shape(max_num_seqs, max_len, dtype, needs.tokens_per_page)
         pending.prebuild = self.warmup and self.prebuild_runner is not False and prebuild_wanted(
             self.device, self._known_workspace(pending.key, pending.shape), allow_cpu=bool(self.prebuild_runner))
@@ -343,7 +346,9 @@ class ModelLoader:
                 SchedulerConfig(max_num_seqs=p.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=p.max_len, max_prefill_chunk=self.max_prefill_chunk,
                                 eos_token_ids=cfg.eos_token_ids),
-                BlockManager(needs.tokens_per_page, pages),
+                # The index's salt: what else decides the K/V of a token at a position.
+                BlockManager(needs.tokens_per_page, pages,
+                             PrefixIndex(f"{p.key}|{p.dtype}") if p.prefix_caching else None),
             )
         except SchedulerConfigError as e:
             raise EngineError(str(e)) from None

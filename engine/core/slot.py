@@ -32,6 +32,7 @@ class RequestOutput:
     finish_reason: str | None  # None | "stop" | "length" | "abort"
     logprobs: list | None  # one entry per new token: {"token_id", "logprob", "top_logprobs"}
     num_prompt_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass

@@ -69,6 +69,7 @@ class PendingLoad:
     prebuild: bool = False  # build the runner beside the weights (engine.runner.prebuild)
     key: str = ""  # the weights' warm-tier key (warm_key), taken once at begin
     shape: str = ""  # what its measured workspace depends on besides the weights (the load's shape)
+    prefix_caching: bool = True  # the model's full KV pages are shared by prefix (engine.sched.prefix_index)
 
     def done(self) -> bool:
         return self.future.done()

@@ -176,7 +176,7 @@ class Worker:
             try:
                 pending = self.core.begin_load(msg.model, msg.model_dir, max_model_len=msg.max_model_len,
                                                max_num_seqs=msg.max_num_seqs, weight=msg.weight,
-                                               evictable=list(msg.evictable))
+                                               evictable=list(msg.evictable), prefix_caching=msg.prefix_caching)
             except Exception as e:
                 self._load_failed(msg, e)
                 continue
@@ -250,7 +250,7 @@ class Worker:
         if outs:
             packed = [
                 P.pack_output(o.req_id, list(o.new_token_ids), o.finish_reason, P.plain(o.logprobs),
-                              o.num_prompt_tokens)
+                              o.num_prompt_tokens, o.num_cached_tokens)
                 for o in outs
             ]
             self.conn.send(P.Tokens(step=self.steps, outputs=packed))

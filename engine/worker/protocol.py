@@ -84,6 +84,7 @@ class Load(Message):
     # Loaded models the agent would evict for this load, least recently used first (idle,
     # unpinned). A refusal names the shortest prefix that makes room in Error.details["evict"].
     evictable: list[str] = field(default_factory=list)
+    prefix_caching: bool = True  # share the model's full KV pages by prefix
 
 
 @_register
@@ -166,8 +167,8 @@ class Unloaded(Message):
 @dataclass(frozen=True)
 class Tokens(Message):
     """All outputs of one engine step. Each entry of ``outputs`` is
-    ``[req_id, new_token_ids, finish_reason | None, logprobs | None, num_prompt_tokens]``:
-    positional lists, not maps, because this is the hot message."""
+    ``[req_id, new_token_ids, finish_reason | None, logprobs | None, num_prompt_tokens,
+    num_cached_tokens]``: positional lists, not maps, because this is the hot message."""
 
     TAG: ClassVar[str] = "tokens"
     step: int
@@ -183,19 +184,21 @@ class TokenOutput:
     finish_reason: str | None
     logprobs: list[Any] | None
     num_prompt_tokens: int
+    num_cached_tokens: int = 0
 
 
 def unpack_outputs(msg: Tokens) -> list[TokenOutput]:
     out: list[TokenOutput] = []
     for entry in msg.outputs:
-        if not isinstance(entry, list) or len(entry) != 5:
-            raise ProtocolError("tokens: each output must be a list of 5 items")
-        req_id, ids, finish, logprobs, n_prompt = entry
-        if not isinstance(req_id, str) or not isinstance(ids, list) or not isinstance(n_prompt, int):
+        if not isinstance(entry, list) or len(entry) != 6:
+            raise ProtocolError("tokens: each output must be a list of 6 items")
+        req_id, ids, finish, logprobs, n_prompt, n_cached = entry
+        if (not isinstance(req_id, str) or not isinstance(ids, list) or not isinstance(n_prompt, int)
+                or not isinstance(n_cached, int) or not 0 <= n_cached <= n_prompt):
             raise ProtocolError("tokens: bad output entry")
         if finish is not None and finish not in ("stop", "length", "abort"):
             raise ProtocolError(f"tokens: bad finish_reason {finish!r}")
-        out.append(TokenOutput(req_id, ids, finish, logprobs, n_prompt))
+        out.append(TokenOutput(req_id, ids, finish, logprobs, n_prompt, n_cached))
     return out
 
 
@@ -243,8 +246,9 @@ def unpack_timings(msg: Loaded) -> dict[str, float]:
     return {name: float(seconds) for name, seconds in msg.timings.items()}
 
 
-def pack_output(req_id: str, ids: list[int], finish: str | None, logprobs: Any, n_prompt: int) -> list[Any]:
-    return [req_id, ids, finish, logprobs, n_prompt]
+def pack_output(req_id: str, ids: list[int], finish: str | None, logprobs: Any, n_prompt: int,
+                n_cached: int = 0) -> list[Any]:
+    return [req_id, ids, finish, logprobs, n_prompt, n_cached]
 
 
 @_register

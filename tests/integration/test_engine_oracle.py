@@ -154,3 +154,46 @@ def test_greedy_stops_on_eos_like_transformers(arch, oracle_model):
                       do_sample=False, eos_token_id=[stop_at], pad_token_id=0)
     assert got == gen[0, len(p):].tolist() == toks[: toks.index(stop_at) + 1]
     assert reason == "stop"
+
+
+def _run_all(core: EngineCore, reqs: dict[str, list[int]], n_new: int) -> tuple[dict[str, list[int]], dict[str, int]]:
+    tokens: dict[str, list[int]] = {r: [] for r in reqs}
+    cached: dict[str, int] = {}
+    for r, p in reqs.items():
+        core.add_request(r, "m", p, SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True))
+    while core.has_unfinished_requests():
+        for o in core.step():
+            tokens[o.req_id] += o.new_token_ids
+            cached[o.req_id] = o.num_cached_tokens
+    return tokens, cached
+
+
+@pytest.mark.parametrize("pages", [None, 40], ids=["roomy", "tight"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prefix_cache_hits_give_transformers_greedy_tokens(arch, pages, oracle_model):
+    """Prompts that share a system prompt, a prompt sent again, and a chat turn that resends
+    the previous answer: with the prefix cache the hits are counted and every greedy token is
+    transformers'; with it off, the same tokens and no hit. ``tight``: 40 pages of 4 tokens for
+    six ~30-token requests, so sequences are preempted and parked pages handed out again."""
+    d = oracle_model(arch, True)  # sharp: a K/V at the wrong position changes tokens
+    hf = hf_model(d)
+    n_new = 6
+    system = list(range(40, 61))  # 21 tokens: five full pages of 4
+    first = {"a": system + [7, 8]}
+    kw = {"num_kv_pages": pages} if pages else {}
+    core = engine(d, budget=32, chunk=12, **kw)
+    got1, _ = _run_all(core, first, n_new)
+    wave = {"b": system + [9], "c": system + [7, 8], "d": system + [7, 8] + got1["a"] + [3],
+            "e": system[:9] + [1, 2, 3], "f": [300, 301, 302, 303, 304]}
+    got2, cached = _run_all(core, wave, n_new)
+    assert cached["b"] == 20 and cached["c"] == 20 and cached["e"] == 8 and cached["f"] == 0
+    assert cached["d"] >= 20  # the system prompt, and the first answer's full pages where they survived
+    off = engine(d, budget=32, chunk=12, prefix_caching=False, **kw)
+    got_off1, _ = _run_all(off, first, n_new)
+    got_off2, cached_off = _run_all(off, wave, n_new)
+    assert set(cached_off.values()) == {0}
+    assert got_off1 == got1 and got_off2 == got2
+    for r, p in {**first, **wave}.items():
+        gen = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+        assert gen[0, len(p):].tolist() == {**got1, **got2}[r], r

@@ -296,3 +296,26 @@ def test_chat_logprobs_bytes_are_the_tokens_own(client, make_tiny_model) -> None
                 assert bytes(a.bytes).decode("utf-8") == a.token
     assert odd > 0
     assert tok.is_byte_level
+
+
+def test_a_shared_system_prompt_is_reported_as_cached_tokens(client) -> None:
+    """The second request with the same system prompt reads it from the prefix cache: usage says
+    so (``prompt_tokens_details.cached_tokens``, in the streamed usage chunk too), and the answer
+    is the one computed without the cache."""
+    system = {"role": "system", "content": "You answer in one word. " * 6}
+    first = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
+                                           messages=[system, {"role": "user", "content": "weather?"}])
+    again = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
+                                           messages=[system, {"role": "user", "content": "weather?"}])
+    u1, u2 = first.usage, again.usage
+    assert u1.prompt_tokens == u2.prompt_tokens > 32
+    assert u1.prompt_tokens_details.cached_tokens == 0
+    assert 16 <= u2.prompt_tokens_details.cached_tokens < u2.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            messages=[system, {"role": "user", "content": "rain?"}])
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens >= 16
+    text = client.completions.create(model=MODEL, prompt="You answer in one word. " * 6, max_tokens=4, temperature=0)
+    assert text.usage.prompt_tokens_details.cached_tokens == 0  # no chat template: another prefix

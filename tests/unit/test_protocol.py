@@ -54,7 +54,9 @@ def test_unpack_outputs() -> None:
     (out,) = P.unpack_outputs(msg)
     assert out == P.TokenOutput("r", [1], "length", [[-0.1]], 4)
     with pytest.raises(P.ProtocolError):
-        P.unpack_outputs(P.Tokens(step=1, outputs=[["r", [1], "exploded", None, 4]]))
+        P.unpack_outputs(P.Tokens(step=1, outputs=[["r", [1], "exploded", None, 4, 0]]))
+    with pytest.raises(P.ProtocolError):  # more cached than prompt tokens
+        P.unpack_outputs(P.Tokens(step=1, outputs=[["r", [1], None, None, 4, 5]]))
     with pytest.raises(P.ProtocolError):
         P.unpack_outputs(P.Tokens(step=1, outputs=[["r", [1]]]))
 
