@@ -43,6 +43,12 @@ class Metrics:
                             "its load", ["model"], registry=r)
         self.parked_seconds = Gauge("infire_parked_seconds", "Engine loop's sleep on the model's parked steps since "
                                     "its load", ["model"], registry=r)
+        self.prefix_queried = Gauge("infire_prefix_queried_tokens", "Prompt tokens looked up in the model's prefix "
+                                    "cache since its load", ["model"], registry=r)
+        self.prefix_hit = Gauge("infire_prefix_hit_tokens", "Prompt tokens found in the model's prefix cache (not "
+                                "computed) since its load", ["model"], registry=r)
+        self.prefix_pages = Gauge("infire_prefix_cached_pages", "KV pages the model's prefix cache indexes (in use or "
+                                  "free)", ["model"], registry=r)
         self.gpu_budget = Gauge("infire_gpu_budget_bytes", "Device memory budget", registry=r)
         self.gpu_used = Gauge("infire_gpu_used_bytes", "Device memory in use by models", registry=r)
         self.model_state = Gauge("infire_model_state", "1 for the model's current state", ["model", "state"], registry=r)
@@ -71,6 +77,9 @@ class Metrics:
             self.kv_total.labels(model=model).set(s.get("kv_pages_total", 0))
             self.parked.labels(model=model).set(s.get("parked", 0) or 0)
             self.parked_seconds.labels(model=model).set(s.get("parked_s", 0.0) or 0.0)
+            self.prefix_pages.labels(model=model).set(s.get("prefix_cached_pages", 0) or 0)
+            self.prefix_queried.labels(model=model).set(s.get("prefix_queried_tokens", 0) or 0)
+            self.prefix_hit.labels(model=model).set(s.get("prefix_hit_tokens", 0) or 0)
             dev = s.get("device_bytes", 0) or 0
             self.gpu_memory.labels(model=model).set(dev)
             used += dev
@@ -79,7 +88,7 @@ class Metrics:
     def forget_model(self, model: str) -> None:
         """Drop per-model engine gauges after an unload, so dashboards do not show ghosts."""
         for g in (self.queue_depth, self.running, self.kv_used, self.kv_total, self.gpu_memory, self.parked,
-                  self.parked_seconds):
+                  self.parked_seconds, self.prefix_pages, self.prefix_queried, self.prefix_hit):
             try:
                 g.remove(model)
             except KeyError:

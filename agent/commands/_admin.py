@@ -61,8 +61,11 @@ def model_rows(models: list[dict[str, Any]]) -> list[list[str]]:
         pull = m.get("pull") or {}
         if m["state"] == "pulling" and pull.get("total_bytes"):
             state += f" {100 * pull['done_bytes'] / pull['total_bytes']:.0f}% of {human_bytes(pull['total_bytes'])}"
+        prefix = m.get("prefix_cache") or {}
+        hit = (f"{kv.get('prefix_cached', 0)} ({100 * prefix['hit_tokens'] / prefix['queried_tokens']:.0f}% hit)"
+               if prefix.get("queried_tokens") else str(kv.get("prefix_cached", 0)) if prefix.get("enabled") else "off")
         rows.append([m["name"], state, human_bytes(m.get("device_bytes")),
-                     f"{kv.get('used', 0)}/{kv.get('total', 0)}", str(m.get("in_flight", 0)), ago(m.get("last_used"))])
+                     f"{kv.get('used', 0)}/{kv.get('total', 0)}", hit, str(m.get("in_flight", 0)), ago(m.get("last_used"))])
     return rows
 
 
@@ -74,7 +77,7 @@ def memory_name(device: str | None) -> str:
 
 def model_headers(device: str | None) -> list[str]:
     """The model table's columns; the memory column is named by the worker's device."""
-    return ["MODEL", "STATE", f"{memory_name(device)} MEM", "KV PAGES", "IN-FLIGHT", "LAST USE"]
+    return ["MODEL", "STATE", f"{memory_name(device)} MEM", "KV PAGES", "PREFIX CACHE", "IN-FLIGHT", "LAST USE"]
 
 
 def model_table(st: dict[str, Any]) -> str:

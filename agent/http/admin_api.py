@@ -69,6 +69,7 @@ class AdminApi:
             web.post("/admin/v1/models/{name}/pin", self.pin),
             web.post("/admin/v1/models/{name}/unpin", self.unpin),
             web.post("/admin/v1/models/{name}/verify", self.verify),
+            web.post("/admin/v1/models/{name}/drop-prefix-cache", self.drop_prefix_cache),
         ]
 
     @web.middleware
@@ -204,6 +205,14 @@ class AdminApi:
 
     async def unpin(self, request: web.Request) -> web.Response:
         return await self._pin(request, False)
+
+    async def drop_prefix_cache(self, request: web.Request) -> web.Response:
+        """Forget a ready model's prefix cache: its free cached pages become plain free pages."""
+        try:
+            entries = await self.ctx.manager.drop_prefix_cache(request.match_info["name"])
+        except ManagerError as ex:
+            return _error(ex.status, str(ex), ex.code)
+        return web.json_response({"model": request.match_info["name"], "entries_dropped": entries})
 
     async def pull(self, request: web.Request) -> web.Response:
         """``?verify=true`` reads every sha256 of a cached model (sizes are always checked)."""

@@ -143,6 +143,11 @@ def build_spec() -> dict[str, Any]:
             "security": bearer, "parameters": [name_param],
             "responses": _answers({200: (_JSON, _ref("AdminOperation")), 409: (_JSON, _ref("AdminOperation"))},
                                   (400, 401, 404, 503))}},
+        "/admin/v1/models/{name}/drop-prefix-cache": {"post": {
+            "summary": "forget a ready model's prefix cache (its free cached KV pages become plain free pages)",
+            "security": bearer, "parameters": [name_param],
+            "responses": _answers({200: (_JSON, _obj({"model": {"type": "string"}, "entries_dropped": {"type": "integer"}}))},
+                                  (400, 401, 404, 409))}},
     }
     return {"openapi": "3.1.0",
             "info": {"title": "infire-agent", "version": agent.__version__,

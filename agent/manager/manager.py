@@ -403,6 +403,21 @@ class ModelManager:
         self._log.info("model_pin", model=name, pinned=e.pin)
         return e
 
+    async def drop_prefix_cache(self, name: str) -> int:
+        """Forget a ready model's prefix cache (requests running keep what they hold); the
+        entries it had."""
+        e = self.get(name)
+        if e.state is not State.READY:
+            raise ManagerError(f"model {name!r} is {e.state.value}, not ready: it has no prefix cache")
+        if not e.settings.prefix_caching:
+            return 0
+        try:
+            entries = await self.worker.drop_prefix_cache(name)
+        except (WorkerError, asyncio.TimeoutError) as ex:
+            raise ManagerError(f"the engine did not drop {name!r}'s prefix cache: {ex}") from None
+        self._log.info("prefix_cache_dropped", model=name, entries=entries)
+        return entries
+
     def start(self) -> None:
         """Start the keep-alive task (needs a running loop); ``close`` stops it."""
         if self._keep_alive is None:
@@ -525,7 +540,11 @@ class ModelManager:
         return {
             "name": e.name, "state": e.state.value, "reason": e.reason or None,
             "device_bytes": int(stats.get("device_bytes", e.info.get("device_bytes", 0)) or 0),
-            "kv_pages": {"used": int(stats.get("kv_pages_used", 0)), "total": int(stats.get("kv_pages_total", e.info.get("kv_pages", 0)) or 0)},
+            "kv_pages": {"used": int(stats.get("kv_pages_used", 0)), "total": int(stats.get("kv_pages_total", e.info.get("kv_pages", 0)) or 0),
+                         "prefix_cached": int(stats.get("prefix_cached_pages", 0) or 0)},
+            "prefix_cache": ({"enabled": True, "queried_tokens": int(stats.get("prefix_queried_tokens", 0) or 0),
+                              "hit_tokens": int(stats.get("prefix_hit_tokens", 0) or 0)}
+                             if e.settings.prefix_caching else {"enabled": False}),
             "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
             "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
             "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len)),

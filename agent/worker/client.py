@@ -339,6 +339,8 @@ class WorkerClient:
             self._resolve(("load", msg.model), msg)
         elif isinstance(msg, P.Unloaded):
             self._resolve(("unload", msg.model), msg)
+        elif isinstance(msg, P.PrefixCacheDropped):
+            self._resolve(("drop_prefix_cache", msg.model), msg)
         elif isinstance(msg, P.Error):
             self._on_error(msg)
         else:
@@ -438,6 +440,10 @@ class WorkerClient:
                    weight=weight, evictable=list(evictable or []), prefix_caching=prefix_caching),
             timeout,
         )
+
+    async def drop_prefix_cache(self, model: str, timeout: float | None = 30.0) -> int:
+        """Forget ``model``'s prefix cache in the engine; the entries it had."""
+        return (await self._command(("drop_prefix_cache", model), P.DropPrefixCache(model=model), timeout)).entries
 
     async def unload(self, model: str, timeout: float | None = 60.0) -> None:
         await self._command(("unload", model), P.Unload(model=model), timeout)

@@ -503,16 +503,30 @@ class EngineCore:
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per model: requests, KV pages (used, and the most it could hold now), device bytes
         (weights + workspace + the pages it holds; ``memory()`` has the split by kind), and how
-        often its step was parked for a quiet model and how long the caller slept on those."""
-        return {
-            name: {
+        often its step was parked for a quiet model and how long the caller slept on those; with
+        prefix caching, the pages its index holds (in use or free) and the prompt tokens its
+        admissions looked up and found since the load."""
+        out = {}
+        for name, s in self._slots.items():
+            blocks = s.scheduler.blocks
+            out[name] = {
                 "running": s.scheduler.num_running,
                 "waiting": s.scheduler.num_waiting,
-                "kv_pages_used": s.scheduler.blocks.num_used_pages,
-                "kv_pages_total": s.scheduler.blocks.num_total_pages,
+                "kv_pages_used": blocks.num_used_pages,
+                "kv_pages_total": blocks.num_total_pages,
                 "device_bytes": s.device_bytes,
                 "parked": s.parked,
                 "parked_s": round(s.parked_s, 6),
             }
-            for name, s in self._slots.items()
-        }
+            if blocks.prefix is not None:
+                out[name].update(prefix_cached_pages=len(blocks.prefix), prefix_queried_tokens=blocks.prefix.queried_tokens,
+                                 prefix_hit_tokens=blocks.prefix.hit_tokens)
+        return out
+
+    def drop_prefix_cache(self, name: str) -> int:
+        """Forget ``name``'s prefix index (its free cached pages become plain free pages; pages
+        of running sequences stay theirs); returns the entries dropped (0: caching is off)."""
+        if name not in self._slots:
+            raise EngineError(f"model {name!r} is not loaded")
+        self._settle()  # no step in flight: the next one's admissions see the empty index
+        return self._slots[name].scheduler.blocks.drop_prefix_cache()

@@ -132,6 +132,8 @@ class Worker:
             self._load(msg)
         elif isinstance(msg, P.Unload):
             self._unload(msg)
+        elif isinstance(msg, P.DropPrefixCache):
+            self._drop_prefix_cache(msg)
         elif isinstance(msg, P.Shutdown):
             self.running = False
         else:
@@ -223,6 +225,16 @@ class Worker:
                                    code="cancelled", model=model))
             self._next_load()
         return True
+
+    def _drop_prefix_cache(self, msg: P.DropPrefixCache) -> None:
+        if self._no_engine("drop_prefix_cache", model=msg.model):
+            return
+        try:
+            entries = self.core.drop_prefix_cache(msg.model)
+        except Exception as e:
+            self.conn.send(P.Error(op="drop_prefix_cache", message=str(e), code=type(e).__name__, model=msg.model))
+            return
+        self.conn.send(P.PrefixCacheDropped(model=msg.model, entries=entries))
 
     def _unload(self, msg: P.Unload) -> None:
         if self._no_engine("unload", model=msg.model):

@@ -165,6 +165,24 @@ class Unloaded(Message):
 
 @_register
 @dataclass(frozen=True)
+class DropPrefixCache(Message):
+    """Forget a loaded model's prefix cache. Answered by PrefixCacheDropped or
+    Error(op="drop_prefix_cache")."""
+
+    TAG: ClassVar[str] = "drop_prefix_cache"
+    model: str
+
+
+@_register
+@dataclass(frozen=True)
+class PrefixCacheDropped(Message):
+    TAG: ClassVar[str] = "prefix_cache_dropped"
+    model: str
+    entries: int  # index entries forgotten
+
+
+@_register
+@dataclass(frozen=True)
 class Tokens(Message):
     """All outputs of one engine step. Each entry of ``outputs`` is
     ``[req_id, new_token_ids, finish_reason | None, logprobs | None, num_prompt_tokens,

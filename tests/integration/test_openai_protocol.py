@@ -319,3 +319,29 @@ def test_a_shared_system_prompt_is_reported_as_cached_tokens(client) -> None:
     assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens >= 16
     text = client.completions.create(model=MODEL, prompt="You answer in one word. " * 6, max_tokens=4, temperature=0)
     assert text.usage.prompt_tokens_details.cached_tokens == 0  # no chat template: another prefix
+
+
+def test_the_prefix_cache_shows_in_status_and_metrics_and_can_be_dropped(daemon, client) -> None:
+    system = {"role": "system", "content": "Always reply with the word yes. " * 5}
+    for _ in range(2):
+        client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
+                                       messages=[system, {"role": "user", "content": "ok?"}])
+    deadline = time.monotonic() + 10
+    while (m := daemon.engine_stats(MODEL))["prefix_cache"].get("hit_tokens", 0) < 16 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the engine's figures come with its periodic status
+    assert m["prefix_cache"]["enabled"] and m["prefix_cache"]["hit_tokens"] >= 16
+    assert m["prefix_cache"]["queried_tokens"] > m["prefix_cache"]["hit_tokens"] and m["kv_pages"]["prefix_cached"] >= 1
+    code, metrics = daemon.get("/metrics")
+    assert code == 200 and f'infire_prefix_hit_tokens{{model="{MODEL}"}}' in metrics
+    admin = {"Authorization": "Bearer test-admin-token"}
+    code, body = daemon.post(f"/admin/v1/models/{MODEL}/drop-prefix-cache", headers=admin)
+    assert code == 200 and body["entries_dropped"] >= 1, body
+    deadline = time.monotonic() + 10
+    while daemon.engine_stats(MODEL)["kv_pages"]["prefix_cached"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert daemon.engine_stats(MODEL)["kv_pages"]["prefix_cached"] == 0
+    again = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
+                                           messages=[system, {"role": "user", "content": "ok?"}])
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # computed again after the drop
+    code, body = daemon.post("/admin/v1/models/not-here/drop-prefix-cache", headers=admin)
+    assert code == 404, body
