@@ -34,9 +34,18 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
 
 def extend_keys(keys: list[bytes], root: bytes, tokens: list[int], block_size: int, upto: int) -> None:
     """Append to ``keys`` (a sequence's chain so far) the keys of its full blocks below token
-    ``upto``."""
-    for i in range(len(keys), upto // block_size):
-        keys.append(block_key(keys[-1] if keys else root, tokens[i * block_size:(i + 1) * block_size]))
+    ``upto`` (each equal to :func:`block_key` of its parent and tokens; the tokens are packed
+    once for all the new blocks: admissions key whole prompts)."""
+    start, stop = len(keys), upto // block_size
+    if stop <= start:
+        return
+    raw = array("q", tokens[start * block_size:stop * block_size]).tobytes()
+    width = 8 * block_size
+    parent = keys[-1] if keys else root
+    blake2b = hashlib.blake2b
+    for j in range(0, len(raw), width):
+        parent = blake2b(parent + raw[j:j + width], digest_size=KEY_BYTES).digest()
+        keys.append(parent)
 
 
 class PrefixIndex:

@@ -17,6 +17,12 @@ latency shape is ``--max-num-seqs 256 --max-num-batched-tokens 4096`` (half the 
 ``--peer N`` first runs transformers' ``generate_batch`` on the first N requests in a subprocess
 (ops/bench/peer_hf.py), so the two never share GPU memory, and stores it under ``peer``.
 Host cost per step: the runner's build+launch seconds and its wait for the ids, per step.
+
+Prefix caching (issue 20): ``--workload shared-system`` (groups of 50 requests share a 1,024-token
+system prompt) or ``multi-turn`` (``--num-requests`` conversations of ``--turns`` turns, each turn
+sent when the previous one finished, resending the history with the model's own answers);
+``--prefix-caching on|off|both``: ``both`` runs off then on in one process and reports the ratios
+and whether every request's tokens were the same (``outputs_digest``).
 """
 
 from __future__ import annotations
@@ -32,7 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from ops.bench.workload import NAME as WORKLOAD, TokenTimes, percentile, sharegpt_like, summary
+import hashlib
+from collections import deque
+
+from ops.bench.workload import (MULTI_TURN, NAME as WORKLOAD, SHARED_SYSTEM, BenchRequest, TokenTimes, multi_turn,
+                                percentile, sharegpt_like, shared_system, summary)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,8 +120,10 @@ def _profile(core, reqs, n_steps: int) -> dict:
 def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seqs: int, max_num_batched_tokens: int,
               max_model_len: int, block_size: int, seed: int = 0, concurrency: int | None = None,
               decode_buckets: tuple[int, ...] | None = None, batch1: bool = False, profile_steps: int = 0,
-              async_steps: bool | None = None) -> dict:
-    """Run the workload; ``concurrency`` None adds every request at t0, N keeps N in flight."""
+              async_steps: bool | None = None, workload: str = WORKLOAD, prefix_caching: bool = True,
+              turns: int = 5) -> dict:
+    """Run the workload; ``concurrency`` None adds every request at t0, N keeps N in flight (for
+    multi-turn: N conversations)."""
     from engine.core.engine_core import EngineCore
     from engine.runner.cuda_graphs import DEFAULT_BUCKETS
     from engine.sampling import SamplingParams
@@ -125,16 +137,15 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
 
         torch.set_num_threads(1)  # as the worker: a step's host tensors are tiny
     t_load = time.perf_counter()
-    info = core.load_model("bench", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    info = core.load_model("bench", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                           prefix_caching=prefix_caching)
     load_s = time.perf_counter() - t_load
     runner = core.slot("bench").runner
     # Graphs deferred to their first use are captured now, outside the clock (a server pays
     # this once per load; reported as deferred_capture_s).
     deferred_capture_s = runner.capture_deferred_graphs()
-    reqs = sharegpt_like(num_requests, info.vocab_size, seed)
-    too_long = [r for r in reqs if r.input_len + r.output_len > info.max_model_len]
-    if too_long:
-        raise SystemExit(f"{len(too_long)} requests exceed max_model_len={info.max_model_len}; raise --max-model-len")
+    source = _Source(workload, num_requests, info.vocab_size, seed, info.max_model_len, turns)
+    reqs = source.first_turns
     # Warm-up outside the clock (first-call allocations, kernel compiles for short and long queries).
     for j, n in enumerate((8, min(300, info.max_model_len - 8))):
         core.add_request(f"warmup{j}", "bench", reqs[0].prompt_token_ids[:1] * n,
@@ -143,18 +154,22 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         core.step()
 
     times = TokenTimes()
-    done: set[str] = set()
-    limit = concurrency or len(reqs)
-    next_req = 0
+    limit = concurrency or source.num_streams
+    in_flight = 0
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    sent: list[BenchRequest] = []
 
     def send_more() -> None:
-        nonlocal next_req
-        while next_req < len(reqs) and next_req - len(done) < limit:
-            r = reqs[next_req]
-            times.sent[f"r{next_req}"] = time.perf_counter()
-            core.add_request(f"r{next_req}", "bench", r.prompt_token_ids,
+        nonlocal in_flight
+        while in_flight < limit and (nxt := source.next()) is not None:
+            rid, r = nxt
+            times.sent[rid] = time.perf_counter()
+            tokens[rid] = []
+            sent.append(r)
+            core.add_request(rid, "bench", r.prompt_token_ids,
                              SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
-            next_req += 1
+            in_flight += 1
 
     host0, wait0, graph0, mixed0 = runner.host_seconds, runner.wait_seconds, runner.graph_steps, runner.mixed_graph_steps
     hostg0 = runner.host_graph_seconds
@@ -171,7 +186,12 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         step_ms[kind].append((now - t_step) * 1e3)
         steps += 1
         times.observe(outs, now)
-        done.update(o.req_id for o in outs if o.finish_reason is not None)
+        for o in outs:
+            tokens[o.req_id] += o.new_token_ids
+            cached[o.req_id] = o.num_cached_tokens
+            if o.finish_reason is not None:
+                in_flight -= 1
+                source.finished(o.req_id, tokens[o.req_id])
         send_more()
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
@@ -187,11 +207,15 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     prof = _profile(core, reqs, profile_steps) if profile_steps else None
     graphs = runner.graphs
     total_out = times.output_tokens
-    total_in = sum(r.input_len for r in reqs)
+    total_in = sum(r.input_len for r in sent)
+    digest = hashlib.sha256(json.dumps(sorted(tokens.items())).encode()).hexdigest()[:16]
+    core.unload_model("bench")
     return {
         "gpu": _device_name(core),
-        "requests": len(reqs),
-        "req_s": len(reqs) / wall,
+        "workload": workload,
+        "prefix_caching": prefix_caching,
+        "requests": len(sent),
+        "req_s": len(sent) / wall,
         "output_tok_s": total_out / wall,
         "total_tok_s": (total_out + total_in) / wall,
         **times.latency(),
@@ -200,7 +224,10 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         "steps": steps,
         "output_tokens": total_out,
         "input_tokens": total_in,
-        "workload_summary": summary(reqs),
+        "workload_summary": summary(sent),
+        "cached_tokens": sum(cached.values()),
+        "cached_fraction": sum(cached.values()) / max(total_in, 1),
+        "outputs_digest": digest,
         "step_ms_mean": wall * 1e3 / max(steps, 1),
         "steps_by_kind": {k: {"steps": len(v), "ms_mean": sum(v) / len(v) if v else None,
                               "ms_total": sum(v)} for k, v in step_ms.items()},
@@ -219,6 +246,45 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         "engine": {"async_steps": core.async_steps, "decode_buckets": list(runner.decode_buckets), "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                    "max_model_len": info.max_model_len, "block_size": block_size, "kv_pages": info.kv_pages},
     }
+
+
+class _Source:
+    """What the bench sends next: the workload's requests in order, or, for multi-turn, each
+    conversation's next turn once its previous one finished (history + the model's answer)."""
+
+    def __init__(self, workload: str, n: int, vocab: int, seed: int, max_len: int, turns: int) -> None:
+        self.convs: list = []
+        if workload == MULTI_TURN:
+            self.convs = multi_turn(n, turns, vocab, seed, max_total=max_len)
+            self.ready = deque((c, 0, []) for c in range(len(self.convs)))  # (conversation, turn, history)
+            self.first_turns = [BenchRequest(conv.user_turns[0], conv.output_lens[0]) for conv in self.convs]
+            self.num_streams = len(self.convs)
+        else:
+            reqs = shared_system(n, vocab, seed) if workload == SHARED_SYSTEM else sharegpt_like(n, vocab, seed)
+            too_long = [r for r in reqs if r.input_len + r.output_len > max_len]
+            if too_long:
+                raise SystemExit(f"{len(too_long)} requests exceed max_model_len={max_len}; raise --max-model-len")
+            self.ready = deque((None, i, r) for i, r in enumerate(reqs))
+            self.first_turns = reqs
+            self.num_streams = len(reqs)
+        self._turn_of: dict[str, tuple[int, int, list[int]]] = {}
+
+    def next(self) -> tuple[str, BenchRequest] | None:
+        if not self.ready:
+            return None
+        c, t, x = self.ready.popleft()
+        if c is None:
+            return f"r{t}", x
+        conv = self.convs[c]
+        prompt = x + conv.user_turns[t]
+        self._turn_of[f"c{c}t{t}"] = (c, t, prompt)
+        return f"c{c}t{t}", BenchRequest(prompt, conv.output_lens[t])
+
+    def finished(self, req_id: str, answer: list[int]) -> None:
+        if req_id in self._turn_of:
+            c, t, prompt = self._turn_of.pop(req_id)
+            if t + 1 < len(self.convs[c].user_turns):
+                self.ready.append((c, t + 1, prompt + answer))
 
 
 def _run_peer(model_dir: str | Path, n: int, timeout: float = 900) -> dict:
@@ -255,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-engine-<model>-<commit>.json)")
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument("--sync", action="store_true", help="synchronous steps (default on CUDA: asynchronous)")
+    ap.add_argument("--workload", choices=[WORKLOAD, SHARED_SYSTEM, MULTI_TURN], default=WORKLOAD)
+    ap.add_argument("--turns", type=int, default=5, help="turns per conversation (multi-turn)")
+    ap.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on")
     a = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -266,9 +335,18 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = make_model(Path(tmp) / "model", a.arch, a.preset, seed=0)
         peer = _run_peer(model_dir, a.peer, a.peer_timeout) if a.peer else None
         buckets = None if a.decode_buckets is None else tuple(int(x) for x in a.decode_buckets.split(",") if x)
-        res = run_bench(model_dir, a.num_requests, a.device, a.max_num_seqs, a.max_num_batched_tokens,
-                        a.max_model_len, a.block_size, concurrency=a.concurrency, decode_buckets=buckets,
-                        batch1=a.batch1, profile_steps=a.profile_steps, async_steps=False if a.sync else None)
+        runs = {}
+        for mode in (("off", "on") if a.prefix_caching == "both" else (a.prefix_caching,)):
+            runs[mode] = run_bench(model_dir, a.num_requests, a.device, a.max_num_seqs, a.max_num_batched_tokens,
+                                   a.max_model_len, a.block_size, concurrency=a.concurrency, decode_buckets=buckets,
+                                   batch1=a.batch1, profile_steps=a.profile_steps,
+                                   async_steps=False if a.sync else None, workload=a.workload,
+                                   prefix_caching=mode == "on", turns=a.turns)
+        res = runs[a.prefix_caching] if a.prefix_caching != "both" else {
+            **runs["on"], "caching_off": runs["off"],
+            "on_vs_off_total_tok_s": runs["on"]["total_tok_s"] / runs["off"]["total_tok_s"],
+            "on_vs_off_ttft_p50": (runs["on"]["ttft_ms_p50"] or 0) / (runs["off"]["ttft_ms_p50"] or 1),
+            "same_outputs": runs["on"]["outputs_digest"] == runs["off"]["outputs_digest"]}
     if peer and peer.get("total_tok_s"):
         res["vs_peer_total_tok_s"] = res["total_tok_s"] / peer["total_tok_s"]
     commit = _commit()
@@ -278,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": commit,
         "command": "python -m ops.bench.engine_bench " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:])),
         "model": model_name,
-        "workload": WORKLOAD,
+        "workload": a.workload,
         "mode": f"concurrency-{a.concurrency}" if a.concurrency else "offline",
         **res,
         "cpu_count": os.cpu_count(),

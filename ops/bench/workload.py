@@ -55,6 +55,50 @@ def sharegpt_like(num_requests: int = 1000, vocab_size: int = 128256, seed: int 
             for n_in, n_out in lengths]
 
 
+SHARED_SYSTEM = "shared-system"
+MULTI_TURN = "multi-turn"
+
+
+def shared_system(num_requests: int = 1000, vocab_size: int = 128256, seed: int = 0, group: int = 50,
+                  system_len: int = 1024) -> list[BenchRequest]:
+    """Issue 20's shared-system-prompt workload: consecutive groups of ``group`` requests share a
+    ``system_len``-token system prompt (one per group, drawn from ``seed + 1``), followed by the
+    sharegpt-like request's own prompt; its output length stays the sharegpt-like one."""
+    base = sharegpt_like(num_requests, vocab_size, seed)
+    rng = np.random.default_rng(seed + 1)
+    systems = [rng.integers(ID_MARGIN, vocab_size - ID_MARGIN, size=system_len).tolist()
+               for _ in range(-(-num_requests // group))]
+    return [BenchRequest(systems[i // group] + r.prompt_token_ids, r.output_len) for i, r in enumerate(base)]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat replayed turn by turn: turn ``t``'s prompt is every earlier turn's prompt and the
+    model's own answer to it, then ``user_turns[t]``; it asks for ``output_lens[t]`` tokens."""
+
+    user_turns: list[list[int]]
+    output_lens: list[int]
+
+
+def multi_turn(num_conversations: int = 200, turns: int = 5, vocab_size: int = 128256, seed: int = 0,
+               max_total: int = 4096) -> list[Conversation]:
+    """Issue 20's chat replay: the user turns and answer lengths of sharegpt-like requests, ``turns``
+    per conversation, cut so a conversation's history stays within ``max_total`` tokens."""
+    reqs = sharegpt_like(num_conversations * turns, vocab_size, seed)
+    out = []
+    for c in range(num_conversations):
+        users, lens, total = [], [], 0
+        for r in reqs[c * turns:(c + 1) * turns]:
+            n_in, n_out = min(r.input_len, 256), min(r.output_len, 256)  # a chat turn, not a document
+            if total + n_in + n_out > max_total:
+                break
+            users.append(r.prompt_token_ids[:n_in])
+            lens.append(n_out)
+            total += n_in + n_out
+        out.append(Conversation(users, lens))
+    return out
+
+
 def percentile(xs: list[float], q: float) -> float | None:
     """Nearest-rank percentile ``q`` (0-100) of ``xs``; None for no data. Every bench uses this one."""
     if not xs:

@@ -203,7 +203,8 @@ def test_bad_requests_are_refused_and_leave_no_trace(model_dir, call, match):
     assert not core.has_unfinished_requests()
     assert core.stats()["m"] == {"running": 0, "waiting": 0, "kv_pages_used": 0,
                                  "kv_pages_total": core.stats()["m"]["kv_pages_total"],
-                                 "device_bytes": core.stats()["m"]["device_bytes"], "parked": 0, "parked_s": 0.0}
+                                 "device_bytes": core.stats()["m"]["device_bytes"], "parked": 0, "parked_s": 0.0,
+                                 "prefix_cached_pages": 0, "prefix_queried_tokens": 0, "prefix_hit_tokens": 0}
 
 
 @pytest.mark.parametrize("args,param", [

@@ -304,3 +304,19 @@ def test_two_models_in_one_pool_with_shrinks_and_drops_give_reference_tokens(see
         raise AssertionError("no progress")
     for rid, (toks, reason, prompt, params) in results.items():
         assert (toks, reason) == reference(prompt, params, max_len), rid
+
+
+def test_extending_a_chain_gives_the_keys_block_by_block():
+    from engine.sched.prefix_index import extend_keys
+
+    root = root_key("m")
+    tokens = list(range(100, 123))
+    keys: list[bytes] = []
+    extend_keys(keys, root, tokens, 4, 9)  # two full blocks below token 9
+    extend_keys(keys, root, tokens, 4, 9)  # nothing new
+    extend_keys(keys, root, tokens, 4, 23)  # three more
+    want, parent = [], root
+    for i in range(5):
+        parent = block_key(parent, tokens[4 * i:4 * i + 4])
+        want.append(parent)
+    assert keys == want
