@@ -31,7 +31,7 @@ class FakeWorker:
         self.active = self.max_active = 0
 
     async def load(self, name: str, model_dir: str, *, max_model_len: int, max_num_seqs: int,
-                   weight: float = 1.0, evictable: list[str] | None = None) -> Any:
+                   weight: float = 1.0, evictable: list[str] | None = None, prefix_caching: bool = True) -> Any:
         self.offers.append(list(evictable or []))
         self.active += 1
         self.max_active = max(self.max_active, self.active)

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 20's figures in ONE device run, each workload with prefix caching off then on in one
+# process (engine_bench --prefix-caching both): shared system prompt at c200 and offline, multi-turn
+# chat replay, the plain sharegpt-like workload (caching must cost it < 2%); the scheduler's host
+# cost with and without the index. Results are archived to $OUT/all.tgz after each part.
+# Usage (repo root, on the GPU machine):  . ops/gpu/env.sh; bash ops/gpu/prefix_cache.sh [parts...]
+#   parts: shared multiturn plain sched tests   (default: all)
+set -u
+FINAL=${OUT:-./gpu_out}; mkdir -p "$FINAL"
+OUT=$(mktemp -d /tmp/issue20.XXXX)
+M=${M8B:-/tmp/m8b}
+status=0
+[ -f "$M/config.json" ] || timeout 120 python3 -m agent.cli make-model --arch llama --preset llama-3.1-8b --out "$M" \
+  --device cuda > "$OUT/make_model.txt" 2>&1 || status=1
+bench() {  # bench NAME SECONDS ARGS...
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda --prefix-caching both \
+    --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1 || status=1
+}
+for part in ${*:-tests shared multiturn plain sched}; do
+  case $part in
+    tests) timeout 200 python3 -m pytest -q tests/gpu > "$OUT/tests_gpu.txt" 2>&1 || status=1 ;;
+    shared)
+      bench shared_c200 240 --workload shared-system --num-requests 1000 --concurrency 200 --max-num-seqs 256 \
+        --max-num-batched-tokens 4096 --max-model-len 4096
+      bench shared_offline 240 --workload shared-system --num-requests 1000 --max-num-seqs 512 \
+        --max-num-batched-tokens 16384 --max-model-len 4096 ;;
+    multiturn)
+      bench multiturn 300 --workload multi-turn --num-requests 200 --turns 5 --concurrency 200 --max-num-seqs 256 \
+        --max-num-batched-tokens 4096 --max-model-len 4096 ;;
+    plain)
+      bench plain_c200 240 --num-requests 1000 --concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096 \
+        --max-model-len 4096 ;;
+    sched) python3 -m ops.bench.sched_bench --running 512 --steps 200 > "$OUT/sched_bench.txt" 2>&1 || status=1 ;;
+  esac
+  tar -czf "$FINAL/all.tgz" -C "$OUT" .
+done
+python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
+import glob, json, os, sys
+for p in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    try:
+        d = json.load(open(p))
+    except (OSError, ValueError):
+        continue
+    off = d.get("caching_off") or {}
+    print(os.path.basename(p), {k: d.get(k) for k in ("req_s", "total_tok_s", "ttft_ms_p50", "cached_fraction",
+                                                      "on_vs_off_total_tok_s", "on_vs_off_ttft_p50", "same_outputs")},
+          "off:", {k: off.get(k) for k in ("req_s", "total_tok_s", "ttft_ms_p50")})
+PY
+tar -czf "$FINAL/all.tgz" -C "$OUT" .
+exit $status
