@@ -273,11 +273,12 @@ class Scheduler:
             seq.num_computed_tokens = start + n
             seq.num_inflight += sample
             out.num_batched_tokens += n
-            if prefix is not None:
-                full = min(start + n, len(toks)) // bs  # blocks computed (or queued) with known tokens
-                if full > seq.num_indexed_blocks:
-                    extend_keys(seq.block_keys, prefix.root, toks, bs, full * bs)
-                    seq.num_indexed_blocks = blocks.index_blocks(seq.seq_id, seq.block_keys, seq.num_indexed_blocks, full)
+            # The next block to index is complete once computed (or queued) with known tokens; one
+            # comparison per entry on the way (this loop runs for every running sequence every step).
+            if prefix is not None and start + n >= (seq.num_indexed_blocks + 1) * bs <= len(toks):
+                full = min(start + n, len(toks)) // bs
+                extend_keys(seq.block_keys, prefix.root, toks, bs, full * bs)
+                seq.num_indexed_blocks = blocks.index_blocks(seq.seq_id, seq.block_keys, seq.num_indexed_blocks, full)
         out.num_decodes = sum(1 for i in decodes if i in planned)  # a decode may have been preempted since
         return out
 
