@@ -18,7 +18,7 @@ def _core(model_dir, async_steps: bool, **kw) -> EngineCore:
     core = EngineCore(device="cpu", max_num_batched_tokens=kw.pop("budget", 64), block_size=kw.pop("block_size", 4),
                       max_prefill_chunk=kw.pop("chunk", 16), seed=99, async_steps=async_steps)
     core.load_model("m", model_dir, max_model_len=kw.pop("max_model_len", 64), max_num_seqs=kw.pop("max_num_seqs", 8),
-                    num_kv_pages=kw.pop("num_kv_pages", None))
+                    num_kv_pages=kw.pop("num_kv_pages", None), prefix_caching=kw.pop("prefix_caching", True))
     assert not kw
     return core
 
@@ -120,3 +120,21 @@ def test_unload_and_load_settle_the_step_in_flight(model_dir, make_tiny_model):
     core.unload_model("q")
     after = core.memory()
     assert after["used"] == 0 and after["kv_used"] == 0 and before["budget"] == after["budget"]
+
+
+SYSTEM = list(range(200, 219))  # 19 tokens: four full pages of 4
+SHARED = [SYSTEM + [1, 2], SYSTEM + [3], SYSTEM[:10] + [4, 5, 6], SYSTEM + [1, 2], [7, 8, 9], SYSTEM + [1, 2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(budget=8, chunk=4), dict(num_kv_pages=24, max_model_len=48)])
+def test_prefix_cache_hits_under_async_steps_give_the_tokens_of_no_cache(model_dir, shape):
+    """Prompts sharing a system prompt, sent twice (the second wave is all hits): asynchronous
+    steps with the cache give the tokens (seeded sampling included) of synchronous steps without
+    it; a page is indexed only once the step writing it is launched and its tokens are known."""
+    base = _core(model_dir, False, prefix_caching=False, **dict(shape))
+    want = [_run(base, SHARED, _params())[:2] for _ in range(2)]
+    core = _core(model_dir, True, **dict(shape))
+    got = [_run(core, SHARED, _params())[:2] for _ in range(2)]
+    assert got == want
+    stats = core.stats()["m"]
+    assert stats["prefix_hit_tokens"] >= 5 * 16 and base.stats()["m"].get("prefix_hit_tokens") is None
