@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine.worker.protocol import seconds_since_exec
+from engine.worker.protocol import exec_monotonic
 
 
 class StartupRecord:
@@ -22,7 +22,7 @@ class StartupRecord:
     for its load), ordered by start, and ``ready_s``: when the last preload model was ready."""
 
     def __init__(self) -> None:
-        self._exec = time.monotonic() - seconds_since_exec()  # the agent's exec, on the monotonic clock
+        self._exec = exec_monotonic()  # the agent's exec
         self._agent: list[dict[str, Any]] = []
         self._last = self._exec
         self.frozen: dict[str, Any] | None = None

@@ -85,7 +85,7 @@ class _StartClock:
     began at the previous mark, in seconds since this process's exec."""
 
     def __init__(self) -> None:
-        self._offset = time.monotonic() - P.seconds_since_exec()  # the exec, on the monotonic clock
+        self._offset = P.exec_monotonic()
         self._last = 0.0
         self.phases: list[list[Any]] = []
 

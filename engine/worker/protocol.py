@@ -229,9 +229,18 @@ def seconds_since_exec() -> float:
     """Seconds since this process was exec'd (Linux): the clock of ``Hello.startup``. The
     kernel's start time of the process is in clock ticks since boot, so it is read against the
     boot-time clock, not the wall clock (whose offset from boot is only known to a second)."""
+    return time.monotonic() - exec_monotonic()
+
+
+def exec_monotonic() -> float:
+    """When this process was exec'd, on the monotonic clock: the boot-time and monotonic clocks
+    are read back to back, after the /proc read (a preemption between ``time.monotonic()`` and
+    :func:`seconds_since_exec`'s file read would otherwise move every phase later by its length)."""
     with open(f"/proc/{os.getpid()}/stat", "rb") as f:
         stat = f.read().rsplit(b")", 1)[1].split()
-    return time.clock_gettime(time.CLOCK_BOOTTIME) - int(stat[19]) / os.sysconf("SC_CLK_TCK")
+    start = int(stat[19]) / os.sysconf("SC_CLK_TCK")
+    boot, mono = time.clock_gettime(time.CLOCK_BOOTTIME), time.monotonic()
+    return mono - (boot - start)
 
 
 def _seconds(value: Any) -> bool:

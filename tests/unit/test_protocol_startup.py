@@ -67,3 +67,13 @@ def test_seconds_since_exec_counts_from_the_process_start() -> None:
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert 0.3 <= age <= time.monotonic() - t0 + 0.02  # the kernel's start time is in 10 ms ticks
     assert P.seconds_since_exec() > 0
+
+
+def test_the_exec_on_the_monotonic_clock_is_when_the_parent_started_it() -> None:
+    """The monotonic clock is the machine's: a child's exec lies between its parent's spawn and
+    its answer (less the kernel's 10 ms tick: the start time is truncated to it)."""
+    code = "from engine.worker.protocol import exec_monotonic as e; print(repr(e()))"
+    for _ in range(3):
+        t0 = time.monotonic()
+        got = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+        assert t0 - 0.011 <= got <= time.monotonic()
