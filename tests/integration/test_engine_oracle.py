@@ -184,9 +184,10 @@ def test_prefix_cache_hits_give_transformers_greedy_tokens(arch, pages, oracle_m
     core = engine(d, budget=32, chunk=12, **kw)
     got1, _ = _run_all(core, first, n_new)
     wave = {"b": system + [9], "c": system + [7, 8], "d": system + [7, 8] + got1["a"] + [3],
-            "e": system[:9] + [1, 2, 3], "f": [300, 301, 302, 303, 304]}
+            "e": system[:9] + [1, 2, 3], "f": [300, 301, 302, 303, 304],
+            "g": list(system)}  # 20 of its 21 tokens cached: a one-token prefill after a cached prefix
     got2, cached = _run_all(core, wave, n_new)
-    assert cached["b"] == 20 and cached["c"] == 20 and cached["e"] == 8 and cached["f"] == 0
+    assert cached["b"] == 20 and cached["c"] == 20 and cached["e"] == 8 and cached["f"] == 0 and cached["g"] == 20
     assert cached["d"] >= 20  # the system prompt, and the first answer's full pages where they survived
     off = engine(d, budget=32, chunk=12, prefix_caching=False, **kw)
     got_off1, _ = _run_all(off, first, n_new)
@@ -197,3 +198,16 @@ def test_prefix_cache_hits_give_transformers_greedy_tokens(arch, pages, oracle_m
         gen = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                           max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
         assert gen[0, len(p):].tolist() == {**got1, **got2}[r], r
+
+
+def test_an_unloaded_models_prefix_cache_goes_with_it(oracle_model):
+    d = oracle_model("llama", False)
+    core = engine(d)
+    prompt = list(range(60, 90))
+    _, cached = _run_all(core, {"a": prompt}, 2)
+    _, cached = _run_all(core, {"b": prompt}, 2)
+    assert cached["b"] == 28
+    core.unload_model("m")
+    core.load_model("m", d, max_model_len=128, max_num_seqs=8)
+    _, cached = _run_all(core, {"c": prompt}, 2)
+    assert cached["c"] == 0 and core.stats()["m"]["prefix_hit_tokens"] == 0
