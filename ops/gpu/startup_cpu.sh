@@ -50,7 +50,7 @@ for part in $parts; do
           --out "$OUT/serve_profiled_$name.json" > "$OUT/serve_profiled_$name.txt" 2>&1 || status=1; settle ;;
       load)
         [ "$name" = new ] || continue
-        in_tree "$dir" 240 python3 ops/gpu/load_bench.py "${LOAD_GIB:-8}" "$OUT/load_bench.json" > "$OUT/load_bench.txt" 2>&1 || status=1 ;;
+        in_tree "$dir" 240 python3 ops/gpu/load_bench.py "${LOAD_GIB:-2}" "$OUT/load_bench.json" > "$OUT/load_bench.txt" 2>&1 || status=1 ;;
       probe)  # a restart's engine side alone (ops/gpu/restart_load_probe.py), the third run under py-spy
         [ "$name" = new ] || continue
         command -v py-spy >/dev/null || export PATH=$site/bin:$PATH
