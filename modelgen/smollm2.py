@@ -8,7 +8,7 @@ and the dense weights written as one safetensors file with the config, generatio
 tokenizer. The folder is written under a temporary name and renamed when complete, so a killed
 build leaves nothing that looks finished.
 
-    python -m modelgen.smollm2 [CACHE_DIR]      (default: $INFIRE_FIXTURES or ~/.cache/infire-agent/fixtures)
+    python -m modelgen.smollm2 [CACHE_DIR]      (default: ~/.cache/infire-agent/fixtures)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ NAME = "smollm2-135m-instruct-bf16"
 
 
 def default_cache() -> Path:
-    return Path(os.environ.get("INFIRE_FIXTURES") or Path.home() / ".cache" / "infire-agent" / "fixtures")
+    return Path.home() / ".cache" / "infire-agent" / "fixtures"
 
 
 def smollm2(cache_dir: str | os.PathLike | None = None) -> Path:

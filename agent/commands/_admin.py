@@ -61,12 +61,21 @@ def model_rows(models: list[dict[str, Any]]) -> list[list[str]]:
         pull = m.get("pull") or {}
         if m["state"] == "pulling" and pull.get("total_bytes"):
             state += f" {100 * pull['done_bytes'] / pull['total_bytes']:.0f}% of {human_bytes(pull['total_bytes'])}"
-        prefix = m.get("prefix_cache") or {}
-        hit = (f"{kv.get('prefix_cached', 0)} ({100 * prefix['hit_tokens'] / prefix['queried_tokens']:.0f}% hit)"
-               if prefix.get("queried_tokens") else str(kv.get("prefix_cached", 0)) if prefix.get("enabled") else "off")
         rows.append([m["name"], state, human_bytes(m.get("device_bytes")),
-                     f"{kv.get('used', 0)}/{kv.get('total', 0)}", hit, str(m.get("in_flight", 0)), ago(m.get("last_used"))])
+                     f"{kv.get('used', 0)}/{kv.get('total', 0)}", _prefix_cell(m), str(m.get("in_flight", 0)),
+                     ago(m.get("last_used"))])
     return rows
+
+
+def _prefix_cell(m: dict[str, Any]) -> str:
+    """The PREFIX CACHE column: the pages the cache holds and its hit rate, or "off"."""
+    prefix = m.get("prefix_cache") or {}
+    if not prefix.get("enabled"):
+        return "off"
+    pages = (m.get("kv_pages") or {}).get("prefix_cached", 0)
+    if not prefix.get("queried_tokens"):
+        return str(pages)
+    return f"{pages} ({100 * prefix['hit_tokens'] / prefix['queried_tokens']:.0f}% hit)"
 
 
 def memory_name(device: str | None) -> str:

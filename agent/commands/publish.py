@@ -54,9 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from agent.log import configure_logging
     from agent.units import parse_size
     from cache.errors import CacheError, ManifestError, SafetensorsError
-    from cache.progress import Progress
+    from cache.progress import BarPrinter, Progress
     from cache.store import open_store
-    from cache.progress import BarPrinter
     from cache.publish import publish_model
 
     try:

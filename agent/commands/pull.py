@@ -36,10 +36,9 @@ def pull_direct(name: str, *, store_url: str, cache_dir: str | Path, max_bytes: 
     """
     from cache.disk_cache import DiskCache
     from cache.downloader import DownloadConfig
-    from cache.progress import Progress
-    from cache.store import open_store
     from cache.manifest import validate_name
-    from cache.progress import BarPrinter
+    from cache.progress import BarPrinter, Progress
+    from cache.store import open_store
 
     validate_name(name)  # before anything is created on disk
     fields = {}

@@ -33,9 +33,9 @@ def run(args: argparse.Namespace) -> int:
     if agent_listening(sock):  # before a worker is spawned (it would wait on the live one's worker)
         print(f"serve: another agent is listening on {sock}", file=sys.stderr)
         return 1
-    options = worker_options(settings)
+    options, env = worker_options(settings), worker_env(settings)
     try:
-        first = spawn_worker(options, args.engine, worker_env(settings))
+        first = spawn_worker(options, args.engine, env)
     except OSError as e:
         print(f"serve: cannot start the engine worker: {e}", file=sys.stderr)
         return 1
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from agent.worker.client import WorkerClient
 
     configure_logging(settings.log_format, settings.log_level)
-    worker = WorkerClient(options, engine=args.engine, env=worker_env(settings), first=first)
+    worker = WorkerClient(options, engine=args.engine, env=env, first=first)
     try:
         import uvloop
 

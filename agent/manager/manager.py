@@ -409,8 +409,6 @@ class ModelManager:
         e = self.get(name)
         if e.state is not State.READY:
             raise ManagerError(f"model {name!r} is {e.state.value}, not ready: it has no prefix cache")
-        if not e.settings.prefix_caching:
-            return 0
         try:
             entries = await self.worker.drop_prefix_cache(name)
         except (WorkerError, asyncio.TimeoutError) as ex:

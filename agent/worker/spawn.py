@@ -65,7 +65,7 @@ def _pid_file(options: dict[str, Any]) -> Path | None:
     return Path(run) / PID_FILE if run else None
 
 
-def read_pid(path: Path) -> int | None:
+def _read_pid(path: Path) -> int | None:
     """The pid in a worker pid file (None: none, or not a plain positive number)."""
     try:
         text = path.read_text()[:32].strip()
@@ -74,7 +74,7 @@ def read_pid(path: Path) -> int | None:
     return int(text) if text.isdigit() and 0 < int(text) < 1 << 22 else None
 
 
-def is_worker_of(pid: int, runtime_dir: str) -> bool:
+def _is_worker_of(pid: int, runtime_dir: str) -> bool:
     """Whether ``pid`` is alive and an engine worker started for ``runtime_dir`` (not a reused pid)."""
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -90,15 +90,15 @@ def _wait_for_previous_worker(path: Path) -> list[tuple[str, dict[str, Any]]]:
     engine worker's for the same runtime dir) holds the GPU until it is gone: wait for it, at
     most ``PREVIOUS_WORKER_WAIT_S`` (the first load would otherwise fail for memory it is about
     to free)."""
-    pid = read_pid(path)
+    pid = _read_pid(path)
     run = str(path.parent)
-    if pid is None or pid == os.getpid() or not is_worker_of(pid, run):
+    if pid is None or pid == os.getpid() or not _is_worker_of(pid, run):
         return []
     t0 = time.monotonic()
     deadline = t0 + PREVIOUS_WORKER_WAIT_S
-    while time.monotonic() < deadline and is_worker_of(pid, run):
+    while time.monotonic() < deadline and _is_worker_of(pid, run):
         time.sleep(0.02)
-    if is_worker_of(pid, run):
+    if _is_worker_of(pid, run):
         return [("previous_worker_still_alive", {"pid": pid, "waited_s": round(time.monotonic() - t0, 3)})]
     return [("previous_worker_waited", {"pid": pid, "waited_s": round(time.monotonic() - t0, 3)})]
 

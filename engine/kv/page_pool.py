@@ -119,8 +119,8 @@ class _ModelAllocator:
     def unpark(self, page_id: int) -> bool:
         return self._pool._unpark(self._live(), page_id)
 
-    def drop_parked(self) -> list[int]:
-        return self._pool._drop_parked(self._live())
+    def drop_parked(self) -> None:
+        self._pool._drop_parked(self._live())
 
     @property
     def on_evict(self) -> Any:
@@ -238,13 +238,11 @@ class PagePool:
         self._take(slot, page_id)
         return True
 
-    def _drop_parked(self, slot: _Slot) -> list[int]:
+    def _drop_parked(self, slot: _Slot) -> None:
         """Make ``slot``'s parked pages plain free ones (its index is gone); no hook is called."""
-        pages = [p for p, owner in self._parked.items() if owner is slot]
-        for page_id in pages:
+        for page_id in [p for p, owner in self._parked.items() if owner is slot]:
             del self._parked[page_id]
             self._free_ids.append(page_id)
-        return pages
 
     def _evict(self, page_id: int) -> None:
         owner = self._parked.pop(page_id)

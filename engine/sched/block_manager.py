@@ -61,7 +61,7 @@ class PageSource(Protocol):
 
     def unpark(self, page_id: int) -> bool: ...
 
-    def drop_parked(self) -> list[int]: ...
+    def drop_parked(self) -> None: ...
 
 
 class PageAllocator:
@@ -122,12 +122,10 @@ class PageAllocator:
         self._in_use[page_id - self._first] = 1
         return True
 
-    def drop_parked(self) -> list[int]:
+    def drop_parked(self) -> None:
         """Turn every parked page into a plain free one (the index that kept them is gone)."""
-        pages = list(self._parked)
+        self._free.extend(self._parked)
         self._parked.clear()
-        self._free.extend(pages)
-        return pages
 
     def _release(self, page_id: int) -> None:
         i = page_id - self._first
@@ -278,4 +276,4 @@ class BlockManager:
         if self.prefix is None:
             return 0
         self.pages.drop_parked()
-        return len(self.prefix.clear())
+        return self.prefix.clear()

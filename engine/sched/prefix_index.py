@@ -26,10 +26,13 @@ def root_key(salt: str) -> bytes:
     return hashlib.blake2b(salt.encode(), digest_size=KEY_BYTES, person=b"infire-prefix").digest()
 
 
+def _chain(parent: bytes, packed: bytes) -> bytes:
+    """The key of a block: its parent's key and its token ids packed as int64."""
+    return hashlib.blake2b(parent + packed, digest_size=KEY_BYTES).digest()
+
+
 def block_key(parent: bytes, tokens: list[int]) -> bytes:
-    h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
+    return _chain(parent, array("q", tokens).tobytes())
 
 
 def extend_keys(keys: list[bytes], root: bytes, tokens: list[int], block_size: int, upto: int) -> None:
@@ -42,9 +45,8 @@ def extend_keys(keys: list[bytes], root: bytes, tokens: list[int], block_size: i
     raw = array("q", tokens[start * block_size:stop * block_size]).tobytes()
     width = 8 * block_size
     parent = keys[-1] if keys else root
-    blake2b = hashlib.blake2b
     for j in range(0, len(raw), width):
-        parent = blake2b(parent + raw[j:j + width], digest_size=KEY_BYTES).digest()
+        parent = _chain(parent, raw[j:j + width])
         keys.append(parent)
 
 
@@ -84,9 +86,9 @@ class PrefixIndex:
     def pages(self) -> list[int]:
         return list(self._key_of)
 
-    def clear(self) -> list[int]:
-        """Forget every entry; returns the pages that were indexed."""
-        pages = list(self._key_of)
+    def clear(self) -> int:
+        """Forget every entry; returns how many there were."""
+        n = len(self._page_of)
         self._page_of.clear()
         self._key_of.clear()
-        return pages
+        return n

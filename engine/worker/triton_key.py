@@ -73,13 +73,14 @@ def prime_triton(path: Path | None) -> str:
     real = getattr(cache, "triton_key", None)
     if real is None:
         return "none"
-    stamp = installation_stamp(os.path.dirname(os.path.abspath(triton.__file__))) if path is not None else ""
-    kept = _read(path) if path is not None else None
+    if path is None:
+        real()
+        return "computed"
+    stamp = installation_stamp(os.path.dirname(os.path.abspath(triton.__file__)))
+    kept = _read(path)
     if kept is not None and kept["stamp"] == stamp:
         key = kept["key"]
         cache.triton_key = lambda: key
         return "kept"
-    key = real()
-    if path is not None:
-        _write(path, stamp, key)
+    _write(path, stamp, real())
     return "computed"
