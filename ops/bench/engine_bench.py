@@ -126,6 +126,8 @@ def _release_device(device: str) -> None:
         import torch
 
         torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        print(f"device released: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free", file=sys.stderr)
 
 
 def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seqs: int, max_num_batched_tokens: int,
