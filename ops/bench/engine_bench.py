@@ -134,9 +134,9 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
               max_model_len: int, block_size: int, seed: int = 0, concurrency: int | None = None,
               decode_buckets: tuple[int, ...] | None = None, batch1: bool = False, profile_steps: int = 0,
               async_steps: bool | None = None, workload: str = WORKLOAD, prefix_caching: bool = True,
-              turns: int = 5) -> dict:
+              turns: int = 5, outputs: dict[str, list[int]] | None = None) -> dict:
     """Run the workload; ``concurrency`` None adds every request at t0, N keeps N in flight (for
-    multi-turn: N conversations)."""
+    multi-turn: N conversations). ``outputs``, when given, receives every request's tokens."""
     from engine.core.engine_core import EngineCore
     from engine.runner.cuda_graphs import DEFAULT_BUCKETS
     from engine.sampling import SamplingParams
@@ -223,6 +223,8 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     total_in = sum(r.input_len for r in sent)
     digest = hashlib.sha256(json.dumps(sorted(tokens.items())).encode()).hexdigest()[:16]
     core.unload_model("bench")
+    if outputs is not None:
+        outputs.update(tokens)
     return {
         "gpu": _device_name(core),
         "workload": workload,
@@ -300,6 +302,22 @@ class _Source:
                 self.ready.append((c, t + 1, prompt + answer))
 
 
+def compare_outputs(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict:
+    """How far two runs' greedy tokens agree, request by request: the fraction identical, and for
+    the others where they part (a near-tie that rounding tips the other way changes every token
+    after it, so the first divergence is the figure that means something)."""
+    common = sorted(a.keys() & b.keys())
+    parted = []
+    for rid in common:
+        x, y = a[rid], b[rid]
+        if x != y:
+            parted.append(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y))))
+    return {"requests": len(common), "only_in_one": len(a.keys() ^ b.keys()),
+            "same_fraction": (len(common) - len(parted)) / max(len(common), 1),
+            "first_divergence_p50": percentile(parted, 50) if parted else None,
+            "first_divergence_min": min(parted) if parted else None}
+
+
 def _run_peer(model_dir: str | Path, n: int, timeout: float = 900) -> dict:
     """transformers' generate_batch in its own process (its memory is gone before ours is taken)."""
     cmd = [sys.executable, "-m", "ops.bench.peer_hf", "--model-dir", str(model_dir), "--num-requests", str(n)]
@@ -337,7 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=[WORKLOAD, SHARED_SYSTEM, MULTI_TURN], default=WORKLOAD)
     ap.add_argument("--turns", type=int, default=5, help="turns per conversation (multi-turn)")
     ap.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--control-concurrency", type=int,
+                    help="with --prefix-caching both: a third run, caching off at this concurrency, to show how "
+                         "much a different batch composition alone changes greedy tokens")
     a = ap.parse_args(argv)
+    if a.control_concurrency is not None and a.prefix_caching != "both":
+        ap.error("--control-concurrency needs --prefix-caching both")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = a.model_dir
@@ -348,19 +371,28 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = make_model(Path(tmp) / "model", a.arch, a.preset, seed=0)
         peer = _run_peer(model_dir, a.peer, a.peer_timeout) if a.peer else None
         buckets = None if a.decode_buckets is None else tuple(int(x) for x in a.decode_buckets.split(",") if x)
-        runs = {}
-        for mode in (("off", "on") if a.prefix_caching == "both" else (a.prefix_caching,)):
+        runs, outputs = {}, {}
+        modes = ("off", "on") if a.prefix_caching == "both" else (a.prefix_caching,)
+        if a.control_concurrency is not None:
+            modes += ("control",)
+        for mode in modes:
+            outputs[mode] = {}
             runs[mode] = run_bench(model_dir, a.num_requests, a.device, a.max_num_seqs, a.max_num_batched_tokens,
-                                   a.max_model_len, a.block_size, concurrency=a.concurrency, decode_buckets=buckets,
-                                   batch1=a.batch1, profile_steps=a.profile_steps,
+                                   a.max_model_len, a.block_size,
+                                   concurrency=a.control_concurrency if mode == "control" else a.concurrency,
+                                   decode_buckets=buckets, batch1=a.batch1, profile_steps=a.profile_steps,
                                    async_steps=False if a.sync else None, workload=a.workload,
-                                   prefix_caching=mode == "on", turns=a.turns)
+                                   prefix_caching=mode == "on", turns=a.turns, outputs=outputs[mode])
             _release_device(a.device)
         res = runs[a.prefix_caching] if a.prefix_caching != "both" else {
             **runs["on"], "caching_off": runs["off"],
             "on_vs_off_total_tok_s": runs["on"]["total_tok_s"] / runs["off"]["total_tok_s"],
             "on_vs_off_ttft_p50": (runs["on"]["ttft_ms_p50"] or 0) / (runs["off"]["ttft_ms_p50"] or 1),
-            "same_outputs": runs["on"]["outputs_digest"] == runs["off"]["outputs_digest"]}
+            "same_outputs": runs["on"]["outputs_digest"] == runs["off"]["outputs_digest"],
+            "on_vs_off_outputs": compare_outputs(outputs["on"], outputs["off"])}
+        if "control" in runs:
+            res["control"] = {"concurrency": a.control_concurrency, "total_tok_s": runs["control"]["total_tok_s"],
+                              "off_vs_control_outputs": compare_outputs(outputs["off"], outputs["control"])}
     if peer and peer.get("total_tok_s"):
         res["vs_peer_total_tok_s"] = res["total_tok_s"] / peer["total_tok_s"]
     commit = _commit()

@@ -4,7 +4,7 @@
 # chat replay, the plain sharegpt-like workload (caching must cost it < 2%); the scheduler's host
 # cost with and without the index. Results are archived to $OUT/all.tgz after each part.
 # Usage (repo root, on the GPU machine):  . ops/gpu/env.sh; bash ops/gpu/prefix_cache.sh [parts...]
-#   parts: shared multiturn plain sched tests   (default: all)
+#   parts: tests shared offline multiturn plain sched   (default: all)
 set -u
 FINAL=${OUT:-./gpu_out}; mkdir -p "$FINAL"
 OUT=$(mktemp -d /tmp/issue20.XXXX)
@@ -17,12 +17,13 @@ bench() {  # bench NAME SECONDS ARGS...
   timeout "$secs" python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda --prefix-caching both \
     --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1 || status=1
 }
-for part in ${*:-tests shared multiturn plain sched}; do
+for part in ${*:-tests shared offline multiturn plain sched}; do
   case $part in
     tests) timeout 200 python3 -m pytest -q tests/gpu > "$OUT/tests_gpu.txt" 2>&1 || status=1 ;;
-    shared)
-      bench shared_c200 240 --workload shared-system --num-requests 1000 --concurrency 200 --max-num-seqs 256 \
-        --max-num-batched-tokens 4096 --max-model-len 4096
+    shared)  # with a control: caching off at c150, how much batch composition alone moves greedy tokens
+      bench shared_c200 300 --workload shared-system --num-requests 1000 --concurrency 200 --max-num-seqs 256 \
+        --max-num-batched-tokens 4096 --max-model-len 4096 --control-concurrency 150 ;;
+    offline)
       bench shared_offline 240 --workload shared-system --num-requests 1000 --max-num-seqs 512 \
         --max-num-batched-tokens 16384 --max-model-len 4096 ;;
     multiturn)
@@ -44,7 +45,8 @@ for p in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
         continue
     off = d.get("caching_off") or {}
     print(os.path.basename(p), {k: d.get(k) for k in ("req_s", "total_tok_s", "ttft_ms_p50", "cached_fraction",
-                                                      "on_vs_off_total_tok_s", "on_vs_off_ttft_p50", "same_outputs")},
+                                                      "on_vs_off_total_tok_s", "on_vs_off_ttft_p50", "same_outputs",
+                                                      "on_vs_off_outputs", "control")},
           "off:", {k: off.get(k) for k in ("req_s", "total_tok_s", "ttft_ms_p50")})
 PY
 tar -czf "$FINAL/all.tgz" -C "$OUT" .
