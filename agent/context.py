@@ -16,6 +16,7 @@ from agent.metrics import Metrics
 from agent.startup import StartupRecord
 from agent.systemd import Notifier
 from agent.worker.client import WorkerClient
+from text.structured import GrammarBuilder
 
 
 @dataclass
@@ -30,6 +31,7 @@ class AgentContext:
     draining: bool = False
     manager: ModelManager = None  # type: ignore[assignment]  # set by the manager context
     startup: StartupRecord = field(default_factory=StartupRecord)  # made first: its clock starts here
+    grammars: GrammarBuilder = field(default_factory=GrammarBuilder)  # response_format → grammar, cached
 
     def startup_record(self, freeze: bool = False) -> dict[str, Any]:
         """The start's phases up to now (``freeze``: at ready, kept from then on)."""

@@ -49,6 +49,17 @@ class Metrics:
                                 "computed) since its load", ["model"], registry=r)
         self.prefix_pages = Gauge("infire_prefix_cached_pages", "KV pages the model's prefix cache indexes (in use or "
                                   "free)", ["model"], registry=r)
+        self.constrained_requests = Counter("infire_constrained_requests", "Requests with a response_format "
+                                            "grammar", ["model"], registry=r)
+        self.grammar_compiles = Gauge("infire_grammar_compiles", "Grammars the worker compiled for the model (cache "
+                                      "misses) since its load", ["model"], registry=r)
+        self.grammar_compile_seconds = Gauge("infire_grammar_compile_seconds", "Seconds the worker spent compiling "
+                                             "the model's grammars since its load", ["model"], registry=r)
+        self.grammar_mask_seconds = Gauge("infire_grammar_mask_seconds", "Host seconds filling the model's token "
+                                          "masks since its load", ["model"], registry=r)
+        self.grammar_masked_rows = Gauge("infire_grammar_masked_rows", "Sampled rows the model's grammars masked "
+                                         "since its load (mask seconds / rows = the mask time per row)", ["model"],
+                                         registry=r)
         self.gpu_budget = Gauge("infire_gpu_budget_bytes", "Device memory budget", registry=r)
         self.gpu_used = Gauge("infire_gpu_used_bytes", "Device memory in use by models", registry=r)
         self.model_state = Gauge("infire_model_state", "1 for the model's current state", ["model", "state"], registry=r)
@@ -80,6 +91,11 @@ class Metrics:
             self.prefix_pages.labels(model=model).set(s.get("prefix_cached_pages", 0) or 0)
             self.prefix_queried.labels(model=model).set(s.get("prefix_queried_tokens", 0) or 0)
             self.prefix_hit.labels(model=model).set(s.get("prefix_hit_tokens", 0) or 0)
+            if "grammar_compiles" in s:
+                self.grammar_compiles.labels(model=model).set(s.get("grammar_compiles", 0) or 0)
+                self.grammar_compile_seconds.labels(model=model).set(s.get("grammar_compile_s", 0.0) or 0.0)
+                self.grammar_mask_seconds.labels(model=model).set(s.get("grammar_mask_s", 0.0) or 0.0)
+                self.grammar_masked_rows.labels(model=model).set(s.get("grammar_masked_rows", 0) or 0)
             dev = s.get("device_bytes", 0) or 0
             self.gpu_memory.labels(model=model).set(dev)
             used += dev
@@ -88,7 +104,8 @@ class Metrics:
     def forget_model(self, model: str) -> None:
         """Drop per-model engine gauges after an unload, so dashboards do not show ghosts."""
         for g in (self.queue_depth, self.running, self.kv_used, self.kv_total, self.gpu_memory, self.parked,
-                  self.parked_seconds, self.prefix_pages, self.prefix_queried, self.prefix_hit):
+                  self.parked_seconds, self.prefix_pages, self.prefix_queried, self.prefix_hit, self.grammar_compiles,
+                  self.grammar_compile_seconds, self.grammar_mask_seconds, self.grammar_masked_rows):
             try:
                 g.remove(model)
             except KeyError:

@@ -37,6 +37,7 @@ from agent.http.openai_schema import (
 )
 from agent.http.sse import encode as sse_encode
 from agent.worker.client import WorkerDied, WorkerError
+from text.structured import StructuredOutputError
 from text.tokenizer import TokenLimitExceeded
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -337,6 +338,12 @@ class OpenAIApi:
                            param="max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens",
                            code="context_length_exceeded")
         samplings = self._samplings(req, max_tokens, chat)
+        try:
+            grammar = await self.ctx.grammars.grammar(req.response_format)
+        except StructuredOutputError as e:
+            raise ApiError(400, e.message, param=e.param, code="invalid_value") from None
+        if grammar:
+            self.ctx.metrics.constrained_requests.labels(model=entry.name).inc()
         from text.detokenizer import IncrementalDetokenizer, StopMatcher
 
         base_id = ("chatcmpl-" if chat else "cmpl-") + uid
@@ -344,7 +351,7 @@ class OpenAIApi:
                          req.stop_list(), IncrementalDetokenizer, StopMatcher)
         try:
             try:
-                gen.start(prompt_ids, samplings)
+                gen.start(prompt_ids, samplings, grammar)
             except WorkerDied as e:
                 raise ApiError(503, str(e), code="engine_unavailable", retry_after=2) from None
             except WorkerError as e:

@@ -7,9 +7,11 @@ context length) are checked after tokenization, in ``openai_api``.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from engine.sampling import MAX_LOGPROBS, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_MAX
 
@@ -22,6 +24,8 @@ MAX_CONTENT_PARTS = 64
 MAX_PROMPT_CHARS = 4_000_000
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_JSON_DEPTH = 32
+MAX_SCHEMA_BYTES = 64 << 10
+MAX_SCHEMA_DESCRIPTION = 4096
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -33,6 +37,46 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: the schema is bounded in size and depth here; whether
+    it compiles is decided by text/structured.py (a 400 naming ``response_format``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = Field(None, max_length=MAX_SCHEMA_DESCRIPTION)
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = False
+
+    @field_validator("json_schema")
+    @classmethod
+    def _bound_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if not json_depth_ok(v, MAX_JSON_DEPTH):
+            raise ValueError(f"the schema nests deeper than {MAX_JSON_DEPTH} levels")
+        if len(json.dumps(v, separators=(",", ":"))) > MAX_SCHEMA_BYTES:
+            raise ValueError(f"the schema is over {MAX_SCHEMA_BYTES} bytes as JSON")
+        return v
+
+
+class ResponseFormat(_Body):
+    """``text`` (free), ``json_object`` (any JSON object) or ``json_schema`` (that schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: type json_schema needs a json_schema object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema: only for type json_schema, not {self.type}")
+        return self
+
+    @property
+    def constrained(self) -> bool:
+        return self.type != "text"
 
 
 class _Sampling(_Body):
@@ -54,6 +98,7 @@ class _Sampling(_Body):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(None, max_length=0)
     user: str | None = Field(None, max_length=256)
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
@@ -149,16 +194,11 @@ class ChatMessage(_Body):
         return view
 
 
-class ResponseFormat(_Body):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

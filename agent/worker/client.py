@@ -373,14 +373,16 @@ class WorkerClient:
         self._writer.write(P.encode(msg))
 
     def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: dict[str, Any],
-            queue: Mailbox[P.TokenOutput | Exception] | None = None) -> EngineRequest:
+            queue: Mailbox[P.TokenOutput | Exception] | None = None, grammar: str = "") -> EngineRequest:
         """Send one request to the engine; raises WorkerDied when no worker is up.
 
         Requests may share one ``queue`` (the choices of one HTTP request); outputs carry req_id.
+        ``grammar``: constrains the output (text/structured.py); "" for free text.
         """
         if req_id in self._streams:
             raise WorkerError(f"duplicate request id {req_id!r}", "duplicate")
-        self._send(P.Add(req_id=req_id, model=model, prompt_token_ids=prompt_token_ids, sampling=sampling))
+        self._send(P.Add(req_id=req_id, model=model, prompt_token_ids=prompt_token_ids, sampling=sampling,
+                         grammar=grammar))
         req = EngineRequest(req_id, model) if queue is None else EngineRequest(req_id, model, queue)
         self._streams[req_id] = req
         return req

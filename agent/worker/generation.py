@@ -103,8 +103,9 @@ class Generation:
         self._ttft = metrics.ttft.labels(model=model)
         self._itl = metrics.itl.labels(model=model)
 
-    def start(self, prompt_token_ids: list[int], samplings: list[dict[str, Any]]) -> None:
-        """Send one engine request per choice. Raises WorkerError (the caller answers 503/400).
+    def start(self, prompt_token_ids: list[int], samplings: list[dict[str, Any]], grammar: str = "") -> None:
+        """Send one engine request per choice (each constrained by ``grammar`` when not empty).
+        Raises WorkerError (the caller answers 503/400).
 
         ``base_id`` must be unique to this request (the handler makes it; a client's
         X-Request-Id is not): the engine knows requests by these ids alone. A choice is recorded
@@ -114,7 +115,8 @@ class Generation:
             matcher = self._make_matcher(self.stops) if self.stops else None
             # The prompt's tail gives non-byte-level detokenizers their leading-space context.
             detok = self._make_detok(self.tokenizer, context_ids=prompt_token_ids[-8:])
-            self._requests.append(self.worker.add(req_id, self.model, prompt_token_ids, sampling, queue=self.queue))
+            self._requests.append(self.worker.add(req_id, self.model, prompt_token_ids, sampling, queue=self.queue,
+                                                  grammar=grammar))
             self.choices[req_id] = Choice(i, req_id, detok, matcher)
 
     @property

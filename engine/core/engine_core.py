@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot, RequestOutput
 from engine.core.step_policy import StepPolicy
 from engine.errors import EngineError, RequestError
+from engine.grammar.compiler import GrammarCompiler
+from engine.grammar.matcher import RequestGrammar
 from engine.kv.page_pool import PagePool
 from engine.options import EngineOptions
 from engine.runner.cuda_graphs import DEFAULT_BUCKETS
@@ -307,6 +310,8 @@ class EngineCore:
         self._settle()
         for req_id in [r for r, m in self._req_model.items() if m == name]:
             self.abort_request(req_id)
+        if self._slots[name].grammar is not None:
+            self._slots[name].grammar.close()
         self._loader.unload(name)
 
     def models(self) -> dict[str, ModelInfo]:
@@ -317,8 +322,22 @@ class EngineCore:
         return self._pools.memory()
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, req_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises :class:`RequestError` (an EngineError naming ``param``) on bad input."""
+    def compile_grammar(self, model: str, grammar: str) -> Future[RequestGrammar]:
+        """A matcher of ``grammar`` over ``model``'s vocabulary, compiled on that model's grammar
+        thread (engine/grammar/compiler.py), for :meth:`add_request`; the future raises
+        ``GrammarError``. Raises :class:`RequestError` when the model is not loaded."""
+        slot = self._slots.get(model)
+        if slot is None:
+            raise RequestError(f"model {model!r} is not loaded", "model")
+        if slot.grammar is None:
+            slot.grammar = GrammarCompiler(Path(slot.model_dir) / "tokenizer.json", slot.config.vocab_size,
+                                           list(slot.config.eos_token_ids))
+        return slot.grammar.compile(grammar)
+
+    def add_request(self, req_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams,
+                    grammar: RequestGrammar | None = None) -> None:
+        """Queue a request; raises :class:`RequestError` (an EngineError naming ``param``) on bad input.
+        ``grammar``: from :meth:`compile_grammar`, constrains the output (one request's own)."""
         if not isinstance(req_id, str) or not req_id:
             raise RequestError("req_id must be a non-empty string", "req_id")
         if req_id in self._req_model:
@@ -348,7 +367,7 @@ class EngineCore:
         else:
             params = dataclasses.replace(params)  # the engine's own copy
         params.stop_token_ids = list(params.stop_token_ids)
-        slot.scheduler.add(req_id, list(prompt_token_ids), params)
+        slot.scheduler.add(req_id, list(prompt_token_ids), params, grammar)
         self._req_model[req_id] = model
         slot.last_request_t = time.perf_counter()
 
@@ -406,6 +425,13 @@ class EngineCore:
             if prev is not None:
                 prev, done = None, prev
                 outs.extend(self._complete(done))
+            if new is not None and new.pending is not None and new.pending.masked is not None:
+                # its grammars have every earlier token now: masks on the host while its forward runs
+                try:
+                    new.slot.runner.sample_masked(new.pending)
+                except Exception as e:
+                    failed, new = new, None
+                    raise self._failed(failed.slot, failed.out, e) from e
             if new is not None and new.collect_now:
                 new, done = None, new
                 outs.extend(self._complete(done))
@@ -505,7 +531,8 @@ class EngineCore:
         (weights + workspace + the pages it holds; ``memory()`` has the split by kind), and how
         often its step was parked for a quiet model and how long the caller slept on those; with
         prefix caching, the pages its index holds (in use or free) and the prompt tokens its
-        admissions looked up and found since the load."""
+        admissions looked up and found since the load; once it had a constrained request, its
+        grammar compiles, cache hits, compile seconds, mask-filling seconds and masked rows."""
         out = {}
         for name, s in self._slots.items():
             blocks = s.scheduler.blocks
@@ -521,6 +548,11 @@ class EngineCore:
             if blocks.prefix is not None:
                 out[name].update(prefix_cached_pages=len(blocks.prefix), prefix_queried_tokens=blocks.prefix.queried_tokens,
                                  prefix_hit_tokens=blocks.prefix.hit_tokens)
+            if s.grammar is not None:  # constrained decoding: compiles (misses, hits) and mask filling
+                out[name].update(grammar_compiles=s.grammar.compiled, grammar_cache_hits=s.grammar.hits,
+                                 grammar_compile_s=round(s.grammar.compile_seconds, 6),
+                                 grammar_mask_s=round(s.runner.mask_seconds, 6) if s.runner is not None else 0.0,
+                                 grammar_masked_rows=s.runner.masked_rows if s.runner is not None else 0)
         return out
 
     def drop_prefix_cache(self, name: str) -> int:

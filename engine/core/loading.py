@@ -355,7 +355,7 @@ class ModelLoader:
         slot = ModelSlot(name, cfg, w.model, None, None, sched, p.weight, w.nbytes,
                          ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids), 0, 0, 0),
                          pages=pages, needs=needs, max_num_seqs=p.max_num_seqs,
-                         workspace_bytes=needs.workspace_bytes, warm_key=p.key)
+                         workspace_bytes=needs.workspace_bytes, warm_key=p.key, model_dir=p.model_dir)
         self._slots[name] = slot
         known = self._known_workspace(p.key, p.shape)
         # A runner built beside the weights serves when nothing is to be measured and the pool's

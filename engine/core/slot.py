@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from engine.config import ModelConfig
 from engine.core.memory_plan import LoadNeeds
+from engine.grammar.compiler import GrammarCompiler
 from engine.kv.kv_cache import KVCache
 from engine.runner.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
@@ -59,6 +60,8 @@ class ModelSlot:
     last_request_t: float = float("-inf")  # perf_counter of its newest request (StepPolicy)
     parked: int = 0  # times step() returned with this model's step parked (EngineCore.parked)
     parked_s: float = 0.0  # the caller's time from those returns to its next step() call
+    model_dir: str = ""  # where its files are (the grammar compiler reads tokenizer.json there)
+    grammar: GrammarCompiler | None = None  # made at the model's first constrained request
 
     @property
     def device_bytes(self) -> int:

@@ -8,9 +8,9 @@ from engine.kernels.attention import paged_attention
 from engine.kernels.kv_write import write_kv
 from engine.kernels.norm import fused_add_rms_norm, rms_norm
 from engine.kernels.rope import apply_rope, build_cos_sin_cache
-from engine.kernels.sample import sample
+from engine.kernels.sample import apply_token_bitmask, sample
 
 __all__ = [
     "KernelError", "backend_for", "silu_and_mul", "paged_attention", "write_kv", "fused_add_rms_norm",
-    "rms_norm", "apply_rope", "build_cos_sin_cache", "sample",
+    "rms_norm", "apply_rope", "build_cos_sin_cache", "sample", "apply_token_bitmask",
 ]

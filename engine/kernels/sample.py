@@ -108,3 +108,18 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
         return sample_triton(logits, temperature, top_k, top_p, min_p, seeds, steps)
     return sample_ref(logits, temperature, top_k, top_p, min_p, seeds, steps).to(torch.int64)
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> None:
+    """Constrained decoding: ``logits[r, t] = -inf`` where bit ``t % 32`` of ``mask[r, t // 32]``
+    is clear, in place (``mask`` [B, ceil(V/32)] int32, one row per row of ``logits`` [B, V]).
+    Plain torch on any device: a few elementwise ops over [B, V], small next to the LM head."""
+    check(logits.dim() == 2 and mask.dim() == 2 and mask.shape[0] == logits.shape[0],
+          f"mask {tuple(mask.shape)} does not fit logits {tuple(logits.shape)}")
+    check(mask.dtype == torch.int32 and mask.shape[1] * 32 >= logits.shape[1],
+          f"mask must be int32 with {-(-logits.shape[1] // 32)} words a row, got {mask.dtype} {mask.shape[1]}")
+    if logits.shape[0] == 0:
+        return
+    bits = torch.arange(32, dtype=torch.int32, device=mask.device)
+    allowed = ((mask[:, :, None] >> bits) & 1).view(mask.shape[0], -1)[:, :logits.shape[1]]
+    logits.masked_fill_(allowed == 0, float("-inf"))

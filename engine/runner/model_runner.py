@@ -34,7 +34,8 @@ from engine.kv.kv_cache import KVCache
 from engine.models.llama import AttentionMetadata, LlamaModel
 from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS, DecodeGraphs, MixedGraphs
 from engine.runner.logprobs import logprobs_result
-from engine.runner.step import PendingStep, PreparedStep, StepResult
+from engine.grammar.matcher import fill_masks
+from engine.runner.step import MaskedSample, PendingStep, PreparedStep, StepResult
 from engine.runner.step_buffers import StepBuffers
 from engine.runner.streams import StepStreams, StreamPool
 from engine.sched.scheduler import PLACEHOLDER, SchedulerOutput
@@ -96,6 +97,13 @@ class ModelRunner:
         # spinning wait costs a whole CPU core for the GPU's whole step.
         self._ids_ready = [torch.cuda.Event(blocking=True) for _ in range(2)] if self._pin else []
         self._flip = 0
+        # Grammar masks of constrained rows: two pinned int32 buffers [max_seqs, ceil(V/32)],
+        # alternating like the ids (made at the first constrained step).
+        self._mask_host: list[torch.Tensor | None] = [None, None]
+        self._mask_flip = 0
+        self.mask_seconds = 0.0  # host seconds filling masks
+        self.masked_rows = 0
+        self.masked_steps = 0
         # The last launched step's sampled ids on the device, and each sampling sequence's row in
         # them: a step scheduled ahead takes its placeholder input tokens from there.
         self._prev_ids: torch.Tensor | None = None
@@ -320,7 +328,59 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, step.logits_rows))
         else:
             logits = self.forward_logits(step)
-        params = [out.seqs[i].params for i in step.sample_entries]
+        rows = [(k, out.seqs[i].grammar) for k, i in enumerate(step.sample_entries) if out.seqs[i].grammar is not None]
+        if rows:  # sampled by sample_masked, once the step before has advanced the grammars
+            dt = time.perf_counter() - t0
+            self.host_seconds += dt
+            self.host_graph_seconds += dt if graph else 0.0
+            stream = torch.cuda.current_stream(self.device) if self._pin else None
+            return PendingStep(len(step.sample_entries), None, None, None, None, None,
+                               masked=MaskedSample(out, step.sample_entries, logits, rows, graph, stream))
+        return self._sample(out, step.sample_entries, logits, ids, graph, t0)
+
+    def sample_masked(self, pending: PendingStep) -> None:
+        """Sample a step launched with constrained rows (``pending.masked``), in place: fill each
+        grammar's mask on the host (its tokens so far are all accepted by now: the caller has
+        collected every earlier step of this model), copy the masks over, mask those rows'
+        logits on the device, then sample and copy the ids as ``launch`` does. No-op when the
+        step has no masks pending. The forward pass runs on the GPU meanwhile."""
+        m = pending.masked
+        if m is None:
+            return
+        pending.masked = None
+        t0 = time.perf_counter()
+        ctx = torch.cuda.stream(m.stream) if m.stream is not None else contextlib.nullcontext()
+        with ctx, torch.inference_mode():
+            n, vocab = len(m.rows), m.logits.shape[1]
+            words = -(-vocab // 32)
+            self._mask_flip ^= 1
+            if self._mask_host[self._mask_flip] is None or self._mask_host[self._mask_flip].shape[1] != words:
+                self._mask_host[self._mask_flip] = torch.empty((self.max_seqs, words), dtype=torch.int32,
+                                                               pin_memory=self._pin)
+            host = self._mask_host[self._mask_flip][:n]
+            todo = []
+            for j, (_, g) in enumerate(m.rows):
+                if g.finished:  # ended by the step before: its row is dropped, any mask will do
+                    host[j].fill_(-1)
+                else:
+                    todo.append((g, j))
+            self.mask_seconds += fill_masks(todo, host.data_ptr(), words * 4, n)
+            self.masked_rows += n
+            self.masked_steps += 1
+            idx = torch.tensor([k for k, _ in m.rows], dtype=torch.int64).to(self.device, non_blocking=True)
+            mask = host.to(self.device, non_blocking=True)
+            sub = m.logits.index_select(0, idx)
+            kernels.apply_token_bitmask(sub, mask)
+            m.logits.index_copy_(0, idx, sub)
+            done = self._sample(m.out, m.entries, m.logits, None, m.graph, t0)
+        pending.ids_host, pending.ready, pending.ids = done.ids_host, done.ready, done.ids
+        pending.logits, pending.want_logprobs = done.logits, done.want_logprobs
+
+    def _sample(self, out: SchedulerOutput, entries: list[int], logits: torch.Tensor, ids: torch.Tensor | None,
+                graph: bool, t0: float) -> PendingStep:
+        """Sample the rows of ``entries`` (``ids``: a graph's greedy picks, when it made them),
+        keep the ids for the next step's placeholders, start their copy to the host."""
+        params = [out.seqs[i].params for i in entries]
         if not all(p.temperature == 0 for p in params):
             dev = logits.device
             ids = kernels.sample(
@@ -330,14 +390,14 @@ class ModelRunner:
                 torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True),
                 torch.tensor([p.min_p for p in params], dtype=torch.float32).to(dev, non_blocking=True),
                 torch.tensor([p.seed or 0 for p in params], dtype=torch.int64).to(dev, non_blocking=True),
-                torch.tensor([out.seqs[i].output_step for i in step.sample_entries],
+                torch.tensor([out.seqs[i].output_step for i in entries],
                              dtype=torch.int64).to(dev, non_blocking=True),
             )
         elif ids is None:
             ids = logits.argmax(dim=-1)
         # the next step, scheduled before this one's ids reach the host, reads them from here
         self._prev_ids = ids
-        self._prev_rows = {out.seqs[i].seq_id: k for k, i in enumerate(step.sample_entries)}
+        self._prev_rows = {out.seqs[i].seq_id: k for k, i in enumerate(entries)}
         want_lp = [p.logprobs for p in params]
         if any(n is not None for n in want_lp):
             self.host_seconds += time.perf_counter() - t0
@@ -355,9 +415,11 @@ class ModelRunner:
         return PendingStep(len(params), host, ready, ids, None, None)
 
     def collect(self, pending: PendingStep) -> StepResult:
-        """Wait for a launched step's ids (the step's only host sync) and return them."""
+        """Wait for a launched step's ids (the step's only host sync) and return them; a step
+        still waiting for its masks is sampled first."""
         if pending.num_sampled == 0:
             return StepResult([], [])
+        self.sample_masked(pending)
         t0 = time.perf_counter()
         try:
             if pending.want_logprobs is not None:

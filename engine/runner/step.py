@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,6 +21,19 @@ class PreparedStep:
 
 
 @dataclass
+class MaskedSample:
+    """A launched step whose sampling waits for its grammar masks: the forward pass is queued,
+    the masks need the tokens of the step before (ModelRunner.sample_masked)."""
+
+    out: Any  # engine.sched.scheduler.SchedulerOutput
+    entries: list[int]  # index into out.seqs of each sampled row
+    logits: torch.Tensor  # [S, V] float32
+    rows: list[tuple[int, Any]]  # (sampled row, its grammar) of the constrained rows
+    graph: bool  # the forward was a graph replay (host-time accounting)
+    stream: Any  # the stream the forward was queued on (CUDA), where the sampling follows it
+
+
+@dataclass
 class PendingStep:
     """A launched step: the sampled ids are on their way to host memory."""
 
@@ -29,11 +43,12 @@ class PendingStep:
     ids: torch.Tensor | None  # device ids (CPU path: read directly)
     logits: torch.Tensor | None  # kept only when logprobs are wanted
     want_logprobs: list[int | None] | None
+    masked: MaskedSample | None = None  # not sampled yet: its grammar masks come first
 
     def done(self) -> bool:
         """Whether the step's ids have reached host memory: its ``ready`` event has fired, or it
         has none (CPU, logprobs wanted, nothing sampled). Never blocks."""
-        return self.ready is None or self.ready.query()
+        return self.masked is None and (self.ready is None or self.ready.query())
 
 
 @dataclass

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from engine.sched.block_manager import BlockManager
 from engine.sched.prefix_index import extend_keys
 from engine.sampling import SamplingParams
-from engine.sched.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sched.sequence import FinishReason, Grammar, Sequence, SequenceStatus
 
 
 class SchedulerConfigError(ValueError):
@@ -72,6 +72,7 @@ class ScheduledSeq:
     sample: bool  # the chunk reaches the end of the sequence: sample its next token
     output_step: int  # output tokens so far: the counter of seeded sampling
     params: SamplingParams
+    grammar: Grammar | None = None  # the request's grammar: the runner masks its row with it
 
     @property
     def num_tokens(self) -> int:
@@ -120,8 +121,11 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by arrival, oldest first
 
     # -- requests --------------------------------------------------------------------------
-    def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request. The caller validated ids and params; lengths are checked here."""
+    def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            grammar: Grammar | None = None) -> Sequence:
+        """Queue a request. The caller validated ids and params; lengths are checked here.
+        ``grammar`` (constrained decoding) accepts every token the request gets; the request
+        stops once it is finished."""
         if req_id in self._seqs:
             raise ValueError(f"request id {req_id!r} is already live")
         if not prompt_token_ids:
@@ -131,7 +135,8 @@ class Scheduler:
                 f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate "
                 f"(max_model_len={self.config.max_model_len})"
             )
-        seq = Sequence(self._next_seq_id, req_id, list(prompt_token_ids), params, arrival=self._next_seq_id)
+        seq = Sequence(self._next_seq_id, req_id, list(prompt_token_ids), params, arrival=self._next_seq_id,
+                       grammar=grammar)
         self._next_seq_id += 1
         self._seqs[req_id] = seq
         self.waiting.append(seq)
@@ -269,7 +274,7 @@ class Scheduler:
                 out.num_placeholders += 1
             sample = start + n == total
             seqs_out.append(ScheduledSeq(seq.seq_id, seq.req_id, chunk, start, table(seq.seq_id), sample,
-                                         total - seq.num_prompt_tokens, seq.params))
+                                         total - seq.num_prompt_tokens, seq.params, seq.grammar))
             seq.num_computed_tokens = start + n
             seq.num_inflight += sample
             out.num_batched_tokens += n
@@ -341,6 +346,9 @@ class Scheduler:
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         p = seq.params
         if (not p.ignore_eos and tok in self._eos) or tok in p.stop_token_ids:
+            return FinishReason.STOP
+        # A grammar ends its request once its value is complete (or it refused a token).
+        if seq.grammar is not None and (not seq.grammar.accept(tok) or seq.grammar.finished):
             return FinishReason.STOP
         if self._ends_at(seq, seq.num_tokens):
             return FinishReason.LENGTH

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.sampling import SamplingParams
+
+
+class Grammar(Protocol):
+    """What the scheduler needs of a request's grammar (engine/grammar/matcher.py)."""
+
+    def accept(self, token: int) -> bool:
+        """Advance by one token; False when the grammar refuses it."""
+
+    @property
+    def finished(self) -> bool:
+        """Nothing but the end may follow."""
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +60,8 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)
     num_indexed_blocks: int = 0
     num_cached_tokens: int = 0
+    # Constrained decoding: accepts each token as it arrives (engine/grammar/matcher.py).
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -111,6 +111,10 @@ class Worker:
         for end in (self._wake_r, self._wake_w):
             os.set_blocking(end, False)
         self._waiter: StepWaiter | None = None  # made at the first parked step
+        # Constrained requests whose grammar compiles on the model's grammar thread (never on
+        # this loop): added to the engine once compiled, dropped if aborted meanwhile.
+        self._compiling: dict[str, P.Add] = {}
+        self._compiled: deque[tuple[P.Add, Any]] = deque()  # (message, future), appended by that thread
         # Set while the engine has nothing to do (no request, no load in flight or queued): the
         # warm tier's start-up pinning runs only then (see main), because each page-locking call
         # holds the driver up and a step or a load behind it waits (measured on the H200: a
@@ -127,7 +131,8 @@ class Worker:
         elif isinstance(msg, P.Abort):
             if self.core is not None:
                 for rid in msg.req_ids:
-                    self.core.abort_request(rid)
+                    if self._compiling.pop(rid, None) is None:
+                        self.core.abort_request(rid)
         elif isinstance(msg, P.Load):
             self._load(msg)
         elif isinstance(msg, P.Unload):
@@ -152,9 +157,34 @@ class Worker:
 
         try:
             params = SamplingParams.from_dict(msg.sampling)
+            if msg.grammar:
+                if msg.req_id in self._compiling:
+                    raise ValueError(f"request {msg.req_id!r} is already in flight")
+                future = self.core.compile_grammar(msg.model, msg.grammar)
+                self._compiling[msg.req_id] = msg
+                future.add_done_callback(lambda f: (self._compiled.append((msg, f)), self._wake()))
+                return
             self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids, params)
         except Exception as e:  # EngineError, SamplingParamsError: the request's fault, not ours
-            self.conn.send(P.Error(op="add", message=str(e), code=type(e).__name__, req_id=msg.req_id, model=msg.model))
+            self._add_failed(msg, e)
+
+    def _add_failed(self, msg: P.Add, e: Exception) -> None:
+        self.conn.send(P.Error(op="add", message=str(e), code=type(e).__name__, req_id=msg.req_id, model=msg.model))
+
+    def _add_compiled(self) -> None:
+        """Admit the constrained requests whose grammars are compiled (and not aborted since)."""
+        from engine.sampling import SamplingParams
+
+        while self._compiled:
+            msg, future = self._compiled.popleft()
+            if self._compiling.get(msg.req_id) is not msg:
+                continue  # aborted while compiling
+            del self._compiling[msg.req_id]
+            try:
+                self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids,
+                                      SamplingParams.from_dict(msg.sampling), grammar=future.result())
+            except Exception as e:  # GrammarError, or the model went away meanwhile
+                self._add_failed(msg, e)
 
     def _load(self, msg: P.Load) -> None:
         if not self._no_engine("load", model=msg.model):
@@ -297,11 +327,12 @@ class Worker:
                 for m in msgs:
                     self.handle(m)
             self._finish_load()
+            self._add_compiled()
             if self._busy():
                 self._step()
             busy = self._busy()
             self._maybe_status(busy)
-            if busy or self._loading is not None or self._queued:
+            if busy or self._loading is not None or self._queued or self._compiling:
                 self.idle.clear()
             else:
                 self.idle.set()

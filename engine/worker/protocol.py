@@ -99,13 +99,16 @@ class Unload(Message):
 @_register
 @dataclass(frozen=True)
 class Add(Message):
-    """Admit one request; ``sampling`` is ``SamplingParams.to_dict()``."""
+    """Admit one request; ``sampling`` is ``SamplingParams.to_dict()``; ``grammar``, when not
+    empty, constrains its output (an llguidance grammar, text/structured.py)."""
 
     TAG: ClassVar[str] = "add"
     req_id: str
     model: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
+    # Optional within version 1: an older peer sends none.
+    grammar: str = ""
 
 
 @_register

@@ -1,0 +1,111 @@
+"""From an OpenAI ``response_format`` to the grammar the engine constrains decoding with.
+
+The agent turns the request's format into an llguidance grammar (JSON text) and checks it here,
+so a bad schema is a 400 naming ``response_format`` before anything is queued and the worker
+never sees it; the worker compiles the grammar against the model's vocabulary
+(engine/grammar/compiler.py). Checking runs in a thread, bounded by ``CHECK_TIMEOUT_S``, and the
+result (grammar or refusal) is kept by the schema's text, so a repeated schema costs a lookup.
+
+Output is compact JSON (no optional whitespace): with free whitespace a model, and any model
+with random weights, can spend its whole budget on spaces, which is valid and useless.
+``strict`` true refuses a schema with a keyword the grammar cannot enforce; false (OpenAI's
+default) lets such keywords through unenforced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+CHECK_TIMEOUT_S = 2.0
+CACHE_ENTRIES = 512
+# The options every JSON grammar is compiled with (llguidance's JsonCompileOptions).
+_COMPACT = {"whitespace_flexible": False}
+
+
+class StructuredOutputError(ValueError):
+    """A format that cannot be enforced; ``param`` names the field for the 400."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def json_grammar(schema: dict[str, Any] | None, strict: bool, param: str) -> str:
+    """The grammar of JSON values matching ``schema`` (None: any JSON object); raises
+    :class:`StructuredOutputError` when it cannot be compiled."""
+    import llguidance
+
+    from engine.grammar.compiler import parser_limits
+
+    text = json.dumps({"type": "object"} if schema is None else schema, separators=(",", ":"))
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={**_COMPACT, "lenient": not strict})
+    except ValueError as e:
+        raise StructuredOutputError(param, f"{param}: not a JSON schema: {e}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits())
+    if is_error:
+        raise StructuredOutputError(param, f"{param}: the schema cannot be enforced: {messages[0]}")
+    return grammar
+
+
+class GrammarBuilder:
+    """Grammars for request formats, checked off the event loop and kept by schema.
+
+    ``checks`` and ``check_seconds`` count the schemas actually compiled (cache misses)."""
+
+    def __init__(self, entries: int = CACHE_ENTRIES, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        self._cache: OrderedDict[tuple[str, str, bool], str | StructuredOutputError] = OrderedDict()
+        self._entries = entries
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self.checks = 0
+        self.check_seconds = 0.0
+
+    async def grammar(self, response_format: Any) -> str:
+        """``""`` for free text (no format, or type ``text``), else the grammar's text; raises
+        :class:`StructuredOutputError`."""
+        if response_format is None or response_format.type == "text":
+            return ""
+        if response_format.type == "json_object":
+            key = ("json_object", "", False)
+            schema, strict, param = None, False, "response_format"
+        else:
+            js = response_format.json_schema
+            schema, strict, param = js.json_schema, bool(js.strict), "response_format.json_schema.schema"
+            # property order is the output's order: the key keeps it
+            key = ("json_schema", json.dumps(schema, separators=(",", ":")), strict)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is None:
+            try:
+                hit = await asyncio.wait_for(asyncio.to_thread(self._check, schema, strict, param), self._timeout_s)
+            except StructuredOutputError as e:
+                hit = e
+            except asyncio.TimeoutError:
+                # not kept: a slow check may be the machine's load, not the schema
+                raise StructuredOutputError(param, f"{param}: the schema took over {self._timeout_s:g} s to "
+                                                   "compile; simplify it") from None
+            with self._lock:
+                self._cache[key] = hit
+                while len(self._cache) > self._entries:
+                    self._cache.popitem(last=False)
+        if isinstance(hit, StructuredOutputError):
+            raise hit
+        return hit
+
+    def _check(self, schema: dict[str, Any] | None, strict: bool, param: str) -> str:
+        t0 = time.perf_counter()
+        try:
+            return json_grammar(schema, strict, param)
+        finally:
+            with self._lock:
+                self.checks += 1
+                self.check_seconds += time.perf_counter() - t0
