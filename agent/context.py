@@ -16,7 +16,7 @@ from agent.metrics import Metrics
 from agent.startup import StartupRecord
 from agent.systemd import Notifier
 from agent.worker.client import WorkerClient
-from text.structured import GrammarBuilder
+from agent.http.structured import GrammarBuilder
 
 
 @dataclass

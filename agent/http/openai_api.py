@@ -37,7 +37,7 @@ from agent.http.openai_schema import (
 )
 from agent.http.sse import encode as sse_encode
 from agent.worker.client import WorkerDied, WorkerError
-from text.structured import StructuredOutputError
+from agent.http.structured import StructuredOutputError
 from text.tokenizer import TokenLimitExceeded
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",

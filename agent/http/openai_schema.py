@@ -25,6 +25,7 @@ MAX_PROMPT_CHARS = 4_000_000
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_JSON_DEPTH = 32
 MAX_SCHEMA_BYTES = 64 << 10
+MAX_SCHEMA_DEPTH = 24  # dicts and lists: a dozen nested objects (each is "properties" then the object)
 MAX_SCHEMA_DESCRIPTION = 4096
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
@@ -41,7 +42,7 @@ class StreamOptions(_Body):
 
 class JsonSchemaFormat(_Body):
     """``response_format.json_schema``: the schema is bounded in size and depth here; whether
-    it compiles is decided by text/structured.py (a 400 naming ``response_format``)."""
+    it compiles is decided by agent/http/structured.py (a 400 naming ``response_format``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -53,8 +54,8 @@ class JsonSchemaFormat(_Body):
     @field_validator("json_schema")
     @classmethod
     def _bound_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
-        if not json_depth_ok(v, MAX_JSON_DEPTH):
-            raise ValueError(f"the schema nests deeper than {MAX_JSON_DEPTH} levels")
+        if not json_depth_ok(v, MAX_SCHEMA_DEPTH):
+            raise ValueError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
         if len(json.dumps(v, separators=(",", ":"))) > MAX_SCHEMA_BYTES:
             raise ValueError(f"the schema is over {MAX_SCHEMA_BYTES} bytes as JSON")
         return v

@@ -377,7 +377,7 @@ class WorkerClient:
         """Send one request to the engine; raises WorkerDied when no worker is up.
 
         Requests may share one ``queue`` (the choices of one HTTP request); outputs carry req_id.
-        ``grammar``: constrains the output (text/structured.py); "" for free text.
+        ``grammar``: constrains the output (agent/http/structured.py); "" for free text.
         """
         if req_id in self._streams:
             raise WorkerError(f"duplicate request id {req_id!r}", "duplicate")

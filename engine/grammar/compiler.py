@@ -12,7 +12,7 @@ grammars are kept by their text, least recently used out: a hit is a ``deep_copy
 compiled matcher (microseconds). Compiling runs on the compiler's own thread, never on the
 engine loop: :meth:`compile` returns a future.
 
-The grammar text is what :func:`engine.grammar.spec.grammar_for_json_schema` (the agent) made;
+The grammar text is what the agent made (agent/http/structured.py, ``json_grammar``);
 the worker trusts nothing in it: an error compiling it fails that request only.
 """
 

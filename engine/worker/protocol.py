@@ -100,7 +100,7 @@ class Unload(Message):
 @dataclass(frozen=True)
 class Add(Message):
     """Admit one request; ``sampling`` is ``SamplingParams.to_dict()``; ``grammar``, when not
-    empty, constrains its output (an llguidance grammar, text/structured.py)."""
+    empty, constrains its output (an llguidance grammar, agent/http/structured.py)."""
 
     TAG: ClassVar[str] = "add"
     req_id: str

@@ -1,0 +1,153 @@
+"""``response_format`` through the official openai client against a real daemon on loopback
+(CPU, tiny random-weight llama): every sampled seed gives JSON valid for the schema (random
+weights write noise: only the grammar can make that true), streamed equals non-streamed, and bad
+schemas are 400s naming the parameter that leave the daemon serving."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.integration.agent_harness import Daemon, publish_tiny
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+MODEL = "tiny"
+SCHEMA = {"type": "object",
+          "properties": {"city": {"type": "string", "maxLength": 10},
+                         "population": {"type": "integer", "minimum": 0, "maximum": 100000},
+                         "capital": {"type": "boolean"},
+                         "climate": {"enum": ["dry", "wet", "cold"]}},
+          "required": ["city", "population", "capital", "climate"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+MSGS = [{"role": "user", "content": "describe a city as JSON"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(make_tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agent-structured")
+    url = publish_tiny(make_tiny_model, tmp / "store", MODEL)
+    d = Daemon(tmp, store_url=url,
+               models=[{"name": MODEL, "preload": True, "max_model_len": 512, "max_num_seqs": 8}])
+    d.start(timeout=120)
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return openai.OpenAI(base_url=daemon.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_json_schema_valid_for_every_seed(client) -> None:
+    for seed in range(8):
+        r = client.chat.completions.create(model=MODEL, messages=MSGS, temperature=1.0, seed=seed, max_tokens=200,
+                                           response_format=FORMAT)
+        c = r.choices[0]
+        assert c.finish_reason == "stop", (seed, c.message.content)
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+
+
+def test_completions_json_schema_and_n(client) -> None:
+    r = client.completions.create(model=MODEL, prompt="a city:", temperature=1.0, seed=7, max_tokens=200, n=3,
+                                  extra_body={"response_format": FORMAT})
+    assert len(r.choices) == 3
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_stream_equals_non_stream(client) -> None:
+    kw = dict(model=MODEL, messages=MSGS, temperature=1.0, seed=3, max_tokens=200, response_format=FORMAT)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+
+
+def test_json_object_gives_an_object(client) -> None:
+    """Any object: with random weights it may run to max_tokens, but it starts as one and, when
+    it ends by itself, is one."""
+    ended = 0
+    for seed in range(6):
+        c = client.chat.completions.create(model=MODEL, messages=MSGS, temperature=1.0, seed=seed, max_tokens=120,
+                                           response_format={"type": "json_object"}).choices[0]
+        assert c.message.content.startswith("{")
+        if c.finish_reason == "stop":
+            ended += 1
+            assert isinstance(json.loads(c.message.content), dict)
+    assert ended, "no json_object answer ended by itself in 6 seeds"
+
+
+def test_free_requests_are_unchanged_beside_constrained_ones(client) -> None:
+    kw = dict(model=MODEL, messages=MSGS, temperature=1.0, seed=11, max_tokens=12, extra_body={"ignore_eos": True})
+    alone = client.chat.completions.create(**kw).choices[0].message.content
+    r = client.chat.completions.create(**kw, response_format={"type": "text"})
+    assert r.choices[0].message.content == alone
+
+
+@pytest.mark.parametrize("fmt, param", [
+    ({"type": "json_schema"}, "response_format"),
+    ({"type": "json_object", "json_schema": {"name": "x", "schema": {}}}, "response_format"),
+    ({"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}},
+     "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                             "schema": {"type": "string", "format": "no-such-format"}}},
+     "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
+     "response_format.json_schema.schema"),
+    ({"type": "xml"}, "response_format.type"),
+])
+def test_bad_formats_are_400s_naming_the_parameter(client, fmt, param) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, response_format=fmt)
+    assert e.value.body["param"] == param, e.value.body
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"  # the daemon serves on
+
+
+def test_oversized_and_deep_schemas_are_refused(client) -> None:
+    deep: dict = {"type": "object"}
+    for _ in range(13):  # 27 levels: over the schema's bound, under the whole body's
+        deep = {"type": "object", "properties": {"a": deep}}
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200}
+                                             for i in range(400)}}
+    for schema in (deep, huge):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        assert e.value.body["param"] == "response_format.json_schema.schema"
+
+
+def test_lenient_schema_keeps_what_it_can_enforce(client) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "s": {"type": "string", "format": "no-such-format", "maxLength": 4}},
+              "required": ["n", "s"], "additionalProperties": False}
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, temperature=1.0, seed=1, max_tokens=100,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": schema,
+                                                                        "strict": False}})
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"n", "s"} and 0 <= value["n"] <= 9 and len(value["s"]) <= 4
+
+
+def test_metrics_count_constrained_requests(daemon, client) -> None:
+    client.chat.completions.create(model=MODEL, messages=MSGS, seed=0, max_tokens=200, response_format=FORMAT)
+    deadline = time.monotonic() + 10
+    while True:  # the worker's figures come with its next status (every 0.25 s)
+        code, text = daemon.get("/metrics")
+        assert code == 200
+        values = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines()
+                  if ln.startswith(("infire_constrained_requests_total", "infire_grammar_"))}
+        if values.get(f'infire_grammar_masked_rows{{model="{MODEL}"}}', 0) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert values[f'infire_constrained_requests_total{{model="{MODEL}"}}'] >= 1
+    assert values[f'infire_grammar_compiles{{model="{MODEL}"}}'] >= 1
+    assert values[f'infire_grammar_masked_rows{{model="{MODEL}"}}'] > 0
+    assert values[f'infire_grammar_mask_seconds{{model="{MODEL}"}}'] > 0
