@@ -117,6 +117,70 @@ def _profile(core, reqs, n_steps: int) -> dict:
         for k, v in rows]}
 
 
+# A typical response_format schema (an API's record type): nested object, enum, bounded strings.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "maxLength": 60},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
+        "address": {"type": "object",
+                    "properties": {"street": {"type": "string", "maxLength": 40},
+                                   "city": {"type": "string", "maxLength": 24},
+                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["street", "city", "zip"], "additionalProperties": False},
+        "status": {"enum": ["active", "inactive", "pending"]},
+    },
+    "required": ["name", "age", "email", "tags", "address", "status"],
+    "additionalProperties": False,
+}
+
+
+def _grammar_setup(core, model_dir, info, tokenizer: str | None) -> tuple[str, dict]:
+    """The bench schema's grammar, and what compiling costs: the agent's check, the worker's
+    first compile (the tokenizer built before, timed apart) and a cached one."""
+    from agent.http.structured import json_grammar
+    from engine.grammar.compiler import GrammarCompiler
+
+    t0 = time.perf_counter()
+    grammar = json_grammar(BENCH_SCHEMA, True, "bench")
+    check_ms = (time.perf_counter() - t0) * 1e3
+    path = Path(tokenizer) if tokenizer else Path(model_dir) / "tokenizer.json"
+    slot = core.slot("bench")
+    slot.grammar = GrammarCompiler(path, info.vocab_size, info.eos_token_ids)
+    core.compile_grammar("bench", json_grammar(None, False, "warm")).result()  # builds the tokenizer
+    t1 = time.perf_counter()
+    core.compile_grammar("bench", grammar).result()
+    t2 = time.perf_counter()
+    cached = []
+    for _ in range(20):
+        t = time.perf_counter()
+        core.compile_grammar("bench", grammar).result()
+        cached.append((time.perf_counter() - t) * 1e3)
+    return grammar, {"tokenizer": str(path), "tokenizer_s": slot.grammar.tokenizer_seconds,
+                     "schema_check_ms": check_ms, "compile_ms": (t2 - t1) * 1e3,
+                     "compile_cached_ms_p50": percentile(cached, 50), "compile_cached_ms_max": max(cached)}
+
+
+def _valid_json(eos_ids, tokens, constrained, tokenizer: str | None, model_dir) -> dict:
+    """How many constrained outputs parse as JSON valid for the schema (those that ended by
+    themselves; the rest hit max_tokens)."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    tok = HfTokenizer.from_file(str(tokenizer or Path(model_dir) / "tokenizer.json"))
+    eos = set(eos_ids)
+    ok = parsed = 0
+    for rid in constrained:
+        try:
+            value = json.loads(tok.decode([t for t in tokens[rid] if t not in eos], skip_special_tokens=False))
+        except ValueError:
+            continue
+        parsed += 1
+        ok += isinstance(value, dict) and set(value) == set(BENCH_SCHEMA["required"])
+    return {"parsed": parsed, "with_every_field": ok, "of": len(constrained)}
+
+
 def _release_device(device: str) -> None:
     """Give the device back between runs of one process: the next run's engine sizes its budget
     from what is free, and the last one's KV pool and graph pools live until the cycle collector
@@ -134,9 +198,13 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
               max_model_len: int, block_size: int, seed: int = 0, concurrency: int | None = None,
               decode_buckets: tuple[int, ...] | None = None, batch1: bool = False, profile_steps: int = 0,
               async_steps: bool | None = None, workload: str = WORKLOAD, prefix_caching: bool = True,
-              turns: int = 5, outputs: dict[str, list[int]] | None = None) -> dict:
+              turns: int = 5, outputs: dict[str, list[int]] | None = None, constrained_every: int = 0,
+              grammar_tokenizer: str | None = None) -> dict:
     """Run the workload; ``concurrency`` None adds every request at t0, N keeps N in flight (for
-    multi-turn: N conversations). ``outputs``, when given, receives every request's tokens."""
+    multi-turn: N conversations). ``outputs``, when given, receives every request's tokens.
+    ``constrained_every`` N > 0: every N-th request's output is constrained to
+    :data:`BENCH_SCHEMA` (it ends when its JSON does), the grammar compiled over
+    ``grammar_tokenizer`` (a tokenizer.json; None: the model's own)."""
     from engine.core.engine_core import EngineCore
     from engine.runner.cuda_graphs import DEFAULT_BUCKETS
     from engine.sampling import SamplingParams
@@ -166,6 +234,9 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     while core.has_unfinished_requests():
         core.step()
 
+    grammar_text, grammar_info, constrained = None, {}, set()
+    if constrained_every:
+        grammar_text, grammar_info = _grammar_setup(core, model_dir, info, grammar_tokenizer)
     times = TokenTimes()
     limit = concurrency or source.num_streams
     in_flight = 0
@@ -180,8 +251,12 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
             times.sent[rid] = time.perf_counter()
             tokens[rid] = []
             sent.append(r)
+            grammar = None
+            if constrained_every and len(sent) % constrained_every == 0:
+                constrained.add(rid)
+                grammar = core.compile_grammar("bench", grammar_text).result()
             core.add_request(rid, "bench", r.prompt_token_ids,
-                             SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
+                             SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True), grammar=grammar)
             in_flight += 1
 
     host0, wait0, graph0, mixed0 = runner.host_seconds, runner.wait_seconds, runner.graph_steps, runner.mixed_graph_steps
@@ -242,6 +317,14 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         "workload_summary": summary(sent),
         "cached_tokens": sum(cached.values()),
         "cached_fraction": sum(cached.values()) / max(total_in, 1),
+        **({"constrained": {"requests": len(constrained), **grammar_info,
+                            "latency": times.latency(constrained),
+                            "free_latency": times.latency(set(times.first) - constrained),
+                            "mask_s": runner.mask_seconds, "masked_rows": runner.masked_rows,
+                            "masked_steps": runner.masked_steps,
+                            "mask_us_per_row": runner.mask_seconds * 1e6 / max(runner.masked_rows, 1),
+                            "valid_json": _valid_json(info.eos_token_ids, tokens, constrained, grammar_tokenizer, model_dir)}}
+           if constrained_every else {}),
         "outputs_digest": digest,
         "step_ms_mean": wall * 1e3 / max(steps, 1),
         "steps_by_kind": {k: {"steps": len(v), "ms_mean": sum(v) / len(v) if v else None,
@@ -355,12 +438,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=[WORKLOAD, SHARED_SYSTEM, MULTI_TURN], default=WORKLOAD)
     ap.add_argument("--turns", type=int, default=5, help="turns per conversation (multi-turn)")
     ap.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--constrained-every", type=int, default=0,
+                    help="N > 0: every N-th request JSON-schema constrained; runs the workload free first, then so")
+    ap.add_argument("--grammar-tokenizer", help="tokenizer.json the grammar is compiled over (default: the model's)")
     ap.add_argument("--control-concurrency", type=int,
                     help="with --prefix-caching both: a third run, caching off at this concurrency, to show how "
                          "much a different batch composition alone changes greedy tokens")
     a = ap.parse_args(argv)
     if a.control_concurrency is not None and a.prefix_caching != "both":
         ap.error("--control-concurrency needs --prefix-caching both")
+    if a.constrained_every and a.prefix_caching == "both":
+        ap.error("--constrained-every runs one caching mode (on or off)")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = a.model_dir
@@ -375,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         modes = ("off", "on") if a.prefix_caching == "both" else (a.prefix_caching,)
         if a.control_concurrency is not None:
             modes += ("control",)
+        if a.constrained_every:
+            modes = (a.prefix_caching, "constrained")
         for mode in modes:
             outputs[mode] = {}
             runs[mode] = run_bench(model_dir, a.num_requests, a.device, a.max_num_seqs, a.max_num_batched_tokens,
@@ -382,14 +472,26 @@ def main(argv: list[str] | None = None) -> int:
                                    concurrency=a.control_concurrency if mode == "control" else a.concurrency,
                                    decode_buckets=buckets, batch1=a.batch1, profile_steps=a.profile_steps,
                                    async_steps=False if a.sync else None, workload=a.workload,
-                                   prefix_caching=mode == "on", turns=a.turns, outputs=outputs[mode])
+                                   prefix_caching=mode == "on" or (mode == "constrained" and a.prefix_caching == "on"),
+                                   turns=a.turns, outputs=outputs[mode],
+                                   constrained_every=a.constrained_every if mode == "constrained" else 0,
+                                   grammar_tokenizer=a.grammar_tokenizer)
             _release_device(a.device)
-        res = runs[a.prefix_caching] if a.prefix_caching != "both" else {
-            **runs["on"], "caching_off": runs["off"],
-            "on_vs_off_total_tok_s": runs["on"]["total_tok_s"] / runs["off"]["total_tok_s"],
-            "on_vs_off_ttft_p50": (runs["on"]["ttft_ms_p50"] or 0) / (runs["off"]["ttft_ms_p50"] or 1),
-            "same_outputs": runs["on"]["outputs_digest"] == runs["off"]["outputs_digest"],
-            "on_vs_off_outputs": compare_outputs(outputs["on"], outputs["off"])}
+        if a.constrained_every:
+            free, con = runs[a.prefix_caching], runs["constrained"]
+            res = {**con, "free_run": free,
+                   "constrained_vs_free_total_tok_s": con["total_tok_s"] / free["total_tok_s"],
+                   "constrained_tpot_vs_free_p50": ((con["constrained"]["latency"]["tpot_ms_p50"] or 0)
+                                                    / (con["constrained"]["free_latency"]["tpot_ms_p50"] or 1))}
+        elif a.prefix_caching != "both":
+            res = runs[a.prefix_caching]
+        else:
+            res = {
+                **runs["on"], "caching_off": runs["off"],
+                "on_vs_off_total_tok_s": runs["on"]["total_tok_s"] / runs["off"]["total_tok_s"],
+                "on_vs_off_ttft_p50": (runs["on"]["ttft_ms_p50"] or 0) / (runs["off"]["ttft_ms_p50"] or 1),
+                "same_outputs": runs["on"]["outputs_digest"] == runs["off"]["outputs_digest"],
+                "on_vs_off_outputs": compare_outputs(outputs["on"], outputs["off"])}
         if "control" in runs:
             res["control"] = {"concurrency": a.control_concurrency, "total_tok_s": runs["control"]["total_tok_s"],
                               "off_vs_control_outputs": compare_outputs(outputs["off"], outputs["control"])}

@@ -128,10 +128,12 @@ class TokenTimes:
     def output_tokens(self) -> int:
         return sum(self.n_out.values())
 
-    def latency(self) -> dict[str, float | None]:
-        """TTFT (sent → first token) and TPOT (first → last token, per later token) p50 / p99, ms."""
-        ttft = [(self.first[k] - self.sent[k]) * 1e3 for k in self.first]
-        tpot = [(self.last[k] - self.first[k]) * 1e3 / (self.n_out[k] - 1) for k in self.first if self.n_out[k] > 1]
+    def latency(self, only: set[str] | None = None) -> dict[str, float | None]:
+        """TTFT (sent → first token) and TPOT (first → last token, per later token) p50 / p99, ms;
+        ``only``: of those requests alone."""
+        keys = [k for k in self.first if only is None or k in only]
+        ttft = [(self.first[k] - self.sent[k]) * 1e3 for k in keys]
+        tpot = [(self.last[k] - self.first[k]) * 1e3 / (self.n_out[k] - 1) for k in keys if self.n_out[k] > 1]
         return {"ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
                 "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99)}
 
