@@ -72,6 +72,8 @@ def _stream_error(e: WorkerError) -> ApiError:
     shutting down (503), anything else (500)."""
     if e.code in ("EngineError", "SamplingParamsError"):
         return ApiError(400, str(e), code="invalid_request")
+    if e.code == "GrammarError":  # the format passed the agent's check but not this model's vocabulary
+        return ApiError(400, str(e), param="response_format", code="invalid_value")
     unavailable = isinstance(e, WorkerDied) or e.code in ("shutting_down", "aborted")
     return ApiError(503 if unavailable else 500, str(e), code=e.code)
 

@@ -40,3 +40,27 @@ def test_chat_output_limit_and_logprobs() -> None:
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 5, "max_completion_tokens": 7,
         "logprobs": True})
     assert r.output_limit() == 7 and r.logprobs_count() == 0 and r.messages[0].text() == "ab"
+
+
+def test_a_grammar_the_worker_cannot_compile_is_a_400_naming_response_format() -> None:
+    from agent.http.openai_api import _stream_error
+    from agent.worker.client import WorkerError
+
+    e = _stream_error(WorkerError("grammar does not compile: ...", "GrammarError"))
+    assert (e.status, e.param) == (400, "response_format")
+    assert _stream_error(WorkerError("boom", "RuntimeError")).status == 500
+
+
+@pytest.mark.parametrize("fmt, param", [
+    ({"type": "json_schema"}, "response_format"),
+    ({"type": "text", "json_schema": {"name": "a", "schema": {}}}, "response_format"),
+    ({"type": "json_schema", "json_schema": {"name": "", "schema": {}}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"p": "x" * 70000}}},
+     "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}},
+     "response_format.json_schema.extra"),
+])
+def test_response_format_bounds(fmt, param) -> None:
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "response_format": fmt})
+    assert first_error(e.value)[0] == param
