@@ -39,6 +39,7 @@ from agent.http.sse import encode as sse_encode
 from agent.worker.client import WorkerDied, WorkerError
 from agent.http.structured import StructuredOutputError
 from text.tokenizer import TokenLimitExceeded
+from text.tool_calls import ToolFormat, ToolStream, default_tool_prompt, history_view, tool_format
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
@@ -270,15 +271,28 @@ class OpenAIApi:
         finally:
             self.ctx.metrics.requests.labels(model=model_label, status=str(status)).inc()
 
-    async def _prompt_ids(self, req: Any, entry: Any, chat: bool, ctx_len: int) -> list[int]:
+    async def _prompt_ids(self, req: Any, entry: Any, chat: bool, ctx_len: int,
+                          tool_fmt: ToolFormat | None = None) -> list[int]:
         """The prompt's ids; a prompt of ``ctx_len`` tokens or more is refused, by its length alone
-        when that already tells (before any tokenizing), else before its ids are built."""
+        when that already tells (before any tokenizing), else before its ids are built.
+        ``tool_fmt``: how the model writes tool calls (chat), for tools and a history with calls."""
         tok = entry.tokenizer
         limit = min(ctx_len, MAX_PROMPT_TOKENS + 1)
         if chat:
             messages = [m.template_view() for m in req.messages]
-            size = sum(len(m["content"]) for m in messages)
-            work = lambda: tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),  # noqa: E731
+            variables: dict[str, Any] = {}
+            if tool_fmt is not None and (req.uses_tools or any("tool_calls" in m or m["role"] == "tool"
+                                                               for m in messages)):
+                messages = history_view(messages, tool_fmt)
+                if req.uses_tools:
+                    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+                    if tool_fmt.native:
+                        variables["tools"] = tools
+                    else:
+                        messages = _with_system(messages, default_tool_prompt([t["function"] for t in tools]))
+            size = sum(len(m.get("content") or "") for m in messages)
+            work = lambda: tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,  # noqa: E731
+                                                              **variables),
                                       add_special_tokens=False, limit=limit)
         elif isinstance(req.prompt, str):
             size = len(req.prompt)
@@ -325,7 +339,8 @@ class OpenAIApi:
     async def _run(self, request: web.Request, req: Any, entry: Any, chat: bool, rid: str,
                    uid: str) -> web.StreamResponse:
         ctx_len = int(entry.info.get("max_model_len", entry.settings.max_model_len))
-        prompt_ids = await self._prompt_ids(req, entry, chat, ctx_len)
+        tool_fmt = tool_format(getattr(entry.tokenizer, "chat_template", None)) if chat else None
+        prompt_ids = await self._prompt_ids(req, entry, chat, ctx_len, tool_fmt)
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
         if len(prompt_ids) >= ctx_len or len(prompt_ids) > MAX_PROMPT_TOKENS:
@@ -341,7 +356,14 @@ class OpenAIApi:
                            code="context_length_exceeded")
         samplings = self._samplings(req, max_tokens, chat)
         try:
-            grammar = await self.ctx.grammars.grammar(req.response_format)
+            if chat and req.forces_call:
+                named = req.tool_choice.function.name if req.tool_choice != "required" else None
+                offered = [t.function.model_dump(exclude_none=True) for t in req.tools
+                           if named is None or t.function.name == named]
+                grammar = await self.ctx.grammars.tool_grammar(tool_fmt, offered, req.parallel_tool_calls and not named,
+                                                               strict=any(t.get("strict") for t in offered))
+            else:
+                grammar = await self.ctx.grammars.grammar(req.response_format)
         except StructuredOutputError as e:
             raise ApiError(400, e.message, param=e.param, code="invalid_value") from None
         if grammar:
@@ -358,7 +380,8 @@ class OpenAIApi:
                 raise ApiError(503, str(e), code="engine_unavailable", retry_after=2) from None
             except WorkerError as e:
                 raise ApiError(400, str(e), code=e.code) from None
-            fmt = _Formatter(base_id, entry.name, chat, entry.tokenizer)
+            tools = (tool_fmt, {t.function.name for t in req.tools}) if chat and req.uses_tools else None
+            fmt = _Formatter(base_id, entry.name, chat, entry.tokenizer, tools)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return await self._stream(request, gen, fmt, include_usage, rid)
@@ -387,8 +410,14 @@ class OpenAIApi:
         try:
             if fmt.chat:
                 await resp.write(fmt.sse(fmt.role_chunks(len(gen.choices), include_usage)))
+            streams: dict[int, ToolStream] = {}
             async for deltas in gen.deltas():
-                await resp.write(b"".join([fmt.chunk_event(d, include_usage) for d in deltas]))
+                if fmt.tools is not None:
+                    data = b"".join([fmt.tool_events(streams, d, include_usage) for d in deltas])
+                else:
+                    data = b"".join([fmt.chunk_event(d, include_usage) for d in deltas])
+                if data:
+                    await resp.write(data)
             if include_usage:
                 await resp.write(fmt.sse([fmt.usage_chunk(gen.usage())]))
             await resp.write(b"data: [DONE]\n\n")
@@ -403,6 +432,23 @@ class OpenAIApi:
         return resp
 
 
+def _call_view(call: Any) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _tool_finish(reason: str | None, calls: list[Any]) -> str | None:
+    """OpenAI's finish_reason for an answer that called tools."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """``text`` at the end of the system message, or as one in front."""
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = messages[0]
+        return [{**first, "content": f"{first.get('content') or ''}\n\n{text}".lstrip()}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
 def _compact(o: Any) -> bytes:
     return json.dumps(o, separators=(",", ":")).encode()
 
@@ -410,8 +456,12 @@ def _compact(o: Any) -> bytes:
 class _Formatter:
     """OpenAI response and chunk shapes for one request."""
 
-    def __init__(self, base_id: str, model: str, chat: bool, tokenizer: Any) -> None:
+    def __init__(self, base_id: str, model: str, chat: bool, tokenizer: Any,
+                 tools: tuple[ToolFormat, set[str]] | None = None) -> None:
+        """``tools``: (the model's call format, the offered tool names) when the request offers
+        tools: answers are read for calls (text/tool_calls.py)."""
         self.id, self.model, self.chat, self.tok = base_id, model, chat, tokenizer
+        self.tools = tools
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
         # A streamed chunk without logprobs, as bytes around its varying parts (index, text,
@@ -456,6 +506,28 @@ class _Formatter:
             choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
         return self._envelope([choice], include_usage)
 
+    def tool_events(self, streams: dict[int, ToolStream], d: Delta, include_usage: bool) -> bytes:
+        """The chunks of one delta when tools are offered: content up to where a call may start
+        (held back from there), and at the choice's end what was held, as content or as calls
+        (each call as OpenAI streams it: id, type and name, then the arguments)."""
+        stream = streams.setdefault(d.index, ToolStream(*self.tools))
+        out = [stream.feed(d.text)]
+        calls: list[Any] = []
+        if d.finish_reason is not None:
+            rest, calls = stream.finish()
+            out.append(rest)
+        chunks = [self._envelope([{"index": d.index, "delta": {"content": t}, "logprobs": None,
+                                   "finish_reason": None}], include_usage) for t in out if t]
+        for k, call in enumerate(calls):
+            head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            body = {"index": k, "function": {"arguments": call.arguments}}
+            chunks += [self._envelope([{"index": d.index, "delta": {"tool_calls": [part]}, "logprobs": None,
+                                        "finish_reason": None}], include_usage) for part in (head, body)]
+        if d.finish_reason is not None:
+            chunks.append(self._envelope([{"index": d.index, "delta": {}, "logprobs": None,
+                                           "finish_reason": _tool_finish(d.finish_reason, calls)}], include_usage))
+        return self.sse(chunks) if chunks else b""
+
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         d = self._envelope([], False)
         d["usage"] = usage
@@ -466,7 +538,14 @@ class _Formatter:
         for c in sorted(choices, key=lambda c: c.index):
             text = "".join(c.text)
             lp = self._logprobs(c.token_ids, c.pieces, c.logprobs, text) if c.logprobs else None
-            if self.chat:
+            if self.chat and self.tools is not None:
+                content, calls = self.tools[0].parse(text, self.tools[1])
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = [_call_view(k) for k in calls]
+                out.append({"index": c.index, "message": message, "logprobs": lp,
+                            "finish_reason": _tool_finish(c.finish_reason, calls)})
+            elif self.chat:
                 out.append({"index": c.index, "message": {"role": "assistant", "content": text},
                             "logprobs": lp, "finish_reason": c.finish_reason})
             else:

@@ -8,6 +8,7 @@ context length) are checked after tokenization, in ``openai_api``.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator,
@@ -27,6 +28,8 @@ MAX_JSON_DEPTH = 32
 MAX_SCHEMA_BYTES = 64 << 10
 MAX_SCHEMA_DEPTH = 24  # dicts and lists: a dozen nested objects (each is "properties" then the object)
 MAX_SCHEMA_DESCRIPTION = 4096
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 64
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -165,11 +168,68 @@ class TextPart(_Body):
     text: Annotated[str, StringConstraints(max_length=MAX_MESSAGE_CHARS)]
 
 
+ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+def _bounded_schema(v: dict[str, Any], what: str) -> dict[str, Any]:
+    if not json_depth_ok(v, MAX_SCHEMA_DEPTH):
+        raise ValueError(f"the {what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    if len(json.dumps(v, separators=(",", ":"))) > MAX_SCHEMA_BYTES:
+        raise ValueError(f"the {what} is over {MAX_SCHEMA_BYTES} bytes as JSON")
+    return v
+
+
+class FunctionDef(_Body):
+    name: ToolName
+    description: str | None = Field(None, max_length=MAX_SCHEMA_DESCRIPTION)
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = False
+
+    @field_validator("parameters")
+    @classmethod
+    def _bound_parameters(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _bounded_schema(v, "parameters schema")
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: ToolName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Body):
+    name: ToolName
+    arguments: Annotated[str, StringConstraints(max_length=MAX_MESSAGE_CHARS)]
+
+
+class ToolCall(_Body):
+    id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, StringConstraints(max_length=MAX_MESSAGE_CHARS)] | list[TextPart] | None = None
     name: str | None = Field(None, max_length=64)
     tool_call_id: str | None = Field(None, min_length=1, max_length=256)  # the call a tool message answers
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)  # an assistant's calls
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> "ChatMessage":
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message must name the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool calls")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -185,13 +245,15 @@ class ChatMessage(_Body):
             return self.content
         return "".join(p.text for p in self.content)
 
-    def template_view(self) -> dict[str, str]:
+    def template_view(self) -> dict[str, Any]:
         """The message as chat templates see it (transformers' keys; unset ones left out)."""
         view = {"role": self.role, "content": self.text()}
         if self.name:
             view["name"] = self.name
         if self.tool_call_id is not None:
             view["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            view["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         return view
 
 
@@ -200,6 +262,32 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tools_consistent(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two tools share a name")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice: needs tools to choose from")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r}")
+        if self.forces_call and self.response_format is not None and self.response_format.constrained:
+            raise ValueError("response_format: cannot be combined with a tool_choice that forces a call")
+        return self
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are offered: given, and ``tool_choice`` is not ``none``."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_call(self) -> bool:
+        return self.uses_tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -210,6 +298,9 @@ class ChatCompletionRequest(_Sampling):
         return self.top_logprobs or 0
 
 
+_BLAMED = re.compile(r"([a-z_]+): ")
+
+
 def first_error(err: ValidationError) -> tuple[str, str]:
     """(param, message) of the first validation error, in words a client can act on."""
     e = err.errors()[0]
@@ -218,6 +309,11 @@ def first_error(err: ValidationError) -> tuple[str, str]:
     loc = [p for p in loc if not (p in ("str", "int", "float", "bool", "list") or p.startswith(("list[", "dict[", "tagged-union")))]
     param = ".".join(loc) if loc else None
     msg = e["msg"].removeprefix("Value error, ")
+    # A check across fields says which one it blames first ("tool_choice: ..."): that field.
+    named = _BLAMED.match(msg) if e["type"] == "value_error" else None
+    if named:
+        param = f"{param}.{named.group(1)}" if param else named.group(1)
+        msg = msg[named.end():]
     if e["type"] == "extra_forbidden":
         msg = "unknown or unsupported parameter"
     return param or "body", f"{param}: {msg}" if param else msg

@@ -54,6 +54,29 @@ def json_grammar(schema: dict[str, Any] | None, strict: bool, param: str) -> str
     return grammar
 
 
+def tool_call_grammar(fmt: Any, tools: list[dict[str, Any]], parallel: bool, strict: bool) -> str:
+    """The grammar of a forced call (``tool_choice`` required, or the one named tool when
+    ``tools`` holds only it): the format's wrapping around JSON naming one of ``tools`` with
+    arguments valid for its parameters; raises :class:`StructuredOutputError` (param ``tools``)."""
+    import llguidance
+
+    from engine.grammar.compiler import parser_limits
+
+    key = fmt.args_key
+    options = {**_COMPACT, "lenient": not strict}
+    calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, key: t.get("parameters") or {}},
+              "required": ["name", key], "additionalProperties": False} for t in tools]
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": options}
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(fmt.lark(schema, parallel))
+    except ValueError as e:
+        raise StructuredOutputError("tools", f"tools: {e}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits())
+    if is_error:
+        raise StructuredOutputError("tools", f"tools: the parameters cannot be enforced: {messages[0]}")
+    return grammar
+
+
 class GrammarBuilder:
     """Grammars for request formats, checked off the event loop and kept by schema.
 
@@ -80,13 +103,16 @@ class GrammarBuilder:
             schema, strict, param = js.json_schema, bool(js.strict), "response_format.json_schema.schema"
             # property order is the output's order: the key keeps it
             key = ("json_schema", json.dumps(schema, separators=(",", ":")), strict)
+        return await self._cached(key, lambda: self._timed(json_grammar, schema, strict, param), param)
+
+    async def _cached(self, key: tuple, build: Any, param: str) -> str:
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
         if hit is None:
             try:
-                hit = await asyncio.wait_for(asyncio.to_thread(self._check, schema, strict, param), self._timeout_s)
+                hit = await asyncio.wait_for(asyncio.to_thread(build), self._timeout_s)
             except StructuredOutputError as e:
                 hit = e
             except asyncio.TimeoutError:
@@ -101,10 +127,15 @@ class GrammarBuilder:
             raise hit
         return hit
 
-    def _check(self, schema: dict[str, Any] | None, strict: bool, param: str) -> str:
+    async def tool_grammar(self, fmt: Any, tools: list[dict[str, Any]], parallel: bool, strict: bool) -> str:
+        """:func:`tool_call_grammar`, off the event loop and kept like the schemas."""
+        key = ("tools:" + fmt.name, json.dumps(tools, separators=(",", ":")), strict, parallel)
+        return await self._cached(key, lambda: self._timed(tool_call_grammar, fmt, tools, parallel, strict), "tools")
+
+    def _timed(self, fn: Any, *args: Any) -> str:
         t0 = time.perf_counter()
         try:
-            return json_grammar(schema, strict, param)
+            return fn(*args)
         finally:
             with self._lock:
                 self.checks += 1

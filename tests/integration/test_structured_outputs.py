@@ -32,7 +32,7 @@ def daemon(make_tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent-structured")
     url = publish_tiny(make_tiny_model, tmp / "store", MODEL)
     d = Daemon(tmp, store_url=url,
-               models=[{"name": MODEL, "preload": True, "max_model_len": 512, "max_num_seqs": 8}])
+               models=[{"name": MODEL, "preload": True, "max_model_len": 2048, "max_num_seqs": 8}])
     d.start(timeout=120)
     yield d
     d.stop()
@@ -91,8 +91,8 @@ def test_free_requests_are_unchanged_beside_constrained_ones(client) -> None:
 
 
 @pytest.mark.parametrize("fmt, param", [
-    ({"type": "json_schema"}, "response_format"),
-    ({"type": "json_object", "json_schema": {"name": "x", "schema": {}}}, "response_format"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_object", "json_schema": {"name": "x", "schema": {}}}, "response_format.json_schema"),
     ({"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}}, "response_format.json_schema.name"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}},
      "response_format.json_schema.schema"),
@@ -151,3 +151,91 @@ def test_metrics_count_constrained_requests(daemon, client) -> None:
     assert values[f'infire_grammar_compiles{{model="{MODEL}"}}'] >= 1
     assert values[f'infire_grammar_masked_rows{{model="{MODEL}"}}'] > 0
     assert values[f'infire_grammar_mask_seconds{{model="{MODEL}"}}'] > 0
+
+
+# --- tools ----------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                                                  "maximum": 14}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "what is the weather in Paris?"}]
+
+
+def _check_calls(message, names) -> None:
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def test_required_tool_choice_gives_valid_calls_for_every_seed(client) -> None:
+    for seed in range(6):
+        c = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                           temperature=1.0, seed=seed, max_tokens=200).choices[0]
+        assert c.finish_reason == "tool_calls", c
+        _check_calls(c.message, {"get_weather", "get_time"})
+
+
+def test_a_named_tool_is_the_one_called_once_without_parallel_calls(client) -> None:
+    for seed in range(4):
+        c = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], seed=seed,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           parallel_tool_calls=False, temperature=1.0, max_tokens=200).choices[0]
+        assert c.finish_reason == "tool_calls"
+        _check_calls(c.message, {"get_time"})
+        assert len(c.message.tool_calls) == 1
+
+
+def test_streamed_tool_calls_equal_the_non_streamed_ones(client) -> None:
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=5,
+              max_tokens=200)
+    full = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    finish = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                got = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                got["name"] += (tc.function.name or "") if tc.function else ""
+                got["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            if ch.finish_reason:
+                finish.append(ch.finish_reason)
+    assert finish == ["tool_calls"]
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
+        [(c.function.name, c.function.arguments) for c in full]
+
+
+def test_tool_choice_none_answers_in_text_and_a_history_with_calls_renders(client) -> None:
+    c = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8,
+                                       extra_body={"ignore_eos": True}).choices[0]
+    assert c.finish_reason == "length" and not c.message.tool_calls
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city":"Paris","unit":"c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=8,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason in ("length", "tool_calls") and r.usage.prompt_tokens > 40
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls"),
+])
+def test_bad_tool_requests_are_400s_naming_the_parameter(daemon, extra, param) -> None:
+    code, body = daemon.post("/v1/chat/completions", {"model": MODEL, "messages": ASK, "max_tokens": 4, **extra})
+    assert code == 400, body
+    assert body["error"]["param"] == param, body

@@ -52,8 +52,8 @@ def test_a_grammar_the_worker_cannot_compile_is_a_400_naming_response_format() -
 
 
 @pytest.mark.parametrize("fmt, param", [
-    ({"type": "json_schema"}, "response_format"),
-    ({"type": "text", "json_schema": {"name": "a", "schema": {}}}, "response_format"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "text", "json_schema": {"name": "a", "schema": {}}}, "response_format.json_schema"),
     ({"type": "json_schema", "json_schema": {"name": "", "schema": {}}}, "response_format.json_schema.name"),
     ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"p": "x" * 70000}}},
      "response_format.json_schema.schema"),
