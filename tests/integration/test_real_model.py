@@ -96,3 +96,50 @@ def test_prefix_caching_changes_no_token_of_a_real_model(fp32_dir, tok):
     assert turn2_on == _greedy(off, turn2)[0]
     assert cached["a0"] == 0 and all(more_cached[r] >= 16 for r in rest)  # the system prompt's pages
     assert turn2_cached["t2"] >= more_cached["a1"]
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_a_tool_call_round_trip_through_the_daemon(fp32_dir, tmp_path_factory):
+    """The real model, served: asked about the weather with the tool named, it calls it with
+    arguments valid for its parameters; given the tool's answer, it answers from it."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("llguidance")
+    from cache.publish import publish_model
+    from cache.store import open_store
+    from tests.integration.agent_harness import Daemon
+
+    tmp = tmp_path_factory.mktemp("smollm2-daemon")
+    url = (tmp / "store").as_uri()
+    store = open_store(url)
+    try:
+        publish_model(store, fp32_dir, "smol")
+    finally:
+        store.close()
+    d = Daemon(tmp, store_url=url, env={"INFIRE_GPU__CPU_MEMORY_BUDGET": "2GiB"},
+               models=[{"name": "smol", "preload": True, "max_model_len": 2048,
+                        "max_num_seqs": 2}])
+    d.start(timeout=180)
+    try:
+        client = openai.OpenAI(base_url=d.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+        first = client.chat.completions.create(
+            model="smol", messages=messages, tools=[WEATHER_TOOL], temperature=0, max_tokens=60,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+        assert first.finish_reason == "tool_calls", first
+        call = first.message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and set(args) == {"city"} and isinstance(args["city"], str)
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "18 degrees Celsius and sunny"}]
+        answer = client.chat.completions.create(model="smol", messages=messages, tools=[WEATHER_TOOL],
+                                                tool_choice="none", temperature=0, max_tokens=60).choices[0]
+        text = answer.message.content or ""
+        assert answer.finish_reason == "stop" and not answer.message.tool_calls, answer
+        assert "18" in text or "sunny" in text.lower(), text  # it read the tool's answer
+    finally:
+        d.stop()
