@@ -27,7 +27,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.loading import DTYPES
 from engine.core.memory_plan import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, workspace_estimate
 from engine.core.slot import ModelInfo, ModelSlot
-from engine.errors import EngineError
+from engine.errors import EngineError, RequestError
 from engine.kv.kv_cache import KVCache, KVSpec
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step import StepResult
@@ -157,6 +157,12 @@ class TPEngineCore(EngineCore):
         self.group = group
         self.channel = ControlChannel(group)
         self._closed = False
+
+    def compile_grammar(self, model: str, grammar: str) -> Any:
+        """Refused: the step on the wire carries no grammar masks (a follower's forward pass does
+        not need them, but the feature is not built for sharded models yet)."""
+        raise RequestError("structured outputs and forced tool calls are not supported for tensor-parallel models",
+                           "response_format")
 
     def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None) -> ModelInfo:
