@@ -71,7 +71,7 @@ class ApiError(Exception):
 def _stream_error(e: WorkerError) -> ApiError:
     """A failure after the request was sent: refused by the engine (400), engine gone or
     shutting down (503), anything else (500)."""
-    if e.code in ("EngineError", "SamplingParamsError"):
+    if e.code in ("EngineError", "RequestError", "SamplingParamsError"):
         return ApiError(400, str(e), code="invalid_request")
     if e.code == "GrammarError":  # the format passed the agent's check but not this model's vocabulary
         return ApiError(400, str(e), param="response_format", code="invalid_value")
