@@ -60,6 +60,9 @@ class Metrics:
         self.grammar_masked_rows = Gauge("infire_grammar_masked_rows", "Sampled rows the model's grammars masked "
                                          "since its load (mask seconds / rows = the mask time per row)", ["model"],
                                          registry=r)
+        self.grammar_masked_steps = Gauge("infire_grammar_masked_steps", "Steps of the model with masked rows since "
+                                          "its load (mask seconds / steps = the mask time per step)", ["model"],
+                                          registry=r)
         self.gpu_budget = Gauge("infire_gpu_budget_bytes", "Device memory budget", registry=r)
         self.gpu_used = Gauge("infire_gpu_used_bytes", "Device memory in use by models", registry=r)
         self.model_state = Gauge("infire_model_state", "1 for the model's current state", ["model", "state"], registry=r)
@@ -96,6 +99,7 @@ class Metrics:
                 self.grammar_compile_seconds.labels(model=model).set(s.get("grammar_compile_s", 0.0) or 0.0)
                 self.grammar_mask_seconds.labels(model=model).set(s.get("grammar_mask_s", 0.0) or 0.0)
                 self.grammar_masked_rows.labels(model=model).set(s.get("grammar_masked_rows", 0) or 0)
+                self.grammar_masked_steps.labels(model=model).set(s.get("grammar_masked_steps", 0) or 0)
             dev = s.get("device_bytes", 0) or 0
             self.gpu_memory.labels(model=model).set(dev)
             used += dev
@@ -105,7 +109,8 @@ class Metrics:
         """Drop per-model engine gauges after an unload, so dashboards do not show ghosts."""
         for g in (self.queue_depth, self.running, self.kv_used, self.kv_total, self.gpu_memory, self.parked,
                   self.parked_seconds, self.prefix_pages, self.prefix_queried, self.prefix_hit, self.grammar_compiles,
-                  self.grammar_compile_seconds, self.grammar_mask_seconds, self.grammar_masked_rows):
+                  self.grammar_compile_seconds, self.grammar_mask_seconds, self.grammar_masked_rows,
+                  self.grammar_masked_steps):
             try:
                 g.remove(model)
             except KeyError:

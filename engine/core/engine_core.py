@@ -532,7 +532,7 @@ class EngineCore:
         often its step was parked for a quiet model and how long the caller slept on those; with
         prefix caching, the pages its index holds (in use or free) and the prompt tokens its
         admissions looked up and found since the load; once it had a constrained request, its
-        grammar compiles, cache hits, compile seconds, mask-filling seconds and masked rows."""
+        grammar compiles, cache hits, compile seconds, mask-filling seconds, masked rows and steps."""
         out = {}
         for name, s in self._slots.items():
             blocks = s.scheduler.blocks
@@ -552,7 +552,8 @@ class EngineCore:
                 out[name].update(grammar_compiles=s.grammar.compiled, grammar_cache_hits=s.grammar.hits,
                                  grammar_compile_s=round(s.grammar.compile_seconds, 6),
                                  grammar_mask_s=round(s.runner.mask_seconds, 6) if s.runner is not None else 0.0,
-                                 grammar_masked_rows=s.runner.masked_rows if s.runner is not None else 0)
+                                 grammar_masked_rows=s.runner.masked_rows if s.runner is not None else 0,
+                                 grammar_masked_steps=s.runner.masked_steps if s.runner is not None else 0)
         return out
 
     def drop_prefix_cache(self, name: str) -> int:

@@ -151,6 +151,7 @@ def test_metrics_count_constrained_requests(daemon, client) -> None:
     assert values[f'infire_grammar_compiles{{model="{MODEL}"}}'] >= 1
     assert values[f'infire_grammar_masked_rows{{model="{MODEL}"}}'] > 0
     assert values[f'infire_grammar_mask_seconds{{model="{MODEL}"}}'] > 0
+    assert values[f'infire_grammar_masked_steps{{model="{MODEL}"}}'] > 0
 
 
 # --- tools ----------------------------------------------------------------------------------
