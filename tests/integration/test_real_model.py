@@ -123,8 +123,8 @@ def test_a_tool_call_round_trip_through_the_daemon(fp32_dir, tmp_path_factory):
     d = Daemon(tmp, store_url=url, env={"INFIRE_GPU__CPU_MEMORY_BUDGET": "2GiB"},
                models=[{"name": "smol", "preload": True, "max_model_len": 2048,
                         "max_num_seqs": 2}])
-    d.start(timeout=180)
     try:
+        d.start(timeout=180)
         client = openai.OpenAI(base_url=d.base + "/v1", api_key="unused", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
         first = client.chat.completions.create(
