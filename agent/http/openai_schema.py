@@ -262,7 +262,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)  # OpenAI refuses [] too
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 

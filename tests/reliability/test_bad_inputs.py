@@ -116,7 +116,7 @@ def test_malformed_documents(daemon, tally) -> None:
         {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 7*7 }}"},
         {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
          "chat_template_kwargs": {"x": 1}},
-        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": []},
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": []},  # at least one tool
         {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
     ]:
         _refused(daemon, "/v1/chat/completions", body)
