@@ -36,8 +36,8 @@ from agent.http.openai_schema import (
     MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest, first_error, json_depth_ok,
 )
 from agent.http.sse import encode as sse_encode
-from agent.worker.client import WorkerDied, WorkerError
 from agent.http.structured import StructuredOutputError
+from agent.worker.client import WorkerDied, WorkerError
 from text.tokenizer import TokenLimitExceeded
 from text.tool_calls import ToolFormat, ToolStream, default_tool_prompt, history_view, tool_format
 

@@ -52,6 +52,10 @@ def _complete(d, model: str, prompt: list[int], n: int) -> dict:
 
 
 def test_a_flooded_model_parks_for_a_quiet_one_and_every_answer_is_whole(daemon):
+    # Both models warm first: on a fresh machine the busy model's first steps (kernel builds,
+    # deferred graphs) took long enough once that its flood had not started when the quiet
+    # requests came, and nothing parked.
+    _complete(daemon, "busy", [7] * 40, FLOOD_TOKENS)
     solo = _complete(daemon, "quiet", PROMPT, QUIET_TOKENS)["choices"][0]["text"]
     before = daemon.engine_status()["engine"]["models"]["busy"]
     flood: list[dict] = []
