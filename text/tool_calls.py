@@ -166,7 +166,7 @@ def history_view(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[s
             out.append(m)
             continue
         if calls:
-            written = "\n".join(f'{HERMES_OPEN}\n{json.dumps({"name": c["function"]["name"], "arguments": _loads_or_text(c["function"]["arguments"])}, ensure_ascii=False)}\n{HERMES_CLOSE}'
+            written = "\n".join(_hermes_block(c["function"]["name"], _loads_or_text(c["function"]["arguments"]))
                                 for c in calls)
             text = (m.get("content") or "").strip()
             out.append({"role": "assistant", "content": f"{text}\n{written}" if text else written})
@@ -175,6 +175,10 @@ def history_view(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[s
         else:
             out.append({k: v for k, v in m.items() if k != "tool_calls"})
     return out
+
+
+def _hermes_block(name: str, arguments: Any) -> str:
+    return f"{HERMES_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{HERMES_CLOSE}"
 
 
 def _loads_or_text(arguments: str) -> Any:

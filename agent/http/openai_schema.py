@@ -43,6 +43,15 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+def _bounded_schema(v: dict[str, Any], what: str) -> dict[str, Any]:
+    """A schema within the size and depth bounds (``what`` names it in the error)."""
+    if not json_depth_ok(v, MAX_SCHEMA_DEPTH):
+        raise ValueError(f"the {what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    if len(json.dumps(v, separators=(",", ":"))) > MAX_SCHEMA_BYTES:
+        raise ValueError(f"the {what} is over {MAX_SCHEMA_BYTES} bytes as JSON")
+    return v
+
+
 class JsonSchemaFormat(_Body):
     """``response_format.json_schema``: the schema is bounded in size and depth here; whether
     it compiles is decided by agent/http/structured.py (a 400 naming ``response_format``)."""
@@ -57,11 +66,7 @@ class JsonSchemaFormat(_Body):
     @field_validator("json_schema")
     @classmethod
     def _bound_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
-        if not json_depth_ok(v, MAX_SCHEMA_DEPTH):
-            raise ValueError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-        if len(json.dumps(v, separators=(",", ":"))) > MAX_SCHEMA_BYTES:
-            raise ValueError(f"the schema is over {MAX_SCHEMA_BYTES} bytes as JSON")
-        return v
+        return _bounded_schema(v, "schema")
 
 
 class ResponseFormat(_Body):
@@ -169,14 +174,6 @@ class TextPart(_Body):
 
 
 ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-
-
-def _bounded_schema(v: dict[str, Any], what: str) -> dict[str, Any]:
-    if not json_depth_ok(v, MAX_SCHEMA_DEPTH):
-        raise ValueError(f"the {what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
-    if len(json.dumps(v, separators=(",", ":"))) > MAX_SCHEMA_BYTES:
-        raise ValueError(f"the {what} is over {MAX_SCHEMA_BYTES} bytes as JSON")
-    return v
 
 
 class FunctionDef(_Body):

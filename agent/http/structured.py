@@ -41,16 +41,23 @@ def json_grammar(schema: dict[str, Any] | None, strict: bool, param: str) -> str
     :class:`StructuredOutputError` when it cannot be compiled."""
     import llguidance
 
-    from engine.grammar.compiler import parser_limits
-
     text = json.dumps({"type": "object"} if schema is None else schema, separators=(",", ":"))
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={**_COMPACT, "lenient": not strict})
     except ValueError as e:
         raise StructuredOutputError(param, f"{param}: not a JSON schema: {e}") from None
+    return _checked(grammar, param, "the schema")
+
+
+def _checked(grammar: str, param: str, what: str) -> str:
+    """``grammar`` once llguidance, under the worker's parser limits, finds it enforceable."""
+    import llguidance
+
+    from engine.grammar.compiler import parser_limits
+
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits())
     if is_error:
-        raise StructuredOutputError(param, f"{param}: the schema cannot be enforced: {messages[0]}")
+        raise StructuredOutputError(param, f"{param}: {what} cannot be enforced: {messages[0]}")
     return grammar
 
 
@@ -59,8 +66,6 @@ def tool_call_grammar(fmt: Any, tools: list[dict[str, Any]], parallel: bool, str
     ``tools`` holds only it): the format's wrapping around JSON naming one of ``tools`` with
     arguments valid for its parameters; raises :class:`StructuredOutputError` (param ``tools``)."""
     import llguidance
-
-    from engine.grammar.compiler import parser_limits
 
     key = fmt.args_key
     options = {**_COMPACT, "lenient": not strict}
@@ -71,10 +76,7 @@ def tool_call_grammar(fmt: Any, tools: list[dict[str, Any]], parallel: bool, str
         grammar = llguidance.LLMatcher.grammar_from_lark(fmt.lark(schema, parallel))
     except ValueError as e:
         raise StructuredOutputError("tools", f"tools: {e}") from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=parser_limits())
-    if is_error:
-        raise StructuredOutputError("tools", f"tools: the parameters cannot be enforced: {messages[0]}")
-    return grammar
+    return _checked(grammar, "tools", "the parameters")
 
 
 class GrammarBuilder:

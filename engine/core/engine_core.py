@@ -548,12 +548,11 @@ class EngineCore:
             if blocks.prefix is not None:
                 out[name].update(prefix_cached_pages=len(blocks.prefix), prefix_queried_tokens=blocks.prefix.queried_tokens,
                                  prefix_hit_tokens=blocks.prefix.hit_tokens)
-            if s.grammar is not None:  # constrained decoding: compiles (misses, hits) and mask filling
+            if s.grammar is not None and s.runner is not None:  # constrained decoding: compiles, masks
                 out[name].update(grammar_compiles=s.grammar.compiled, grammar_cache_hits=s.grammar.hits,
                                  grammar_compile_s=round(s.grammar.compile_seconds, 6),
-                                 grammar_mask_s=round(s.runner.mask_seconds, 6) if s.runner is not None else 0.0,
-                                 grammar_masked_rows=s.runner.masked_rows if s.runner is not None else 0,
-                                 grammar_masked_steps=s.runner.masked_steps if s.runner is not None else 0)
+                                 grammar_mask_s=round(s.runner.mask_seconds, 6),
+                                 grammar_masked_rows=s.runner.masked_rows, grammar_masked_steps=s.runner.masked_steps)
         return out
 
     def drop_prefix_cache(self, name: str) -> int:

@@ -328,7 +328,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, step.logits_rows))
         else:
             logits = self.forward_logits(step)
-        rows = [(k, out.seqs[i].grammar) for k, i in enumerate(step.sample_entries) if out.seqs[i].grammar is not None]
+        rows = [(k, out.seqs[i].grammar) for k, i in enumerate(step.sample_entries)
+                if out.seqs[i].grammar is not None] if out.num_constrained else None
         if rows:  # sampled by sample_masked, once the step before has advanced the grammars
             dt = time.perf_counter() - t0
             self.host_seconds += dt

@@ -96,6 +96,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
     num_placeholders: int = 0  # decode entries whose token_ids is [PLACEHOLDER]
+    num_constrained: int = 0  # entries whose request has a grammar (the runner masks those)
 
     @property
     def is_empty(self) -> bool:
@@ -277,6 +278,8 @@ class Scheduler:
                                          total - seq.num_prompt_tokens, seq.params, seq.grammar))
             seq.num_computed_tokens = start + n
             seq.num_inflight += sample
+            if seq.grammar is not None:
+                out.num_constrained += 1
             out.num_batched_tokens += n
             # The next block to index is complete once computed (or queued) with known tokens; one
             # comparison per entry on the way (this loop runs for every running sequence every step).
