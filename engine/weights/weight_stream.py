@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -302,8 +303,37 @@ def _ring_stream(jobs: list[CopyJob], threads: int, ring_bytes: int, chunk_bytes
     return len(chunks)
 
 
+# While weights stream, a thread that wants the GIL gets it within this many seconds (Python's
+# default is 5 ms). Every chunk takes the GIL a few times (reader and copier hand it between
+# them); beside a thread running Python — the runner's build beside a restart's load — each of
+# those waits out the busy thread's interval: on the H200, 8 MiB chunks beside such a thread moved
+# 0.1-0.4 GB/s against 31-35 alone (docs/perf.md, load_bench at 12ec5ef).
+SWITCH_INTERVAL_S = 0.0005
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved = 0.0
+
+
+@contextlib.contextmanager
+def _responsive_gil():
+    """The GIL's switch interval at SWITCH_INTERVAL_S while any stream runs, then restored."""
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        if _switch_users == 0:
+            _switch_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch_saved, SWITCH_INTERVAL_S))
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users -= 1
+            if _switch_users == 0:
+                sys.setswitchinterval(_switch_saved)
+
+
 def stream_to_device(jobs: list[CopyJob], threads: int = 4, ring_bytes: int = 256 << 20, streams: int = 2,
-                     chunk_bytes: int = 8 << 20, use_ring: bool | None = None,
+                     chunk_bytes: int = 16 << 20, use_ring: bool | None = None,
                      cancel: threading.Event | None = None) -> StreamStats:
     """Copy every job's file bytes into its destination; returns when all have landed.
 
@@ -323,10 +353,11 @@ def stream_to_device(jobs: list[CopyJob], threads: int = 4, ring_bytes: int = 25
     if len(devices) > 1:
         raise WeightStreamError(f"destinations span several devices: {sorted(map(str, devices))}")
     dev = devices.pop()
-    if dev.type == "cuda" or (dev.type == "cpu" and use_ring):
-        n = _ring_stream(jobs, threads, ring_bytes, chunk_bytes, streams, cancel)
-    elif dev.type == "cpu":
-        n = _cpu_stream(jobs, threads, chunk_bytes, cancel)
-    else:
+    if dev.type not in ("cuda", "cpu"):
         raise WeightStreamError(f"unsupported destination device {dev}")
+    with _responsive_gil():
+        if dev.type == "cuda" or use_ring:
+            n = _ring_stream(jobs, threads, ring_bytes, chunk_bytes, streams, cancel)
+        else:
+            n = _cpu_stream(jobs, threads, chunk_bytes, cancel)
     return StreamStats(sum(j.nbytes for j in jobs), time.perf_counter() - t0, n)

@@ -97,3 +97,40 @@ def test_empty_and_zero_byte_jobs(shard):
     path, _, _ = shard
     assert stream_to_device([]).bytes == 0
     assert stream_to_device([CopyJob(path, 0, 0, torch.empty(0))]).bytes == 0
+
+
+class _IntervalProbe(threading.Event):
+    """A cancel event that records the GIL switch interval each time a chunk checks it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[float] = []
+
+    def is_set(self) -> bool:
+        import sys
+        self.seen.append(sys.getswitchinterval())
+        return super().is_set()
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_the_gil_hands_over_quickly_while_streaming_and_the_interval_comes_back(shard, ring):
+    # Beside a thread running Python (the runner's build during a load), every GIL hand-off of a
+    # chunk would otherwise wait out Python's 5 ms interval (docs/perf.md: 0.1-0.4 GB/s on the H200).
+    import sys
+
+    from engine.weights import weight_stream
+
+    path, tensors, infos = shard
+    before = sys.getswitchinterval()
+    assert before > weight_stream.SWITCH_INTERVAL_S
+    probe = _IntervalProbe()
+    big = torch.empty(300, 100, dtype=torch.bfloat16)
+    stream_to_device(jobs_for(path, infos, {"big": big}), threads=2, ring_bytes=8192, chunk_bytes=4096,
+                     use_ring=ring, cancel=probe)
+    assert torch.equal(big, tensors["big"])
+    assert probe.seen and set(probe.seen) == {weight_stream.SWITCH_INTERVAL_S}
+    assert sys.getswitchinterval() == before
+    # a failed stream restores it too
+    with pytest.raises(WeightStreamError):
+        stream_to_device([CopyJob(path, path.stat().st_size - 10, big.numel() * 2, big)], use_ring=ring)
+    assert sys.getswitchinterval() == before
