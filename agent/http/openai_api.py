@@ -35,7 +35,7 @@ from agent.manager.entries import ManagerError
 from agent.http.openai_schema import (
     MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest, first_error, json_depth_ok,
 )
-from agent.http.sse import encode as sse_encode
+from agent.http.sse import EventStream, encode as sse_encode
 from agent.http.structured import StructuredOutputError
 from agent.worker.client import WorkerDied, WorkerError
 from text.tokenizer import TokenLimitExceeded
@@ -393,8 +393,7 @@ class OpenAIApi:
 
     async def _collect(self, gen: Generation, fmt: _Formatter, n_prompt: int) -> web.Response:
         try:
-            async for _ in gen.deltas():
-                pass
+            await gen.finish()
         except WorkerError as e:
             raise _stream_error(e) from None
         usage = gen.usage()
@@ -404,27 +403,39 @@ class OpenAIApi:
 
     async def _stream(self, request: web.Request, gen: Generation, fmt: _Formatter, include_usage: bool,
                       rid: str) -> web.StreamResponse:
+        """SSE: the events are written by ``EventStream.push`` as the generation makes them (from
+        before the first await: nothing made meanwhile is missed); this task writes what that
+        held back (the first events, a slow reader's backlog) and the end."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no", "X-Request-Id": rid})
-        await resp.prepare(request)
-        try:
-            if fmt.chat:
-                await resp.write(fmt.sse(fmt.role_chunks(len(gen.choices), include_usage)))
+        chunked = request.version == HttpVersion11
+        if chunked:
+            resp.enable_chunked_encoding()
+        first = fmt.sse(fmt.role_chunks(len(gen.choices), include_usage)) if fmt.chat else b""
+        stream = EventStream(request, resp, gen.notify, chunked, first)
+        if fmt.tools is not None:
             streams: dict[int, ToolStream] = {}
-            async for deltas in gen.deltas():
-                if fmt.tools is not None:
-                    data = b"".join([fmt.tool_events(streams, d, include_usage) for d in deltas])
-                else:
-                    data = b"".join([fmt.chunk_event(d, include_usage) for d in deltas])
-                if data:
-                    await resp.write(data)
-            if include_usage:
-                await resp.write(fmt.sse([fmt.usage_chunk(gen.usage())]))
-            await resp.write(b"data: [DONE]\n\n")
+            gen.on_delta = lambda d: stream.push(fmt.tool_events(streams, d, include_usage))
+        else:
+            gen.on_delta = lambda d: stream.push(fmt.chunk_event(d, include_usage))
+        try:
+            await resp.prepare(request)
+            while True:
+                await stream.flush()
+                if stream.gone:
+                    return resp  # the client left; close() aborts in the engine
+                if gen.over:
+                    break
+                if not stream.pending:
+                    await gen.wait()
+            if gen.failure is not None:
+                raise gen.failure
+            tail = fmt.sse([fmt.usage_chunk(gen.usage())]) if include_usage else b""
+            await stream.write(tail + b"data: [DONE]\n\n")
         except WorkerError as e:
             err = _stream_error(e)
             self._log.warning("stream_failed", status=err.status, code=err.code, error=err.message)
-            await resp.write(fmt.sse([err.body()]))
+            await stream.write(fmt.sse([err.body()]))
         except (ConnectionResetError, ConnectionError):
             return resp  # the client left; close() aborts in the engine
 

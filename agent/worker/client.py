@@ -15,7 +15,7 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from agent.log import get_logger
 from agent.worker.mailbox import Mailbox
@@ -57,13 +57,20 @@ class WorkerDied(WorkerError):
         super().__init__(message, code="worker_died")
 
 
+class OutputSink(Protocol):
+    """Where a request's outputs go as the reader gets them, on the loop: a :class:`Mailbox` to
+    await, or the request's generation itself (agent/worker/generation.py). Must not raise."""
+
+    def put_nowait(self, item: P.TokenOutput | Exception) -> None: ...
+
+
 @dataclass
 class EngineRequest:
     """One request in the engine: outputs (``TokenOutput``) or a final exception arrive on ``queue``."""
 
     req_id: str
     model: str
-    queue: Mailbox[P.TokenOutput | Exception] = field(default_factory=Mailbox)
+    queue: OutputSink = field(default_factory=Mailbox)
     finished: bool = False
 
 
@@ -373,7 +380,7 @@ class WorkerClient:
         self._writer.write(P.encode(msg))
 
     def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: dict[str, Any],
-            queue: Mailbox[P.TokenOutput | Exception] | None = None, grammar: str = "") -> EngineRequest:
+            queue: OutputSink | None = None, grammar: str = "") -> EngineRequest:
         """Send one request to the engine; raises WorkerDied when no worker is up.
 
         Requests may share one ``queue`` (the choices of one HTTP request); outputs carry req_id.

@@ -294,3 +294,71 @@ def test_readyz(daemon) -> None:
     assert daemon.get(f"/readyz/{MODEL}")[0] == 200
     assert daemon.get("/readyz/nope")[0] == 404
     assert daemon.get("/livez")[0] == 200
+
+
+def _raw_post(daemon, body: dict, version: str = "1.1", rcvbuf: int | None = None, pause_s: float = 0.0) -> bytes:
+    """POST over a plain socket; the whole answer, read after ``pause_s`` (a reader that lags)."""
+    import socket
+
+    payload = json.dumps(body).encode()
+    s = socket.socket()
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(60)
+    s.connect(("127.0.0.1", daemon.port))
+    s.sendall(f"POST /v1/completions HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Connection: close\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    time.sleep(pause_s)
+    out = b""
+    while chunk := s.recv(1 << 16):
+        out += chunk
+    s.close()
+    return out
+
+
+def _events(raw: bytes, chunked: bool) -> list:
+    head, _, data = raw.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"200", head
+    assert (b"transfer-encoding: chunked" in head.lower()) == chunked
+    if chunked:
+        body, rest = b"", data
+        while True:
+            size, rest = rest.split(b"\r\n", 1)
+            if int(size, 16) == 0:
+                break
+            body, rest = body + rest[:int(size, 16)], rest[int(size, 16) + 2:]
+        data = body
+    from agent.http.sse import DONE, parse_line
+    events = [parse_line(line) for line in data.split(b"\n")]
+    events = [e for e in events if e is not None]
+    assert events[-1] is DONE and DONE not in events[:-1]
+    return events[:-1]
+
+
+def test_http_1_0_client_gets_the_whole_stream_without_chunking(daemon) -> None:
+    kw = {"model": MODEL, "prompt": "one two", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    code, full = daemon.post("/v1/completions", kw)
+    assert code == 200
+    events = _events(_raw_post(daemon, {**kw, "stream": True}, version="1.0"), chunked=False)
+    assert "".join(e["choices"][0]["text"] for e in events) == full["choices"][0]["text"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_reader_that_lags_gets_every_event_in_order(daemon) -> None:
+    # Four choices with logprobs in one stream, the client reading only after the answer is
+    # made: every event arrives once, in order, as the non-streamed answer has it. (Loopback's
+    # socket buffers hold this much; the hand-over to the handler's drain past the high-water
+    # mark is tested with a small send buffer in tests/unit/test_event_stream.py.)
+    n, tokens = 4, 120
+    kw = {"model": MODEL, "prompt": "lag", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+          "n": n, "logprobs": 5}
+    code, answer = daemon.post("/v1/completions", kw)
+    assert code == 200
+    events = _events(_raw_post(daemon, {**kw, "stream": True, "stream_options": {"include_usage": True}},
+                               rcvbuf=4096, pause_s=1.5), chunked=True)
+    assert events[-1]["usage"]["completion_tokens"] == n * tokens
+    for i in range(n):
+        mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == i]
+        assert len(mine) == tokens  # one event per token, none lost or doubled
+        assert "".join(c["text"] for c in mine) == answer["choices"][i]["text"]
+        assert [t for c in mine for t in c["logprobs"]["tokens"]] == answer["choices"][i]["logprobs"]["tokens"]
