@@ -173,8 +173,7 @@ class ModelRunner:
         ``max_num_seqs`` sequences (the rest empty), block tables at full width.
         """
         bufs = self.bufs
-        if bufs.copies_done is not None:
-            bufs.copies_done.synchronize()
+        arena = bufs.inputs
         bs = self.block_size
         seqs = out.seqs
         b = len(seqs)
@@ -229,10 +228,10 @@ class ModelRunner:
             lens_full[:b] = seq_lens
             qsl, seq_lens = qsl_full, lens_full
         meta = AttentionMetadata(
-            slot_mapping=bufs.to_device(bufs.slots, slots),
-            query_start_loc=bufs.to_device(bufs.qsl, qsl.astype(np.int32)),
-            seq_lens=bufs.to_device(bufs.seq_lens, seq_lens.astype(np.int32)),
-            block_tables=bufs.to_device(bufs.block_tables, tables),
+            slot_mapping=arena.stage("slots", slots),
+            query_start_loc=arena.stage("qsl", qsl),
+            seq_lens=arena.stage("seq_lens", seq_lens),
+            block_tables=arena.stage("block_tables", tables),
             # a mixed graph's route: the prefill kernel, whatever the rows' lengths
             max_query_len=max(int(n_tok.max()), 2) if pad_tokens is not None else int(n_tok.max()),
             # A padded decode step runs with the captured graphs' bound, so eager and replayed
@@ -241,19 +240,18 @@ class ModelRunner:
         )
         fill = self._placeholders(out, ids) if out.num_placeholders else None
         step = PreparedStep(
-            input_ids=bufs.to_device(bufs.input_ids, np.asarray(ids, dtype=np.int64)),
-            positions=bufs.to_device(bufs.positions, pos),
+            input_ids=arena.stage("input_ids", np.asarray(ids, dtype=np.int64)),
+            positions=arena.stage("positions", pos),
             meta=meta,
-            logits_rows=bufs.to_device(bufs.rows, np.asarray(rows, dtype=np.int64)),
+            logits_rows=arena.stage("rows", np.asarray(rows, dtype=np.int64)),
             sample_entries=entries,
             is_decode_only=out.num_decodes == b,
         )
         if fill is not None:
-            dst, src = fill
-            bufs.input_ids.index_copy_(0, bufs.to_device(bufs.fill_dst, dst),
-                                       self._prev_ids.index_select(0, bufs.to_device(bufs.fill_src, src)))
-        if bufs.copies_done is not None:
-            bufs.copies_done.record()
+            dst, src = arena.stage("fill_dst", fill[0]), arena.stage("fill_src", fill[1])
+        arena.upload()
+        if fill is not None:
+            bufs.input_ids.index_copy_(0, dst, self._prev_ids.index_select(0, src))
         return step
 
     def _placeholders(self, out: SchedulerOutput, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -383,17 +381,16 @@ class ModelRunner:
         keep the ids for the next step's placeholders, start their copy to the host."""
         params = [out.seqs[i].params for i in entries]
         if not all(p.temperature == 0 for p in params):
-            dev = logits.device
-            ids = kernels.sample(
-                logits,
-                torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev, non_blocking=True),
-                torch.tensor([p.top_k for p in params], dtype=torch.int32).to(dev, non_blocking=True),
-                torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev, non_blocking=True),
-                torch.tensor([p.min_p for p in params], dtype=torch.float32).to(dev, non_blocking=True),
-                torch.tensor([p.seed or 0 for p in params], dtype=torch.int64).to(dev, non_blocking=True),
-                torch.tensor([out.seqs[i].output_step for i in entries],
-                             dtype=torch.int64).to(dev, non_blocking=True),
-            )
+            a, n = self.bufs.sampling, len(params)
+            f32, i64 = np.float32, np.int64
+            temperature = a.stage("temperature", np.fromiter((p.temperature for p in params), f32, n))
+            top_p = a.stage("top_p", np.fromiter((p.top_p for p in params), f32, n))
+            min_p = a.stage("min_p", np.fromiter((p.min_p for p in params), f32, n))
+            top_k = a.stage("top_k", np.fromiter((p.top_k for p in params), i64, n))
+            seed = a.stage("seed", np.fromiter((p.seed or 0 for p in params), i64, n))
+            step = a.stage("step", np.fromiter((out.seqs[i].output_step for i in entries), i64, n))
+            a.upload()
+            ids = kernels.sample(logits, temperature, top_k, top_p, min_p, seed, step)
         elif ids is None:
             ids = logits.argmax(dim=-1)
         # the next step, scheduled before this one's ids reach the host, reads them from here

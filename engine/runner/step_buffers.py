@@ -1,11 +1,16 @@
 """The persistent device buffers a runner's steps read their inputs from, and their host staging.
 
-Every step's flat inputs and attention metadata are copied into prefixes of these tensors, sized
+Every step's flat inputs and attention metadata are written into prefixes of these tensors, sized
 once for the largest step the runner takes: a captured CUDA graph (:mod:`engine.runner.cuda_graphs`)
 reads the same addresses at every replay, so the runner that fills them and the graphs that
-replay on them share this one object. On CUDA each buffer has a pinned host twin the copies go
-through asynchronously; :attr:`StepBuffers.copies_done` marks when the last step's copies have
-left the staging memory, before the next step overwrites it.
+replay on them share this one object.
+
+The buffers are views of one byte arena (:class:`Arena`); a step stages its arrays into the
+arena's pinned host twin and :meth:`Arena.upload` sends them in **one** copy. One copy per buffer
+(nine a step, each a ``from_numpy``, a staging copy and an async copy) was ~10 % of the worker's
+CPU at concurrency 200 on the H200 (py-spy over the c200 serve bench at f23c06b: ``to_device``
+173 of 1,745 samples). The sampling parameters have an arena of their own: they are staged after
+the step's forward pass is queued.
 """
 
 from __future__ import annotations
@@ -15,6 +20,68 @@ import torch
 
 from engine.models.llama import AttentionMetadata
 
+_ALIGN = 16  # bytes: every region starts aligned for any dtype's view
+
+
+class Arena:
+    """Named device tensors carved from one byte buffer, filled from a host twin by one copy.
+
+    ``stage(name, values)`` writes a host array (cast to the region's dtype) into a prefix of the
+    region's host twin and returns the device view of that prefix; ``upload()`` copies the host
+    bytes up to the furthest staged byte in one asynchronous copy. Bytes between staged prefixes
+    are copied too, from whatever the host twin last held there: a step reads only what it staged.
+    On CUDA the twin is pinned, and the first ``stage`` after an ``upload`` waits for that copy to
+    have left the twin. On CPU the twin *is* the device buffer (no copy).
+    """
+
+    def __init__(self, device: torch.device, layout: list[tuple[str, torch.dtype, int]]) -> None:
+        self.device = device
+        self._regions: dict[str, tuple[int, torch.dtype, int]] = {}
+        off = 0
+        for name, dtype, numel in layout:
+            off = -(-off // _ALIGN) * _ALIGN
+            self._regions[name] = (off, dtype, numel)
+            off += numel * torch.empty((), dtype=dtype).element_size()
+        self.nbytes = off
+        self.pinned = device.type == "cuda"
+        if self.pinned:
+            self.device_bytes = torch.zeros(off, dtype=torch.uint8, device=device)
+            self.host_bytes = torch.zeros(off, dtype=torch.uint8).pin_memory()
+        else:
+            self.device_bytes = self.host_bytes = torch.zeros(off, dtype=torch.uint8)
+        host = self.host_bytes.numpy()
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._host: dict[str, np.ndarray] = {}
+        for name, (o, dtype, numel) in self._regions.items():
+            size = numel * torch.empty((), dtype=dtype).element_size()
+            self.tensors[name] = self.device_bytes[o:o + size].view(dtype)
+            self._host[name] = host[o:o + size].view(torch.empty(0, dtype=dtype).numpy().dtype)
+        self._hi = 0
+        self._copied = torch.cuda.Event() if self.pinned else None
+        self._in_flight = False
+
+    def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
+        """Put ``values`` at the start of region ``name``; the device view of them, their shape."""
+        if self._in_flight:
+            self._copied.synchronize()  # the last upload still reads the host twin
+            self._in_flight = False
+        off, _, numel = self._regions[name]
+        k = values.size
+        if k > numel:
+            raise ValueError(f"{name}: {k} values, the buffer holds {numel}")
+        host = self._host[name]
+        host[:k] = values.reshape(-1)
+        self._hi = max(self._hi, off + k * host.itemsize)
+        return self.tensors[name][:k].view(values.shape)
+
+    def upload(self) -> None:
+        """Send what was staged since the last upload (one copy, queued on the current stream)."""
+        if self._hi and self.pinned:
+            self.device_bytes[:self._hi].copy_(self.host_bytes[:self._hi], non_blocking=True)
+            self._copied.record()
+            self._in_flight = True
+        self._hi = 0
+
 
 class StepBuffers:
     """Device tensors of the largest step (tokens, sequences, block-table width) on ``device``."""
@@ -23,38 +90,24 @@ class StepBuffers:
                  max_model_len: int) -> None:
         self.device = device
         self.max_model_len = max_model_len
-        dev = device
-        i32, i64 = torch.int32, torch.int64
-        self.input_ids = torch.zeros(max_tokens, dtype=i64, device=dev)
-        self.positions = torch.zeros(max_tokens, dtype=i64, device=dev)
-        self.slots = torch.full((max_tokens,), -1, dtype=i64, device=dev)
-        self.qsl = torch.zeros(max_seqs + 1, dtype=i32, device=dev)
-        self.seq_lens = torch.zeros(max_seqs, dtype=i32, device=dev)
-        self.block_tables = torch.zeros(max_seqs, max_pages, dtype=i32, device=dev)
-        self.rows = torch.zeros(max_seqs, dtype=i64, device=dev)
-        self.fill_dst = torch.zeros(max_seqs, dtype=i64, device=dev)
-        self.fill_src = torch.zeros(max_seqs, dtype=i64, device=dev)
-        # Host staging of the same sizes, pinned on CUDA so the copies are async.
-        self.pinned = dev.type == "cuda"
-        self._staging: dict[int, torch.Tensor] = {}
-        for buf in (self.input_ids, self.positions, self.slots, self.qsl, self.seq_lens, self.block_tables,
-                    self.rows, self.fill_dst, self.fill_src):
-            host = torch.empty(buf.numel(), dtype=buf.dtype)
-            self._staging[id(buf)] = host.pin_memory() if self.pinned else host
-        self.copies_done = torch.cuda.Event() if self.pinned else None
-
-    def to_device(self, dst: torch.Tensor, values: np.ndarray) -> torch.Tensor:
-        """Copy a host array into a contiguous prefix of the persistent buffer ``dst``; return that view."""
-        src = torch.from_numpy(values)
-        n = src.numel()
-        view = dst.view(-1)[:n].view(src.shape)
-        if self.pinned:
-            stage = self._staging[id(dst)][:n].view(src.shape)
-            stage.copy_(src)
-            view.copy_(stage, non_blocking=True)
-        else:
-            view.copy_(src)
-        return view
+        i32, i64, f32 = torch.int32, torch.int64, torch.float32
+        # Small regions first, the block tables last: a step's one copy ends where its tables do.
+        self.inputs = Arena(device, [
+            ("qsl", i32, max_seqs + 1), ("seq_lens", i32, max_seqs), ("rows", i64, max_seqs),
+            ("fill_dst", i64, max_seqs), ("fill_src", i64, max_seqs),
+            ("input_ids", i64, max_tokens), ("positions", i64, max_tokens), ("slots", i64, max_tokens),
+            ("block_tables", i32, max_seqs * max_pages),
+        ])
+        t = self.inputs.tensors
+        self.qsl, self.seq_lens, self.rows = t["qsl"], t["seq_lens"], t["rows"]
+        self.fill_dst, self.fill_src = t["fill_dst"], t["fill_src"]
+        self.input_ids, self.positions, self.slots = t["input_ids"], t["positions"], t["slots"]
+        self.block_tables = t["block_tables"].view(max_seqs, max_pages)
+        self.slots.fill_(-1)
+        self.sampling = Arena(device, [
+            ("temperature", f32, max_seqs), ("top_p", f32, max_seqs), ("min_p", f32, max_seqs),
+            ("top_k", i32, max_seqs), ("seed", i64, max_seqs), ("step", i64, max_seqs),
+        ])
 
     def decode_meta(self, bucket: int) -> AttentionMetadata:
         """Metadata of a padded decode step of ``bucket`` rows, on the buffers' fixed prefixes."""
