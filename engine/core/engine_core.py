@@ -385,6 +385,17 @@ class EngineCore:
         return (bool(self._pending) or self._inflight is not None
                 or any(s.scheduler.has_unfinished() for s in self._slots.values()))
 
+    def capture_idle_graph(self) -> bool:
+        """While no request is in the engine: capture one CUDA graph a runner still defers to
+        its first use; False when there was nothing to do (busy, or every graph captured). A
+        failed capture leaves that bucket to run eagerly (it is logged by the caller)."""
+        if self.has_unfinished_requests():
+            return False
+        for slot in self._slots.values():
+            if slot.runner is not None and slot.runner.capture_next_deferred():
+                return True
+        return False
+
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch of one model; outputs of every request that moved.

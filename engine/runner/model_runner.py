@@ -147,6 +147,17 @@ class ModelRunner:
                     self.mixed.capture_deferred(b)
         return time.perf_counter() - t
 
+    def capture_next_deferred(self) -> bool:
+        """Capture the largest graph still deferred (decode first, then mixed); False when none
+        is left. The engine calls this while it is idle, so the first busy steps after a load
+        need not stop for captures (each one a few ms of host and device time)."""
+        for graphs in (self.graphs, self.mixed):
+            if graphs is not None and graphs.deferred:
+                with self._on_last():
+                    graphs.capture_deferred(max(graphs.deferred))
+                return True
+        return False
+
     def _on_last(self):
         return self.streams.on_last() if self.streams is not None else contextlib.nullcontext()
 

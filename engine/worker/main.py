@@ -120,6 +120,9 @@ class Worker:
         # holds the driver up and a step or a load behind it waits (measured on the H200: a
         # canary request behind 40 GiB of pinning took 8.9 s).
         self.idle = threading.Event()
+        # Whether a runner may still have graphs deferred to their first use (captured while
+        # idle, before the pinning above starts: a capture behind a page-locking call waits).
+        self._graphs_left = True
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -232,6 +235,7 @@ class Worker:
         self._next_load()
 
     def _loaded(self, msg: P.Load, info: Any, t0: float) -> None:
+        self._graphs_left = True  # its runner may defer some to their first use
         timings = {str(k): float(v) for k, v in P.plain(self.core.last_load_timings).items()
                    if isinstance(v, (int, float)) and v >= 0}  # figures only: the agent refuses the rest
         self.conn.send(P.Loaded(model=msg.model, info=P.info_dict(info), seconds=time.monotonic() - t0,
@@ -330,9 +334,11 @@ class Worker:
             self._add_compiled()
             if self._busy():
                 self._step()
+            elif self._loading is None and not self._queued and not self._compiling:
+                self._capture_idle()
             busy = self._busy()
             self._maybe_status(busy)
-            if busy or self._loading is not None or self._queued or self._compiling:
+            if busy or self._loading is not None or self._queued or self._compiling or self._graphs_left:
                 self.idle.clear()
             else:
                 self.idle.set()
@@ -348,7 +354,20 @@ class Worker:
                 self._waiter = StepWaiter(self._wake)
             self._waiter.watch(step)
             return STATUS_INTERVAL_S
-        return 0 if busy else STATUS_INTERVAL_S
+        return 0 if busy or self._graphs_left else STATUS_INTERVAL_S
+
+    def _capture_idle(self) -> None:
+        """One deferred CUDA graph while nothing else is to do (then the loop comes straight
+        back for the next): captured after ready instead of at their first busy steps. A
+        failed capture is reported; that bucket then runs eagerly."""
+        if self.core is None:
+            self._graphs_left = False
+            return
+        try:
+            self._graphs_left = self.core.capture_idle_graph()
+        except Exception as e:
+            self._graphs_left = True  # the bucket is dropped from the deferred ones: go on with the rest
+            self.conn.send(P.Error(op="capture", message=str(e), code=type(e).__name__))
 
     def _drain_wake(self) -> None:
         with contextlib.suppress(BlockingIOError, InterruptedError):

@@ -167,6 +167,30 @@ def test_deferred_graphs_match_eager_and_launches_are_cached(sharp_model, monkey
         assert lau.enabled and lau.hits > 0, (lau.fn, lau.enabled, lau.hits, lau.misses)
 
 
+def test_idle_engine_captures_the_deferred_graphs_and_they_match_eager(sharp_model, monkeypatch):
+    """An idle engine captures what its runners deferred, one graph a call, largest first; the
+    busy steps after that capture nothing and give the eager tokens."""
+    from engine.sampling import SamplingParams
+
+    d = sharp_model("llama")
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=GEN, ignore_eos=True)
+    monkeypatch.setattr("engine.runner.model_runner.GRAPHS_AT_LOAD_MAX", 1)
+    core = _engine(d, True, monkeypatch)
+    g = core.slot("m").runner.graphs
+    assert g.deferred == {2, 4, 8}
+    order, before = [], set(g.graphs)
+    while core.capture_idle_graph():
+        order.extend(sorted(set(g.graphs) - before))
+        before = set(g.graphs)
+    assert order == [8, 4, 2] and not g.deferred and sorted(g.graphs) == [1, 2, 4, 8, 16]
+    spent = g.deferred_capture_seconds
+    got, _ = _run(core, PROMPTS, params)
+    assert g.deferred_capture_seconds == spent and core.slot("m").runner.graph_steps > 0
+    del core
+    want, _ = _run(_engine(d, False, monkeypatch), PROMPTS, params)
+    assert got == want
+
+
 class _EagerMixed:
     """The forward a mixed-step graph captured, run eagerly on the same padded buffers."""
 
