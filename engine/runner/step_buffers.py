@@ -30,8 +30,12 @@ class Arena:
     region's host twin and returns the device view of that prefix; ``upload()`` copies the host
     bytes up to the furthest staged byte in one asynchronous copy. Bytes between staged prefixes
     are copied too, from whatever the host twin last held there: a step reads only what it staged.
-    On CUDA the twin is pinned, and the first ``stage`` after an ``upload`` waits for that copy to
-    have left the twin. On CPU the twin *is* the device buffer (no copy).
+    On CUDA there are two pinned twins, used in turn: a round stages into the one whose copy was
+    queued two uploads ago (long done, so this never waits in practice; it waits on a blocking
+    event if it must). One twin would make every step wait for the previous step's copy, which
+    with asynchronous steps sits behind a whole forward pass: the host spun through the GPU's
+    step (the worker at 1.0 core at concurrency 1 on the H200). On CPU the twin *is* the device
+    buffer (no copy).
     """
 
     def __init__(self, device: torch.device, layout: list[tuple[str, torch.dtype, int]]) -> None:
@@ -46,30 +50,43 @@ class Arena:
         self.pinned = device.type == "cuda"
         if self.pinned:
             self.device_bytes = torch.zeros(off, dtype=torch.uint8, device=device)
-            self.host_bytes = torch.zeros(off, dtype=torch.uint8).pin_memory()
+            twins = [torch.zeros(off, dtype=torch.uint8).pin_memory() for _ in range(2)]
         else:
-            self.device_bytes = self.host_bytes = torch.zeros(off, dtype=torch.uint8)
-        host = self.host_bytes.numpy()
+            self.device_bytes = torch.zeros(off, dtype=torch.uint8)
+            twins = [self.device_bytes]
         self.tensors: dict[str, torch.Tensor] = {}
-        self._host: dict[str, np.ndarray] = {}
         for name, (o, dtype, numel) in self._regions.items():
             size = numel * torch.empty((), dtype=dtype).element_size()
             self.tensors[name] = self.device_bytes[o:o + size].view(dtype)
-            self._host[name] = host[o:o + size].view(torch.empty(0, dtype=dtype).numpy().dtype)
+        self._twins = twins
+        self._host = [self._views(t) for t in twins]
+        self._copied = [torch.cuda.Event(blocking=True) for _ in twins] if self.pinned else []
+        self._queued = [False] * len(twins)  # whose copy has been queued and not yet waited for
+        self._turn = 0
         self._hi = 0
-        self._copied = torch.cuda.Event() if self.pinned else None
-        self._in_flight = False
+        self.waits = 0  # stages that had to wait for a twin's copy (none in steady stepping)
+
+    def _views(self, twin: torch.Tensor) -> dict[str, np.ndarray]:
+        flat = twin.numpy()
+        out = {}
+        for name, (o, dtype, numel) in self._regions.items():
+            size = numel * torch.empty((), dtype=dtype).element_size()
+            out[name] = flat[o:o + size].view(torch.empty(0, dtype=dtype).numpy().dtype)
+        return out
 
     def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
         """Put ``values`` at the start of region ``name``; the device view of them, their shape."""
-        if self._in_flight:
-            self._copied.synchronize()  # the last upload still reads the host twin
-            self._in_flight = False
+        t = self._turn
+        if self._queued[t]:
+            if not self._copied[t].query():  # that twin's copy (two uploads ago) is still reading it
+                self.waits += 1
+                self._copied[t].synchronize()
+            self._queued[t] = False
         off, _, numel = self._regions[name]
         k = values.size
         if k > numel:
             raise ValueError(f"{name}: {k} values, the buffer holds {numel}")
-        host = self._host[name]
+        host = self._host[t][name]
         host[:k] = values.reshape(-1)
         self._hi = max(self._hi, off + k * host.itemsize)
         return self.tensors[name][:k].view(values.shape)
@@ -77,9 +94,11 @@ class Arena:
     def upload(self) -> None:
         """Send what was staged since the last upload (one copy, queued on the current stream)."""
         if self._hi and self.pinned:
-            self.device_bytes[:self._hi].copy_(self.host_bytes[:self._hi], non_blocking=True)
-            self._copied.record()
-            self._in_flight = True
+            t = self._turn
+            self.device_bytes[:self._hi].copy_(self._twins[t][:self._hi], non_blocking=True)
+            self._copied[t].record()
+            self._queued[t] = True
+            self._turn = 1 - t
         self._hi = 0
 
 

@@ -122,7 +122,10 @@ class Worker:
         self.idle = threading.Event()
         # Whether a runner may still have graphs deferred to their first use (captured while
         # idle, before the pinning above starts: a capture behind a page-locking call waits).
-        self._graphs_left = True
+        # Set by each load; not at start, where the first turn must wait for the agent's Load
+        # rather than declare the engine idle (the pinning would start under the first load:
+        # on the H200 that made a warm-tier restart's load 2.7-4.1 s instead of 1.3).
+        self._graphs_left = False
 
     # --- commands ---------------------------------------------------------------------------
 

@@ -184,8 +184,12 @@ def test_idle_engine_captures_the_deferred_graphs_and_they_match_eager(sharp_mod
         before = set(g.graphs)
     assert order == [8, 4, 2] and not g.deferred and sorted(g.graphs) == [1, 2, 4, 8, 16]
     spent = g.deferred_capture_seconds
+    runner = core.slot("m").runner
+    waited = runner.bufs.inputs.waits, runner.bufs.sampling.waits  # the load's warm-up may have
     got, _ = _run(core, PROMPTS, params)
-    assert g.deferred_capture_seconds == spent and core.slot("m").runner.graph_steps > 0
+    assert g.deferred_capture_seconds == spent and runner.graph_steps > 0
+    # staging never waits for a copy: each step stages into the twin of two uploads ago
+    assert (runner.bufs.inputs.waits, runner.bufs.sampling.waits) == waited
     del core
     want, _ = _run(_engine(d, False, monkeypatch), PROMPTS, params)
     assert got == want
