@@ -1,11 +1,11 @@
-"""Mailbox: where one request's engine outputs wait for its handler.
+"""Mailbox: where an engine request's outputs wait for a task that awaits them.
 
-One consumer (the handler's task), producers on the same loop (the worker client's reader),
-never bounded: the engine has already made the tokens, and flow control is the HTTP socket's.
-``asyncio.Queue`` does much more (maxsize, many getters and putters, a loop check on each call);
-at concurrency 200 on the H200 its ``get``/``put_nowait``/``empty`` were 17% of the agent's CPU
-(py-spy over the c200 serve bench: 300 of 1,800 samples), once per request per engine step. This
-is a deque and at most one waiting future.
+The default sink of ``WorkerClient.add`` (the readiness canary, tests of the worker client);
+the API's requests hand their outputs to their ``Generation`` instead, which handles each where
+it is read. One consumer, producers on the same loop (the worker client's reader), never bounded:
+the engine has already made the tokens. ``asyncio.Queue`` does much more (maxsize, many getters
+and putters, a loop check on each call; 17 % of the agent's CPU at concurrency 200 on the H200
+when every request had one). This is a deque and at most one waiting future.
 """
 
 from __future__ import annotations
