@@ -7,7 +7,11 @@ bf16, as the issue allows): ``weights`` — weights to e4m3 with one scale per o
 (amax / 448); ``weights+act`` — and each linear's input to e4m3 with one scale per token (dynamic,
 as the fused kernels would emit it); ``block128`` — weights with one scale per 128 × 128 block
 (the hub's ``quant_method: "fp8"`` layout); ``block128+act-group128`` — and inputs with one scale
-per token and 128 channels. Arithmetic is float32 throughout, so the figures are the
+per token and 128 channels; ``weights-mse`` — per output channel, each scale the clipping of the
+channel's amax with the least squared error; ``... first/last layer bf16`` — the same, the first
+and last decoder layers left unquantized. A control, ``bf16 arithmetic``: no FP8, the same
+weights run in bf16 instead of float32 — the floor any top-1 figure against the float32
+reference stands on. Arithmetic is float32 throughout, so the figures are the
 quantization's alone. Reported per variant: perplexity over every predicted position, and top-1
 agreement with the bf16 reference (the share of positions where both predict the same next token).
 The FP8 KV cache is not simulated here (it needs the engine's attention path).
@@ -34,6 +38,24 @@ def fp8_round(t: torch.Tensor, dim: int) -> torch.Tensor:
     amax = t.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12)
     scale = amax / E4M3_MAX
     return (t / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def fp8_round_mse(t: torch.Tensor, fractions=(1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)) -> torch.Tensor:
+    """``t`` ([out, in]) through e4m3 with one scale per output channel, each channel's scale the
+    one of ``fractions × amax / 448`` whose rounding has the least squared error (clipping a few
+    outliers can buy finer steps for the rest)."""
+    amax = t.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    best, err = None, None
+    for f in fractions:
+        scale = amax * f / E4M3_MAX
+        q = (t / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+        e = (q - t).pow(2).sum(dim=1, keepdim=True)
+        if best is None:
+            best, err = q, e
+        else:
+            better = e < err
+            best, err = torch.where(better, q, best), torch.where(better, e, err)
+    return best
 
 
 def fp8_round_blocks(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -98,16 +120,31 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     ref_nll, ref_top = evaluate(model, ids, a.window)
     rows = {"bf16": {"ppl": math.exp(ref_nll.mean().item()), "top1_agreement": 1.0}}
+    # Control: the same weights with bf16 arithmetic (how the engine runs them) against the
+    # float32 reference — how far top-1 agreement falls from rounding alone, no FP8 at all.
+    nll, top = evaluate(model.to(torch.bfloat16), ids, a.window)
+    model.to(torch.float32)
+    rows["control: bf16 arithmetic"] = {"ppl": math.exp(nll.mean().item()),
+                                        "top1_agreement": (top == ref_top).float().mean().item()}
+    rows["control: bf16 arithmetic"]["ppl_vs_bf16"] = rows["control: bf16 arithmetic"]["ppl"] / rows["bf16"]["ppl"]
+    n_layers = model.config.num_hidden_layers
+    ends = {f"model.layers.{i}." for i in (0, n_layers - 1)}
+    names = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name]
+    keep = [any(name.startswith(e) for e in ends) for name in names]
     weight_round = {"weights": lambda w: fp8_round(w, dim=1), "weights+act": lambda w: fp8_round(w, dim=1),
+                    "weights-mse": fp8_round_mse, "weights-mse+act": fp8_round_mse,
+                    "weights-mse, first/last layer bf16": fp8_round_mse,
                     "block128": lambda w: fp8_round_blocks(w, 128, 128),
                     "block128+act-group128": lambda w: fp8_round_blocks(w, 128, 128)}
-    act_round = {"weights+act": lambda x: fp8_round(x, dim=-1), "block128+act-group128": lambda x: fp8_round_groups(x, 128)}
+    act_round = {"weights+act": lambda x: fp8_round(x, dim=-1), "weights-mse+act": lambda x: fp8_round(x, dim=-1),
+                 "block128+act-group128": lambda x: fp8_round_groups(x, 128)}
     for variant, wr in weight_round.items():
+        skip = keep if "first/last" in variant else [False] * len(linears)
         with torch.no_grad():
-            for m, w in zip(linears, originals):
-                m.weight.copy_(wr(w))
-        hooks = ([m.register_forward_pre_hook(lambda _m, args, f=act_round[variant]: (f(args[0]),)) for m in linears]
-                 if variant in act_round else [])
+            for m, w, k in zip(linears, originals, skip):
+                m.weight.copy_(w if k else wr(w))
+        hooks = ([m.register_forward_pre_hook(lambda _m, args, f=act_round[variant]: (f(args[0]),))
+                  for m, k in zip(linears, skip) if not k] if variant in act_round else [])
         nll, top = evaluate(model, ids, a.window)
         for h in hooks:
             h.remove()
