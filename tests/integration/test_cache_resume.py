@@ -40,7 +40,8 @@ async def test_sigkill_mid_pull_then_resume(tmp_path, proxy, bucket):
     w = next(f for f in m.files if f.path == "model.safetensors")
     nparts = (w.size + PART - 1) // PART
     path = f"/{bucket}/store/blobs/sha256/{w.sha256}"
-    # Part 5 hangs; the other worker keeps finishing parts, then the puller is killed.
+    # The sixth part request hangs (which part that is depends on how the two workers' requests
+    # interleave); the other worker keeps finishing parts, then the puller is killed.
     proxy.clear()
     proxy.add(Fault("stall", after=1000, delay=30.0, skip=5, match=w.sha256))
     cache_dir = tmp_path / "cache"
@@ -61,7 +62,7 @@ async def test_sigkill_mid_pull_then_resume(tmp_path, proxy, bucket):
         proc.wait()
     first_run = proxy.body_bytes[path]
     done = _done_parts(state)
-    assert 5 not in done and len(done) >= nparts - 4
+    assert nparts - 4 <= len(done) < nparts  # the stalled part (and any in flight) not recorded
     assert (cache_dir / "partial" / f"{w.sha256}.partial").stat().st_size == w.size
     assert not (cache_dir / "models" / "m").exists()
 
