@@ -40,12 +40,13 @@ class Arena:
 
     def __init__(self, device: torch.device, layout: list[tuple[str, torch.dtype, int]]) -> None:
         self.device = device
-        self._regions: dict[str, tuple[int, torch.dtype, int]] = {}
+        self._regions: dict[str, tuple[int, torch.dtype, int, int]] = {}  # offset, dtype, numel, bytes
         off = 0
         for name, dtype, numel in layout:
             off = -(-off // _ALIGN) * _ALIGN
-            self._regions[name] = (off, dtype, numel)
-            off += numel * torch.empty((), dtype=dtype).element_size()
+            size = numel * torch.empty((), dtype=dtype).element_size()
+            self._regions[name] = (off, dtype, numel, size)
+            off += size
         self.nbytes = off
         self.pinned = device.type == "cuda"
         if self.pinned:
@@ -54,10 +55,8 @@ class Arena:
         else:
             self.device_bytes = torch.zeros(off, dtype=torch.uint8)
             twins = [self.device_bytes]
-        self.tensors: dict[str, torch.Tensor] = {}
-        for name, (o, dtype, numel) in self._regions.items():
-            size = numel * torch.empty((), dtype=dtype).element_size()
-            self.tensors[name] = self.device_bytes[o:o + size].view(dtype)
+        self.tensors = {name: self.device_bytes[o:o + size].view(dtype)
+                        for name, (o, dtype, _, size) in self._regions.items()}
         self._twins = twins
         self._host = [self._views(t) for t in twins]
         self._copied = [torch.cuda.Event(blocking=True) for _ in twins] if self.pinned else []
@@ -68,11 +67,8 @@ class Arena:
 
     def _views(self, twin: torch.Tensor) -> dict[str, np.ndarray]:
         flat = twin.numpy()
-        out = {}
-        for name, (o, dtype, numel) in self._regions.items():
-            size = numel * torch.empty((), dtype=dtype).element_size()
-            out[name] = flat[o:o + size].view(torch.empty(0, dtype=dtype).numpy().dtype)
-        return out
+        return {name: flat[o:o + size].view(torch.empty(0, dtype=dtype).numpy().dtype)
+                for name, (o, dtype, _, size) in self._regions.items()}
 
     def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
         """Put ``values`` at the start of region ``name``; the device view of them, their shape."""
@@ -82,7 +78,7 @@ class Arena:
                 self.waits += 1
                 self._copied[t].synchronize()
             self._queued[t] = False
-        off, _, numel = self._regions[name]
+        off, _, numel, _ = self._regions[name]
         k = values.size
         if k > numel:
             raise ValueError(f"{name}: {k} values, the buffer holds {numel}")
