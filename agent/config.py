@@ -138,6 +138,9 @@ class ModelSettings(_Section):
     autoload: bool | None = None  # None: server.autoload
     max_queue: int | None = Field(None, ge=1, le=1 << 20)  # requests in flight; None: 2 × max_num_seqs
     prefix_caching: bool = True  # prompts sharing a prefix reuse its KV pages (docs/engine.md)
+    # None: weights in the checkpoint's dtype; "fp8": e4m3 projections quantized at load, half
+    # the bytes (needs FP8 tensor cores: compute capability 8.9+; docs/engine.md)
+    quantization: Literal["fp8"] | None = None
 
     @field_validator("name")
     @classmethod

@@ -14,6 +14,9 @@ def add_parser(sub: argparse._SubParsersAction, op: str, help: str) -> None:
     add_common(p)
     p.add_argument("--no-wait", action="store_true", help="return at once (202) instead of waiting")
     p.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds to wait for the operation")
+    if op == "load":
+        p.add_argument("--quantization", choices=["fp8", "none"], default=None,
+                       help="load with FP8 weights (fp8) or the checkpoint's dtype (none); default: the model's settings")
     p.set_defaults(func=lambda args: run(args, op))
 
 
@@ -28,7 +31,8 @@ def run(args: argparse.Namespace, op: str) -> int:
     if c is None:
         return EXIT_USAGE
     try:
-        status, body = c.operate(args.name, op, wait=not args.no_wait, timeout=args.wait_timeout)
+        status, body = c.operate(args.name, op, wait=not args.no_wait, timeout=args.wait_timeout,
+                                 quantization=getattr(args, "quantization", None))
     except AgentDown as e:
         print(f"{op} {args.name}: infire-agent is not running: {e}", file=sys.stderr)
         return EXIT_FAIL

@@ -142,6 +142,7 @@ class AdminApi:
         try:
             timeout = _seconds(request, "timeout", MAX_WAIT_S)
             drain = _seconds(request, "drain_timeout", None) if op == "unload" else None
+            quantization = _quantization(request) if op == "load" else ...
         except ValueError as ex:
             return _error(400, str(ex), "invalid_value")
         try:
@@ -151,6 +152,8 @@ class AdminApi:
                 task = mgr.pull(name, verify=_flag(request, "verify"))
             elif op == "verify":
                 task = mgr.verify_files(name)
+            elif op == "load":
+                task = mgr.load(name, quantization=quantization)
             else:
                 task = getattr(mgr, op)(name)
         except ManagerError as ex:
@@ -226,6 +229,19 @@ class AdminApi:
 
 def _flag(request: web.Request, key: str) -> bool:
     return request.query.get(key, "").lower() in ("1", "true", "yes")
+
+
+QUANTIZATIONS = {"fp8": "fp8", "none": None}
+
+
+def _quantization(request: web.Request):
+    """``?quantization=fp8|none`` of a load (``...``: absent, the model's settings decide)."""
+    if "quantization" not in request.query:
+        return ...
+    v = request.query["quantization"].lower()
+    if v not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {request.query['quantization'][:32]!r}")
+    return QUANTIZATIONS[v]
 
 
 def _seconds(request: web.Request, key: str, default: float | None) -> float | None:

@@ -39,7 +39,7 @@ def _response_schemas() -> dict[str, Any]:
     chat_choice = _obj({"index": i, "message": _obj({"role": {"const": "assistant"}, "content": s}),
                         "logprobs": logprobs, "finish_reason": finish})
     envelope = {"id": s, "created": i, "model": s, "usage": usage}
-    model_view = _obj({"name": s, "state": s, "in_flight": i, "queue_limit": i,
+    model_view = _obj({"name": s, "state": s, "in_flight": i, "queue_limit": i, "quantization": _nullable(s),
                        "kv_pages": _obj({"used": i, "total": i})},
                       required=["name", "state", "in_flight"])
     return {
@@ -106,8 +106,12 @@ def build_spec() -> dict[str, Any]:
         return {"post": {"security": bearer, "requestBody": {"required": True, "content": {_JSON: {
             "schema": _ref(req)}}}, "responses": answers}}
 
+    load_params = op_params + [{"name": "quantization", "in": "query", "required": False,
+                                "schema": {"type": "string", "enum": ["fp8", "none"]}}]
+
     def admin_op(what: str) -> dict[str, Any]:
-        return {"post": {"summary": f"{what} a model", "security": bearer, "parameters": op_params,
+        return {"post": {"summary": f"{what} a model", "security": bearer,
+                         "parameters": load_params if what == "load" else op_params,
                          "responses": _answers({200: (_JSON, _ref("AdminOperation")),
                                                 202: (_JSON, _ref("AdminOperation")),
                                                 500: (_JSON, _ref("AdminOperation"))},

@@ -31,6 +31,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import EllipsisType
 from typing import Any
 
 from agent.config import MODEL_NAME_RE, ModelSettings, Settings
@@ -177,9 +178,18 @@ class ModelManager:
         self.metrics.pull_seconds.labels(model=e.name).observe(time.monotonic() - t0)
         self._set(e, State.CACHED)
 
-    def load(self, name: str) -> asyncio.Task[None] | None:
-        """Start loading (pulling first when needed); None when it is already ready."""
+    def load(self, name: str, *, quantization: str | None | EllipsisType = ...) -> asyncio.Task[None] | None:
+        """Start loading (pulling first when needed); None when it is already ready.
+
+        ``quantization`` (None or "fp8"; ``...``: as the model's settings have it) replaces the
+        settings' for this and later loads; asking a loaded model for another is a conflict."""
         e = self._entry(name, create=self.source is not None)
+        if quantization is not ... and quantization != e.settings.quantization:
+            if e.state is State.READY:
+                raise ManagerError(f"{name} is loaded with quantization {e.settings.quantization or 'none'}; "
+                                   f"unload it first")
+            if e.state in (State.ABSENT, State.CACHED, State.FAILED):
+                e.settings = e.settings.model_copy(update={"quantization": quantization})
         if e.state is State.READY:
             return None
         if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
@@ -272,7 +282,7 @@ class ModelManager:
                 try:
                     return await self.worker.load(e.name, str(e.snapshot), max_model_len=s.max_model_len,
                                                   max_num_seqs=s.max_num_seqs, weight=s.weight, evictable=offered,
-                                                  prefix_caching=s.prefix_caching)
+                                                  prefix_caching=s.prefix_caching, quantization=s.quantization)
                 except WorkerError as ex:
                     if ex.code != "no_room":
                         raise
@@ -546,6 +556,7 @@ class ModelManager:
             "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
             "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
             "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len)),
+            "quantization": e.settings.quantization,
             "vocab_size": int(e.info["vocab_size"]) if "vocab_size" in e.info else None,
             "preload": e.settings.preload, "queue_limit": e.queue_limit, "pinned": e.pin,
             "autoload": self.autoload_enabled(e), "keep_alive_s": e.settings.keep_alive,

@@ -40,7 +40,8 @@ from engine.core.memory_plan import LoadNeeds, load_needs
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
 from engine.errors import EngineError
-from engine.models.llama import LlamaModel
+from engine.kernels.fp8 import fp8_supported
+from engine.models.llama import QUANTIZATIONS, LlamaModel
 from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS
 from engine.runner.prebuild import RunnerBuild, prebuild_wanted
 from engine.sched.block_manager import BlockManager
@@ -50,6 +51,21 @@ from engine.weights.loader import PendingLoad, WeightsReady, drop_result, load_o
 from engine.weights.warm_tier import WarmTier
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_quantization(quantization: str | None, cfg: ModelConfig, device: torch.device) -> None:
+    """Refuse (EngineError, with the reason) a quantization this engine, model or device cannot run."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise EngineError(f"quantization {quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
+    ok, why = fp8_supported(device)
+    if not ok:
+        raise EngineError(f"quantization {quantization!r}: {why}")
+    for key, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
+                   ("num_attention_heads * head_dim", cfg.q_size), ("num_key_value_heads * head_dim", cfg.kv_size)):
+        if v % 16:
+            raise EngineError(f"quantization {quantization!r}: {key} = {v} is not a multiple of 16 (FP8 GEMMs need it)")
 
 
 def dtype_for(cfg: ModelConfig, override: str | None, device: torch.device) -> torch.dtype:
@@ -109,36 +125,40 @@ class ModelLoader:
                 raise EngineError(f"{key} must be an integer >= 2, got {v!r}")
 
     def _prepare(self, name: str, model_dir: str | Path, max_model_len: int, max_num_seqs: int,
-                 weight: float, num_kv_pages: int | None,
-                 block_size: int | None) -> tuple[ModelConfig, int, torch.dtype, LoadNeeds]:
+                 weight: float, num_kv_pages: int | None, block_size: int | None,
+                 quantization: str | None = None) -> tuple[ModelConfig, int, torch.dtype, LoadNeeds]:
         """Validate a load and compute what it needs; touches nothing."""
         self.check_load_args(name, weight, max_model_len, max_num_seqs)
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
                                        or block_size < 1):
             raise EngineError("block_size must be an integer >= 1")
         cfg = load_model_config(model_dir)
+        check_quantization(quantization, cfg, self.device)
         max_len = usable_len(cfg, max_model_len)
         dtype = self.dtype_for(cfg)
         pool_pb = self._pools.pool.page_bytes if self._pools.pool is not None and self._pools.pool.models() else self.page_bytes
         needs = load_needs(cfg, dtype, max_len=max_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=self.max_num_batched_tokens, pool_page_bytes=pool_pb,
                            block_size=block_size or self.block_size,
-                           explicit_block_size=block_size is not None, num_kv_pages=num_kv_pages)
+                           explicit_block_size=block_size is not None, num_kv_pages=num_kv_pages,
+                           quantization=quantization)
         return cfg, max_len, dtype, needs
 
     def check_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:
+                   evictable: tuple[str, ...] | list[str] = (), quantization: str | None = None) -> LoadPlan:
         """The plan of a load without doing it: which of ``evictable`` (idle models, least recently
         used first) must be unloaded first, and the numbers; raises :class:`LoadRefused` (with
         ``needed``/``free``/``evictable``/``budget``/``short``) when even that is not enough."""
-        _, _, _, needs = self._prepare(name, model_dir, max_model_len, max_num_seqs, 1.0, num_kv_pages, block_size)
+        _, _, _, needs = self._prepare(name, model_dir, max_model_len, max_num_seqs, 1.0, num_kv_pages, block_size,
+                                       quantization)
         return self._pools.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
                                       evictable=list(evictable))
 
     def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True) -> ModelInfo:
+                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True,
+                   quantization: str | None = None) -> ModelInfo:
         """Book, load weights, give the model its KV pages and make it schedulable.
 
         A load that does not fit now raises :class:`LoadRefused` before the device is touched;
@@ -147,12 +167,13 @@ class ModelLoader:
         """
         pending = self.begin_load(name, model_dir, max_model_len, max_num_seqs, weight,
                                   num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable,
-                                  prefix_caching=prefix_caching)
+                                  prefix_caching=prefix_caching, quantization=quantization)
         return self.finish_load(pending)
 
     def begin_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True) -> PendingLoad:
+                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True,
+                   quantization: str | None = None) -> PendingLoad:
         """Phase 1 of a load on this thread (validate, the ledger's verdict, fit the pool, book the
         weights, register the pages), then start phase 2 (the weights) in a load thread.
 
@@ -162,7 +183,7 @@ class ModelLoader:
         """
         t0 = time.perf_counter()
         cfg, max_len, dtype, needs = self._prepare(name, model_dir, max_model_len, max_num_seqs, weight,
-                                                   num_kv_pages, block_size)
+                                                   num_kv_pages, block_size, quantization)
         if self.pending is not None:
             raise EngineError(f"model {self.pending.name!r} is loading; one load at a time")
         t1 = time.perf_counter()
@@ -191,7 +212,8 @@ class ModelLoader:
             self._pools.fit(None, None)
             raise
         pending = PendingLoad(name, str(model_dir), cfg, max_len, dtype, needs, max_num_seqs, float(weight), t0)
-        pending.key = warm_key(name, model_dir)
+        pending.quantization = quantization
+        pending.key = warm_key(name, model_dir, quantization)
         pending.prefix_caching = bool(prefix_caching)
         pending.shape = self._workspace_shape(max_num_seqs, max_len, dtype, needs.tokens_per_page)
         pending.prebuild = self.warmup and self.prebuild_runner is not False and prebuild_wanted(
@@ -216,7 +238,7 @@ class ModelLoader:
         cuda = self.device.type == "cuda"
         with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
             t0 = time.perf_counter()
-            model = LlamaModel(p.cfg, p.dtype, self.device)
+            model = LlamaModel(p.cfg, p.dtype, self.device, p.quantization)
             ta = time.perf_counter()
             model.build_rope_cache(p.max_len)  # computed, not read: before the runner build needs it
             tb = time.perf_counter()

@@ -65,14 +65,15 @@ def workspace_estimate(cfg: ModelConfig, max_num_batched_tokens: int, max_num_se
             + max_num_seqs * cfg.vocab_size * 8)
 
 
-def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Exact bytes of the model's weights in ``dtype``, without allocating them."""
-    return LlamaModel(cfg, dtype, torch.device("meta")).nbytes
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
+    """Exact bytes of the model's weights in ``dtype`` (FP8 projections and their scales with
+    ``quantization="fp8"``), without allocating them."""
+    return LlamaModel(cfg, dtype, torch.device("meta"), quantization).nbytes
 
 
 def load_needs(cfg: ModelConfig, dtype: torch.dtype, *, max_len: int, max_num_seqs: int,
                max_num_batched_tokens: int, pool_page_bytes: int | None, block_size: int,
-               explicit_block_size: bool, num_kv_pages: int | None) -> LoadNeeds:
+               explicit_block_size: bool, num_kv_pages: int | None, quantization: str | None = None) -> LoadNeeds:
     """Page geometry and bytes of a load.
 
     ``pool_page_bytes`` None: this load sizes the pool's pages, ``block_size`` tokens of this
@@ -101,7 +102,7 @@ def load_needs(cfg: ModelConfig, dtype: torch.dtype, *, max_len: int, max_num_se
         min_pages = want = num_kv_pages
     else:
         min_pages, want = per_seq, per_seq * max_num_seqs
-    return LoadNeeds(page_bytes, lay.tokens_per_page, weight_bytes(cfg, dtype),
+    return LoadNeeds(page_bytes, lay.tokens_per_page, weight_bytes(cfg, dtype, quantization),
                      workspace_estimate(cfg, max_num_batched_tokens, max_num_seqs), min_pages, want)
 
 

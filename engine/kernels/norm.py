@@ -2,7 +2,8 @@
 
 ``fused_add_rms_norm`` rounds ``x + residual`` to the input dtype first (the new residual, as a
 bf16 model carries it) and normalises that rounded value, so ``out`` is consistent with the
-residual the next layer adds to.
+residual the next layer adds to. ``quant=True`` (an FP8 model): the normalised rows, rounded to
+x.dtype as always, leave quantized per row (:class:`engine.kernels.fp8.Fp8Rows`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels._dispatch import check, use_triton
+from engine.kernels.fp8 import quantize_rows_ref
 
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,22 +30,25 @@ def _validate(x, w) -> None:
     check(w.dim() == 1 and w.shape[0] == x.shape[1], f"w must be [{x.shape[1]}], got {tuple(w.shape)}")
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """out[N,H] = x / rms(x) * w, float32 inside, x.dtype out."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, quant: bool = False):
+    """out[N,H] = x / rms(x) * w, float32 inside, x.dtype out (Fp8Rows with ``quant``)."""
     _validate(x, w)
     if x.shape[0] > 0 and use_triton(x, w):
         from engine.kernels.norm_triton import rms_norm_triton
 
-        return rms_norm_triton(x, None, w, eps)[0]
-    return rms_norm_ref(x, w, eps)
+        return rms_norm_triton(x, None, w, eps, quant=quant)[0]
+    out = rms_norm_ref(x, w, eps)
+    return quantize_rows_ref(out) if quant else out
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
-    """Return (rms_norm(x + residual), x + residual); both new tensors of x.dtype."""
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, quant: bool = False):
+    """Return (rms_norm(x + residual), x + residual); both new tensors of x.dtype (the first
+    Fp8Rows with ``quant``)."""
     _validate(x, w)
     check(residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x in shape and dtype")
     if x.shape[0] > 0 and use_triton(x, residual, w):
         from engine.kernels.norm_triton import rms_norm_triton
 
-        return rms_norm_triton(x, residual, w, eps)
-    return fused_add_rms_norm_ref(x, residual, w, eps)
+        return rms_norm_triton(x, residual, w, eps, quant=quant)
+    out, res = fused_add_rms_norm_ref(x, residual, w, eps)
+    return (quantize_rows_ref(out) if quant else out), res

@@ -5,6 +5,12 @@ the attention metadata of docs/architecture.md. The model knows nothing of pages
 through :func:`paged_attention_step`, which writes the new K/V into the cache and attends over
 it. Weights are fused where the matmuls allow: one QKV projection (with Qwen2's bias) and one
 gate-up projection; the loader fills their row ranges in place (:meth:`LlamaModel.weight_slots`).
+
+``quantization="fp8"``: the four projections of every layer hold e4m3 weights with one float32
+scale per output channel (``*_s``), and the norms and the SiLU-mul hand them per-token
+quantized activations (engine.kernels.fp8). Embeddings, norms, the LM head and any bias stay in
+the model's dtype: the head is a sixteenth of an 8B's weight bytes and its logits are what the
+sampler and the accuracy figures read.
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ from torch import nn
 
 from engine import kernels
 from engine.config import ModelConfig
+from engine.kernels.fp8 import FP8, fp8_linear, quantize_rows
 from engine.kv.kv_cache import KVCache
+
+QUANTIZATIONS = ("fp8",)
 
 
 @dataclass
@@ -44,29 +53,47 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 quantization: str | None = None) -> None:
         super().__init__()
         h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self.cfg = cfg
+        self.dtype = dtype
+        self.fp8 = quantization == "fp8"
+        wdt = FP8 if self.fp8 else dtype
+
+        def scales(rows: int) -> nn.Parameter | None:
+            return _empty(rows, dtype=torch.float32, device=device) if self.fp8 else None
+
         self.input_norm = _empty(h, dtype=dtype, device=device)
-        self.qkv_w = _empty(q + 2 * kv, h, dtype=dtype, device=device)
+        self.qkv_w = _empty(q + 2 * kv, h, dtype=wdt, device=device)
+        self.qkv_s = scales(q + 2 * kv)
         self.qkv_b = _empty(q + 2 * kv, dtype=dtype, device=device) if cfg.qkv_bias else None
         self.q_norm = _empty(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
         self.k_norm = _empty(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
-        self.o_w = _empty(h, q, dtype=dtype, device=device)
+        self.o_w = _empty(h, q, dtype=wdt, device=device)
+        self.o_s = scales(h)
         self.o_b = _empty(h, dtype=dtype, device=device) if cfg.o_bias else None
         self.post_norm = _empty(h, dtype=dtype, device=device)
-        self.gate_up_w = _empty(2 * inter, h, dtype=dtype, device=device)
+        self.gate_up_w = _empty(2 * inter, h, dtype=wdt, device=device)
+        self.gate_up_s = scales(2 * inter)
         self.gate_up_b = _empty(2 * inter, dtype=dtype, device=device) if cfg.mlp_bias else None
-        self.down_w = _empty(h, inter, dtype=dtype, device=device)
+        self.down_w = _empty(h, inter, dtype=wdt, device=device)
+        self.down_s = scales(h)
         self.down_b = _empty(h, dtype=dtype, device=device) if cfg.mlp_bias else None
         self.scale = cfg.head_dim ** -0.5
 
-    def attention(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def _linear(self, x, w: torch.Tensor, s: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        if s is None:
+            return nn.functional.linear(x, w, b)
+        return fp8_linear(x, w, s, b, out_dtype=self.dtype)
+
+    def attention(self, x, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
+        """``x``: the normed hidden rows (Fp8Rows in an FP8 layer)."""
         cfg = self.cfg
         n = x.shape[0]
-        qkv = nn.functional.linear(x, self.qkv_w, self.qkv_b)
+        qkv = self._linear(x, self.qkv_w, self.qkv_s, self.qkv_b)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -78,25 +105,30 @@ class DecoderLayer(nn.Module):
         # Otherwise q, k and v stay views of qkv (row stride q + 2 kv): rope rotates q and k in
         # place there, the KV write and attention read them through their strides.
         q, k = kernels.apply_rope(q, k, positions, cos_sin)
-        out = paged_attention_step(q, k, v, k_cache, v_cache, meta, self.scale)
-        return nn.functional.linear(out.reshape(n, cfg.q_size), self.o_w, self.o_b)
+        out = paged_attention_step(q, k, v, k_cache, v_cache, meta, self.scale).reshape(n, cfg.q_size)
+        return self._linear(quantize_rows(out) if self.fp8 else out, self.o_w, self.o_s, self.o_b)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gu = nn.functional.linear(x, self.gate_up_w, self.gate_up_b)
-        return nn.functional.linear(kernels.silu_and_mul(gu), self.down_w, self.down_b)
+    def mlp(self, x) -> torch.Tensor:
+        gu = self._linear(x, self.gate_up_w, self.gate_up_s, self.gate_up_b)
+        return self._linear(kernels.silu_and_mul(gu, quant=self.fp8), self.down_w, self.down_s, self.down_b)
 
 
 class LlamaModel(nn.Module):
-    """The decoder stack and LM head; parameters are allocated empty and filled by the loader."""
+    """The decoder stack and LM head; parameters are allocated empty and filled by the loader.
+    ``quantization``: None (weights in ``dtype``) or ``"fp8"`` (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 quantization: str | None = None) -> None:
         super().__init__()
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
         device = torch.device(device)
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
+        self.quantization = quantization
         self.embed = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, quantization) for _ in range(cfg.num_layers))
         self.norm = _empty(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.cos_sin: torch.Tensor | None = None
@@ -112,14 +144,15 @@ class LlamaModel(nn.Module):
         if self.cos_sin is None:
             raise RuntimeError("build_rope_cache() must run before forward()")
         eps = self.cfg.rms_norm_eps
+        fp8 = self.quantization == "fp8"
         residual = nn.functional.embedding(input_ids, self.embed)
-        h = kernels.rms_norm(residual, self.layers[0].input_norm, eps)
+        h = kernels.rms_norm(residual, self.layers[0].input_norm, eps, quant=fp8)
         mlp_out = None
         for i, layer in enumerate(self.layers):
             if mlp_out is not None:
-                h, residual = kernels.fused_add_rms_norm(mlp_out, residual, layer.input_norm, eps)
+                h, residual = kernels.fused_add_rms_norm(mlp_out, residual, layer.input_norm, eps, quant=fp8)
             attn_out = layer.attention(h, positions, kv.k(i), kv.v(i), meta, self.cos_sin)
-            h, residual = kernels.fused_add_rms_norm(attn_out, residual, layer.post_norm, eps)
+            h, residual = kernels.fused_add_rms_norm(attn_out, residual, layer.post_norm, eps, quant=fp8)
             mlp_out = layer.mlp(h)
         h, _ = kernels.fused_add_rms_norm(mlp_out, residual, self.norm, eps)
         return h
@@ -164,6 +197,17 @@ class LlamaModel(nn.Module):
             if layer.down_b is not None:
                 slots[m + "down_proj.bias"] = (layer.down_b, 0, cfg.hidden_size)
         return slots
+
+    def row_scales(self) -> dict[int, torch.Tensor]:
+        """Each FP8 weight's per-output-channel scales, by ``id`` of the weight parameter (empty
+        for an unquantized model): the loader quantizes a slot's rows into both."""
+        out: dict[int, torch.Tensor] = {}
+        for layer in self.layers:
+            for w, s in ((layer.qkv_w, layer.qkv_s), (layer.o_w, layer.o_s), (layer.gate_up_w, layer.gate_up_s),
+                         (layer.down_w, layer.down_s)):
+                if s is not None:
+                    out[id(w)] = s
+        return out
 
     @property
     def nbytes(self) -> int:

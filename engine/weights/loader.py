@@ -71,6 +71,7 @@ class PendingLoad:
     key: str = ""  # the weights' warm-tier key (warm_key), taken once at begin
     shape: str = ""  # what its measured workspace depends on besides the weights (the load's shape)
     prefix_caching: bool = True  # the model's full KV pages are shared by prefix (engine.sched.prefix_index)
+    quantization: str | None = None  # None or "fp8" (engine.models.llama)
 
     def done(self) -> bool:
         return self.future.done()
@@ -139,16 +140,20 @@ def checked_tensors(path: Path, slots: dict, filled: set[str]):
         yield info, slot
 
 
-def _file_jobs(path: Path, slots: dict[str, tuple[torch.Tensor, int, int]], filled: set[str]) -> list[CopyJob]:
-    """One copy job per tensor of the file (a row range of its slot), shapes checked."""
+def _file_jobs(path: Path, slots: dict[str, tuple[torch.Tensor, int, int]], filled: set[str],
+               scales: dict[int, torch.Tensor] | None = None) -> list[CopyJob]:
+    """One copy job per tensor of the file (a row range of its slot), shapes checked. ``scales``
+    (``LlamaModel.row_scales``): a slot found there is quantized to FP8 as it lands."""
     jobs = []
     for info, (dest, start, rows) in checked_tensors(path, slots, filled):
         want = (rows, *dest.shape[1:])
         if tuple(info.shape) != want:
             raise WeightsError(f"{path.name}: tensor {info.name!r} has shape {list(info.shape)}, expected {list(want)}")
         src = _ST_DTYPES[info.dtype]
+        scale = (scales or {}).get(id(dest))
         jobs.append(CopyJob(path, info.begin, info.end - info.begin, dest.data[start:start + rows],
-                            src_dtype=None if src == dest.dtype else src))
+                            src_dtype=None if src == dest.dtype else src,
+                            scale=None if scale is None else scale.data[start:start + rows]))
     return jobs
 
 
@@ -161,16 +166,18 @@ def reader_threads() -> int:
 def load_weights(model: torch.nn.Module, model_dir: str | Path, *, threads: int | None = None, streams: int = 2,
                  cancel: threading.Event | None = None) -> int:
     """Fill ``model.weight_slots()`` from the folder's safetensors; returns the bytes loaded.
+    An FP8 model's projections are quantized on the way (per output channel, on its device).
 
     Every header is checked and every tensor matched to its slot before a byte is copied; then
     one :func:`stream_to_device` call moves all files' ranges straight into the (fused) weights.
     ``cancel`` set stops the copy at its next chunk (:class:`WeightStreamError`).
     """
     slots = model.weight_slots()
+    scales = model.row_scales()
     filled: set[str] = set()
     jobs: list[CopyJob] = []
     for path in weight_files(model_dir):
-        jobs.extend(_file_jobs(path, slots, filled))
+        jobs.extend(_file_jobs(path, slots, filled, scales))
     missing = sorted(set(slots) - filled)
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
@@ -190,13 +197,14 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def warm_key(name: str, model_dir: str | Path) -> str:
-    """The warm-tier key of a model folder: its name and the identity of its weight files.
+def warm_key(name: str, model_dir: str | Path, quantization: str | None = None) -> str:
+    """The warm-tier key of a model folder: its name, the identity of its weight files and the
+    quantization its copy was made with (the tier keeps the device's bytes: FP8 ones for FP8).
 
     Files are hard links into content-addressed blobs, so (inode, size, mtime) changes when a new
     version of the model is pulled into the same snapshot path: a stale copy is never restored.
     """
-    parts = [name]
+    parts = [name] + ([f"quantization={quantization}"] if quantization else [])
     for f in weight_files(model_dir):
         st = f.stat()
         parts.append(f"{f.name}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}")

@@ -6,7 +6,8 @@ On CUDA, reader threads ``pread`` fixed-size chunks into a ring of pinned host b
 calling thread issues the host-to-device copies on ``streams`` CUDA streams round robin; a buffer
 goes back to the ring only after the event recorded behind its copy has completed, so the disk,
 the page cache and PCIe overlap. A job whose file dtype differs from the destination's is staged
-on the device and cast there (all its chunks on one stream, the cast after the last).
+on the device and cast there (all its chunks on one stream, the cast after the last); a job with
+``scale`` (an FP8 destination) is quantized there instead, one scale per row.
 For CPU destinations the readers ``pread`` straight into the tensors' bytes (no ring).
 
 Loader use: for each safetensors tensor (``TensorInfo.begin/end`` from
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import WeightsError
+from engine.kernels.fp8 import FP8, Fp8Rows, quantize_rows
 
 
 class WeightStreamError(WeightsError):
@@ -46,7 +48,9 @@ class CopyJob:
     """``nbytes`` bytes at ``offset`` of ``path`` into ``dst`` (contiguous; any device).
 
     ``src_dtype`` is the dtype of the bytes in the file when it differs from ``dst.dtype``
-    (the copy then casts); by default the bytes are ``dst``'s own dtype.
+    (the copy then casts); by default the bytes are ``dst``'s own dtype. ``scale`` ([rows],
+    float32, with an e4m3 ``dst`` of [rows, ...] and a ``src_dtype``): the rows are quantized
+    (engine.kernels.fp8.quantize_rows) into ``dst`` and their scales into ``scale``.
     """
 
     path: str | os.PathLike
@@ -54,6 +58,17 @@ class CopyJob:
     nbytes: int
     dst: torch.Tensor
     src_dtype: torch.dtype | None = None
+    scale: torch.Tensor | None = None
+
+    def finish(self, staged: torch.Tensor) -> None:
+        """Write the staged file bytes (``src_dtype``) into the destination: cast or quantize."""
+        src = staged.view(self.src_dtype).view(self.dst.shape)
+        with torch.no_grad():
+            if self.scale is None:
+                self.dst.copy_(src)
+            else:
+                n = self.dst.shape[0]
+                quantize_rows(src.reshape(n, -1), Fp8Rows(self.dst.view(n, -1), self.scale.view(n, 1)))
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,13 @@ def _validate(jobs: list[CopyJob]) -> dict[str, int]:
         if not isinstance(j.dst, torch.Tensor) or not j.dst.is_contiguous():
             raise WeightStreamError(f"{where}: destination must be a contiguous tensor")
         src_dtype = j.src_dtype or j.dst.dtype
+        if j.scale is not None and (j.dst.dtype != FP8 or j.src_dtype in (None, FP8) or j.dst.dim() < 1
+                                    or j.scale.shape != (j.dst.shape[0],) or j.scale.dtype != torch.float32
+                                    or j.scale.device != j.dst.device or not j.scale.is_contiguous()):
+            raise WeightStreamError(f"{where}: a quantizing job needs an e4m3 destination, a source dtype and "
+                                    f"float32 scales of one per row on the destination's device")
+        if j.scale is None and j.dst.dtype == FP8 and src_dtype != FP8:
+            raise WeightStreamError(f"{where}: an e4m3 destination of {src_dtype} bytes needs scales")
         want = j.dst.numel() * torch.empty((), dtype=src_dtype).element_size()
         if j.offset < 0 or j.nbytes != want:
             raise WeightStreamError(f"{where}: {j.nbytes} bytes at offset {j.offset}, destination needs {want}")
@@ -190,9 +212,7 @@ def _cpu_stream(jobs: list[CopyJob], threads: int, chunk_bytes: int, cancel: thr
             t.join()
         readers.raise_first()
         for i, buf in staging.items():
-            j = jobs[i]
-            with torch.no_grad():
-                j.dst.copy_(buf.view(j.src_dtype).view(j.dst.shape))
+            jobs[i].finish(buf)
     finally:
         readers.close()
     return len(chunks)
@@ -282,8 +302,7 @@ def _ring_stream(jobs: list[CopyJob], threads: int, ring_bytes: int, chunk_bytes
                 remaining[c.job] -= 1
                 if cast and remaining[c.job] == 0:
                     buf = staging.pop(c.job)
-                    with torch.no_grad():
-                        j.dst.copy_(buf.view(j.src_dtype).view(j.dst.shape))
+                    j.finish(buf)
                     if cuda:
                         buf.record_stream(s)  # freed here, reused only after this stream's cast
                 ev = torch.cuda.Event() if cuda else _DoneEvent()

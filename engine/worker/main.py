@@ -214,7 +214,8 @@ class Worker:
             try:
                 pending = self.core.begin_load(msg.model, msg.model_dir, max_model_len=msg.max_model_len,
                                                max_num_seqs=msg.max_num_seqs, weight=msg.weight,
-                                               evictable=list(msg.evictable), prefix_caching=msg.prefix_caching)
+                                               evictable=list(msg.evictable), prefix_caching=msg.prefix_caching,
+                                               quantization=msg.quantization)
             except Exception as e:
                 self._load_failed(msg, e)
                 continue

@@ -85,6 +85,7 @@ class Load(Message):
     # unpinned). A refusal names the shortest prefix that makes room in Error.details["evict"].
     evictable: list[str] = field(default_factory=list)
     prefix_caching: bool = True  # share the model's full KV pages by prefix
+    quantization: str | None = None  # None: the checkpoint's dtype; "fp8": FP8 projections (engine.kernels.fp8)
 
 
 @_register

@@ -23,6 +23,10 @@ system prompt) or ``multi-turn`` (``--num-requests`` conversations of ``--turns`
 sent when the previous one finished, resending the history with the model's own answers);
 ``--prefix-caching on|off|both``: ``both`` runs off then on in one process and reports the ratios
 and whether every request's tokens were the same (``outputs_digest``).
+
+FP8 (issue 19): ``--quantization fp8`` loads the model with FP8 projections; ``both`` runs bf16
+then FP8 in one process and reports the FP8 run with ``vs_bf16_total_tok_s`` (and the batch-1
+figures of both with ``--batch1``) and the bf16 run under ``bf16``.
 """
 
 from __future__ import annotations
@@ -199,7 +203,7 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
               decode_buckets: tuple[int, ...] | None = None, batch1: bool = False, profile_steps: int = 0,
               async_steps: bool | None = None, workload: str = WORKLOAD, prefix_caching: bool = True,
               turns: int = 5, outputs: dict[str, list[int]] | None = None, constrained_every: int = 0,
-              grammar_tokenizer: str | None = None) -> dict:
+              grammar_tokenizer: str | None = None, quantization: str | None = None) -> dict:
     """Run the workload; ``concurrency`` None adds every request at t0, N keeps N in flight (for
     multi-turn: N conversations). ``outputs``, when given, receives every request's tokens.
     ``constrained_every`` N > 0: every N-th request's output is constrained to
@@ -219,7 +223,7 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         torch.set_num_threads(1)  # as the worker: a step's host tensors are tiny
     t_load = time.perf_counter()
     info = core.load_model("bench", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                           prefix_caching=prefix_caching)
+                           prefix_caching=prefix_caching, quantization=quantization)
     load_s = time.perf_counter() - t_load
     runner = core.slot("bench").runner
     # Graphs deferred to their first use are captured now, outside the clock (a server pays
@@ -304,6 +308,8 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         "gpu": _device_name(core),
         "workload": workload,
         "prefix_caching": prefix_caching,
+        "quantization": quantization or "none",
+        "weight_bytes": info.device_bytes,
         "requests": len(sent),
         "req_s": len(sent) / wall,
         "output_tok_s": total_out / wall,
@@ -438,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=[WORKLOAD, SHARED_SYSTEM, MULTI_TURN], default=WORKLOAD)
     ap.add_argument("--turns", type=int, default=5, help="turns per conversation (multi-turn)")
     ap.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--quantization", choices=["none", "fp8", "both"], default="none",
+                    help="both: bf16 then FP8 in one process (one caching mode)")
     ap.add_argument("--constrained-every", type=int, default=0,
                     help="N > 0: every N-th request JSON-schema constrained; runs the workload free first, then so")
     ap.add_argument("--grammar-tokenizer", help="tokenizer.json the grammar is compiled over (default: the model's)")
@@ -449,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--control-concurrency needs --prefix-caching both")
     if a.constrained_every and a.prefix_caching == "both":
         ap.error("--constrained-every runs one caching mode (on or off)")
+    if a.quantization == "both" and (a.prefix_caching == "both" or a.constrained_every or a.control_concurrency):
+        ap.error("--quantization both runs one caching mode, unconstrained")
+    quants = {"none": (None,), "fp8": ("fp8",), "both": (None, "fp8")}[a.quantization]
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = a.model_dir
@@ -465,17 +476,20 @@ def main(argv: list[str] | None = None) -> int:
             modes += ("control",)
         if a.constrained_every:
             modes = (a.prefix_caching, "constrained")
+        if len(quants) > 1:
+            modes = ("bf16", "fp8")
         for mode in modes:
+            quant = "fp8" if mode == "fp8" else quants[0] if mode != "bf16" else None
             outputs[mode] = {}
             runs[mode] = run_bench(model_dir, a.num_requests, a.device, a.max_num_seqs, a.max_num_batched_tokens,
                                    a.max_model_len, a.block_size,
                                    concurrency=a.control_concurrency if mode == "control" else a.concurrency,
                                    decode_buckets=buckets, batch1=a.batch1, profile_steps=a.profile_steps,
                                    async_steps=False if a.sync else None, workload=a.workload,
-                                   prefix_caching=mode == "on" or (mode == "constrained" and a.prefix_caching == "on"),
+                                   prefix_caching=mode == "on" or (mode in ("constrained", "bf16", "fp8") and a.prefix_caching == "on"),
                                    turns=a.turns, outputs=outputs[mode],
                                    constrained_every=a.constrained_every if mode == "constrained" else 0,
-                                   grammar_tokenizer=a.grammar_tokenizer)
+                                   grammar_tokenizer=a.grammar_tokenizer, quantization=quant)
             _release_device(a.device)
         if a.constrained_every:
             free, con = runs[a.prefix_caching], runs["constrained"]
@@ -483,6 +497,10 @@ def main(argv: list[str] | None = None) -> int:
                    "constrained_vs_free_total_tok_s": con["total_tok_s"] / free["total_tok_s"],
                    "constrained_tpot_vs_free_p50": ((con["constrained"]["latency"]["tpot_ms_p50"] or 0)
                                                     / (con["constrained"]["free_latency"]["tpot_ms_p50"] or 1))}
+        elif len(quants) > 1:
+            res = {**runs["fp8"], "bf16": runs["bf16"],
+                   "vs_bf16_total_tok_s": runs["fp8"]["total_tok_s"] / runs["bf16"]["total_tok_s"],
+                   "vs_bf16_outputs": compare_outputs(outputs["fp8"], outputs["bf16"])}
         elif a.prefix_caching != "both":
             res = runs[a.prefix_caching]
         else:

@@ -1,0 +1,116 @@
+"""Triton FP8 kernels: per-row quantization and the few-rows scaled matmul.
+
+- ``_quantize_rows_kernel``: one program per row, the whole row in registers: amax, scale, e4m3.
+- ``_small_m_kernel``: ``y = a_scale * w_scale * (a_q @ w_q.T)`` for at most ``SMALL_M`` rows
+  (the rows padded to 16 inside the tile). A decode step of a few sequences only has to read
+  the weights once, so the grid is over output channels (BLOCK_N each) and, for the long-K
+  linears, over K splits (``SPLIT_K`` > 1 adds float32 partials atomically into a zeroed buffer,
+  cast after). cuBLASLt's row-wise FP8 GEMM at one row ran no faster than bf16 on the H200
+  (4.05 vs 4.03 ms for an 8B's linears), a quarter of the weight-read rate.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._launch import CachedLauncher
+from engine.kernels.fp8 import E4M3_MAX, FP8, MIN_SCALE, Fp8Rows
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, s_x, s_q, K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / E4M3_MAX, MIN_SCALE)
+    q = tl.clamp(x / scale, -E4M3_MAX, E4M3_MAX)
+    tl.store(q_ptr + row * s_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+_QUANTIZE_LAUNCH = CachedLauncher(_quantize_rows_kernel)
+
+
+def row_warps(block: int) -> int:
+    return 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def quantize_rows_triton(x: torch.Tensor, out: Fp8Rows | None = None) -> Fp8Rows:
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = Fp8Rows(torch.empty((m, k), dtype=FP8, device=x.device),
+                      torch.empty((m, 1), dtype=torch.float32, device=x.device))
+    q, s = out
+    block = triton.next_power_of_2(k)
+    _QUANTIZE_LAUNCH.launch((m,), x, q, s, x.stride(0), q.stride(0), K=k, BLOCK=block, num_warps=row_warps(block))
+    return out
+
+
+@triton.jit(do_not_specialize=["M"])
+def _small_m_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_a, s_w, s_y,
+                    HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    rm = rows < M
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_lo = split * K_PER_SPLIT
+    for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * s_a + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        w = tl.load(w_ptr + n[None, :].to(tl.int64) * s_w + k[:, None], mask=nm[None, :] & km[:, None], other=0.0)
+        acc += tl.dot(a, w)
+    a_s = tl.load(as_ptr + rows, mask=rm, other=0.0)
+    w_s = tl.load(ws_ptr + n, mask=nm, other=0.0)
+    y = acc * a_s[:, None] * w_s[None, :]
+    if HAS_BIAS:
+        if split == 0:
+            y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rows[:, None].to(tl.int64) * s_y + n[None, :]
+    if ATOMIC:
+        tl.atomic_add(out, y, mask=rm[:, None] & nm[None, :], sem="relaxed")
+    else:
+        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])
+
+
+_SMALL_M_LAUNCH = CachedLauncher(_small_m_kernel)
+
+
+def small_m_config(n: int, k: int) -> dict:
+    """Launch shape of the few-rows kernel for an [N, K] weight (tuned on the H200: ops/gpu/fp8_bench.py)."""
+    block_n, block_k = 64, 256
+    split_k = max(1, min(8, k // 2048))
+    return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4, "num_stages": 4}
+
+
+def fp8_linear_small_m(a: Fp8Rows, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                       out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """See fp8.fp8_linear (at most SMALL_M rows). ``config`` overrides :func:`small_m_config`
+    (benchmarks)."""
+    m, k = a.q.shape
+    n = w_q.shape[0]
+    cfg = config or small_m_config(n, k)
+    block_k = cfg["block_k"]
+    split_k = max(1, min(cfg["split_k"], triton.cdiv(k, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    atomic = split_k > 1
+    y = (torch.zeros((m, n), dtype=torch.float32, device=a.q.device) if atomic
+         else torch.empty((m, n), dtype=out_dtype, device=a.q.device))
+    q = a.q if a.q.stride(1) == 1 else a.q.contiguous()
+    _SMALL_M_LAUNCH.launch((triton.cdiv(n, cfg["block_n"]), split_k),
+        q, a.scale, w_q, w_scale, bias if bias is not None else w_scale, y, m, n, k,
+        q.stride(0), w_q.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, ATOMIC=atomic, BLOCK_M=16, BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
+        K_PER_SPLIT=k_per_split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y.to(out_dtype) if atomic else y

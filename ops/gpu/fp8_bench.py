@@ -1,0 +1,127 @@
+"""FP8 GEMMs of Llama-3.1-8B's linears on the GPU: bf16 cuBLAS, cuBLASLt's row-wise FP8
+(``torch._scaled_mm``) and the few-rows Triton kernel over a sweep of launch shapes, at a few
+rows; then the whole set of one decode step's linears (32 layers, bf16 LM head) with the engine's
+choices, each as a CUDA graph. Prints a table last, writes JSON.
+
+    python ops/gpu/fp8_bench.py [out.json]
+
+Achieved GB/s is the weight bytes over the time (the floor a decode step of a few rows has).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from engine.kernels import fp8  # noqa: E402
+from engine.kernels.fp8_triton import fp8_linear_small_m, small_m_config  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (1, 4, 16)
+SWEEP = [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=st)
+         for bn, bk, sk, w, st in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8), (4,), (3, 5))]
+
+
+def graph_ms(fn, reps: int = 50) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph (launch cost excluded, as the engine runs)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return do_bench(g.replay, warmup=10, rep=reps)
+
+
+def main() -> int:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.environ.get("OUT", "."), "fp8_bench.json"))
+    dev = "cuda"
+    torch.manual_seed(0)
+    res: dict = {"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("INFIRE_COMMIT", ""),
+                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "shapes": {}}
+    best: dict[str, dict] = {}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        w_q, w_s = fp8.quantize_weight(w)
+        gb = n * k / 1e9
+        row: dict = {}
+        for m in ROWS:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            a = fp8.quantize_rows(x)
+            r = {"bf16_ms": graph_ms(lambda: torch.nn.functional.linear(x, w)),
+                 "scaled_mm_ms": graph_ms(lambda: torch._scaled_mm(a.q, w_q.t(), scale_a=a.scale,
+                                                                   scale_b=w_s.view(1, -1), out_dtype=torch.bfloat16)),
+                 "default_ms": graph_ms(lambda: fp8_linear_small_m(a, w_q, w_s, None, torch.bfloat16))}
+            sweep = []
+            for cfg in SWEEP:
+                try:
+                    ms = graph_ms(lambda: fp8_linear_small_m(a, w_q, w_s, None, torch.bfloat16, cfg), reps=20)
+                except Exception as e:  # a shape Triton cannot build (registers, shared memory)
+                    sweep.append({**cfg, "error": f"{type(e).__name__}"[:60]})
+                    continue
+                sweep.append({**cfg, "ms": ms, "gb_s": gb / (ms / 1e3)})
+            ok = [s for s in sweep if "ms" in s]
+            top = min(ok, key=lambda s: s["ms"])
+            r.update(best=top, default=small_m_config(n, k), default_gb_s=gb / (r["default_ms"] / 1e3),
+                     bf16_gb_s=2 * gb / (r["bf16_ms"] / 1e3), sweep=sorted(ok, key=lambda s: s["ms"])[:8],
+                     errors=len(sweep) - len(ok))
+            row[m] = r
+            if m == 1:
+                best[name] = top
+            print(f"{name:8s} M={m:2d} bf16 {r['bf16_ms']*1e3:7.1f} us  scaled_mm {r['scaled_mm_ms']*1e3:7.1f}  "
+                  f"default {r['default_ms']*1e3:7.1f} ({r['default_gb_s']:6.0f} GB/s)  best {top['ms']*1e3:7.1f} "
+                  f"({top['gb_s']:6.0f} GB/s) {dict((k2, top[k2]) for k2 in ('block_n', 'block_k', 'split_k', 'num_stages'))}",
+                  flush=True)
+        res["shapes"][name] = {"n": n, "k": k, "rows": row}
+    # One decode step's linears (32 layers) at one row: bf16, the engine's FP8 (default launch
+    # shapes), the best of the sweep per shape.
+    layers = 32
+    ws = {nm: torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for nm, (n, k) in SHAPES.items()}
+    qs = {nm: fp8.quantize_weight(w) for nm, w in ws.items()}
+    head = torch.randn(128256, 4096, device=dev, dtype=torch.bfloat16) * 0.02
+    step: dict = {}
+    for m in ROWS:
+        xs = {nm: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for nm, (n, k) in SHAPES.items()}
+        acts = {nm: fp8.quantize_rows(x) for nm, x in xs.items()}
+        hx = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
+
+        def bf16():
+            for _ in range(layers):
+                for nm in SHAPES:
+                    torch.nn.functional.linear(xs[nm], ws[nm])
+            torch.nn.functional.linear(hx, head)
+
+        def ours(cfgs=None):
+            for _ in range(layers):
+                for nm in SHAPES:
+                    if cfgs is None:
+                        fp8.fp8_linear(acts[nm], *qs[nm])
+                    else:
+                        fp8_linear_small_m(acts[nm], *qs[nm], None, torch.bfloat16, cfgs[nm])
+            torch.nn.functional.linear(hx, head)
+
+        step[m] = {"bf16_ms": graph_ms(bf16, 20), "fp8_ms": graph_ms(ours, 20),
+                   "fp8_best_ms": graph_ms(lambda: ours(best), 20)}
+        print(f"step M={m:2d}: bf16 {step[m]['bf16_ms']:.3f} ms  fp8 {step[m]['fp8_ms']:.3f}  "
+              f"fp8 (best per shape) {step[m]['fp8_best_ms']:.3f}", flush=True)
+    res["decode_step_linears"] = step
+    res["best_at_one_row"] = best
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
