@@ -8,8 +8,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels._launch import CachedLauncher
-from engine.kernels.fp8 import E4M3_MAX, FP8, MIN_SCALE, Fp8Rows
-from engine.kernels.fp8_triton import row_warps
+from engine.kernels.fp8 import FP8, Fp8Rows
+from engine.kernels.fp8_triton import E4M3_MAX_C, MIN_SCALE_C, row_warps
 
 
 @triton.jit
@@ -48,8 +48,8 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, s_x, s_q, I: tl.constexpr, BLOCK
     g = gr.to(tl.float32)
     u = tl.load(x_ptr + row * s_x + I + cols, mask=mask, other=0.0).to(tl.float32)
     y = (g / (1.0 + tl.exp(-g)) * u).to(gr.dtype).to(tl.float32)  # as the bf16 model rounds it
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / E4M3_MAX, MIN_SCALE)
-    q = tl.clamp(y / scale, -E4M3_MAX, E4M3_MAX)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / E4M3_MAX_C, MIN_SCALE_C)
+    q = tl.clamp(y / scale, -E4M3_MAX_C, E4M3_MAX_C)
     tl.store(q_ptr + row * s_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 

@@ -18,6 +18,10 @@ import triton.language as tl
 from engine.kernels._launch import CachedLauncher
 from engine.kernels.fp8 import E4M3_MAX, FP8, MIN_SCALE, Fp8Rows
 
+# The scheme's constants as kernels may read them (a jitted function sees constexpr globals only).
+E4M3_MAX_C = tl.constexpr(E4M3_MAX)
+MIN_SCALE_C = tl.constexpr(MIN_SCALE)
+
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, s_x, s_q, K: tl.constexpr, BLOCK: tl.constexpr):
@@ -25,8 +29,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, s_x, s_q, K: tl.constexpr, BLOCK:
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / E4M3_MAX, MIN_SCALE)
-    q = tl.clamp(x / scale, -E4M3_MAX, E4M3_MAX)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / E4M3_MAX_C, MIN_SCALE_C)
+    q = tl.clamp(x / scale, -E4M3_MAX_C, E4M3_MAX_C)
     tl.store(q_ptr + row * s_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 

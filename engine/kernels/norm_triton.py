@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels._launch import CachedLauncher
-from engine.kernels.fp8 import E4M3_MAX, FP8, MIN_SCALE, Fp8Rows
+from engine.kernels.fp8 import FP8, Fp8Rows
+from engine.kernels.fp8_triton import E4M3_MAX_C, MIN_SCALE_C
 
 
 @triton.jit
@@ -33,8 +34,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, s_x, 
     if QUANT:
         # the bf16 model rounds y to bf16 before its linear: so does this, then quantizes
         y = y.to(x.dtype).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / E4M3_MAX, MIN_SCALE)
-        y = tl.clamp(y / scale, -E4M3_MAX, E4M3_MAX)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / E4M3_MAX_C, MIN_SCALE_C)
+        y = tl.clamp(y / scale, -E4M3_MAX_C, E4M3_MAX_C)
         tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * s_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 

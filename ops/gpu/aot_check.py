@@ -29,12 +29,13 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from engine.kernels import activation_triton as act  # noqa: E402
 from engine.kernels import attention_triton as att  # noqa: E402
+from engine.kernels import fp8_triton as f8  # noqa: E402
 from engine.kernels import kv_write_triton as kvw  # noqa: E402
 from engine.kernels import norm_triton as nrm  # noqa: E402
 from engine.kernels import rope_triton as rop  # noqa: E402
 from engine.kernels import sample_triton as smp  # noqa: E402
 
-NO_HINT = {"s_bt", "PART", "NUM_SPLITS", "NUM_SEQS", "V", "eps", "qk_scale"}  # runtime values, not specialised
+NO_HINT = {"s_bt", "PART", "NUM_SPLITS", "NUM_SEQS", "V", "eps", "qk_scale", "M"}  # runtime values, not specialised
 
 
 def attn_types(dt: str) -> dict:
@@ -72,9 +73,27 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                 dict(num_warps=8)))
     bf = "*bf16"
     for has in (False, True):
-        out.append((f"rms_norm res={has}", nrm._rms_norm_kernel,
-                    dict(x_ptr=bf, r_ptr=bf, w_ptr=bf, out_ptr=bf, res_out_ptr=bf, s_x="i32", s_r="i32", s_o="i32",
-                         s_ro="i32", eps="fp32"), dict(H=4096, BLOCK=4096, HAS_RES=has), dict(num_warps=8)))
+        for quant in (False, True):
+            out.append((f"rms_norm res={has} fp8={quant}", nrm._rms_norm_kernel,
+                        dict(x_ptr=bf, r_ptr=bf, w_ptr=bf, out_ptr="*fp8e4nv" if quant else bf, res_out_ptr=bf,
+                             scale_ptr="*fp32", s_x="i32", s_r="i32", s_o="i32", s_ro="i32", eps="fp32"),
+                        dict(H=4096, BLOCK=4096, HAS_RES=has, QUANT=quant), dict(num_warps=8)))
+    out.append(("quantize_rows fp8", f8._quantize_rows_kernel,
+                dict(x_ptr=bf, q_ptr="*fp8e4nv", s_ptr="*fp32", s_x="i32", s_q="i32"), dict(K=4096, BLOCK=4096),
+                dict(num_warps=8)))
+    out.append(("silu_and_mul fp8", act._silu_mul_quant_kernel,
+                dict(x_ptr=bf, q_ptr="*fp8e4nv", s_ptr="*fp32", s_x="i32", s_q="i32"), dict(I=14336, BLOCK=16384),
+                dict(num_warps=16)))
+    for n, k in ((6144, 4096), (4096, 14336)):
+        cfg = f8.small_m_config(n, k)
+        kps = triton.cdiv(triton.cdiv(k, cfg["split_k"]), cfg["block_k"]) * cfg["block_k"]
+        for atomic in (False, True):
+            out.append((f"fp8 small-M N={n} K={k} atomic={atomic}", f8._small_m_kernel,
+                        dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", b_ptr=bf,
+                             y_ptr="*fp32" if atomic else bf, M="i32", N="i32", K="i32", s_a="i32", s_w="i32",
+                             s_y="i32"),
+                        dict(HAS_BIAS=False, ATOMIC=atomic, BLOCK_M=16, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+                             K_PER_SPLIT=kps), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
     out.append(("rope", rop._rope_kernel, dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cs_ptr="*fp32", s_qn="i32",
                                               s_qh="i32", s_kn="i32", s_kh="i32", s_cs="i32"),
                 dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64), dict(num_warps=4)))
