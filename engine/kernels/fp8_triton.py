@@ -90,10 +90,12 @@ _SMALL_M_LAUNCH = CachedLauncher(_small_m_kernel)
 
 
 def small_m_config(n: int, k: int) -> dict:
-    """Launch shape of the few-rows kernel for an [N, K] weight (tuned on the H200: ops/gpu/fp8_bench.py)."""
-    block_n, block_k = 64, 256
-    split_k = max(1, min(8, k // 2048))
-    return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4, "num_stages": 4}
+    """Launch shape of the few-rows kernel for an [N, K] weight: the best of ops/gpu/fp8_bench.py's
+    sweep on the H200 for each of an 8B's four projections at one row (docs/perf.md): narrow
+    tiles (32 channels: enough programs without splitting K; every split tried was slower), 512-wide
+    K steps for the long-K down projection, a shallower pipeline for the widest weight."""
+    return {"block_n": 32, "block_k": 512 if k > 8192 else 256, "split_k": 1, "num_warps": 4,
+            "num_stages": 3 if n >= 16384 else 5}
 
 
 def fp8_linear_small_m(a: Fp8Rows, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,

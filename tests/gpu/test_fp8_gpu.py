@@ -129,7 +129,7 @@ def test_an_fp8_model_loads_quantized_and_tracks_bf16(small_llama):
         info = core.load_model("m", small_llama, max_model_len=512, max_num_seqs=8, quantization=q)
         layer = core.slot("m").model.layers[1]
         assert layer.qkv_w.dtype == (fp8.FP8 if q else torch.bfloat16)
-        assert core.slot("m").model.nbytes == weight_bytes(core.slot("m").cfg, torch.bfloat16, q)
+        assert core.slot("m").model.nbytes == weight_bytes(core.slot("m").model.cfg, torch.bfloat16, q)
         logits[q] = _prefill_logits(core, prompts)
         cores[q] = (core, info)
     assert cores["fp8"][1].device_bytes < 0.75 * cores[None][1].device_bytes

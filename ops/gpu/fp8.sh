@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 19's figures in ONE device run, bf16 beside FP8 in each part: the FP8 GPU tests; the 8B
+# check (logits cosine at every position, three FP8 8Bs under 42 GiB, load seconds); offline
+# sharegpt-like 1000 requests with batch-1 decode (engine_bench --quantization both); the few-rows
+# GEMM sweep. Results are archived to $OUT/all.tgz after each part.
+# Usage (repo root, on the GPU machine):  . ops/gpu/env.sh; bash ops/gpu/fp8.sh [parts...]
+#   parts: tests check offline kernels   (default: all)
+set -u
+FINAL=${OUT:-./gpu_out}; mkdir -p "$FINAL"
+OUT=$(mktemp -d /tmp/issue19.XXXX)
+M=${M8B:-/tmp/m8b}
+status=0
+[ -f "$M/config.json" ] || timeout 120 python3 -m agent.cli make-model --arch llama --preset llama-3.1-8b --out "$M" \
+  --device cuda > "$OUT/make_model.txt" 2>&1 || status=1
+for part in ${*:-tests check offline kernels}; do
+  case $part in
+    tests) timeout 200 python3 -m pytest -q tests/gpu/test_fp8_gpu.py > "$OUT/tests_fp8.txt" 2>&1 || status=1 ;;
+    check) timeout 300 python3 ops/gpu/fp8_check.py "$M" "$OUT/fp8_check.json" > "$OUT/fp8_check.txt" 2>&1 || status=1 ;;
+    offline) timeout 400 python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda --quantization both \
+        --num-requests 1000 --batch1 --out "$OUT/offline.json" > "$OUT/offline.txt" 2>&1 || status=1 ;;
+    kernels) timeout 300 python3 ops/gpu/fp8_bench.py "$OUT/fp8_bench.json" > "$OUT/fp8_bench.txt" 2>&1 || status=1 ;;
+  esac
+  tar -czf "$FINAL/all.tgz" -C "$OUT" .
+done
+python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
+import json, os, sys
+d = sys.argv[1]
+def load(n):
+    try:
+        return json.load(open(os.path.join(d, n)))
+    except (OSError, ValueError):
+        return None
+for f in ("tests_fp8.txt",):
+    p = os.path.join(d, f)
+    if os.path.exists(p):
+        print(f, open(p).read().strip().splitlines()[-1])
+c = load("fp8_check.json")
+if c:
+    print("logits", c["logits"]); print("load", c["load"]); print("room", json.dumps(c["room_42gib"]))
+o = load("offline.json")
+if o:
+    b = o["bf16"]
+    print(f"offline total tok/s bf16 {b['total_tok_s']:.0f} fp8 {o['total_tok_s']:.0f} x{o['vs_bf16_total_tok_s']:.3f}")
+    print("batch1 bf16", b.get("batch1"), "fp8", o.get("batch1"))
+k = load("fp8_bench.json")
+if k:
+    print("decode-step linears", k["decode_step_linears"])
+PY
+tar -czf "$FINAL/all.tgz" -C "$OUT" .
+exit $status
