@@ -24,24 +24,9 @@ import torch  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.core.ledger import LoadRefused  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from engine.sched.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
+from ops.bench.fp8_accuracy import prefill_logits  # noqa: E402
 
 GIB = 1 << 30
-
-
-def prefill_logits(core: EngineCore, name: str, prompts: list[list[int]]) -> torch.Tensor:
-    slot = core.slot(name)
-    out = SchedulerOutput()
-    for i, p in enumerate(prompts):
-        slot.scheduler.blocks.ensure_capacity(i, len(p))
-        out.seqs.append(ScheduledSeq(i, f"r{i}", p, 0, slot.scheduler.blocks.block_table(i), True, 0,
-                                     SamplingParams(temperature=0)))
-    step = slot.runner.prepare(out)
-    with torch.inference_mode():
-        logits = slot.model.compute_logits(slot.model(step.input_ids, step.positions, slot.kv, step.meta))
-    for i in range(len(prompts)):
-        slot.scheduler.blocks.free(i)
-    return logits
 
 
 def serve(core: EngineCore, names: list[str]) -> dict[str, int]:
@@ -63,24 +48,41 @@ def main() -> int:
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model_dir": model_dir}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (17, 200, 513, 1024)]
-    core = EngineCore(device="cuda", max_num_batched_tokens=4096, seed=0)
-    loads = {}
-    for name, q in (("bf16", None), ("fp8", "fp8")):
+    loads, logits = {}, {}
+    for name, q, dtype in (("bf16", None, None), ("fp8", "fp8", None), ("fp32", None, "float32")):
+        core = EngineCore(device="cuda", max_num_batched_tokens=4096, seed=0, dtype=dtype)
         t = time.perf_counter()
         info = core.load_model(name, model_dir, max_model_len=2048, max_num_seqs=8, quantization=q)
         loads[name] = {"load_s": time.perf_counter() - t, "weight_bytes": core.slot(name).weight_bytes,
                        "weight_gib": core.slot(name).weight_bytes / GIB, "device_bytes": info.device_bytes}
+        logits[name] = prefill_logits(core, name, prompts)
+        if name == "fp8":
+            # the same quantized model through the torch references (engine.kernels.fp8 and the rest):
+            # what the scheme computes, against what the Triton/cuBLASLt kernels compute
+            from engine.kernels import _dispatch
+
+            _dispatch._forced = "torch"
+            try:
+                logits["fp8 reference kernels"] = prefill_logits(core, name, prompts)
+            finally:
+                _dispatch._forced = None
+        del core
+        torch.cuda.empty_cache()
     res["load"] = loads
-    la, lb = prefill_logits(core, "bf16", prompts), prefill_logits(core, "fp8", prompts)
-    cos = torch.nn.functional.cosine_similarity(la.float(), lb.float(), dim=-1)
-    top1 = (la.argmax(-1) == lb.argmax(-1)).float().mean().item()
-    res["logits"] = {"positions": int(cos.numel()), "cosine_min": cos.min().item(), "cosine_mean": cos.mean().item(),
-                     "top1_agreement": top1}
-    print(f"logits: {cos.numel()} positions, cosine min {cos.min().item():.5f} mean {cos.mean().item():.5f}, "
-          f"top-1 agreement {top1:.4f}", flush=True)
+
+    def compare(a: str, b: str) -> dict:
+        cos = torch.nn.functional.cosine_similarity(logits[a], logits[b], dim=-1)
+        top1 = (logits[a].argmax(-1) == logits[b].argmax(-1)).float().mean().item()
+        row = {"positions": int(cos.numel()), "cosine_min": cos.min().item(), "cosine_mean": cos.mean().item(),
+               "top1_agreement": top1}
+        print(f"logits {a} vs {b}: {row}", flush=True)
+        return row
+
+    res["logits"] = compare("fp8", "bf16")
+    res["logits_more"] = {f"{a} vs {b}": compare(a, b) for a, b in (
+        ("bf16", "fp32"), ("fp8", "fp32"), ("fp8", "fp8 reference kernels"), ("fp8 reference kernels", "fp32"))}
     print(f"load: {json.dumps(loads)}", flush=True)
-    del core, la, lb
-    torch.cuda.empty_cache()
+    del logits
 
     room = {}
     for kind, q in (("fp8", "fp8"), ("bf16", None)):
