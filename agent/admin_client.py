@@ -157,10 +157,12 @@ class AdminClient:
         return self.call("GET", "/admin/v1/models")["models"]
 
     def operate(self, name: str, op: str, wait: bool = True, timeout: float = 3600.0,
-                verify: bool = False, quantization: str | None = None) -> tuple[int, dict[str, Any]]:
+                verify: bool = False, quantization: str | None = None,
+                kv_cache_dtype: str | None = None) -> tuple[int, dict[str, Any]]:
         """POST the model operation ``op``; ``verify``: a pull reads every sha256 of a cached model;
-        ``quantization`` ("fp8" or "none"): a load's, instead of the model's settings."""
+        ``quantization``, ``kv_cache_dtype`` ("fp8" or "none"): a load's, instead of the model's settings."""
         params = (([f"wait=true&timeout={timeout:g}"] if wait else []) + (["verify=true"] if verify else [])
-                  + ([f"quantization={urllib.parse.quote(quantization, safe='')}"] if quantization else []))
+                  + [f"{k}={urllib.parse.quote(v, safe='')}" for k, v in (("quantization", quantization),
+                                                                         ("kv_cache_dtype", kv_cache_dtype)) if v])
         q = "?" + "&".join(params) if params else ""
         return self.request("POST", f"/admin/v1/models/{urllib.parse.quote(name, safe='')}/{op}{q}", timeout=timeout + 10 if wait else None)

@@ -141,6 +141,8 @@ class ModelSettings(_Section):
     # None: weights in the checkpoint's dtype; "fp8": e4m3 projections quantized at load, half
     # the bytes (needs FP8 tensor cores: compute capability 8.9+; docs/engine.md)
     quantization: Literal["fp8"] | None = None
+    # None: the KV cache in the model's dtype; "fp8": e4m3, twice the tokens in the same pages
+    kv_cache_dtype: Literal["fp8"] | None = None
 
     @field_validator("name")
     @classmethod

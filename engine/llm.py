@@ -36,21 +36,22 @@ class LLM:
     ``num_kv_pages`` (sized from the memory budget when None), ``max_prefill_chunk``,
     ``dtype`` (None: fp32 on CPU, the checkpoint's half type on GPU), ``memory_budget_bytes``,
     ``seed`` (the stream seeds are drawn from for requests without one), ``quantization``
-    (None, or "fp8": e4m3 projections quantized at load).
+    (None, or "fp8": e4m3 projections quantized at load), ``kv_cache_dtype`` (None: the model's;
+    "fp8": an e4m3 KV cache).
     """
 
     def __init__(self, model_dir: str | Path, *, device: str = "auto", max_model_len: int = 4096,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = OFFLINE_BATCHED_TOKENS, block_size: int = 16,
                  num_kv_pages: int | None = None, max_prefill_chunk: int | None = None, dtype: str | None = None,
                  memory_budget_bytes: int | None = None, seed: int | None = None,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, kv_cache_dtype: str | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.core = EngineCore(device=device, max_num_batched_tokens=max_num_batched_tokens,
                                memory_budget_bytes=memory_budget_bytes, block_size=block_size,
                                max_prefill_chunk=max_prefill_chunk, dtype=dtype, seed=seed)
         self.info: ModelInfo = self.core.load_model(_MODEL_NAME, self.model_dir, max_model_len=max_model_len,
                                                     max_num_seqs=max_num_seqs, num_kv_pages=num_kv_pages,
-                                                    quantization=quantization)
+                                                    quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         self._tokenizer: Any = None
         self._next_id = 0
 

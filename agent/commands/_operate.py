@@ -17,6 +17,8 @@ def add_parser(sub: argparse._SubParsersAction, op: str, help: str) -> None:
     if op == "load":
         p.add_argument("--quantization", choices=["fp8", "none"], default=None,
                        help="load with FP8 weights (fp8) or the checkpoint's dtype (none); default: the model's settings")
+        p.add_argument("--kv-cache-dtype", choices=["fp8", "none"], default=None,
+                       help="an e4m3 KV cache (fp8) or one in the model's dtype (none); default: the model's settings")
     p.set_defaults(func=lambda args: run(args, op))
 
 
@@ -32,7 +34,8 @@ def run(args: argparse.Namespace, op: str) -> int:
         return EXIT_USAGE
     try:
         status, body = c.operate(args.name, op, wait=not args.no_wait, timeout=args.wait_timeout,
-                                 quantization=getattr(args, "quantization", None))
+                                 quantization=getattr(args, "quantization", None),
+                                 kv_cache_dtype=getattr(args, "kv_cache_dtype", None))
     except AgentDown as e:
         print(f"{op} {args.name}: infire-agent is not running: {e}", file=sys.stderr)
         return EXIT_FAIL

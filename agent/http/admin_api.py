@@ -142,7 +142,8 @@ class AdminApi:
         try:
             timeout = _seconds(request, "timeout", MAX_WAIT_S)
             drain = _seconds(request, "drain_timeout", None) if op == "unload" else None
-            quantization = _quantization(request) if op == "load" else ...
+            quantization = _fp8_choice(request, "quantization") if op == "load" else ...
+            kv_cache_dtype = _fp8_choice(request, "kv_cache_dtype") if op == "load" else ...
         except ValueError as ex:
             return _error(400, str(ex), "invalid_value")
         try:
@@ -153,7 +154,7 @@ class AdminApi:
             elif op == "verify":
                 task = mgr.verify_files(name)
             elif op == "load":
-                task = mgr.load(name, quantization=quantization)
+                task = mgr.load(name, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
             else:
                 task = getattr(mgr, op)(name)
         except ManagerError as ex:
@@ -231,17 +232,18 @@ def _flag(request: web.Request, key: str) -> bool:
     return request.query.get(key, "").lower() in ("1", "true", "yes")
 
 
-QUANTIZATIONS = {"fp8": "fp8", "none": None}
+FP8_CHOICES = {"fp8": "fp8", "none": None}
 
 
-def _quantization(request: web.Request):
-    """``?quantization=fp8|none`` of a load (``...``: absent, the model's settings decide)."""
-    if "quantization" not in request.query:
+def _fp8_choice(request: web.Request, key: str):
+    """``?quantization=`` / ``?kv_cache_dtype=`` of a load: fp8 or none (``...``: absent, the
+    model's settings decide)."""
+    if key not in request.query:
         return ...
-    v = request.query["quantization"].lower()
-    if v not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {request.query['quantization'][:32]!r}")
-    return QUANTIZATIONS[v]
+    v = request.query[key].lower()
+    if v not in FP8_CHOICES:
+        raise ValueError(f"{key} must be one of {', '.join(FP8_CHOICES)}, not {request.query[key][:32]!r}")
+    return FP8_CHOICES[v]
 
 
 def _seconds(request: web.Request, key: str, default: float | None) -> float | None:

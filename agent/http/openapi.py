@@ -40,6 +40,7 @@ def _response_schemas() -> dict[str, Any]:
                         "logprobs": logprobs, "finish_reason": finish})
     envelope = {"id": s, "created": i, "model": s, "usage": usage}
     model_view = _obj({"name": s, "state": s, "in_flight": i, "queue_limit": i, "quantization": _nullable(s),
+                       "kv_cache_dtype": _nullable(s),
                        "kv_pages": _obj({"used": i, "total": i})},
                       required=["name", "state", "in_flight"])
     return {
@@ -106,8 +107,9 @@ def build_spec() -> dict[str, Any]:
         return {"post": {"security": bearer, "requestBody": {"required": True, "content": {_JSON: {
             "schema": _ref(req)}}}, "responses": answers}}
 
-    load_params = op_params + [{"name": "quantization", "in": "query", "required": False,
-                                "schema": {"type": "string", "enum": ["fp8", "none"]}}]
+    load_params = op_params + [{"name": key, "in": "query", "required": False,
+                                "schema": {"type": "string", "enum": ["fp8", "none"]}}
+                               for key in ("quantization", "kv_cache_dtype")]
 
     def admin_op(what: str) -> dict[str, Any]:
         return {"post": {"summary": f"{what} a model", "security": bearer,

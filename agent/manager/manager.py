@@ -178,18 +178,22 @@ class ModelManager:
         self.metrics.pull_seconds.labels(model=e.name).observe(time.monotonic() - t0)
         self._set(e, State.CACHED)
 
-    def load(self, name: str, *, quantization: str | None | EllipsisType = ...) -> asyncio.Task[None] | None:
+    def load(self, name: str, *, quantization: str | None | EllipsisType = ...,
+             kv_cache_dtype: str | None | EllipsisType = ...) -> asyncio.Task[None] | None:
         """Start loading (pulling first when needed); None when it is already ready.
 
-        ``quantization`` (None or "fp8"; ``...``: as the model's settings have it) replaces the
-        settings' for this and later loads; asking a loaded model for another is a conflict."""
+        ``quantization`` and ``kv_cache_dtype`` (None or "fp8"; ``...``: as the model's settings
+        have them) replace the settings' for this and later loads; asking a loaded model for
+        others is a conflict."""
         e = self._entry(name, create=self.source is not None)
-        if quantization is not ... and quantization != e.settings.quantization:
+        asked = {k: v for k, v in (("quantization", quantization), ("kv_cache_dtype", kv_cache_dtype))
+                 if v is not ... and v != getattr(e.settings, k)}
+        if asked:
             if e.state is State.READY:
-                raise ManagerError(f"{name} is loaded with quantization {e.settings.quantization or 'none'}; "
-                                   f"unload it first")
+                now = ", ".join(f"{k} {getattr(e.settings, k) or 'none'}" for k in asked)
+                raise ManagerError(f"{name} is loaded with {now}; unload it first")
             if e.state in (State.ABSENT, State.CACHED, State.FAILED):
-                e.settings = e.settings.model_copy(update={"quantization": quantization})
+                e.settings = e.settings.model_copy(update=asked)
         if e.state is State.READY:
             return None
         if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
@@ -282,7 +286,8 @@ class ModelManager:
                 try:
                     return await self.worker.load(e.name, str(e.snapshot), max_model_len=s.max_model_len,
                                                   max_num_seqs=s.max_num_seqs, weight=s.weight, evictable=offered,
-                                                  prefix_caching=s.prefix_caching, quantization=s.quantization)
+                                                  prefix_caching=s.prefix_caching, quantization=s.quantization,
+                                                  kv_cache_dtype=s.kv_cache_dtype)
                 except WorkerError as ex:
                     if ex.code != "no_room":
                         raise
@@ -556,7 +561,7 @@ class ModelManager:
             "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
             "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
             "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len)),
-            "quantization": e.settings.quantization,
+            "quantization": e.settings.quantization, "kv_cache_dtype": e.settings.kv_cache_dtype,
             "vocab_size": int(e.info["vocab_size"]) if "vocab_size" in e.info else None,
             "preload": e.settings.preload, "queue_limit": e.queue_limit, "pinned": e.pin,
             "autoload": self.autoload_enabled(e), "keep_alive_s": e.settings.keep_alive,

@@ -439,7 +439,7 @@ class WorkerClient:
     async def load(self, model: str, model_dir: str, *, max_model_len: int, max_num_seqs: int,
                    weight: float = 1.0, evictable: list[str] | None = None,
                    timeout: float | None = None, prefix_caching: bool = True,
-                   quantization: str | None = None) -> P.Loaded:
+                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> P.Loaded:
         """``evictable``: models the caller would unload to make room, least recently used first.
         The first load of a worker waits for its kernel sweep."""
         if self._swept is not None:
@@ -448,7 +448,7 @@ class WorkerClient:
             ("load", model),
             P.Load(model=model, model_dir=model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                    weight=weight, evictable=list(evictable or []), prefix_caching=prefix_caching,
-                   quantization=quantization),
+                   quantization=quantization, kv_cache_dtype=kv_cache_dtype),
             timeout,
         )
 

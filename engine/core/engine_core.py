@@ -265,31 +265,36 @@ class EngineCore:
     # -- models ----------------------------------------------------------------------------
     def check_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), quantization: str | None = None) -> LoadPlan:
+                   evictable: tuple[str, ...] | list[str] = (), quantization: str | None = None,
+                   kv_cache_dtype: str | None = None) -> LoadPlan:
         """The plan of a load without doing it (:meth:`ModelLoader.check_load`)."""
         return self._loader.check_load(name, model_dir, max_model_len, max_num_seqs, num_kv_pages=num_kv_pages,
-                                       block_size=block_size, evictable=evictable, quantization=quantization)
+                                       block_size=block_size, evictable=evictable, quantization=quantization,
+                                       kv_cache_dtype=kv_cache_dtype)
 
     def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
                    evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True,
-                   quantization: str | None = None) -> ModelInfo:
+                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> ModelInfo:
         """Book, load weights, give the model its KV pages and make it schedulable
         (:meth:`ModelLoader.load_model`: raises :class:`~engine.core.ledger.LoadRefused` before
-        the device is touched when it does not fit). ``quantization="fp8"``: FP8 projections."""
+        the device is touched when it does not fit). ``quantization="fp8"``: FP8 projections;
+        ``kv_cache_dtype="fp8"``: an e4m3 KV cache (twice the tokens a page)."""
         return self._loader.load_model(name, model_dir, max_model_len, max_num_seqs, weight,
                                        num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable,
-                                       prefix_caching=prefix_caching, quantization=quantization)
+                                       prefix_caching=prefix_caching, quantization=quantization,
+                                       kv_cache_dtype=kv_cache_dtype)
 
     def begin_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
                    evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True,
-                   quantization: str | None = None) -> PendingLoad:
+                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> PendingLoad:
         """Phase 1 of a load here, phase 2 in a load thread (:meth:`ModelLoader.begin_load`);
         end it with :meth:`finish_load` or :meth:`cancel_load`."""
         return self._loader.begin_load(name, model_dir, max_model_len, max_num_seqs, weight,
                                        num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable,
-                                       prefix_caching=prefix_caching, quantization=quantization)
+                                       prefix_caching=prefix_caching, quantization=quantization,
+                                       kv_cache_dtype=kv_cache_dtype)
 
     def finish_load(self, pending: PendingLoad) -> ModelInfo:
         """Phase 3 of a load: install the model (:meth:`ModelLoader.finish_load`)."""

@@ -40,7 +40,7 @@ from engine.core.memory_plan import LoadNeeds, load_needs
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
 from engine.errors import EngineError
-from engine.kernels.fp8 import fp8_supported
+from engine.kernels.fp8 import FP8, fp8_supported
 from engine.models.llama import QUANTIZATIONS, LlamaModel
 from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS
 from engine.runner.prebuild import RunnerBuild, prebuild_wanted
@@ -51,6 +51,24 @@ from engine.weights.loader import PendingLoad, WeightsReady, drop_result, load_o
 from engine.weights.warm_tier import WarmTier
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+KV_CACHE_DTYPES = ("fp8",)
+
+
+def kv_dtype_for(kv_cache_dtype: str | None, device: torch.device) -> torch.dtype | None:
+    """The KV cache's dtype for a load's ``kv_cache_dtype`` (None: the model's own dtype), or an
+    EngineError with the reason. ``"fp8"``: e4m3 at unit scale (K and V of the Llama family stay
+    far inside e4m3's +-448; a value beyond saturates), a byte an element: a page holds twice
+    the tokens of a bf16 one."""
+    if kv_cache_dtype is None:
+        return None
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise EngineError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)}")
+    ok, why = fp8_supported(device)
+    if not ok:
+        raise EngineError(f"kv_cache_dtype {kv_cache_dtype!r}: {why}")
+    return FP8
 
 
 def check_quantization(quantization: str | None, cfg: ModelConfig, device: torch.device) -> None:
@@ -126,7 +144,8 @@ class ModelLoader:
 
     def _prepare(self, name: str, model_dir: str | Path, max_model_len: int, max_num_seqs: int,
                  weight: float, num_kv_pages: int | None, block_size: int | None,
-                 quantization: str | None = None) -> tuple[ModelConfig, int, torch.dtype, LoadNeeds]:
+                 quantization: str | None = None,
+                 kv_cache_dtype: str | None = None) -> tuple[ModelConfig, int, torch.dtype, LoadNeeds]:
         """Validate a load and compute what it needs; touches nothing."""
         self.check_load_args(name, weight, max_model_len, max_num_seqs)
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
@@ -134,6 +153,7 @@ class ModelLoader:
             raise EngineError("block_size must be an integer >= 1")
         cfg = load_model_config(model_dir)
         check_quantization(quantization, cfg, self.device)
+        kv_dtype = kv_dtype_for(kv_cache_dtype, self.device)
         max_len = usable_len(cfg, max_model_len)
         dtype = self.dtype_for(cfg)
         pool_pb = self._pools.pool.page_bytes if self._pools.pool is not None and self._pools.pool.models() else self.page_bytes
@@ -141,24 +161,25 @@ class ModelLoader:
                            max_num_batched_tokens=self.max_num_batched_tokens, pool_page_bytes=pool_pb,
                            block_size=block_size or self.block_size,
                            explicit_block_size=block_size is not None, num_kv_pages=num_kv_pages,
-                           quantization=quantization)
+                           quantization=quantization, kv_dtype=kv_dtype)
         return cfg, max_len, dtype, needs
 
     def check_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), quantization: str | None = None) -> LoadPlan:
+                   evictable: tuple[str, ...] | list[str] = (), quantization: str | None = None,
+                   kv_cache_dtype: str | None = None) -> LoadPlan:
         """The plan of a load without doing it: which of ``evictable`` (idle models, least recently
         used first) must be unloaded first, and the numbers; raises :class:`LoadRefused` (with
         ``needed``/``free``/``evictable``/``budget``/``short``) when even that is not enough."""
         _, _, _, needs = self._prepare(name, model_dir, max_model_len, max_num_seqs, 1.0, num_kv_pages, block_size,
-                                       quantization)
+                                       quantization, kv_cache_dtype)
         return self._pools.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
                                       evictable=list(evictable))
 
     def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
                    evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True,
-                   quantization: str | None = None) -> ModelInfo:
+                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> ModelInfo:
         """Book, load weights, give the model its KV pages and make it schedulable.
 
         A load that does not fit now raises :class:`LoadRefused` before the device is touched;
@@ -167,13 +188,14 @@ class ModelLoader:
         """
         pending = self.begin_load(name, model_dir, max_model_len, max_num_seqs, weight,
                                   num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable,
-                                  prefix_caching=prefix_caching, quantization=quantization)
+                                  prefix_caching=prefix_caching, quantization=quantization,
+                                  kv_cache_dtype=kv_cache_dtype)
         return self.finish_load(pending)
 
     def begin_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
                    weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
                    evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True,
-                   quantization: str | None = None) -> PendingLoad:
+                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> PendingLoad:
         """Phase 1 of a load on this thread (validate, the ledger's verdict, fit the pool, book the
         weights, register the pages), then start phase 2 (the weights) in a load thread.
 
@@ -183,7 +205,7 @@ class ModelLoader:
         """
         t0 = time.perf_counter()
         cfg, max_len, dtype, needs = self._prepare(name, model_dir, max_model_len, max_num_seqs, weight,
-                                                   num_kv_pages, block_size, quantization)
+                                                   num_kv_pages, block_size, quantization, kv_cache_dtype)
         if self.pending is not None:
             raise EngineError(f"model {self.pending.name!r} is loading; one load at a time")
         t1 = time.perf_counter()
@@ -205,7 +227,8 @@ class ModelLoader:
             # Registered now, not after the weights: while they load, other models' bursts must
             # not take the pages its minimum needs.
             self._pools.pool.register(name, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                               head_dim=cfg.head_dim, dtype=dtype, min_pages=needs.min_pages,
+                               head_dim=cfg.head_dim, dtype=kv_dtype_for(kv_cache_dtype, self.device) or dtype,
+                               min_pages=needs.min_pages,
                                max_pages=needs.want_pages, tokens_per_page=needs.tokens_per_page)
         except BaseException:
             self._pools.ledger.release(name)
@@ -213,6 +236,7 @@ class ModelLoader:
             raise
         pending = PendingLoad(name, str(model_dir), cfg, max_len, dtype, needs, max_num_seqs, float(weight), t0)
         pending.quantization = quantization
+        pending.kv_cache_dtype = kv_cache_dtype
         pending.key = warm_key(name, model_dir, quantization)
         pending.prefix_caching = bool(prefix_caching)
         pending.shape = self._workspace_shape(max_num_seqs, max_len, dtype, needs.tokens_per_page)
@@ -370,7 +394,7 @@ class ModelLoader:
                                 eos_token_ids=cfg.eos_token_ids),
                 # The index's salt: what else decides the K/V of a token at a position.
                 BlockManager(needs.tokens_per_page, pages,
-                             PrefixIndex(f"{p.key}|{p.dtype}") if p.prefix_caching else None),
+                             PrefixIndex(f"{p.key}|{p.dtype}|kv={p.kv_cache_dtype}") if p.prefix_caching else None),
             )
         except SchedulerConfigError as e:
             raise EngineError(str(e)) from None

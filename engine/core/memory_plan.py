@@ -73,14 +73,15 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None 
 
 def load_needs(cfg: ModelConfig, dtype: torch.dtype, *, max_len: int, max_num_seqs: int,
                max_num_batched_tokens: int, pool_page_bytes: int | None, block_size: int,
-               explicit_block_size: bool, num_kv_pages: int | None, quantization: str | None = None) -> LoadNeeds:
+               explicit_block_size: bool, num_kv_pages: int | None, quantization: str | None = None,
+               kv_dtype: torch.dtype | None = None) -> LoadNeeds:
     """Page geometry and bytes of a load.
 
     ``pool_page_bytes`` None: this load sizes the pool's pages, ``block_size`` tokens of this
     model each (so a lone model keeps exactly the layout it always had). Otherwise the model
     takes as many tokens as fit a page, or exactly ``block_size`` when the caller chose it.
     """
-    dname = str(dtype).removeprefix("torch.")
+    dname = str(kv_dtype or dtype).removeprefix("torch.")  # the KV cache's (FP8: a byte an element)
     try:
         probe = kv_layout(1 << 40, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                           head_dim=cfg.head_dim, dtype=dname)

@@ -4,7 +4,8 @@ Metadata (docs/architecture.md): new tokens are flattened sequence after sequenc
 ``query_start_loc[B+1]`` are their cu_seqlens, ``seq_lens[B]`` the context length after this
 step, ``block_tables[B, max_pages]`` page ids. New token j of sequence b sits at position
 ``seq_lens[b] - q_len_b + j`` and attends to positions ``0 ..= that``. The cache already holds
-the new tokens' K/V. Query head h reads KV head ``h // (Hq // Hkv)``.
+the new tokens' K/V. Query head h reads KV head ``h // (Hq // Hkv)``. The cache is in q's dtype
+or e4m3 at unit scale (``kv_cache_dtype="fp8"``: the kernels widen each K/V tile as they load it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def _validate(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> N
     check(query_start_loc.shape == (b + 1,), f"query_start_loc must be [B+1] = [{b + 1}]")
     check(block_tables.dim() == 2 and block_tables.shape[0] == b, "block_tables must be [B, max_pages]")
     check(k_cache.stride(3) == 1 and q.stride(2) == 1, "q and the caches need a contiguous head_dim")
+    check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, torch.float8_e4m3fn),
+          f"caches must be of q's dtype {q.dtype} or float8_e4m3fn, got {k_cache.dtype}")
 
 
 def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale):

@@ -4,7 +4,7 @@ Two kernels share one page-gather scheme: a KV tile of BLOCK_N consecutive posit
 each position's page in the block table (``pos // block_size``) and reads that token's row at
 ``page * stride(0) + offset * stride(1) + kv_head * stride(2)``, so any block size (1, 16, ...)
 and any page stride (a page of a multi-layer pool) work, and nothing is assumed contiguous but
-head_dim.
+head_dim. An e4m3 cache (``kv_cache_dtype="fp8"``) is widened to q's dtype tile by tile as it loads.
 
 - ``_prefill_kernel`` (the queries longer than 1 of any step that has one): grid (cdiv(N, TPT) + B, Hkv), each
   program finding its (sequence, query tile) by a binary search over query_start_loc. A tile's
@@ -81,7 +81,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
             jm = j < kv_end
             koff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_kp, s_kb, s_kh, BLOCK_SIZE)
             voff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_vp, s_vb, s_vh, BLOCK_SIZE)
-            k = tl.load(kc_ptr + koff[None, :] + d[:, None], mask=jm[None, :] & dm[:, None], other=0.0)
+            k = tl.load(kc_ptr + koff[None, :] + d[:, None], mask=jm[None, :] & dm[:, None], other=0.0).to(q.dtype)
             s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
             ok = jm[None, :] & (j[None, :] <= qpos[:, None])
             s = tl.where(ok, s, float("-inf"))
@@ -90,7 +90,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
+            v = tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -133,8 +133,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
             jm = j < hi
             koff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_kp, s_kb, s_kh, BLOCK_SIZE)
             voff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_vp, s_vb, s_vh, BLOCK_SIZE)
-            k = tl.load(kc_ptr + koff[None, :] + d[:, None], mask=jm[None, :] & dm[:, None], other=0.0)
-            v = tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
+            k = tl.load(kc_ptr + koff[None, :] + d[:, None], mask=jm[None, :] & dm[:, None], other=0.0).to(q.dtype)
+            v = tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0).to(q.dtype)
             s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
             s = tl.where(jm[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))

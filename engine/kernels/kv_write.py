@@ -2,7 +2,8 @@
 
 Cache views are ``[num_pages, block_size, num_kv_heads, head_dim]`` with arbitrary strides (the
 page stride is usually a whole multi-layer page of a shared pool). ``slot = page * block_size +
-offset``; slot ``-1`` is padding and writes nothing.
+offset``; slot ``-1`` is padding and writes nothing. An e4m3 cache (``kv_cache_dtype="fp8"``)
+stores each element at unit scale, saturated to +-448.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels._dispatch import check, use_triton
+from engine.kernels.fp8 import E4M3_MAX, FP8
 
 
 def _validate(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -17,7 +19,8 @@ def _validate(k, v, k_cache, v_cache, slot_mapping) -> None:
     check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape, "k_cache/v_cache must be [pages, block, Hkv, D] and equal")
     check(k_cache.shape[2:] == k.shape[1:], f"cache heads/dim {tuple(k_cache.shape[2:])} != k {tuple(k.shape[1:])}")
     check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == k.shape[0], "slot_mapping must be [N]")
-    check(k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, f"dtype mismatch {k.dtype} vs cache {k_cache.dtype}")
+    check(k_cache.dtype == v_cache.dtype and k.dtype == v.dtype and k_cache.dtype in (k.dtype, FP8),
+          f"dtype mismatch {k.dtype} vs cache {k_cache.dtype}")
 
 
 def write_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -27,8 +30,10 @@ def write_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
     bs = k_cache.shape[1]
     s = slots[valid]
     page, off = s // bs, s % bs
-    k_cache[page, off] = k[valid]
-    v_cache[page, off] = v[valid]
+    if k_cache.dtype == FP8:
+        k, v = k.float().clamp(-E4M3_MAX, E4M3_MAX), v.float().clamp(-E4M3_MAX, E4M3_MAX)
+    k_cache[page, off] = k[valid].to(k_cache.dtype)
+    v_cache[page, off] = v[valid].to(v_cache.dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

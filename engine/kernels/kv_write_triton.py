@@ -7,6 +7,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels._launch import CachedLauncher
+from engine.kernels.fp8 import FP8
+from engine.kernels.fp8_triton import E4M3_MAX_C
 
 
 @triton.jit
@@ -14,7 +16,7 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      s_kn, s_kh, s_vn, s_vh,
                      s_kcp, s_kcb, s_kch, s_vcp, s_vcb, s_vch,
                      H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_CACHE: tl.constexpr):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:
@@ -25,9 +27,12 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
         mask = (h < H) & (d < D)
         src = tok.to(tl.int64)
         kv = tl.load(k_ptr + src * s_kn + h * s_kh + d, mask=mask)
-        tl.store(kc_ptr + page * s_kcp + off * s_kcb + h * s_kch + d, kv, mask=mask)
         vv = tl.load(v_ptr + src * s_vn + h * s_vh + d, mask=mask)
-        tl.store(vc_ptr + page * s_vcp + off * s_vcb + h * s_vch + d, vv, mask=mask)
+        if FP8_CACHE:  # e4m3 at unit scale, saturated
+            kv = tl.clamp(kv.to(tl.float32), -E4M3_MAX_C, E4M3_MAX_C)
+            vv = tl.clamp(vv.to(tl.float32), -E4M3_MAX_C, E4M3_MAX_C)
+        tl.store(kc_ptr + page * s_kcp + off * s_kcb + h * s_kch + d, kv.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + page * s_vcp + off * s_vcb + h * s_vch + d, vv.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 _KV_WRITE_LAUNCH = CachedLauncher(_kv_write_kernel)
@@ -48,6 +53,6 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        H=h, D=d, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
+        H=h, D=d, BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d, FP8_CACHE=k_cache.dtype == FP8,
         num_warps=4 if block_h * block_d >= 1024 else 1,
     )

@@ -72,6 +72,7 @@ class PendingLoad:
     shape: str = ""  # what its measured workspace depends on besides the weights (the load's shape)
     prefix_caching: bool = True  # the model's full KV pages are shared by prefix (engine.sched.prefix_index)
     quantization: str | None = None  # None or "fp8" (engine.models.llama)
+    kv_cache_dtype: str | None = None  # None (the model's dtype) or "fp8" (engine.core.loading.kv_dtype_for)
 
     def done(self) -> bool:
         return self.future.done()

@@ -215,7 +215,7 @@ class Worker:
                 pending = self.core.begin_load(msg.model, msg.model_dir, max_model_len=msg.max_model_len,
                                                max_num_seqs=msg.max_num_seqs, weight=msg.weight,
                                                evictable=list(msg.evictable), prefix_caching=msg.prefix_caching,
-                                               quantization=msg.quantization)
+                                               quantization=msg.quantization, kv_cache_dtype=msg.kv_cache_dtype)
             except Exception as e:
                 self._load_failed(msg, e)
                 continue

@@ -86,6 +86,7 @@ class Load(Message):
     evictable: list[str] = field(default_factory=list)
     prefix_caching: bool = True  # share the model's full KV pages by prefix
     quantization: str | None = None  # None: the checkpoint's dtype; "fp8": FP8 projections (engine.kernels.fp8)
+    kv_cache_dtype: str | None = None  # None: the model's dtype; "fp8": an e4m3 KV cache
 
 
 @_register

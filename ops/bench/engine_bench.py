@@ -203,7 +203,8 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
               decode_buckets: tuple[int, ...] | None = None, batch1: bool = False, profile_steps: int = 0,
               async_steps: bool | None = None, workload: str = WORKLOAD, prefix_caching: bool = True,
               turns: int = 5, outputs: dict[str, list[int]] | None = None, constrained_every: int = 0,
-              grammar_tokenizer: str | None = None, quantization: str | None = None) -> dict:
+              grammar_tokenizer: str | None = None, quantization: str | None = None,
+              kv_cache_dtype: str | None = None) -> dict:
     """Run the workload; ``concurrency`` None adds every request at t0, N keeps N in flight (for
     multi-turn: N conversations). ``outputs``, when given, receives every request's tokens.
     ``constrained_every`` N > 0: every N-th request's output is constrained to
@@ -223,7 +224,7 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         torch.set_num_threads(1)  # as the worker: a step's host tensors are tiny
     t_load = time.perf_counter()
     info = core.load_model("bench", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                           prefix_caching=prefix_caching, quantization=quantization)
+                           prefix_caching=prefix_caching, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     load_s = time.perf_counter() - t_load
     runner = core.slot("bench").runner
     # Graphs deferred to their first use are captured now, outside the clock (a server pays
@@ -309,6 +310,8 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         "workload": workload,
         "prefix_caching": prefix_caching,
         "quantization": quantization or "none",
+        "kv_cache_dtype": kv_cache_dtype or "auto",
+        "kv_pages": info.kv_pages,
         "weight_bytes": info.device_bytes,
         "requests": len(sent),
         "req_s": len(sent) / wall,
@@ -446,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on")
     ap.add_argument("--quantization", choices=["none", "fp8", "both"], default="none",
                     help="both: bf16 then FP8 in one process (one caching mode)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="fp8: an e4m3 KV cache (with --quantization both: for the FP8 run only)")
     ap.add_argument("--constrained-every", type=int, default=0,
                     help="N > 0: every N-th request JSON-schema constrained; runs the workload free first, then so")
     ap.add_argument("--grammar-tokenizer", help="tokenizer.json the grammar is compiled over (default: the model's)")
@@ -489,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
                                    prefix_caching=mode == "on" or (mode in ("constrained", "bf16", "fp8") and a.prefix_caching == "on"),
                                    turns=a.turns, outputs=outputs[mode],
                                    constrained_every=a.constrained_every if mode == "constrained" else 0,
-                                   grammar_tokenizer=a.grammar_tokenizer, quantization=quant)
+                                   grammar_tokenizer=a.grammar_tokenizer, quantization=quant,
+                                   kv_cache_dtype=("fp8" if a.kv_cache_dtype == "fp8" and (quant or len(quants) == 1)
+                                                   else None))
             _release_device(a.device)
         if a.constrained_every:
             free, con = runs[a.prefix_caching], runs["constrained"]

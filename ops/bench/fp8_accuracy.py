@@ -150,15 +150,19 @@ def engine_accuracy(model_dir, ids: list[int], window: int, device: str = "auto"
     from engine.core.engine_core import EngineCore
 
     core = EngineCore(device=device, max_num_batched_tokens=max(window, 256), seed=0)
-    for name, q in (("ref", None), ("fp8", "fp8")):
-        core.load_model(name, model_dir, max_model_len=window + 16, max_num_seqs=2, quantization=q)
+    for name, q, kv in (("ref", None, None), ("fp8", "fp8", None), ("fp8+kv", "fp8", "fp8")):
+        core.load_model(name, model_dir, max_model_len=window + 16, max_num_seqs=2, quantization=q, kv_cache_dtype=kv)
     ref_nll, ref_top = engine_eval(core, "ref", ids, window)
     nll, top = engine_eval(core, "fp8", ids, window)
+    kv_nll, kv_top = engine_eval(core, "fp8+kv", ids, window)
     dtype = str(core.slot("ref").model.dtype).removeprefix("torch.")
     return {"device": str(core.device), "unquantized_dtype": dtype, "positions": len(top),
             "ppl_bf16": math.exp(ref_nll.mean().item()), "ppl_fp8": math.exp(nll.mean().item()),
             "ppl_ratio": math.exp(nll.mean().item() - ref_nll.mean().item()),
             "top1_agreement": (top == ref_top).float().mean().item(),
+            "fp8_kv": {"ppl_fp8": math.exp(kv_nll.mean().item()),
+                       "ppl_ratio": math.exp(kv_nll.mean().item() - ref_nll.mean().item()),
+                       "top1_agreement": (kv_top == ref_top).float().mean().item()},
             "weight_bytes": {"ref": core.slot("ref").weight_bytes, "fp8": core.slot("fp8").weight_bytes}}
 
 

@@ -63,6 +63,13 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                         dict(num_warps=8 if bd > 64 else 4, num_stages=2)))
         if dt == "*fp32":
             break
+    fp8_kv = {**attn_types("*bf16"), "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
+    out.append(("decode fp8-kv G=4 D=128", att._decode_kernel, fp8_kv,
+                dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=False,
+                     DOT_PREC="tf32"), dict(num_warps=4, num_stages=3)))
+    out.append(("prefill fp8-kv G=4 D=128", att._prefill_kernel, fp8_kv,
+                dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, TPT=16, DOT_PREC="tf32", MIN_Q=2),
+                dict(num_warps=8, num_stages=2)))
     out.append(("reduce", att._reduce_kernel, attn_types("*bf16"), dict(HQ=32, D=128, BLOCK_D=128, BLOCK_S=8),
                 dict(num_warps=4)))
     st = dict(logits_ptr="*fp32", temp_ptr="*fp32", topk_ptr="*i32", topp_ptr="*fp32", minp_ptr="*fp32",
@@ -101,8 +108,10 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                 dict(I=14336, BLOCK=2048), dict(num_warps=4)))
     kt = {n: "i32" for n in kvw._kv_write_kernel.arg_names}
     kt.update(k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, slot_ptr="*i64")
-    out.append(("write_kv", kvw._kv_write_kernel, kt, dict(H=8, D=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128),
-                dict(num_warps=4)))
+    out.append(("write_kv", kvw._kv_write_kernel, kt, dict(H=8, D=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,
+                                                          FP8_CACHE=False), dict(num_warps=4)))
+    out.append(("write_kv fp8-kv", kvw._kv_write_kernel, {**kt, "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
+                dict(H=8, D=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, FP8_CACHE=True), dict(num_warps=4)))
     return out
 
 

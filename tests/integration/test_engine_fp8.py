@@ -146,4 +146,41 @@ def test_fp8_on_a_real_model_stays_close_to_the_unquantized(smollm2_dir):
     assert res["positions"] == 512
     assert res["top1_agreement"] >= 0.8, res
     assert res["ppl_ratio"] <= 1.08, res
+    assert res["fp8_kv"]["top1_agreement"] >= 0.75 and res["fp8_kv"]["ppl_ratio"] <= 1.12, res
     assert res["weight_bytes"]["fp8"] < 0.5 * res["weight_bytes"]["ref"]  # float32 reference on the CPU
+
+
+def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_page_and_serves(tiny_llama_dir):
+    from engine.core.memory_plan import load_needs
+    from engine.kv.layout import kv_layout
+
+    cfg = load_model_config(tiny_llama_dir)
+    kw = dict(max_len=128, max_num_seqs=4, max_num_batched_tokens=256, block_size=16, explicit_block_size=False,
+              num_kv_pages=None)
+    bf16 = load_needs(cfg, torch.bfloat16, pool_page_bytes=None, **kw)
+    f8 = load_needs(cfg, torch.bfloat16, pool_page_bytes=None, kv_dtype=fp8.FP8, **kw)
+    assert f8.tokens_per_page == bf16.tokens_per_page == 16 and f8.page_bytes * 2 == bf16.page_bytes
+    # in a pool whose pages a bf16 model sized, an FP8-KV model's page holds twice the tokens
+    shared = load_needs(cfg, torch.bfloat16, pool_page_bytes=bf16.page_bytes, kv_dtype=fp8.FP8, **kw)
+    assert shared.tokens_per_page == 32 and shared.min_pages * 2 == bf16.min_pages
+    lay = kv_layout(bf16.page_bytes, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim, dtype="float8_e4m3fn")
+    assert lay.tokens_per_page == 32
+
+    core = EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, seed=0)
+    core.load_model("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4)
+    core.load_model("kv8", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="fp8",
+                    kv_cache_dtype="fp8")
+    assert core.slot("kv8").kv.k(0).dtype == fp8.FP8
+    prompts = [list(range(3, 40)), list(range(100, 180, 3))]
+    cos = torch.nn.functional.cosine_similarity(prefill_logits(core, "ref", prompts),
+                                                prefill_logits(core, "kv8", prompts), dim=-1)
+    assert cos.min().item() >= 0.98, cos.min().item()
+    for i, p in enumerate(prompts):  # decode steps read the e4m3 pages the prefill wrote
+        core.add_request(f"r{i}", "kv8", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    n = 0
+    while core.has_unfinished_requests():
+        n += sum(len(o.new_token_ids) for o in core.step())
+    assert n == 40
+    with pytest.raises(EngineError, match="kv_cache_dtype 'int8' is not supported"):
+        core.load_model("bad", tiny_llama_dir, max_model_len=128, max_num_seqs=4, kv_cache_dtype="int8")

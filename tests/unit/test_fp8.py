@@ -107,3 +107,20 @@ def test_fp8_runs_on_the_cpu_reference():
     assert fp8.fp8_supported(torch.device("cpu")) == (True, "")
     ok, why = fp8.fp8_supported(torch.device("meta"))
     assert not ok and "meta" in why
+
+
+def test_an_fp8_kv_write_stores_each_element_saturated_at_unit_scale():
+    from engine.kernels import kv_write
+
+    kc = torch.zeros(4, 2, 1, 8, dtype=E4M3)  # [pages, block, Hkv, D]
+    vc = torch.zeros(4, 2, 1, 8, dtype=E4M3)
+    k = torch.tensor([[[0.3, -1.1, 17.3, 500.0, -1e4, 2 ** -10, 0.0, 448.0]]], dtype=torch.bfloat16)
+    v = -k
+    kv_write.write_kv(k, v, kc, vc, torch.tensor([5]))  # page 2, offset 1
+    got = kc[2, 1, 0].float()
+    want = k[0, 0].float().clamp(-448, 448).to(E4M3).float()
+    assert torch.equal(got, want) and got[3] == 448 and got[4] == -448
+    assert torch.equal(vc[2, 1, 0].float(), -want)
+    assert kc.float().abs().sum() == got.abs().sum()  # nothing else written
+    with pytest.raises(KernelError):
+        kv_write.write_kv(k, v, kc.view(torch.uint8), vc.view(torch.uint8), torch.tensor([5]))
