@@ -247,6 +247,8 @@ def prepare_agent(args: argparse.Namespace, root: Path, warm_tier_bytes: str = "
         f'[gpu]\ndevice = "{args.device}"\nwarm_tier_bytes = "{warm_tier_bytes}"\n\n'
         f'[[models]]\nname = "{name}"\npreload = true\nmax_model_len = {args.max_model_len}\n'
         f'max_num_seqs = {args.max_num_seqs}\n'
+        + (f'quantization = "{q}"\n' if (q := getattr(args, "quantization", "none")) != "none" else "")
+        + (f'kv_cache_dtype = "{kv}"\n' if (kv := getattr(args, "kv_cache_dtype", "auto")) != "auto" else "")
     )
     return cfg, port, name, token
 
@@ -273,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--max-model-len", type=int, default=2048 + 16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none", help="the started agent's model setting")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the started agent's model setting")
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, help="requests in flight (the docs/perf.md serving runs: 200)")
     ap.add_argument("--rate", type=float, help="arrivals per second (inf: all at once)")
@@ -325,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": now.isoformat(timespec="seconds"), "gpu": device if "cuda" in str(device) else f"none ({device})",
         "commit": commit, "command": "python -m ops.bench.serve_bench " + shlex.join(argv or sys.argv[1:]),
         "model": model, "workload": {"name": WORKLOAD, **summary(reqs), "seed": a.seed, "vocab_size": vocab},
-        "mode": mode, **report(results, wall, cpu),
+        "mode": mode, "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
+        **report(results, wall, cpu),
     }
     if a.no_save:
         print(json.dumps(result, indent=2))
