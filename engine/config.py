@@ -147,8 +147,14 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         raise ModelConfigError("config.json must hold a JSON object")
     if cfg.get("auto_map"):
         raise ModelConfigError("config.json: auto_map asks for remote code, which this engine never runs")
-    if cfg.get("quantization_config"):
-        raise ModelConfigError("config.json: quantized checkpoints are not supported")
+    qc = cfg.get("quantization_config")
+    if qc:
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        fmt = qc.get("format") if isinstance(qc, dict) else None
+        scheme = f"{method}" + (f" ({fmt})" if isinstance(fmt, str) else "")
+        raise ModelConfigError(
+            f"config.json: pre-quantized checkpoints are not supported (quantization_config: {str(scheme)[:80]}); "
+            "load the bf16 checkpoint with quantization = \"fp8\" to quantize it at load")
     family = _family(cfg)
     hidden = _int(cfg, "hidden_size")
     heads = _int(cfg, "num_attention_heads")

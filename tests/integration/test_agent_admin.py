@@ -115,3 +115,33 @@ def test_api_keys(daemon) -> None:
     assert daemon.get("/v1/models", {"Authorization": "Bearer key-one"})[0] == 200
     # Probes and metrics stay open for the orchestrator.
     assert daemon.get("/livez")[0] == 200 and daemon.get("/metrics")[0] == 200
+
+
+def test_a_load_can_ask_for_fp8_weights_and_kv_cache(daemon) -> None:
+    """``?quantization=fp8&kv_cache_dtype=fp8`` (on the CPU: the reference path) loads the model
+    with FP8 projections and an e4m3 KV cache, it serves, and status says so; another
+    quantization of a loaded model is a conflict until it is unloaded."""
+    daemon.post(f"/admin/v1/models/{MODEL}/unload?wait=true", headers=TOKEN, timeout=60)
+    code, body = daemon.post(f"/admin/v1/models/{MODEL}/load?quantization=int4", headers=TOKEN)
+    assert code == 400 and body["error"]["code"] == "invalid_value" and "fp8, none" in body["error"]["message"]
+    code, body = daemon.post(f"/admin/v1/models/{MODEL}/load?wait=true", headers=TOKEN, timeout=120)
+    assert code == 200 and body["model"]["quantization"] is None
+    plain_bytes = body["model"]["device_bytes"]
+    daemon.post(f"/admin/v1/models/{MODEL}/unload?wait=true", headers=TOKEN, timeout=60)
+    code, body = daemon.post(f"/admin/v1/models/{MODEL}/load?wait=true&quantization=fp8&kv_cache_dtype=fp8",
+                             headers=TOKEN, timeout=120)
+    assert code == 200 and body["model"]["state"] == "ready", body
+    assert body["model"]["quantization"] == "fp8" and body["model"]["kv_cache_dtype"] == "fp8"
+    deadline = time.monotonic() + 10  # the worker's next status carries the new load's bytes
+    while not 0 < _model(daemon)["device_bytes"] < plain_bytes:
+        assert time.monotonic() < deadline, (_model(daemon)["device_bytes"], plain_bytes)
+        time.sleep(0.1)
+    code, out = daemon.post("/v1/completions", {"model": MODEL, "prompt": "fp8", "max_tokens": 8, "ignore_eos": True},
+                            headers=KEY, timeout=60)
+    assert code == 200 and out["usage"]["completion_tokens"] == 8
+    code, body = daemon.post(f"/admin/v1/models/{MODEL}/load?quantization=none", headers=TOKEN)
+    assert code == 409 and "unload it first" in body["error"]["message"]
+    code, _ = daemon.post(f"/admin/v1/models/{MODEL}/unload?wait=true", headers=TOKEN, timeout=60)
+    code, body = daemon.post(f"/admin/v1/models/{MODEL}/load?wait=true&quantization=none&kv_cache_dtype=none",
+                             headers=TOKEN, timeout=120)
+    assert code == 200 and body["model"]["quantization"] is None and body["model"]["kv_cache_dtype"] is None

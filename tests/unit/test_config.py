@@ -49,6 +49,12 @@ def test_models_as_json_env(monkeypatch):
     assert [m.name for m in s.models] == ["a", "b"] and s.models[1].preload
 
 
+def test_a_model_may_ask_for_fp8_weights_and_kv_cache(monkeypatch):
+    monkeypatch.setenv("INFIRE_MODELS", '[{"name": "a", "quantization": "fp8", "kv_cache_dtype": "fp8"}, {"name": "b"}]')
+    a, b = load_settings().models
+    assert (a.quantization, a.kv_cache_dtype) == ("fp8", "fp8") and (b.quantization, b.kv_cache_dtype) == (None, None)
+
+
 def test_config_file_from_env(tmp_path, monkeypatch):
     cfg = tmp_path / "c.toml"
     cfg.write_text("[server]\nport = 9999\n")
@@ -67,6 +73,8 @@ def test_config_file_from_env(tmp_path, monkeypatch):
         ({"INFIRE_MODELS": '[{"name": "a", "keep_alive": "soon"}]'}, "models.0.keep_alive"),
         ({"INFIRE_MODELS": '[{"name": "a"}, {"name": "a"}]'}, "models"),
         ({"INFIRE_STORE__URL": "http://x"}, "store.url"),
+        ({"INFIRE_MODELS": '[{"name": "a", "quantization": "int4"}]'}, "models.0.quantization"),
+        ({"INFIRE_MODELS": '[{"name": "a", "kv_cache_dtype": "fp16"}]'}, "models.0.kv_cache_dtype"),
     ],
 )
 def test_bad_values_name_the_key(monkeypatch, env, key):
