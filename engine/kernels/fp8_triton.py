@@ -61,7 +61,7 @@ def _small_m_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_a, s_
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     rm = rows < M
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
@@ -100,8 +100,8 @@ def small_m_config(n: int, k: int) -> dict:
 
 def fp8_linear_small_m(a: Fp8Rows, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                        out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """See fp8.fp8_linear (at most SMALL_M rows). ``config`` overrides :func:`small_m_config`
-    (benchmarks)."""
+    """See fp8.fp8_linear (the engine calls it for at most SMALL_M rows, one 16-row tile).
+    ``config`` overrides :func:`small_m_config` (benchmarks; ``block_m`` tiles more rows)."""
     m, k = a.q.shape
     n = w_q.shape[0]
     cfg = config or small_m_config(n, k)
@@ -113,10 +113,11 @@ def fp8_linear_small_m(a: Fp8Rows, w_q: torch.Tensor, w_scale: torch.Tensor, bia
     y = (torch.zeros((m, n), dtype=torch.float32, device=a.q.device) if atomic
          else torch.empty((m, n), dtype=out_dtype, device=a.q.device))
     q = a.q if a.q.stride(1) == 1 else a.q.contiguous()
-    _SMALL_M_LAUNCH.launch((triton.cdiv(n, cfg["block_n"]), split_k),
+    block_m = cfg.get("block_m", 16)
+    _SMALL_M_LAUNCH.launch((triton.cdiv(n, cfg["block_n"]), split_k, triton.cdiv(m, block_m)),
         q, a.scale, w_q, w_scale, bias if bias is not None else w_scale, y, m, n, k,
         q.stride(0), w_q.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, ATOMIC=atomic, BLOCK_M=16, BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, ATOMIC=atomic, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
         K_PER_SPLIT=k_per_split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y.to(out_dtype) if atomic else y

@@ -4,6 +4,7 @@ rows; then the whole set of one decode step's linears (32 layers, bf16 LM head) 
 choices, each as a CUDA graph. Prints a table last, writes JSON.
 
     python ops/gpu/fp8_bench.py [out.json]
+    python ops/gpu/fp8_bench.py --medium [out.json]     (32-128 rows: the kernel tiled over rows vs cuBLASLt)
 
 Achieved GB/s is the weight bytes over the time (the floor a decode step of a few rows has).
 """
@@ -29,6 +30,36 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 ROWS = (1, 4, 16)
 SWEEP = [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=st)
          for bn, bk, sk, w, st in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8), (4,), (3, 5))]
+# Medium rows (--medium): the kernel tiled over rows too, against cuBLASLt, where cuBLASLt's FP8
+# falls behind its bf16 (ops/gpu/fp8_parts.py: the down projection at 64 rows).
+MEDIUM_ROWS = (32, 64, 128)
+MEDIUM_SWEEP = [dict(block_m=bm, block_n=bn, block_k=bk, split_k=1, num_warps=4, num_stages=st)
+                for bm, bn, bk, st in itertools.product((32, 64, 128), (32, 64, 128), (128, 256), (3, 4))]
+
+
+def medium(res: dict) -> None:
+    dev = "cuda"
+    out: dict = {}
+    for name, (n, k) in SHAPES.items():
+        w_q, w_s = fp8.quantize_weight(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02)
+        for m in MEDIUM_ROWS:
+            a = fp8.quantize_rows(torch.randn(m, k, device=dev, dtype=torch.bfloat16))
+            lt = graph_ms(lambda: torch._scaled_mm(a.q, w_q.t(), scale_a=a.scale, scale_b=w_s.view(1, -1),
+                                                   out_dtype=torch.bfloat16))
+            ok = []
+            for cfg in MEDIUM_SWEEP:
+                if cfg["block_m"] > 2 * m:
+                    continue
+                try:
+                    ok.append({**cfg, "ms": graph_ms(lambda: fp8_linear_small_m(a, w_q, w_s, None, torch.bfloat16, cfg),
+                                                     reps=20)})
+                except Exception:  # a shape Triton cannot build
+                    continue
+            top = min(ok, key=lambda s: s["ms"])
+            out[f"{name} M={m}"] = {"scaled_mm_ms": lt, "best": top, "top": sorted(ok, key=lambda s: s["ms"])[:5]}
+            print(f"medium {name:8s} M={m:3d} cuBLASLt {lt*1e3:7.1f} us  triton best {top['ms']*1e3:7.1f} "
+                  f"{dict((k2, top[k2]) for k2 in ('block_m', 'block_n', 'block_k', 'num_stages'))}", flush=True)
+    res["medium_rows"] = out
 
 
 def graph_ms(fn, reps: int = 50) -> float:
@@ -46,7 +77,14 @@ def graph_ms(fn, reps: int = 50) -> float:
 
 
 def main() -> int:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.environ.get("OUT", "."), "fp8_bench.json"))
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    out = Path(args[0] if args else os.path.join(os.environ.get("OUT", "."), "fp8_bench.json"))
+    if "--medium" in sys.argv:
+        res = {"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("INFIRE_COMMIT", ""),
+               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        medium(res)
+        out.write_text(json.dumps(res, indent=2) + "\n")
+        return 0
     dev = "cuda"
     torch.manual_seed(0)
     res: dict = {"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("INFIRE_COMMIT", ""),

@@ -250,3 +250,21 @@ def test_paged_attention_reads_an_fp8_cache(decode):
     # and over the widened cache it is plain attention
     ref_wide = attention.paged_attention_ref(q, kc8.float(), vc8.float(), qsl, sl, tables, 0.25)
     assert torch.equal(ref, ref_wide)
+
+
+@pytest.mark.parametrize("rows,cfg", [
+    (1, {"block_n": 32, "block_k": 256, "split_k": 1}),
+    (13, {"block_n": 16, "block_k": 32, "split_k": 3}),  # split K: float32 partials added atomically
+    (40, {"block_m": 16, "block_n": 16, "block_k": 32, "split_k": 1}),  # three row tiles
+])
+def test_fp8_few_rows_gemm_matches_the_dequantized_matmul(rows, cfg):
+    from engine.kernels import fp8
+    from engine.kernels.fp8_triton import fp8_linear_small_m
+
+    g = torch.Generator().manual_seed(rows)
+    a = fp8.quantize_rows_ref(torch.randn(rows, 96, generator=g))  # e4m3 made by torch (see the fp8 tests)
+    w_q, w_s = fp8.quantize_weight(torch.randn(48, 96, generator=g))
+    bias = torch.randn(48, generator=g)
+    out = fp8_linear_small_m(a, w_q, w_s, bias, torch.float32, {"num_warps": 4, "num_stages": 1, **cfg})
+    ref = fp8.fp8_linear_ref(a, w_q, w_s, bias, torch.float32)
+    assert rel_err(out, ref) < 1e-5
