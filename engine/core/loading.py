@@ -40,7 +40,8 @@ from engine.core.memory_plan import LoadNeeds, load_needs
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
 from engine.errors import EngineError
-from engine.kernels.fp8 import FP8, fp8_supported
+from engine.kernels.fp8 import fp8_supported
+from engine.kernels.fp8_format import FP8
 from engine.models.llama import QUANTIZATIONS, LlamaModel
 from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS
 from engine.runner.prebuild import RunnerBuild, prebuild_wanted

@@ -17,7 +17,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor, quant: bool = False):
     """x[N, 2I] -> [N, I], float32 inside; ``quant``: rounded to x.dtype, then quantized per row
-    (:class:`engine.kernels.fp8.Fp8Rows`, the input of an FP8 down projection)."""
+    (:class:`engine.kernels.fp8_format.Fp8Rows`, the input of an FP8 down projection)."""
     check(x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [N, 2I], got {tuple(x.shape)}")
     if x.shape[0] > 0 and use_triton(x):
         from engine.kernels.activation_triton import silu_and_mul_quant_triton, silu_and_mul_triton

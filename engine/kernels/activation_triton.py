@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._launch import CachedLauncher
-from engine.kernels.fp8 import FP8, Fp8Rows
+from engine.kernels.fp8_format import FP8, Fp8Rows
 from engine.kernels.fp8_triton import E4M3_MAX_C, MIN_SCALE_C, row_warps
 
 

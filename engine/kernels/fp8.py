@@ -19,31 +19,12 @@ tiny positive scale (its codes are zero) instead of a division by zero.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from engine.kernels._dispatch import check, use_triton
-
-FP8 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-MIN_SCALE = 1e-12
+from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE, Fp8Rows
 # Up to this many rows a linear runs on the Triton kernel (weight-read bound); above, cuBLASLt.
 SMALL_M = 16
-
-
-class Fp8Rows(NamedTuple):
-    """Row-quantized activations: ``q`` [M, K] e4m3 and ``scale`` [M, 1] float32."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.q.float() * self.scale).to(dtype)
 
 
 def fp8_supported(device: torch.device) -> tuple[bool, str]:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._launch import CachedLauncher
-from engine.kernels.fp8 import E4M3_MAX, FP8, MIN_SCALE, Fp8Rows
+from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE, Fp8Rows
 
 # The scheme's constants as kernels may read them (a jitted function sees constexpr globals only).
 E4M3_MAX_C = tl.constexpr(E4M3_MAX)

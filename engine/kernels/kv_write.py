@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels._dispatch import check, use_triton
-from engine.kernels.fp8 import E4M3_MAX, FP8
+from engine.kernels.fp8_format import E4M3_MAX, FP8
 
 
 def _validate(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -3,7 +3,7 @@
 ``fused_add_rms_norm`` rounds ``x + residual`` to the input dtype first (the new residual, as a
 bf16 model carries it) and normalises that rounded value, so ``out`` is consistent with the
 residual the next layer adds to. ``quant=True`` (an FP8 model): the normalised rows, rounded to
-x.dtype as always, leave quantized per row (:class:`engine.kernels.fp8.Fp8Rows`).
+x.dtype as always, leave quantized per row (:class:`engine.kernels.fp8_format.Fp8Rows`).
 """
 
 from __future__ import annotations

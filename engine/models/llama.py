@@ -22,7 +22,8 @@ from torch import nn
 
 from engine import kernels
 from engine.config import ModelConfig
-from engine.kernels.fp8 import FP8, fp8_linear, quantize_rows
+from engine.kernels.fp8 import fp8_linear, quantize_rows
+from engine.kernels.fp8_format import FP8
 from engine.kv.kv_cache import KVCache
 
 QUANTIZATIONS = ("fp8",)

@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from engine.errors import WeightsError
-from engine.kernels.fp8 import FP8, Fp8Rows, quantize_rows
+from engine.kernels.fp8 import quantize_rows
+from engine.kernels.fp8_format import FP8, Fp8Rows
 
 
 class WeightStreamError(WeightsError):

@@ -17,13 +17,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     reason="needs CUDA with FP8 tensor cores")]
 
 from engine.kernels import activation, fp8, norm  # noqa: E402
+from engine.kernels import fp8_format as fmt  # noqa: E402
 from engine.kernels.fp8_triton import fp8_linear_small_m  # noqa: E402
 
 DEV = "cuda"
 
 
-def assert_codes_match(got: fp8.Fp8Rows, want: fp8.Fp8Rows) -> None:
-    assert got.q.dtype == fp8.FP8 and got.scale.shape == want.scale.shape
+def assert_codes_match(got: fmt.Fp8Rows, want: fmt.Fp8Rows) -> None:
+    assert got.q.dtype == fmt.FP8 and got.scale.shape == want.scale.shape
     torch.testing.assert_close(got.scale, want.scale, rtol=1e-6, atol=0)
     g, w = got.q.float(), want.q.float()
     off = (g != w)
@@ -128,7 +129,7 @@ def test_an_fp8_model_loads_quantized_and_tracks_bf16(small_llama):
         core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0)
         info = core.load_model("m", small_llama, max_model_len=512, max_num_seqs=8, quantization=q)
         layer = core.slot("m").model.layers[1]
-        assert layer.qkv_w.dtype == (fp8.FP8 if q else torch.bfloat16)
+        assert layer.qkv_w.dtype == (fmt.FP8 if q else torch.bfloat16)
         assert core.slot("m").model.nbytes == weight_bytes(core.slot("m").model.cfg, torch.bfloat16, q)
         logits[q] = _prefill_logits(core, prompts)
         cores[q] = (core, info)

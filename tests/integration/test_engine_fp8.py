@@ -17,6 +17,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.memory_plan import weight_bytes
 from engine.errors import EngineError
 from engine.kernels import fp8
+from engine.kernels import fp8_format as fmt
 from engine.models.llama import LlamaModel
 from engine.sampling import SamplingParams
 from engine.weights.loader import load_or_restore, load_weights, model_tensors, stash_weights, warm_key
@@ -51,7 +52,7 @@ def test_a_load_quantizes_each_projection_row_by_row_as_the_reference_does(tiny_
                  "down": [(p + "mlp.down_proj.weight", 0)]}
         for proj in PROJECTIONS:
             w, s = getattr(layer, f"{proj}_w"), getattr(layer, f"{proj}_s")
-            assert w.dtype == fp8.FP8 and s.dtype == torch.float32
+            assert w.dtype == fmt.FP8 and s.dtype == torch.float32
             for name, start in parts[proj]:
                 want_q, want_s = fp8.quantize_weight(ck[name])
                 rows = slice(start, start + ck[name].shape[0])
@@ -127,8 +128,8 @@ def test_the_warm_tier_keeps_fp8_bytes_under_their_own_key(tiny_llama_dir):
     dst = LlamaModel(cfg, torch.float32, "cpu", "fp8")
     assert load_or_restore(dst, tiny_llama_dir, tier, key) == (src.nbytes, "warm")
     for (n, a), b in zip(model_tensors(src).items(), model_tensors(dst).values()):
-        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == fp8.FP8 else a,
-                                                  b.view(torch.uint8) if b.dtype == fp8.FP8 else b), n
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == fmt.FP8 else a,
+                                                  b.view(torch.uint8) if b.dtype == fmt.FP8 else b), n
     # an unquantized model under the FP8 key's shapes is not restored from it
     plain = LlamaModel(cfg, torch.float32, "cpu")
     assert load_or_restore(plain, tiny_llama_dir, tier, key)[1] == "disk"
@@ -158,10 +159,10 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_page_and_serves(tiny_llama_
     kw = dict(max_len=128, max_num_seqs=4, max_num_batched_tokens=256, block_size=16, explicit_block_size=False,
               num_kv_pages=None)
     bf16 = load_needs(cfg, torch.bfloat16, pool_page_bytes=None, **kw)
-    f8 = load_needs(cfg, torch.bfloat16, pool_page_bytes=None, kv_dtype=fp8.FP8, **kw)
+    f8 = load_needs(cfg, torch.bfloat16, pool_page_bytes=None, kv_dtype=fmt.FP8, **kw)
     assert f8.tokens_per_page == bf16.tokens_per_page == 16 and f8.page_bytes * 2 == bf16.page_bytes
     # in a pool whose pages a bf16 model sized, an FP8-KV model's page holds twice the tokens
-    shared = load_needs(cfg, torch.bfloat16, pool_page_bytes=bf16.page_bytes, kv_dtype=fp8.FP8, **kw)
+    shared = load_needs(cfg, torch.bfloat16, pool_page_bytes=bf16.page_bytes, kv_dtype=fmt.FP8, **kw)
     assert shared.tokens_per_page == 32 and shared.min_pages * 2 == bf16.min_pages
     lay = kv_layout(bf16.page_bytes, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                     head_dim=cfg.head_dim, dtype="float8_e4m3fn")
@@ -171,7 +172,7 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_page_and_serves(tiny_llama_
     core.load_model("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4)
     core.load_model("kv8", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="fp8",
                     kv_cache_dtype="fp8")
-    assert core.slot("kv8").kv.k(0).dtype == fp8.FP8
+    assert core.slot("kv8").kv.k(0).dtype == fmt.FP8
     prompts = [list(range(3, 40)), list(range(100, 180, 3))]
     cos = torch.nn.functional.cosine_similarity(prefill_logits(core, "ref", prompts),
                                                 prefill_logits(core, "kv8", prompts), dim=-1)

@@ -31,7 +31,8 @@ class FakeWorker:
         self.active = self.max_active = 0
 
     async def load(self, name: str, model_dir: str, *, max_model_len: int, max_num_seqs: int,
-                   weight: float = 1.0, evictable: list[str] | None = None, prefix_caching: bool = True) -> Any:
+                   weight: float = 1.0, evictable: list[str] | None = None, prefix_caching: bool = True,
+                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> Any:
         self.offers.append(list(evictable or []))
         self.active += 1
         self.max_active = max(self.max_active, self.active)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.kernels import KernelError, activation, fp8, norm
+from engine.kernels import fp8_format as fmt
 
 E4M3 = torch.float8_e4m3fn
 
@@ -34,21 +35,21 @@ def test_an_all_zero_row_gets_zero_codes_and_a_positive_scale():
     w = torch.randn(3, 32)
     w[1] = 0
     q, s = fp8.quantize_weight(w)
-    assert s[1] == fp8.MIN_SCALE and q[1].float().eq(0).all()
+    assert s[1] == fmt.MIN_SCALE and q[1].float().eq(0).all()
     rows = fp8.quantize_rows_ref(w)
-    assert rows.scale[1, 0] == fp8.MIN_SCALE and torch.isfinite(rows.dequantize()).all()
+    assert rows.scale[1, 0] == fmt.MIN_SCALE and torch.isfinite(rows.dequantize()).all()
 
 
 def test_row_quantization_writes_into_given_tensors_and_checks_them():
     x = torch.randn(5, 40, dtype=torch.bfloat16)
-    out = fp8.Fp8Rows(torch.empty(5, 40, dtype=E4M3), torch.empty(5, 1))
+    out = fmt.Fp8Rows(torch.empty(5, 40, dtype=E4M3), torch.empty(5, 1))
     got = fp8.quantize_rows(x, out)
     want = fp8.quantize_rows_ref(x)
     assert got.q is out.q and torch.equal(out.q.float(), want.q.float()) and torch.equal(out.scale, want.scale)
     with pytest.raises(KernelError):
-        fp8.quantize_rows(x, fp8.Fp8Rows(torch.empty(5, 40, dtype=torch.bfloat16), torch.empty(5, 1)))
+        fp8.quantize_rows(x, fmt.Fp8Rows(torch.empty(5, 40, dtype=torch.bfloat16), torch.empty(5, 1)))
     with pytest.raises(KernelError):
-        fp8.quantize_rows(x, fp8.Fp8Rows(torch.empty(5, 40, dtype=E4M3), torch.empty(5)))
+        fp8.quantize_rows(x, fmt.Fp8Rows(torch.empty(5, 40, dtype=E4M3), torch.empty(5)))
     with pytest.raises(KernelError):
         fp8.quantize_rows(x[0])
 
@@ -78,7 +79,7 @@ def test_the_linear_refuses_operands_of_the_wrong_kind():
         lambda: fp8.fp8_linear(a, w_q[:, :16], w_s),  # K differs
         lambda: fp8.fp8_linear(a, w_q, w_s[:8]),  # a scale per row
         lambda: fp8.fp8_linear(a, w_q, w_s.double()),
-        lambda: fp8.fp8_linear(fp8.Fp8Rows(a.q, a.scale.view(-1)), w_q, w_s),
+        lambda: fp8.fp8_linear(fmt.Fp8Rows(a.q, a.scale.view(-1)), w_q, w_s),
         lambda: fp8.fp8_linear(a, w_q, w_s, torch.zeros(3)),
     ):
         with pytest.raises(KernelError):
