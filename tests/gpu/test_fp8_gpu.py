@@ -103,25 +103,11 @@ def small_llama(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("fp8") / "m", "llama", "small", seed=0)
 
 
-def _prefill_logits(core, prompts):
-    from engine.sampling import SamplingParams
-    from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
-
-    slot = core.slot("m")
-    out = SchedulerOutput()
-    for i, p in enumerate(prompts):
-        slot.scheduler.blocks.ensure_capacity(i, len(p))
-        out.seqs.append(ScheduledSeq(i, f"r{i}", p, 0, slot.scheduler.blocks.block_table(i), True, 0,
-                                     SamplingParams(temperature=0)))
-    step = slot.runner.prepare(out)
-    with torch.inference_mode():
-        return slot.model.compute_logits(slot.model(step.input_ids, step.positions, slot.kv, step.meta))
-
-
 def test_an_fp8_model_loads_quantized_and_tracks_bf16(small_llama):
     from engine.core.engine_core import EngineCore
     from engine.core.memory_plan import weight_bytes
     from engine.sampling import SamplingParams
+    from ops.bench.fp8_accuracy import prefill_logits
 
     prompts = [list(range(3, 60)), [9, 8, 7, 6, 5], list(range(100, 400, 7))]
     logits, cores = {}, {}
@@ -131,7 +117,7 @@ def test_an_fp8_model_loads_quantized_and_tracks_bf16(small_llama):
         layer = core.slot("m").model.layers[1]
         assert layer.qkv_w.dtype == (fmt.FP8 if q else torch.bfloat16)
         assert core.slot("m").model.nbytes == weight_bytes(core.slot("m").model.cfg, torch.bfloat16, q)
-        logits[q] = _prefill_logits(core, prompts)
+        logits[q] = prefill_logits(core, "m", prompts)
         cores[q] = (core, info)
     assert cores["fp8"][0].slot("m").weight_bytes < 0.75 * cores[None][0].slot("m").weight_bytes
     cos = torch.nn.functional.cosine_similarity(logits["fp8"].float(), logits[None].float(), dim=-1)
