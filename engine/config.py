@@ -2,8 +2,9 @@
 
 Reads both spellings in the wild: as model hubs publish it (``rope_theta``, ``rope_scaling``,
 ``torch_dtype``) and as transformers 5 writes it (``rope_parameters`` holding the theta and the
-scaling, ``dtype``). Refuses remote code (``auto_map``), quantized checkpoints and anything
-outside Llama 3.x / Mistral / Qwen2 / Qwen3, with a :class:`ModelConfigError` naming the key.
+scaling, ``dtype``). Refuses remote code (``auto_map``), quantized checkpoints other than the
+FP8 layouts :func:`_fp8_checkpoint` names, and anything outside Llama 3.x / Mistral / Qwen2 /
+Qwen3, with a :class:`ModelConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before rope
     dtype: str  # the checkpoint's dtype name
     sliding_window: int | None  # when set, sequences are capped at it (full attention inside)
+    # A pre-quantized FP8 checkpoint's weight scales (engine.weights.fp8_checkpoint): "channel" or
+    # "tensor" (compressed-tensors float-quantized), "block128" (quant_method "fp8", 128x128); None: not one
+    fp8_checkpoint: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -141,20 +145,64 @@ def _rope(cfg: dict) -> tuple[float, dict[str, Any] | None]:
     return theta, out
 
 
+def _scheme(qc: Any) -> str:
+    """A quantization_config's scheme in a few words, for a refusal."""
+    if not isinstance(qc, dict):
+        return repr(qc)[:60]
+    parts = [str(qc.get("quant_method", "?"))[:40]]
+    if isinstance(qc.get("format"), str):
+        parts.append(f"format {qc['format'][:40]}")
+    return ", ".join(parts)
+
+
+def _fp8_checkpoint(qc: Any) -> str | None:
+    """The weight-scale layout of a supported pre-quantized FP8 checkpoint, None for an unquantized
+    one; ModelConfigError naming the scheme for anything else.
+
+    Supported: compressed-tensors ``float-quantized`` with 8-bit float weights, strategy
+    ``channel`` or ``tensor`` (input scales dynamic or static: a static ``input_scale`` is checked
+    and then not used, activations are quantized per token as the engine's own FP8 models are);
+    ``quant_method: "fp8"`` with e4m3 weights in 128x128 blocks (``weight_scale_inv``)."""
+    if not qc:
+        return None
+    refuse = ModelConfigError(f"config.json: quantization_config ({_scheme(qc)}) is not supported; supported: "
+                              "compressed-tensors float-quantized FP8 (channel or tensor weight scales) and "
+                              "quant_method fp8 with 128x128 blocks")
+    if not isinstance(qc, dict):
+        raise refuse
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3" or qc.get("weight_block_size") != [128, 128]:
+            raise refuse
+        if qc.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+            raise refuse
+        return "block128"
+    if method != "compressed-tensors" or qc.get("format") not in ("float-quantized", "naive-quantized"):
+        raise refuse
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise refuse
+    (group,) = groups.values()
+    w = group.get("weights") if isinstance(group, dict) else None
+    a = group.get("input_activations") if isinstance(group, dict) else None
+    if (not isinstance(w, dict) or w.get("num_bits") != 8 or w.get("type") != "float"
+            or w.get("strategy") not in ("channel", "tensor") or w.get("dynamic", False)):
+        raise refuse
+    if a is not None and (not isinstance(a, dict) or a.get("num_bits") != 8 or a.get("type") != "float"):
+        raise refuse
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+        raise refuse
+    return w["strategy"]
+
+
 def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
     """Validate a parsed config.json (and optional generation_config.json) into a ModelConfig."""
     if not isinstance(cfg, dict):
         raise ModelConfigError("config.json must hold a JSON object")
     if cfg.get("auto_map"):
         raise ModelConfigError("config.json: auto_map asks for remote code, which this engine never runs")
-    qc = cfg.get("quantization_config")
-    if qc:
-        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
-        fmt = qc.get("format") if isinstance(qc, dict) else None
-        scheme = f"{method}" + (f" ({fmt})" if isinstance(fmt, str) else "")
-        raise ModelConfigError(
-            f"config.json: pre-quantized checkpoints are not supported (quantization_config: {str(scheme)[:80]}); "
-            "load the bf16 checkpoint with quantization = \"fp8\" to quantize it at load")
+    fp8_checkpoint = _fp8_checkpoint(cfg.get("quantization_config"))
     family = _family(cfg)
     hidden = _int(cfg, "hidden_size")
     heads = _int(cfg, "num_attention_heads")
@@ -212,6 +260,7 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         qk_norm=family == "qwen3",
         dtype=dtype,
         sliding_window=window,
+        fp8_checkpoint=fp8_checkpoint,
         eos_token_ids=eos,
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         raw=cfg,

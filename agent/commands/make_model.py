@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from agent.units import parse_size
@@ -57,6 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=5 * 10**9,
         help="largest safetensors shard (default 5GB)",
     )
+    p.add_argument("--quantize", choices=("fp8",), help="write a pre-quantized checkpoint (the hub's layouts)")
+    p.add_argument("--fp8-layout", choices=("channel", "tensor", "block128"), default="channel",
+                   help="with --quantize fp8: compressed-tensors with a scale per output channel (channel) or "
+                        "per tensor (tensor), or quant_method fp8 with 128x128 blocks (block128)")
     p.set_defaults(func=run)
 
 
@@ -64,8 +69,16 @@ def run(args: argparse.Namespace) -> int:
     from modelgen.make import ModelGenError, make_model
 
     try:
+        target = args.out
+        if args.quantize:  # the unquantized folder next to the output, then written again quantized
+            from pathlib import Path
+
+            out_path = Path(args.out)
+            if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
+                raise ModelGenError(f"output {out_path} exists and is not an empty directory")
+            target = out_path.parent / f".{out_path.name}.unquantized-{os.getpid()}"
         out = make_model(
-            args.out,
+            target,
             args.arch,
             args.preset,
             seed=args.seed,
@@ -73,6 +86,15 @@ def run(args: argparse.Namespace) -> int:
             max_shard_bytes=args.max_shard_size,
             progress=lambda msg: print(msg, file=sys.stderr, flush=True),
         )
+        if args.quantize:
+            import shutil
+
+            from modelgen.fp8_checkpoint import quantize_folder
+
+            try:
+                out = quantize_folder(out, args.out, args.fp8_layout)
+            finally:
+                shutil.rmtree(target, ignore_errors=True)
     except ModelGenError as e:
         print(f"make-model: {e}", file=sys.stderr)
         return 2

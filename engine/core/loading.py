@@ -72,6 +72,12 @@ def kv_dtype_for(kv_cache_dtype: str | None, device: torch.device) -> torch.dtyp
     return FP8
 
 
+def load_quantization(cfg: ModelConfig, asked: str | None) -> str | None:
+    """The quantization a load runs with: the one asked for, or "fp8" for a pre-quantized FP8
+    checkpoint (its format decides: its bf16 weights do not exist)."""
+    return asked or ("fp8" if cfg.fp8_checkpoint else None)
+
+
 def check_quantization(quantization: str | None, cfg: ModelConfig, device: torch.device) -> None:
     """Refuse (EngineError, with the reason) a quantization this engine, model or device cannot run."""
     if quantization is None:
@@ -153,6 +159,7 @@ class ModelLoader:
                                        or block_size < 1):
             raise EngineError("block_size must be an integer >= 1")
         cfg = load_model_config(model_dir)
+        quantization = load_quantization(cfg, quantization)
         check_quantization(quantization, cfg, self.device)
         kv_dtype = kv_dtype_for(kv_cache_dtype, self.device)
         max_len = usable_len(cfg, max_model_len)
@@ -236,9 +243,9 @@ class ModelLoader:
             self._pools.fit(None, None)
             raise
         pending = PendingLoad(name, str(model_dir), cfg, max_len, dtype, needs, max_num_seqs, float(weight), t0)
-        pending.quantization = quantization
+        pending.quantization = load_quantization(cfg, quantization)
         pending.kv_cache_dtype = kv_cache_dtype
-        pending.key = warm_key(name, model_dir, quantization)
+        pending.key = warm_key(name, model_dir, pending.quantization)
         pending.prefix_caching = bool(prefix_caching)
         pending.shape = self._workspace_shape(max_num_seqs, max_len, dtype, needs.tokens_per_page)
         pending.prebuild = self.warmup and self.prebuild_runner is not False and prebuild_wanted(

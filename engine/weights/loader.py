@@ -28,6 +28,7 @@ import torch
 from cache.errors import SafetensorsError
 from cache.safetensors_check import check_file
 from engine.errors import WeightsError
+from engine.weights import fp8_checkpoint
 from engine.weights.warm_tier import WarmTier, WarmTierError
 from engine.weights.weight_stream import CopyJob, stream_to_device
 
@@ -113,12 +114,14 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     raise WeightsError(f"{d}: no *.safetensors weight files")
 
 
-def checked_tensors(path: Path, slots: dict, filled: set[str]):
+def checked_tensors(path: Path, slots: dict, filled: set[str], scales: dict[str, dict[str, tuple]] | None = None):
     """Validate one file's header, then yield ``(info, slot)`` for each tensor this model takes.
 
     Refuses (WeightsError, naming file and tensor) a bad header, an unexpected or repeated
-    tensor and a dtype other than F32/F16/BF16; marks each yielded name in ``filled``. Shapes
-    are the caller's to check: a tensor-parallel shard expects slices, not the whole tensor.
+    tensor and a dtype other than F32/F16/BF16 (F8_E4M3 for an FP8 model's projection weights);
+    marks each yielded name in ``filled``. ``scales`` (an FP8 checkpoint's): its scale tensors are
+    collected there (weight name → kind → (path, info)) instead of refused. Shapes are the
+    caller's to check: a tensor-parallel shard expects slices, not the whole tensor.
     """
     try:
         header = check_file(path)
@@ -130,32 +133,62 @@ def checked_tensors(path: Path, slots: dict, filled: set[str]):
             continue
         if name == "lm_head.weight" and name not in slots:
             continue  # a tied head saved anyway: the embedding is the head
+        target = fp8_checkpoint.scale_target(name)
+        if target is not None and target[0] in slots:
+            if scales is None:
+                raise WeightsError(f"{path.name}: FP8 scale tensor {name!r} in a checkpoint whose config.json "
+                                   f"declares no FP8 quantization_config (or a model loaded without FP8)")
+            kinds = scales.setdefault(target[0], {})
+            if target[1] in kinds:
+                raise WeightsError(f"{path.name}: tensor {name!r} appears twice in the checkpoint")
+            kinds[target[1]] = (path, info)
+            continue
         slot = slots.get(name)
         if slot is None:
             raise WeightsError(f"{path.name}: unexpected tensor {name!r} for this architecture")
         if name in filled:
             raise WeightsError(f"{path.name}: tensor {name!r} appears twice in the checkpoint")
-        if info.dtype not in _ST_DTYPES:
+        if info.dtype.startswith("F8_"):
+            fp8_checkpoint.refuse_fp8_dtype(path, name, info.dtype, slot[0])
+        elif info.dtype not in _ST_DTYPES:
             raise WeightsError(f"{path.name}: tensor {name!r} has dtype {info.dtype}, expected F32/F16/BF16")
         filled.add(name)
         yield info, slot
 
 
 def _file_jobs(path: Path, slots: dict[str, tuple[torch.Tensor, int, int]], filled: set[str],
-               scales: dict[int, torch.Tensor] | None = None) -> list[CopyJob]:
+               scales: dict[int, torch.Tensor] | None = None, fp8: _Fp8Files | None = None) -> list[CopyJob]:
     """One copy job per tensor of the file (a row range of its slot), shapes checked. ``scales``
-    (``LlamaModel.row_scales``): a slot found there is quantized to FP8 as it lands."""
+    (``LlamaModel.row_scales``): a slot found there is quantized to FP8 as it lands, unless the
+    file's tensor is e4m3 already (``fp8``: an FP8 checkpoint's; its scales come from the file)."""
     jobs = []
-    for info, (dest, start, rows) in checked_tensors(path, slots, filled):
+    for info, (dest, start, rows) in checked_tensors(path, slots, filled, fp8.scales if fp8 else None):
         want = (rows, *dest.shape[1:])
         if tuple(info.shape) != want:
             raise WeightsError(f"{path.name}: tensor {info.name!r} has shape {list(info.shape)}, expected {list(want)}")
-        src = _ST_DTYPES[info.dtype]
+        view = dest.data[start:start + rows]
         scale = (scales or {}).get(id(dest))
-        jobs.append(CopyJob(path, info.begin, info.end - info.begin, dest.data[start:start + rows],
+        if fp8_checkpoint.is_fp8(info.dtype):
+            if fp8 is None:
+                raise WeightsError(f"{path.name}: e4m3 tensor {info.name!r} in a checkpoint whose config.json "
+                                   f"declares no FP8 quantization_config")
+            fp8.fills.append(fp8_checkpoint.ScaleFill(info.name, path, view, scale.data[start:start + rows]))
+            jobs.append(CopyJob(path, info.begin, info.end - info.begin, view))
+            continue
+        src = _ST_DTYPES[info.dtype]
+        jobs.append(CopyJob(path, info.begin, info.end - info.begin, view,
                             src_dtype=None if src == dest.dtype else src,
                             scale=None if scale is None else scale.data[start:start + rows]))
     return jobs
+
+
+@dataclass
+class _Fp8Files:
+    """What an FP8 checkpoint's files hold beside the weights (engine.weights.fp8_checkpoint)."""
+
+    layout: str
+    scales: dict[str, dict[str, tuple]] = field(default_factory=dict)
+    fills: list = field(default_factory=list)
 
 
 def reader_threads() -> int:
@@ -175,15 +208,21 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, *, threads: int 
     """
     slots = model.weight_slots()
     scales = model.row_scales()
+    layout = getattr(model.cfg, "fp8_checkpoint", None)
+    fp8 = _Fp8Files(layout) if layout and scales else None
     filled: set[str] = set()
     jobs: list[CopyJob] = []
     for path in weight_files(model_dir):
-        jobs.extend(_file_jobs(path, slots, filled, scales))
+        jobs.extend(_file_jobs(path, slots, filled, scales, fp8))
     missing = sorted(set(slots) - filled)
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise WeightsError(f"{model_dir}: missing weights {', '.join(missing[:3])}{more}")
+    if fp8 is not None:
+        fp8_checkpoint.read_scales(fp8.layout, fp8.fills, fp8.scales)  # every scale checked before a copy
     stream_to_device(jobs, threads=threads or reader_threads(), streams=streams, cancel=cancel)
+    if fp8 is not None:
+        fp8_checkpoint.apply(fp8.fills)
     return model.nbytes
 
 

@@ -66,9 +66,13 @@ def test_families_set_their_flags():
         ({"auto_map": {"AutoModelForCausalLM": "x.Model"}}, "remote code"),
         ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported model"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantized"),
-        ({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized"}},
-         r"compressed-tensors \(float-quantized\).*quantization = \"fp8\""),
-        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, r"pre-quantized.*\bfp8\b"),
+        ({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}},
+         r"compressed-tensors, format pack-quantized\) is not supported"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}, r"\(fp8\) is not supported"),
+        ({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+            "g": {"weights": {"num_bits": 8, "type": "float", "strategy": "group"}}}}}, "not supported"),
+        ({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+            "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}}}}, "not supported"),
         ({"hidden_size": 0}, "hidden_size"),
         ({"num_hidden_layers": "32"}, "num_hidden_layers"),
         ({"num_key_value_heads": 5}, "multiple"),

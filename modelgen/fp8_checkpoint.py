@@ -1,0 +1,105 @@
+"""Write a model folder as a pre-quantized FP8 checkpoint in a hub layout (for tests and benches):
+``quantize_folder(src, out, layout)``, from a bf16/float32 folder.
+
+Layouts (what engine/weights/fp8_checkpoint.py reads):
+- ``channel`` / ``tensor``: compressed-tensors ``float-quantized``: ``P.weight`` e4m3 and
+  ``P.weight_scale`` ([N, 1] per output channel, or [1] for the whole tensor), ``P.input_scale``
+  [1] with ``static_input=True``; ``quantization_config.quant_method = "compressed-tensors"``.
+- ``block128``: ``quant_method: "fp8"``, ``weight_block_size [128, 128]``: ``P.weight`` e4m3 and
+  ``P.weight_scale_inv`` [ceil(N/128), ceil(K/128)], the multiplier of each block.
+
+Only the decoder projections are quantized (embeddings, norms, biases and the LM head stay as
+they are, listed in ``ignore`` as the hub's checkpoints do). Written next to ``out`` and renamed
+into place, so a failure leaves nothing under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+LAYOUTS = ("channel", "tensor", "block128")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+E4M3_MAX = 448.0
+
+
+def _is_projection(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS
+
+
+def quantize_tensor(w: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
+    """``{"weight": e4m3, scale name: float32}`` of one [N, K] weight in ``layout``."""
+    wf = w.float()
+    if layout == "channel":
+        s = (wf.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp_min(1e-12)
+        return {"weight": (wf / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), "weight_scale": s}
+    if layout == "tensor":
+        s = (wf.abs().amax() / E4M3_MAX).clamp_min(1e-12).reshape(1)
+        return {"weight": (wf / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), "weight_scale": s}
+    n, k = wf.shape
+    pr, pc = -n % 128, -k % 128
+    x = torch.nn.functional.pad(wf, (0, pc, 0, pr)).reshape((n + pr) // 128, 128, (k + pc) // 128, 128)
+    s = (x.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(1e-12)
+    q = (x / s[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).reshape(n + pr, k + pc)[:n, :k]
+    return {"weight": q.to(torch.float8_e4m3fn), "weight_scale_inv": s}
+
+
+def quantization_config(layout: str, static_input: bool) -> dict:
+    if layout == "block128":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static" if static_input else "dynamic",
+                "weight_block_size": [128, 128], "ignore": ["lm_head"]}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": layout, "dynamic": False, "symmetric": True},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor" if static_input else "token",
+                                      "dynamic": not static_input, "symmetric": True}}}}
+
+
+def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str, static_input: bool = False) -> Path:
+    """``src`` (an unquantized model folder) written again at ``out`` as an FP8 checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    src, out = Path(src), Path(out)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        weight_map: dict[str, str] = {}
+        for f in sorted(src.iterdir()):
+            if f.suffix == ".safetensors":
+                tensors = {}
+                for name, t in load_file(str(f)).items():
+                    if _is_projection(name):
+                        base = name[: -len(".weight")]
+                        for part, v in quantize_tensor(t, layout).items():
+                            tensors[f"{base}.{part}"] = v.contiguous()
+                        if static_input:
+                            tensors[f"{base}.input_scale"] = torch.ones(1)
+                    else:
+                        tensors[name] = t
+                save_file(tensors, str(tmp / f.name), metadata={"format": "pt"})
+                weight_map.update({n: f.name for n in tensors})
+            elif f.name == "config.json":
+                cfg = json.loads(f.read_text())
+                cfg["quantization_config"] = quantization_config(layout, static_input)
+                (tmp / f.name).write_text(json.dumps(cfg, indent=2) + "\n")
+            elif f.name == "model.safetensors.index.json":
+                continue  # written below, with the new tensor names
+            elif f.is_file():
+                shutil.copy2(f, tmp / f.name)
+        if (src / "model.safetensors.index.json").exists():
+            (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
