@@ -61,10 +61,17 @@ def model_rows(models: list[dict[str, Any]]) -> list[list[str]]:
         pull = m.get("pull") or {}
         if m["state"] == "pulling" and pull.get("total_bytes"):
             state += f" {100 * pull['done_bytes'] / pull['total_bytes']:.0f}% of {human_bytes(pull['total_bytes'])}"
-        rows.append([m["name"], state, human_bytes(m.get("device_bytes")),
+        rows.append([m["name"], state, human_bytes(m.get("device_bytes")), _format_cell(m),
                      f"{kv.get('used', 0)}/{kv.get('total', 0)}", _prefix_cell(m), str(m.get("in_flight", 0)),
                      ago(m.get("last_used"))])
     return rows
+
+
+def _format_cell(m: dict[str, Any]) -> str:
+    """The FP8 column: what of the model is e4m3 (its weights, its KV cache), or "-"."""
+    parts = [p for p, on in (("weights", m.get("quantization") == "fp8"), ("kv", m.get("kv_cache_dtype") == "fp8"))
+             if on]
+    return "+".join(parts) if parts else "-"
 
 
 def _prefix_cell(m: dict[str, Any]) -> str:
@@ -86,7 +93,8 @@ def memory_name(device: str | None) -> str:
 
 def model_headers(device: str | None) -> list[str]:
     """The model table's columns; the memory column is named by the worker's device."""
-    return ["MODEL", "STATE", f"{memory_name(device)} MEM", "KV PAGES", "PREFIX CACHE", "IN-FLIGHT", "LAST USE"]
+    return ["MODEL", "STATE", f"{memory_name(device)} MEM", "FP8", "KV PAGES", "PREFIX CACHE", "IN-FLIGHT",
+            "LAST USE"]
 
 
 def model_table(st: dict[str, Any]) -> str:

@@ -142,3 +142,29 @@ def test_an_fp8_model_loads_quantized_and_tracks_bf16(small_llama):
     while core.has_unfinished_requests():
         n += sum(len(o.new_token_ids) for o in core.step())
     assert n == 16 * len(prompts) and core.slot("m").runner.graph_steps > 0
+
+
+@pytest.mark.parametrize("layout", ["channel", "tensor", "block128"])
+def test_pre_quantized_checkpoints_load_on_the_gpu(layout, small_llama, tmp_path):
+    """The hub layouts through the CUDA weight stream (e4m3 bytes copied as they are, scales
+    checked on the host, block scales requantized per row on the device)."""
+    from safetensors.torch import load_file
+
+    from engine.core.engine_core import EngineCore
+    from modelgen.fp8_checkpoint import quantize_folder
+    from ops.bench.fp8_accuracy import prefill_logits
+
+    ck = quantize_folder(small_llama, tmp_path / layout, layout)
+    prompts = [list(range(3, 60)), list(range(100, 400, 7))]
+    core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0)
+    core.load_model("bf16", small_llama, max_model_len=512, max_num_seqs=8)
+    core.load_model("ck", ck, max_model_len=512, max_num_seqs=8)
+    assert core.slot("ck").model.quantization == "fp8"
+    cos = torch.nn.functional.cosine_similarity(prefill_logits(core, "ck", prompts),
+                                                prefill_logits(core, "bf16", prompts), dim=-1)
+    assert cos.min().item() >= 0.99, cos.min().item()
+    if layout != "block128":
+        (f,) = ck.glob("*.safetensors")
+        q = load_file(str(f))["model.layers.1.mlp.down_proj.weight"]
+        got = core.slot("ck").model.layers[1].down_w
+        assert torch.equal(got.view(torch.uint8).cpu(), q.view(torch.uint8))

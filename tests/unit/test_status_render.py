@@ -61,3 +61,17 @@ def test_memory_is_named_by_the_device() -> None:
     header = next(ln for ln in out.splitlines() if ln.startswith("MODEL"))
     assert "CPU MEM" in header and "GPU" not in out
     assert "budget: not known yet (the engine worker sizes it when it starts)" in out
+
+
+def test_the_fp8_column_says_what_of_a_model_is_e4m3() -> None:
+    st = {"version": "0.1.0", "uptime_s": 1, "ready": True,
+          "worker": {"pid": 7, "alive": True, "device": "cuda:0", "restarts": 0},
+          "budget": {"total_bytes": 80 << 30, "used_bytes": 30 << 30}, "cache": {"max_bytes": 1 << 40, "used_bytes": 0},
+          "models": [_model("a", "ready", 8 << 30, quantization="fp8", kv_cache_dtype="fp8"),
+                     _model("b", "ready", 8 << 30, quantization="fp8", kv_cache_dtype=None),
+                     _model("c", "ready", 15 << 30, quantization=None, kv_cache_dtype=None)]}
+    lines = render(st).splitlines()
+    header = next(ln for ln in lines if ln.startswith("MODEL"))
+    col = header.index("FP8")
+    cells = {ln.split()[0]: ln[col:].split()[0] for ln in lines[lines.index(header) + 1:]}
+    assert cells == {"a": "weights+kv", "b": "weights", "c": "-"}
