@@ -125,3 +125,21 @@ def test_an_fp8_kv_write_stores_each_element_saturated_at_unit_scale():
     assert kc.float().abs().sum() == got.abs().sum()  # nothing else written
     with pytest.raises(KernelError):
         kv_write.write_kv(k, v, kc.view(torch.uint8), vc.view(torch.uint8), torch.tensor([5]))
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused_with_the_reason(monkeypatch):
+    """What a load on an A100 (compute capability 8.0) hears; the check reads only the device's
+    capability and name, so those two are what this test sets."""
+    from engine.core.loading import check_quantization, kv_dtype_for
+    from engine.errors import EngineError
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    ok, why = fp8.fp8_supported(torch.device("cuda"))
+    assert not ok and "A100" in why and "8.0" in why and "8.9" in why
+    with pytest.raises(EngineError, match="quantization 'fp8': NVIDIA A100.*no FP8 tensor cores"):
+        check_quantization("fp8", None, torch.device("cuda"))
+    with pytest.raises(EngineError, match="kv_cache_dtype 'fp8': NVIDIA A100"):
+        kv_dtype_for("fp8", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8.fp8_supported(torch.device("cuda")) == (True, "")
