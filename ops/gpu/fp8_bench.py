@@ -32,9 +32,14 @@ SWEEP = [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=st)
          for bn, bk, sk, w, st in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8), (4,), (3, 5))]
 # Medium rows (--medium): the kernel tiled over rows too, against cuBLASLt, where cuBLASLt's FP8
 # falls behind its bf16 (ops/gpu/fp8_parts.py: the down projection at 64 rows).
-MEDIUM_ROWS = (32, 64, 128)
-MEDIUM_SWEEP = [dict(block_m=bm, block_n=bn, block_k=bk, split_k=1, num_warps=4, num_stages=st)
-                for bm, bn, bk, st in itertools.product((32, 64, 128), (32, 64, 128), (128, 256), (3, 4))]
+# 256 and 512 rows (decode batches of the c200 and offline runs): 128-row tiles with 8 warps, and
+# split K (the down projection's K = 14336 over 64 programs leaves most SMs idle); 256-channel
+# tiles spill (sm_90 AOT: 255 registers and 200 bytes of stack).
+MEDIUM_ROWS = (32, 64, 128, 256, 512)
+MEDIUM_SWEEP = ([dict(block_m=bm, block_n=bn, block_k=bk, split_k=1, num_warps=4, num_stages=st)
+                 for bm, bn, bk, st in itertools.product((32, 64, 128), (32, 64, 128), (128, 256), (3, 4))]
+                + [dict(block_m=128, block_n=bn, block_k=128, split_k=sk, num_warps=8, num_stages=st)
+                   for bn, sk, st in itertools.product((128,), (1, 2, 4), (3, 4))])
 
 
 def medium(res: dict) -> None:
@@ -48,7 +53,7 @@ def medium(res: dict) -> None:
                                                    out_dtype=torch.bfloat16))
             ok = []
             for cfg in MEDIUM_SWEEP:
-                if cfg["block_m"] > 2 * m:
+                if cfg["block_m"] > 2 * m or (m >= 256 and cfg["block_m"] < 64):
                     continue
                 try:
                     ok.append({**cfg, "ms": graph_ms(lambda: fp8_linear_small_m(a, w_q, w_s, None, torch.bfloat16, cfg),
