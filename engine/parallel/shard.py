@@ -60,6 +60,9 @@ def plan_shards(cfg: ModelConfig, rank: int, world_size: int) -> ShardPlan:
         raise TPConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise TPConfigError(f"rank must be in [0, {world_size}), got {rank!r}")
+    if cfg.fp8_checkpoint:
+        raise TPConfigError(f"a pre-quantized FP8 checkpoint ({cfg.fp8_checkpoint} scales) does not load "
+                            "tensor-parallel: FP8 models run on one GPU")
     for what, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
                     ("intermediate_size", cfg.intermediate_size)):
         if n % world_size:

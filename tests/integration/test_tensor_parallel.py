@@ -286,6 +286,16 @@ def test_unsplittable_models_are_refused(make_tiny_model):
         plan_shards(cfg, 2, 2)
 
 
+def test_fp8_checkpoints_are_refused_before_any_rank_loads(make_tiny_model, tmp_path):
+    from engine.parallel.group import TPConfigError
+    from engine.parallel.shard import plan_shards
+    from modelgen.fp8_checkpoint import quantize_folder
+
+    cfg = load_model_config(quantize_folder(make_tiny_model("llama"), tmp_path / "fp8", "channel"))
+    with pytest.raises(TPConfigError, match="pre-quantized FP8 checkpoint .*channel.* one GPU"):
+        plan_shards(cfg, 0, 2)
+
+
 def test_shards_concatenate_to_the_checkpoint(make_tiny_model):
     """Rank 0's and rank 1's slices, put back together, are the unsharded weights (no processes)."""
     from engine.weights.loader import load_weights
