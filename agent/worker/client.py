@@ -341,11 +341,15 @@ class WorkerClient:
             st.startup, st.hello_at = P.unpack_startup(msg), now  # a bad record: a protocol error
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(msg)
-        elif isinstance(msg, P.Loaded):
-            self.load_timings[msg.model] = P.unpack_timings(msg)
-            self._resolve(("load", msg.model), msg)
-        elif isinstance(msg, P.Unloaded):
-            self._resolve(("unload", msg.model), msg)
+        elif isinstance(msg, (P.Loaded, P.Unloaded)):
+            # The last Status may describe the model's previous load: forget it until the next
+            # one (readers fall back on the Loaded info), so no one reads the old load's bytes.
+            st.models = {k: v for k, v in st.models.items() if k != msg.model}
+            if isinstance(msg, P.Loaded):
+                self.load_timings[msg.model] = P.unpack_timings(msg)
+                self._resolve(("load", msg.model), msg)
+            else:
+                self._resolve(("unload", msg.model), msg)
         elif isinstance(msg, P.PrefixCacheDropped):
             self._resolve(("drop_prefix_cache", msg.model), msg)
         elif isinstance(msg, P.Error):

@@ -15,6 +15,7 @@ import uvloop
 
 from agent.worker import client as wc
 from agent.worker import spawn as ws
+from engine.worker import protocol as P
 
 
 async def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -259,3 +260,17 @@ def test_damaged_kernels_are_swept_before_the_workers_first_load(tmp_path, monke
             await c.stop(timeout=5)
 
     uvloop.run(main())
+
+
+def test_a_load_or_unload_forgets_the_models_last_status() -> None:
+    """The Status before a Loaded or an Unloaded describes the model's previous load: the client
+    forgets that model's row (readers fall back on the Loaded info) until the next Status."""
+    c = wc.WorkerClient({}, engine="none")
+    old = {"device_bytes": 9_000, "running": 0}
+    c._dispatch(P.Status(steps=1, busy=False, models={"m": old, "other": {"device_bytes": 5}}))
+    c._dispatch(P.Loaded(model="m", info={"device_bytes": 4_000}, seconds=0.1))
+    assert c.state.models == {"other": {"device_bytes": 5}}
+    c._dispatch(P.Status(steps=2, busy=False, models={"m": {"device_bytes": 4_000}, "other": {"device_bytes": 5}}))
+    assert c.state.models["m"]["device_bytes"] == 4_000
+    c._dispatch(P.Unloaded(model="m"))
+    assert "m" not in c.state.models and "other" in c.state.models
