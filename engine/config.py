@@ -170,6 +170,10 @@ def _fp8_checkpoint(qc: Any) -> str | None:
                               "quant_method fp8 with 128x128 blocks")
     if not isinstance(qc, dict):
         raise refuse
+    if qc.get("kv_cache_scheme"):
+        # calibrated K/V scales (self_attn.k_scale, v_scale): the FP8 KV cache runs at unit scale
+        raise ModelConfigError(f"config.json: quantization_config ({_scheme(qc)}) carries a kv_cache_scheme "
+                               "(calibrated KV scales), which this engine does not read")
     method = qc.get("quant_method")
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3" or qc.get("weight_block_size") != [128, 128]:
@@ -186,7 +190,8 @@ def _fp8_checkpoint(qc: Any) -> str | None:
     w = group.get("weights") if isinstance(group, dict) else None
     a = group.get("input_activations") if isinstance(group, dict) else None
     if (not isinstance(w, dict) or w.get("num_bits") != 8 or w.get("type") != "float"
-            or w.get("strategy") not in ("channel", "tensor") or w.get("dynamic", False)):
+            or w.get("strategy") not in ("channel", "tensor") or w.get("dynamic", False)
+            or not w.get("symmetric", True)):  # asymmetric weights carry zero points
         raise refuse
     if a is not None and (not isinstance(a, dict) or a.get("num_bits") != 8 or a.get("type") != "float"):
         raise refuse

@@ -20,5 +20,10 @@ class ModelConfigError(EngineError):
     """config.json is missing, malformed, or describes a model this engine does not run."""
 
 
+class LoadOptionError(EngineError):
+    """A load's option (quantization, KV cache dtype) is one this engine, model or device cannot
+    run: the reason is the message; never a matter of room."""
+
+
 class WeightsError(EngineError):
     """The weight files are missing, not safetensors, malformed or do not match the config."""

@@ -186,16 +186,18 @@ class ModelManager:
         have them) replace the settings' for this and later loads; asking a loaded model for
         others is a conflict."""
         e = self._entry(name, create=self.source is not None)
+        if e.state is State.READY:
+            # against what the load runs with (a pre-quantized checkpoint is FP8 whatever was asked)
+            differ = [f"{k} {self._format(e, k) or 'none'}" for k, v in
+                      (("quantization", quantization), ("kv_cache_dtype", kv_cache_dtype))
+                      if v is not ... and v != self._format(e, k)]
+            if differ:
+                raise ManagerError(f"{name} is loaded with {', '.join(differ)}; unload it first")
+            return None
         asked = {k: v for k, v in (("quantization", quantization), ("kv_cache_dtype", kv_cache_dtype))
                  if v is not ... and v != getattr(e.settings, k)}
-        if asked:
-            if e.state is State.READY:
-                now = ", ".join(f"{k} {getattr(e.settings, k) or 'none'}" for k in asked)
-                raise ManagerError(f"{name} is loaded with {now}; unload it first")
-            if e.state in (State.ABSENT, State.CACHED, State.FAILED):
-                e.settings = e.settings.model_copy(update=asked)
-        if e.state is State.READY:
-            return None
+        if asked and e.state in (State.ABSENT, State.CACHED, State.FAILED):
+            e.settings = e.settings.model_copy(update=asked)
         if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
         task = self._start(e, self._load(e))
@@ -548,6 +550,14 @@ class ModelManager:
 
     # --- views ------------------------------------------------------------------------------
 
+    @staticmethod
+    def _format(e: ModelEntry, key: str) -> str | None:
+        """``quantization`` / ``kv_cache_dtype`` of a model: what its load runs with once ready
+        (the engine decides for a pre-quantized checkpoint), its settings' until then."""
+        if e.state is State.READY and key in e.info:
+            return e.info[key]
+        return getattr(e.settings, key)
+
     def describe(self, e: ModelEntry) -> dict[str, Any]:
         stats = self.worker.state.models.get(e.name, {}) if e.state is State.READY else {}
         return {
@@ -561,7 +571,7 @@ class ModelManager:
             "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
             "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
             "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len)),
-            "quantization": e.settings.quantization, "kv_cache_dtype": e.settings.kv_cache_dtype,
+            "quantization": self._format(e, "quantization"), "kv_cache_dtype": self._format(e, "kv_cache_dtype"),
             "vocab_size": int(e.info["vocab_size"]) if "vocab_size" in e.info else None,
             "preload": e.settings.preload, "queue_limit": e.queue_limit, "pinned": e.pin,
             "autoload": self.autoload_enabled(e), "keep_alive_s": e.settings.keep_alive,

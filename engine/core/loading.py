@@ -39,7 +39,7 @@ from engine.core.load_notes import LoadNotes
 from engine.core.memory_plan import LoadNeeds, load_needs
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
-from engine.errors import EngineError
+from engine.errors import EngineError, LoadOptionError
 from engine.kernels.fp8 import fp8_supported
 from engine.kernels.fp8_format import FP8
 from engine.models.llama import QUANTIZATIONS, LlamaModel
@@ -59,16 +59,16 @@ KV_CACHE_DTYPES = ("fp8",)
 
 def kv_dtype_for(kv_cache_dtype: str | None, device: torch.device) -> torch.dtype | None:
     """The KV cache's dtype for a load's ``kv_cache_dtype`` (None: the model's own dtype), or an
-    EngineError with the reason. ``"fp8"``: e4m3 at unit scale (K and V of the Llama family stay
+    LoadOptionError with the reason. ``"fp8"``: e4m3 at unit scale (K and V of the Llama family stay
     far inside e4m3's +-448; a value beyond saturates), a byte an element: a page holds twice
     the tokens of a bf16 one."""
     if kv_cache_dtype is None:
         return None
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise EngineError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)}")
+        raise LoadOptionError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)}")
     ok, why = fp8_supported(device)
     if not ok:
-        raise EngineError(f"kv_cache_dtype {kv_cache_dtype!r}: {why}")
+        raise LoadOptionError(f"kv_cache_dtype {kv_cache_dtype!r}: {why}")
     return FP8
 
 
@@ -79,18 +79,18 @@ def load_quantization(cfg: ModelConfig, asked: str | None) -> str | None:
 
 
 def check_quantization(quantization: str | None, cfg: ModelConfig, device: torch.device) -> None:
-    """Refuse (EngineError, with the reason) a quantization this engine, model or device cannot run."""
+    """Refuse (LoadOptionError, with the reason) a quantization this engine, model or device cannot run."""
     if quantization is None:
         return
     if quantization not in QUANTIZATIONS:
-        raise EngineError(f"quantization {quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
+        raise LoadOptionError(f"quantization {quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
     ok, why = fp8_supported(device)
     if not ok:
-        raise EngineError(f"quantization {quantization!r}: {why}")
+        raise LoadOptionError(f"quantization {quantization!r}: {why}")
     for key, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
                    ("num_attention_heads * head_dim", cfg.q_size), ("num_key_value_heads * head_dim", cfg.kv_size)):
         if v % 16:
-            raise EngineError(f"quantization {quantization!r}: {key} = {v} is not a multiple of 16 (FP8 GEMMs need it)")
+            raise LoadOptionError(f"quantization {quantization!r}: {key} = {v} is not a multiple of 16 (FP8 GEMMs need it)")
 
 
 def dtype_for(cfg: ModelConfig, override: str | None, device: torch.device) -> torch.dtype:
@@ -164,6 +164,9 @@ class ModelLoader:
         kv_dtype = kv_dtype_for(kv_cache_dtype, self.device)
         max_len = usable_len(cfg, max_model_len)
         dtype = self.dtype_for(cfg)
+        if quantization and self.device.type == "cuda" and dtype != torch.bfloat16:
+            # cuBLASLt's row-wise FP8 GEMM writes bf16 (float32 only on some GPUs and cuBLAS versions)
+            raise LoadOptionError(f"quantization {quantization!r} runs in bfloat16 on a GPU, not {dtype}")
         pool_pb = self._pools.pool.page_bytes if self._pools.pool is not None and self._pools.pool.models() else self.page_bytes
         needs = load_needs(cfg, dtype, max_len=max_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=self.max_num_batched_tokens, pool_page_bytes=pool_pb,
@@ -440,7 +443,7 @@ class ModelLoader:
         self._picker.add_model(name, p.weight)
         slot.info = ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids),
                               w.nbytes + slot.workspace_bytes + needs.min_kv_bytes, pages.num_total,
-                              needs.tokens_per_page)
+                              needs.tokens_per_page, quantization=p.quantization, kv_cache_dtype=p.kv_cache_dtype)
         p.timings.update(install_s=t1 - t0, runner_s=t2 - t1, warmup_s=t3 - t2,
                          warmup_skipped=1.0 if self.warmup and known is not None else 0.0,
                          measure_s=time.perf_counter() - t3)

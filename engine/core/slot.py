@@ -24,6 +24,9 @@ class ModelInfo:
     device_bytes: int
     kv_pages: int
     block_size: int
+    # what the load runs with (a pre-quantized checkpoint is "fp8" whatever was asked)
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
 
 
 @dataclass

@@ -118,9 +118,13 @@ def read_scales(layout: str, fills: list[ScaleFill], scale_infos: dict[str, dict
 
 
 def apply(fills: list[ScaleFill]) -> None:
-    """After the copy: each fill's scales into the model (block128: its rows requantized per row)."""
+    """After the copy: each fill's scales into the model (block128: its rows requantized per row).
+    A weight holding e4m3's NaN code (S.1111.111) is refused naming it: a corrupt file, which
+    would otherwise give NaN logits."""
     with torch.no_grad():
         for f in fills:
+            if ((f.dest.view(torch.uint8) & 0x7F) == 0x7F).any():
+                raise WeightsError(f"{f.path.name}: e4m3 tensor {f.weight!r} holds NaN codes")
             if f.blocks is None:
                 f.scale.copy_(f.scale_rows.to(f.scale.device))
                 continue

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import ModelConfigError, WeightsError
+from engine.errors import LoadOptionError, ModelConfigError, WeightsError
 
 
 def _estimate_need(core: Any, model_dir: str, max_model_len: int, max_num_seqs: int) -> int:
@@ -49,7 +49,7 @@ def accepts_evictable(core: Any) -> bool:
 def refusal_details(core: Any, exc: Exception, *, model_dir: str, max_model_len: int, max_num_seqs: int,
                     offered: list[str]) -> dict[str, Any] | None:
     """The refusal's numbers, or None when ``exc`` is not a refusal for lack of room."""
-    if isinstance(exc, (ModelConfigError, WeightsError)):
+    if isinstance(exc, (ModelConfigError, WeightsError, LoadOptionError)):
         return None
     sizes = {name: int(s.get("device_bytes", 0) or 0) for name, s in core.stats().items()}
     if all(hasattr(exc, a) for a in ("needed", "free", "budget")):

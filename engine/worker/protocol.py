@@ -359,7 +359,8 @@ def info_dict(info: Any) -> dict[str, Any]:
     """``Loaded.info`` from an engine ``ModelInfo`` (or a map)."""
     if isinstance(info, dict):
         return plain(info)
-    names = ("name", "vocab_size", "max_model_len", "eos_token_ids", "device_bytes", "kv_pages", "block_size")
+    names = ("name", "vocab_size", "max_model_len", "eos_token_ids", "device_bytes", "kv_pages", "block_size",
+             "quantization", "kv_cache_dtype")
     return plain({n: getattr(info, n) for n in names if hasattr(info, n)})
 
 

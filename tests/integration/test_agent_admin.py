@@ -22,6 +22,15 @@ KEY = {"Authorization": "Bearer key-two"}
 def daemon(make_tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent-admin")
     url = publish_tiny(make_tiny_model, tmp / "store", MODEL)
+    from cache.publish import publish_model
+    from cache.store import open_store
+    from modelgen.fp8_checkpoint import quantize_folder
+
+    store = open_store(url)
+    try:  # a pre-quantized FP8 checkpoint beside it
+        publish_model(store, quantize_folder(make_tiny_model("llama"), tmp / "fp8ck", "channel"), "tiny-fp8")
+    finally:
+        store.close()
     d = Daemon(tmp, store_url=url, models=[{"name": MODEL, "max_model_len": 256}],
                env={"INFIRE_SERVER__API_KEYS": json.dumps(["key-one", "key-two"])})
     d.start(timeout=120)
@@ -143,3 +152,19 @@ def test_a_load_can_ask_for_fp8_weights_and_kv_cache(daemon) -> None:
     code, body = daemon.post(f"/admin/v1/models/{MODEL}/load?wait=true&quantization=none&kv_cache_dtype=none",
                              headers=TOKEN, timeout=120)
     assert code == 200 and body["model"]["quantization"] is None and body["model"]["kv_cache_dtype"] is None
+
+
+def test_a_pre_quantized_checkpoint_reports_the_format_it_runs_in(daemon) -> None:
+    """Its format decides (the engine loads it as FP8 whatever the load asked): status says fp8,
+    asking for it again is no conflict, asking for none is one."""
+    code, body = daemon.post("/admin/v1/models/tiny-fp8/load?wait=true&quantization=none", headers=TOKEN, timeout=120)
+    assert code == 200 and body["model"]["state"] == "ready", body
+    assert body["model"]["quantization"] == "fp8"
+    code, body = daemon.post("/admin/v1/models/tiny-fp8/load?quantization=fp8", headers=TOKEN)
+    assert code == 200 and body["model"]["quantization"] == "fp8"
+    code, body = daemon.post("/admin/v1/models/tiny-fp8/load?quantization=none", headers=TOKEN)
+    assert code == 409 and "quantization fp8; unload it first" in body["error"]["message"]
+    code, out = daemon.post("/v1/completions", {"model": "tiny-fp8", "prompt": "x", "max_tokens": 4, "ignore_eos": True},
+                            headers=KEY, timeout=60)
+    assert code == 200 and out["usage"]["completion_tokens"] == 4
+    daemon.post("/admin/v1/models/tiny-fp8/unload?wait=true", headers=TOKEN, timeout=60)

@@ -108,6 +108,8 @@ CASES = [
     ("channel", lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].to(torch.float8_e4m3fn)),
      "model.norm.weight.*F8_E4M3; only an FP8 model's projection"),
     ("channel", lambda t: t.__setitem__(Q0 + ".weight", t[Q0 + ".weight"].to(torch.float8_e5m2)), "F8_E5M2; only no tensor"),
+    ("channel", lambda t: t[Q0 + ".weight"].view(torch.uint8).__setitem__((2, 5), 0x7F), f"{Q0}.weight'? holds NaN codes"),
+    ("block128", lambda t: t[Q0 + ".weight"].view(torch.uint8).__setitem__((0, 0), 0xFF), "holds NaN codes"),
 ]
 
 
@@ -137,6 +139,13 @@ def test_e4m3_weights_need_a_quantization_config_and_the_config_a_known_scheme(f
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelConfigError, match="compressed-tensors, format float-quantized\\) is not supported"):
         core.load_model("int8", other, max_model_len=128, max_num_seqs=4)
+    for change, match in ((lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+                          (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), "not supported")):
+        cfg = json.loads((folders["channel"] / "config.json").read_text())
+        change(cfg["quantization_config"])
+        (other / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ModelConfigError, match=match):
+            core.load_model("odd", other, max_model_len=128, max_num_seqs=4)
     assert not core.models()
 
 

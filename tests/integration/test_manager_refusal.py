@@ -55,6 +55,19 @@ def test_other_failures_are_not_room_refusals(full_core, tmp_path) -> None:
                            offered=["old"]) is None
 
 
+def test_an_unrunnable_load_option_is_not_a_room_refusal(full_core) -> None:
+    """A quantization or KV dtype the engine refuses (here: unknown ones; on a GPU without FP8,
+    fp8) says why; it never asks the agent to evict, however full the budget is."""
+    core, src = full_core
+    for kw in ({"quantization": "int4"}, {"kv_cache_dtype": "int8"}):
+        with pytest.raises(EngineError) as ex:
+            core.load_model("third", src, max_model_len=CTX, max_num_seqs=SEQS, evictable=["old"], **kw)
+        assert "is not supported" in str(ex.value)
+        assert refusal_details(core, ex.value, model_dir=src, max_model_len=CTX, max_num_seqs=SEQS,
+                               offered=["old"]) is None, kw
+    assert set(core.stats()) == {"old", "new"}
+
+
 def test_wire_fields_round_trip_and_default_for_older_peers() -> None:
     load = P.Load(model="m", model_dir="/x", evictable=["a", "b"])
     assert P.decode(P.encode(load)[P.HEADER_BYTES:]) == load
