@@ -559,7 +559,8 @@ class ModelManager:
         return getattr(e.settings, key)
 
     def describe(self, e: ModelEntry) -> dict[str, Any]:
-        stats = self.worker.state.models.get(e.name, {}) if e.state is State.READY else {}
+        st = self.worker.state
+        stats = st.models.get(e.name, {}) if e.state is State.READY and e.name not in st.stale_models else {}
         return {
             "name": e.name, "state": e.state.value, "reason": e.reason or None,
             "device_bytes": int(stats.get("device_bytes", e.info.get("device_bytes", 0)) or 0),

@@ -90,6 +90,9 @@ class WorkerState:
     last_progress: float = 0.0
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     memory: dict[str, Any] = field(default_factory=dict)  # the engine's ledger split (Status.memory)
+    # Models loaded or unloaded since the last Status: their rows there describe the load before
+    # (a model's own view reads its Loaded info instead until the next Status).
+    stale_models: set[str] = field(default_factory=set)
     restarts: int = 0
     last_exit: str = ""
     # This worker's start (monotonic): the exec asked for, the exec done, Hello received; and the
@@ -337,14 +340,13 @@ class WorkerClient:
             if msg.steps != st.steps:
                 st.last_progress = now
             st.steps, st.busy, st.models, st.memory = msg.steps, msg.busy, msg.models, msg.memory
+            st.stale_models = set()
         elif isinstance(msg, P.Hello):
             st.startup, st.hello_at = P.unpack_startup(msg), now  # a bad record: a protocol error
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(msg)
         elif isinstance(msg, (P.Loaded, P.Unloaded)):
-            # The last Status may describe the model's previous load: forget it until the next
-            # one (readers fall back on the Loaded info), so no one reads the old load's bytes.
-            st.models = {k: v for k, v in st.models.items() if k != msg.model}
+            st.stale_models.add(msg.model)  # the last Status's row of it is the load before
             if isinstance(msg, P.Loaded):
                 self.load_timings[msg.model] = P.unpack_timings(msg)
                 self._resolve(("load", msg.model), msg)

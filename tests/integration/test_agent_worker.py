@@ -262,15 +262,16 @@ def test_damaged_kernels_are_swept_before_the_workers_first_load(tmp_path, monke
     uvloop.run(main())
 
 
-def test_a_load_or_unload_forgets_the_models_last_status() -> None:
+def test_a_load_or_unload_marks_the_models_last_status_stale() -> None:
     """The Status before a Loaded or an Unloaded describes the model's previous load: the client
-    forgets that model's row (readers fall back on the Loaded info) until the next Status."""
+    marks that model's row stale (a model's view reads its Loaded info instead) until the next
+    Status; the rows themselves stay as the worker sent them, consistent with its memory split."""
     c = wc.WorkerClient({}, engine="none")
     old = {"device_bytes": 9_000, "running": 0}
     c._dispatch(P.Status(steps=1, busy=False, models={"m": old, "other": {"device_bytes": 5}}))
     c._dispatch(P.Loaded(model="m", info={"device_bytes": 4_000}, seconds=0.1))
-    assert c.state.models == {"other": {"device_bytes": 5}}
+    assert c.state.stale_models == {"m"} and c.state.models["m"] is old
     c._dispatch(P.Status(steps=2, busy=False, models={"m": {"device_bytes": 4_000}, "other": {"device_bytes": 5}}))
-    assert c.state.models["m"]["device_bytes"] == 4_000
+    assert not c.state.stale_models and c.state.models["m"]["device_bytes"] == 4_000
     c._dispatch(P.Unloaded(model="m"))
-    assert "m" not in c.state.models and "other" in c.state.models
+    assert c.state.stale_models == {"m"}
