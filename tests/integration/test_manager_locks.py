@@ -24,7 +24,7 @@ class FakeWorker:
 
     def __init__(self, capacity: int = 99, load_s: float = 0.05) -> None:
         self.alive = True
-        self.state = SimpleNamespace(engine_error="", models={})
+        self.state = SimpleNamespace(engine_error="", models={}, stale_models=set())
         self.capacity, self.load_s = capacity, load_s
         self.loaded: list[str] = []
         self.offers: list[list[str]] = []
