@@ -238,8 +238,7 @@ class ModelLoader:
             # Registered now, not after the weights: while they load, other models' bursts must
             # not take the pages its minimum needs.
             self._pools.pool.register(name, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                               head_dim=cfg.head_dim, dtype=kv_dtype_for(kv_cache_dtype, self.device) or dtype,
-                               min_pages=needs.min_pages,
+                               head_dim=cfg.head_dim, dtype=needs.kv_dtype, min_pages=needs.min_pages,
                                max_pages=needs.want_pages, tokens_per_page=needs.tokens_per_page)
         except BaseException:
             self._pools.ledger.release(name)

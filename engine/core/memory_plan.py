@@ -32,6 +32,7 @@ class LoadNeeds:
     workspace_bytes: int
     min_pages: int  # guaranteed: one longest sequence (or all of an explicit num_kv_pages)
     want_pages: int  # the most it can ever use: max_num_seqs longest sequences (or num_kv_pages)
+    kv_dtype: str = "bfloat16"  # the KV cache's dtype name (the layout above is in it)
 
     @property
     def min_kv_bytes(self) -> int:
@@ -104,7 +105,7 @@ def load_needs(cfg: ModelConfig, dtype: torch.dtype, *, max_len: int, max_num_se
     else:
         min_pages, want = per_seq, per_seq * max_num_seqs
     return LoadNeeds(page_bytes, lay.tokens_per_page, weight_bytes(cfg, dtype, quantization),
-                     workspace_estimate(cfg, max_num_batched_tokens, max_num_seqs), min_pages, want)
+                     workspace_estimate(cfg, max_num_batched_tokens, max_num_seqs), min_pages, want, dname)
 
 
 def pool_target(room_bytes: int, page_bytes: int, wants: list[int]) -> int:

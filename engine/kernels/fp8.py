@@ -23,6 +23,7 @@ import torch
 
 from engine.kernels._dispatch import check, use_triton
 from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE, Fp8Rows
+
 # Up to this many rows a linear runs on the Triton kernel (weight-read bound); above, cuBLASLt.
 SMALL_M = 16
 

@@ -22,6 +22,8 @@ tensor and its file, and nothing is loaded.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,12 +59,24 @@ class ScaleFill:
     blocks: torch.Tensor | None = None  # [ceil(rows/128), ceil(K/128)] float32: the block128 layout
 
 
-def _read(path: Path, begin: int, end: int, dtype: str, shape: tuple[int, ...], name: str) -> torch.Tensor:
+class _Files:
+    """One open descriptor per checkpoint file while its scales are read (a model has hundreds)."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack, self._fds = stack, {}
+
+    def pread(self, path: Path, n: int, offset: int) -> bytes:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+            self._stack.callback(os.close, self._fds[path])
+        return os.pread(self._fds[path], n, offset)
+
+
+def _read(files: _Files, path: Path, begin: int, end: int, dtype: str, shape: tuple[int, ...],
+          name: str) -> torch.Tensor:
     if dtype not in _SCALE_DTYPES:
         raise WeightsError(f"{path.name}: scale tensor {name!r} has dtype {dtype}, expected F32/BF16/F16")
-    with open(path, "rb") as f:
-        f.seek(begin)
-        raw = f.read(end - begin)
+    raw = files.pread(path, end - begin, begin)
     if len(raw) != end - begin:
         raise WeightsError(f"{path.name}: scale tensor {name!r} ends early")
     t = (torch.frombuffer(bytearray(raw), dtype=_SCALE_DTYPES[dtype]) if raw
@@ -78,6 +92,11 @@ def read_scales(layout: str, fills: list[ScaleFill], scale_infos: dict[str, dict
     """Read and check the scales of every e4m3 weight in ``fills`` (``scale_infos``: weight name →
     kind → (path, TensorInfo)); set each fill's ``scale_rows`` or ``blocks``. Refuses a missing
     scale, one of the wrong kind, shape or dtype, a non-finite or non-positive value."""
+    with contextlib.ExitStack() as stack:
+        _read_scales(layout, fills, scale_infos, _Files(stack))
+
+
+def _read_scales(layout: str, fills: list[ScaleFill], scale_infos: dict[str, dict[str, tuple]], files: _Files) -> None:
     want = "weight_scale_inv" if layout == "block128" else "weight_scale"
     fp8_weights = {f.weight for f in fills}
     for weight, kinds in scale_infos.items():
@@ -95,7 +114,7 @@ def read_scales(layout: str, fills: list[ScaleFill], scale_infos: dict[str, dict
             raise WeightsError(f"{f.path.name}: e4m3 tensor {f.weight!r} has no {f.weight[:-len('.weight')]}.{want}")
         path, info = kinds[want]
         name = info.name
-        t = _read(path, info.begin, info.end, info.dtype, tuple(info.shape), name)
+        t = _read(files, path, info.begin, info.end, info.dtype, tuple(info.shape), name)
         rows, cols = f.dest.shape[0], f.dest.shape[1]
         if layout == "channel":
             if tuple(t.shape) not in ((rows, 1), (rows,)):
@@ -112,7 +131,7 @@ def read_scales(layout: str, fills: list[ScaleFill], scale_infos: dict[str, dict
             f.blocks = t
         if "input_scale" in kinds:
             p2, i2 = kinds["input_scale"]
-            s = _read(p2, i2.begin, i2.end, i2.dtype, tuple(i2.shape), i2.name)
+            s = _read(files, p2, i2.begin, i2.end, i2.dtype, tuple(i2.shape), i2.name)
             if s.numel() != 1:
                 raise WeightsError(f"{p2.name}: scale tensor {i2.name!r} has shape {list(s.shape)}, expected [1]")
 
