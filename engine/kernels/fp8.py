@@ -7,8 +7,8 @@ token (row), dynamically, by the kernel that produces it (the fused add-RMSNorm 
 is then ``y[m, n] = a_scale[m] * w_scale[n] * sum_k a_q[m, k] * w_q[n, k]``.
 
 - On a GPU with FP8 tensor cores (compute capability >= 8.9) :func:`fp8_linear` is cuBLASLt's
-  row-wise scaled GEMM (``torch._scaled_mm``) for prefill-sized batches and a Triton kernel for a
-  few rows (engine.kernels.fp8_triton: cuBLASLt's FP8 at one row is no faster than bf16, while a
+  row-wise scaled GEMM (``torch._scaled_mm``) for prefill-sized batches and a Triton kernel up to
+  ``SMALL_M`` rows (engine.kernels.fp8_triton: cuBLASLt's FP8 at one row is no faster than bf16, while a
   decode step of that size only has to read the weights).
 - Elsewhere (CPU) the reference dequantizes and matmuls in float32: the same quantized numbers,
   so CI checks the scheme's arithmetic without a GPU.
@@ -25,7 +25,9 @@ from engine.kernels._dispatch import check, use_triton
 from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE, Fp8Rows
 
 # Up to this many rows a linear runs on the Triton kernel (weight-read bound); above, cuBLASLt.
-SMALL_M = 16
+# On the H200 the kernel beat cuBLASLt's FP8 at 32 and 64 rows in all four of an 8B's projections
+# (down 34 vs 46 us) and lost at 128 in the widest (docs/perf.md, fp8_bench --medium).
+SMALL_M = 64
 
 
 def fp8_supported(device: torch.device) -> tuple[bool, str]:

@@ -2,7 +2,7 @@
 
 - ``_quantize_rows_kernel``: one program per row, the whole row in registers: amax, scale, e4m3.
 - ``_small_m_kernel``: ``y = a_scale * w_scale * (a_q @ w_q.T)`` for at most ``SMALL_M`` rows
-  (the rows padded to 16 inside the tile). A decode step of a few sequences only has to read
+  (in one tile of 16 or 64 rows, padded). A decode step of a few sequences only has to read
   the weights once, so the grid is over output channels (BLOCK_N each) and, for the long-K
   linears, over K splits (``SPLIT_K`` > 1 adds float32 partials atomically into a zeroed buffer,
   cast after). cuBLASLt's row-wise FP8 GEMM at one row ran no faster than bf16 on the H200
@@ -89,22 +89,28 @@ def _small_m_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_a, s_
 _SMALL_M_LAUNCH = CachedLauncher(_small_m_kernel)
 
 
-def small_m_config(n: int, k: int) -> dict:
-    """Launch shape of the few-rows kernel for an [N, K] weight: the best of ops/gpu/fp8_bench.py's
-    sweep on the H200 for each of an 8B's four projections at one row (docs/perf.md): narrow
-    tiles (32 channels: enough programs without splitting K; every split tried was slower), 512-wide
-    K steps for the long-K down projection, a shallower pipeline for the widest weight."""
-    return {"block_n": 32, "block_k": 512 if k > 8192 else 256, "split_k": 1, "num_warps": 4,
-            "num_stages": 3 if n >= 16384 else 5}
+def small_m_config(n: int, k: int, m: int = 1) -> dict:
+    """Launch shape of the few-rows kernel for ``m`` rows of an [N, K] weight: the best of
+    ops/gpu/fp8_bench.py's sweeps on the H200 for each of an 8B's four projections (docs/perf.md).
+    Up to 16 rows (one 16-row tile): narrow tiles (32 channels: enough programs without splitting
+    K; every split tried was slower), 512-wide K steps for the long-K down projection, a shallower
+    pipeline for the widest weight. 17-64 rows (one 64-row tile): 64 channels (32 where N is
+    4096), 256-wide K steps (128 for the widest), 4 stages (3)."""
+    wide = n >= 16384
+    if m <= 16:
+        return {"block_m": 16, "block_n": 32, "block_k": 512 if k > 8192 else 256, "split_k": 1, "num_warps": 4,
+                "num_stages": 3 if wide else 5}
+    return {"block_m": 64, "block_n": 32 if n <= 4096 else 64, "block_k": 128 if wide else 256, "split_k": 1,
+            "num_warps": 4, "num_stages": 3 if wide else 4}
 
 
 def fp8_linear_small_m(a: Fp8Rows, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                        out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """See fp8.fp8_linear (the engine calls it for at most SMALL_M rows, one 16-row tile).
-    ``config`` overrides :func:`small_m_config` (benchmarks; ``block_m`` tiles more rows)."""
+    """See fp8.fp8_linear (the engine calls it for at most SMALL_M rows). ``config`` overrides
+    :func:`small_m_config` (benchmarks)."""
     m, k = a.q.shape
     n = w_q.shape[0]
-    cfg = config or small_m_config(n, k)
+    cfg = config or small_m_config(n, k, m)
     block_k = cfg["block_k"]
     split_k = max(1, min(cfg["split_k"], triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k

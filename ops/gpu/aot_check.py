@@ -91,15 +91,15 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
     out.append(("silu_and_mul fp8", act._silu_mul_quant_kernel,
                 dict(x_ptr=bf, q_ptr="*fp8e4nv", s_ptr="*fp32", s_x="i32", s_q="i32"), dict(I=14336, BLOCK=16384),
                 dict(num_warps=16)))
-    for n, k in ((6144, 4096), (4096, 14336)):
-        cfg = f8.small_m_config(n, k)
+    for n, k, m in ((6144, 4096, 1), (4096, 14336, 1), (28672, 4096, 64), (4096, 14336, 64)):
+        cfg = f8.small_m_config(n, k, m)
         kps = triton.cdiv(triton.cdiv(k, cfg["split_k"]), cfg["block_k"]) * cfg["block_k"]
         for atomic in (False, True):
-            out.append((f"fp8 small-M N={n} K={k} atomic={atomic}", f8._small_m_kernel,
+            out.append((f"fp8 small-M M<={cfg['block_m']} N={n} K={k} atomic={atomic}", f8._small_m_kernel,
                         dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", b_ptr=bf,
                              y_ptr="*fp32" if atomic else bf, M="i32", N="i32", K="i32", s_a="i32", s_w="i32",
                              s_y="i32"),
-                        dict(HAS_BIAS=False, ATOMIC=atomic, BLOCK_M=16, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+                        dict(HAS_BIAS=False, ATOMIC=atomic, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
                              K_PER_SPLIT=kps), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
     out.append(("rope", rop._rope_kernel, dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cs_ptr="*fp32", s_qn="i32",
                                               s_qh="i32", s_kn="i32", s_kh="i32", s_cs="i32"),
