@@ -51,6 +51,13 @@ def medium(res: dict) -> None:
             a = fp8.quantize_rows(torch.randn(m, k, device=dev, dtype=torch.bfloat16))
             lt = graph_ms(lambda: torch._scaled_mm(a.q, w_q.t(), scale_a=a.scale, scale_b=w_s.view(1, -1),
                                                    out_dtype=torch.bfloat16))
+            # the same GEMM without the periodic float32 promotion of the tensor cores' sums
+            lt_fast = graph_ms(lambda: torch._scaled_mm(a.q, w_q.t(), scale_a=a.scale, scale_b=w_s.view(1, -1),
+                                                        out_dtype=torch.bfloat16, use_fast_accum=True))
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+            bf = graph_ms(lambda: torch.nn.functional.linear(x, w))
+            del w
             ok = []
             for cfg in MEDIUM_SWEEP:
                 if cfg["block_m"] > 2 * m or (m >= 256 and cfg["block_m"] < 64):
@@ -61,10 +68,35 @@ def medium(res: dict) -> None:
                 except Exception:  # a shape Triton cannot build
                     continue
             top = min(ok, key=lambda s: s["ms"])
-            out[f"{name} M={m}"] = {"scaled_mm_ms": lt, "best": top, "top": sorted(ok, key=lambda s: s["ms"])[:5]}
-            print(f"medium {name:8s} M={m:3d} cuBLASLt {lt*1e3:7.1f} us  triton best {top['ms']*1e3:7.1f} "
+            out[f"{name} M={m}"] = {"scaled_mm_ms": lt, "scaled_mm_fast_accum_ms": lt_fast, "bf16_ms": bf,
+                                    "best": top, "top": sorted(ok, key=lambda s: s["ms"])[:5]}
+            print(f"medium {name:8s} M={m:3d} bf16 {bf*1e3:7.1f} us  cuBLASLt {lt*1e3:7.1f} fast-accum {lt_fast*1e3:7.1f} "
+                  f"triton best {top['ms']*1e3:7.1f} "
                   f"{dict((k2, top[k2]) for k2 in ('block_m', 'block_n', 'block_k', 'num_stages'))}", flush=True)
     res["medium_rows"] = out
+    # Prefill-sized rows: cuBLASLt with and without fast accumulation, and each one's error
+    # against the float32 product of the same quantized numbers.
+    big: dict = {}
+    for name, (n, k) in SHAPES.items():
+        w_q, w_s = fp8.quantize_weight(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02)
+        for m in (1024, 4096):
+            a = fp8.quantize_rows(torch.randn(m, k, device=dev, dtype=torch.bfloat16))
+            ref = (a.q.float() * a.scale) @ (w_q.float() * w_s[:, None]).t()
+            row = {}
+            for fast in (False, True):
+                f = lambda: torch._scaled_mm(a.q, w_q.t(), scale_a=a.scale, scale_b=w_s.view(1, -1),
+                                             out_dtype=torch.bfloat16, use_fast_accum=fast)
+                err = ((f().float() - ref).norm() / ref.norm()).item()
+                row["fast" if fast else "plain"] = {"ms": graph_ms(f), "rel_err": err}
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+            row["bf16_ms"] = graph_ms(lambda: torch.nn.functional.linear(x, w))
+            del w, ref
+            big[f"{name} M={m}"] = row
+            print(f"large  {name:8s} M={m:4d} bf16 {row['bf16_ms']*1e3:7.1f} us  cuBLASLt {row['plain']['ms']*1e3:7.1f} "
+                  f"(err {row['plain']['rel_err']:.2e}) fast-accum {row['fast']['ms']*1e3:7.1f} (err {row['fast']['rel_err']:.2e})",
+                  flush=True)
+    res["large_rows"] = big
 
 
 def graph_ms(fn, reps: int = 50) -> float:
