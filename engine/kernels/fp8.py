@@ -6,10 +6,10 @@ token (row), dynamically, by the kernel that produces it (the fused add-RMSNorm 
 :class:`Fp8Rows` instead of bf16; attention's output goes through :func:`quantize_rows`). A linear
 is then ``y[m, n] = a_scale[m] * w_scale[n] * sum_k a_q[m, k] * w_q[n, k]``.
 
-- On a GPU with FP8 tensor cores (compute capability >= 8.9) :func:`fp8_linear` is cuBLASLt's
-  row-wise scaled GEMM (``torch._scaled_mm``) for prefill-sized batches and a Triton kernel up to
-  ``SMALL_M`` rows (engine.kernels.fp8_triton: cuBLASLt's FP8 at one row is no faster than bf16, while a
-  decode step of that size only has to read the weights).
+- On a GPU with FP8 tensor cores (compute capability >= 8.9) :func:`fp8_linear` is torch's
+  row-wise scaled GEMM (``torch._scaled_mm``, fast accumulation) for prefill-sized batches and a
+  Triton kernel up to :func:`triton_rows` rows (engine.kernels.fp8_triton: torch's FP8 GEMM at one
+  row is no faster than bf16, while a decode step of that size only has to read the weights).
 - Elsewhere (CPU) the reference dequantizes and matmuls in float32: the same quantized numbers,
   so CI checks the scheme's arithmetic without a GPU.
 
@@ -24,10 +24,16 @@ import torch
 from engine.kernels._dispatch import check, use_triton
 from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE, Fp8Rows
 
-# Up to this many rows a linear runs on the Triton kernel (weight-read bound); above, cuBLASLt.
-# On the H200 the kernel beat cuBLASLt's FP8 at 32 and 64 rows in all four of an 8B's projections
-# (down 34 vs 46 us) and lost at 128 in the widest (docs/perf.md, fp8_bench --medium).
-SMALL_M = 64
+
+
+def triton_rows(n: int) -> int:
+    """Up to how many rows a linear with ``n`` output channels runs on the Triton kernel; above,
+    torch's GEMM. On the H200 (docs/perf.md, ``fp8_bench --medium``) the kernel was ahead at 32
+    and 64 rows in all four of an 8B's projections (down 34 vs 42 us), and at 128 rows only where
+    N is 4096 (o 15.8 vs 17.7 us, down 36.6 vs 42.5): the wider weights (qkv, gate-up) fill the
+    GPU with torch's tiles by then, the narrow ones leave it half idle. From 256 rows torch's wins
+    everywhere."""
+    return 128 if n <= 4096 else 64
 
 
 def fp8_supported(device: torch.device) -> tuple[bool, str]:
@@ -108,10 +114,15 @@ def fp8_linear(a: Fp8Rows, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch
     if m == 0:
         return torch.empty((0, w_q.shape[0]), dtype=out_dtype, device=w_q.device)
     if use_triton(a.q, w_q):
-        if m <= SMALL_M:
+        if m <= triton_rows(w_q.shape[0]):
             from engine.kernels.fp8_triton import fp8_linear_small_m
 
             return fp8_linear_small_m(a, w_q, w_scale, bias, out_dtype)
-        y = torch._scaled_mm(a.q, w_q.t(), scale_a=a.scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)
+        # Fast accumulation (the tensor cores' own sums, no periodic float32 promotion): 2-10 %
+        # faster on the H200 at 256-4096 rows, relative error vs the float32 product 2.1e-3
+        # instead of 1.7e-3 (3.3e-3 for the 14336-long down projection) — an order below e4m3's
+        # own rounding of the inputs (docs/perf.md, fp8_bench --medium).
+        y = torch._scaled_mm(a.q, w_q.t(), scale_a=a.scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype,
+                             use_fast_accum=True)
         return y if bias is None else y + bias
     return fp8_linear_ref(a, w_q, w_scale, bias, out_dtype)

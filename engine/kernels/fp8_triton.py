@@ -1,7 +1,7 @@
 """Triton FP8 kernels: per-row quantization and the few-rows scaled matmul.
 
 - ``_quantize_rows_kernel``: one program per row, the whole row in registers: amax, scale, e4m3.
-- ``_small_m_kernel``: ``y = a_scale * w_scale * (a_q @ w_q.T)`` for at most ``SMALL_M`` rows
+- ``_small_m_kernel``: ``y = a_scale * w_scale * (a_q @ w_q.T)`` for at most ``fp8.triton_rows`` rows
   (in one tile of 16 or 64 rows, padded). A decode step of a few sequences only has to read
   the weights once, so the grid is over output channels (BLOCK_N each) and, for the long-K
   linears, over K splits (``SPLIT_K`` > 1 adds float32 partials atomically into a zeroed buffer,
@@ -95,18 +95,21 @@ def small_m_config(n: int, k: int, m: int = 1) -> dict:
     Up to 16 rows (one 16-row tile): narrow tiles (32 channels: enough programs without splitting
     K; every split tried was slower), 512-wide K steps for the long-K down projection, a shallower
     pipeline for the widest weight. 17-64 rows (one 64-row tile): 64 channels (32 where N is
-    4096), 256-wide K steps (128 for the widest), 4 stages (3)."""
+    4096), 256-wide K steps (128 for the widest), 4 stages (3). 65-128 rows (N = 4096 only, see
+    ``fp8.triton_rows``): 64-row tiles of 64 channels, 256-wide K steps, 4 stages."""
     wide = n >= 16384
     if m <= 16:
         return {"block_m": 16, "block_n": 32, "block_k": 512 if k > 8192 else 256, "split_k": 1, "num_warps": 4,
                 "num_stages": 3 if wide else 5}
+    if m > 64:
+        return {"block_m": 64, "block_n": 64, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 4}
     return {"block_m": 64, "block_n": 32 if n <= 4096 else 64, "block_k": 128 if wide else 256, "split_k": 1,
             "num_warps": 4, "num_stages": 3 if wide else 4}
 
 
 def fp8_linear_small_m(a: Fp8Rows, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                        out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """See fp8.fp8_linear (the engine calls it for at most SMALL_M rows). ``config`` overrides
+    """See fp8.fp8_linear (the engine calls it for at most ``fp8.triton_rows`` rows). ``config`` overrides
     :func:`small_m_config` (benchmarks)."""
     m, k = a.q.shape
     n = w_q.shape[0]

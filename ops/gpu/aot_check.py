@@ -91,11 +91,11 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
     out.append(("silu_and_mul fp8", act._silu_mul_quant_kernel,
                 dict(x_ptr=bf, q_ptr="*fp8e4nv", s_ptr="*fp32", s_x="i32", s_q="i32"), dict(I=14336, BLOCK=16384),
                 dict(num_warps=16)))
-    for n, k, m in ((6144, 4096, 1), (4096, 14336, 1), (28672, 4096, 64), (4096, 14336, 64)):
+    for n, k, m in ((6144, 4096, 1), (4096, 14336, 1), (28672, 4096, 64), (4096, 14336, 64), (4096, 14336, 128)):
         cfg = f8.small_m_config(n, k, m)
         kps = triton.cdiv(triton.cdiv(k, cfg["split_k"]), cfg["block_k"]) * cfg["block_k"]
         for atomic in (False, True):
-            out.append((f"fp8 small-M M<={cfg['block_m']} N={n} K={k} atomic={atomic}", f8._small_m_kernel,
+            out.append((f"fp8 small-M M={m} tile {cfg['block_m']} N={n} K={k} atomic={atomic}", f8._small_m_kernel,
                         dict(a_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", b_ptr=bf,
                              y_ptr="*fp32" if atomic else bf, M="i32", N="i32", K="i32", s_a="i32", s_w="i32",
                              s_y="i32"),

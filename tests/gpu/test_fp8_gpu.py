@@ -77,7 +77,7 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 64, 300])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 64, 65, 128, 129, 300, 1024])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1600, 576)])
 def test_fp8_linear_matches_the_dequantized_matmul(m, n, k):
     a, w_q, w_s, b = _operands(m, n, k, bias=m == 5)
