@@ -5,6 +5,7 @@ choices, each as a CUDA graph. Prints a table last, writes JSON.
 
     python ops/gpu/fp8_bench.py [out.json]
     python ops/gpu/fp8_bench.py --medium [out.json]     (32-128 rows: the kernel tiled over rows vs cuBLASLt)
+    python ops/gpu/fp8_bench.py --gemv [out.json]       (1-8 rows: the CUDA-core kernel vs the tensor-core one)
 
 Achieved GB/s is the weight bytes over the time (the floor a decode step of a few rows has).
 """
@@ -24,7 +25,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from engine.kernels import fp8  # noqa: E402
-from engine.kernels.fp8_triton import fp8_linear_small_m, small_m_config  # noqa: E402
+from engine.kernels.fp8_triton import fp8_linear_gemv, fp8_linear_small_m, small_m_config  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 4, 16)
@@ -99,6 +100,68 @@ def medium(res: dict) -> None:
     res["large_rows"] = big
 
 
+GEMV_ROWS = (1, 2, 4, 8)
+GEMV_SWEEP = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+              for bn, bk, w, st in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 4))]
+
+
+def gemv(res: dict) -> None:
+    """The CUDA-core kernel over a sweep of launch shapes at 1-8 rows beside the tensor-core
+    kernel's engine shape; then one decode step's linears (32 layers, each its own weights, so
+    nothing is served from L2; bf16 LM head) with each kernel's best per shape."""
+    dev = "cuda"
+    out: dict = {}
+    best: dict = {}
+    for name, (n, k) in SHAPES.items():
+        w_q, w_s = fp8.quantize_weight(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02)
+        gb = n * k / 1e9
+        for m in GEMV_ROWS:
+            a = fp8.quantize_rows(torch.randn(m, k, device=dev, dtype=torch.bfloat16))
+            ref = fp8.fp8_linear_ref(a, w_q, w_s, None, torch.float32)
+            tc = graph_ms(lambda: fp8_linear_small_m(a, w_q, w_s, None, torch.bfloat16))
+            ok = []
+            for cfg in GEMV_SWEEP:
+                try:
+                    y = fp8_linear_gemv(a, w_q, w_s, None, torch.float32, cfg)
+                    err = ((y - ref).norm() / ref.norm()).item()
+                    ok.append({**cfg, "ms": graph_ms(lambda: fp8_linear_gemv(a, w_q, w_s, None, torch.bfloat16, cfg),
+                                                     reps=20), "rel_err": err})
+                except Exception as e:  # a shape Triton cannot build
+                    print(f"gemv {name} M={m} {cfg}: {type(e).__name__}", flush=True)
+            top = min(ok, key=lambda s: s["ms"])
+            best[(name, m)] = top
+            out[f"{name} M={m}"] = {"tensor_core_ms": tc, "best": top, "top": sorted(ok, key=lambda s: s["ms"])[:5],
+                                    "max_rel_err": max(s["rel_err"] for s in ok)}
+            print(f"gemv {name:8s} M={m} tensor-core {tc*1e3:6.1f} us ({gb/tc*1e3:5.0f} GB/s)  cuda-core best "
+                  f"{top['ms']*1e3:6.1f} ({gb/top['ms']*1e3:5.0f} GB/s) {dict((k2, top[k2]) for k2 in ('block_n', 'block_k', 'num_warps', 'num_stages'))} "
+                  f"err max {out[f'{name} M={m}']['max_rel_err']:.1e}", flush=True)
+    res["gemv_rows"] = out
+    layers = 32
+    ws = {nm: [fp8.quantize_weight(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02) for _ in range(layers)]
+          for nm, (n, k) in SHAPES.items()}
+    head = torch.randn(128256, 4096, device=dev, dtype=torch.bfloat16) * 0.02
+    step: dict = {}
+    for m in GEMV_ROWS:
+        acts = {nm: fp8.quantize_rows(torch.randn(m, k, device=dev, dtype=torch.bfloat16)) for nm, (n, k) in SHAPES.items()}
+        hx = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
+
+        def run(kind):
+            for i in range(layers):
+                for nm in SHAPES:
+                    w_q, w_s = ws[nm][i]
+                    if kind == "engine":
+                        fp8.fp8_linear(acts[nm], w_q, w_s)
+                    elif kind == "tensor_core":
+                        fp8_linear_small_m(acts[nm], w_q, w_s, None, torch.bfloat16)
+                    else:
+                        fp8_linear_gemv(acts[nm], w_q, w_s, None, torch.bfloat16, best[(nm, m)])
+            torch.nn.functional.linear(hx, head)
+
+        step[m] = {kind: graph_ms(lambda: run(kind), 20) for kind in ("engine", "tensor_core", "cuda_core_best")}
+        print(f"step M={m}: " + "  ".join(f"{kind} {ms:.3f} ms" for kind, ms in step[m].items()), flush=True)
+    res["gemv_step_linears"] = step
+
+
 def graph_ms(fn, reps: int = 50) -> float:
     """Median ms of ``fn`` replayed from a CUDA graph (launch cost excluded, as the engine runs)."""
     s = torch.cuda.Stream()
@@ -116,10 +179,10 @@ def graph_ms(fn, reps: int = 50) -> float:
 def main() -> int:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     out = Path(args[0] if args else os.path.join(os.environ.get("OUT", "."), "fp8_bench.json"))
-    if "--medium" in sys.argv:
+    if "--medium" in sys.argv or "--gemv" in sys.argv:
         res = {"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("INFIRE_COMMIT", ""),
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        medium(res)
+        (medium if "--medium" in sys.argv else gemv)(res)
         out.write_text(json.dumps(res, indent=2) + "\n")
         return 0
     dev = "cuda"
