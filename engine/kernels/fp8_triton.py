@@ -89,62 +89,6 @@ def _small_m_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_a, s_
 _SMALL_M_LAUNCH = CachedLauncher(_small_m_kernel)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_a, s_w, s_y,
-                 HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # A weight tile [BLOCK_N, BLOCK_K] widened to float32 and multiplied into all ROWS rows at
-    # once on the CUDA cores; partial sums stay per lane ([ROWS, BLOCK_N, BLOCK_K]) and are
-    # reduced once at the end, so the loop is loads, converts and FMAs only.
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < N
-    rows = tl.arange(0, ROWS)
-    rm = rows < M
-    w_row = w_ptr + n[:, None].to(tl.int64) * s_w
-    a_row = a_ptr + rows[:, None].to(tl.int64) * s_a
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < K
-        w = tl.load(w_row + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        a = tl.load(a_row + k[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc += w[None, :, :] * a[:, None, :]
-    a_s = tl.load(as_ptr + rows, mask=rm, other=0.0)
-    w_s = tl.load(ws_ptr + n, mask=nm, other=0.0)
-    y = tl.sum(acc, axis=2) * a_s[:, None] * w_s[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * s_y + n[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=rm[:, None] & nm[None, :])
-
-
-_GEMV_LAUNCH = CachedLauncher(_gemv_kernel)
-
-
-def gemv_config(n: int, k: int, m: int = 1) -> dict:
-    """Launch shape of the CUDA-core kernel for ``m`` rows of an [N, K] weight (see fp8.gemv_rows)."""
-    return {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 3}
-
-
-def fp8_linear_gemv(a: Fp8Rows, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                    out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """See fp8.fp8_linear: the few-rows product on the CUDA cores, the weight read once for all
-    rows (at most 8). ``config`` overrides :func:`gemv_config` (benchmarks)."""
-    m, k = a.q.shape
-    n = w_q.shape[0]
-    if m > 8:
-        raise ValueError(f"the CUDA-core kernel takes at most 8 rows, got {m}")
-    cfg = config or gemv_config(n, k, m)
-    y = torch.empty((m, n), dtype=out_dtype, device=a.q.device)
-    q = a.q if a.q.stride(1) == 1 else a.q.contiguous()
-    _GEMV_LAUNCH.launch((triton.cdiv(n, cfg["block_n"]),),
-        q, a.scale, w_q, w_scale, bias if bias is not None else w_scale, y, m, n, k,
-        q.stride(0), w_q.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(m), BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    return y
-
 
 def small_m_config(n: int, k: int, m: int = 1) -> dict:
     """Launch shape of the few-rows kernel for ``m`` rows of an [N, K] weight: the best of

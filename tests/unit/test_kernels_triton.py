@@ -269,29 +269,3 @@ def test_fp8_few_rows_gemm_matches_the_dequantized_matmul(rows, cfg):
     ref = fp8.fp8_linear_ref(a, w_q, w_s, bias, torch.float32)
     assert rel_err(out, ref) < 1e-5
 
-
-@pytest.mark.parametrize("rows,n,k,bias", [
-    (1, 48, 96, True),   # K a multiple of the K step, N of the channel tile
-    (3, 45, 100, False),  # three rows in a 4-row tile; N and K both ragged
-    (8, 16, 64, True),
-])
-def test_fp8_cuda_core_gemv_matches_the_dequantized_matmul(rows, n, k, bias):
-    from engine.kernels import fp8
-    from engine.kernels.fp8_triton import fp8_linear_gemv
-
-    g = torch.Generator().manual_seed(rows)
-    a = fp8.quantize_rows_ref(torch.randn(rows, k, generator=g))
-    w_q, w_s = fp8.quantize_weight(torch.randn(n, k, generator=g))
-    b = torch.randn(n, generator=g) if bias else None
-    got = fp8_linear_gemv(a, w_q, w_s, b, torch.float32, {"block_n": 8, "block_k": 32, "num_warps": 4, "num_stages": 1})
-    assert got.shape == (rows, n) and rel_err(got, fp8.fp8_linear_ref(a, w_q, w_s, b, torch.float32)) < 1e-5
-
-
-def test_fp8_cuda_core_gemv_refuses_more_than_eight_rows():
-    from engine.kernels import fp8
-    from engine.kernels.fp8_triton import fp8_linear_gemv
-
-    a = fp8.quantize_rows_ref(torch.randn(9, 32))
-    w_q, w_s = fp8.quantize_weight(torch.randn(16, 32))
-    with pytest.raises(ValueError, match="at most 8 rows"):
-        fp8_linear_gemv(a, w_q, w_s, None, torch.float32)
