@@ -93,15 +93,18 @@ _SMALL_M_LAUNCH = CachedLauncher(_small_m_kernel)
 def small_m_config(n: int, k: int, m: int = 1) -> dict:
     """Launch shape of the few-rows kernel for ``m`` rows of an [N, K] weight: the best of
     ops/gpu/fp8_bench.py's sweeps on the H200 for each of an 8B's four projections (docs/perf.md).
-    Up to 16 rows (one 16-row tile): narrow tiles (32 channels: enough programs without splitting
-    K; every split tried was slower), 512-wide K steps for the long-K down projection, a shallower
-    pipeline for the widest weight. 17-64 rows (one 64-row tile): 64 channels (32 where N is
-    4096), 256-wide K steps (128 for the widest), 4 stages (3). 65-128 rows (N = 4096 only, see
+    Up to 16 rows (one 16-row tile; ``--one-row``, weights that do not fit L2): two warps and a
+    deep pipeline — many small programs keep more loads in flight than a few wide ones; 16
+    channels a program where N is 4096 (o, down: twice the programs of 32), 32 elsewhere;
+    512-wide K steps for the long-K down projection, 256 elsewhere; 3 stages for the widest
+    weight, 5-6 for the others. 17-64 rows (one 64-row tile): 64 channels (32 where N is 4096),
+    256-wide K steps (128 for the widest), 4 stages (3). 65-128 rows (N = 4096 only, see
     ``fp8.triton_rows``): 64-row tiles of 64 channels, 256-wide K steps, 4 stages."""
     wide = n >= 16384
     if m <= 16:
-        return {"block_m": 16, "block_n": 32, "block_k": 512 if k > 8192 else 256, "split_k": 1, "num_warps": 4,
-                "num_stages": 3 if wide else 5}
+        narrow = n <= 4096
+        return {"block_m": 16, "block_n": 16 if narrow else 32, "block_k": 512 if k > 8192 else 256, "split_k": 1,
+                "num_warps": 2, "num_stages": 3 if wide else 5 if narrow and k <= 8192 else 6}
     if m > 64:
         return {"block_m": 64, "block_n": 64, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 4}
     return {"block_m": 64, "block_n": 32 if n <= 4096 else 64, "block_k": 128 if wide else 256, "split_k": 1,
