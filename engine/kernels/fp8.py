@@ -25,7 +25,6 @@ from engine.kernels._dispatch import check, use_triton
 from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE, Fp8Rows
 
 
-
 def triton_rows(n: int) -> int:
     """Up to how many rows a linear with ``n`` output channels runs on the Triton kernel; above,
     torch's GEMM. On the H200 (docs/perf.md, ``fp8_bench --medium``) the kernel was ahead at 32

@@ -89,7 +89,6 @@ def _small_m_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_a, s_
 _SMALL_M_LAUNCH = CachedLauncher(_small_m_kernel)
 
 
-
 def small_m_config(n: int, k: int, m: int = 1) -> dict:
     """Launch shape of the few-rows kernel for ``m`` rows of an [N, K] weight: the best of
     ops/gpu/fp8_bench.py's sweeps on the H200 for each of an 8B's four projections (docs/perf.md).

@@ -268,4 +268,3 @@ def test_fp8_few_rows_gemm_matches_the_dequantized_matmul(rows, cfg):
     out = fp8_linear_small_m(a, w_q, w_s, bias, torch.float32, {"num_warps": 4, "num_stages": 1, **cfg})
     ref = fp8.fp8_linear_ref(a, w_q, w_s, bias, torch.float32)
     assert rel_err(out, ref) < 1e-5
-
