@@ -20,6 +20,14 @@ normal ``kernel[grid](...)`` path, and so does every launch with
 ``INFIRE_TRITON_FAST_LAUNCH=0``; on a miss the binder's own argument list is compared with
 ours before the entry is kept, and any disagreement turns the fast path off for that kernel.
 Launch hooks registered after a specialisation was cached are not called for its cached launches.
+
+Programmatic dependent launch (PDL, Hopper and newer): a kernel made with ``CachedLauncher(fn,
+pdl=True)`` takes a ``PDL`` constexpr and begins with :func:`pdl_entry`; when :func:`pdl_on`, it is
+launched with ``launch_pdl=True``, so its programs are resident and waiting (``griddepcontrol.wait``)
+while the kernel before it in the stream finishes, instead of being launched after it. A decode
+step at one row is some 400 kernels of a few microseconds each, in a CUDA graph: the launch gap
+between them is a measured part of the step (docs/perf.md, "PDL"). Every PDL kernel waits before
+it reads or writes anything, so a kernel after it sees all that came before, PDL or not.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ import os
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # INFIRE_TRITON_FAST_LAUNCH=0 (a debug escape hatch, read once at import): every launch takes
 # Triton's own path.
@@ -46,6 +57,29 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Whether PDL kernels are launched as such: decided at the first such launch (compute capability
+# 9.0 or newer, compiled kernels); a benchmark comparing both sets it before a model loads (graphs
+# keep what they captured).
+PDL: bool | None = None
+
+
+def pdl_on() -> bool:
+    global PDL
+    if PDL is None:
+        PDL = (not _interpreting() and torch.cuda.is_available()
+               and torch.cuda.get_device_capability() >= (9, 0))
+    return PDL
+
+
+@triton.jit
+def pdl_entry(PDL: tl.constexpr):
+    """The first statement of a PDL kernel: wait until the kernel before it has finished and its
+    writes are visible, then let the next kernel's programs be scheduled."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 class CachedLauncher:
     """Wraps one ``@triton.jit`` function; ``launch(grid, *args, **kwargs)`` is ``fn[grid](*args, **kwargs)``.
 
@@ -53,8 +87,10 @@ class CachedLauncher:
     ``num_warps``...) as keywords, the same keywords in the same order every time.
     """
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, pdl: bool = False) -> None:
         self.fn = fn
+        # the kernel has a PDL constexpr and begins with pdl_entry
+        self.pdl = pdl
         self._cache: dict[tuple, tuple] = {}
         self._stream = None
         self._device = None
@@ -99,6 +135,8 @@ class CachedLauncher:
         return tuple(spec)
 
     def launch(self, grid: tuple, *args, **kwargs) -> None:
+        if self.pdl:
+            kwargs = {**kwargs, "PDL": True, "launch_pdl": True} if pdl_on() else {**kwargs, "PDL": False}
         key = None
         if self.enabled and self._stream is not None and len(args) <= len(self._names):
             key = self._key(args, kwargs)

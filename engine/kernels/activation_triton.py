@@ -7,13 +7,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._launch import CachedLauncher
+from engine.kernels._launch import CachedLauncher, pdl_entry
 from engine.kernels.fp8_format import FP8, Fp8Rows
 from engine.kernels.fp8_triton import E4M3_MAX_C, MIN_SCALE_C, row_warps
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, s_x, s_o, I: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, s_x, s_o, I: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -23,7 +24,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, s_x, s_o, I: tl.constexpr, BLOCK: tl.conste
     tl.store(out_ptr + row * s_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_SILU_MUL_LAUNCH = CachedLauncher(_silu_mul_kernel)
+_SILU_MUL_LAUNCH = CachedLauncher(_silu_mul_kernel, pdl=True)
 
 
 def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,7 +41,8 @@ def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> tor
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, s_x, s_q, I: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, s_x, s_q, I: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < I
@@ -54,7 +56,7 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, s_x, s_q, I: tl.constexpr, BLOCK
     tl.store(s_ptr + row, scale)
 
 
-_SILU_MUL_QUANT_LAUNCH = CachedLauncher(_silu_mul_quant_kernel)
+_SILU_MUL_QUANT_LAUNCH = CachedLauncher(_silu_mul_quant_kernel, pdl=True)
 
 
 def silu_and_mul_quant_triton(x: torch.Tensor) -> Fp8Rows:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._launch import CachedLauncher
+from engine.kernels._launch import CachedLauncher, pdl_entry
 
 LOG2E = 1.4426950408889634
 
@@ -43,7 +43,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
                     s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, NUM_SEQS,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TPT: tl.constexpr,
-                    DOT_PREC: tl.constexpr, MIN_Q: tl.constexpr):
+                    DOT_PREC: tl.constexpr, MIN_Q: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     # Work item i of the flat grid: sequence b's tiles start at qsl[b] // TPT + b (a span of at
     # least cdiv(q_len_b, TPT) items), so b is the last sequence whose start is <= i.
     pid = tl.program_id(0)
@@ -99,7 +100,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dm[None, :])
 
 
-_PREFILL_LAUNCH = CachedLauncher(_prefill_kernel)
+_PREFILL_LAUNCH = CachedLauncher(_prefill_kernel, pdl=True)
 
 
 @triton.jit(do_not_specialize=["s_bt", "PART", "NUM_SPLITS"])
@@ -107,7 +108,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
                    s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, PART, NUM_SPLITS,
                    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SINGLE: tl.constexpr, DOT_PREC: tl.constexpr):
+                   SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -153,12 +155,13 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
             tl.store(plse_ptr + row, m_i + tl.log2(l_i), mask=gm)
 
 
-_DECODE_LAUNCH = CachedLauncher(_decode_kernel)
+_DECODE_LAUNCH = CachedLauncher(_decode_kernel, pdl=True)
 
 
 @triton.jit(do_not_specialize=["PART", "NUM_SPLITS"])
 def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, s_on, s_oh, PART, NUM_SPLITS,
-                   HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                   HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     q_start = tl.load(qsl_ptr + b)
@@ -179,7 +182,7 @@ def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, s_on, s_oh, PART,
         tl.store(out_ptr + q_start.to(tl.int64) * s_on + h * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=dm)
 
 
-_REDUCE_LAUNCH = CachedLauncher(_reduce_kernel)
+_REDUCE_LAUNCH = CachedLauncher(_reduce_kernel, pdl=True)
 
 
 def _sm_count(device: torch.device) -> int:

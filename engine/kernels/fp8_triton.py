@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._launch import CachedLauncher
+from engine.kernels._launch import CachedLauncher, pdl_entry
 from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE, Fp8Rows
 
 # The scheme's constants as kernels may read them (a jitted function sees constexpr globals only).
@@ -24,7 +24,8 @@ MIN_SCALE_C = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, s_x, s_q, K: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, s_x, s_q, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
@@ -35,7 +36,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, s_x, s_q, K: tl.constexpr, BLOCK:
     tl.store(s_ptr + row, scale)
 
 
-_QUANTIZE_LAUNCH = CachedLauncher(_quantize_rows_kernel)
+_QUANTIZE_LAUNCH = CachedLauncher(_quantize_rows_kernel, pdl=True)
 
 
 def row_warps(block: int) -> int:
@@ -58,7 +59,8 @@ def quantize_rows_triton(x: torch.Tensor, out: Fp8Rows | None = None) -> Fp8Rows
 @triton.jit(do_not_specialize=["M"])
 def _small_m_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_a, s_w, s_y,
                     HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -86,7 +88,7 @@ def _small_m_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, s_a, s_
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])
 
 
-_SMALL_M_LAUNCH = CachedLauncher(_small_m_kernel)
+_SMALL_M_LAUNCH = CachedLauncher(_small_m_kernel, pdl=True)
 
 
 def small_m_config(n: int, k: int, m: int = 1) -> dict:

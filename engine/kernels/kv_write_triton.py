@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._launch import CachedLauncher
+from engine.kernels._launch import CachedLauncher, pdl_entry
 from engine.kernels.fp8_format import FP8
 from engine.kernels.fp8_triton import E4M3_MAX_C
 
@@ -16,7 +16,8 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      s_kn, s_kh, s_vn, s_vh,
                      s_kcp, s_kcb, s_kch, s_vcp, s_vcb, s_vch,
                      H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_CACHE: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_CACHE: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:
@@ -35,7 +36,7 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
         tl.store(vc_ptr + page * s_vcp + off * s_vcb + h * s_vch + d, vv.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-_KV_WRITE_LAUNCH = CachedLauncher(_kv_write_kernel)
+_KV_WRITE_LAUNCH = CachedLauncher(_kv_write_kernel, pdl=True)
 
 
 def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:

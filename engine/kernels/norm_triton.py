@@ -10,14 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._launch import CachedLauncher
+from engine.kernels._launch import CachedLauncher, pdl_entry
 from engine.kernels.fp8_format import FP8, Fp8Rows
 from engine.kernels.fp8_triton import E4M3_MAX_C, MIN_SCALE_C
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, s_x, s_r, s_o, s_ro, eps,
-                     H: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr):
+                     H: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -40,7 +41,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, s_x, 
     tl.store(out_ptr + row * s_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_RMS_NORM_LAUNCH = CachedLauncher(_rms_norm_kernel)
+_RMS_NORM_LAUNCH = CachedLauncher(_rms_norm_kernel, pdl=True)
 
 
 def rms_norm_triton(x, residual, w, eps, out=None, res_out=None, quant: bool = False):

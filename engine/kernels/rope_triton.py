@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._launch import CachedLauncher
+from engine.kernels._launch import CachedLauncher, pdl_entry
 
 
 @triton.jit
@@ -26,7 +26,8 @@ def _rotate(ptr, s_n, s_h, tok, cos, sin, H: tl.constexpr, HALF: tl.constexpr,
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, s_qn, s_qh, s_kn, s_kh, s_cs,
                  HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -37,7 +38,7 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, s_qn, s_qh, s_kn, s_kh, s_cs,
     _rotate(k_ptr, s_kn, s_kh, tok, cos, sin, HK, HALF, BLOCK_HK, BLOCK_HALF)
 
 
-_ROPE_LAUNCH = CachedLauncher(_rope_kernel)
+_ROPE_LAUNCH = CachedLauncher(_rope_kernel, pdl=True)
 
 
 def apply_rope_triton(q, k, positions, cos_sin_cache) -> None:

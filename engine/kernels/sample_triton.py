@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._launch import CachedLauncher
+from engine.kernels._launch import CachedLauncher, pdl_entry
 
 NUM_PIVOTS = 16
 CANDIDATE_CAP = 4096
@@ -103,7 +103,8 @@ def _search_topp(ptr, n, t, m, tk, plo, phi, target, FROM_LOGITS: tl.constexpr, 
 @triton.jit
 def _sample_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, out_ptr, cand_ptr,
                    keep_ptr, s_row, V, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, NP: tl.constexpr,
-                   CAP: tl.constexpr, C_BITS: tl.constexpr, WRITE_KEEP: tl.constexpr):
+                   CAP: tl.constexpr, C_BITS: tl.constexpr, WRITE_KEEP: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * s_row
     cand = cand_ptr + row * CAP
@@ -207,7 +208,7 @@ def _sample_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr,
         tl.store(out_ptr + row, tl.min(tl.where(best == top, best_i, V), axis=0))
 
 
-_SAMPLE_LAUNCH = CachedLauncher(_sample_kernel)
+_SAMPLE_LAUNCH = CachedLauncher(_sample_kernel, pdl=True)
 
 
 def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, steps, out=None,

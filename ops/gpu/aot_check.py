@@ -4,7 +4,8 @@ Usage: ``python ops/gpu/aot_check.py [--arch 90] [--json out.json]``. Uses trito
 ptxas/cuobjdump, so it runs on a CPU-only machine (not under TRITON_INTERPRET). Arguments get the
 same 16-byte divisibility hints the JIT would derive from real tensors (pointers and the strides
 that are multiples of 16 at Llama-8B shapes), so the code is the code the GPU will run. Prints one
-line per kernel: registers, stack (spills), shared memory, 16-byte cp.async count; exit status 1
+line per kernel: registers, stack (spills), shared memory, 16-byte cp.async count, whether it
+waits on the kernel before it (programmatic dependent launch, as served on sm_90); exit status 1
 if a kernel fails to compile or a served (16-bit) kernel spills; float32 attention (a test path)
 may spill and is only marked.
 """
@@ -117,6 +118,8 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
 
 def compile_one(kernel, types: dict, consts: dict, opts: dict, arch: int) -> dict:
     names = kernel.arg_names
+    if "PDL" in names and "PDL" not in consts:  # as the launcher runs them on sm_90
+        consts, opts = {**consts, "PDL": True}, {**opts, "launch_pdl": True}
     sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in consts and n not in NO_HINT and (sig[n].startswith("*") or sig[n] == "i32")}
@@ -125,7 +128,8 @@ def compile_one(kernel, types: dict, consts: dict, opts: dict, arch: int) -> dic
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     ptx = k.asm["ptx"]
     res = {"shared": k.metadata.shared,
-           "cp_async_16B": len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*0x10", ptx))}
+           "cp_async_16B": len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*0x10", ptx)),
+           "griddep_wait": ptx.count("griddepcontrol.wait")}
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -154,7 +158,7 @@ def main() -> int:
         bad += not r["ok"]
         rows.append(r)
         print(f"{name:40s} " + (f"regs {r['reg']:>3} stack {r['stack']:>4} shared {r['shared']:>6} "
-                                f"cp.async16 {r['cp_async_16B']:>3}" if "error" not in r else r["error"])
+                                f"cp.async16 {r['cp_async_16B']:>3} pdl {r['griddep_wait']}" if "error" not in r else r["error"])
               + ("" if r["ok"] else "  <-- FAIL") + ("  (spills: fp32 test path)" if r["ok"] and r.get("stack") else ""),
               flush=True)
     if args.json:

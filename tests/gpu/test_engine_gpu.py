@@ -241,3 +241,29 @@ def test_mixed_step_graphs_match_their_eager_forward(arch, sharp_model, monkeypa
         g.replay(b)
     torch.cuda.synchronize()
     assert not slot.kv.buffer.any().item()
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_programmatic_dependent_launch_changes_no_token(quantization, sharp_model, monkeypatch):
+    """The engine's kernels launched with PDL (the default on sm_90) and plainly: same kernels,
+    so the same tokens and log-probabilities, in decode graphs, mixed graphs and eager prefill
+    (a kernel that read its predecessor's output before waiting would part them)."""
+    from engine.core.engine_core import EngineCore
+    from engine.kernels import _launch
+    from engine.sampling import SamplingParams
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs sm_90")
+    d = sharp_model("llama")
+    got = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(_launch, "PDL", pdl)
+        core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
+                          decode_buckets=(1, 2, 4, 8, 16))
+        core.load_model("m", d, max_model_len=256, max_num_seqs=16, quantization=quantization)
+        got[pdl] = _run(core, PROMPTS, SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=GEN,
+                                                      ignore_eos=True, logprobs=3))
+        runner = core.slot("m").runner
+        assert runner.graph_steps > 0
+        del core
+    assert got[True] == got[False]

@@ -26,6 +26,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["kernel"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
     assert len(rows) >= 20 and all(r["ok"] for r in rows.values())
+    # every kernel is launched with programmatic dependent launch on sm_90: each must wait first
+    assert all(r["griddep_wait"] >= 1 for r in rows.values()), [n for n, r in rows.items() if not r["griddep_wait"]]
     for name, r in rows.items():
         if name.startswith(("decode bf16", "prefill bf16")):
             assert r["cp_async_16B"] > 0 and r["stack"] <= 16, name

@@ -134,3 +134,38 @@ def test_not_a_jit_function_means_normal_launches():
     assert not lau.enabled
     lau.launch((2,), 1, 2)
     assert lau.misses == 1
+
+
+def test_pdl_kernels_get_the_constexpr_and_the_launch_option(monkeypatch):
+    """A PDL kernel is launched with PDL=True and launch_pdl=True where PDL is on, PDL=False
+    (and no launch option) elsewhere; the two are separate specialisations."""
+    from engine.kernels import _launch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fn = _FakeJit()
+    fn.params.append(_Param("PDL", True))
+    lau = _launcher(fn)
+    lau.pdl = True
+    x = torch.zeros(64)
+    monkeypatch.setattr(_launch, "PDL", False)
+    lau.launch((1,), x, 32, 0.5, BLOCK=128)
+    assert fn.log[-1][3] == {"BLOCK": 128, "PDL": False}
+    monkeypatch.setattr(_launch, "PDL", True)
+    lau.launch((1,), x, 32, 0.5, BLOCK=128)
+    assert fn.log[-1][3] == {"BLOCK": 128, "PDL": True, "launch_pdl": True}
+    lau.launch((1,), x, 32, 0.5, BLOCK=128)
+    assert lau.misses == 2 and lau.hits == 1 and fn.log[-1][2][-1] is True  # the PDL constexpr, in the tail
+
+
+def test_every_engine_kernel_is_a_pdl_kernel():
+    """Each launcher of the engine's kernels launches a kernel that waits on its predecessor (the
+    sm_90 compile of each is checked for the wait in test_kernels_compile)."""
+    import importlib
+
+    mods = ["activation_triton", "attention_triton", "fp8_triton", "kv_write_triton", "norm_triton",
+            "rope_triton", "sample_triton"]
+    launchers = [v for m in mods for v in vars(importlib.import_module(f"engine.kernels.{m}")).values()
+                 if isinstance(v, CachedLauncher)]
+    assert len(launchers) >= 11
+    for lau in launchers:
+        assert lau.pdl and "PDL" in inspect.signature(lau.fn.fn).parameters, lau.fn
