@@ -4,7 +4,8 @@ Two kernels share one page-gather scheme: a KV tile of BLOCK_N consecutive posit
 each position's page in the block table (``pos // block_size``) and reads that token's row at
 ``page * stride(0) + offset * stride(1) + kv_head * stride(2)``, so any block size (1, 16, ...)
 and any page stride (a page of a multi-layer pool) work, and nothing is assumed contiguous but
-head_dim. An e4m3 cache (``kv_cache_dtype="fp8"``) is widened to q's dtype tile by tile as it loads.
+head_dim. An e4m3 cache (``kv_cache_dtype="fp8"``) is widened tile by tile as it loads, to float16
+(:func:`_dot_dtype_q`).
 
 - ``_prefill_kernel`` (the queries longer than 1 of any step that has one): grid (cdiv(N, TPT) + B, Hkv), each
   program finding its (sequence, query tile) by a binary search over query_start_loc. A tile's
@@ -34,6 +35,19 @@ LOG2E = 1.4426950408889634
 def _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_p, s_b, s_h, BLOCK_SIZE: tl.constexpr):
     page = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
     return page * s_p + (j % BLOCK_SIZE).to(tl.int64) * s_b + kvh * s_h
+
+
+@triton.jit
+def _dot_dtype_q(q, kc_ptr):
+    """q in the dtype the dots run in: its own, or float16 for bf16 q over an e4m3 cache. e4m3
+    widens to float16 exactly in one instruction a pair, to bfloat16 only by way of float32: with
+    bf16 dots the e4m3 decode kernel spent its time converting and read 1.5 TB/s, slower than
+    over a bf16 cache of twice the bytes (docs/perf.md, attn_sweep). bf16 q loses nothing in
+    float16 but range (clamped to its 65504; q entries that large do not occur in practice)."""
+    if kc_ptr.dtype.element_ty == tl.float8e4nv:
+        if q.dtype == tl.bfloat16:
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
 
 
 # Runtime ints that change with the batch are not specialised (==1, %16): a new block-table
@@ -73,6 +87,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
         tok = (q_start + t).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * s_qn + head[:, None] * s_qh + d[None, :],
                     mask=row_ok[:, None] & dm[None, :], other=0.0)
+        q = _dot_dtype_q(q, kc_ptr)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -127,6 +142,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
         tok = q_start.to(tl.int64)
         q = tl.load(q_ptr + tok * s_qn + head[:, None] * s_qh + d[None, :], mask=gm[:, None] & dm[None, :],
                     other=0.0)
+        q = _dot_dtype_q(q, kc_ptr)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
