@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._launch import CachedLauncher, pdl_entry
+from engine.kernels._launch import CachedLauncher, _interpreting, pdl_entry
+from engine.kernels.fp8_format import FP8
 
 LOG2E = 1.4426950408889634
 
@@ -50,6 +51,28 @@ def _dot_dtype_q(q, kc_ptr):
     return q
 
 
+@triton.jit
+def _e4m3x4_to_f16(x):
+    """Four e4m3 codes (one 32-bit register) to four float16, by the hardware's pair conversion."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _widen_v(v, q, ASM_V: tl.constexpr):
+    """A V tile in q's dot dtype. Over an e4m3 cache (``ASM_V``, compiled kernels) the widening is
+    inline assembly that is not pure, so it stays where it is written: a plain conversion is sunk
+    by the compiler below the tile's shared-memory load into the dot's operand layout, where
+    8-bit values cannot be transposed by ldmatrix (V is the dot's N-major operand) and were read
+    a byte at a time — 64 single-byte shared loads a thread per tile (ops/gpu/aot_check.py counts
+    them). Widened in registers, the tile goes to the dot as float16 through ldmatrix.trans."""
+    if ASM_V:
+        return _e4m3x4_to_f16(v)
+    else:
+        return v.to(q.dtype)
+
+
 # Runtime ints that change with the batch are not specialised (==1, %16): a new block-table
 # width or split count must never trigger a compile while serving.
 @triton.jit(do_not_specialize=["s_bt", "NUM_SEQS"])
@@ -57,7 +80,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
                     s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, NUM_SEQS,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TPT: tl.constexpr,
-                    DOT_PREC: tl.constexpr, MIN_Q: tl.constexpr, PDL: tl.constexpr):
+                    DOT_PREC: tl.constexpr, MIN_Q: tl.constexpr, ASM_V: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     # Work item i of the flat grid: sequence b's tiles start at qsl[b] // TPT + b (a span of at
     # least cdiv(q_len_b, TPT) items), so b is the last sequence whose start is <= i.
@@ -106,7 +129,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0).to(q.dtype)
+            v = _widen_v(tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0), q, ASM_V)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -123,7 +146,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
                    s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, PART, NUM_SPLITS,
                    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                   SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, ASM_V: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -152,7 +175,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
             koff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_kp, s_kb, s_kh, BLOCK_SIZE)
             voff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_vp, s_vb, s_vh, BLOCK_SIZE)
             k = tl.load(kc_ptr + koff[None, :] + d[:, None], mask=jm[None, :] & dm[:, None], other=0.0).to(q.dtype)
-            v = tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0).to(q.dtype)
+            v = _widen_v(tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0), q, ASM_V)
             s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
             s = tl.where(jm[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -218,7 +241,7 @@ def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count
 
 
 def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, common, cfg, num_splits,
-                 max_seq_len, b, hq, hkv, g, d, block_d, dot_prec) -> None:
+                 max_seq_len, b, hq, hkv, g, d, block_d, dot_prec, asm_v) -> None:
     """Flash-decoding of every one-token query (all rows of a decode step; the decode rows of a
     mixed step, whose other sequences the kernels skip)."""
     # float32 tiles take twice the registers: halve them (fp32 KV is a test path, not served)
@@ -237,7 +260,7 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
     _DECODE_LAUNCH.launch((b, hkv, splits),
         q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, *common, part, splits,
         HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
-        SINGLE=splits == 1, DOT_PREC=dot_prec, num_warps=cfg.get("num_warps", 4),
+        SINGLE=splits == 1, DOT_PREC=dot_prec, ASM_V=asm_v, num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 3),
     )
     if splits > 1:
@@ -260,13 +283,14 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     block_d = triton.next_power_of_2(d)
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    asm_v = k_cache.dtype == FP8 and q.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
     qk_scale = float(scale) * LOG2E
     common = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), qk_scale)
     # ``config`` tunes the kernel a benchmark times: the decode kernel's on decode steps only
     _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, common,
-                 cfg if max_query_len <= 1 else {}, num_splits, max_seq_len, b, hq, hkv, g, d, block_d, dot_prec)
+                 cfg if max_query_len <= 1 else {}, num_splits, max_seq_len, b, hq, hkv, g, d, block_d, dot_prec, asm_v)
     if max_query_len <= 1:
         return out
     wide = q.dtype == torch.float32 or d > 128
@@ -280,7 +304,7 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     _PREFILL_LAUNCH.launch(grid,
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common, b,
         G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
-        DOT_PREC=dot_prec, MIN_Q=2, num_warps=cfg.get("num_warps", 4 if block_d <= 64 else 8),
+        DOT_PREC=dot_prec, MIN_Q=2, ASM_V=asm_v, num_warps=cfg.get("num_warps", 4 if block_d <= 64 else 8),
         num_stages=cfg.get("num_stages", 2),
     )
     return out

@@ -5,7 +5,8 @@ ptxas/cuobjdump, so it runs on a CPU-only machine (not under TRITON_INTERPRET). 
 same 16-byte divisibility hints the JIT would derive from real tensors (pointers and the strides
 that are multiples of 16 at Llama-8B shapes), so the code is the code the GPU will run. Prints one
 line per kernel: registers, stack (spills), shared memory, 16-byte cp.async count, whether it
-waits on the kernel before it (programmatic dependent launch, as served on sm_90); exit status 1
+waits on the kernel before it (programmatic dependent launch, as served on sm_90), single-byte
+shared loads (an e4m3 tile read a byte at a time); exit status 1
 if a kernel fails to compile or a served (16-bit) kernel spills; float32 attention (a test path)
 may spill and is only marked.
 """
@@ -58,18 +59,20 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
             for single in (True, False):
                 out.append((f"decode {dt[1:]} G={g} D={d} single={single}", att._decode_kernel, attn_types(dt),
                             dict(HQ=hq, G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_G=max(16, triton.next_power_of_2(g)),
-                                 BLOCK_N=bn, SINGLE=single, DOT_PREC=prec), dict(num_warps=4, num_stages=3)))
+                                 BLOCK_N=bn, SINGLE=single, DOT_PREC=prec, ASM_V=False), dict(num_warps=4, num_stages=3)))
             out.append((f"prefill {dt[1:]} G={g} D={d}", att._prefill_kernel, attn_types(dt),
-                        dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=bm, BLOCK_N=bn, TPT=bm // g, DOT_PREC=prec, MIN_Q=2),
+                        dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=bm, BLOCK_N=bn, TPT=bm // g, DOT_PREC=prec, MIN_Q=2,
+                             ASM_V=False),
                         dict(num_warps=8 if bd > 64 else 4, num_stages=2)))
         if dt == "*fp32":
             break
     fp8_kv = {**attn_types("*bf16"), "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
     out.append(("decode fp8-kv G=4 D=128", att._decode_kernel, fp8_kv,
                 dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=False,
-                     DOT_PREC="tf32"), dict(num_warps=4, num_stages=3)))
+                     DOT_PREC="tf32", ASM_V=True), dict(num_warps=4, num_stages=3)))
     out.append(("prefill fp8-kv G=4 D=128", att._prefill_kernel, fp8_kv,
-                dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, TPT=16, DOT_PREC="tf32", MIN_Q=2),
+                dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, TPT=16, DOT_PREC="tf32", MIN_Q=2,
+                     ASM_V=True),
                 dict(num_warps=8, num_stages=2)))
     out.append(("reduce", att._reduce_kernel, attn_types("*bf16"), dict(HQ=32, D=128, BLOCK_D=128, BLOCK_S=8),
                 dict(num_warps=4)))
@@ -129,7 +132,8 @@ def compile_one(kernel, types: dict, consts: dict, opts: dict, arch: int) -> dic
     ptx = k.asm["ptx"]
     res = {"shared": k.metadata.shared,
            "cp_async_16B": len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*0x10", ptx)),
-           "griddep_wait": ptx.count("griddepcontrol.wait")}
+           "griddep_wait": ptx.count("griddepcontrol.wait"),
+           "ld_shared_b8": ptx.count("ld.shared.b8")}
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -158,7 +162,7 @@ def main() -> int:
         bad += not r["ok"]
         rows.append(r)
         print(f"{name:40s} " + (f"regs {r['reg']:>3} stack {r['stack']:>4} shared {r['shared']:>6} "
-                                f"cp.async16 {r['cp_async_16B']:>3} pdl {r['griddep_wait']}" if "error" not in r else r["error"])
+                                f"cp.async16 {r['cp_async_16B']:>3} pdl {r['griddep_wait']} ld.b8 {r['ld_shared_b8']:>3}" if "error" not in r else r["error"])
               + ("" if r["ok"] else "  <-- FAIL") + ("  (spills: fp32 test path)" if r["ok"] and r.get("stack") else ""),
               flush=True)
     if args.json:
