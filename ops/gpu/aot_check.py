@@ -59,7 +59,7 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
             for single in (True, False):
                 out.append((f"decode {dt[1:]} G={g} D={d} single={single}", att._decode_kernel, attn_types(dt),
                             dict(HQ=hq, G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_G=max(16, triton.next_power_of_2(g)),
-                                 BLOCK_N=bn, SINGLE=single, DOT_PREC=prec, ASM_V=False), dict(num_warps=4, num_stages=3)))
+                                 BLOCK_N=bn, SINGLE=single, DOT_PREC=prec, ASM_V=False), dict(num_warps=4, num_stages=2)))
             out.append((f"prefill {dt[1:]} G={g} D={d}", att._prefill_kernel, attn_types(dt),
                         dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=bm, BLOCK_N=bn, TPT=bm // g, DOT_PREC=prec, MIN_Q=2,
                              ASM_V=False),
@@ -69,7 +69,7 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
     fp8_kv = {**attn_types("*bf16"), "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
     out.append(("decode fp8-kv G=4 D=128", att._decode_kernel, fp8_kv,
                 dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=False,
-                     DOT_PREC="tf32", ASM_V=True), dict(num_warps=4, num_stages=3)))
+                     DOT_PREC="tf32", ASM_V=True), dict(num_warps=4, num_stages=2)))
     out.append(("prefill fp8-kv G=4 D=128", att._prefill_kernel, fp8_kv,
                 dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, TPT=16, DOT_PREC="tf32", MIN_Q=2,
                      ASM_V=True),
