@@ -57,18 +57,18 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-# Whether PDL kernels are launched as such: decided at the first such launch (compute capability
-# 9.0 or newer, compiled kernels); a benchmark comparing both sets it before a model loads (graphs
-# keep what they captured).
-PDL: bool | None = None
+# Whether PDL kernels are launched as such (None: not decided yet); a benchmark comparing both
+# sets it before a model loads (graphs keep what they captured).
+PDL_ON: bool | None = None
 
 
 def pdl_on() -> bool:
-    global PDL
-    if PDL is None:
-        PDL = (not _interpreting() and torch.cuda.is_available()
-               and torch.cuda.get_device_capability() >= (9, 0))
-    return PDL
+    """Whether compiled PDL kernels get programmatic dependent launch: decided at the first such
+    launch, from the current device (compute capability 9.0 or newer)."""
+    global PDL_ON
+    if PDL_ON is None:
+        PDL_ON = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    return PDL_ON
 
 
 @triton.jit
@@ -89,6 +89,9 @@ class CachedLauncher:
 
     def __init__(self, fn: Any, pdl: bool = False) -> None:
         self.fn = fn
+        # The kernel runs compiled (not under TRITON_INTERPRET, which triton decides when the
+        # kernel is decorated): only then can it wait on its predecessor or hold inline assembly.
+        self.compiled = hasattr(fn, "device_caches")
         # the kernel has a PDL constexpr and begins with pdl_entry
         self.pdl = pdl
         self._cache: dict[tuple, tuple] = {}
@@ -136,7 +139,8 @@ class CachedLauncher:
 
     def launch(self, grid: tuple, *args, **kwargs) -> None:
         if self.pdl:
-            kwargs = {**kwargs, "PDL": True, "launch_pdl": True} if pdl_on() else {**kwargs, "PDL": False}
+            kwargs = ({**kwargs, "PDL": True, "launch_pdl": True} if self.compiled and pdl_on()
+                      else {**kwargs, "PDL": False})
         key = None
         if self.enabled and self._stream is not None and len(args) <= len(self._names):
             key = self._key(args, kwargs)

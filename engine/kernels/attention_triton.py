@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._launch import CachedLauncher, _interpreting, pdl_entry
+from engine.kernels._launch import CachedLauncher, pdl_entry
 from engine.kernels.fp8_format import FP8
 
 LOG2E = 1.4426950408889634
@@ -47,7 +47,7 @@ def _dot_dtype_q(q, kc_ptr):
     float16 but range (clamped to its 65504; q entries that large do not occur in practice)."""
     if kc_ptr.dtype.element_ty == tl.float8e4nv:
         if q.dtype == tl.bfloat16:
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
     return q
 
 
@@ -68,6 +68,7 @@ def _widen_v(v, q, ASM_V: tl.constexpr):
     a byte at a time — 64 single-byte shared loads a thread per tile (ops/gpu/aot_check.py counts
     them). Widened in registers, the tile goes to the dot as float16 through ldmatrix.trans."""
     if ASM_V:
+        tl.static_assert(v.dtype == tl.float8e4nv and q.dtype == tl.float16, "ASM_V widens e4m3 for float16 dots")
         return _e4m3x4_to_f16(v)
     else:
         return v.to(q.dtype)
@@ -285,7 +286,7 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     block_d = triton.next_power_of_2(d)
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    asm_v = k_cache.dtype == FP8 and q.dtype in (torch.bfloat16, torch.float16) and not _interpreting()
+    asm_v = k_cache.dtype == FP8 and q.dtype in (torch.bfloat16, torch.float16) and _DECODE_LAUNCH.compiled
     qk_scale = float(scale) * LOG2E
     common = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

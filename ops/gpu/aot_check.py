@@ -119,10 +119,19 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
     return out
 
 
+def _waits_first(ptx: str) -> bool:
+    """Whether the kernel's first global memory access comes after its first griddepcontrol.wait."""
+    wait = ptx.find("griddepcontrol.wait")
+    first = min((i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.", "red.", "cp.async"))
+                 if i >= 0), default=len(ptx))
+    return 0 <= wait < first
+
+
 def compile_one(kernel, types: dict, consts: dict, opts: dict, arch: int) -> dict:
     names = kernel.arg_names
-    if "PDL" in names and "PDL" not in consts:  # as the launcher runs them on sm_90
-        consts, opts = {**consts, "PDL": True}, {**opts, "launch_pdl": True}
+    if "PDL" in names and "PDL" not in consts:  # as the launcher runs them: PDL from sm_90
+        consts = {**consts, "PDL": arch >= 90}
+        opts = {**opts, "launch_pdl": True} if arch >= 90 else opts
     sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in consts and n not in NO_HINT and (sig[n].startswith("*") or sig[n] == "i32")}
@@ -133,6 +142,7 @@ def compile_one(kernel, types: dict, consts: dict, opts: dict, arch: int) -> dic
     res = {"shared": k.metadata.shared,
            "cp_async_16B": len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*0x10", ptx)),
            "griddep_wait": ptx.count("griddepcontrol.wait"),
+           "waits_first": _waits_first(ptx),
            "ld_shared_b8": ptx.count("ld.shared.b8")}
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

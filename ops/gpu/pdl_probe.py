@@ -21,14 +21,13 @@ from ops.bench.engine_bench import _commit, _release_device, compare_outputs, ru
 def main() -> int:
     model, out = sys.argv[1], sys.argv[2]
     n = int(sys.argv[3]) if len(sys.argv) > 3 and not sys.argv[3].startswith("--") else 1000
-    quants = [q for q in (sys.argv[4].split(",") if len(sys.argv) > 4 and not sys.argv[4].startswith("--")
-                          else ["none", "fp8"])]
+    quants = sys.argv[4].split(",") if len(sys.argv) > 4 and not sys.argv[4].startswith("--") else ["none", "fp8"]
     order = (False, True, False, True) if "--twice" in sys.argv else (False, True)
     res: dict = {"commit": _commit(), "num_requests": n, "runs": []}
     for q in quants:
         outputs: dict[bool, dict] = {}
         for pdl in order:
-            _launch.PDL = pdl
+            _launch.PDL_ON = pdl
             toks: dict = {}
             r = run_bench(model, n, "cuda", 512, 16384, 2048, 16, batch1=True, outputs=toks,
                           quantization=None if q == "none" else q)

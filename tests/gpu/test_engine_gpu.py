@@ -243,13 +243,15 @@ def test_mixed_step_graphs_match_their_eager_forward(arch, sharp_model, monkeypa
     assert not slot.kv.buffer.any().item()
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_programmatic_dependent_launch_changes_no_token(quantization, sharp_model, monkeypatch):
+@pytest.mark.parametrize("quantization,kv_dtype", [(None, None), ("fp8", None), ("fp8", "fp8")])
+def test_programmatic_dependent_launch_changes_no_token(quantization, kv_dtype, sharp_model, monkeypatch):
     """The engine's kernels launched with PDL (the default on sm_90) and plainly: same kernels,
     so the same tokens and log-probabilities, in decode graphs, mixed graphs and eager prefill
     (a kernel that read its predecessor's output before waiting would part them)."""
     from engine.core.engine_core import EngineCore
     from engine.kernels import _launch
+    from engine.kernels.attention_triton import _DECODE_LAUNCH
+    from engine.kernels.norm_triton import _RMS_NORM_LAUNCH
     from engine.sampling import SamplingParams
 
     if torch.cuda.get_device_capability() < (9, 0):
@@ -257,13 +259,17 @@ def test_programmatic_dependent_launch_changes_no_token(quantization, sharp_mode
     d = sharp_model("llama")
     got = {}
     for pdl in (False, True):
-        monkeypatch.setattr(_launch, "PDL", pdl)
+        monkeypatch.setattr(_launch, "PDL_ON", pdl)
         core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
                           decode_buckets=(1, 2, 4, 8, 16))
-        core.load_model("m", d, max_model_len=256, max_num_seqs=16, quantization=quantization)
+        core.load_model("m", d, max_model_len=256, max_num_seqs=16, quantization=quantization,
+                        kv_cache_dtype=kv_dtype)
         got[pdl] = _run(core, PROMPTS, SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=GEN,
                                                       ignore_eos=True, logprobs=3))
         runner = core.slot("m").runner
         assert runner.graph_steps > 0
+        # the launches really were (or were not) programmatic: the compiled launchers say so
+        for lau in (_DECODE_LAUNCH, _RMS_NORM_LAUNCH):
+            assert any(getattr(e[0], "launch_pdl", None) == pdl for e in lau._cache.values()), (lau.fn, pdl)
         del core
     assert got[True] == got[False]

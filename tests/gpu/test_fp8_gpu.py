@@ -168,3 +168,30 @@ def test_pre_quantized_checkpoints_load_on_the_gpu(layout, small_llama, tmp_path
         q = load_file(str(f))["model.layers.1.mlp.down_proj.weight"]
         got = core.slot("ck").model.layers[1].down_w
         assert torch.equal(got.view(torch.uint8).cpu(), q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("case", ["decode-split", "decode", "prefill", "mixed"])
+def test_attention_over_an_e4m3_cache_matches_the_reference(case):
+    """bf16 q over an e4m3 cache on the GPU: float16 dots, V widened by the inline-assembly
+    conversion (ASM_V); the reference computes float32 attention over the same q and cache. Each
+    case: one split and many (decode), prefill chunks over cached context, and a mixed step."""
+    from engine.kernels import attention
+    from engine.kernels.attention_triton import _DECODE_LAUNCH, paged_attention_triton
+    from tests.unit.test_kernels_ref import build_batch, make_pool
+
+    assert _DECODE_LAUNCH.compiled
+    gen = torch.Generator().manual_seed(11)
+    block, hq, hkv, d = 16, 32, 8, 128
+    q_lens, seq_lens = {"decode-split": ([1, 1], [700, 1500]), "decode": ([1] * 40, [100 + 13 * i for i in range(40)]),
+                        "prefill": ([70, 300], [200, 300]), "mixed": ([1, 37, 1, 64], [900, 37, 20, 400])}[case]
+    pages = sum((s + block - 1) // block for s in seq_lens) + 4
+    _, kc, vc = make_pool(pages, 2, block, hkv, d, torch.float32)
+    kc8, vc8 = (kc * 3).to(fmt.FP8).cuda(), (vc * 3).to(fmt.FP8).cuda()
+    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
+    tables, qsl, sl = tables.cuda(), qsl.cuda(), sl.cuda()
+    q = torch.randn(sum(q_lens), hq, d, device="cuda").to(torch.bfloat16)
+    splits = 16 if case == "decode-split" else None
+    out = paged_attention_triton(q, kc8, vc8, qsl, sl, tables, d ** -0.5, max(q_lens), max(seq_lens), num_splits=splits)
+    ref = attention.paged_attention_ref(q.float(), kc8, vc8, qsl, sl, tables, d ** -0.5)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, (case, err)

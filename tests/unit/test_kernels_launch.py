@@ -147,10 +147,10 @@ def test_pdl_kernels_get_the_constexpr_and_the_launch_option(monkeypatch):
     lau = _launcher(fn)
     lau.pdl = True
     x = torch.zeros(64)
-    monkeypatch.setattr(_launch, "PDL", False)
+    monkeypatch.setattr(_launch, "PDL_ON", False)
     lau.launch((1,), x, 32, 0.5, BLOCK=128)
     assert fn.log[-1][3] == {"BLOCK": 128, "PDL": False}
-    monkeypatch.setattr(_launch, "PDL", True)
+    monkeypatch.setattr(_launch, "PDL_ON", True)
     lau.launch((1,), x, 32, 0.5, BLOCK=128)
     assert fn.log[-1][3] == {"BLOCK": 128, "PDL": True, "launch_pdl": True}
     lau.launch((1,), x, 32, 0.5, BLOCK=128)

@@ -268,3 +268,25 @@ def test_fp8_few_rows_gemm_matches_the_dequantized_matmul(rows, cfg):
     out = fp8_linear_small_m(a, w_q, w_s, bias, torch.float32, {"num_warps": 4, "num_stages": 1, **cfg})
     ref = fp8.fp8_linear_ref(a, w_q, w_s, bias, torch.float32)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_bf16_queries_over_an_fp8_cache_run_float16_dots(decode):
+    """bf16 q over an e4m3 cache: the kernels run the dots in float16 (e4m3 widens to it exactly;
+    q is clamped to its range and rounded to float16, which keeps every bf16 mantissa bit), so
+    they give the reference's float32 attention over the same q and cache to float16's rounding
+    of the probabilities; a NaN in q stays a NaN (the clamp does not turn it into 65504)."""
+    gen = torch.Generator().manual_seed(5)
+    block, hq, hkv, d = 16, 4, 2, 16
+    q_lens, seq_lens = ([1, 1, 1], [9, 40, 17]) if decode else ([5, 1, 12], [5, 33, 20])
+    pages = sum((s + block - 1) // block for s in seq_lens) + 2
+    _, kc, vc = make_pool(pages, 2, block, hkv, d, torch.float32)
+    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
+    q = torch.randn(sum(q_lens), hq, d).to(torch.bfloat16)
+    out = paged_attention_triton(q, kc8, vc8, qsl, sl, tables, 0.25, max(q_lens), max(seq_lens))
+    ref = attention.paged_attention_ref(q.float(), kc8, vc8, qsl, sl, tables, 0.25)
+    assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) < 1e-2
+    q[0, 0, 0] = float("nan")
+    out = paged_attention_triton(q, kc8, vc8, qsl, sl, tables, 0.25, max(q_lens), max(seq_lens))
+    assert out[0, 0].float().isnan().all() and not out[0, 1:].float().isnan().any()  # that head only
