@@ -1,7 +1,7 @@
 """Decode attention alone, bf16 vs e4m3 KV cache, over launch shapes: one 8B layer's paged
 attention (32 q heads, 8 KV heads, head_dim 128, 16-token pages scattered over the pool) at
-serving batch sizes, from a CUDA graph of 10 calls. An e4m3 page is half a bf16 one: the kernel
-should take about half the time where it is bandwidth-bound.
+serving batch sizes, each call replayed from a CUDA graph (fp8_bench.graph_ms). An e4m3 page is
+half a bf16 one: the kernel should take about half the time where it is bandwidth-bound.
 
     . ops/gpu/env.sh; python3 ops/gpu/attn_sweep.py $OUT/attn_sweep.json
 """
@@ -17,27 +17,10 @@ import torch
 from engine.kernels.attention_triton import paged_attention_triton
 from engine.kernels.fp8_format import FP8
 from ops.bench.engine_bench import _commit
+from ops.gpu.fp8_bench import graph_ms
 
 CASES = ((256, 400), (512, 300), (128, 600), (64, 1000), (8, 1500), (1, 400))
 SHAPES = [dict(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
-
-
-def _time(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(5):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / (5 * reps)
 
 
 def main() -> int:
@@ -63,12 +46,13 @@ def main() -> int:
                 try:
                     o = paged_attention_triton(q, kc, vc, qsl, lens, perm, 0.088, 1, ctx, config=cfg)
                     err = (o.float() - ref.float()).abs().max().item()
-                    us = _time(lambda: paged_attention_triton(q, kc, vc, qsl, lens, perm, 0.088, 1, ctx, config=cfg))
+                    us = 1e3 * graph_ms(lambda: paged_attention_triton(q, kc, vc, qsl, lens, perm, 0.088, 1, ctx,
+                                                                       config=cfg))
                 except Exception as e:  # a shape out of resources: reported, not fatal
                     rows.append({**cfg, "error": str(e)[:200]})
                     continue
                 rows.append({**cfg, "us": us, "max_err_vs_default": err})
-            default_us = _time(lambda: paged_attention_triton(q, kc, vc, qsl, lens, perm, 0.088, 1, ctx))
+            default_us = 1e3 * graph_ms(lambda: paged_attention_triton(q, kc, vc, qsl, lens, perm, 0.088, 1, ctx))
             best = min((r for r in rows if "us" in r), key=lambda r: r["us"])
             gbytes = gb / (2 if kind == "fp8" else 1)
             row = {"batch": b, "ctx": ctx, "kv": kind, "default_us": default_us, "best": best,

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
 
 from engine.core.engine_core import EngineCore
 from ops.bench.engine_bench import _commit, _release_device
@@ -63,16 +64,7 @@ def main() -> int:
                 continue
             _fill(graphs.bufs, b, ctx)
             g = graphs.graphs[b].graph
-            for _ in range(5):
-                g.replay()
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(30):
-                g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            wall = e0.elapsed_time(e1) / 30
+            wall = do_bench(g.replay, warmup=5, rep=30)  # median ms per replay
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
                     g.replay()

@@ -48,7 +48,7 @@ def main() -> int:
             core.unload_model(name)
             while core.has_unfinished_requests():
                 core.step()
-            held = name in core.warm_tier or any(k.split("|", 1)[0] == name for k in core.warm_tier.models())
+            held = any(k.split("|", 1)[0] == name for k in core.warm_tier.models())  # keys: "name|..."
             t = time.perf_counter()
             core.load_model(name, model, max_model_len=2048, max_num_seqs=64, quantization=q)
             ready = time.perf_counter() - t

@@ -230,19 +230,25 @@ def test_public_api_forced_triton(monkeypatch):
     assert torch.equal(sample_api(*args), sample_ref(*args))
 
 
+def _e4m3_batch(seed: int, q_lens: list[int], seq_lens: list[int], hq: int):
+    """A batch over an e4m3 cache (2 KV heads, head_dim 16, 16-token pages; written by torch: the
+    interpreter's narrowing is not trusted): float32 q, the caches, tables and metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    block, hkv, d = 16, 2, 16
+    pages = sum((s + block - 1) // block for s in seq_lens) + 2
+    _, kc, vc = make_pool(pages, 2, block, hkv, d, torch.float32)
+    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
+    q = torch.randn(sum(q_lens), hq, d)
+    return q, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), tables, qsl, sl
+
+
 @pytest.mark.parametrize("decode", [False, True])
 def test_paged_attention_reads_an_fp8_cache(decode):
     """An e4m3 cache (kv_cache_dtype="fp8") is widened tile by tile: the kernels give what the
     reference gives over the same cache (the interpreter only widens e4m3 here, which it does
     exactly; its narrowing is not trusted, so the cache is written by torch)."""
-    gen = torch.Generator().manual_seed(3)
-    block, hq, hkv, d = 16, 6, 2, 16
     q_lens, seq_lens = ([1, 1, 1], [5, 40, 17]) if decode else ([7, 1, 12], [7, 33, 20])
-    pages = sum((s + block - 1) // block for s in seq_lens) + 2
-    _, kc, vc = make_pool(pages, 2, block, hkv, d, torch.float32)
-    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
-    q = torch.randn(sum(q_lens), hq, d)
+    q, kc8, vc8, tables, qsl, sl = _e4m3_batch(3, q_lens, seq_lens, hq=6)
     out = torch.full_like(q, float("nan"))
     paged_attention_triton(q, kc8, vc8, qsl, sl, tables, 0.25, max(q_lens), max(seq_lens), out=out)
     ref = attention.paged_attention_ref(q, kc8, vc8, qsl, sl, tables, 0.25)
@@ -276,14 +282,9 @@ def test_bf16_queries_over_an_fp8_cache_run_float16_dots(decode):
     q is clamped to its range and rounded to float16, which keeps every bf16 mantissa bit), so
     they give the reference's float32 attention over the same q and cache to float16's rounding
     of the probabilities; a NaN in q stays a NaN (the clamp does not turn it into 65504)."""
-    gen = torch.Generator().manual_seed(5)
-    block, hq, hkv, d = 16, 4, 2, 16
     q_lens, seq_lens = ([1, 1, 1], [9, 40, 17]) if decode else ([5, 1, 12], [5, 33, 20])
-    pages = sum((s + block - 1) // block for s in seq_lens) + 2
-    _, kc, vc = make_pool(pages, 2, block, hkv, d, torch.float32)
-    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
-    q = torch.randn(sum(q_lens), hq, d).to(torch.bfloat16)
+    q, kc8, vc8, tables, qsl, sl = _e4m3_batch(5, q_lens, seq_lens, hq=4)
+    q = q.to(torch.bfloat16)
     out = paged_attention_triton(q, kc8, vc8, qsl, sl, tables, 0.25, max(q_lens), max(seq_lens))
     ref = attention.paged_attention_ref(q.float(), kc8, vc8, qsl, sl, tables, 0.25)
     assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) < 1e-2
