@@ -6,6 +6,13 @@ step, ``block_tables[B, max_pages]`` page ids. New token j of sequence b sits at
 ``seq_lens[b] - q_len_b + j`` and attends to positions ``0 ..= that``. The cache already holds
 the new tokens' K/V. Query head h reads KV head ``h // (Hq // Hkv)``. The cache is in q's dtype
 or e4m3 at unit scale (``kv_cache_dtype="fp8"``: the kernels widen each K/V tile as they load it).
+
+Cascade (optional, ``cascade=(tiles, kv_lo)``, a plan of engine/runner/cascade.py): one-token
+queries whose tables begin with the same pages read that shared prefix once per tile of rows.
+``tiles[T, 2 + R]`` int32: a row of the group whose table holds the shared pages, the shared
+length in tokens (0: an unused tile), then up to R batch rows (-1: none); ``kv_lo[B]`` int32
+is each row's shared length (0 outside the plan). The result is the same attention — the plan
+only decides who reads what — so the reference ignores it.
 """
 
 from __future__ import annotations
@@ -61,18 +68,25 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+                    scale: float, max_query_len: int, max_seq_len: int,
+                    cascade: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of q[N,Hq,D] over the paged cache; returns out[N,Hq,D] in q.dtype.
 
     ``max_query_len`` and ``max_seq_len`` are host ints bounding the batch (they size the grid, so
-    no device value is read on the host); they must not be below the true maxima.
+    no device value is read on the host); they must not be below the true maxima. ``cascade``:
+    a plan's (tiles, kv_lo), see the module docstring.
     """
     _validate(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    if cascade is not None:
+        tiles, kv_lo = cascade
+        check(tiles.dim() == 2 and tiles.shape[1] >= 3 and tiles.dtype == torch.int32,
+              f"cascade tiles must be [T, 2 + R] int32, got {tuple(tiles.shape)} {tiles.dtype}")
+        check(kv_lo.shape == seq_lens.shape and kv_lo.dtype == torch.int32, "kv_lo must be [B] int32")
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if use_triton(q, k_cache, query_start_loc, seq_lens, block_tables):
         from engine.kernels.attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                      scale, max_query_len, max_seq_len)
+                                      scale, max_query_len, max_seq_len, cascade=cascade)
     return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)

@@ -18,6 +18,15 @@ head_dim. An e4m3 cache (``kv_cache_dtype="fp8"``) is widened tile by tile as it
   is a host int derived from B, Hkv, max_seq_len and the SM count, so the grid never depends on
   device data (CUDA-graph safe). Split count and partition length are runtime arguments, not
   constexprs: a new max_seq_len must not cost a recompile in the middle of serving.
+- ``_cascade_kernel`` (cascade attention; with a plan from engine/runner/cascade.py): one-token
+  queries whose block tables begin with the same pages (a system prompt or a history served
+  from the prefix cache) read those pages once per *tile* of rows instead of once per row.
+  grid (tiles, Hkv): a tile lists up to R rows of one group and the group's shared length; its
+  BLOCK_M query rows are (row, head-of-the-GQA-group) pairs attending to the shared prefix (no
+  mask: every position of it precedes every row's token), and it writes each pair's partial
+  (normalised output, log2-sum-exp). The decode kernel then reads each row's context from
+  ``kv_lo[b]`` (the shared length, 0 outside a group) and merges the prefix partial where the
+  output is made: at the end of a one-split program, or in the reduce.
 """
 
 from __future__ import annotations
@@ -142,9 +151,21 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
 _PREFILL_LAUNCH = CachedLauncher(_prefill_kernel, pdl=True)
 
 
-@triton.jit(do_not_specialize=["s_bt", "PART", "NUM_SPLITS"])
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, bt_ptr,
-                   s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, PART, NUM_SPLITS,
+@triton.jit
+def _merge_prefix(o, lse, cpo_ptr, cplse_ptr, crow, rm, d, dm, D: tl.constexpr):
+    """Fold a cascade prefix partial into rows ``o`` (log2-sum-exp ``lse``) where ``rm`` says the
+    row has one; other rows come back unchanged (their weight is exp2(-inf) = 0)."""
+    clse = tl.load(cplse_ptr + crow, mask=rm, other=float("-inf"))
+    co = tl.load(cpo_ptr + crow[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+    mx = tl.maximum(lse, clse)
+    ws = tl.exp2(lse - mx)
+    wc = tl.exp2(clse - mx)
+    return (o * ws[:, None] + co * wc[:, None]) / (ws + wc)[:, None]
+
+
+@triton.jit(do_not_specialize=["s_bt", "PART", "NUM_SPLITS", "CASC"])
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, bt_ptr, lo_ptr, cpo_ptr, cplse_ptr,
+                   s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, PART, NUM_SPLITS, CASC,
                    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, ASM_V: tl.constexpr, PDL: tl.constexpr):
@@ -155,7 +176,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     seq_len = tl.load(sl_ptr + b)
-    lo = split * PART
+    # CASC (a runtime flag, one compiled kernel either way): the row's first kv_lo positions were
+    # the cascade kernel's; the splits partition the rest
+    kv_lo = tl.load(lo_ptr + b, mask=CASC != 0, other=0)
+    lo = kv_lo + split * PART
     if (q_len == 1) & (lo < seq_len):  # longer queries of a mixed step are the prefill kernel's
         hi = tl.minimum(seq_len, lo + PART)
         g = tl.arange(0, BLOCK_G)
@@ -187,6 +211,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
             m_i = m_new
         o = acc / l_i[:, None]
         if SINGLE:
+            o = _merge_prefix(o, m_i + tl.log2(l_i), cpo_ptr, cplse_ptr, b * HQ + head, gm & ((g * 0 + kv_lo) > 0), d, dm, D)
             tl.store(out_ptr + tok * s_on + head[:, None] * s_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=gm[:, None] & dm[None, :])
         else:
@@ -198,9 +223,59 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
 _DECODE_LAUNCH = CachedLauncher(_decode_kernel, pdl=True)
 
 
-@triton.jit(do_not_specialize=["PART", "NUM_SPLITS"])
-def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, s_on, s_oh, PART, NUM_SPLITS,
-                   HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["s_bt"])
+def _cascade_kernel(q_ptr, kc_ptr, vc_ptr, cpo_ptr, cplse_ptr, qsl_ptr, bt_ptr, tiles_ptr,
+                    s_qn, s_qh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale,
+                    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DOT_PREC: tl.constexpr, ASM_V: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
+    base = tiles_ptr + tl.program_id(0).to(tl.int64) * (R + 2)
+    kvh = tl.program_id(1).to(tl.int64)
+    plen = tl.load(base + 1)  # 0: an unused tile of the static grid
+    if plen > 0:
+        ref = tl.load(base).to(tl.int64)  # a row of the group: its table holds the shared pages
+        rows = tl.arange(0, BLOCK_M)
+        head = kvh * G + rows % G
+        brow = tl.load(base + 2 + rows // G, mask=rows < R * G, other=-1)
+        rm = brow >= 0
+        brow = tl.where(rm, brow, 0).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        tok = tl.load(qsl_ptr + brow, mask=rm, other=0).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * s_qn + head[:, None] * s_qh + d[None, :], mask=rm[:, None] & dm[None, :],
+                    other=0.0)
+        q = _dot_dtype_q(q, kc_ptr)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(0, plen, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            jm = j < plen
+            koff = _kv_tile_offsets(bt_ptr, ref, s_bt, j, jm, kvh, s_kp, s_kb, s_kh, BLOCK_SIZE)
+            voff = _kv_tile_offsets(bt_ptr, ref, s_bt, j, jm, kvh, s_vp, s_vb, s_vh, BLOCK_SIZE)
+            k = tl.load(kc_ptr + koff[None, :] + d[:, None], mask=jm[None, :] & dm[:, None], other=0.0).to(q.dtype)
+            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+            s = tl.where(jm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the first tile has a position
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = _widen_v(tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0), q, ASM_V)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+        crow = brow * HQ + head
+        tl.store(cpo_ptr + crow[:, None] * D + d[None, :], acc / l_i[:, None], mask=rm[:, None] & dm[None, :])
+        tl.store(cplse_ptr + crow, m_i + tl.log2(l_i), mask=rm)
+
+
+_CASCADE_LAUNCH = CachedLauncher(_cascade_kernel, pdl=True)
+
+
+@triton.jit(do_not_specialize=["PART", "NUM_SPLITS", "CASC"])
+def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, lo_ptr, cpo_ptr, cplse_ptr, s_on, s_oh, PART,
+                   NUM_SPLITS, CASC, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -208,17 +283,23 @@ def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, s_on, s_oh, PART,
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if q_len == 1:
         seq_len = tl.load(sl_ptr + b)
-        n_active = (seq_len + PART - 1) // PART
+        kv_lo = tl.load(lo_ptr + b, mask=CASC != 0, other=0)
+        n_active = (seq_len - kv_lo + PART - 1) // PART
         sp = tl.arange(0, BLOCK_S)
         sm = sp < n_active
         row = (b * HQ + h) * NUM_SPLITS + sp
         lse = tl.load(plse_ptr + row, mask=sm, other=float("-inf"))
-        w = tl.exp2(lse - tl.max(lse, axis=0))
+        # the cascade prefix partial is one more term (weight 0 where the row has none)
+        clse = tl.load(cplse_ptr + b * HQ + h, mask=kv_lo > 0, other=float("-inf"))
+        mx = tl.maximum(tl.max(lse, axis=0), clse)
+        w = tl.exp2(lse - mx)
         w = tl.where(sm, w, 0.0)
+        wc = tl.exp2(clse - mx)
         d = tl.arange(0, BLOCK_D)
         dm = d < D
         o = tl.load(po_ptr + row[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-        res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+        co = tl.load(cpo_ptr + (b * HQ + h) * D + d, mask=dm & ((d * 0 + kv_lo) > 0), other=0.0)
+        res = (tl.sum(o * w[:, None], axis=0) + co * wc) / (tl.sum(w, axis=0) + wc)
         tl.store(out_ptr + q_start.to(tl.int64) * s_on + h * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=dm)
 
 
@@ -241,10 +322,35 @@ def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count
     return triton.cdiv(max(max_seq_len, 1), part), part
 
 
+def cascade_block_m(rows_per_tile: int, g: int) -> int:
+    """The cascade kernel's query-tile height for tiles of ``rows_per_tile`` rows of G heads."""
+    return max(16, triton.next_power_of_2(rows_per_tile * g))
+
+
+def _cascade(q, k_cache, v_cache, query_start_loc, block_tables, tiles, common, b, hq, hkv, g, d, block_d,
+             dot_prec, asm_v) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix partials of a cascade plan's rows: ([B * Hq, D] outputs, [B * Hq] log2-sum-exps),
+    float32; rows outside the plan are left unwritten (the decode kernel never reads them)."""
+    cpo = torch.empty((b * hq, d), dtype=torch.float32, device=q.device)
+    cplse = torch.empty((b * hq,), dtype=torch.float32, device=q.device)
+    r = tiles.shape[1] - 2
+    wide = q.dtype == torch.float32 or d > 128
+    block_m = cascade_block_m(r, g)
+    _CASCADE_LAUNCH.launch((tiles.shape[0], hkv),
+        q, k_cache, v_cache, cpo, cplse, query_start_loc, block_tables, tiles,
+        common[0], common[1], *common[4:10], common[10], common[11],
+        HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], R=r, BLOCK_M=block_m,
+        BLOCK_N=32 if wide or block_m > 64 else 64, DOT_PREC=dot_prec, ASM_V=asm_v,
+        num_warps=4 if block_m <= 64 else 8, num_stages=2,
+    )
+    return cpo, cplse
+
+
 def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, common, cfg, num_splits,
-                 max_seq_len, b, hq, hkv, g, d, block_d, dot_prec, asm_v) -> None:
+                 max_seq_len, b, hq, hkv, g, d, block_d, dot_prec, asm_v, cascade) -> None:
     """Flash-decoding of every one-token query (all rows of a decode step; the decode rows of a
-    mixed step, whose other sequences the kernels skip)."""
+    mixed step, whose other sequences the kernels skip). ``cascade``: (tiles, kv_lo) of a plan,
+    or None."""
     # float32 tiles take twice the registers: halve them (fp32 KV is a test path, not served)
     block_n = cfg.get("block_n", 64 if d <= 128 and q.dtype != torch.float32 else 32)
     block_g = max(16, triton.next_power_of_2(g))
@@ -254,12 +360,21 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
         tiles = max(1, triton.cdiv(max_seq_len, block_n))
         part = triton.cdiv(tiles, max(1, min(num_splits, tiles))) * block_n
         splits = triton.cdiv(max(max_seq_len, 1), part)
-    po = plse = out  # unused when there is one split
+    if cascade is not None:
+        tiles, kv_lo = cascade
+        cpo, cplse = _cascade(q, k_cache, v_cache, query_start_loc, block_tables, tiles, common, b, hq, hkv, g, d,
+                              block_d, dot_prec, asm_v)
+    else:  # never read (CASC=0); float32 like the real ones, so both runs are one compiled kernel
+        kv_lo, cpo = seq_lens, torch.empty((1, d), dtype=torch.float32, device=q.device)
+        cplse = cpo[0]
+    po, plse = cpo, cplse  # unused when there is one split
     if splits > 1:
         po = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
         plse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
+    casc = int(cascade is not None)
     _DECODE_LAUNCH.launch((b, hkv, splits),
-        q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, *common, part, splits,
+        q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, kv_lo, cpo, cplse, *common,
+        part, splits, casc,
         HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
         SINGLE=splits == 1, DOT_PREC=dot_prec, ASM_V=asm_v, num_warps=cfg.get("num_warps", 4),
         # two stages: ahead of three at every batch from 64 rows, bf16 (5 %) and e4m3 (18 %) caches
@@ -267,14 +382,14 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
         num_stages=cfg.get("num_stages", 2),
     )
     if splits > 1:
-        _REDUCE_LAUNCH.launch((b, hq), out, po, plse, query_start_loc, seq_lens, out.stride(0), out.stride(1),
-                                part, splits, HQ=hq, D=d, BLOCK_D=block_d,
+        _REDUCE_LAUNCH.launch((b, hq), out, po, plse, query_start_loc, seq_lens, kv_lo, cpo, cplse,
+                                out.stride(0), out.stride(1), part, splits, casc, HQ=hq, D=d, BLOCK_D=block_d,
                                 BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
 
 
 def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                            max_query_len, max_seq_len, num_splits: int | None = None, out=None,
-                           config: dict | None = None):
+                           config: dict | None = None, cascade: tuple[torch.Tensor, torch.Tensor] | None = None):
     """See attention.paged_attention. For benchmarks and tests: ``num_splits`` overrides the decode
     split heuristic, ``config`` the launch shape (``block_n``, ``num_warps``, ``num_stages``) and
     ``out`` supplies a (poisoned) output buffer."""
@@ -293,7 +408,8 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), qk_scale)
     # ``config`` tunes the kernel a benchmark times: the decode kernel's on decode steps only
     _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, common,
-                 cfg if max_query_len <= 1 else {}, num_splits, max_seq_len, b, hq, hkv, g, d, block_d, dot_prec, asm_v)
+                 cfg if max_query_len <= 1 else {}, num_splits, max_seq_len, b, hq, hkv, g, d, block_d, dot_prec, asm_v,
+                 cascade)
     if max_query_len <= 1:
         return out
     wide = q.dtype == torch.float32 or d > 128

@@ -39,6 +39,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_pages] int32
     max_query_len: int
     max_seq_len: int
+    # a cascade plan's (tiles [T, 2 + R], kv_lo [B]) int32 (engine/runner/cascade.py), or None
+    cascade: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def paged_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -46,7 +48,7 @@ def paged_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
     """Write this step's K/V into the cache, then attend q over cached + new tokens."""
     kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                   meta.block_tables, scale, meta.max_query_len, meta.max_seq_len)
+                                   meta.block_tables, scale, meta.max_query_len, meta.max_seq_len, meta.cascade)
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

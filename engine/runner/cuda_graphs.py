@@ -206,6 +206,8 @@ class DecodeGraphs(GraphSet):
         bufs.qsl[:bucket + 1].copy_(torch.arange(bucket + 1, dtype=torch.int32, device=bufs.device))
         bufs.seq_lens[:bucket].fill_(1)
         bufs.block_tables[:bucket].zero_()
+        bufs.kv_lo[:bucket].zero_()
+        bufs.cascade_tiles[:, 1] = 0
 
     @staticmethod
     def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,6 +271,8 @@ class MixedGraphs(GraphSet):
         bufs.qsl.zero_()
         bufs.seq_lens.zero_()
         bufs.block_tables.zero_()
+        bufs.kv_lo.zero_()
+        bufs.cascade_tiles[:, 1] = 0
 
     @staticmethod
     def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int) -> torch.Tensor:

@@ -32,6 +32,8 @@ from engine import kernels
 from engine.errors import EngineError
 from engine.kv.kv_cache import KVCache
 from engine.models.llama import AttentionMetadata, LlamaModel
+from engine.kernels._dispatch import use_triton
+from engine.runner.cascade import plan_cascade, rows_per_tile
 from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS, DecodeGraphs, MixedGraphs
 from engine.runner.logprobs import logprobs_result
 from engine.grammar.matcher import fill_masks
@@ -89,7 +91,13 @@ class ModelRunner:
         if self._pin and stream_pool is None:
             raise EngineError("a runner on CUDA needs the core's stream pool")
         # The persistent inputs every step (and every captured graph) reads, and their staging.
-        self.bufs = StepBuffers(dev, self.max_tokens, self.max_seqs, self.max_pages, max_model_len)
+        # Cascade plans where the Triton attention kernels run (the reference reads every row's
+        # whole context whatever the plan).
+        cfg = model.cfg
+        per_tile = rows_per_tile(cfg.num_heads, cfg.num_kv_heads) if use_triton(kv.k(0)) else 0
+        self.bufs = StepBuffers(dev, self.max_tokens, self.max_seqs, self.max_pages, max_model_len, per_tile)
+        self.cascade_rows = 0  # rows that read a shared prefix through a cascade tile
+        self.cascade_steps = 0  # steps with a cascade plan
         self.streams = StepStreams(dev, stream_pool) if self._pin else None
         # Two pinned id buffers (and events), alternating, so step N+1 can launch before N is collected.
         self._ids_host = [torch.empty(self.max_seqs, dtype=i64).pin_memory() for _ in range(2)] if self._pin else []
@@ -232,6 +240,8 @@ class ModelRunner:
             slots = np.concatenate([slots, np.full(pad_tokens - n, -1, dtype=np.int64)])
             pos = np.concatenate([pos, np.zeros(pad_tokens - n, dtype=np.int64)])
             ids.extend([0] * (pad_tokens - n))
+        cascade = self._plan_cascade(tables[:b], seq_lens[:b], n_tok[:b],
+                                     self.max_seqs if pad_tokens is not None else rows_total, full_width)
         if pad_tokens is not None:
             qsl_full = np.full(self.max_seqs + 1, n, dtype=np.int64)
             qsl_full[:b + 1] = qsl
@@ -248,6 +258,7 @@ class ModelRunner:
             # A padded decode step runs with the captured graphs' bound, so eager and replayed
             # bucket steps launch identical kernels (same split layout, same bits).
             max_seq_len=self.max_model_len if pad_to is not None else max_seq,
+            cascade=cascade,
         )
         fill = self._placeholders(out, ids) if out.num_placeholders else None
         step = PreparedStep(
@@ -264,6 +275,24 @@ class ModelRunner:
         if fill is not None:
             bufs.input_ids.index_copy_(0, dst, self._prev_ids.index_select(0, src))
         return step
+
+    def _plan_cascade(self, tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, rows: int,
+                      graph_shaped: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Stage the step's cascade plan (engine/runner/cascade.py) for a batch of ``rows`` rows
+        (a graph's full count); None when it has none. A graph-shaped step always stages one,
+        empty or not: its graph launches the cascade kernel over the same tiles every replay."""
+        bufs = self.bufs
+        num_tiles = bufs.cascade_tiles_for(rows)
+        if not num_tiles:
+            return None
+        tiles, kv_lo, planned = plan_cascade(tables, seq_lens, q_lens, self.block_size, bufs.cascade_rows, num_tiles)
+        if not planned and not graph_shaped:
+            return None
+        self.cascade_rows += planned
+        self.cascade_steps += planned > 0
+        kv_all = np.zeros(rows, dtype=np.int32)
+        kv_all[:len(kv_lo)] = kv_lo
+        return bufs.inputs.stage("cascade_tiles", tiles), bufs.inputs.stage("kv_lo", kv_all)
 
     def _placeholders(self, out: SchedulerOutput, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Token positions of the step's placeholder inputs (decode rows: row i is token i) and

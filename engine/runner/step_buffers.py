@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine.models.llama import AttentionMetadata
+from engine.runner import cascade
 
 _ALIGN = 16  # bytes: every region starts aligned for any dtype's view
 
@@ -99,17 +100,26 @@ class Arena:
 
 
 class StepBuffers:
-    """Device tensors of the largest step (tokens, sequences, block-table width) on ``device``."""
+    """Device tensors of the largest step (tokens, sequences, block-table width) on ``device``.
+
+    ``cascade_rows`` (rows per cascade tile, engine/runner/cascade.py; 0: no cascade plans)
+    sizes the plan's regions: a graph of a batch of at least ``cascade.MIN_ROWS`` rows runs the
+    cascade kernel over ``max_tiles(rows)`` tiles read from them."""
 
     def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_pages: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, cascade_rows: int = 0) -> None:
         self.device = device
         self.max_model_len = max_model_len
+        self.max_seqs = max_seqs
+        self.cascade_rows = cascade_rows if max_seqs >= cascade.MIN_ROWS else 0
+        width = 2 + self.cascade_rows
+        tiles = cascade.max_tiles(max_seqs, self.cascade_rows) if self.cascade_rows else 0
         i32, i64, f32 = torch.int32, torch.int64, torch.float32
         # Small regions first, the block tables last: a step's one copy ends where its tables do.
         self.inputs = Arena(device, [
             ("qsl", i32, max_seqs + 1), ("seq_lens", i32, max_seqs), ("rows", i64, max_seqs),
             ("fill_dst", i64, max_seqs), ("fill_src", i64, max_seqs),
+            ("kv_lo", i32, max_seqs), ("cascade_tiles", i32, tiles * width),
             ("input_ids", i64, max_tokens), ("positions", i64, max_tokens), ("slots", i64, max_tokens),
             ("block_tables", i32, max_seqs * max_pages),
         ])
@@ -118,17 +128,32 @@ class StepBuffers:
         self.fill_dst, self.fill_src = t["fill_dst"], t["fill_src"]
         self.input_ids, self.positions, self.slots = t["input_ids"], t["positions"], t["slots"]
         self.block_tables = t["block_tables"].view(max_seqs, max_pages)
+        self.kv_lo = t["kv_lo"]
+        self.cascade_tiles = t["cascade_tiles"].view(tiles, width)
+        self.cascade_tiles[:, 1] = 0  # no tile active until a step stages a plan
         self.slots.fill_(-1)
         self.sampling = Arena(device, [
             ("temperature", f32, max_seqs), ("top_p", f32, max_seqs), ("min_p", f32, max_seqs),
             ("top_k", i32, max_seqs), ("seed", i64, max_seqs), ("step", i64, max_seqs),
         ])
 
+    def cascade_tiles_for(self, rows: int) -> int:
+        """Tiles of the cascade plan of a step of ``rows`` rows (0: such a step has no plan)."""
+        if not self.cascade_rows or rows < cascade.MIN_ROWS:
+            return 0
+        return cascade.max_tiles(rows, self.cascade_rows)
+
+    def cascade_meta(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The plan views a step (or graph) of ``rows`` rows reads, or None when it has none."""
+        tiles = self.cascade_tiles_for(rows)
+        return (self.cascade_tiles[:tiles], self.kv_lo[:rows]) if tiles else None
+
     def decode_meta(self, bucket: int) -> AttentionMetadata:
         """Metadata of a padded decode step of ``bucket`` rows, on the buffers' fixed prefixes."""
         return AttentionMetadata(slot_mapping=self.slots[:bucket], query_start_loc=self.qsl[:bucket + 1],
                                  seq_lens=self.seq_lens[:bucket], block_tables=self.block_tables[:bucket],
-                                 max_query_len=1, max_seq_len=self.max_model_len)
+                                 max_query_len=1, max_seq_len=self.max_model_len,
+                                 cascade=self.cascade_meta(bucket))
 
     def mixed_meta(self, bucket: int) -> AttentionMetadata:
         """The metadata every mixed-step replay of ``bucket`` tokens reads: full-size sequence
@@ -136,4 +161,5 @@ class StepBuffers:
         grid ignores it."""
         return AttentionMetadata(slot_mapping=self.slots[:bucket], query_start_loc=self.qsl,
                                  seq_lens=self.seq_lens, block_tables=self.block_tables,
-                                 max_query_len=2, max_seq_len=self.max_model_len)
+                                 max_query_len=2, max_seq_len=self.max_model_len,
+                                 cascade=self.cascade_meta(self.max_seqs))

@@ -266,6 +266,7 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
 
     host0, wait0, graph0, mixed0 = runner.host_seconds, runner.wait_seconds, runner.graph_steps, runner.mixed_graph_steps
     hostg0 = runner.host_graph_seconds
+    casc0 = (runner.cascade_rows, runner.cascade_steps)
     cpu0, t0 = time.process_time(), time.perf_counter()
     send_more()
     steps = 0
@@ -345,6 +346,10 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         "cpu_ms_per_step": cpu * 1e3 / max(steps, 1),
         "graph_steps": graph_steps,
         "mixed_graph_steps": runner.mixed_graph_steps - mixed0,
+        # cascade attention (engine/runner/cascade.py): one-token rows that read a shared prefix
+        # once a tile, and the steps that had such rows
+        "cascade": {"rows": runner.cascade_rows - casc0[0], "steps": runner.cascade_steps - casc0[1],
+                    "rows_per_output_token": (runner.cascade_rows - casc0[0]) / max(total_out, 1)},
         "mixed_capture_s": runner.mixed.capture_seconds if runner.mixed else None,
         "load_s": load_s,
         "graph_capture_s": graphs.capture_seconds if graphs else None,

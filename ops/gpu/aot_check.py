@@ -37,14 +37,15 @@ from engine.kernels import norm_triton as nrm  # noqa: E402
 from engine.kernels import rope_triton as rop  # noqa: E402
 from engine.kernels import sample_triton as smp  # noqa: E402
 
-NO_HINT = {"s_bt", "PART", "NUM_SPLITS", "NUM_SEQS", "V", "eps", "qk_scale", "M"}  # runtime values, not specialised
+NO_HINT = {"s_bt", "PART", "NUM_SPLITS", "NUM_SEQS", "CASC", "V", "eps", "qk_scale", "M"}  # runtime values, not specialised
 
 
 def attn_types(dt: str) -> dict:
     t = {n: "i32" for n in ("s_qn", "s_qh", "s_on", "s_oh", "s_kp", "s_kb", "s_kh", "s_vp", "s_vb", "s_vh",
-                            "s_bt", "PART", "NUM_SPLITS", "NUM_SEQS")}
+                            "s_bt", "PART", "NUM_SPLITS", "NUM_SEQS", "CASC")}
     t.update(q_ptr=dt, kc_ptr=dt, vc_ptr=dt, out_ptr=dt, po_ptr="*fp32", plse_ptr="*fp32", qsl_ptr="*i32",
-             sl_ptr="*i32", bt_ptr="*i32", qk_scale="fp32")
+             sl_ptr="*i32", bt_ptr="*i32", lo_ptr="*i32", cpo_ptr="*fp32", cplse_ptr="*fp32", tiles_ptr="*i32",
+             qk_scale="fp32")
     return t
 
 
@@ -74,6 +75,13 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                 dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, TPT=16, DOT_PREC="tf32", MIN_Q=2,
                      ASM_V=True),
                 dict(num_warps=8, num_stages=2)))
+    for name, types, asm_v, prec, bm in (("cascade bf16 G=4 D=128", attn_types("*bf16"), False, "tf32", 64),
+                                         ("cascade fp8-kv G=4 D=128", fp8_kv, True, "tf32", 64),
+                                         ("cascade fp32 G=4 D=128", attn_types("*fp32"), False, "ieee", 64)):
+        out.append((name, att._cascade_kernel, types,
+                    dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, R=16, BLOCK_M=bm,
+                         BLOCK_N=32 if prec == "ieee" else 64, DOT_PREC=prec, ASM_V=asm_v),
+                    dict(num_warps=4, num_stages=2)))
     out.append(("reduce", att._reduce_kernel, attn_types("*bf16"), dict(HQ=32, D=128, BLOCK_D=128, BLOCK_S=8),
                 dict(num_warps=4)))
     st = dict(logits_ptr="*fp32", temp_ptr="*fp32", topk_ptr="*i32", topp_ptr="*fp32", minp_ptr="*fp32",

@@ -40,3 +40,25 @@ def test_engine_tokens_identical_with_triton_kernels(make_tiny_model, monkeypatc
         got[mode] = [o.token_ids for o in llm.generate(prompts, params)]
     assert all(len(t) == 10 for t in got["torch"])
     assert got["triton"] == got["torch"]
+
+
+def test_cascade_attention_keeps_every_token(make_tiny_model, monkeypatch):
+    """18 requests forking from one 48-token prompt, served from the prefix cache: with the
+    Triton kernels the decode steps plan cascade tiles (the shared pages read once a tile,
+    engine/runner/cascade.py), and every token — greedy and seeded — is the reference's."""
+    model_dir = make_tiny_model("llama")
+    shared = [(i * 7) % 50 + 3 for i in range(48)]
+    prompts = [shared + [60 + i, 61 + i] for i in range(18)]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.9, seed=i, max_tokens=6, ignore_eos=True) for i in range(18)]
+    got, planned = {}, {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("INFIRE_KERNELS", mode)
+        monkeypatch.setattr(_dispatch, "_forced", None)  # read again at the next kernel call
+        llm = LLM(model_dir, device="cpu", max_model_len=128, block_size=4, dtype="float32", max_num_seqs=32)
+        llm.generate([shared + [1]], SamplingParams(temperature=0, max_tokens=1))  # indexes the shared pages
+        got[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+        planned[mode] = next(iter(llm.core._slots.values())).runner.cascade_rows
+    assert planned["torch"] == 0  # the reference reads every row's context: no plan is made
+    assert planned["triton"] >= 18 * 5  # every decode step of the 18 rows
+    assert got["triton"] == got["torch"]

@@ -291,3 +291,66 @@ def test_bf16_queries_over_an_fp8_cache_run_float16_dots(decode):
     q[0, 0, 0] = float("nan")
     out = paged_attention_triton(q, kc8, vc8, qsl, sl, tables, 0.25, max(q_lens), max(seq_lens))
     assert out[0, 0].float().isnan().all() and not out[0, 1:].float().isnan().any()  # that head only
+
+
+def _shared_batch(seed: int, dtype: torch.dtype, block: int = 4):
+    """A mixed batch whose one-token rows fork from two prompts (as the prefix cache shares pages):
+    rows 0-4 share 6 pages, rows 5-7 share 5 other pages (rows 5 and 6 a further 2), row 8 shares
+    nothing, row 9 is a prefill chunk over the first prompt. Tables, lengths, q, caches."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, d = 6, 2, 16
+    a, b = list(range(1, 7)), list(range(10, 15))
+    fresh = iter(range(20, 200))
+    rows = [a + [next(fresh) for _ in range(1 + i % 3)] for i in range(5)]
+    rows += [b + [60, 61, next(fresh)], b + [60, 61, next(fresh), next(fresh)], b + [next(fresh)]]
+    rows += [[next(fresh) for _ in range(8)], a + [next(fresh), next(fresh)]]
+    seq_lens = [(len(p) - 1) * block + 1 + i % block for i, p in enumerate(rows)]
+    q_lens = [1] * 9 + [5]
+    tables = torch.zeros(len(rows), 12, dtype=torch.int32)
+    for i, p in enumerate(rows):
+        tables[i, :len(p)] = torch.tensor(p, dtype=torch.int32)
+    _, kc, vc = make_pool(200, 1, block, hkv, d, dtype, layer=0)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    return tables, torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(q_lens), q, qsl, kc, vc
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("per_tile", [2, 16])
+def test_cascade_attention_is_the_same_attention(dtype, splits, per_tile):
+    """With a cascade plan (engine/runner/cascade.py) the rows that share pages read them once a
+    tile and merge that partial into their own: the output is the reference's, in one-split
+    programs and through the reduce alike, whatever the tile height (2: groups over several
+    tiles). The prefill row of the batch is untouched by the plan."""
+    from engine.runner.cascade import max_tiles, plan_cascade
+
+    torch.manual_seed(0)
+    block = 4
+    tables, sl, q_lens, q, qsl, kc, vc = _shared_batch(1, dtype, block)
+    tiles, kv_lo, planned = plan_cascade(tables.numpy(), sl.numpy(), q_lens.numpy(), block, per_tile,
+                                         max_tiles(len(sl), per_tile), min_pages=2)
+    assert kv_lo[8] == 0 and kv_lo[9] == 0
+    if per_tile == 2:  # rows 5-7 in one group would need two tiles: rows 5 and 6 alone save more
+        assert planned == 7 and kv_lo[5:8].tolist() == [7 * block, 7 * block, 0]
+    else:
+        assert planned == 8 and kv_lo[5:8].tolist() == [5 * block] * 3
+    cascade = (torch.from_numpy(tiles), torch.from_numpy(kv_lo))
+    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.3)
+    out = torch.full_like(q, float("nan"))
+    paged_attention_triton(q, kc, vc, qsl, sl, tables, 0.3, 5, 64, num_splits=splits, out=out, cascade=cascade)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_cascade_attention_over_an_fp8_cache():
+    from engine.runner.cascade import max_tiles, plan_cascade
+
+    tables, sl, q_lens, q, qsl, kc, vc = _shared_batch(2, torch.float32)
+    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    tiles, kv_lo, planned = plan_cascade(tables.numpy(), sl.numpy(), q_lens.numpy(), 4, 16, max_tiles(10, 16),
+                                         min_pages=2)
+    assert planned == 8
+    out = paged_attention_triton(q, kc8, vc8, qsl, sl, tables, 0.3, 5, 64,
+                                 cascade=(torch.from_numpy(tiles), torch.from_numpy(kv_lo)))
+    ref = attention.paged_attention_ref(q, kc8, vc8, qsl, sl, tables, 0.3)
+    assert rel_err(out, ref) < TOL[torch.float32]

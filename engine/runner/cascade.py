@@ -1,0 +1,112 @@
+"""Cascade attention plans: which one-token rows of a step read a shared prefix together.
+
+With the prefix cache on, the rows of a decode step often begin with the same physical pages (a
+system prompt every request of an app carries; a fan-out of one prompt). Each row's decode
+attention reads its whole context, so a 1,024-token prefix shared by 50 running sequences is
+read 50 times a step. A plan groups such rows: the cascade kernel
+(engine/kernels/attention_triton.py) reads the group's shared pages once per *tile* of up to
+``rows_per_tile`` rows, for all of them at once, and each row's decode reads only what follows.
+On the H200 with the 8B (shared 1,024-token prompt, c200) decode attention was most of a
+decode-only step (docs/perf.md, issue 20): reads of the shared prefix are what this removes.
+
+Planning is host work in every step of a large enough batch, so it is numpy over the step's
+block-table array and touches only the rows that can share: one-token rows with at least
+``min_pages`` full pages before the page their token is in (that page is being written, so it
+is never shared). Rows are split by their page at each depth, like a trie walked only where
+rows still agree, and at every node the plan takes whichever is larger: the node as one group
+(its rows share ``lcp`` pages) or the best of its children (fewer rows, longer prefixes). The
+gain of a group counts page reads saved: ``(rows - tiles) * pages``. A static grid bounds the
+tiles (``max_tiles``); groups that do not fit are dropped, least gain first.
+
+Torch-free: the runner stages the arrays (``tiles``, ``kv_lo``) into its step buffers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Batches below this many rows get no plan (and no cascade kernel): the latency buckets, where
+# an extra launch per layer would cost more than any sharing saves.
+MIN_ROWS = 16
+# The least shared length worth a group: below it the prefix is a chat template's header.
+MIN_PAGES = 4
+# Tiles beyond cdiv(rows, rows_per_tile): each group may end in a partial tile.
+EXTRA_TILES = 8
+
+
+def rows_per_tile(num_heads: int, num_kv_heads: int) -> int:
+    """Rows a cascade tile holds: 64 query rows of (row, head-of-the-GQA-group) pairs."""
+    return max(1, 64 // (num_heads // num_kv_heads))
+
+
+def max_tiles(rows: int, per_tile: int) -> int:
+    """The tile count of a batch of ``rows`` rows: the cascade kernel's grid, fixed per shape."""
+    return -(-rows // per_tile) + EXTRA_TILES
+
+
+def _lcp(sub: np.ndarray) -> int:
+    """How many leading columns of ``sub`` are equal in every row."""
+    if sub.shape[1] == 0 or not (sub[:, 0] == sub[0, 0]).all():
+        return 0
+    eq = (sub == sub[:1]).all(axis=0)
+    return sub.shape[1] if eq.all() else int(eq.argmin())
+
+
+def _best(tables: np.ndarray, full: np.ndarray, rows: np.ndarray, depth: int, per_tile: int,
+          min_pages: int) -> tuple[int, list[tuple[np.ndarray, int]]]:
+    """(page reads saved, groups) for ``rows``, which agree on their first ``depth`` pages."""
+    limit = int(full[rows].min())
+    lcp = depth + _lcp(tables[rows, depth:limit])
+    n = len(rows)
+    here = (n - -(-n // per_tile)) * lcp if lcp >= min_pages else 0
+    deeper = rows[full[rows] > lcp]
+    if len(deeper) >= 2:
+        col = tables[deeper, lcp]
+        order = np.argsort(col, kind="stable")
+        deeper, col = deeper[order], col[order]
+        cuts = np.flatnonzero(col[1:] != col[:-1]) + 1
+        total, groups = 0, []
+        for part in np.split(deeper, cuts):
+            if len(part) >= 2:
+                gain, sub = _best(tables, full, part, lcp + 1, per_tile, min_pages)
+                total += gain
+                groups += sub
+        if total > here:
+            return total, groups
+    return here, ([(rows, lcp)] if here else [])
+
+
+def plan_cascade(tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, block_size: int,
+                 per_tile: int, num_tiles: int, min_pages: int = MIN_PAGES) -> tuple[np.ndarray, np.ndarray, int]:
+    """The plan of one step: ``(tiles [num_tiles, 2 + per_tile] int32, kv_lo [B] int32, rows)``.
+
+    ``tables[B, W]`` are the step's block tables, ``seq_lens`` / ``q_lens`` each row's context
+    length after the step and its query length. A tile is (a row of the group, the shared length
+    in tokens, up to ``per_tile`` rows, -1 padded); unused tiles have length 0. ``rows``: how
+    many rows read a shared prefix.
+    """
+    b = len(seq_lens)
+    tiles = np.full((num_tiles, 2 + per_tile), -1, dtype=np.int32)
+    tiles[:, 1] = 0
+    kv_lo = np.zeros(b, dtype=np.int32)
+    full = (np.asarray(seq_lens, dtype=np.int64) - 1) // block_size
+    cand = np.flatnonzero((np.asarray(q_lens) == 1) & (full >= min_pages))
+    if len(cand) < 2:
+        return tiles, kv_lo, 0
+    # the root: rows agree on no page yet; its children are split by their first page
+    _, groups = _best(tables, full, cand, 0, per_tile, min_pages)
+    groups.sort(key=lambda g: (len(g[0]) - -(-len(g[0]) // per_tile)) * g[1], reverse=True)
+    t = planned = 0
+    for rows, pages in groups:
+        need = -(-len(rows) // per_tile)
+        if t + need > num_tiles:
+            continue
+        for i in range(0, len(rows), per_tile):
+            chunk = rows[i:i + per_tile]
+            tiles[t, 0] = rows[0]
+            tiles[t, 1] = pages * block_size
+            tiles[t, 2:2 + len(chunk)] = chunk
+            t += 1
+        kv_lo[rows] = pages * block_size
+        planned += len(rows)
+    return tiles, kv_lo, planned

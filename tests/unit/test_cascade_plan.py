@@ -1,0 +1,137 @@
+"""Cascade plans (engine/runner/cascade.py): which one-token rows read a shared prefix together.
+
+A plan is only ever an optimisation, so what must hold is that it is *safe* — every planned row
+really begins with the shared pages it is told to skip, never the page its token is written
+to, and appears once — and that it finds the sharing a prefix cache produces."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from engine.runner.cascade import MIN_PAGES, max_tiles, plan_cascade, rows_per_tile
+
+BS = 16
+
+
+def _batch(rows: list[list[int]], seq_lens: list[int], width: int = 40):
+    tables = np.zeros((len(rows), width), dtype=np.int32)
+    for i, pages in enumerate(rows):
+        tables[i, :len(pages)] = pages
+    return tables, np.asarray(seq_lens, dtype=np.int64)
+
+
+def _check(tables, seq_lens, q_lens, tiles, kv_lo, per_tile):
+    """The plan's safety invariants."""
+    seen = set()
+    for t in tiles:
+        plen = int(t[1])
+        members = [int(r) for r in t[2:] if r >= 0]
+        if plen == 0:
+            assert not members
+            continue
+        assert plen % BS == 0 and members and len(members) <= per_tile
+        pages = plen // BS
+        for r in members:
+            assert r not in seen
+            seen.add(r)
+            assert q_lens[r] == 1
+            assert kv_lo[r] == plen
+            assert pages <= (seq_lens[r] - 1) // BS  # never the page the row's token is in
+            assert (tables[r, :pages] == tables[int(t[0]), :pages]).all()
+    assert {int(r) for r in np.flatnonzero(kv_lo)} == seen
+
+
+def test_rows_that_share_a_system_prompt_form_one_group():
+    shared = list(range(100, 164))  # 64 pages = 1,024 tokens
+    rows = [shared + [200 + 3 * i, 201 + 3 * i] for i in range(20)] + [[900, 901, 902, 903, 904, 905]]
+    tables, lens = _batch(rows, [64 * BS + 20] * 20 + [90], width=70)
+    q = np.ones(21, dtype=np.int64)
+    tiles, kv_lo, planned = plan_cascade(tables, lens, q, BS, 16, max_tiles(21, 16))
+    assert planned == 20
+    assert (kv_lo[:20] == 64 * BS).all() and kv_lo[20] == 0
+    active = tiles[tiles[:, 1] > 0]
+    assert len(active) == 2  # 20 rows, 16 a tile
+    _check(tables, lens, q, tiles, kv_lo, 16)
+
+
+def test_two_prompts_under_a_common_header_are_two_groups_not_one():
+    """Rows agreeing on one page (a template header) and then on two different system prompts:
+    the deeper groups save more reads than one group at depth 1."""
+    head = [7]
+    a = head + list(range(10, 30))
+    b = head + list(range(40, 60))
+    rows = [a + [100 + i] for i in range(8)] + [b + [200 + i] for i in range(8)]
+    tables, lens = _batch(rows, [22 * BS - 3] * 16)
+    q = np.ones(16, dtype=np.int64)
+    tiles, kv_lo, planned = plan_cascade(tables, lens, q, BS, 16, max_tiles(16, 16))
+    assert planned == 16 and (kv_lo == 21 * BS).all()
+    assert sorted(int(t[0]) < 8 for t in tiles if t[1]) == [False, True]
+    _check(tables, lens, q, tiles, kv_lo, 16)
+
+
+def test_the_page_being_written_and_short_prefixes_are_never_shared():
+    # two rows whose tables agree on every page they have (a fork that has not diverged yet):
+    # the last page holds their tokens, so only the full pages before it are planned
+    pages = list(range(30, 36))
+    tables, lens = _batch([pages, pages], [6 * BS, 5 * BS + 1])
+    q = np.ones(2, dtype=np.int64)
+    tiles, kv_lo, planned = plan_cascade(tables, lens, q, BS, 16, max_tiles(2, 16))
+    assert planned == 2 and (kv_lo == 5 * BS).all()
+    _check(tables, lens, q, tiles, kv_lo, 16)
+    # fewer than MIN_PAGES shared pages: no plan
+    short = list(range(MIN_PAGES - 1))
+    tables, lens = _batch([short + [50], short + [60]], [MIN_PAGES * BS + 3] * 2)
+    assert plan_cascade(tables, lens, q, BS, 16, 9)[2] == 0
+
+
+def test_prefill_rows_are_not_planned_and_the_tile_budget_holds():
+    shared = list(range(100, 110))
+    rows = [shared + [200 + i] for i in range(6)]
+    tables, lens = _batch(rows, [11 * BS - 1] * 6)
+    q = np.array([1, 1, 5, 1, 1, 1])  # row 2 is a prefill chunk: the prefill kernel's
+    tiles, kv_lo, planned = plan_cascade(tables, lens, q, BS, 2, 3)  # 5 rows need 3 tiles of 2
+    assert planned == 5 and kv_lo[2] == 0
+    _check(tables, lens, q, tiles, kv_lo, 2)
+    tiles, kv_lo, planned = plan_cascade(tables, lens, q, BS, 2, 2)  # no room: nothing planned
+    assert planned == 0 and not kv_lo.any() and not tiles[:, 1].any()
+
+
+def test_rows_per_tile_fills_64_query_rows():
+    assert rows_per_tile(32, 8) == 16
+    assert rows_per_tile(32, 32) == 64
+    assert rows_per_tile(64, 8) == 8
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.data())
+def test_random_batches_give_safe_plans(data):
+    """Tables drawn as forks of a few prompts (as the prefix cache shares pages): every plan
+    keeps the invariants, and where two rows share MIN_PAGES full pages a group is found."""
+    n = data.draw(st.integers(2, 40))
+    per_tile = data.draw(st.sampled_from([1, 2, 4, 16]))
+    trunks = [list(range(1000 * k, 1000 * k + 30)) for k in range(3)]
+    rows, lens, q = [], [], []
+    fresh = iter(range(50_000, 60_000))
+    for _ in range(n):
+        trunk = trunks[data.draw(st.integers(0, 2))]
+        keep = data.draw(st.integers(0, 30))
+        extra = data.draw(st.integers(1, 6))
+        pages = trunk[:keep] + [next(fresh) for _ in range(extra)]
+        rows.append(pages)
+        lens.append((len(pages) - 1) * BS + data.draw(st.integers(1, BS)))
+        q.append(data.draw(st.sampled_from([1, 1, 1, 3])))
+    tables, seq_lens = _batch(rows, lens, width=40)
+    q_lens = np.asarray(q)
+    num_tiles = max_tiles(n, per_tile)
+    tiles, kv_lo, planned = plan_cascade(tables, seq_lens, q_lens, BS, per_tile, num_tiles)
+    assert tiles.shape == (num_tiles, 2 + per_tile)
+    _check(tables, seq_lens, q_lens, tiles, kv_lo, per_tile)
+    assert planned == int((kv_lo > 0).sum())
+    full = (seq_lens - 1) // BS
+    one = [i for i in range(n) if q_lens[i] == 1]
+    shares = any(min(full[i], full[j]) >= MIN_PAGES
+                 and (tables[i, :MIN_PAGES] == tables[j, :MIN_PAGES]).all()
+                 for i in one for j in one if i < j)
+    if per_tile >= 2 and shares:  # a tile of one row saves nothing, so none is planned
+        assert planned >= 2
