@@ -21,11 +21,11 @@ head_dim. An e4m3 cache (``kv_cache_dtype="fp8"``) is widened tile by tile as it
 - ``_cascade_kernel`` (cascade attention; with a plan from engine/runner/cascade.py): one-token
   queries whose block tables begin with the same pages (a system prompt or a history served
   from the prefix cache) read those pages once per *tile* of rows instead of once per row.
-  grid (tiles, Hkv): a tile lists up to R rows of one group and the group's shared length; its
-  BLOCK_M query rows are (row, head-of-the-GQA-group) pairs attending to the shared prefix (no
-  mask: every position of it precedes every row's token), and it writes each pair's partial
-  (normalised output, log2-sum-exp). The decode kernel then reads each row's context from
-  ``kv_lo[b]`` (the shared length, 0 outside a group) and merges the prefix partial where the
+  grid (tiles, Hkv, CASCADE_SPLITS): a tile lists up to R rows of one group and the group's shared
+  length; its BLOCK_M query rows are (row, head-of-the-GQA-group) pairs attending to one
+  partition of the shared prefix (no mask: every position of it precedes every row's token),
+  and it writes each pair's partial (normalised output, log2-sum-exp; weight 0 when empty). The decode kernel then reads each row's context from
+  ``kv_lo[b]`` (the shared length, 0 outside a group) and merges the prefix partials where the
   output is made: at the end of a one-split program, or in the reduce.
 """
 
@@ -152,15 +152,21 @@ _PREFILL_LAUNCH = CachedLauncher(_prefill_kernel, pdl=True)
 
 
 @triton.jit
-def _merge_prefix(o, lse, cpo_ptr, cplse_ptr, crow, rm, d, dm, D: tl.constexpr):
-    """Fold a cascade prefix partial into rows ``o`` (log2-sum-exp ``lse``) where ``rm`` says the
-    row has one; other rows come back unchanged (their weight is exp2(-inf) = 0)."""
-    clse = tl.load(cplse_ptr + crow, mask=rm, other=float("-inf"))
-    co = tl.load(cpo_ptr + crow[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
-    mx = tl.maximum(lse, clse)
-    ws = tl.exp2(lse - mx)
-    wc = tl.exp2(clse - mx)
-    return (o * ws[:, None] + co * wc[:, None]) / (ws + wc)[:, None]
+def _merge_prefix(o, lse, cpo_ptr, cplse_ptr, crow, rm, d, dm, D: tl.constexpr, CS: tl.constexpr):
+    """Fold a row's CS cascade prefix partials into rows ``o`` (log2-sum-exp ``lse``) where ``rm``
+    says the row has them; other rows come back unchanged (their weights are exp2(-inf) = 0)."""
+    mx = lse
+    for c in tl.static_range(CS):
+        mx = tl.maximum(mx, tl.load(cplse_ptr + crow * CS + c, mask=rm, other=float("-inf")))
+    w = tl.exp2(lse - mx)
+    num = o * w[:, None]
+    den = w
+    for c in tl.static_range(CS):
+        wc = tl.exp2(tl.load(cplse_ptr + crow * CS + c, mask=rm, other=float("-inf")) - mx)
+        co = tl.load(cpo_ptr + (crow * CS + c)[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+        num += co * wc[:, None]
+        den += wc
+    return num / den[:, None]
 
 
 @triton.jit(do_not_specialize=["s_bt", "PART", "NUM_SPLITS", "CASC"])
@@ -168,7 +174,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
                    s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, PART, NUM_SPLITS, CASC,
                    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, ASM_V: tl.constexpr, PDL: tl.constexpr):
+                   SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, ASM_V: tl.constexpr, CS: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_entry(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -211,7 +218,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
             m_i = m_new
         o = acc / l_i[:, None]
         if SINGLE:
-            o = _merge_prefix(o, m_i + tl.log2(l_i), cpo_ptr, cplse_ptr, b * HQ + head, gm & ((g * 0 + kv_lo) > 0), d, dm, D)
+            o = _merge_prefix(o, m_i + tl.log2(l_i), cpo_ptr, cplse_ptr, b * HQ + head, gm & ((g * 0 + kv_lo) > 0), d, dm, D, CS)
             tl.store(out_ptr + tok * s_on + head[:, None] * s_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=gm[:, None] & dm[None, :])
         else:
@@ -228,12 +235,17 @@ def _cascade_kernel(q_ptr, kc_ptr, vc_ptr, cpo_ptr, cplse_ptr, qsl_ptr, bt_ptr, 
                     s_qn, s_qh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale,
                     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_PREC: tl.constexpr, ASM_V: tl.constexpr, PDL: tl.constexpr):
+                    CS: tl.constexpr, DOT_PREC: tl.constexpr, ASM_V: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     base = tiles_ptr + tl.program_id(0).to(tl.int64) * (R + 2)
     kvh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
     plen = tl.load(base + 1)  # 0: an unused tile of the static grid
     if plen > 0:
+        # the prefix in CS whole-tile partitions, one a program (an empty one writes weight 0)
+        part = tl.cdiv(tl.cdiv(plen, BLOCK_N), CS) * BLOCK_N
+        lo = split * part
+        hi = tl.minimum(plen, lo + part)
         ref = tl.load(base).to(tl.int64)  # a row of the group: its table holds the shared pages
         rows = tl.arange(0, BLOCK_M)
         head = kvh * G + rows % G
@@ -249,9 +261,9 @@ def _cascade_kernel(q_ptr, kc_ptr, vc_ptr, cpo_ptr, cplse_ptr, qsl_ptr, bt_ptr, 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(0, plen, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
-            jm = j < plen
+            jm = j < hi
             koff = _kv_tile_offsets(bt_ptr, ref, s_bt, j, jm, kvh, s_kp, s_kb, s_kh, BLOCK_SIZE)
             voff = _kv_tile_offsets(bt_ptr, ref, s_bt, j, jm, kvh, s_vp, s_vb, s_vh, BLOCK_SIZE)
             k = tl.load(kc_ptr + koff[None, :] + d[:, None], mask=jm[None, :] & dm[:, None], other=0.0).to(q.dtype)
@@ -264,9 +276,11 @@ def _cascade_kernel(q_ptr, kc_ptr, vc_ptr, cpo_ptr, cplse_ptr, qsl_ptr, bt_ptr, 
             v = _widen_v(tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0), q, ASM_V)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
-        crow = brow * HQ + head
-        tl.store(cpo_ptr + crow[:, None] * D + d[None, :], acc / l_i[:, None], mask=rm[:, None] & dm[None, :])
-        tl.store(cplse_ptr + crow, m_i + tl.log2(l_i), mask=rm)
+        crow = (brow * HQ + head) * CS + split
+        some = l_i > 0
+        o = acc / tl.where(some, l_i, 1.0)[:, None]
+        tl.store(cpo_ptr + crow[:, None] * D + d[None, :], o, mask=rm[:, None] & dm[None, :])
+        tl.store(cplse_ptr + crow, tl.where(some, m_i + tl.log2(l_i), float("-inf")), mask=rm)
 
 
 _CASCADE_LAUNCH = CachedLauncher(_cascade_kernel, pdl=True)
@@ -275,7 +289,7 @@ _CASCADE_LAUNCH = CachedLauncher(_cascade_kernel, pdl=True)
 @triton.jit(do_not_specialize=["PART", "NUM_SPLITS", "CASC"])
 def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, lo_ptr, cpo_ptr, cplse_ptr, s_on, s_oh, PART,
                    NUM_SPLITS, CASC, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_S: tl.constexpr, CS: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -289,17 +303,21 @@ def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, lo_ptr, cpo_ptr, 
         sm = sp < n_active
         row = (b * HQ + h) * NUM_SPLITS + sp
         lse = tl.load(plse_ptr + row, mask=sm, other=float("-inf"))
-        # the cascade prefix partial is one more term (weight 0 where the row has none)
-        clse = tl.load(cplse_ptr + b * HQ + h, mask=kv_lo > 0, other=float("-inf"))
-        mx = tl.maximum(tl.max(lse, axis=0), clse)
+        # the cascade prefix partials are CS more terms (weight 0 where the row has none)
+        cs = tl.arange(0, CS)
+        cm = (cs * 0 + kv_lo) > 0
+        crow = (b * HQ + h) * CS + cs
+        clse = tl.load(cplse_ptr + crow, mask=cm, other=float("-inf"))
+        mx = tl.maximum(tl.max(lse, axis=0), tl.max(clse, axis=0))
         w = tl.exp2(lse - mx)
         w = tl.where(sm, w, 0.0)
         wc = tl.exp2(clse - mx)
         d = tl.arange(0, BLOCK_D)
         dm = d < D
         o = tl.load(po_ptr + row[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-        co = tl.load(cpo_ptr + (b * HQ + h) * D + d, mask=dm & ((d * 0 + kv_lo) > 0), other=0.0)
-        res = (tl.sum(o * w[:, None], axis=0) + co * wc) / (tl.sum(w, axis=0) + wc)
+        co = tl.load(cpo_ptr + crow[:, None] * D + d[None, :], mask=cm[:, None] & dm[None, :], other=0.0)
+        res = ((tl.sum(o * w[:, None], axis=0) + tl.sum(co * wc[:, None], axis=0))
+               / (tl.sum(w, axis=0) + tl.sum(wc, axis=0)))
         tl.store(out_ptr + q_start.to(tl.int64) * s_on + h * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=dm)
 
 
@@ -322,6 +340,13 @@ def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count
     return triton.cdiv(max(max_seq_len, 1), part), part
 
 
+# The shared prefix of a cascade tile is read in this many partitions, one program each: a
+# group's few tiles × KV heads alone are too few programs for the chip, and each would walk the
+# whole prefix in sequence (a first H200 run with one program a tile gained nothing on decode
+# steps: the cascade kernel's latency ate the reads it saved).
+CASCADE_SPLITS = 8
+
+
 def cascade_block_m(rows_per_tile: int, g: int) -> int:
     """The cascade kernel's query-tile height for tiles of ``rows_per_tile`` rows of G heads."""
     return max(16, triton.next_power_of_2(rows_per_tile * g))
@@ -329,18 +354,19 @@ def cascade_block_m(rows_per_tile: int, g: int) -> int:
 
 def _cascade(q, k_cache, v_cache, query_start_loc, block_tables, tiles, common, b, hq, hkv, g, d, block_d,
              dot_prec, asm_v) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefix partials of a cascade plan's rows: ([B * Hq, D] outputs, [B * Hq] log2-sum-exps),
-    float32; rows outside the plan are left unwritten (the decode kernel never reads them)."""
-    cpo = torch.empty((b * hq, d), dtype=torch.float32, device=q.device)
-    cplse = torch.empty((b * hq,), dtype=torch.float32, device=q.device)
+    """The prefix partials of a cascade plan's rows: ([B * Hq * CASCADE_SPLITS, D] outputs, [B * Hq *
+    CASCADE_SPLITS] log2-sum-exps), float32; rows outside the plan are left unwritten (the
+    decode kernel never reads them)."""
+    cpo = torch.empty((b * hq * CASCADE_SPLITS, d), dtype=torch.float32, device=q.device)
+    cplse = torch.empty((b * hq * CASCADE_SPLITS,), dtype=torch.float32, device=q.device)
     r = tiles.shape[1] - 2
     wide = q.dtype == torch.float32 or d > 128
     block_m = cascade_block_m(r, g)
-    _CASCADE_LAUNCH.launch((tiles.shape[0], hkv),
+    _CASCADE_LAUNCH.launch((tiles.shape[0], hkv, CASCADE_SPLITS),
         q, k_cache, v_cache, cpo, cplse, query_start_loc, block_tables, tiles,
         common[0], common[1], *common[4:10], common[10], common[11],
         HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], R=r, BLOCK_M=block_m,
-        BLOCK_N=32 if wide or block_m > 64 else 64, DOT_PREC=dot_prec, ASM_V=asm_v,
+        BLOCK_N=32 if wide or block_m > 64 else 64, CS=CASCADE_SPLITS, DOT_PREC=dot_prec, ASM_V=asm_v,
         num_warps=4 if block_m <= 64 else 8, num_stages=2,
     )
     return cpo, cplse
@@ -376,7 +402,7 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
         q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, kv_lo, cpo, cplse, *common,
         part, splits, casc,
         HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
-        SINGLE=splits == 1, DOT_PREC=dot_prec, ASM_V=asm_v, num_warps=cfg.get("num_warps", 4),
+        SINGLE=splits == 1, DOT_PREC=dot_prec, ASM_V=asm_v, CS=CASCADE_SPLITS, num_warps=cfg.get("num_warps", 4),
         # two stages: ahead of three at every batch from 64 rows, bf16 (5 %) and e4m3 (18 %) caches
         # alike (H200, ops/gpu/attn_sweep.py)
         num_stages=cfg.get("num_stages", 2),
@@ -384,7 +410,7 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
     if splits > 1:
         _REDUCE_LAUNCH.launch((b, hq), out, po, plse, query_start_loc, seq_lens, kv_lo, cpo, cplse,
                                 out.stride(0), out.stride(1), part, splits, casc, HQ=hq, D=d, BLOCK_D=block_d,
-                                BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+                                BLOCK_S=triton.next_power_of_2(splits), CS=CASCADE_SPLITS, num_warps=4)
 
 
 def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,

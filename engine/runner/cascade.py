@@ -55,22 +55,21 @@ def _lcp(sub: np.ndarray) -> int:
 def _best(tables: np.ndarray, full: np.ndarray, rows: np.ndarray, depth: int, per_tile: int,
           min_pages: int) -> tuple[int, list[tuple[np.ndarray, int]]]:
     """(page reads saved, groups) for ``rows``, which agree on their first ``depth`` pages."""
-    limit = int(full[rows].min())
-    lcp = depth + _lcp(tables[rows, depth:limit])
+    fr = full[rows]
+    lcp = depth + _lcp(tables[rows, depth:int(fr.min())])
     n = len(rows)
     here = (n - -(-n // per_tile)) * lcp if lcp >= min_pages else 0
-    deeper = rows[full[rows] > lcp]
+    deeper = rows[fr > lcp]
     if len(deeper) >= 2:
         col = tables[deeper, lcp]
         order = np.argsort(col, kind="stable")
         deeper, col = deeper[order], col[order]
-        cuts = np.flatnonzero(col[1:] != col[:-1]) + 1
+        bounds = np.concatenate(([0], np.flatnonzero(col[1:] != col[:-1]) + 1, [len(col)]))
         total, groups = 0, []
-        for part in np.split(deeper, cuts):
-            if len(part) >= 2:
-                gain, sub = _best(tables, full, part, lcp + 1, per_tile, min_pages)
-                total += gain
-                groups += sub
+        for k in np.flatnonzero(np.diff(bounds) >= 2):  # only runs of rows that share the page
+            gain, sub = _best(tables, full, deeper[bounds[k]:bounds[k + 1]], lcp + 1, per_tile, min_pages)
+            total += gain
+            groups += sub
         if total > here:
             return total, groups
     return here, ([(rows, lcp)] if here else [])

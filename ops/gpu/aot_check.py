@@ -60,7 +60,8 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
             for single in (True, False):
                 out.append((f"decode {dt[1:]} G={g} D={d} single={single}", att._decode_kernel, attn_types(dt),
                             dict(HQ=hq, G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_G=max(16, triton.next_power_of_2(g)),
-                                 BLOCK_N=bn, SINGLE=single, DOT_PREC=prec, ASM_V=False), dict(num_warps=4, num_stages=2)))
+                                 BLOCK_N=bn, SINGLE=single, DOT_PREC=prec, ASM_V=False, CS=att.CASCADE_SPLITS),
+                            dict(num_warps=4, num_stages=2)))
             out.append((f"prefill {dt[1:]} G={g} D={d}", att._prefill_kernel, attn_types(dt),
                         dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=bm, BLOCK_N=bn, TPT=bm // g, DOT_PREC=prec, MIN_Q=2,
                              ASM_V=False),
@@ -70,7 +71,7 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
     fp8_kv = {**attn_types("*bf16"), "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
     out.append(("decode fp8-kv G=4 D=128", att._decode_kernel, fp8_kv,
                 dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=False,
-                     DOT_PREC="tf32", ASM_V=True), dict(num_warps=4, num_stages=2)))
+                     DOT_PREC="tf32", ASM_V=True, CS=att.CASCADE_SPLITS), dict(num_warps=4, num_stages=2)))
     out.append(("prefill fp8-kv G=4 D=128", att._prefill_kernel, fp8_kv,
                 dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, TPT=16, DOT_PREC="tf32", MIN_Q=2,
                      ASM_V=True),
@@ -80,9 +81,9 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                                          ("cascade fp32 G=4 D=128", attn_types("*fp32"), False, "ieee", 64)):
         out.append((name, att._cascade_kernel, types,
                     dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, R=16, BLOCK_M=bm,
-                         BLOCK_N=32 if prec == "ieee" else 64, DOT_PREC=prec, ASM_V=asm_v),
+                         BLOCK_N=32 if prec == "ieee" else 64, CS=att.CASCADE_SPLITS, DOT_PREC=prec, ASM_V=asm_v),
                     dict(num_warps=4, num_stages=2)))
-    out.append(("reduce", att._reduce_kernel, attn_types("*bf16"), dict(HQ=32, D=128, BLOCK_D=128, BLOCK_S=8),
+    out.append(("reduce", att._reduce_kernel, attn_types("*bf16"), dict(HQ=32, D=128, BLOCK_D=128, BLOCK_S=8, CS=att.CASCADE_SPLITS),
                 dict(num_warps=4)))
     st = dict(logits_ptr="*fp32", temp_ptr="*fp32", topk_ptr="*i32", topp_ptr="*fp32", minp_ptr="*fp32",
               seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64", cand_ptr="*fp32", keep_ptr="*i8", s_row="i32",
