@@ -4,7 +4,7 @@
 # before cascade attention (same machine, same run), and the plain and multi-turn workloads
 # (off then on). Results are archived to $OUT/all.tgz after each part.
 # Usage (repo root, on the GPU machine):  . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/cascade.sh [parts...]
-#   parts: tests shared old plain multiturn   (default: shared old plain multiturn)
+#   parts: tests shared old plain oldplain multiturn   (default: shared old plain oldplain multiturn)
 set -u
 FINAL=${OUT:-./gpu_out}; mkdir -p "$FINAL"
 OUT=$(mktemp -d /tmp/cascade.XXXX)
@@ -18,7 +18,7 @@ bench() {  # bench NAME SECONDS CACHING ARGS...
   timeout "$secs" python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda --prefix-caching "$caching" \
     --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1 || status=1
 }
-for part in ${*:-shared old plain multiturn}; do
+for part in ${*:-shared old plain oldplain multiturn}; do
   case $part in
     tests) timeout 200 python3 -m pytest -q tests/gpu > "$OUT/tests_gpu.txt" 2>&1 || status=1 ;;
     shared) bench shared_c200 240 both --workload shared-system --num-requests 1000 "${SERVE[@]}" ;;
@@ -26,6 +26,10 @@ for part in ${*:-shared old plain multiturn}; do
       [ -n "${OLD:-}" ] && (cd "$OLD" && timeout 150 python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda \
         --prefix-caching on --out "$OUT/shared_c200_old.json" --workload shared-system --num-requests 1000 \
         "${SERVE[@]}" > "$OUT/shared_c200_old.txt" 2>&1) || status=1 ;;
+    oldplain)  # what an empty plan costs: the plain workload on the old tree (caching on)
+      [ -n "${OLD:-}" ] && (cd "$OLD" && timeout 120 python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda \
+        --prefix-caching on --out "$OUT/plain_c200_old.json" --num-requests 1000 \
+        "${SERVE[@]}" > "$OUT/plain_c200_old.txt" 2>&1) || status=1 ;;
     plain) bench plain_c200 200 both --num-requests 1000 "${SERVE[@]}" ;;
     multiturn) bench multiturn 200 both --workload multi-turn --num-requests 200 --turns 5 "${SERVE[@]}" ;;
   esac
