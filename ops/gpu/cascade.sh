@@ -4,7 +4,7 @@
 # before cascade attention (same machine, same run), and the plain and multi-turn workloads
 # (off then on). Results are archived to $OUT/all.tgz after each part.
 # Usage (repo root, on the GPU machine):  . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/cascade.sh [parts...]
-#   parts: tests shared old plain oldplain multiturn   (default: shared old plain oldplain multiturn)
+#   parts: tests probe shared old plain oldplain multiturn multiturn8   (default: shared old plain oldplain multiturn)
 set -u
 FINAL=${OUT:-./gpu_out}; mkdir -p "$FINAL"
 OUT=$(mktemp -d /tmp/cascade.XXXX)
@@ -32,6 +32,8 @@ for part in ${*:-shared old plain oldplain multiturn}; do
         "${SERVE[@]}" > "$OUT/plain_c200_old.txt" 2>&1) || status=1 ;;
     plain) bench plain_c200 200 both --num-requests 1000 "${SERVE[@]}" ;;
     multiturn) bench multiturn 200 both --workload multi-turn --num-requests 200 --turns 5 "${SERVE[@]}" ;;
+    multiturn8) bench multiturn8 240 both --workload multi-turn --num-requests 200 --turns 8 "${SERVE[@]}" ;;
+    probe) timeout 120 python3 ops/gpu/cascade_probe.py "$OUT/cascade_probe.json" > "$OUT/cascade_probe.txt" 2>&1 || status=1 ;;
   esac
   tar -czf "$FINAL/all.tgz" -C "$OUT" .
 done
