@@ -23,6 +23,13 @@ is valid for every replay whose sequences are no longer (docs/kernels.md, "CUDA 
 
 Padding rows (slot -1, one token at position 0 of page 0) write nothing and are never read back.
 
+**Cascade variants.** A bucket whose steps can carry a cascade plan (engine/runner/cascade.py: 16
+rows and more, on the Triton kernels; every mixed bucket then) has two graphs, captured together:
+one launching the cascade kernel over the plan's static tile grid and reading ``kv_lo``, one
+without (the plain kernels, as when no rows share pages). The runner replays the cascade one
+only for a step whose plan is not empty: an empty plan's grid of programs that exit at once cost
+plain decode steps 3 % on the H200 (7.68 → 7.91 ms a step, sharegpt-like c200).
+
 **Mixed-step graphs**: the model forward of any step of up to a bucket of tokens, replayed.
 Under steady serving load nearly every step is *mixed*: the running sequences' decodes plus a
 chunk of a newly arrived prompt. Run eagerly such a step costs ~14 ms of host time for ~400
@@ -92,8 +99,10 @@ class GraphSet:
     ``bufs`` are the runner's step buffers (what every capture and replay reads), ``model`` and
     ``kv`` what is run, ``streams`` the core's pool the capture stream is lent from, ``pool`` a
     graph memory pool to share (None: the first capture's own). A kind gives
-    ``_fill_padding(bufs, b)`` (the inputs a capture runs on), ``_forward(bufs, model, kv, b)``
-    (what is recorded; its outputs are kept) and ``_keep(b, graph, outputs)``."""
+    ``_fill_padding(bufs, b)`` (the inputs a capture runs on), ``_forward(bufs, model, kv, b,
+    cascade)`` (what is recorded; its outputs are kept), ``_keep(b, cascade, graph, outputs)`` and
+    ``_cascade_rows(b)`` (the rows a step of the bucket plans over: a cascade variant exists when
+    the buffers give them tiles)."""
 
     kind = "graph"
 
@@ -125,37 +134,43 @@ class GraphSet:
             self._stream = self._streams.take(self)
         return self._stream
 
+    def _variants(self, b: int) -> tuple[bool, ...]:
+        """The graphs of bucket ``b``: plain, and with cascade attention where a plan can exist."""
+        return (False, True) if self.bufs.cascade_tiles_for(self._cascade_rows(b)) else (False,)
+
     def _capture_one(self, b: int) -> None:
-        """One bucket into the shared pool. Unlike ``torch.cuda.graph`` no synchronize, gc or
-        empty_cache per graph: the inputs are written on the current stream before the capture
-        stream starts recording, and nothing executes while it records. Thread-local mode: other
-        threads' CUDA calls (a load thread's copies, NCCL's watchdog polling its events under
-        tensor parallelism) must neither fail nor abort the capture; only this thread's work is
-        recorded in either mode."""
-        self._fill_padding(self.bufs, b)
-        g = torch.cuda.CUDAGraph()
-        self._capture_stream().wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
+        """One bucket's graphs into the shared pool. Unlike ``torch.cuda.graph`` no synchronize,
+        gc or empty_cache per graph: the inputs are written on the current stream before the
+        capture stream starts recording, and nothing executes while it records. Thread-local
+        mode: other threads' CUDA calls (a load thread's copies, NCCL's watchdog polling its
+        events under tensor parallelism) must neither fail nor abort the capture; only this
+        thread's work is recorded in either mode."""
+        for cascade in self._variants(b):
+            self._fill_padding(self.bufs, b)
+            g = torch.cuda.CUDAGraph()
+            self._capture_stream().wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                if self._pool is None:
+                    g.capture_begin(capture_error_mode="thread_local")
+                else:
+                    g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    outputs = self._forward(self.bufs, self.model, self.kv, b, cascade)
+                finally:
+                    g.capture_end()
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
             if self._pool is None:
-                g.capture_begin(capture_error_mode="thread_local")
-            else:
-                g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                outputs = self._forward(self.bufs, self.model, self.kv, b)
-            finally:
-                g.capture_end()
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        if self._pool is None:
-            self._pool = g.pool()
-        self._keep(b, g, outputs)
+                self._pool = g.pool()
+            self._keep(b, cascade, g, outputs)
 
     def _warm(self, order: list[int]) -> None:
         """Run the largest and smallest bucket eagerly first: Triton compiles and cuBLAS
         workspace allocations cannot happen inside a capture (every kernel constant is a model
         constant, so two sizes reach every compiled variant)."""
         for b in sorted({order[0], order[-1]}, reverse=True):
-            self._fill_padding(self.bufs, b)
-            self._forward(self.bufs, self.model, self.kv, b)
+            for cascade in self._variants(b):
+                self._fill_padding(self.bufs, b)
+                self._forward(self.bufs, self.model, self.kv, b, cascade)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
@@ -177,10 +192,13 @@ class GraphSet:
         raise NotImplementedError
 
     @staticmethod
-    def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int):  # pragma: no cover - abstract
+    def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int, cascade: bool):  # pragma: no cover
         raise NotImplementedError
 
-    def _keep(self, bucket: int, graph: torch.cuda.CUDAGraph, outputs) -> None:  # pragma: no cover
+    def _keep(self, bucket: int, cascade: bool, graph: torch.cuda.CUDAGraph, outputs) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def _cascade_rows(self, bucket: int) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
 
 
@@ -193,9 +211,13 @@ class DecodeGraphs(GraphSet):
                  streams: "StreamPool") -> None:
         super().__init__(device, bufs, model, kv, streams)
         self.graphs: dict[int, _Graph] = {}
+        self.cascade_graphs: dict[int, _Graph] = {}  # the buckets' cascade variants
 
-    def _keep(self, bucket: int, graph: torch.cuda.CUDAGraph, outputs) -> None:
-        self.graphs[bucket] = _Graph(graph, *outputs)
+    def _keep(self, bucket: int, cascade: bool, graph: torch.cuda.CUDAGraph, outputs) -> None:
+        (self.cascade_graphs if cascade else self.graphs)[bucket] = _Graph(graph, *outputs)
+
+    def _cascade_rows(self, bucket: int) -> int:
+        return bucket
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:
@@ -210,8 +232,9 @@ class DecodeGraphs(GraphSet):
         bufs.cascade_tiles[:, 1] = 0
 
     @staticmethod
-    def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = bufs.decode_meta(bucket)
+    def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int,
+                 cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        meta = bufs.decode_meta(bucket, cascade)
         hidden = model(bufs.input_ids[:bucket], bufs.positions[:bucket], kv, meta)
         logits = model.compute_logits(hidden)
         return logits, logits.argmax(dim=-1)
@@ -235,14 +258,16 @@ class DecodeGraphs(GraphSet):
             torch.cuda.synchronize(self.device)
         except RuntimeError as e:
             self.graphs.clear()
+            self.cascade_graphs.clear()
             self.deferred.clear()
             raise CudaGraphError(f"decode graph capture failed: {e}") from e
         self.warmup_seconds = t1 - t0
         self.capture_seconds = time.perf_counter() - t1
 
-    def replay(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the bucket's graph on the inputs already in the step buffers: (logits, ids)."""
-        g = self.graphs.get(bucket)
+    def replay(self, bucket: int, cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the bucket's graph (its cascade variant: the step staged a plan) on the inputs
+        already in the step buffers: (logits, ids)."""
+        g = (self.cascade_graphs if cascade else self.graphs).get(bucket)
         if g is None:
             raise CudaGraphError(f"no decode graph for batch {bucket}")
         g.graph.replay()
@@ -258,9 +283,13 @@ class MixedGraphs(GraphSet):
                  streams: "StreamPool", pool=None) -> None:
         super().__init__(device, bufs, model, kv, streams, pool)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.cascade_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def _keep(self, bucket: int, graph: torch.cuda.CUDAGraph, outputs) -> None:
-        self.graphs[bucket] = (graph, outputs)
+    def _keep(self, bucket: int, cascade: bool, graph: torch.cuda.CUDAGraph, outputs) -> None:
+        (self.cascade_graphs if cascade else self.graphs)[bucket] = (graph, outputs)
+
+    def _cascade_rows(self, bucket: int) -> int:
+        return self.bufs.max_seqs  # every sequence slot
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:
@@ -275,9 +304,9 @@ class MixedGraphs(GraphSet):
         bufs.cascade_tiles[:, 1] = 0
 
     @staticmethod
-    def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int) -> torch.Tensor:
+    def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int, cascade: bool = False) -> torch.Tensor:
         """The forward a mixed graph records: [bucket, hidden] final-norm hidden states."""
-        return model(bufs.input_ids[:bucket], bufs.positions[:bucket], kv, bufs.mixed_meta(bucket))
+        return model(bufs.input_ids[:bucket], bufs.positions[:bucket], kv, bufs.mixed_meta(bucket, cascade))
 
     @torch.inference_mode()
     def capture(self, buckets: tuple[int, ...]) -> None:
@@ -293,13 +322,15 @@ class MixedGraphs(GraphSet):
             torch.cuda.synchronize(self.device)
         except RuntimeError as e:
             self.graphs.clear()
+            self.cascade_graphs.clear()
             raise CudaGraphError(f"mixed-step graph capture failed: {e}") from e
         self.deferred = set(order[1:])
         self.capture_seconds = time.perf_counter() - t0
 
-    def replay(self, bucket: int) -> torch.Tensor:
-        """Run the bucket's forward on the step buffers; the [bucket, hidden] output."""
-        entry = self.graphs.get(bucket)
+    def replay(self, bucket: int, cascade: bool = False) -> torch.Tensor:
+        """Run the bucket's forward (its cascade variant: the step staged a plan) on the step
+        buffers; the [bucket, hidden] output."""
+        entry = (self.cascade_graphs if cascade else self.graphs).get(bucket)
         if entry is None:
             raise CudaGraphError(f"no mixed-step graph for {bucket} tokens")
         entry[0].replay()

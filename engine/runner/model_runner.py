@@ -241,7 +241,7 @@ class ModelRunner:
             pos = np.concatenate([pos, np.zeros(pad_tokens - n, dtype=np.int64)])
             ids.extend([0] * (pad_tokens - n))
         cascade = self._plan_cascade(tables[:b], seq_lens[:b], n_tok[:b],
-                                     self.max_seqs if pad_tokens is not None else rows_total, full_width)
+                                     self.max_seqs if pad_tokens is not None else rows_total)
         if pad_tokens is not None:
             qsl_full = np.full(self.max_seqs + 1, n, dtype=np.int64)
             qsl_full[:b + 1] = qsl
@@ -276,17 +276,17 @@ class ModelRunner:
             bufs.input_ids.index_copy_(0, dst, self._prev_ids.index_select(0, src))
         return step
 
-    def _plan_cascade(self, tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, rows: int,
-                      graph_shaped: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _plan_cascade(self, tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray,
+                      rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Stage the step's cascade plan (engine/runner/cascade.py) for a batch of ``rows`` rows
-        (a graph's full count); None when it has none. A graph-shaped step always stages one,
-        empty or not: its graph launches the cascade kernel over the same tiles every replay."""
+        (a graph's full count: its cascade variant reads that many tiles and rows); None when
+        it plans no row (the plain kernels, or graph, run)."""
         bufs = self.bufs
         num_tiles = bufs.cascade_tiles_for(rows)
         if not num_tiles:
             return None
         tiles, kv_lo, planned = plan_cascade(tables, seq_lens, q_lens, self.block_size, bufs.cascade_rows, num_tiles)
-        if not planned and not graph_shaped:
+        if not planned:
             return None
         self.cascade_rows += planned
         self.cascade_steps += planned > 0
@@ -347,13 +347,13 @@ class ModelRunner:
         ids = None
         graph = False
         if replay and pad in self.graphs.graphs:
-            logits_all, ids_all = self.graphs.replay(pad)
+            logits_all, ids_all = self.graphs.replay(pad, step.meta.cascade is not None)
             logits, ids = logits_all[:b], ids_all[:b]
             self.graph_steps += 1
             graph = True
         elif mixed is not None or not step.sample_entries:
             if mixed is not None:
-                hidden = self.mixed.replay(mixed)
+                hidden = self.mixed.replay(mixed, step.meta.cascade is not None)
                 self.mixed_graph_steps += 1
                 graph = True
             else:  # a prefill chunk that samples nothing

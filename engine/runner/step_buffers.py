@@ -103,8 +103,8 @@ class StepBuffers:
     """Device tensors of the largest step (tokens, sequences, block-table width) on ``device``.
 
     ``cascade_rows`` (rows per cascade tile, engine/runner/cascade.py; 0: no cascade plans)
-    sizes the plan's regions: a graph of a batch of at least ``cascade.MIN_ROWS`` rows runs the
-    cascade kernel over ``max_tiles(rows)`` tiles read from them."""
+    sizes the plan's regions: the cascade variant of a graph of at least ``cascade.MIN_ROWS`` rows
+    runs the cascade kernel over ``max_tiles(rows)`` tiles read from them."""
 
     def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_pages: int,
                  max_model_len: int, cascade_rows: int = 0) -> None:
@@ -148,18 +148,19 @@ class StepBuffers:
         tiles = self.cascade_tiles_for(rows)
         return (self.cascade_tiles[:tiles], self.kv_lo[:rows]) if tiles else None
 
-    def decode_meta(self, bucket: int) -> AttentionMetadata:
-        """Metadata of a padded decode step of ``bucket`` rows, on the buffers' fixed prefixes."""
+    def decode_meta(self, bucket: int, cascade: bool = False) -> AttentionMetadata:
+        """Metadata of a padded decode step of ``bucket`` rows, on the buffers' fixed prefixes
+        (``cascade``: with the plan views, for a bucket that has them)."""
         return AttentionMetadata(slot_mapping=self.slots[:bucket], query_start_loc=self.qsl[:bucket + 1],
                                  seq_lens=self.seq_lens[:bucket], block_tables=self.block_tables[:bucket],
                                  max_query_len=1, max_seq_len=self.max_model_len,
-                                 cascade=self.cascade_meta(bucket))
+                                 cascade=self.cascade_meta(bucket) if cascade else None)
 
-    def mixed_meta(self, bucket: int) -> AttentionMetadata:
+    def mixed_meta(self, bucket: int, cascade: bool = False) -> AttentionMetadata:
         """The metadata every mixed-step replay of ``bucket`` tokens reads: full-size sequence
         buffers. The ``max_query_len`` of 2 routes attention to the prefill kernel too, whose
         grid ignores it."""
         return AttentionMetadata(slot_mapping=self.slots[:bucket], query_start_loc=self.qsl,
                                  seq_lens=self.seq_lens, block_tables=self.block_tables,
                                  max_query_len=2, max_seq_len=self.max_model_len,
-                                 cascade=self.cascade_meta(self.max_seqs))
+                                 cascade=self.cascade_meta(self.max_seqs) if cascade else None)

@@ -90,6 +90,7 @@ def test_forks_of_one_prompt_run_through_cascade_graphs(tmp_path_factory):
                 toks[int(o.req_id[1:])].extend(o.new_token_ids)
         runner = core.slot("m").runner
         assert (runner.graph_steps > 0) == graphs
+        assert bool(graphs and runner.graphs.cascade_graphs) == graphs  # buckets 16-32: both variants
         got[graphs], planned[graphs] = toks, runner.cascade_rows
         del core, runner
     assert planned[True] >= 20 * 10 and planned[False] >= 20 * 10

@@ -201,12 +201,12 @@ class _EagerMixed:
     def __init__(self, runner) -> None:
         self.runner, self.deferred, self.steps = runner, set(), 0
 
-    def replay(self, bucket: int):
+    def replay(self, bucket: int, cascade: bool = False):
         from engine.runner.cuda_graphs import MixedGraphs
 
         self.steps += 1
         with torch.inference_mode():
-            return MixedGraphs._forward(self.runner.bufs, self.runner.model, self.runner.kv, bucket)
+            return MixedGraphs._forward(self.runner.bufs, self.runner.model, self.runner.kv, bucket, cascade)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

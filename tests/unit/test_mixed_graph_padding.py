@@ -43,10 +43,10 @@ class EagerMixed:
         self.deferred: set[int] = set()
         self.buckets: list[int] = []
 
-    def replay(self, bucket: int) -> torch.Tensor:
+    def replay(self, bucket: int, cascade: bool = False) -> torch.Tensor:
         self.buckets.append(bucket)
         with torch.inference_mode():
-            return MixedGraphs._forward(self.runner.bufs, self.runner.model, self.runner.kv, bucket)
+            return MixedGraphs._forward(self.runner.bufs, self.runner.model, self.runner.kv, bucket, cascade)
 
 
 def _generate(model_dir, padded: bool):
