@@ -26,7 +26,8 @@ head_dim. An e4m3 cache (``kv_cache_dtype="fp8"``) is widened tile by tile as it
   partition of the shared prefix (no mask: every position of it precedes every row's token),
   and it writes each pair's partial (normalised output, log2-sum-exp; weight 0 when empty). The decode kernel then reads each row's context from
   ``kv_lo[b]`` (the shared length, 0 outside a group) and merges the prefix partials where the
-  output is made: at the end of a one-split program, or in the reduce.
+  output is made: at the end of a one-split program, or in the reduce (``CASC``, a constexpr:
+  plain steps run the kernels without the merge).
 """
 
 from __future__ import annotations
@@ -169,10 +170,10 @@ def _merge_prefix(o, lse, cpo_ptr, cplse_ptr, crow, rm, d, dm, D: tl.constexpr, 
     return num / den[:, None]
 
 
-@triton.jit(do_not_specialize=["s_bt", "PART", "NUM_SPLITS", "CASC"])
+@triton.jit(do_not_specialize=["s_bt", "PART", "NUM_SPLITS"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, bt_ptr, lo_ptr, cpo_ptr, cplse_ptr,
-                   s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, PART, NUM_SPLITS, CASC,
-                   HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, PART, NUM_SPLITS,
+                   CASC: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, ASM_V: tl.constexpr, CS: tl.constexpr,
                    PDL: tl.constexpr):
@@ -183,9 +184,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     seq_len = tl.load(sl_ptr + b)
-    # CASC (a runtime flag, one compiled kernel either way): the row's first kv_lo positions were
-    # the cascade kernel's; the splits partition the rest
-    kv_lo = tl.load(lo_ptr + b, mask=CASC != 0, other=0)
+    # CASC: the row's first kv_lo positions were the cascade kernel's; the splits partition the
+    # rest. A compile-time switch: as a runtime flag its dead merge cost plain steps 3 % (H200).
+    kv_lo = 0
+    if CASC:
+        kv_lo = tl.load(lo_ptr + b)
     lo = kv_lo + split * PART
     if (q_len == 1) & (lo < seq_len):  # longer queries of a mixed step are the prefill kernel's
         hi = tl.minimum(seq_len, lo + PART)
@@ -218,7 +221,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
             m_i = m_new
         o = acc / l_i[:, None]
         if SINGLE:
-            o = _merge_prefix(o, m_i + tl.log2(l_i), cpo_ptr, cplse_ptr, b * HQ + head, gm & ((g * 0 + kv_lo) > 0), d, dm, D, CS)
+            if CASC:
+                o = _merge_prefix(o, m_i + tl.log2(l_i), cpo_ptr, cplse_ptr, b * HQ + head, gm & ((g * 0 + kv_lo) > 0),
+                                  d, dm, D, CS)
             tl.store(out_ptr + tok * s_on + head[:, None] * s_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=gm[:, None] & dm[None, :])
         else:
@@ -286,9 +291,9 @@ def _cascade_kernel(q_ptr, kc_ptr, vc_ptr, cpo_ptr, cplse_ptr, qsl_ptr, bt_ptr, 
 _CASCADE_LAUNCH = CachedLauncher(_cascade_kernel, pdl=True)
 
 
-@triton.jit(do_not_specialize=["PART", "NUM_SPLITS", "CASC"])
+@triton.jit(do_not_specialize=["PART", "NUM_SPLITS"])
 def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, lo_ptr, cpo_ptr, cplse_ptr, s_on, s_oh, PART,
-                   NUM_SPLITS, CASC, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   NUM_SPLITS, CASC: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_S: tl.constexpr, CS: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -297,27 +302,31 @@ def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, lo_ptr, cpo_ptr, 
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if q_len == 1:
         seq_len = tl.load(sl_ptr + b)
-        kv_lo = tl.load(lo_ptr + b, mask=CASC != 0, other=0)
+        kv_lo = 0
+        if CASC:
+            kv_lo = tl.load(lo_ptr + b)
         n_active = (seq_len - kv_lo + PART - 1) // PART
         sp = tl.arange(0, BLOCK_S)
         sm = sp < n_active
         row = (b * HQ + h) * NUM_SPLITS + sp
         lse = tl.load(plse_ptr + row, mask=sm, other=float("-inf"))
-        # the cascade prefix partials are CS more terms (weight 0 where the row has none)
-        cs = tl.arange(0, CS)
-        cm = (cs * 0 + kv_lo) > 0
-        crow = (b * HQ + h) * CS + cs
-        clse = tl.load(cplse_ptr + crow, mask=cm, other=float("-inf"))
-        mx = tl.maximum(tl.max(lse, axis=0), tl.max(clse, axis=0))
-        w = tl.exp2(lse - mx)
-        w = tl.where(sm, w, 0.0)
-        wc = tl.exp2(clse - mx)
         d = tl.arange(0, BLOCK_D)
         dm = d < D
         o = tl.load(po_ptr + row[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-        co = tl.load(cpo_ptr + crow[:, None] * D + d[None, :], mask=cm[:, None] & dm[None, :], other=0.0)
-        res = ((tl.sum(o * w[:, None], axis=0) + tl.sum(co * wc[:, None], axis=0))
-               / (tl.sum(w, axis=0) + tl.sum(wc, axis=0)))
+        if CASC:  # the cascade prefix partials are CS more terms (weight 0 where the row has none)
+            cs = tl.arange(0, CS)
+            cm = (cs * 0 + kv_lo) > 0
+            crow = (b * HQ + h) * CS + cs
+            clse = tl.load(cplse_ptr + crow, mask=cm, other=float("-inf"))
+            mx = tl.maximum(tl.max(lse, axis=0), tl.max(clse, axis=0))
+            w = tl.where(sm, tl.exp2(lse - mx), 0.0)
+            wc = tl.exp2(clse - mx)
+            co = tl.load(cpo_ptr + crow[:, None] * D + d[None, :], mask=cm[:, None] & dm[None, :], other=0.0)
+            res = ((tl.sum(o * w[:, None], axis=0) + tl.sum(co * wc[:, None], axis=0))
+                   / (tl.sum(w, axis=0) + tl.sum(wc, axis=0)))
+        else:
+            w = tl.where(sm, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)
+            res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
         tl.store(out_ptr + q_start.to(tl.int64) * s_on + h * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=dm)
 
 
@@ -390,17 +399,16 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
         tiles, kv_lo = cascade
         cpo, cplse = _cascade(q, k_cache, v_cache, query_start_loc, block_tables, tiles, common, b, hq, hkv, g, d,
                               block_d, dot_prec, asm_v)
-    else:  # never read (CASC=0); float32 like the real ones, so both runs are one compiled kernel
-        kv_lo, cpo = seq_lens, torch.empty((1, d), dtype=torch.float32, device=q.device)
-        cplse = cpo[0]
+    else:  # never read (CASC=False)
+        kv_lo, cpo, cplse = seq_lens, out, out
     po, plse = cpo, cplse  # unused when there is one split
     if splits > 1:
         po = torch.empty((b * hq * splits, d), dtype=torch.float32, device=q.device)
         plse = torch.empty((b * hq * splits,), dtype=torch.float32, device=q.device)
-    casc = int(cascade is not None)
+    casc = cascade is not None
     _DECODE_LAUNCH.launch((b, hkv, splits),
         q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, kv_lo, cpo, cplse, *common,
-        part, splits, casc,
+        part, splits, CASC=casc,
         HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
         SINGLE=splits == 1, DOT_PREC=dot_prec, ASM_V=asm_v, CS=CASCADE_SPLITS, num_warps=cfg.get("num_warps", 4),
         # two stages: ahead of three at every batch from 64 rows, bf16 (5 %) and e4m3 (18 %) caches
@@ -409,7 +417,7 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
     )
     if splits > 1:
         _REDUCE_LAUNCH.launch((b, hq), out, po, plse, query_start_loc, seq_lens, kv_lo, cpo, cplse,
-                                out.stride(0), out.stride(1), part, splits, casc, HQ=hq, D=d, BLOCK_D=block_d,
+                                out.stride(0), out.stride(1), part, splits, CASC=casc, HQ=hq, D=d, BLOCK_D=block_d,
                                 BLOCK_S=triton.next_power_of_2(splits), CS=CASCADE_SPLITS, num_warps=4)
 
 

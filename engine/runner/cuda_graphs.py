@@ -164,13 +164,18 @@ class GraphSet:
             self._keep(b, cascade, g, outputs)
 
     def _warm(self, order: list[int]) -> None:
-        """Run the largest and smallest bucket eagerly first: Triton compiles and cuBLAS
-        workspace allocations cannot happen inside a capture (every kernel constant is a model
-        constant, so two sizes reach every compiled variant)."""
-        for b in sorted({order[0], order[-1]}, reverse=True):
-            for cascade in self._variants(b):
-                self._fill_padding(self.bufs, b)
-                self._forward(self.bufs, self.model, self.kv, b, cascade)
+        """Run the largest and smallest bucket eagerly first, and the largest and smallest with a
+        cascade variant in it: Triton compiles and cuBLAS workspace allocations cannot happen
+        inside a capture. Every kernel constant is a model constant but two: the cascade switch
+        and whether decode attention splits, which falls as the bucket grows — so the extremes of
+        each variant reach every compiled kernel."""
+        runs = {(order[0], False), (order[-1], False)}
+        casc = [b for b in order if len(self._variants(b)) == 2]
+        if casc:
+            runs |= {(casc[0], True), (casc[-1], True)}
+        for b, cascade in sorted(runs, reverse=True):
+            self._fill_padding(self.bufs, b)
+            self._forward(self.bufs, self.model, self.kv, b, cascade)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()

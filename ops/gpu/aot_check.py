@@ -37,12 +37,12 @@ from engine.kernels import norm_triton as nrm  # noqa: E402
 from engine.kernels import rope_triton as rop  # noqa: E402
 from engine.kernels import sample_triton as smp  # noqa: E402
 
-NO_HINT = {"s_bt", "PART", "NUM_SPLITS", "NUM_SEQS", "CASC", "V", "eps", "qk_scale", "M"}  # runtime values, not specialised
+NO_HINT = {"s_bt", "PART", "NUM_SPLITS", "NUM_SEQS", "V", "eps", "qk_scale", "M"}  # runtime values, not specialised
 
 
 def attn_types(dt: str) -> dict:
     t = {n: "i32" for n in ("s_qn", "s_qh", "s_on", "s_oh", "s_kp", "s_kb", "s_kh", "s_vp", "s_vb", "s_vh",
-                            "s_bt", "PART", "NUM_SPLITS", "NUM_SEQS", "CASC")}
+                            "s_bt", "PART", "NUM_SPLITS", "NUM_SEQS")}
     t.update(q_ptr=dt, kc_ptr=dt, vc_ptr=dt, out_ptr=dt, po_ptr="*fp32", plse_ptr="*fp32", qsl_ptr="*i32",
              sl_ptr="*i32", bt_ptr="*i32", lo_ptr="*i32", cpo_ptr="*fp32", cplse_ptr="*fp32", tiles_ptr="*i32",
              qk_scale="fp32")
@@ -60,7 +60,8 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
             for single in (True, False):
                 out.append((f"decode {dt[1:]} G={g} D={d} single={single}", att._decode_kernel, attn_types(dt),
                             dict(HQ=hq, G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_G=max(16, triton.next_power_of_2(g)),
-                                 BLOCK_N=bn, SINGLE=single, DOT_PREC=prec, ASM_V=False, CS=att.CASCADE_SPLITS),
+                                 BLOCK_N=bn, SINGLE=single, DOT_PREC=prec, ASM_V=False, CS=att.CASCADE_SPLITS,
+                                 CASC=False),
                             dict(num_warps=4, num_stages=2)))
             out.append((f"prefill {dt[1:]} G={g} D={d}", att._prefill_kernel, attn_types(dt),
                         dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=bm, BLOCK_N=bn, TPT=bm // g, DOT_PREC=prec, MIN_Q=2,
@@ -71,11 +72,15 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
     fp8_kv = {**attn_types("*bf16"), "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
     out.append(("decode fp8-kv G=4 D=128", att._decode_kernel, fp8_kv,
                 dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=False,
-                     DOT_PREC="tf32", ASM_V=True, CS=att.CASCADE_SPLITS), dict(num_warps=4, num_stages=2)))
+                     DOT_PREC="tf32", ASM_V=True, CS=att.CASCADE_SPLITS, CASC=False), dict(num_warps=4, num_stages=2)))
     out.append(("prefill fp8-kv G=4 D=128", att._prefill_kernel, fp8_kv,
                 dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, TPT=16, DOT_PREC="tf32", MIN_Q=2,
                      ASM_V=True),
                 dict(num_warps=8, num_stages=2)))
+    for single in (True, False):
+        out.append((f"decode bf16 G=4 D=128 single={single} cascade", att._decode_kernel, attn_types("*bf16"),
+                    dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=single,
+                         DOT_PREC="tf32", ASM_V=False, CS=att.CASCADE_SPLITS, CASC=True), dict(num_warps=4, num_stages=2)))
     for name, types, asm_v, prec, bm in (("cascade bf16 G=4 D=128", attn_types("*bf16"), False, "tf32", 64),
                                          ("cascade fp8-kv G=4 D=128", fp8_kv, True, "tf32", 64),
                                          ("cascade fp32 G=4 D=128", attn_types("*fp32"), False, "ieee", 64)):
@@ -83,7 +88,7 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                     dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, R=16, BLOCK_M=bm,
                          BLOCK_N=32 if prec == "ieee" else 64, CS=att.CASCADE_SPLITS, DOT_PREC=prec, ASM_V=asm_v),
                     dict(num_warps=4, num_stages=2)))
-    out.append(("reduce", att._reduce_kernel, attn_types("*bf16"), dict(HQ=32, D=128, BLOCK_D=128, BLOCK_S=8, CS=att.CASCADE_SPLITS),
+    out.append(("reduce", att._reduce_kernel, attn_types("*bf16"), dict(HQ=32, D=128, BLOCK_D=128, BLOCK_S=8, CS=att.CASCADE_SPLITS, CASC=True),
                 dict(num_warps=4)))
     st = dict(logits_ptr="*fp32", temp_ptr="*fp32", topk_ptr="*i32", topp_ptr="*fp32", minp_ptr="*fp32",
               seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64", cand_ptr="*fp32", keep_ptr="*i8", s_row="i32",
