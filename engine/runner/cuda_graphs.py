@@ -24,11 +24,14 @@ is valid for every replay whose sequences are no longer (docs/kernels.md, "CUDA 
 Padding rows (slot -1, one token at position 0 of page 0) write nothing and are never read back.
 
 **Cascade variants.** A bucket whose steps can carry a cascade plan (engine/runner/cascade.py: 16
-rows and more, on the Triton kernels; every mixed bucket then) has two graphs, captured together:
-one launching the cascade kernel over the plan's static tile grid and reading ``kv_lo``, one
-without (the plain kernels, as when no rows share pages). The runner replays the cascade one
-only for a step whose plan is not empty: an empty plan's grid of programs that exit at once cost
-plain decode steps 3 % on the H200 (7.68 → 7.91 ms a step, sharegpt-like c200).
+rows and more, on the Triton kernels; every mixed bucket then) may get a second graph that
+launches the cascade kernel over the plan's static tile grid and merges it. It is made on
+demand: the first step of a bucket with a non-empty plan runs eagerly (compiling the cascade
+kernels for the bucket's split layout, so no compile can fall inside a capture) and asks for the
+variant (``cascade_wanted``); the runner captures it before its next step's inputs are staged, or
+the engine while idle. A workload that shares nothing never captures one, and loads capture no
+more than before (on the H200 capturing both variants of every bucket doubled the deferred
+captures' time in a c200 run, 0.54 → 1.60 s).
 
 **Mixed-step graphs**: the model forward of any step of up to a bucket of tokens, replayed.
 Under steady serving load nearly every step is *mixed*: the running sequences' decodes plus a
@@ -100,9 +103,8 @@ class GraphSet:
     ``kv`` what is run, ``streams`` the core's pool the capture stream is lent from, ``pool`` a
     graph memory pool to share (None: the first capture's own). A kind gives
     ``_fill_padding(bufs, b)`` (the inputs a capture runs on), ``_forward(bufs, model, kv, b,
-    cascade)`` (what is recorded; its outputs are kept), ``_keep(b, cascade, graph, outputs)`` and
-    ``_cascade_rows(b)`` (the rows a step of the bucket plans over: a cascade variant exists when
-    the buffers give them tiles)."""
+    cascade)`` (what is recorded; its outputs are kept) and ``_keep(b, cascade, graph, outputs)``;
+    ``graphs`` and ``cascade_graphs`` hold what was kept, by bucket."""
 
     kind = "graph"
 
@@ -117,6 +119,7 @@ class GraphSet:
         self.capture_seconds = 0.0  # at load (warm-ups excluded)
         self.warmup_seconds = 0.0
         self.deferred: set[int] = set()  # buckets captured at their first use instead of at load
+        self.cascade_wanted: set[int] = set()  # buckets whose cascade variant a step asked for
         self.deferred_capture_seconds = 0.0
         self._pool = pool
         self._streams = streams
@@ -134,49 +137,53 @@ class GraphSet:
             self._stream = self._streams.take(self)
         return self._stream
 
-    def _variants(self, b: int) -> tuple[bool, ...]:
-        """The graphs of bucket ``b``: plain, and with cascade attention where a plan can exist."""
-        return (False, True) if self.bufs.cascade_tiles_for(self._cascade_rows(b)) else (False,)
-
-    def _capture_one(self, b: int) -> None:
-        """One bucket's graphs into the shared pool. Unlike ``torch.cuda.graph`` no synchronize,
-        gc or empty_cache per graph: the inputs are written on the current stream before the
-        capture stream starts recording, and nothing executes while it records. Thread-local
-        mode: other threads' CUDA calls (a load thread's copies, NCCL's watchdog polling its
-        events under tensor parallelism) must neither fail nor abort the capture; only this
-        thread's work is recorded in either mode."""
-        for cascade in self._variants(b):
-            self._fill_padding(self.bufs, b)
-            g = torch.cuda.CUDAGraph()
-            self._capture_stream().wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                if self._pool is None:
-                    g.capture_begin(capture_error_mode="thread_local")
-                else:
-                    g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    outputs = self._forward(self.bufs, self.model, self.kv, b, cascade)
-                finally:
-                    g.capture_end()
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+    def _capture_one(self, b: int, cascade: bool = False) -> None:
+        """One graph into the shared pool. Unlike ``torch.cuda.graph`` no synchronize, gc or
+        empty_cache per graph: the inputs are written on the current stream before the capture
+        stream starts recording, and nothing executes while it records. Thread-local mode: other
+        threads' CUDA calls (a load thread's copies, NCCL's watchdog polling its events under
+        tensor parallelism) must neither fail nor abort the capture; only this thread's work is
+        recorded in either mode."""
+        self._fill_padding(self.bufs, b)
+        g = torch.cuda.CUDAGraph()
+        self._capture_stream().wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
             if self._pool is None:
-                self._pool = g.pool()
-            self._keep(b, cascade, g, outputs)
+                g.capture_begin(capture_error_mode="thread_local")
+            else:
+                g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                outputs = self._forward(self.bufs, self.model, self.kv, b, cascade)
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        if self._pool is None:
+            self._pool = g.pool()
+        self._keep(b, cascade, g, outputs)
 
     def _warm(self, order: list[int]) -> None:
-        """Run the largest and smallest bucket eagerly first, and the largest and smallest with a
-        cascade variant in it: Triton compiles and cuBLAS workspace allocations cannot happen
-        inside a capture. Every kernel constant is a model constant but two: the cascade switch
-        and whether decode attention splits, which falls as the bucket grows — so the extremes of
-        each variant reach every compiled kernel."""
-        runs = {(order[0], False), (order[-1], False)}
-        casc = [b for b in order if len(self._variants(b)) == 2]
-        if casc:
-            runs |= {(casc[0], True), (casc[-1], True)}
-        for b, cascade in sorted(runs, reverse=True):
+        """Run the largest and smallest bucket eagerly first: Triton compiles and cuBLAS
+        workspace allocations cannot happen inside a capture (every kernel constant is a model
+        constant, so two sizes reach every compiled variant; a cascade variant is captured only
+        after an eager step of its own bucket ran its kernels)."""
+        for b in sorted({order[0], order[-1]}, reverse=True):
             self._fill_padding(self.bufs, b)
-            self._forward(self.bufs, self.model, self.kv, b, cascade)
+            self._forward(self.bufs, self.model, self.kv, b, False)
         torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def capture_cascade(self, bucket: int) -> None:
+        """Capture the cascade variant a step of ``bucket`` asked for (before the next step's
+        inputs are staged: a capture writes padding into them)."""
+        if bucket not in self.cascade_wanted:
+            return
+        self.cascade_wanted.discard(bucket)
+        t = time.perf_counter()
+        try:
+            self._capture_one(bucket, cascade=True)
+        except RuntimeError as e:
+            raise CudaGraphError(f"{self.kind} capture of bucket {bucket} (cascade) failed: {e}") from e
+        self.deferred_capture_seconds += time.perf_counter() - t
 
     @torch.inference_mode()
     def capture_deferred(self, bucket: int) -> None:
@@ -203,9 +210,6 @@ class GraphSet:
     def _keep(self, bucket: int, cascade: bool, graph: torch.cuda.CUDAGraph, outputs) -> None:  # pragma: no cover
         raise NotImplementedError
 
-    def _cascade_rows(self, bucket: int) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
-
 
 class DecodeGraphs(GraphSet):
     """The captured decode graphs of one runner, by batch bucket."""
@@ -220,9 +224,6 @@ class DecodeGraphs(GraphSet):
 
     def _keep(self, bucket: int, cascade: bool, graph: torch.cuda.CUDAGraph, outputs) -> None:
         (self.cascade_graphs if cascade else self.graphs)[bucket] = _Graph(graph, *outputs)
-
-    def _cascade_rows(self, bucket: int) -> int:
-        return bucket
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:
@@ -292,9 +293,6 @@ class MixedGraphs(GraphSet):
 
     def _keep(self, bucket: int, cascade: bool, graph: torch.cuda.CUDAGraph, outputs) -> None:
         (self.cascade_graphs if cascade else self.graphs)[bucket] = (graph, outputs)
-
-    def _cascade_rows(self, bucket: int) -> int:
-        return self.bufs.max_seqs  # every sequence slot
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:

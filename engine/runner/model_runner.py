@@ -156,13 +156,16 @@ class ModelRunner:
         return time.perf_counter() - t
 
     def capture_next_deferred(self) -> bool:
-        """Capture the largest graph still deferred (decode first, then mixed); False when none
-        is left. The engine calls this while it is idle, so the first busy steps after a load
+        """Capture the largest graph still deferred, or a cascade variant a step asked for
+        (decode first, then mixed); False when none is left. The engine calls this while it is idle, so the first busy steps after a load
         need not stop for captures (each one a few ms of host and device time)."""
         for graphs in (self.graphs, self.mixed):
-            if graphs is not None and graphs.deferred:
+            if graphs is not None and (graphs.deferred or graphs.cascade_wanted):
                 with self._on_last():
-                    graphs.capture_deferred(max(graphs.deferred))
+                    if graphs.deferred:
+                        graphs.capture_deferred(max(graphs.deferred))
+                    else:
+                        graphs.capture_cascade(max(graphs.cascade_wanted))
                 return True
         return False
 
@@ -333,30 +336,40 @@ class ModelRunner:
         b = len(out.seqs)
         pad = self.decode_bucket(b) if b and out.num_decodes == b else None
         replay = pad is not None and self.graphs is not None and all(s.sample for s in out.seqs)
-        if replay and pad in self.graphs.deferred:
+        if replay and (pad in self.graphs.deferred or pad in self.graphs.cascade_wanted):
             self.graphs.capture_deferred(pad)  # before prepare: a capture writes the input buffers
+            self.graphs.capture_cascade(pad)
         mixed = None
         if not replay and b:
             mixed = self.mixed_bucket(sum(len(s.token_ids) for s in out.seqs))
             if mixed is not None:
                 pad = None
-                if mixed in self.mixed.deferred:
+                if mixed in self.mixed.deferred or mixed in self.mixed.cascade_wanted:
                     self.mixed.capture_deferred(mixed)
+                    self.mixed.capture_cascade(mixed)
         step = self.prepare(out, pad_to=pad, pad_tokens=mixed)
         self._prev_ids, self._prev_rows = None, {}
         ids = None
         graph = False
+        cascade = step.meta.cascade is not None
+        # a plan with no cascade variant of its bucket yet: this step runs eagerly (its kernels
+        # compile outside any capture) and the variant is captured before the next one
+        if replay and cascade and pad not in self.graphs.cascade_graphs:
+            self.graphs.cascade_wanted.add(pad)
+            replay = False
+        if mixed is not None and cascade and mixed not in self.mixed.cascade_graphs:
+            self.mixed.cascade_wanted.add(mixed)
         if replay and pad in self.graphs.graphs:
-            logits_all, ids_all = self.graphs.replay(pad, step.meta.cascade is not None)
+            logits_all, ids_all = self.graphs.replay(pad, cascade)
             logits, ids = logits_all[:b], ids_all[:b]
             self.graph_steps += 1
             graph = True
         elif mixed is not None or not step.sample_entries:
-            if mixed is not None:
-                hidden = self.mixed.replay(mixed, step.meta.cascade is not None)
+            if mixed is not None and (not cascade or mixed in self.mixed.cascade_graphs):
+                hidden = self.mixed.replay(mixed, cascade)
                 self.mixed_graph_steps += 1
                 graph = True
-            else:  # a prefill chunk that samples nothing
+            else:  # a prefill chunk that samples nothing, or a mixed step waiting for its variant
                 hidden = self.model(step.input_ids, step.positions, self.kv, step.meta)
             if not step.sample_entries:
                 dt = time.perf_counter() - t0

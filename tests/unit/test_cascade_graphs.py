@@ -1,0 +1,85 @@
+"""The runner's cascade graph variants (engine/runner/cuda_graphs.py, "Cascade variants"), on CPU
+with a stand-in graph set that runs each captured forward eagerly: a step with a plan and no
+variant of its bucket runs eagerly and asks for one; the variant is captured before the next
+step's inputs are staged; later steps replay it; tokens are the torch reference's throughout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # pragma: no cover - tests/gpu/test_cascade_gpu.py replays real graphs
+    pytest.skip("CPU stand-in for the graphs", allow_module_level=True)
+pytest.importorskip("triton")
+
+from engine.kernels import _dispatch  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.runner.cuda_graphs import DecodeGraphs  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _triton_interpreted():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+class StandInDecodeGraphs:
+    """Every bucket 'captured' plain at load; cascade variants only through capture_cascade."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.graphs = {b: None for b in runner.decode_buckets}
+        self.cascade_graphs: dict[int, None] = {}
+        self.deferred: set[int] = set()
+        self.cascade_wanted: set[int] = set()
+        self.events: list[tuple[str, int, bool]] = []
+
+    def capture_deferred(self, bucket: int) -> None:
+        pass
+
+    def capture_cascade(self, bucket: int) -> None:
+        if bucket in self.cascade_wanted:
+            self.cascade_wanted.discard(bucket)
+            self.cascade_graphs[bucket] = None
+            self.events.append(("capture", bucket, True))
+
+    def replay(self, bucket: int, cascade: bool = False):
+        assert bucket in (self.cascade_graphs if cascade else self.graphs)
+        self.events.append(("replay", bucket, cascade))
+        r = self.runner
+        with torch.inference_mode():
+            return DecodeGraphs._forward(r.bufs, r.model, r.kv, bucket, cascade)
+
+
+def _run(model_dir, monkeypatch, mode: str, stand_in: bool):
+    monkeypatch.setenv("INFIRE_KERNELS", mode)
+    monkeypatch.setattr(_dispatch, "_forced", None)  # read again at the next kernel call
+    llm = LLM(model_dir, device="cpu", max_model_len=128, block_size=4, dtype="float32", max_num_seqs=32)
+    runner = next(iter(llm.core._slots.values())).runner
+    fake = None
+    if stand_in:
+        runner.decode_buckets = (1, 8, 16, 24, 32)
+        fake = runner.graphs = StandInDecodeGraphs(runner)
+    shared = [(i * 7) % 50 + 3 for i in range(48)]
+    llm.generate([shared + [1]], SamplingParams(temperature=0, max_tokens=1))  # indexes the shared pages
+    prompts = [shared + [60 + i, 61 + i] for i in range(18)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    return [o.token_ids for o in outs], fake, runner
+
+
+def test_a_cascade_variant_is_captured_after_an_eager_step_and_then_replayed(make_tiny_model, monkeypatch):
+    model_dir = make_tiny_model("llama")
+    want, _, _ = _run(model_dir, monkeypatch, "torch", stand_in=False)
+    got, fake, runner = _run(model_dir, monkeypatch, "triton", stand_in=True)
+    assert got == want
+    assert runner.cascade_rows >= 18 * 4
+    ev = fake.events
+    captures = [i for i, e in enumerate(ev) if e[0] == "capture"]
+    assert [ev[i][1] for i in captures] == [24]  # 18 decode rows: bucket 24, asked for once
+    cascade_replays = [i for i, e in enumerate(ev) if e == ("replay", 24, True)]
+    assert cascade_replays and min(cascade_replays) > captures[0]  # only after its capture
+    assert not fake.cascade_wanted
+    # the plain graphs never replayed a step that had a plan (the stand-in asserts the variant)
+    assert ("replay", 24, False) not in ev[captures[0]:]
