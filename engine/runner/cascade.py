@@ -92,6 +92,9 @@ def plan_cascade(tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, b
     cand = np.flatnonzero((np.asarray(q_lens) == 1) & (full >= min_pages))
     if len(cand) < 2:
         return tiles, kv_lo, 0
+    first = np.sort(tables[cand, 0])
+    if not (first[1:] == first[:-1]).any():  # no two rows share a first page: nothing to plan
+        return tiles, kv_lo, 0
     # the root: rows agree on no page yet; its children are split by their first page
     _, groups = _best(tables, full, cand, 0, per_tile, min_pages)
     groups.sort(key=lambda g: (len(g[0]) - -(-len(g[0]) // per_tile)) * g[1], reverse=True)

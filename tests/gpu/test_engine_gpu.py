@@ -200,6 +200,16 @@ class _EagerMixed:
 
     def __init__(self, runner) -> None:
         self.runner, self.deferred, self.steps = runner, set(), 0
+        self.cascade_wanted: set[int] = set()  # cascade variants, "captured" as a real set would
+        self.cascade_graphs: set[int] = set()
+
+    def capture_deferred(self, bucket: int) -> None:
+        pass
+
+    def capture_cascade(self, bucket: int) -> None:
+        if bucket in self.cascade_wanted:
+            self.cascade_wanted.discard(bucket)
+            self.cascade_graphs.add(bucket)
 
     def replay(self, bucket: int, cascade: bool = False):
         from engine.runner.cuda_graphs import MixedGraphs

@@ -42,6 +42,16 @@ class EagerMixed:
         self.runner = runner
         self.deferred: set[int] = set()
         self.buckets: list[int] = []
+        self.cascade_wanted: set[int] = set()  # cascade variants, "captured" as a real set would
+        self.cascade_graphs: set[int] = set()
+
+    def capture_deferred(self, bucket: int) -> None:
+        pass
+
+    def capture_cascade(self, bucket: int) -> None:
+        if bucket in self.cascade_wanted:
+            self.cascade_wanted.discard(bucket)
+            self.cascade_graphs.add(bucket)
 
     def replay(self, bucket: int, cascade: bool = False) -> torch.Tensor:
         self.buckets.append(bucket)
