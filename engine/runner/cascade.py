@@ -32,6 +32,8 @@ MIN_ROWS = 16
 MIN_PAGES = 4
 # Tiles beyond cdiv(rows, rows_per_tile): each group may end in a partial tile.
 EXTRA_TILES = 8
+# How deep the split into ever longer shared prefixes goes.
+MAX_LEVELS = 16
 
 
 def rows_per_tile(num_heads: int, num_kv_heads: int) -> int:
@@ -53,21 +55,23 @@ def _lcp(sub: np.ndarray) -> int:
 
 
 def _best(tables: np.ndarray, full: np.ndarray, rows: np.ndarray, depth: int, per_tile: int,
-          min_pages: int) -> tuple[int, list[tuple[np.ndarray, int]]]:
-    """(page reads saved, groups) for ``rows``, which agree on their first ``depth`` pages."""
+          min_pages: int, level: int = 0) -> tuple[int, list[tuple[np.ndarray, int]]]:
+    """(page reads saved, groups) for ``rows``, which agree on their first ``depth`` pages; below
+    MAX_LEVELS splits a node is taken whole (a chain of nested prefixes, one conversation's
+    turns, would otherwise recurse once per row)."""
     fr = full[rows]
     lcp = depth + _lcp(tables[rows, depth:int(fr.min())])
     n = len(rows)
     here = (n - -(-n // per_tile)) * lcp if lcp >= min_pages else 0
     deeper = rows[fr > lcp]
-    if len(deeper) >= 2:
+    if len(deeper) >= 2 and level < MAX_LEVELS:
         col = tables[deeper, lcp]
         order = np.argsort(col, kind="stable")
         deeper, col = deeper[order], col[order]
         bounds = np.concatenate(([0], np.flatnonzero(col[1:] != col[:-1]) + 1, [len(col)]))
         total, groups = 0, []
         for k in np.flatnonzero(np.diff(bounds) >= 2):  # only runs of rows that share the page
-            gain, sub = _best(tables, full, deeper[bounds[k]:bounds[k + 1]], lcp + 1, per_tile, min_pages)
+            gain, sub = _best(tables, full, deeper[bounds[k]:bounds[k + 1]], lcp + 1, per_tile, min_pages, level + 1)
             total += gain
             groups += sub
         if total > here:

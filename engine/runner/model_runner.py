@@ -369,7 +369,9 @@ class ModelRunner:
                 hidden = self.mixed.replay(mixed, cascade)
                 self.mixed_graph_steps += 1
                 graph = True
-            else:  # a prefill chunk that samples nothing, or a mixed step waiting for its variant
+            elif mixed is not None:  # waiting for its cascade variant: the forward it will capture
+                hidden = MixedGraphs._forward(self.bufs, self.model, self.kv, mixed, True)
+            else:  # a prefill chunk that samples nothing
                 hidden = self.model(step.input_ids, step.positions, self.kv, step.meta)
             if not step.sample_entries:
                 dt = time.perf_counter() - t0

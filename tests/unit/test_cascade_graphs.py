@@ -83,3 +83,65 @@ def test_a_cascade_variant_is_captured_after_an_eager_step_and_then_replayed(mak
     assert not fake.cascade_wanted
     # the plain graphs never replayed a step that had a plan (the stand-in asserts the variant)
     assert ("replay", 24, False) not in ev[captures[0]:]
+
+
+class StandInMixedGraphs:
+    """Every token bucket 'captured' plain; cascade variants only through capture_cascade."""
+
+    def __init__(self, runner) -> None:
+        from engine.runner.cuda_graphs import MixedGraphs
+
+        self.forward = MixedGraphs._forward
+        self.runner = runner
+        self.graphs = {b: None for b in runner.mixed_buckets}
+        self.cascade_graphs: dict[int, None] = {}
+        self.deferred: set[int] = set()
+        self.cascade_wanted: set[int] = set()
+        self.events: list[tuple[str, int, bool]] = []
+
+    def capture_deferred(self, bucket: int) -> None:
+        pass
+
+    def capture_cascade(self, bucket: int) -> None:
+        if bucket in self.cascade_wanted:
+            self.cascade_wanted.discard(bucket)
+            self.cascade_graphs[bucket] = None
+            self.events.append(("capture", bucket, True))
+
+    def replay(self, bucket: int, cascade: bool = False):
+        assert bucket in (self.cascade_graphs if cascade else self.graphs)
+        self.events.append(("replay", bucket, cascade))
+        r = self.runner
+        with torch.inference_mode():
+            return self.forward(r.bufs, r.model, r.kv, bucket, cascade)
+
+
+def test_mixed_steps_with_a_plan_run_eagerly_then_replay_their_variant(make_tiny_model, monkeypatch):
+    """Prompts arriving while others decode (mixed steps: one-token rows over the shared pages
+    beside prefill chunks): the first mixed step of a bucket with a plan runs the forward its
+    variant will capture, eagerly (its sequence slots past the step empty, as a replay has them),
+    the variant is captured next, and every token is the reference's."""
+    model_dir = make_tiny_model("llama")
+    shared = [(i * 5) % 40 + 3 for i in range(40)]
+    prompts = [shared + [60 + i] * (1 + i % 3) for i in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    got, events = {}, None
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("INFIRE_KERNELS", mode)
+        monkeypatch.setattr(_dispatch, "_forced", None)
+        llm = LLM(model_dir, device="cpu", max_model_len=128, block_size=4, dtype="float32", max_num_seqs=16,
+                  max_num_batched_tokens=24)
+        runner = next(iter(llm.core._slots.values())).runner
+        if mode == "triton":
+            runner.mixed_buckets = (8, 16, 24, 32)
+            fake = runner.mixed = StandInMixedGraphs(runner)
+        llm.generate([shared + [1]], SamplingParams(temperature=0, max_tokens=1))
+        got[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+        if mode == "triton":
+            events = fake.events
+    assert got["triton"] == got["torch"]
+    captured = [e[1] for e in events if e[0] == "capture"]
+    assert captured, events
+    first = events.index(("capture", captured[0], True))
+    assert ("replay", captured[0], True) in events[first:]
+    assert all(e != ("replay", b, True) for b in captured for e in events[:first])

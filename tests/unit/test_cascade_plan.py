@@ -135,3 +135,21 @@ def test_random_batches_give_safe_plans(data):
                  for i in one for j in one if i < j)
     if per_tile >= 2 and shares:  # a tile of one row saves nothing, so none is planned
         assert planned >= 2
+
+
+def test_a_chain_of_nested_prefixes_does_not_recurse_row_by_row():
+    """One conversation's turns running at once: row i's table is row i-1's plus one page. The
+    trie would split once per row (1,100 deep: past Python's recursion limit); the split depth is
+    bounded and the plan stays safe."""
+    n = 1100
+    base = list(range(1, 8))
+    tables = np.zeros((n, len(base) + n + 1), dtype=np.int32)
+    lens = np.zeros(n, dtype=np.int64)
+    for i in range(n):
+        pages = base + list(range(100, 100 + i)) + [5000 + i]
+        tables[i, :len(pages)] = pages
+        lens[i] = (len(pages) - 1) * BS + 3
+    q = np.ones(n, dtype=np.int64)
+    tiles, kv_lo, planned = plan_cascade(tables, lens, q, BS, 16, max_tiles(n, 16))
+    assert planned > 0
+    _check(tables, lens, q, tiles, kv_lo, 16)
