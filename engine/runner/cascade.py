@@ -67,15 +67,19 @@ def _best(tables: np.ndarray, full: np.ndarray, rows: np.ndarray, depth: int, pe
     if len(deeper) >= 2 and level < MAX_LEVELS:
         col = tables[deeper, lcp]
         order = np.argsort(col, kind="stable")
-        deeper, col = deeper[order], col[order]
-        bounds = np.concatenate(([0], np.flatnonzero(col[1:] != col[:-1]) + 1, [len(col)]))
-        total, groups = 0, []
-        for k in np.flatnonzero(np.diff(bounds) >= 2):  # only runs of rows that share the page
-            gain, sub = _best(tables, full, deeper[bounds[k]:bounds[k + 1]], lcp + 1, per_tile, min_pages, level + 1)
-            total += gain
-            groups += sub
-        if total > here:
-            return total, groups
+        col = col[order]
+        cut = col[1:] != col[:-1]
+        if not cut.all():  # some rows share their next page too (most nodes: none do)
+            deeper = deeper[order]
+            bounds = np.concatenate(([0], np.flatnonzero(cut) + 1, [len(col)]))
+            total, groups = 0, []
+            for k in np.flatnonzero(np.diff(bounds) >= 2):  # only runs of rows that share the page
+                gain, sub = _best(tables, full, deeper[bounds[k]:bounds[k + 1]], lcp + 1, per_tile, min_pages,
+                                  level + 1)
+                total += gain
+                groups += sub
+            if total > here:
+                return total, groups
     return here, ([(rows, lcp)] if here else [])
 
 
@@ -107,12 +111,12 @@ def plan_cascade(tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, b
         need = -(-len(rows) // per_tile)
         if t + need > num_tiles:
             continue
-        for i in range(0, len(rows), per_tile):
-            chunk = rows[i:i + per_tile]
-            tiles[t, 0] = rows[0]
-            tiles[t, 1] = pages * block_size
-            tiles[t, 2:2 + len(chunk)] = chunk
-            t += 1
+        members = np.full(need * per_tile, -1, dtype=np.int32)  # the group's rows in order, -1 after
+        members[:len(rows)] = rows
+        tiles[t:t + need, 2:] = members.reshape(need, per_tile)
+        tiles[t:t + need, 0] = rows[0]
+        tiles[t:t + need, 1] = pages * block_size
+        t += need
         kv_lo[rows] = pages * block_size
         planned += len(rows)
     return tiles, kv_lo, planned
