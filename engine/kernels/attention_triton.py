@@ -1,6 +1,6 @@
 """Triton paged attention.
 
-Two kernels share one page-gather scheme: a KV tile of BLOCK_N consecutive positions looks up
+The kernels share one page-gather scheme: a KV tile of BLOCK_N consecutive positions looks up
 each position's page in the block table (``pos // block_size``) and reads that token's row at
 ``page * stride(0) + offset * stride(1) + kv_head * stride(2)``, so any block size (1, 16, ...)
 and any page stride (a page of a multi-layer pool) work, and nothing is assumed contiguous but
@@ -24,10 +24,11 @@ head_dim. An e4m3 cache (``kv_cache_dtype="fp8"``) is widened tile by tile as it
   grid (tiles, Hkv, CASCADE_SPLITS): a tile lists up to R rows of one group and the group's shared
   length; its BLOCK_M query rows are (row, head-of-the-GQA-group) pairs attending to one
   partition of the shared prefix (no mask: every position of it precedes every row's token),
-  and it writes each pair's partial (normalised output, log2-sum-exp; weight 0 when empty). The decode kernel then reads each row's context from
-  ``kv_lo[b]`` (the shared length, 0 outside a group) and merges the prefix partials where the
-  output is made: at the end of a one-split program, or in the reduce (``CASC``, a constexpr:
-  plain steps run the kernels without the merge).
+  and it writes each pair's partial (normalised output, log2-sum-exp; weight 0 when empty).
+  The decode kernel then reads each row's context from ``kv_lo[b]`` (the shared length, 0
+  outside a group) and merges the prefix partials where the output is made: at the end of a
+  one-split program, or in the reduce (``CASC``, a constexpr: steps without a plan run the
+  kernels without the merge).
 """
 
 from __future__ import annotations
