@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from engine.kernels import _dispatch  # noqa: E402
 from engine.llm import LLM  # noqa: E402
-from engine.runner.cuda_graphs import DecodeGraphs  # noqa: E402
+from engine.runner.cuda_graphs import DecodeGraphs, MixedGraphs  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 
@@ -25,12 +25,13 @@ def _triton_interpreted():
         yield
 
 
-class StandInDecodeGraphs:
-    """Every bucket 'captured' plain at load; cascade variants only through capture_cascade."""
+class StandInGraphs:
+    """A graph set whose every bucket is 'captured' plain at load and whose cascade variants come
+    only through capture_cascade; 'replay' runs the forward a capture would record, eagerly."""
 
-    def __init__(self, runner) -> None:
-        self.runner = runner
-        self.graphs = {b: None for b in runner.decode_buckets}
+    def __init__(self, runner, buckets, forward) -> None:
+        self.runner, self.forward = runner, forward
+        self.graphs = {b: None for b in buckets}
         self.cascade_graphs: dict[int, None] = {}
         self.deferred: set[int] = set()
         self.cascade_wanted: set[int] = set()
@@ -50,7 +51,7 @@ class StandInDecodeGraphs:
         self.events.append(("replay", bucket, cascade))
         r = self.runner
         with torch.inference_mode():
-            return DecodeGraphs._forward(r.bufs, r.model, r.kv, bucket, cascade)
+            return self.forward(r.bufs, r.model, r.kv, bucket, cascade)
 
 
 def _run(model_dir, monkeypatch, mode: str, stand_in: bool):
@@ -61,7 +62,7 @@ def _run(model_dir, monkeypatch, mode: str, stand_in: bool):
     fake = None
     if stand_in:
         runner.decode_buckets = (1, 8, 16, 24, 32)
-        fake = runner.graphs = StandInDecodeGraphs(runner)
+        fake = runner.graphs = StandInGraphs(runner, runner.decode_buckets, DecodeGraphs._forward)
     shared = [(i * 7) % 50 + 3 for i in range(48)]
     llm.generate([shared + [1]], SamplingParams(temperature=0, max_tokens=1))  # indexes the shared pages
     prompts = [shared + [60 + i, 61 + i] for i in range(18)]
@@ -85,37 +86,6 @@ def test_a_cascade_variant_is_captured_after_an_eager_step_and_then_replayed(mak
     assert ("replay", 24, False) not in ev[captures[0]:]
 
 
-class StandInMixedGraphs:
-    """Every token bucket 'captured' plain; cascade variants only through capture_cascade."""
-
-    def __init__(self, runner) -> None:
-        from engine.runner.cuda_graphs import MixedGraphs
-
-        self.forward = MixedGraphs._forward
-        self.runner = runner
-        self.graphs = {b: None for b in runner.mixed_buckets}
-        self.cascade_graphs: dict[int, None] = {}
-        self.deferred: set[int] = set()
-        self.cascade_wanted: set[int] = set()
-        self.events: list[tuple[str, int, bool]] = []
-
-    def capture_deferred(self, bucket: int) -> None:
-        pass
-
-    def capture_cascade(self, bucket: int) -> None:
-        if bucket in self.cascade_wanted:
-            self.cascade_wanted.discard(bucket)
-            self.cascade_graphs[bucket] = None
-            self.events.append(("capture", bucket, True))
-
-    def replay(self, bucket: int, cascade: bool = False):
-        assert bucket in (self.cascade_graphs if cascade else self.graphs)
-        self.events.append(("replay", bucket, cascade))
-        r = self.runner
-        with torch.inference_mode():
-            return self.forward(r.bufs, r.model, r.kv, bucket, cascade)
-
-
 def test_mixed_steps_with_a_plan_run_eagerly_then_replay_their_variant(make_tiny_model, monkeypatch):
     """Prompts arriving while others decode (mixed steps: one-token rows over the shared pages
     beside prefill chunks): the first mixed step of a bucket with a plan runs the forward its
@@ -134,7 +104,7 @@ def test_mixed_steps_with_a_plan_run_eagerly_then_replay_their_variant(make_tiny
         runner = next(iter(llm.core._slots.values())).runner
         if mode == "triton":
             runner.mixed_buckets = (8, 16, 24, 32)
-            fake = runner.mixed = StandInMixedGraphs(runner)
+            fake = runner.mixed = StandInGraphs(runner, runner.mixed_buckets, MixedGraphs._forward)
         llm.generate([shared + [1]], SamplingParams(temperature=0, max_tokens=1))
         got[mode] = [o.token_ids for o in llm.generate(prompts, params)]
         if mode == "triton":
