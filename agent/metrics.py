@@ -49,6 +49,8 @@ class Metrics:
                                 "computed) since its load", ["model"], registry=r)
         self.prefix_pages = Gauge("infire_prefix_cached_pages", "KV pages the model's prefix cache indexes (in use or "
                                   "free)", ["model"], registry=r)
+        self.cascade_rows = Gauge("infire_cascade_rows", "Decode rows that read a prefix shared with other rows once "
+                                  "per tile of rows (cascade attention) since the model's load", ["model"], registry=r)
         self.constrained_requests = Counter("infire_constrained_requests", "Requests with a response_format "
                                             "grammar", ["model"], registry=r)
         self.grammar_compiles = Gauge("infire_grammar_compiles", "Grammars the worker compiled for the model (cache "
@@ -94,6 +96,8 @@ class Metrics:
             self.prefix_pages.labels(model=model).set(s.get("prefix_cached_pages", 0) or 0)
             self.prefix_queried.labels(model=model).set(s.get("prefix_queried_tokens", 0) or 0)
             self.prefix_hit.labels(model=model).set(s.get("prefix_hit_tokens", 0) or 0)
+            if "cascade_rows" in s:
+                self.cascade_rows.labels(model=model).set(s.get("cascade_rows", 0) or 0)
             if "grammar_compiles" in s:
                 self.grammar_compiles.labels(model=model).set(s.get("grammar_compiles", 0) or 0)
                 self.grammar_compile_seconds.labels(model=model).set(s.get("grammar_compile_s", 0.0) or 0.0)
@@ -108,7 +112,8 @@ class Metrics:
     def forget_model(self, model: str) -> None:
         """Drop per-model engine gauges after an unload, so dashboards do not show ghosts."""
         for g in (self.queue_depth, self.running, self.kv_used, self.kv_total, self.gpu_memory, self.parked,
-                  self.parked_seconds, self.prefix_pages, self.prefix_queried, self.prefix_hit, self.grammar_compiles,
+                  self.parked_seconds, self.prefix_pages, self.prefix_queried, self.prefix_hit, self.cascade_rows,
+                  self.grammar_compiles,
                   self.grammar_compile_seconds, self.grammar_mask_seconds, self.grammar_masked_rows,
                   self.grammar_masked_steps):
             try:

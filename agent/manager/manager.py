@@ -567,7 +567,8 @@ class ModelManager:
             "kv_pages": {"used": int(stats.get("kv_pages_used", 0)), "total": int(stats.get("kv_pages_total", e.info.get("kv_pages", 0)) or 0),
                          "prefix_cached": int(stats.get("prefix_cached_pages", 0) or 0)},
             "prefix_cache": ({"enabled": True, "queried_tokens": int(stats.get("prefix_queried_tokens", 0) or 0),
-                              "hit_tokens": int(stats.get("prefix_hit_tokens", 0) or 0)}
+                              "hit_tokens": int(stats.get("prefix_hit_tokens", 0) or 0),
+                              "cascade_rows": int(stats.get("cascade_rows", 0) or 0)}
                              if e.settings.prefix_caching else {"enabled": False}),
             "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
             "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,

@@ -549,7 +549,8 @@ class EngineCore:
         (weights + workspace + the pages it holds; ``memory()`` has the split by kind), and how
         often its step was parked for a quiet model and how long the caller slept on those; with
         prefix caching, the pages its index holds (in use or free) and the prompt tokens its
-        admissions looked up and found since the load; once it had a constrained request, its
+        admissions looked up and found since the load; where steps plan cascade attention, the rows
+        that read a shared prefix once a tile and the steps with a plan; once it had a constrained request, its
         grammar compiles, cache hits, compile seconds, mask-filling seconds, masked rows and steps."""
         out = {}
         for name, s in self._slots.items():
@@ -566,6 +567,8 @@ class EngineCore:
             if blocks.prefix is not None:
                 out[name].update(prefix_cached_pages=len(blocks.prefix), prefix_queried_tokens=blocks.prefix.queried_tokens,
                                  prefix_hit_tokens=blocks.prefix.hit_tokens)
+            if s.runner is not None and s.runner.bufs.cascade_rows:  # cascade attention plans (Triton kernels)
+                out[name].update(cascade_rows=s.runner.cascade_rows, cascade_steps=s.runner.cascade_steps)
             if s.grammar is not None and s.runner is not None:  # constrained decoding: compiles, masks
                 out[name].update(grammar_compiles=s.grammar.compiled, grammar_cache_hits=s.grammar.hits,
                                  grammar_compile_s=round(s.grammar.compile_seconds, 6),

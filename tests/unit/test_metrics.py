@@ -17,13 +17,14 @@ def test_metrics_registries_are_per_instance() -> None:
     assert 'infire_model_state{model="m",state="ready"} 0.0' in text
     a.refresh_engine({"m": {"running": 2, "waiting": 1, "kv_pages_used": 3, "kv_pages_total": 9, "device_bytes": 10,
                             "parked": 4, "parked_s": 0.012, "prefix_cached_pages": 7, "prefix_queried_tokens": 900,
-                            "prefix_hit_tokens": 640}})
+                            "prefix_hit_tokens": 640, "cascade_rows": 321, "cascade_steps": 20}})
     text = a.render().decode()
     assert 'infire_running_sequences{model="m"} 2.0' in text and "infire_gpu_used_bytes 10.0" in text
     assert 'infire_parked_steps{model="m"} 4.0' in text and 'infire_parked_seconds{model="m"} 0.012' in text
     assert 'infire_prefix_queried_tokens{model="m"} 900.0' in text and 'infire_prefix_hit_tokens{model="m"} 640.0' in text
     assert 'infire_prefix_cached_pages{model="m"} 7.0' in text
+    assert 'infire_cascade_rows{model="m"} 321.0' in text
     a.forget_model("m")
     text = a.render().decode()
     assert 'infire_running_sequences{model="m"}' not in text and 'infire_parked_steps{model="m"}' not in text
-    assert 'infire_prefix_hit_tokens{model="m"}' not in text
+    assert 'infire_prefix_hit_tokens{model="m"}' not in text and 'infire_cascade_rows{model="m"}' not in text
