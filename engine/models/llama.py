@@ -160,9 +160,11 @@ class LlamaModel(nn.Module):
         h, _ = kernels.fused_add_rms_norm(mlp_out, residual, self.norm, eps)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, vocab] float32 logits of the given hidden rows."""
-        return nn.functional.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, vocab] float32 logits of the given hidden rows (written into ``out`` when given:
+        the widening copy is then the write, as ``float()`` would have been)."""
+        logits = nn.functional.linear(hidden, self.lm_head)
+        return logits.float() if out is None else out.copy_(logits)
 
     def weight_slots(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """Checkpoint tensor name (HF naming) → (destination, first row, row count).

@@ -134,11 +134,14 @@ class TPModel(nn.Module):
         h, _ = kernels.fused_add_rms_norm(mlp_out, residual, m.norm, eps)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, vocab] float32 logits: this rank's vocabulary block, all-gathered, padding cut off."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, vocab] float32 logits: this rank's vocabulary block, all-gathered, padding cut off
+        (written into ``out`` when given)."""
         local = nn.functional.linear(hidden, self.inner.lm_head).float()
         full = self.group.all_gather_cols(local)
         v = self.plan.full.vocab_size
+        if out is not None:
+            return out.copy_(full[:, :v])
         return full[:, :v].contiguous() if full.shape[1] != v else full
 
     @property

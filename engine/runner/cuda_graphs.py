@@ -6,8 +6,9 @@ replayed on whatever a step wrote there.
 runner to the smallest bucket ≥ its batch (:meth:`engine.runner.model_runner.ModelRunner.prepare`
 with ``pad_to``): the inputs land in prefixes of the persistent buffers, which are exactly the
 tensors each graph was captured on. A graph holds the model forward, the LM head on every row of
-the bucket, and the greedy argmax; a step with sampling rows runs the sampler eagerly on the
-graph's logits. Mixed prefill+decode steps never use them.
+the bucket, and the greedy argmax, written into the step buffers' one ``logits`` / ``ids`` pair
+(every graph's outputs, instead of outputs kept per bucket); a step with sampling rows runs the
+sampler eagerly on the graph's logits. Mixed prefill+decode steps never use them.
 
 Capture: the Triton kernels and cuBLAS are warmed up eagerly at the largest and the smallest
 bucket first (compiles and workspace allocations cannot happen inside a capture; every kernel
@@ -52,10 +53,13 @@ and pads the tokens to ``N`` with slot -1 (no KV write). Padding tokens belong t
 their rows carry garbage through row-wise ops only (linear layers, norms, RoPE, activation) and
 are never sampled.
 
-A mixed graph holds the forward up to the final norm's hidden states; the LM head and the
-sampler run eagerly on the sampled rows only (a graph with a fixed row count would pay the LM
-head for ``max_num_seqs`` rows every step). Mixed graphs share the decode graphs' memory pool:
-they replay one at a time. The largest bucket is captured at load (so the load's measured
+A mixed graph holds the forward, the gather of the rows to sample (``bufs.rows``, padded to
+``min(N, max_num_seqs)`` with row 0), the LM head on them and the greedy picks; the sampler
+runs on its logits as on a decode graph's. The LM head was eager once (only the sampled rows):
+on the H200 each eager cuBLAS call spun ~1 ms in the driver (``cuKernelSetAttribute`` under
+``cublasLtMatmul``, py-spy --native over the c200 serve bench at 79d127b), ~10 % of the worker's
+CPU, for a GEMM that in the graph costs at most ~0.2 ms more at 256 rows than at the rows
+sampled. Mixed graphs share the decode graphs' memory pool: they replay one at a time. The largest bucket is captured at load (so the load's measured
 workspace includes the pool's size); the others at their first use.
 
 The graph sets keep no reference to the runner (no cycle: an unloaded model's memory goes when
@@ -89,11 +93,21 @@ class CudaGraphError(EngineError):
     """Capturing or replaying a step graph failed."""
 
 
+def _sampled_outputs(bufs: StepBuffers, model: Any, hidden: torch.Tensor,
+                     rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head of ``rows`` hidden rows into ``bufs.logits`` and their greedy picks into
+    ``bufs.ids``; the two prefixes."""
+    logits = model.compute_logits(hidden, out=bufs.logits[:rows])
+    ids = bufs.ids[:rows]
+    ids.copy_(logits.argmax(dim=-1))
+    return logits, ids
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket, vocab] float32, written by each replay
-    ids: torch.Tensor  # [bucket] int64 greedy ids, written by each replay
+    logits: torch.Tensor  # [rows, vocab] float32, a prefix of the buffers' logits, written by each replay
+    ids: torch.Tensor  # [rows] int64 greedy ids, a prefix of the buffers' ids
 
 
 class GraphSet:
@@ -242,8 +256,7 @@ class DecodeGraphs(GraphSet):
                  cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         meta = bufs.decode_meta(bucket, cascade)
         hidden = model(bufs.input_ids[:bucket], bufs.positions[:bucket], kv, meta)
-        logits = model.compute_logits(hidden)
-        return logits, logits.argmax(dim=-1)
+        return _sampled_outputs(bufs, model, hidden, bucket)
 
     @torch.inference_mode()
     def capture(self, buckets: tuple[int, ...], defer: tuple[int, ...] = ()) -> None:
@@ -288,11 +301,11 @@ class MixedGraphs(GraphSet):
     def __init__(self, device: torch.device, bufs: StepBuffers, model: Any, kv: KVCache,
                  streams: "StreamPool", pool=None) -> None:
         super().__init__(device, bufs, model, kv, streams, pool)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.cascade_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, _Graph] = {}
+        self.cascade_graphs: dict[int, _Graph] = {}
 
     def _keep(self, bucket: int, cascade: bool, graph: torch.cuda.CUDAGraph, outputs) -> None:
-        (self.cascade_graphs if cascade else self.graphs)[bucket] = (graph, outputs)
+        (self.cascade_graphs if cascade else self.graphs)[bucket] = _Graph(graph, *outputs)
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:
@@ -307,9 +320,14 @@ class MixedGraphs(GraphSet):
         bufs.cascade_tiles[:, 1] = 0
 
     @staticmethod
-    def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int, cascade: bool = False) -> torch.Tensor:
-        """The forward a mixed graph records: [bucket, hidden] final-norm hidden states."""
-        return model(bufs.input_ids[:bucket], bufs.positions[:bucket], kv, bufs.mixed_meta(bucket, cascade))
+    def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int,
+                 cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward a mixed graph records: the hidden states of the rows in ``bufs.rows``
+        (``bufs.sampled_rows(bucket)`` of them, the step's sampled rows first), the LM head and
+        the greedy picks; (logits, ids), prefixes of ``bufs.logits`` / ``bufs.ids``."""
+        hidden = model(bufs.input_ids[:bucket], bufs.positions[:bucket], kv, bufs.mixed_meta(bucket, cascade))
+        rows = bufs.sampled_rows(bucket)
+        return _sampled_outputs(bufs, model, hidden.index_select(0, bufs.rows[:rows]), rows)
 
     @torch.inference_mode()
     def capture(self, buckets: tuple[int, ...]) -> None:
@@ -330,11 +348,11 @@ class MixedGraphs(GraphSet):
         self.deferred = set(order[1:])
         self.capture_seconds = time.perf_counter() - t0
 
-    def replay(self, bucket: int, cascade: bool = False) -> torch.Tensor:
-        """Run the bucket's forward (its cascade variant: the step staged a plan) on the step
-        buffers; the [bucket, hidden] output."""
-        entry = (self.cascade_graphs if cascade else self.graphs).get(bucket)
-        if entry is None:
+    def replay(self, bucket: int, cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the bucket's graph (its cascade variant: the step staged a plan) on the step
+        buffers: (logits, ids) of its ``sampled_rows(bucket)`` rows, the step's first."""
+        g = (self.cascade_graphs if cascade else self.graphs).get(bucket)
+        if g is None:
             raise CudaGraphError(f"no mixed-step graph for {bucket} tokens")
-        entry[0].replay()
-        return entry[1]
+        g.graph.replay()
+        return g.logits, g.ids

@@ -95,7 +95,8 @@ class ModelRunner:
         # whole context whatever the plan).
         cfg = model.cfg
         per_tile = rows_per_tile(cfg.num_heads, cfg.num_kv_heads) if use_triton(kv.k(0)) else 0
-        self.bufs = StepBuffers(dev, self.max_tokens, self.max_seqs, self.max_pages, max_model_len, per_tile)
+        self.bufs = StepBuffers(dev, self.max_tokens, self.max_seqs, self.max_pages, max_model_len, cfg.vocab_size,
+                                per_tile)
         self.cascade_rows = 0  # rows that read a shared prefix through a cascade tile
         self.cascade_steps = 0  # steps with a cascade plan
         self.streams = StepStreams(dev, stream_pool) if self._pin else None
@@ -239,6 +240,8 @@ class ModelRunner:
             ids.extend([0] * (rows_total - b))
         entries = [i for i, s in enumerate(seqs) if s.sample]
         rows = qsl[1:][entries] - 1 if entries else np.zeros(0, dtype=np.int64)
+        if pad_tokens is not None:  # a mixed graph samples a fixed row count: the rest read row 0
+            rows = np.concatenate([rows, np.zeros(bufs.sampled_rows(pad_tokens) - len(rows), dtype=np.int64)])
         if pad_tokens is not None and pad_tokens > n:
             slots = np.concatenate([slots, np.full(pad_tokens - n, -1, dtype=np.int64)])
             pos = np.concatenate([pos, np.zeros(pad_tokens - n, dtype=np.int64)])
@@ -268,7 +271,7 @@ class ModelRunner:
             input_ids=arena.stage("input_ids", np.asarray(ids, dtype=np.int64)),
             positions=arena.stage("positions", pos),
             meta=meta,
-            logits_rows=arena.stage("rows", np.asarray(rows, dtype=np.int64)),
+            logits_rows=arena.stage("rows", rows.astype(np.int64, copy=False)),
             sample_entries=entries,
             is_decode_only=out.num_decodes == b,
         )
@@ -366,19 +369,20 @@ class ModelRunner:
             graph = True
         elif mixed is not None or not step.sample_entries:
             if mixed is not None and (not cascade or mixed in self.mixed.cascade_graphs):
-                hidden = self.mixed.replay(mixed, cascade)
+                logits_all, ids_all = self.mixed.replay(mixed, cascade)
                 self.mixed_graph_steps += 1
                 graph = True
-            elif mixed is not None:  # waiting for its cascade variant: the forward it will capture
-                hidden = MixedGraphs._forward(self.bufs, self.model, self.kv, mixed, True)
+            elif mixed is not None:  # waiting for its cascade variant: what the variant will capture
+                logits_all, ids_all = MixedGraphs._forward(self.bufs, self.model, self.kv, mixed, True)
             else:  # a prefill chunk that samples nothing
-                hidden = self.model(step.input_ids, step.positions, self.kv, step.meta)
+                self.model(step.input_ids, step.positions, self.kv, step.meta)
             if not step.sample_entries:
                 dt = time.perf_counter() - t0
                 self.host_seconds += dt
                 self.host_graph_seconds += dt if graph else 0.0
                 return PendingStep(0, None, None, None, None, None)
-            logits = self.model.compute_logits(hidden.index_select(0, step.logits_rows))
+            s = len(step.sample_entries)
+            logits, ids = logits_all[:s], ids_all[:s]
         else:
             logits = self.forward_logits(step)
         rows = [(k, out.seqs[i].grammar) for k, i in enumerate(step.sample_entries)

@@ -100,14 +100,21 @@ class Arena:
 
 
 class StepBuffers:
-    """Device tensors of the largest step (tokens, sequences, block-table width) on ``device``.
+    """Device tensors of the largest step (tokens, sequences, block-table width) on ``device``,
+    and where a graph's outputs land.
 
     ``cascade_rows`` (rows per cascade tile, engine/runner/cascade.py; 0: no cascade plans)
     sizes the plan's regions: the cascade variant of a graph of at least ``cascade.MIN_ROWS`` rows
-    runs the cascade kernel over ``max_tiles(rows)`` tiles read from them."""
+    runs the cascade kernel over ``max_tiles(rows)`` tiles read from them.
+
+    ``logits`` ([max_seqs, vocab_size] float32) and ``ids`` ([max_seqs] int64, greedy picks) are
+    what every captured graph writes for its sampled rows (prefixes of them): one buffer for all
+    buckets instead of outputs kept per graph (the mixed graphs' would be ~2 GB for an 8B). A
+    step's outputs are read before the next step of the runner is launched (the sampler right
+    behind the replay on its stream; logprobs and grammar masks before any later launch)."""
 
     def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_pages: int,
-                 max_model_len: int, cascade_rows: int = 0) -> None:
+                 max_model_len: int, vocab_size: int, cascade_rows: int = 0) -> None:
         self.device = device
         self.max_model_len = max_model_len
         self.max_seqs = max_seqs
@@ -132,10 +139,17 @@ class StepBuffers:
         self.cascade_tiles = t["cascade_tiles"].view(tiles, width)
         self.cascade_tiles[:, 1] = 0  # no tile active until a step stages a plan
         self.slots.fill_(-1)
+        self.logits = torch.empty((max_seqs, vocab_size), dtype=f32, device=device)
+        self.ids = torch.zeros(max_seqs, dtype=i64, device=device)
         self.sampling = Arena(device, [
             ("temperature", f32, max_seqs), ("top_p", f32, max_seqs), ("min_p", f32, max_seqs),
             ("top_k", i32, max_seqs), ("seed", i64, max_seqs), ("step", i64, max_seqs),
         ])
+
+    def sampled_rows(self, tokens: int) -> int:
+        """The rows a mixed graph of ``tokens`` tokens samples: its LM head's fixed row count
+        (a step samples at most one row a sequence, and at most one a token)."""
+        return min(tokens, self.max_seqs)
 
     def cascade_tiles_for(self, rows: int) -> int:
         """Tiles of the cascade plan of a step of ``rows`` rows (0: such a step has no plan)."""

@@ -100,7 +100,8 @@ def test_prepare_pads_tokens_and_fills_every_sequence_slot(make_tiny_model):
     assert step.meta.query_start_loc.tolist() == [0, 5, 5, 5, 5]  # max_num_seqs + 1 entries
     assert step.meta.seq_lens.tolist() == [5, 0, 0, 0]
     assert step.meta.block_tables.shape == (1, slot.runner.max_pages)
-    assert step.meta.max_query_len >= 2 and step.logits_rows.tolist() == [4]
+    # the graph's LM head takes min(bucket, max_num_seqs) rows: the sampled one first, then row 0
+    assert step.meta.max_query_len >= 2 and step.logits_rows.tolist() == [4, 0, 0, 0]
     with pytest.raises(ValueError):
         slot.runner.prepare(out, pad_tokens=4)  # fewer than the step's tokens
 
