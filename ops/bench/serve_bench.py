@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -133,9 +134,11 @@ async def drive(url: str, model: str, reqs: list[Any], concurrency: int | None, 
     return [r if isinstance(r, dict) else {"error": repr(r)} for r in results], wall
 
 
-def start_profile(folder: Path, pids: dict[str, int | None]) -> dict[str, Any]:
+def start_profile(folder: Path, pids: dict[str, int | None], native: bool = False) -> dict[str, Any]:
     """One ``py-spy record`` per process (sampling, no pause of the target: ``--nonblocking``),
-    writing collapsed stacks to ``folder/<part>.txt``; none when py-spy is not installed."""
+    writing collapsed stacks to ``folder/<part>.txt``; none when py-spy is not installed.
+    ``native``: C frames too (where a sample inside a torch call spends it: a driver wait, an
+    allocation), which pauses the target at each sample."""
     import shutil
     import subprocess
 
@@ -147,8 +150,9 @@ def start_profile(folder: Path, pids: dict[str, int | None]) -> dict[str, Any]:
     spies = {}
     for part, pid in pids.items():
         if pid:
-            cmd = [spy, "record", "--pid", str(pid), "--rate", "200", "--nonblocking", "--threads",
+            cmd = [spy, "record", "--pid", str(pid), "--rate", "200", "--threads",
                    "--format", "raw", "--output", str(folder / f"{part}.txt")]
+            cmd += ["--native"] if native else ["--nonblocking"]
             spies[part] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / f"{part}.log", "wb"))
     time.sleep(0.5)  # attached before the first request
     return spies
@@ -284,8 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-serve-<model>-<mode>-<commit>.json)")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--warmup-requests", type=int, help="sent before the measured window, at the same "
+                    "concurrency, 32 tokens out each, then 2 s idle: the load's deferred CUDA graphs and "
+                    "lazily compiled kernels are done before it (default: the concurrency; 0: none)")
     ap.add_argument("--profile", help="folder: py-spy samples of the agent and the worker over the run "
                                       "(collapsed stacks, <part>.txt, and the top functions, profile.json)")
+    ap.add_argument("--profile-native", action="store_true", help="with --profile: C frames too (pauses the "
+                                                                    "processes at each sample: slower)")
     a = ap.parse_args(argv)
     if (a.concurrency is None) == (a.rate is None):
         ap.error("give exactly one of --concurrency N or --rate R")
@@ -306,7 +315,13 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--vocab-size is needed (no admin token to read it from the agent)")
         reqs = sharegpt_like(a.num_requests, vocab, a.seed)
         agent_pid, worker_pid = st.get("pid") or (proc.pid if proc else None), (st.get("worker") or {}).get("pid")
-        spies = start_profile(Path(a.profile), {"agent": agent_pid, "worker": worker_pid}) if a.profile else {}
+        warmup = (a.concurrency or 0) if a.warmup_requests is None else a.warmup_requests
+        if warmup:  # a daemon as it serves after its first minute: one-off work out of the window
+            warm = [dataclasses.replace(r, output_len=min(r.output_len, 32)) for r in sharegpt_like(warmup, vocab, a.seed + 1)]
+            asyncio.run(drive(url, model, warm, a.concurrency, a.rate, a.api_key, a.seed + 1))
+            time.sleep(2.0)
+        spies = start_profile(Path(a.profile), {"agent": agent_pid, "worker": worker_pid},
+                              a.profile_native) if a.profile else {}
         before = tree_cpu_seconds(tree_pids(agent_pid, worker_pid))
         results, wall = asyncio.run(drive(url, model, reqs, a.concurrency, a.rate, a.api_key, a.seed))
         cpu = tree_cpu_delta(before, tree_cpu_seconds(tree_pids(agent_pid, worker_pid)))
@@ -329,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": now.isoformat(timespec="seconds"), "gpu": device if "cuda" in str(device) else f"none ({device})",
         "commit": commit, "command": "python -m ops.bench.serve_bench " + shlex.join(argv or sys.argv[1:]),
         "model": model, "workload": {"name": WORKLOAD, **summary(reqs), "seed": a.seed, "vocab_size": vocab},
-        "mode": mode, "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
+        "mode": mode, "warmup_requests": warmup, "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
         **report(results, wall, cpu),
     }
     if a.no_save:

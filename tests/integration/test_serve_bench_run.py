@@ -22,3 +22,4 @@ def test_serve_bench_runs_against_a_real_daemon(tmp_path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["requests"] == 6 and report["req_s"] > 0 and report["mode"] == "concurrency-3"
+    assert report["warmup_requests"] == 3  # the concurrency's worth, before the measured window
