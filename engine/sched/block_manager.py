@@ -178,7 +178,8 @@ class BlockManager:
     def ensure_capacity(self, seq_id: int, num_tokens: int) -> bool:
         """Grow the table to cover ``num_tokens`` tokens; all or nothing (False: not enough)."""
         need = self.num_new_pages(seq_id, num_tokens)
-        if need > self.pages.num_free:
+        # most calls need nothing (a decode needs a page every block_size tokens): no pool count then
+        if need and need > self.pages.num_free:
             return False
         table = self._tables.setdefault(seq_id, [])
         for _ in range(need):
