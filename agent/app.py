@@ -2,8 +2,8 @@
 
 Start-up and tear-down are aiohttp cleanup contexts, declared once in :data:`LIFECYCLE` and torn
 down in reverse: runtime dir → engine worker → model manager (+ preload) → background tasks
-(canary, sd_notify/watchdog). :func:`serve` is the one shutdown path: on SIGTERM it tells
-systemd STOPPING=1, refuses new work (503), lets in-flight requests finish up to
+(canary, sd_notify/watchdog) → the heap frozen. :func:`serve` is the one shutdown path: on
+SIGTERM it tells systemd STOPPING=1, refuses new work (503), lets in-flight requests finish up to
 ``server.drain_timeout``, fails the rest with a "shutting down" error that their clients see
 (and aborts them in the engine), stops listening, then stops the worker.
 
@@ -42,6 +42,7 @@ from agent.http.openapi import routes as openapi_routes
 from agent.systemd import Notifier
 from agent.worker.client import WorkerClient
 from agent.worker.options import worker_env, worker_options
+from engine.core import heap
 
 CTX: web.AppKey[AgentContext] = web.AppKey("ctx")
 BACKGROUND: web.AppKey[Background] = web.AppKey("background")
@@ -159,8 +160,16 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     bg.tasks.clear()
 
 
+async def _frozen_heap_ctx(app: web.Application) -> AsyncIterator[None]:
+    """What start-up made (modules, settings, the app) lives for good: out of the cycle
+    collector's walks (engine/core/heap.py)."""
+    heap.freeze()
+    yield
+    heap.thaw()
+
+
 LIFECYCLE: tuple[Callable[[web.Application], AsyncIterator[None]], ...] = (
-    _runtime_ctx, _worker_ctx, _manager_ctx, _background_ctx,
+    _runtime_ctx, _worker_ctx, _manager_ctx, _background_ctx, _frozen_heap_ctx,
 )
 
 

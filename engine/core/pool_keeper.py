@@ -13,11 +13,11 @@ recompute, token-identical); any other resize waits for an idle pool.
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
 
+from engine.core import heap
 from engine.core.ledger import LedgerError, MemoryLedger
 from engine.core.memory_plan import LoadNeeds, pool_target
 from engine.core.slot import ModelSlot
@@ -102,7 +102,7 @@ class PoolKeeper:
                 try:
                     pool.resize(target)
                 except PoolBusyError:
-                    gc.collect()  # a reference cycle may still hold the old views; then retry once
+                    heap.collect()  # a reference cycle may still hold the old views; then retry once
                     pool.resize(target)
             except Exception:
                 if target > old:
@@ -181,12 +181,12 @@ class PoolKeeper:
         are released (a reload of 16 GB of weights waits little, and stale graph pools would
         otherwise pile up until an allocation fails). The cycle collector runs first: a reference
         cycle may still hold the model's tensors (a full collection costs ~70 ms on a loaded
-        worker; an unload is rare).
+        worker; an unload is rare). It runs on CPU too: the model's objects were frozen at its
+        load (engine/core/heap.py), and only this collection can free a frozen cycle.
         """
-        if self.device.type != "cuda":
-            return
-        gc.collect()
-        torch.cuda.empty_cache()
+        heap.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def memory(self) -> dict[str, Any]:
         """The budget and who holds it, in bytes: ``budget``, ``used`` (weights + workspace + the

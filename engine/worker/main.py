@@ -31,6 +31,7 @@ import time
 from collections import deque
 from typing import Any
 
+from engine.core import heap
 from engine.worker import protocol as P
 from engine.worker.step_waiter import StepWaiter
 from engine.worker.setup import confine, make_core
@@ -240,6 +241,7 @@ class Worker:
 
     def _loaded(self, msg: P.Load, info: Any, t0: float) -> None:
         self._graphs_left = True  # its runner may defer some to their first use
+        heap.freeze()  # the model's objects live until its unload (whose collection thaws them)
         timings = {str(k): float(v) for k, v in P.plain(self.core.last_load_timings).items()
                    if isinstance(v, (int, float)) and v >= 0}  # figures only: the agent refuses the rest
         self.conn.send(P.Loaded(model=msg.model, info=P.info_dict(info), seconds=time.monotonic() - t0,
@@ -429,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err, budget_bytes=budget,
                       startup=clock.phases))
     worker = Worker(conn, core)
+    heap.freeze()  # torch's, Triton's and the engine's modules: never garbage
     if core is not None and core.warm_tier is not None and core.device.type == "cuda":
         # Pin it now (confined, not at the first unload), a piece at a time and only while the
         # engine is idle: the first load after a restart must not wait for 40 GiB of pinning.
