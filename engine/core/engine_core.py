@@ -526,13 +526,14 @@ class EngineCore:
             raise self._failed(slot, batch, e) from e
         outs: list[RequestOutput] = []
         logprobs = {}
-        for idx, entry in enumerate(e for e in batch.seqs if e.sample):
-            logprobs[entry.req_id] = result.logprobs[idx]
+        if any(lp is not None for lp in result.logprobs):  # most steps want none: no map then
+            for idx, entry in enumerate(e for e in batch.seqs if e.sample):
+                logprobs[entry.req_id] = result.logprobs[idx]
         for seq in slot.scheduler.update(batch, result.token_ids):
             reason = seq.finish_reason.value if seq.finish_reason is not None else None
-            lp = logprobs.get(seq.req_id)
+            lp = logprobs.get(seq.req_id) if logprobs else None
             outs.append(RequestOutput(seq.req_id, [seq.token_ids[-1]], reason, [lp] if lp is not None else None,
-                                      seq.num_prompt_tokens, seq.num_cached_tokens))
+                                      len(seq.prompt_token_ids), seq.num_cached_tokens))
             if reason is not None:
                 self._req_model.pop(seq.req_id, None)
         now = time.perf_counter()
