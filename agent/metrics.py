@@ -7,16 +7,72 @@ never share counters. Gauges that mirror engine or manager state are refreshed b
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
 _LOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 600)
+
+class LoopHistogram:
+    """A labelled histogram observed and collected on one thread (the agent's event loop), in the
+    exposition of ``prometheus_client.Histogram`` (``_bucket``, ``_count``, ``_sum``).
+
+    The inter-token latency is observed once per token of every stream: ``Histogram.observe``
+    takes a lock for the sum and for the bucket (2.6 µs an observe on this repository's CPU box,
+    0.7 µs for a bisect into a list), ~5 % of the agent's samples under py-spy at concurrency 200
+    on the H200 (79d127b). Per-request histograms stay ``prometheus_client``'s."""
+
+    def __init__(self, name: str, documentation: str, labelnames: list[str], buckets: tuple[float, ...],
+                 registry: CollectorRegistry) -> None:
+        self._name, self._doc, self._labelnames = name, documentation, list(labelnames)
+        self._bounds = sorted(float(b) for b in buckets)
+        self._le = [floatToGoString(b) for b in self._bounds] + ["+Inf"]
+        self._children: dict[tuple[str, ...], LoopHistogram.Child] = {}
+        registry.register(self)
+
+    class Child:
+        """One label set's counts: ``counts[i]`` observations in bucket i (not cumulative)."""
+
+        def __init__(self, bounds: list[float]) -> None:
+            self._bounds = bounds
+            self.counts = [0] * (len(bounds) + 1)
+            self.sum = 0.0
+
+        def observe(self, value: float) -> None:
+            self.counts[bisect.bisect_left(self._bounds, value)] += 1
+            self.sum += value
+
+    def labels(self, **labels: str) -> "LoopHistogram.Child":
+        key = tuple(str(labels[n]) for n in self._labelnames)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = LoopHistogram.Child(self._bounds)
+        return child
+
+    def remove(self, *values: str) -> None:
+        del self._children[tuple(values)]
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)]
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        fam = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for key, child in list(self._children.items()):
+            total, buckets = 0, []
+            for le, n in zip(self._le, child.counts):
+                total += n
+                buckets.append((le, total))
+            fam.add_metric(list(key), buckets, child.sum)
+        return [fam]
+
 
 MODEL_STATES = ("absent", "pulling", "cached", "loading", "ready", "draining", "unloading", "failed")
 
@@ -29,8 +85,8 @@ class Metrics:
         self.generation_tokens = Counter("infire_generation_tokens", "Tokens generated", ["model"], registry=r)
         self.ttft = Histogram("infire_time_to_first_token_seconds", "Time to first token", ["model"],
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("infire_inter_token_latency_seconds", "Time between output chunks", ["model"],
-                             buckets=_ITL_BUCKETS, registry=r)
+        self.itl = LoopHistogram("infire_inter_token_latency_seconds", "Time between output chunks", ["model"],
+                                 buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("infire_e2e_request_latency_seconds", "Request latency", ["model"],
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("infire_queue_depth", "Requests waiting in the engine", ["model"], registry=r)

@@ -28,3 +28,23 @@ def test_metrics_registries_are_per_instance() -> None:
     text = a.render().decode()
     assert 'infire_running_sequences{model="m"}' not in text and 'infire_parked_steps{model="m"}' not in text
     assert 'infire_prefix_hit_tokens{model="m"}' not in text and 'infire_cascade_rows{model="m"}' not in text
+
+
+def test_the_loop_histogram_exposes_what_prometheus_clients_histogram_does() -> None:
+    """The inter-token latency's own histogram (observed per token): the same bucket, count and
+    sum lines as prometheus_client's Histogram for the same observations, edges included."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from agent.metrics import _ITL_BUCKETS, LoopHistogram
+
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    ref = Histogram("h_seconds", "doc", ["model"], buckets=_ITL_BUCKETS, registry=theirs)
+    loop = LoopHistogram("h_seconds", "doc", ["model"], buckets=_ITL_BUCKETS, registry=ours)
+    for model, v in [("a", 0.0005), ("a", 0.001), ("a", 0.0011), ("b", 0.016), ("a", 5.0), ("a", 7.5)]:
+        ref.labels(model=model).observe(v)
+        loop.labels(model=model).observe(v)
+    want = [ln for ln in generate_latest(theirs).decode().splitlines() if "_created" not in ln]
+    assert generate_latest(ours).decode().splitlines() == want
+    assert 'h_seconds_bucket{le="0.001",model="a"} 2.0' in want  # an edge counts in its own bucket
+    loop.remove("b")
+    assert 'model="b"' not in generate_latest(ours).decode()
