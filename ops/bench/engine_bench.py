@@ -37,6 +37,7 @@ import gc
 import hashlib
 import json
 import os
+import platform
 import shlex
 import subprocess
 import sys
@@ -51,8 +52,23 @@ from ops.bench.workload import (MULTI_TURN, NAME as WORKLOAD, SHARED_SYSTEM, Ben
 REPO = Path(__file__).resolve().parents[2]
 
 
+def host_info() -> dict:
+    """The host's CPU model and core count: CPU figures (``cpu_cores``, restart seconds) differ
+    by up to 2x between the GPU machines one session is lent (the same tree at c200 on the H200:
+    0.47-0.72 cores on some, 0.27-0.28 on another, whose restarts also took 1.7 s, not 2.5)."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpu": model or platform.processor() or "unknown", "cores": os.cpu_count() or 0}
+
+
 def save_result(result: dict, out: str | None, name: str) -> Path:
-    """Print ``result`` as JSON and write it to ``out`` (default: docs/perf/<name>.json)."""
+    """Print ``result`` as JSON (with the host's :func:`host_info`) and write it to ``out``
+    (default: docs/perf/<name>.json)."""
+    result.setdefault("host", host_info())
     text = json.dumps(result, indent=2)
     print(text)
     path = Path(out) if out else REPO / "docs" / "perf" / f"{name}.json"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,3 +70,11 @@ def test_the_process_tree_counts_every_descendant_once() -> None:
             c.kill()
         worker.kill()
         worker.wait()
+
+
+def test_results_name_the_host_cpu(tmp_path) -> None:
+    from ops.bench.engine_bench import save_result
+
+    path = save_result({"x": 1}, str(tmp_path / "r.json"), "unused")
+    host = json.loads(path.read_text())["host"]
+    assert host["cpu"] and host["cores"] >= 1
