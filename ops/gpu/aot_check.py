@@ -1,6 +1,6 @@
 """Compile every Triton kernel for sm_90 without a GPU and report its resources.
 
-Usage: ``python ops/gpu/aot_check.py [--arch 90] [--json out.json]``. Uses triton's bundled
+Usage: ``python ops/gpu/aot_check.py [--arch 90] [--json out.json] [--ptx DIR]``. Uses triton's bundled
 ptxas/cuobjdump, so it runs on a CPU-only machine (not under TRITON_INTERPRET). Arguments get the
 same 16-byte divisibility hints the JIT would derive from real tensors (pointers and the strides
 that are multiples of 16 at Llama-8B shapes), so the code is the code the GPU will run. Prints one
@@ -8,7 +8,9 @@ line per kernel: registers, stack (spills), shared memory, 16-byte cp.async coun
 waits on the kernel before it (programmatic dependent launch, as served on sm_90), single-byte
 shared loads (an e4m3 tile read a byte at a time); exit status 1
 if a kernel fails to compile or a served (16-bit) kernel spills; float32 attention (a test path)
-may spill and is only marked.
+may spill and is only marked. ``--ptx DIR`` writes each kernel's instructions (no line or debug
+info) to a file of its own: ``diff -r`` against another tree's DIR shows whether a refactor
+changed the code at all.
 """
 
 from __future__ import annotations
@@ -141,6 +143,13 @@ def _waits_first(ptx: str) -> bool:
     return 0 <= wait < first
 
 
+def instructions(ptx: str) -> str:
+    """A kernel's PTX without what moves with the source's line numbers (``.loc``/``.file`` lines,
+    the debug labels, the DWARF sections): two trees' outputs are equal when their code is."""
+    body = ptx.split("\t.section\t.debug", 1)[0]
+    return "\n".join(ln for ln in body.splitlines() if not ln.lstrip().startswith((".loc", ".file", "$L__tmp")))
+
+
 def compile_one(kernel, types: dict, consts: dict, opts: dict, arch: int) -> dict:
     names = kernel.arg_names
     if "PDL" in names and "PDL" not in consts:  # as the launcher runs them: PDL from sm_90
@@ -157,7 +166,7 @@ def compile_one(kernel, types: dict, consts: dict, opts: dict, arch: int) -> dic
            "cp_async_16B": len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*0x10", ptx)),
            "griddep_wait": ptx.count("griddepcontrol.wait"),
            "waits_first": _waits_first(ptx),
-           "ld_shared_b8": ptx.count("ld.shared.b8")}
+           "ld_shared_b8": ptx.count("ld.shared.b8"), "code": instructions(ptx)}
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -173,7 +182,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--ptx", type=Path, help="folder: each kernel's instructions (instructions()), one file a "
+                                              "spec, to diff against another tree's (a refactor that must not "
+                                              "change code)")
     args = ap.parse_args()
+    if args.ptx:
+        args.ptx.mkdir(parents=True, exist_ok=True)
     rows, bad = [], 0
     for name, kernel, types, consts, opts in specs():
         try:
@@ -183,6 +197,9 @@ def main() -> int:
         except Exception as e:  # report every kernel, not just the first failure
             r = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
         r["kernel"] = name
+        code = r.pop("code", None)
+        if args.ptx and code is not None:
+            (args.ptx / (re.sub(r"\W+", "_", name).strip("_") + ".ptx")).write_text(code)
         bad += not r["ok"]
         rows.append(r)
         print(f"{name:40s} " + (f"regs {r['reg']:>3} stack {r['stack']:>4} shared {r['shared']:>6} "
