@@ -85,6 +85,29 @@ def _widen_v(v, q, ASM_V: tl.constexpr):
         return v.to(q.dtype)
 
 
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, koff, voff, j, jm, qpos, d, dm, qk_scale,
+                 CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ASM_V: tl.constexpr):
+    """One K/V tile of online softmax in base 2: q's rows over the tile's positions ``j`` (those
+    past the end masked by ``jm``; with ``CAUSAL``, those after a row's ``qpos`` too); the updated
+    (running max, running sum, accumulator). The prefill and cascade kernels' loop body: inlined,
+    it compiles to the instructions each kernel had written out (``ops/gpu/aot_check.py --ptx``
+    before and after: the same sm_90 code for every spec)."""
+    k = tl.load(kc_ptr + koff[None, :] + d[:, None], mask=jm[None, :] & dm[:, None], other=0.0).to(q.dtype)
+    s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+    if CAUSAL:
+        s = tl.where(jm[None, :] & (j[None, :] <= qpos[:, None]), s, float("-inf"))
+    else:
+        s = tl.where(jm[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _widen_v(tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0), q, ASM_V)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
 # Runtime ints that change with the batch are not specialised (==1, %16): a new block-table
 # width or split count must never trigger a compile while serving.
 @triton.jit(do_not_specialize=["s_bt", "NUM_SEQS"])
@@ -132,18 +155,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
             jm = j < kv_end
             koff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_kp, s_kb, s_kh, BLOCK_SIZE)
             voff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_vp, s_vb, s_vh, BLOCK_SIZE)
-            k = tl.load(kc_ptr + koff[None, :] + d[:, None], mask=jm[None, :] & dm[:, None], other=0.0).to(q.dtype)
-            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-            ok = jm[None, :] & (j[None, :] <= qpos[:, None])
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # position 0 is visible to every row, so m_new is finite after the first tile
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _widen_v(tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0), q, ASM_V)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            # position 0 is visible to every row, so the running max is finite after the first tile
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, koff, voff, j, jm, qpos, d, dm, qk_scale,
+                                         True, DOT_PREC, ASM_V)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_safe[:, None]
         tl.store(out_ptr + tok[:, None] * s_on + head[:, None] * s_oh + d[None, :],
@@ -272,16 +286,9 @@ def _cascade_kernel(q_ptr, kc_ptr, vc_ptr, cpo_ptr, cplse_ptr, qsl_ptr, bt_ptr, 
             jm = j < hi
             koff = _kv_tile_offsets(bt_ptr, ref, s_bt, j, jm, kvh, s_kp, s_kb, s_kh, BLOCK_SIZE)
             voff = _kv_tile_offsets(bt_ptr, ref, s_bt, j, jm, kvh, s_vp, s_vb, s_vh, BLOCK_SIZE)
-            k = tl.load(kc_ptr + koff[None, :] + d[:, None], mask=jm[None, :] & dm[:, None], other=0.0).to(q.dtype)
-            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-            s = tl.where(jm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the first tile has a position
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _widen_v(tl.load(vc_ptr + voff[:, None] + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0), q, ASM_V)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            # the first tile has a position, so the running max is finite after it
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, koff, voff, j, jm, j, d, dm, qk_scale,
+                                         False, DOT_PREC, ASM_V)
         crow = (brow * HQ + head) * CS + split
         some = l_i > 0
         o = acc / tl.where(some, l_i, 1.0)[:, None]
