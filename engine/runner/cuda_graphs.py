@@ -116,9 +116,13 @@ class GraphSet:
     ``bufs`` are the runner's step buffers (what every capture and replay reads), ``model`` and
     ``kv`` what is run, ``streams`` the core's pool the capture stream is lent from, ``pool`` a
     graph memory pool to share (None: the first capture's own). A kind gives
-    ``_fill_padding(bufs, b)`` (the inputs a capture runs on), ``_forward(bufs, model, kv, b,
-    cascade)`` (what is recorded; its outputs are kept) and ``_keep(b, cascade, graph, outputs)``;
-    ``graphs`` and ``cascade_graphs`` hold what was kept, by bucket."""
+    ``_fill_padding(bufs, b)`` (the inputs a capture runs on) and ``_forward(bufs, model, kv, b,
+    cascade)`` (what is recorded: it returns (logits, ids), prefixes of the buffers' pair);
+    ``graphs`` and ``cascade_graphs`` hold the captures by bucket.
+
+    A step asks :meth:`capture_pending` before its inputs are staged, then :meth:`ready` (which
+    asks for a missing cascade variant) and :meth:`replay`s when it says so; otherwise it runs
+    the same forward eagerly. A bucket whose capture failed has no graph and runs eagerly."""
 
     kind = "graph"
 
@@ -135,6 +139,8 @@ class GraphSet:
         self.deferred: set[int] = set()  # buckets captured at their first use instead of at load
         self.cascade_wanted: set[int] = set()  # buckets whose cascade variant a step asked for
         self.deferred_capture_seconds = 0.0
+        self.graphs: dict[int, _Graph] = {}
+        self.cascade_graphs: dict[int, _Graph] = {}  # the buckets' cascade variants
         self._pool = pool
         self._streams = streams
         self._stream: torch.cuda.Stream | None = None
@@ -173,7 +179,7 @@ class GraphSet:
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         if self._pool is None:
             self._pool = g.pool()
-        self._keep(b, cascade, g, outputs)
+        (self.cascade_graphs if cascade else self.graphs)[b] = _Graph(g, *outputs)
 
     def _warm(self, order: list[int]) -> None:
         """Run the largest and smallest bucket eagerly first: Triton compiles and cuBLAS
@@ -184,6 +190,33 @@ class GraphSet:
             self._fill_padding(self.bufs, b)
             self._forward(self.bufs, self.model, self.kv, b, False)
         torch.cuda.synchronize(self.device)
+
+    def capture_pending(self, bucket: int) -> None:
+        """Capture what a step of ``bucket`` waits for: its graph deferred to first use, and its
+        cascade variant if a step asked for it. Before the step's inputs are staged: a capture
+        writes padding into them."""
+        self.capture_deferred(bucket)
+        self.capture_cascade(bucket)
+
+    def ready(self, bucket: int, cascade: bool = False) -> bool:
+        """Whether a step of ``bucket`` can replay its graph (the cascade variant when the step
+        staged a plan). A missing variant of a captured bucket is asked for: this step runs
+        eagerly (compiling the variant's kernels outside any capture) and the variant is captured
+        before the bucket's next step, or while the engine is idle."""
+        if bucket in (self.cascade_graphs if cascade else self.graphs):
+            return True
+        if cascade and bucket in self.graphs:
+            self.cascade_wanted.add(bucket)
+        return False
+
+    def replay(self, bucket: int, cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the bucket's graph (its cascade variant: the step staged a plan) on the inputs in
+        the step buffers: (logits, ids) of its rows, the step's sampled rows first."""
+        g = (self.cascade_graphs if cascade else self.graphs).get(bucket)
+        if g is None:
+            raise CudaGraphError(f"no {self.kind} for bucket {bucket}" + (" (cascade)" if cascade else ""))
+        g.graph.replay()
+        return g.logits, g.ids
 
     @torch.inference_mode()
     def capture_cascade(self, bucket: int) -> None:
@@ -221,23 +254,12 @@ class GraphSet:
     def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int, cascade: bool):  # pragma: no cover
         raise NotImplementedError
 
-    def _keep(self, bucket: int, cascade: bool, graph: torch.cuda.CUDAGraph, outputs) -> None:  # pragma: no cover
-        raise NotImplementedError
 
 
 class DecodeGraphs(GraphSet):
     """The captured decode graphs of one runner, by batch bucket."""
 
     kind = "decode graph"
-
-    def __init__(self, device: torch.device, bufs: StepBuffers, model: Any, kv: KVCache,
-                 streams: "StreamPool") -> None:
-        super().__init__(device, bufs, model, kv, streams)
-        self.graphs: dict[int, _Graph] = {}
-        self.cascade_graphs: dict[int, _Graph] = {}  # the buckets' cascade variants
-
-    def _keep(self, bucket: int, cascade: bool, graph: torch.cuda.CUDAGraph, outputs) -> None:
-        (self.cascade_graphs if cascade else self.graphs)[bucket] = _Graph(graph, *outputs)
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:
@@ -283,29 +305,12 @@ class DecodeGraphs(GraphSet):
         self.warmup_seconds = t1 - t0
         self.capture_seconds = time.perf_counter() - t1
 
-    def replay(self, bucket: int, cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the bucket's graph (its cascade variant: the step staged a plan) on the inputs
-        already in the step buffers: (logits, ids)."""
-        g = (self.cascade_graphs if cascade else self.graphs).get(bucket)
-        if g is None:
-            raise CudaGraphError(f"no decode graph for batch {bucket}")
-        g.graph.replay()
-        return g.logits, g.ids
 
 
 class MixedGraphs(GraphSet):
     """The captured mixed-step graphs of one runner, by token bucket."""
 
     kind = "mixed-step graph"
-
-    def __init__(self, device: torch.device, bufs: StepBuffers, model: Any, kv: KVCache,
-                 streams: "StreamPool", pool=None) -> None:
-        super().__init__(device, bufs, model, kv, streams, pool)
-        self.graphs: dict[int, _Graph] = {}
-        self.cascade_graphs: dict[int, _Graph] = {}
-
-    def _keep(self, bucket: int, cascade: bool, graph: torch.cuda.CUDAGraph, outputs) -> None:
-        (self.cascade_graphs if cascade else self.graphs)[bucket] = _Graph(graph, *outputs)
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:
@@ -347,12 +352,3 @@ class MixedGraphs(GraphSet):
             raise CudaGraphError(f"mixed-step graph capture failed: {e}") from e
         self.deferred = set(order[1:])
         self.capture_seconds = time.perf_counter() - t0
-
-    def replay(self, bucket: int, cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the bucket's graph (its cascade variant: the step staged a plan) on the step
-        buffers: (logits, ids) of its ``sampled_rows(bucket)`` rows, the step's first."""
-        g = (self.cascade_graphs if cascade else self.graphs).get(bucket)
-        if g is None:
-            raise CudaGraphError(f"no mixed-step graph for {bucket} tokens")
-        g.graph.replay()
-        return g.logits, g.ids

@@ -337,54 +337,43 @@ class ModelRunner:
     def _launch(self, out: SchedulerOutput) -> PendingStep:
         t0 = time.perf_counter()
         b = len(out.seqs)
+        # the graph set and bucket this step may replay: a decode graph (decode-only, every row
+        # sampling), else a mixed-step graph of its token count; none beyond the largest buckets
+        # (a decode step is padded to its bucket whether or not graphs exist: same kernels)
         pad = self.decode_bucket(b) if b and out.num_decodes == b else None
-        replay = pad is not None and self.graphs is not None and all(s.sample for s in out.seqs)
-        if replay and (pad in self.graphs.deferred or pad in self.graphs.cascade_wanted):
-            self.graphs.capture_deferred(pad)  # before prepare: a capture writes the input buffers
-            self.graphs.capture_cascade(pad)
-        mixed = None
-        if not replay and b:
+        graphs, bucket, mixed = None, None, None
+        if pad is not None and self.graphs is not None and all(s.sample for s in out.seqs):
+            graphs, bucket = self.graphs, pad
+        elif b:
             mixed = self.mixed_bucket(sum(len(s.token_ids) for s in out.seqs))
             if mixed is not None:
-                pad = None
-                if mixed in self.mixed.deferred or mixed in self.mixed.cascade_wanted:
-                    self.mixed.capture_deferred(mixed)
-                    self.mixed.capture_cascade(mixed)
+                graphs, bucket, pad = self.mixed, mixed, None
+        if graphs is not None:
+            graphs.capture_pending(bucket)  # before prepare: a capture writes the input buffers
         step = self.prepare(out, pad_to=pad, pad_tokens=mixed)
         self._prev_ids, self._prev_rows = None, {}
         ids = None
-        graph = False
-        cascade = step.meta.cascade is not None
-        # a plan with no cascade variant of its bucket yet: this step runs eagerly (its kernels
-        # compile outside any capture) and the variant is captured before the next one
-        if replay and cascade and pad not in self.graphs.cascade_graphs:
-            self.graphs.cascade_wanted.add(pad)
-            replay = False
-        if mixed is not None and cascade and mixed not in self.mixed.cascade_graphs:
-            self.mixed.cascade_wanted.add(mixed)
-        if replay and pad in self.graphs.graphs:
-            logits_all, ids_all = self.graphs.replay(pad, cascade)
-            logits, ids = logits_all[:b], ids_all[:b]
-            self.graph_steps += 1
-            graph = True
-        elif mixed is not None or not step.sample_entries:
-            if mixed is not None and (not cascade or mixed in self.mixed.cascade_graphs):
-                logits_all, ids_all = self.mixed.replay(mixed, cascade)
+        graph = graphs is not None and graphs.ready(bucket, step.meta.cascade is not None)
+        if graph:
+            logits, ids = graphs.replay(bucket, step.meta.cascade is not None)
+            if graphs is self.graphs:
+                self.graph_steps += 1
+            else:
                 self.mixed_graph_steps += 1
-                graph = True
-            elif mixed is not None:  # waiting for its cascade variant: what the variant will capture
-                logits_all, ids_all = MixedGraphs._forward(self.bufs, self.model, self.kv, mixed, True)
-            else:  # a prefill chunk that samples nothing
-                self.model(step.input_ids, step.positions, self.kv, step.meta)
-            if not step.sample_entries:
-                dt = time.perf_counter() - t0
-                self.host_seconds += dt
-                self.host_graph_seconds += dt if graph else 0.0
-                return PendingStep(0, None, None, None, None, None)
-            s = len(step.sample_entries)
-            logits, ids = logits_all[:s], ids_all[:s]
-        else:
+        elif mixed is not None:  # no graph for it (yet): the forward its capture records, eagerly
+            logits, ids = MixedGraphs._forward(self.bufs, self.model, self.kv, mixed, step.meta.cascade is not None)
+        elif step.sample_entries:  # unpadded, or a padded decode step waiting for its cascade variant
             logits = self.forward_logits(step)
+        else:  # a prefill chunk that samples nothing
+            self.model(step.input_ids, step.positions, self.kv, step.meta)
+        if not step.sample_entries:
+            dt = time.perf_counter() - t0
+            self.host_seconds += dt
+            self.host_graph_seconds += dt if graph else 0.0
+            return PendingStep(0, None, None, None, None, None)
+        if ids is not None:  # a graph's rows (or the padded forward's): the step's sampled rows lead
+            s = len(step.sample_entries)
+            logits, ids = logits[:s], ids[:s]
         rows = [(k, out.seqs[i].grammar) for k, i in enumerate(step.sample_entries)
                 if out.seqs[i].grammar is not None] if out.num_constrained else None
         if rows:  # sampled by sample_masked, once the step before has advanced the grammars

@@ -21,6 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.runner.cuda_graphs import MixedGraphs
+from tests.graph_stand_in import StandInGraphs
 from tests.sharp import sharpen
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -195,30 +197,6 @@ def test_idle_engine_captures_the_deferred_graphs_and_they_match_eager(sharp_mod
     assert got == want
 
 
-class _EagerMixed:
-    """The forward a mixed-step graph captured, run eagerly on the same padded buffers."""
-
-    def __init__(self, runner) -> None:
-        self.runner, self.deferred, self.steps = runner, set(), 0
-        self.cascade_wanted: set[int] = set()  # cascade variants, "captured" as a real set would
-        self.cascade_graphs: set[int] = set()
-
-    def capture_deferred(self, bucket: int) -> None:
-        pass
-
-    def capture_cascade(self, bucket: int) -> None:
-        if bucket in self.cascade_wanted:
-            self.cascade_wanted.discard(bucket)
-            self.cascade_graphs.add(bucket)
-
-    def replay(self, bucket: int, cascade: bool = False):
-        from engine.runner.cuda_graphs import MixedGraphs
-
-        self.steps += 1
-        with torch.inference_mode():
-            return MixedGraphs._forward(self.runner.bufs, self.runner.model, self.runner.kv, bucket, cascade)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_mixed_step_graphs_match_their_eager_forward(arch, sharp_model, monkeypatch):
     """Every prefill and mixed step replays a mixed-step graph (token buckets, padding tokens,
@@ -236,9 +214,9 @@ def test_mixed_step_graphs_match_their_eager_forward(arch, sharp_model, monkeypa
     del core, runner
     core = _engine(d, True, monkeypatch, mixed=True)
     runner = core.slot("m").runner
-    runner.mixed = _EagerMixed(runner)
+    runner.mixed = StandInGraphs(runner, MixedGraphs, runner.mixed_buckets)  # each graph's forward, eagerly
     want, _ = _run(core, PROMPTS, params)
-    assert runner.mixed.steps > 0
+    assert runner.mixed.replayed
     assert got == want
     del core, runner
     # replaying every captured bucket on all-padding inputs writes no K/V

@@ -16,6 +16,7 @@ from engine.kernels import _dispatch  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.runner.cuda_graphs import DecodeGraphs, MixedGraphs  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from tests.graph_stand_in import StandInGraphs  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -23,35 +24,6 @@ def _triton_interpreted():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         yield
-
-
-class StandInGraphs:
-    """A graph set whose every bucket is 'captured' plain at load and whose cascade variants come
-    only through capture_cascade; 'replay' runs the forward a capture would record, eagerly."""
-
-    def __init__(self, runner, buckets, forward) -> None:
-        self.runner, self.forward = runner, forward
-        self.graphs = {b: None for b in buckets}
-        self.cascade_graphs: dict[int, None] = {}
-        self.deferred: set[int] = set()
-        self.cascade_wanted: set[int] = set()
-        self.events: list[tuple[str, int, bool]] = []
-
-    def capture_deferred(self, bucket: int) -> None:
-        pass
-
-    def capture_cascade(self, bucket: int) -> None:
-        if bucket in self.cascade_wanted:
-            self.cascade_wanted.discard(bucket)
-            self.cascade_graphs[bucket] = None
-            self.events.append(("capture", bucket, True))
-
-    def replay(self, bucket: int, cascade: bool = False):
-        assert bucket in (self.cascade_graphs if cascade else self.graphs)
-        self.events.append(("replay", bucket, cascade))
-        r = self.runner
-        with torch.inference_mode():
-            return self.forward(r.bufs, r.model, r.kv, bucket, cascade)
 
 
 def _run(model_dir, monkeypatch, mode: str, stand_in: bool):
@@ -62,7 +34,7 @@ def _run(model_dir, monkeypatch, mode: str, stand_in: bool):
     fake = None
     if stand_in:
         runner.decode_buckets = (1, 8, 16, 24, 32)
-        fake = runner.graphs = StandInGraphs(runner, runner.decode_buckets, DecodeGraphs._forward)
+        fake = runner.graphs = StandInGraphs(runner, DecodeGraphs, runner.decode_buckets)
     shared = [(i * 7) % 50 + 3 for i in range(48)]
     llm.generate([shared + [1]], SamplingParams(temperature=0, max_tokens=1))  # indexes the shared pages
     prompts = [shared + [60 + i, 61 + i] for i in range(18)]
@@ -104,7 +76,7 @@ def test_mixed_steps_with_a_plan_run_eagerly_then_replay_their_variant(make_tiny
         runner = next(iter(llm.core._slots.values())).runner
         if mode == "triton":
             runner.mixed_buckets = (8, 16, 24, 32)
-            fake = runner.mixed = StandInGraphs(runner, runner.mixed_buckets, MixedGraphs._forward)
+            fake = runner.mixed = StandInGraphs(runner, MixedGraphs, runner.mixed_buckets)
         llm.generate([shared + [1]], SamplingParams(temperature=0, max_tokens=1))
         got[mode] = [o.token_ids for o in llm.generate(prompts, params)]
         if mode == "triton":

@@ -18,6 +18,7 @@ from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS, MixedGraphs  # noqa
 from engine.runner import model_runner  # noqa: E402
 from engine.runner.model_runner import graph_buckets  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from tests.graph_stand_in import StandInGraphs  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 13, 2, 7, 3, 8, 21, 4, 6, 11, 19, 20, 22, 23, 24, 30], [3, 4, 5], [7] * 40, [9, 2]]
 PARAMS = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
@@ -35,39 +36,17 @@ def _triton_interpreted():
         yield
 
 
-class EagerMixed:
-    """Stands in for MixedGraphs on CPU: 'replay' runs the captured forward eagerly."""
-
-    def __init__(self, runner) -> None:
-        self.runner = runner
-        self.deferred: set[int] = set()
-        self.buckets: list[int] = []
-        self.cascade_wanted: set[int] = set()  # cascade variants, "captured" as a real set would
-        self.cascade_graphs: set[int] = set()
-
-    def capture_deferred(self, bucket: int) -> None:
-        pass
-
-    def capture_cascade(self, bucket: int) -> None:
-        if bucket in self.cascade_wanted:
-            self.cascade_wanted.discard(bucket)
-            self.cascade_graphs.add(bucket)
-
-    def replay(self, bucket: int, cascade: bool = False) -> torch.Tensor:
-        self.buckets.append(bucket)
-        with torch.inference_mode():
-            return MixedGraphs._forward(self.runner.bufs, self.runner.model, self.runner.kv, bucket, cascade)
-
-
-def _generate(model_dir, padded: bool):
+def _generate(model_dir, padded: bool, missing: int | None = None):
+    """Tokens of PROMPTS; ``padded``: through stood-in mixed graphs (``missing``: a bucket left
+    without its graph, as a failed capture leaves it)."""
     llm = LLM(model_dir, device="cpu", max_model_len=128, block_size=4, max_prefill_chunk=16, dtype="float32",
               max_num_seqs=4)
     runner = next(iter(llm.core._slots.values())).runner
     fake = None
     if padded:
-        fake = EagerMixed(runner)
-        runner.mixed = fake
         runner.mixed_buckets = (8, 16, 24, 32, 64)
+        fake = runner.mixed = StandInGraphs(runner, MixedGraphs, runner.mixed_buckets)
+        fake.graphs.pop(missing, None)
     outs = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
     return outs, fake
 
@@ -84,7 +63,24 @@ def test_every_step_padded_to_a_token_bucket_gives_the_same_tokens(make_tiny_mod
     assert padded == plain
     # prefill chunks, mixed steps and decode steps all went through the padded forward, and
     # some of them carried padding tokens that belong to no sequence
-    assert len(fake.buckets) >= 12 and {8, 24} <= set(fake.buckets)
+    assert len(fake.replayed) >= 12 and {8, 24} <= set(fake.replayed)
+
+
+def test_a_bucket_left_without_its_graph_runs_its_steps_eagerly(make_tiny_model, monkeypatch):
+    """A capture that failed (the worker reports it and goes on) leaves its bucket without a
+    graph: that bucket's steps run the padded forward eagerly, the others still replay."""
+    model_dir = make_tiny_model("llama")
+    plain, _ = _generate(model_dir, padded=False)
+    forward, buckets = MixedGraphs._forward, []
+
+    def counted(bufs, model, kv, bucket, cascade=False):
+        buckets.append(bucket)
+        return forward(bufs, model, kv, bucket, cascade)
+
+    monkeypatch.setattr(MixedGraphs, "_forward", staticmethod(counted))
+    padded, fake = _generate(model_dir, padded=True, missing=8)
+    assert padded == plain
+    assert 8 in buckets and 8 not in fake.replayed and 24 in fake.replayed
 
 
 def test_prepare_pads_tokens_and_fills_every_sequence_slot(make_tiny_model):

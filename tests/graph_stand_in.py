@@ -1,0 +1,41 @@
+"""A runner's CUDA graph set stood in for where graphs cannot be captured (CPU) or where a test
+wants the eager twin of a captured graph (GPU): the real :class:`GraphSet` bookkeeping (buckets
+deferred to first use, cascade variants asked for by ``ready`` and captured by
+``capture_pending``), with a 'capture' that only records it and a 'replay' that runs eagerly the
+forward a capture records (``_forward`` of the kind stood in for) on the runner's buffers.
+
+``events`` lists ``("capture", bucket, cascade)`` and ``("replay", bucket, cascade)`` in order."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.runner.cuda_graphs import GraphSet
+
+
+class StandInGraphs(GraphSet):
+    def __init__(self, runner, kind: type[GraphSet], buckets, deferred=()) -> None:
+        """``kind``: DecodeGraphs or MixedGraphs; ``buckets`` 'captured' now except ``deferred``."""
+        # no GraphSet.__init__: it refuses a device without CUDA and makes a capture stream
+        self.kind, self._forward = kind.kind, kind._forward
+        self.bufs, self.model, self.kv = runner.bufs, runner.model, runner.kv
+        self.deferred, self.cascade_wanted = set(deferred), set()
+        self.graphs = {b: None for b in buckets if b not in self.deferred}
+        self.cascade_graphs = {}
+        self.deferred_capture_seconds = 0.0
+        self.events: list[tuple[str, int, bool]] = []
+
+    def _capture_one(self, b: int, cascade: bool = False) -> None:
+        self.events.append(("capture", b, cascade))
+        (self.cascade_graphs if cascade else self.graphs)[b] = None
+
+    def replay(self, bucket: int, cascade: bool = False):
+        assert bucket in (self.cascade_graphs if cascade else self.graphs), (bucket, cascade)
+        self.events.append(("replay", bucket, cascade))
+        with torch.inference_mode():
+            return self._forward(self.bufs, self.model, self.kv, bucket, cascade)
+
+    @property
+    def replayed(self) -> list[int]:
+        """The buckets replayed, in order."""
+        return [b for kind, b, _ in self.events if kind == "replay"]
