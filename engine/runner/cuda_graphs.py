@@ -255,7 +255,6 @@ class GraphSet:
         raise NotImplementedError
 
 
-
 class DecodeGraphs(GraphSet):
     """The captured decode graphs of one runner, by batch bucket."""
 
@@ -304,7 +303,6 @@ class DecodeGraphs(GraphSet):
             raise CudaGraphError(f"decode graph capture failed: {e}") from e
         self.warmup_seconds = t1 - t0
         self.capture_seconds = time.perf_counter() - t1
-
 
 
 class MixedGraphs(GraphSet):
