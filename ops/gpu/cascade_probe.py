@@ -3,6 +3,8 @@ from a few shared prompts (the shared-system workload's shape), each variant rep
 graph (triton.testing.do_bench_cudagraph), the cascade kernel also timed alone.
 
     . ops/gpu/env.sh; python3 ops/gpu/cascade_probe.py $OUT/cascade_probe.json
+
+(or as the `probe` part of ops/gpu/prefix_cache.sh, beside the workloads)
 """
 
 from __future__ import annotations

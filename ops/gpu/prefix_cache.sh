@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Issue 20's figures in ONE device run, each workload with prefix caching off then on in one
-# process (engine_bench --prefix-caching both): shared system prompt at c200 and offline, multi-turn
-# chat replay, the plain sharegpt-like workload (caching must cost it < 2%); the scheduler's host
-# cost with and without the index. Results are archived to $OUT/all.tgz after each part.
-# Usage (repo root, on the GPU machine):  . ops/gpu/env.sh; bash ops/gpu/prefix_cache.sh [parts...]
-#   parts: tests shared offline multiturn plain sched   (default: all)
+# process (engine_bench --prefix-caching both): shared system prompt at c200 (with a control: caching
+# off at c150) and offline, multi-turn chat replay at 5 and 8 turns, the plain sharegpt-like workload
+# (caching must cost it < 2%); with OLD=<tree>, the caching-on runs of shared and plain on that
+# tree too, in the same call (an A/B of a change); one layer's decode attention with and without a
+# cascade plan (cascade_probe.py); the scheduler's host cost with and without the index. Results
+# are archived to $OUT/all.tgz after each part.
+# Usage (repo root, on the GPU machine):  . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/prefix_cache.sh [parts...]
+#   parts: tests shared old offline multiturn multiturn8 plain oldplain probe sched
+#   (default: tests shared offline multiturn plain sched)
 set -u
 FINAL=${OUT:-./gpu_out}; mkdir -p "$FINAL"
 OUT=$(mktemp -d /tmp/issue20.XXXX)
@@ -12,26 +16,32 @@ M=${M8B:-/tmp/m8b}
 status=0
 [ -f "$M/config.json" ] || timeout 120 python3 -m agent.cli make-model --arch llama --preset llama-3.1-8b --out "$M" \
   --device cuda > "$OUT/make_model.txt" 2>&1 || status=1
+SERVE=(--concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096 --max-model-len 4096)
 bench() {  # bench NAME SECONDS ARGS...
   local name=$1 secs=$2; shift 2
   timeout "$secs" python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda --prefix-caching both \
     --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1 || status=1
 }
+old_bench() {  # old_bench NAME SECONDS ARGS...: caching on, in the OLD tree
+  local name=$1 secs=$2; shift 2
+  [ -n "${OLD:-}" ] || { echo "part $name needs OLD=<tree>" >&2; status=1; return; }
+  (cd "$OLD" && timeout "$secs" python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda --prefix-caching on \
+    --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1) || status=1
+}
 for part in ${*:-tests shared offline multiturn plain sched}; do
   case $part in
     tests) timeout 200 python3 -m pytest -q tests/gpu > "$OUT/tests_gpu.txt" 2>&1 || status=1 ;;
     shared)  # with a control: caching off at c150, how much batch composition alone moves greedy tokens
-      bench shared_c200 300 --workload shared-system --num-requests 1000 --concurrency 200 --max-num-seqs 256 \
-        --max-num-batched-tokens 4096 --max-model-len 4096 --control-concurrency 150 ;;
+      bench shared_c200 300 --workload shared-system --num-requests 1000 "${SERVE[@]}" --control-concurrency 150 ;;
+    old) old_bench shared_c200_old 150 --workload shared-system --num-requests 1000 "${SERVE[@]}" ;;
     offline)
       bench shared_offline 240 --workload shared-system --num-requests 1000 --max-num-seqs 512 \
         --max-num-batched-tokens 16384 --max-model-len 4096 ;;
-    multiturn)
-      bench multiturn 300 --workload multi-turn --num-requests 200 --turns 5 --concurrency 200 --max-num-seqs 256 \
-        --max-num-batched-tokens 4096 --max-model-len 4096 ;;
-    plain)
-      bench plain_c200 240 --num-requests 1000 --concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096 \
-        --max-model-len 4096 ;;
+    multiturn) bench multiturn 300 --workload multi-turn --num-requests 200 --turns 5 "${SERVE[@]}" ;;
+    multiturn8) bench multiturn8 300 --workload multi-turn --num-requests 200 --turns 8 "${SERVE[@]}" ;;
+    plain) bench plain_c200 240 --num-requests 1000 "${SERVE[@]}" ;;
+    oldplain) old_bench plain_c200_old 120 --num-requests 1000 "${SERVE[@]}" ;;  # what the change costs with nothing shared
+    probe) timeout 120 python3 ops/gpu/cascade_probe.py "$OUT/cascade_probe.json" > "$OUT/cascade_probe.txt" 2>&1 || status=1 ;;
     sched) python3 -m ops.bench.sched_bench --running 512 --steps 200 > "$OUT/sched_bench.txt" 2>&1 || status=1 ;;
   esac
   tar -czf "$FINAL/all.tgz" -C "$OUT" .
@@ -46,7 +56,7 @@ for p in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
     off = d.get("caching_off") or {}
     print(os.path.basename(p), {k: d.get(k) for k in ("req_s", "total_tok_s", "ttft_ms_p50", "cached_fraction",
                                                       "on_vs_off_total_tok_s", "on_vs_off_ttft_p50", "same_outputs",
-                                                      "on_vs_off_outputs", "control")},
+                                                      "on_vs_off_outputs", "control", "cascade", "steps_by_kind")},
           "off:", {k: off.get(k) for k in ("req_s", "total_tok_s", "ttft_ms_p50")})
 PY
 tar -czf "$FINAL/all.tgz" -C "$OUT" .
