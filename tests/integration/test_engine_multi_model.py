@@ -208,14 +208,18 @@ def test_trickle_ttft_next_to_a_flood_stays_near_its_solo_ttft(dirs):
     long = SamplingParams(temperature=0, max_tokens=MAX_LEN, ignore_eos=True)
     waves = 0
     got_steps, got_s = [], []
+    charged = {"flood": 0.0, "quiet": 0.0}  # by the flood-only steps
     for j in range(5):
         while core.stats()["flood"]["running"] + core.stats()["flood"]["waiting"] < 8:  # keep it flooded
             core.add_request(f"f{waves}", "flood", list(range(10, 30)), long)
             waves += 1
         for _ in range(3):  # flood-only steps: what one step of the flood costs
+            before = {m: core.picker.gpu_seconds(m) for m in charged}
             t = time.perf_counter()
             core.step()
             flood_steps.append(time.perf_counter() - t)
+            for m in charged:
+                charged[m] += core.picker.gpu_seconds(m) - before[m]
         n, s = _ttft(core, f"q{j}", "quiet", flood_steps)
         got_steps.append(n)
         got_s.append(s)
@@ -226,7 +230,9 @@ def test_trickle_ttft_next_to_a_flood_stays_near_its_solo_ttft(dirs):
     assert max(solo_steps) == 1 and max(got_steps) <= 2, got_steps
     bound = 2 * statistics.median(solo_s) + max(flood_steps)
     assert statistics.median(got_s) <= bound, (got_s, solo_s, max(flood_steps))
-    assert core.picker.gpu_seconds("flood") > core.picker.gpu_seconds("quiet")
+    # the flood's steps are charged to the flood alone (totals of both models are step times on a
+    # shared CI box: comparing them was a coin toss once the quiet model's solo phase counts)
+    assert charged["flood"] > 0 and charged["quiet"] == 0, charged
 
 
 def test_load_next_to_a_busy_model_shrinks_the_pool_by_preempting_it(dirs, needs, solo):
