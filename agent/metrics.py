@@ -27,8 +27,9 @@ class LoopHistogram:
 
     The inter-token latency is observed once per token of every stream: ``Histogram.observe``
     takes a lock for the sum and for the bucket (2.6 µs an observe on this repository's CPU box,
-    0.7 µs for a bisect into a list), ~5 % of the agent's samples under py-spy at concurrency 200
-    on the H200 (79d127b). Per-request histograms stay ``prometheus_client``'s."""
+    0.4 µs for this bisect into a list: ``python -m ops.bench.host_costs``), ~5 % of the agent's
+    samples under py-spy at concurrency 200 on the H200 (79d127b). Per-request histograms stay
+    ``prometheus_client``'s."""
 
     def __init__(self, name: str, documentation: str, labelnames: list[str], buckets: tuple[float, ...],
                  registry: CollectorRegistry) -> None:

@@ -6,7 +6,8 @@ framework's. Python's cycle collector walks its oldest generation — all of the
 enough younger objects have survived, and a busy process makes and drops a step's worth of
 outputs every few ms: a full collection costs ~70 ms on a loaded worker. On this repository's
 CPU box, a loop making and dropping 200 small output objects a step with torch imported (166k
-objects) spent 42 % of its time in collections, 15 % with them frozen.
+objects) spent 37 % of its time in collections, 16 % with them frozen, and ran 1.8× faster
+(``python -m ops.bench.host_costs``, docs/perf.md).
 
 :func:`freeze` moves every object that exists now to the permanent generation, which no
 collection walks (``gc.freeze``, O(1)): a process calls it once started and after each load.
