@@ -8,11 +8,13 @@ bf16, as the issue allows): ``weights`` — weights to e4m3 with one scale per o
 as the fused kernels would emit it); ``block128`` — weights with one scale per 128 × 128 block
 (the hub's ``quant_method: "fp8"`` layout); ``block128+act-group128`` — and inputs with one scale
 per token and 128 channels; ``weights-mse`` — per output channel, each scale the clipping of the
-channel's amax with the least squared error; ``... first/last layer bf16`` — the same, the first
-and last decoder layers left unquantized. A control, ``bf16 arithmetic``: no FP8, the same
-weights run in bf16 instead of float32 — the floor any top-1 figure against the float32
-reference stands on. Arithmetic is float32 throughout, so the figures are the
-quantization's alone. Reported per variant: perplexity over every predicted position, and top-1
+channel's amax with the least squared error; ``weights-gptq`` — per output channel, the columns
+rounded in order with each one's error spread over the rest through the inverse of the inputs'
+XᵀX on calibration text past the evaluated text (GPTQ on the e4m3 grid); ``... first/last layer
+bf16`` — the same, the first and last decoder layers left unquantized. A control, ``bf16
+arithmetic``: no FP8, the same weights run in bf16 instead of float32 — the floor any top-1
+figure against the float32 reference stands on. Arithmetic is float32 throughout, so the
+figures are the quantization's alone. Reported per variant: perplexity over every predicted position, and top-1
 agreement with the bf16 reference (the share of positions where both predict the same next token).
 The FP8 KV cache is not simulated here (it needs the engine's attention path).
 
@@ -63,6 +65,49 @@ def fp8_round_mse(t: torch.Tensor, fractions=(1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0
     return best
 
 
+def fp8_round_gptq(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """``w`` ([out, in]) through e4m3 with one scale per output channel (amax / 448 of the row),
+    its columns rounded in order, each column's rounding error spread over the columns not yet
+    rounded through the inverse of ``h`` (XᵀX of the layer's calibration inputs): the update of
+    GPTQ (Frantar et al., 2022) with the e4m3 grid in place of an integer one. What it lowers is
+    the error of the layer's outputs on inputs like the calibration's, not of each weight."""
+    w = w.clone().float()
+    inp = w.shape[1]
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
+    h = h.double().clone()
+    dead = torch.diag(h) == 0  # inputs never seen: their weights do not matter
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += damp * torch.diag(h).mean() * torch.eye(inp, dtype=h.dtype)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    q = torch.empty_like(w)
+    for i in range(inp):
+        col = w[:, i:i + 1]
+        qc = (col / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+        q[:, i:i + 1] = qc
+        w[:, i + 1:] -= ((col - qc) / u[i, i]) @ u[i:i + 1, i + 1:]
+    return q
+
+
+def input_grams(model, linears: list, ids: list[int], window: int) -> list[torch.Tensor]:
+    """XᵀX of each linear's inputs over ``ids`` (float32 arithmetic): GPTQ's calibration."""
+    grams = [torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for m in linears]
+
+    def hook(i):
+        def f(_m, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            grams[i] += x.T @ x
+        return f
+
+    hooks = [m.register_forward_pre_hook(hook(i)) for i, m in enumerate(linears)]
+    try:
+        evaluate(model, ids, window)
+    finally:
+        for h in hooks:
+            h.remove()
+    return grams
+
+
 def fp8_round_blocks(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """``t`` ([out, in]) through e4m3 with one scale per ``rows`` × ``cols`` block (the hub's
     ``quant_method: "fp8"`` checkpoints use 128 × 128), back to float32."""
@@ -84,13 +129,15 @@ def fp8_round_groups(t: torch.Tensor, group: int) -> torch.Tensor:
     return ((x / scale).to(torch.float8_e4m3fn).float() * scale).reshape(*lead, inp + pad)[..., :inp]
 
 
-def text_tokens(tok, n: int) -> list[int]:
+def text_tokens(tok, n: int, skip: int = 0) -> list[int]:
+    """``n`` tokens of the README and docs, after the first ``skip`` (calibration text is taken
+    past the evaluated text, never from it)."""
     parts = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     text = "\n\n".join(p.read_text() for p in parts if p.name != "perf.md")  # prose, not tables of figures
     ids = tok(text)["input_ids"]
-    if len(ids) < n:
-        raise SystemExit(f"only {len(ids)} tokens of text for {n} positions")
-    return ids[:n]
+    if len(ids) < skip + n:
+        raise SystemExit(f"only {len(ids)} tokens of text for {skip} + {n} positions")
+    return ids[skip:skip + n]
 
 
 def text_digest(ids: list[int]) -> str:
@@ -170,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--positions", type=int, default=2048)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--calibration", type=int, default=2048, help="tokens of text past the evaluated ones whose "
+                                                                   "inputs calibrate the GPTQ variants")
     ap.add_argument("--engine", action="store_true",
                     help="measure the engine's own FP8 model against its unquantized one (--device) instead")
     ap.add_argument("--device", default="auto")
@@ -217,18 +266,24 @@ def main(argv: list[str] | None = None) -> int:
     ends = {f"model.layers.{i}." for i in (0, n_layers - 1)}
     names = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name]
     keep = [any(name.startswith(e) for e in ends) for name in names]
-    weight_round = {"weights": lambda w: fp8_round(w, dim=1), "weights+act": lambda w: fp8_round(w, dim=1),
-                    "weights-mse": fp8_round_mse, "weights-mse+act": fp8_round_mse,
-                    "weights-mse, first/last layer bf16": fp8_round_mse,
-                    "block128": lambda w: fp8_round_blocks(w, 128, 128),
-                    "block128+act-group128": lambda w: fp8_round_blocks(w, 128, 128)}
-    act_round = {"weights+act": lambda x: fp8_round(x, dim=-1), "weights-mse+act": lambda x: fp8_round(x, dim=-1),
+    # GPTQ's calibration: the inputs of each linear over text past the evaluated text
+    grams = input_grams(model, linears, text_tokens(tok, a.calibration, skip=len(ids)), a.window)
+    weight_round = {"weights": lambda w, h: fp8_round(w, dim=1), "weights+act": lambda w, h: fp8_round(w, dim=1),
+                    "weights-mse": lambda w, h: fp8_round_mse(w), "weights-mse+act": lambda w, h: fp8_round_mse(w),
+                    "weights-mse, first/last layer bf16": lambda w, h: fp8_round_mse(w),
+                    "weights-gptq": fp8_round_gptq, "weights-gptq+act": fp8_round_gptq,
+                    "weights-gptq+act, first/last layer bf16": fp8_round_gptq,
+                    "block128": lambda w, h: fp8_round_blocks(w, 128, 128),
+                    "block128+act-group128": lambda w, h: fp8_round_blocks(w, 128, 128)}
+    per_token = lambda x: fp8_round(x, dim=-1)  # noqa: E731
+    act_round = {"weights+act": per_token, "weights-mse+act": per_token, "weights-gptq+act": per_token,
+                 "weights-gptq+act, first/last layer bf16": per_token,
                  "block128+act-group128": lambda x: fp8_round_groups(x, 128)}
     for variant, wr in weight_round.items():
         skip = keep if "first/last" in variant else [False] * len(linears)
         with torch.no_grad():
-            for m, w, k in zip(linears, originals, skip):
-                m.weight.copy_(w if k else wr(w))
+            for m, w, k, h in zip(linears, originals, skip, grams):
+                m.weight.copy_(w if k else wr(w, h))
         hooks = ([m.register_forward_pre_hook(lambda _m, args, f=act_round[variant]: (f(args[0]),))
                   for m, k in zip(linears, skip) if not k] if variant in act_round else [])
         nll, top = evaluate(model, ids, a.window)
