@@ -10,7 +10,8 @@ as the fused kernels would emit it); ``block128`` — weights with one scale per
 per token and 128 channels; ``weights-mse`` — per output channel, each scale the clipping of the
 channel's amax with the least squared error; ``weights-gptq`` — per output channel, the columns
 rounded in order with each one's error spread over the rest through the inverse of the inputs'
-XᵀX on calibration text past the evaluated text (GPTQ on the e4m3 grid); ``... first/last layer
+XᵀX on calibration text past the evaluated text (GPTQ on the e4m3 grid); ``..., smoothed`` —
+per input channel factors moving the activations' range into the weights first; ``... first/last layer
 bf16`` — the same, the first and last decoder layers left unquantized. A control, ``bf16
 arithmetic``: no FP8, the same weights run in bf16 instead of float32 — the floor any top-1
 figure against the float32 reference stands on. Arithmetic is float32 throughout, so the
@@ -106,6 +107,17 @@ def input_grams(model, linears: list, ids: list[int], window: int) -> list[torch
         for h in hooks:
             h.remove()
     return grams
+
+
+def smoothing(w: torch.Tensor, h: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """Per input channel factors ``s`` moving activation range into the weights (SmoothQuant's
+    migration, Xiao et al., 2022, with the inputs' RMS from XᵀX for their size): the layer then
+    multiplies ``x / s`` by ``w * s`` — the same product — and a token's outlier channels no
+    longer push its other channels down the e4m3 grid (towards subnormals) under one scale."""
+    act = torch.diag(h).clamp_min(1e-20).sqrt().float()
+    wmax = w.abs().amax(dim=0).clamp_min(1e-12)
+    s = (act ** alpha / wmax ** (1 - alpha)).clamp(1e-4, 1e4)
+    return s / s.log().mean().exp()  # geometric mean 1: only the ratios matter
 
 
 def fp8_round_blocks(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -219,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--calibration", type=int, default=2048, help="tokens of text past the evaluated ones whose "
                                                                    "inputs calibrate the GPTQ variants")
+    ap.add_argument("--variants", help="only these, separated by semicolons (names hold commas; default: all)")
     ap.add_argument("--engine", action="store_true",
                     help="measure the engine's own FP8 model against its unquantized one (--device) instead")
     ap.add_argument("--device", default="auto")
@@ -279,13 +292,31 @@ def main(argv: list[str] | None = None) -> int:
     act_round = {"weights+act": per_token, "weights-mse+act": per_token, "weights-gptq+act": per_token,
                  "weights-gptq+act, first/last layer bf16": per_token,
                  "block128+act-group128": lambda x: fp8_round_groups(x, 128)}
+    # smoothed: each linear runs x / s against GPTQ-rounded w * s (s from smoothing())
+    smoothed = ["weights-gptq+act, smoothed", "weights-gptq+act, smoothed, first/last layer bf16"]
+    for variant in smoothed:
+        weight_round[variant] = None
+        act_round[variant] = per_token
+    if a.variants:
+        wanted = set(a.variants.split(";"))
+        weight_round = {k: v for k, v in weight_round.items() if k in wanted}
     for variant, wr in weight_round.items():
         skip = keep if "first/last" in variant else [False] * len(linears)
+        scales = [smoothing(w, h) if variant in smoothed else None for w, h in zip(originals, grams)]
         with torch.no_grad():
-            for m, w, k, h in zip(linears, originals, skip, grams):
-                m.weight.copy_(w if k else wr(w, h))
-        hooks = ([m.register_forward_pre_hook(lambda _m, args, f=act_round[variant]: (f(args[0]),))
-                  for m, k in zip(linears, skip) if not k] if variant in act_round else [])
+            for m, w, k, h, sc in zip(linears, originals, skip, grams, scales):
+                if k:
+                    m.weight.copy_(w)
+                elif sc is not None:
+                    m.weight.copy_(fp8_round_gptq(w * sc, h / torch.outer(sc, sc).double()))
+                else:
+                    m.weight.copy_(wr(w, h))
+
+        def act_hook(f, sc):
+            return lambda _m, args: (f(args[0] / sc) if sc is not None else f(args[0]),)
+
+        hooks = ([m.register_forward_pre_hook(act_hook(act_round[variant], sc))
+                  for m, k, sc in zip(linears, skip, scales) if not k] if variant in act_round else [])
         nll, top = evaluate(model, ids, a.window)
         for h in hooks:
             h.remove()
