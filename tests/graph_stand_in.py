@@ -19,7 +19,7 @@ class StandInGraphs(GraphSet):
         # no GraphSet.__init__: it refuses a device without CUDA and makes a capture stream
         self.kind, self._forward = kind.kind, kind._forward
         self.bufs, self.model, self.kv = runner.bufs, runner.model, runner.kv
-        self.deferred, self.cascade_wanted = set(deferred), set()
+        self.deferred, self.cascade_wanted, self.cascade_failed = set(deferred), set(), set()
         self.graphs = {b: None for b in buckets if b not in self.deferred}
         self.cascade_graphs = {}
         self.deferred_capture_seconds = 0.0

@@ -6,7 +6,7 @@ replayed on whatever a step wrote there.
 runner to the smallest bucket ≥ its batch (:meth:`engine.runner.model_runner.ModelRunner.prepare`
 with ``pad_to``): the inputs land in prefixes of the persistent buffers, which are exactly the
 tensors each graph was captured on. A graph holds the model forward, the LM head on every row of
-the bucket, and the greedy argmax, written into the step buffers' one ``logits`` / ``ids`` pair
+the bucket, and the greedy argmax, written into the step buffers' one pair (``graph_outputs()``)
 (every graph's outputs, instead of outputs kept per bucket); a step with sampling rows runs the
 sampler eagerly on the graph's logits. Mixed prefill+decode steps never use them.
 
@@ -95,10 +95,11 @@ class CudaGraphError(EngineError):
 
 def _sampled_outputs(bufs: StepBuffers, model: Any, hidden: torch.Tensor,
                      rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LM head of ``rows`` hidden rows into ``bufs.logits`` and their greedy picks into
-    ``bufs.ids``; the two prefixes."""
-    logits = model.compute_logits(hidden, out=bufs.logits[:rows])
-    ids = bufs.ids[:rows]
+    """The LM head of ``rows`` hidden rows and their greedy picks into the buffers' graph
+    outputs; the two prefixes."""
+    logits_buf, ids_buf = bufs.graph_outputs()
+    logits = model.compute_logits(hidden, out=logits_buf[:rows])
+    ids = ids_buf[:rows]
     ids.copy_(logits.argmax(dim=-1))
     return logits, ids
 
@@ -122,7 +123,8 @@ class GraphSet:
 
     A step asks :meth:`capture_pending` before its inputs are staged, then :meth:`ready` (which
     asks for a missing cascade variant) and :meth:`replay`s when it says so; otherwise it runs
-    the same forward eagerly. A bucket whose capture failed has no graph and runs eagerly."""
+    the same forward eagerly. A bucket whose capture failed has no graph and runs eagerly (the step
+    whose capture failed fails; a failed cascade variant is not asked for again)."""
 
     kind = "graph"
 
@@ -138,6 +140,7 @@ class GraphSet:
         self.warmup_seconds = 0.0
         self.deferred: set[int] = set()  # buckets captured at their first use instead of at load
         self.cascade_wanted: set[int] = set()  # buckets whose cascade variant a step asked for
+        self.cascade_failed: set[int] = set()  # buckets whose cascade variant failed to capture
         self.deferred_capture_seconds = 0.0
         self.graphs: dict[int, _Graph] = {}
         self.cascade_graphs: dict[int, _Graph] = {}  # the buckets' cascade variants
@@ -205,7 +208,7 @@ class GraphSet:
         before the bucket's next step, or while the engine is idle."""
         if bucket in (self.cascade_graphs if cascade else self.graphs):
             return True
-        if cascade and bucket in self.graphs:
+        if cascade and bucket in self.graphs and bucket not in self.cascade_failed:
             self.cascade_wanted.add(bucket)
         return False
 
@@ -229,6 +232,7 @@ class GraphSet:
         try:
             self._capture_one(bucket, cascade=True)
         except RuntimeError as e:
+            self.cascade_failed.add(bucket)  # never asked for again: its steps with a plan stay eager
             raise CudaGraphError(f"{self.kind} capture of bucket {bucket} (cascade) failed: {e}") from e
         self.deferred_capture_seconds += time.perf_counter() - t
 
@@ -327,7 +331,7 @@ class MixedGraphs(GraphSet):
                  cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward a mixed graph records: the hidden states of the rows in ``bufs.rows``
         (``bufs.sampled_rows(bucket)`` of them, the step's sampled rows first), the LM head and
-        the greedy picks; (logits, ids), prefixes of ``bufs.logits`` / ``bufs.ids``."""
+        the greedy picks; (logits, ids), prefixes of ``bufs.graph_outputs()``."""
         hidden = model(bufs.input_ids[:bucket], bufs.positions[:bucket], kv, bufs.mixed_meta(bucket, cascade))
         rows = bufs.sampled_rows(bucket)
         return _sampled_outputs(bufs, model, hidden.index_select(0, bufs.rows[:rows]), rows)

@@ -107,11 +107,12 @@ class StepBuffers:
     sizes the plan's regions: the cascade variant of a graph of at least ``cascade.MIN_ROWS`` rows
     runs the cascade kernel over ``max_tiles(rows)`` tiles read from them.
 
-    ``logits`` ([max_seqs, vocab_size] float32) and ``ids`` ([max_seqs] int64, greedy picks) are
-    what every captured graph writes for its sampled rows (prefixes of them): one buffer for all
-    buckets instead of outputs kept per graph (the mixed graphs' would be ~2 GB for an 8B). A
-    step's outputs are read before the next step of the runner is launched (the sampler right
-    behind the replay on its stream; logprobs and grammar masks before any later launch)."""
+    :meth:`graph_outputs` ([max_seqs, vocab_size] float32 logits and [max_seqs] int64 greedy picks,
+    made at its first call: a runner without graphs never pays for them) are what every captured
+    graph writes for its sampled rows (prefixes of them): one pair for all buckets instead of
+    outputs kept per graph (the mixed graphs' would be ~2 GB for an 8B). A step's outputs are read
+    before the next step of the runner is launched (the sampler right behind the replay on its
+    stream; logprobs and grammar masks before any later launch)."""
 
     def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_pages: int,
                  max_model_len: int, vocab_size: int, cascade_rows: int = 0) -> None:
@@ -139,12 +140,20 @@ class StepBuffers:
         self.cascade_tiles = t["cascade_tiles"].view(tiles, width)
         self.cascade_tiles[:, 1] = 0  # no tile active until a step stages a plan
         self.slots.fill_(-1)
-        self.logits = torch.empty((max_seqs, vocab_size), dtype=f32, device=device)
-        self.ids = torch.zeros(max_seqs, dtype=i64, device=device)
+        self._vocab_size = vocab_size
+        self._outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.sampling = Arena(device, [
             ("temperature", f32, max_seqs), ("top_p", f32, max_seqs), ("min_p", f32, max_seqs),
             ("top_k", i32, max_seqs), ("seed", i64, max_seqs), ("step", i64, max_seqs),
         ])
+
+    def graph_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (logits, ids) pair every graph writes (made at the first call, outside any
+        capture: each graph set's eager warm-up calls it first)."""
+        if self._outputs is None:
+            self._outputs = (torch.empty((self.max_seqs, self._vocab_size), dtype=torch.float32, device=self.device),
+                             torch.zeros(self.max_seqs, dtype=torch.int64, device=self.device))
+        return self._outputs
 
     def sampled_rows(self, tokens: int) -> int:
         """The rows a mixed graph of ``tokens`` tokens samples: its LM head's fixed row count

@@ -87,3 +87,24 @@ def test_mixed_steps_with_a_plan_run_eagerly_then_replay_their_variant(make_tiny
     first = events.index(("capture", captured[0], True))
     assert ("replay", captured[0], True) in events[first:]
     assert all(e != ("replay", b, True) for b in captured for e in events[:first])
+
+
+def test_a_cascade_variant_that_failed_to_capture_is_not_asked_for_again():
+    """The capture of a variant fails (the step that waited for it fails with it); later steps
+    with a plan run eagerly instead of asking again (and failing every other step)."""
+    from types import SimpleNamespace
+
+    from engine.runner.cuda_graphs import CudaGraphError
+
+    g = StandInGraphs(SimpleNamespace(bufs=None, model=None, kv=None), DecodeGraphs, (16,))
+
+    def boom(b, cascade=False):
+        raise RuntimeError("graph pool exhausted")
+
+    g._capture_one = boom
+    assert not g.ready(16, cascade=True) and g.cascade_wanted == {16}
+    with pytest.raises(CudaGraphError, match="cascade"):
+        g.capture_pending(16)
+    assert not g.ready(16, cascade=True) and not g.cascade_wanted
+    g.capture_pending(16)  # nothing pending: no capture, no error
+    assert g.ready(16)  # its plain graph still replays

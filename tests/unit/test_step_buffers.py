@@ -34,3 +34,11 @@ def test_stage_casts_shapes_and_bounds() -> None:
     assert z.tolist() == [2 ** 40] and a.tensors["x"][:6].tolist() == list(range(6))
     with pytest.raises(ValueError, match="holds 4"):
         a.stage("y", np.zeros(5))
+
+
+def test_graph_outputs_are_made_at_their_first_use_and_kept():
+    bufs = StepBuffers(torch.device("cpu"), max_tokens=64, max_seqs=8, max_pages=4, max_model_len=64, vocab_size=32)
+    assert bufs._outputs is None  # a runner without graphs never pays for them
+    logits, ids = bufs.graph_outputs()
+    assert logits.shape == (8, 32) and logits.dtype == torch.float32 and ids.shape == (8,)
+    assert bufs.graph_outputs()[0] is logits
