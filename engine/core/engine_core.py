@@ -97,9 +97,11 @@ class InFlight:
 
     @property
     def collect_now(self) -> bool:
-        """Whether the step must be collected right after its launch: it ran synchronously, or it
-        wants logprobs, which read the logits at collect (a later launch would overwrite them)."""
-        return self.pending is None or self.pending.want_logprobs is not None
+        """Whether the step must be collected before anything else is launched: it ran
+        synchronously, it wants logprobs, which read the logits at collect, or its grammar rows
+        are not sampled yet (a later launch would overwrite the logits both read)."""
+        return (self.pending is None or self.pending.want_logprobs is not None
+                or self.pending.masked is not None)
 
 
 class EngineCore:
@@ -432,7 +434,10 @@ class EngineCore:
                 return outs
             # launch: behind the step in flight when the policy lets it, else after collecting it
             if batch is not None:
-                if prev is not None and not self.policy.overlaps(slot, batch, prev.slot, prev.holds):
+                # (a step that must be collected first is, whatever the policy: an error after its
+                # launch can leave one in flight)
+                if prev is not None and (prev.collect_now
+                                         or not self.policy.overlaps(slot, batch, prev.slot, prev.holds)):
                     prev, done = None, prev
                     try:
                         outs.extend(self._complete(done))

@@ -138,3 +138,34 @@ def test_prefix_cache_hits_under_async_steps_give_the_tokens_of_no_cache(model_d
     assert got == want
     stats = core.stats()["m"]
     assert stats["prefix_hit_tokens"] >= 5 * 16 and base.stats()["m"].get("prefix_hit_tokens") is None
+
+
+def test_a_step_left_in_flight_that_must_be_collected_is_collected_before_the_next_launch(model_dir):
+    """A failure while collecting the step before can leave a just-launched step that wants
+    logprobs in flight: the next step collects it before launching anything (a launch behind it
+    would overwrite the logits its logprobs are read from)."""
+    from engine.errors import EngineError
+
+    core = _core(model_dir, async_steps=True)
+    core.add_request("a", "m", PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    core.step()
+    core.step()  # "a" decodes, a step in flight
+    core.add_request("lp", "m", PROMPTS[4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1))
+    real, failed = core._complete, []
+
+    def fails_once(f):
+        if not failed:
+            failed.append(f)
+            raise EngineError("collect failed")
+        return real(f)
+
+    core._complete = fails_once
+    with pytest.raises(EngineError, match="collect failed"):
+        core.step()  # launched "lp"'s prefill (it samples, with logprobs), then failed collecting the step before
+    assert core._inflight is not None and core._inflight.collect_now
+    runner, order = core.slot("m").runner, []
+    launch, collect = runner.launch, runner.collect
+    runner.launch = lambda *a: (order.append("launch"), launch(*a))[1]
+    runner.collect = lambda p: (order.append("collect"), collect(p))[1]
+    core.step()
+    assert order[:2] == ["collect", "launch"], order
