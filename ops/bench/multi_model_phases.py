@@ -292,6 +292,9 @@ class Bench:
                 self.step(tr, until=nxt)
             else:
                 time.sleep(max(0.0, min(nxt, dur) - now))
+        for m in models:  # due before the end, not yet added (the last step ran past it): they arrived
+            for due, prompt in sched[m][idx[m]:]:
+                tr.sent(self.add(m, prompt, a.gen_len), m, due)
         tr.tick(tr.now())
         wall, calls = tr.now(), self.calls - calls0
         engine = counter_delta(c0, engine_counters(self.core), wall)
