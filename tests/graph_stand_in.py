@@ -1,10 +1,11 @@
 """A runner's CUDA graph set stood in for where graphs cannot be captured (CPU) or where a test
 wants the eager twin of a captured graph (GPU): the real :class:`GraphSet` bookkeeping (buckets
-deferred to first use, cascade variants asked for by ``ready`` and captured by
-``capture_pending``), with a 'capture' that only records it and a 'replay' that runs eagerly the
+deferred to first use, cascade variants captured by ``ready`` on a step's staged inputs), with a
+'capture' that only records it and a 'replay' that runs eagerly the
 forward a capture records (``_forward`` of the kind stood in for) on the runner's buffers.
 
-``events`` lists ``("capture", bucket, cascade)`` and ``("replay", bucket, cascade)`` in order."""
+``events`` lists ``("capture", bucket, cascade)`` and ``("replay", bucket, cascade)`` in order;
+``staged`` the buckets captured on a step's staged inputs."""
 
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ class StandInGraphs(GraphSet):
         # no GraphSet.__init__: it refuses a device without CUDA and makes a capture stream
         self.kind, self._forward = kind.kind, kind._forward
         self.bufs, self.model, self.kv = runner.bufs, runner.model, runner.kv
-        self.deferred, self.cascade_wanted, self.cascade_failed = set(deferred), set(), set()
+        self.deferred, self.cascade_failed = set(deferred), set()
         self.graphs = {b: None for b in buckets if b not in self.deferred}
         self.cascade_graphs = {}
         self.deferred_capture_seconds = 0.0
         self.events: list[tuple[str, int, bool]] = []
+        self.staged: list[int] = []  # buckets captured on a step's staged inputs
 
-    def _capture_one(self, b: int, cascade: bool = False) -> None:
+    def _capture_one(self, b: int, cascade: bool = False, staged: bool = False) -> None:
         self.events.append(("capture", b, cascade))
+        if staged:
+            self.staged.append(b)
         (self.cascade_graphs if cascade else self.graphs)[b] = None
 
     def replay(self, bucket: int, cascade: bool = False):

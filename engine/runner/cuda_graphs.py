@@ -26,13 +26,15 @@ Padding rows (slot -1, one token at position 0 of page 0) write nothing and are 
 
 **Cascade variants.** A bucket whose steps can carry a cascade plan (engine/runner/cascade.py: 16
 rows and more, on the Triton kernels; every mixed bucket then) may get a second graph that
-launches the cascade kernel over the plan's static tile grid and merges it. It is made on
-demand: the first step of a bucket with a non-empty plan runs eagerly (compiling the cascade
-kernels for the bucket's split layout, so no compile can fall inside a capture) and asks for the
-variant (``cascade_wanted``); the runner captures it before its next step's inputs are staged, or
-the engine while idle. A workload that shares nothing never captures one, and loads capture no
-more than before (on the H200 capturing both variants of every bucket doubled the deferred
-captures' time in a c200 run, 0.54 → 1.60 s).
+launches the cascade kernel over the plan's static tile grid and merges it. The warm-up runs the
+cascade forward too (at the largest and the smallest bucket that can carry a plan: the decode
+kernel's split and unsplit forms), so its kernels are compiled at load, and a variant is then
+captured by the first step that needs it, on that step's staged inputs (a capture runs nothing,
+so they survive it), and replayed at once. A workload that shares nothing never captures one,
+and loads capture no more than before (on the H200 capturing both variants of every bucket
+doubled the deferred captures' time in a c200 run, 0.54 → 1.60 s). Before the warm-up compiled
+them, the first step of each bucket with a plan ran eagerly and compiled the cascade kernels in
+the serving path (42 eager steps, 2.45 s of a 27.3 s shared-prompt c200 run on the H200).
 
 **Mixed-step graphs**: the model forward of any step of up to a bucket of tokens, replayed.
 Under steady serving load nearly every step is *mixed*: the running sequences' decodes plus a
@@ -122,9 +124,10 @@ class GraphSet:
     ``graphs`` and ``cascade_graphs`` hold the captures by bucket.
 
     A step asks :meth:`capture_pending` before its inputs are staged, then :meth:`ready` (which
-    asks for a missing cascade variant) and :meth:`replay`s when it says so; otherwise it runs
-    the same forward eagerly. A bucket whose capture failed has no graph and runs eagerly (the step
-    whose capture failed fails; a failed cascade variant is not asked for again)."""
+    captures a missing cascade variant on the staged inputs) and :meth:`replay`s when it says so;
+    otherwise it runs the same forward eagerly. A bucket whose capture failed has no graph and
+    runs eagerly (the step whose capture failed fails; a failed cascade variant is not tried
+    again)."""
 
     kind = "graph"
 
@@ -139,7 +142,6 @@ class GraphSet:
         self.capture_seconds = 0.0  # at load (warm-ups excluded)
         self.warmup_seconds = 0.0
         self.deferred: set[int] = set()  # buckets captured at their first use instead of at load
-        self.cascade_wanted: set[int] = set()  # buckets whose cascade variant a step asked for
         self.cascade_failed: set[int] = set()  # buckets whose cascade variant failed to capture
         self.deferred_capture_seconds = 0.0
         self.graphs: dict[int, _Graph] = {}
@@ -160,14 +162,16 @@ class GraphSet:
             self._stream = self._streams.take(self)
         return self._stream
 
-    def _capture_one(self, b: int, cascade: bool = False) -> None:
+    def _capture_one(self, b: int, cascade: bool = False, staged: bool = False) -> None:
         """One graph into the shared pool. Unlike ``torch.cuda.graph`` no synchronize, gc or
         empty_cache per graph: the inputs are written on the current stream before the capture
         stream starts recording, and nothing executes while it records. Thread-local mode: other
         threads' CUDA calls (a load thread's copies, NCCL's watchdog polling its events under
         tensor parallelism) must neither fail nor abort the capture; only this thread's work is
-        recorded in either mode."""
-        self._fill_padding(self.bufs, b)
+        recorded in either mode. ``staged``: a step's inputs are in the buffers, left as they are
+        (nothing runs during a capture); otherwise padding is written first."""
+        if not staged:
+            self._fill_padding(self.bufs, b)
         g = torch.cuda.CUDAGraph()
         self._capture_stream().wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
@@ -187,30 +191,39 @@ class GraphSet:
     def _warm(self, order: list[int]) -> None:
         """Run the largest and smallest bucket eagerly first: Triton compiles and cuBLAS
         workspace allocations cannot happen inside a capture (every kernel constant is a model
-        constant, so two sizes reach every compiled variant; a cascade variant is captured only
-        after an eager step of its own bucket ran its kernels)."""
-        for b in sorted({order[0], order[-1]}, reverse=True):
+        constant, so two sizes reach every compiled variant), and the cascade forward at the
+        largest and smallest bucket that can carry a plan (its variants are captured by the
+        steps that need them, on their staged inputs: nothing may compile then)."""
+        planned = [b for b in order if self._plans(self.bufs, b)]
+        runs = [(b, False) for b in sorted({order[0], order[-1]}, reverse=True)]
+        runs += [(b, True) for b in sorted({planned[0], planned[-1]}, reverse=True)] if planned else []
+        for b, cascade in runs:
             self._fill_padding(self.bufs, b)
-            self._forward(self.bufs, self.model, self.kv, b, False)
+            self._forward(self.bufs, self.model, self.kv, b, cascade)
         torch.cuda.synchronize(self.device)
 
     def capture_pending(self, bucket: int) -> None:
-        """Capture what a step of ``bucket`` waits for: its graph deferred to first use, and its
-        cascade variant if a step asked for it. Before the step's inputs are staged: a capture
-        writes padding into them."""
+        """Capture a step of ``bucket``'s graph if it was deferred to its first use. Before the
+        step's inputs are staged: this capture writes padding into them."""
         self.capture_deferred(bucket)
-        self.capture_cascade(bucket)
 
     def ready(self, bucket: int, cascade: bool = False) -> bool:
         """Whether a step of ``bucket`` can replay its graph (the cascade variant when the step
-        staged a plan). A missing variant of a captured bucket is asked for: this step runs
-        eagerly (compiling the variant's kernels outside any capture) and the variant is captured
-        before the bucket's next step, or while the engine is idle."""
+        staged a plan). A missing variant of a captured bucket is captured now, on the step's
+        staged inputs; one whose capture failed is not tried again (its steps run eagerly)."""
         if bucket in (self.cascade_graphs if cascade else self.graphs):
             return True
-        if cascade and bucket in self.graphs and bucket not in self.cascade_failed:
-            self.cascade_wanted.add(bucket)
-        return False
+        if not cascade or bucket not in self.graphs or bucket in self.cascade_failed:
+            return False
+        t = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self._capture_one(bucket, cascade=True, staged=True)
+        except RuntimeError as e:
+            self.cascade_failed.add(bucket)
+            raise CudaGraphError(f"{self.kind} capture of bucket {bucket} (cascade) failed: {e}") from e
+        self.deferred_capture_seconds += time.perf_counter() - t
+        return True
 
     def replay(self, bucket: int, cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the bucket's graph (its cascade variant: the step staged a plan) on the inputs in
@@ -220,21 +233,6 @@ class GraphSet:
             raise CudaGraphError(f"no {self.kind} for bucket {bucket}" + (" (cascade)" if cascade else ""))
         g.graph.replay()
         return g.logits, g.ids
-
-    @torch.inference_mode()
-    def capture_cascade(self, bucket: int) -> None:
-        """Capture the cascade variant a step of ``bucket`` asked for (before the next step's
-        inputs are staged: a capture writes padding into them)."""
-        if bucket not in self.cascade_wanted:
-            return
-        self.cascade_wanted.discard(bucket)
-        t = time.perf_counter()
-        try:
-            self._capture_one(bucket, cascade=True)
-        except RuntimeError as e:
-            self.cascade_failed.add(bucket)  # never asked for again: its steps with a plan stay eager
-            raise CudaGraphError(f"{self.kind} capture of bucket {bucket} (cascade) failed: {e}") from e
-        self.deferred_capture_seconds += time.perf_counter() - t
 
     @torch.inference_mode()
     def capture_deferred(self, bucket: int) -> None:
@@ -255,6 +253,11 @@ class GraphSet:
         raise NotImplementedError
 
     @staticmethod
+    def _plans(bufs: StepBuffers, bucket: int) -> bool:  # pragma: no cover - abstract
+        """Whether a step of ``bucket`` can carry a cascade plan (so has a variant)."""
+        raise NotImplementedError
+
+    @staticmethod
     def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int, cascade: bool):  # pragma: no cover
         raise NotImplementedError
 
@@ -263,6 +266,10 @@ class DecodeGraphs(GraphSet):
     """The captured decode graphs of one runner, by batch bucket."""
 
     kind = "decode graph"
+
+    @staticmethod
+    def _plans(bufs: StepBuffers, bucket: int) -> bool:
+        return bufs.cascade_tiles_for(bucket) > 0
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:
@@ -313,6 +320,10 @@ class MixedGraphs(GraphSet):
     """The captured mixed-step graphs of one runner, by token bucket."""
 
     kind = "mixed-step graph"
+
+    @staticmethod
+    def _plans(bufs: StepBuffers, bucket: int) -> bool:
+        return bufs.cascade_tiles_for(bufs.max_seqs) > 0  # a mixed step's plan covers every sequence slot
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:

@@ -157,16 +157,13 @@ class ModelRunner:
         return time.perf_counter() - t
 
     def capture_next_deferred(self) -> bool:
-        """Capture the largest graph still deferred, or a cascade variant a step asked for
-        (decode first, then mixed); False when none is left. The engine calls this while it is idle, so the first busy steps after a load
+        """Capture the largest graph still deferred (decode first, then mixed); False when none
+        is left. The engine calls this while it is idle, so the first busy steps after a load
         need not stop for captures (each one a few ms of host and device time)."""
         for graphs in (self.graphs, self.mixed):
-            if graphs is not None and (graphs.deferred or graphs.cascade_wanted):
+            if graphs is not None and graphs.deferred:
                 with self._on_last():
-                    if graphs.deferred:
-                        graphs.capture_deferred(max(graphs.deferred))
-                    else:
-                        graphs.capture_cascade(max(graphs.cascade_wanted))
+                    graphs.capture_deferred(max(graphs.deferred))
                 return True
         return False
 
@@ -353,16 +350,17 @@ class ModelRunner:
         step = self.prepare(out, pad_to=pad, pad_tokens=mixed)
         self._prev_ids, self._prev_rows = None, {}
         ids = None
-        graph = graphs is not None and graphs.ready(bucket, step.meta.cascade is not None)
+        planned = step.meta.cascade is not None  # the step staged a cascade plan
+        graph = graphs is not None and graphs.ready(bucket, planned)
         if graph:
-            logits, ids = graphs.replay(bucket, step.meta.cascade is not None)
+            logits, ids = graphs.replay(bucket, planned)
             if graphs is self.graphs:
                 self.graph_steps += 1
             else:
                 self.mixed_graph_steps += 1
         elif mixed is not None:  # no graph for it (yet): the forward its capture records, eagerly
-            logits, ids = MixedGraphs._forward(self.bufs, self.model, self.kv, mixed, step.meta.cascade is not None)
-        elif step.sample_entries:  # unpadded, or a padded decode step waiting for its cascade variant
+            logits, ids = MixedGraphs._forward(self.bufs, self.model, self.kv, mixed, planned)
+        elif step.sample_entries:  # unpadded, or a padded decode step whose bucket has no (cascade) graph
             logits = self.forward_logits(step)
         else:  # a prefill chunk that samples nothing
             self.model(step.input_ids, step.positions, self.kv, step.meta)

@@ -6,7 +6,7 @@
 # tree too, in the same call (an A/B of a change); one layer's decode attention with and without a
 # cascade plan (cascade_probe.py); the scheduler's host cost with and without the index. Results
 # are archived to $OUT/all.tgz after each part.
-# Usage (repo root, on the GPU machine):  . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/prefix_cache.sh [parts...]
+# Usage (repo root, on the GPU machine):  . ops/gpu/env.sh; [OLD=.old/C] [CONTROL=] bash ops/gpu/prefix_cache.sh [parts...]
 #   parts: tests shared old offline multiturn multiturn8 plain oldplain probe sched
 #   (default: tests shared offline multiturn plain sched)
 set -u
@@ -17,30 +17,28 @@ status=0
 [ -f "$M/config.json" ] || timeout 120 python3 -m agent.cli make-model --arch llama --preset llama-3.1-8b --out "$M" \
   --device cuda > "$OUT/make_model.txt" 2>&1 || status=1
 SERVE=(--concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096 --max-model-len 4096)
-bench() {  # bench NAME SECONDS ARGS...
-  local name=$1 secs=$2; shift 2
-  timeout "$secs" python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda --prefix-caching both \
-    --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1 || status=1
+bench() {  # bench NAME SECONDS TREE MODE ARGS...: engine_bench in TREE with --prefix-caching MODE
+  local name=$1 secs=$2 tree=$3 mode=$4; shift 4
+  [ -n "$tree" ] || { echo "part $name needs OLD=<tree>" >&2; status=1; return; }
+  (cd "$tree" && timeout "$secs" python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda \
+    --prefix-caching "$mode" --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1) || status=1
 }
-old_bench() {  # old_bench NAME SECONDS ARGS...: caching on, in the OLD tree
-  local name=$1 secs=$2; shift 2
-  [ -n "${OLD:-}" ] || { echo "part $name needs OLD=<tree>" >&2; status=1; return; }
-  (cd "$OLD" && timeout "$secs" python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda --prefix-caching on \
-    --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1) || status=1
-}
+# the shared part's control (caching off at this concurrency; CONTROL= leaves it out)
+CONTROL=${CONTROL-150}
 for part in ${*:-tests shared offline multiturn plain sched}; do
   case $part in
     tests) timeout 200 python3 -m pytest -q tests/gpu > "$OUT/tests_gpu.txt" 2>&1 || status=1 ;;
     shared)  # with a control: caching off at c150, how much batch composition alone moves greedy tokens
-      bench shared_c200 300 --workload shared-system --num-requests 1000 "${SERVE[@]}" --control-concurrency 150 ;;
-    old) old_bench shared_c200_old 150 --workload shared-system --num-requests 1000 "${SERVE[@]}" ;;
+      bench shared_c200 300 . both --workload shared-system --num-requests 1000 "${SERVE[@]}" \
+        ${CONTROL:+--control-concurrency $CONTROL} ;;
+    old) bench shared_c200_old 150 "${OLD:-}" on --workload shared-system --num-requests 1000 "${SERVE[@]}" ;;
     offline)
-      bench shared_offline 240 --workload shared-system --num-requests 1000 --max-num-seqs 512 \
+      bench shared_offline 240 . both --workload shared-system --num-requests 1000 --max-num-seqs 512 \
         --max-num-batched-tokens 16384 --max-model-len 4096 ;;
-    multiturn) bench multiturn 300 --workload multi-turn --num-requests 200 --turns 5 "${SERVE[@]}" ;;
-    multiturn8) bench multiturn8 300 --workload multi-turn --num-requests 200 --turns 8 "${SERVE[@]}" ;;
-    plain) bench plain_c200 240 --num-requests 1000 "${SERVE[@]}" ;;
-    oldplain) old_bench plain_c200_old 120 --num-requests 1000 "${SERVE[@]}" ;;  # what the change costs with nothing shared
+    multiturn) bench multiturn 300 . both --workload multi-turn --num-requests 200 --turns 5 "${SERVE[@]}" ;;
+    multiturn8) bench multiturn8 300 . both --workload multi-turn --num-requests 200 --turns 8 "${SERVE[@]}" ;;
+    plain) bench plain_c200 240 . both --num-requests 1000 "${SERVE[@]}" ;;
+    oldplain) bench plain_c200_old 120 "${OLD:-}" on --num-requests 1000 "${SERVE[@]}" ;;  # what the change costs with nothing shared
     probe) timeout 120 python3 ops/gpu/cascade_probe.py "$OUT/cascade_probe.json" > "$OUT/cascade_probe.txt" 2>&1 || status=1 ;;
     sched) python3 -m ops.bench.sched_bench --running 512 --steps 200 > "$OUT/sched_bench.txt" 2>&1 || status=1 ;;
   esac

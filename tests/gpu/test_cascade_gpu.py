@@ -91,6 +91,9 @@ def test_forks_of_one_prompt_run_through_cascade_graphs(tmp_path_factory):
         runner = core.slot("m").runner
         assert (runner.graph_steps > 0) == graphs
         assert bool(graphs and runner.graphs.cascade_graphs) == graphs  # buckets 16-32: both variants
+        # 15 decode steps (16 tokens, the first from the prefill), every one replayed: the first
+        # with a plan captured its variant (kernels compiled at load) instead of running eagerly
+        assert runner.graph_steps == (15 if graphs else 0)
         got[graphs], planned[graphs] = toks, runner.cascade_rows
         del core, runner
     assert planned[True] >= 20 * 10 and planned[False] >= 20 * 10

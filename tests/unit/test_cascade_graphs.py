@@ -1,7 +1,7 @@
 """The runner's cascade graph variants (engine/runner/cuda_graphs.py, "Cascade variants"), on CPU
-with a stand-in graph set that runs each captured forward eagerly: a step with a plan and no
-variant of its bucket runs eagerly and asks for one; the variant is captured before the next
-step's inputs are staged; later steps replay it; tokens are the torch reference's throughout."""
+with a stand-in graph set that runs each captured forward eagerly: the first step with a plan in
+a bucket captures the bucket's variant on its staged inputs and replays it, as do the later ones;
+tokens are the torch reference's throughout."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _run(model_dir, monkeypatch, mode: str, stand_in: bool):
     return [o.token_ids for o in outs], fake, runner
 
 
-def test_a_cascade_variant_is_captured_after_an_eager_step_and_then_replayed(make_tiny_model, monkeypatch):
+def test_the_first_step_with_a_plan_captures_its_variant_and_replays_it(make_tiny_model, monkeypatch):
     model_dir = make_tiny_model("llama")
     want, _, _ = _run(model_dir, monkeypatch, "torch", stand_in=False)
     got, fake, runner = _run(model_dir, monkeypatch, "triton", stand_in=True)
@@ -50,19 +50,20 @@ def test_a_cascade_variant_is_captured_after_an_eager_step_and_then_replayed(mak
     assert runner.cascade_rows >= 18 * 4
     ev = fake.events
     captures = [i for i, e in enumerate(ev) if e[0] == "capture"]
-    assert [ev[i][1] for i in captures] == [24]  # 18 decode rows: bucket 24, asked for once
-    cascade_replays = [i for i, e in enumerate(ev) if e == ("replay", 24, True)]
-    assert cascade_replays and min(cascade_replays) > captures[0]  # only after its capture
-    assert not fake.cascade_wanted
+    assert [ev[i] for i in captures] == [("capture", 24, True)]  # 18 decode rows: bucket 24, once
+    assert ev[captures[0] + 1] == ("replay", 24, True)  # the step that captured it replays it
     # the plain graphs never replayed a step that had a plan (the stand-in asserts the variant)
     assert ("replay", 24, False) not in ev[captures[0]:]
+    assert fake.staged == [24]  # captured on that step's inputs
+    # every step with a plan replayed the variant: none ran eagerly first
+    assert runner.cascade_steps == sum(1 for e in ev if e[0] == "replay" and e[2])
 
 
-def test_mixed_steps_with_a_plan_run_eagerly_then_replay_their_variant(make_tiny_model, monkeypatch):
+def test_mixed_steps_with_a_plan_capture_their_variant_and_replay_it(make_tiny_model, monkeypatch):
     """Prompts arriving while others decode (mixed steps: one-token rows over the shared pages
-    beside prefill chunks): the first mixed step of a bucket with a plan runs the forward its
-    variant will capture, eagerly (its sequence slots past the step empty, as a replay has them),
-    the variant is captured next, and every token is the reference's."""
+    beside prefill chunks): the first mixed step of a bucket with a plan captures the variant
+    on its staged inputs (its sequence slots past the step empty, as a replay has them) and
+    replays it, and every token is the reference's."""
     model_dir = make_tiny_model("llama")
     shared = [(i * 5) % 40 + 3 for i in range(40)]
     prompts = [shared + [60 + i] * (1 + i % 3) for i in range(16)]
@@ -84,27 +85,31 @@ def test_mixed_steps_with_a_plan_run_eagerly_then_replay_their_variant(make_tiny
     assert got["triton"] == got["torch"]
     captured = [e[1] for e in events if e[0] == "capture"]
     assert captured, events
-    first = events.index(("capture", captured[0], True))
-    assert ("replay", captured[0], True) in events[first:]
-    assert all(e != ("replay", b, True) for b in captured for e in events[:first])
+    assert fake.staged == captured  # each on the staged inputs of the step that needed it
+    for b in captured:
+        first = events.index(("capture", b, True))
+        assert events[first + 1] == ("replay", b, True)
+        assert ("replay", b, True) not in events[:first]
 
 
-def test_a_cascade_variant_that_failed_to_capture_is_not_asked_for_again():
-    """The capture of a variant fails (the step that waited for it fails with it); later steps
-    with a plan run eagerly instead of asking again (and failing every other step)."""
+def test_a_cascade_variant_that_failed_to_capture_is_not_tried_again():
+    """The capture of a variant fails (the step that needed it fails with it); later steps with
+    a plan run eagerly instead of trying again (and failing every other step)."""
     from types import SimpleNamespace
 
     from engine.runner.cuda_graphs import CudaGraphError
 
     g = StandInGraphs(SimpleNamespace(bufs=None, model=None, kv=None), DecodeGraphs, (16,))
+    tries = []
 
-    def boom(b, cascade=False):
+    def boom(b, cascade=False, staged=False):
+        tries.append((b, cascade, staged))
         raise RuntimeError("graph pool exhausted")
 
     g._capture_one = boom
-    assert not g.ready(16, cascade=True) and g.cascade_wanted == {16}
     with pytest.raises(CudaGraphError, match="cascade"):
-        g.capture_pending(16)
-    assert not g.ready(16, cascade=True) and not g.cascade_wanted
-    g.capture_pending(16)  # nothing pending: no capture, no error
+        g.ready(16, cascade=True)
+    assert tries == [(16, True, True)]  # on the step's staged inputs
+    assert not g.ready(16, cascade=True) and len(tries) == 1
     assert g.ready(16)  # its plain graph still replays
+    assert not g.ready(32, cascade=True) and len(tries) == 1  # a bucket without a graph: no variant
