@@ -196,7 +196,7 @@ class GraphSet:
         steps that need them, on their staged inputs: nothing may compile then)."""
         planned = [b for b in order if self._plans(self.bufs, b)]
         runs = [(b, False) for b in sorted({order[0], order[-1]}, reverse=True)]
-        runs += [(b, True) for b in sorted({planned[0], planned[-1]}, reverse=True)] if planned else []
+        runs += [(b, True) for b in self._cascade_warm(planned)]
         for b, cascade in runs:
             self._fill_padding(self.bufs, b)
             self._forward(self.bufs, self.model, self.kv, b, cascade)
@@ -256,6 +256,12 @@ class GraphSet:
     def _plans(bufs: StepBuffers, bucket: int) -> bool:  # pragma: no cover - abstract
         """Whether a step of ``bucket`` can carry a cascade plan (so has a variant)."""
         raise NotImplementedError
+
+    @staticmethod
+    def _cascade_warm(planned: list[int]) -> list[int]:
+        """Of the buckets that can carry a plan (largest first), those whose eager cascade
+        forward compiles every kernel form a variant can launch."""
+        return sorted({planned[0], planned[-1]}, reverse=True) if planned else []
 
     @staticmethod
     def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int, cascade: bool):  # pragma: no cover
@@ -324,6 +330,10 @@ class MixedGraphs(GraphSet):
     @staticmethod
     def _plans(bufs: StepBuffers, bucket: int) -> bool:
         return bufs.cascade_tiles_for(bufs.max_seqs) > 0  # a mixed step's plan covers every sequence slot
+
+    @staticmethod
+    def _cascade_warm(planned: list[int]) -> list[int]:
+        return planned[-1:]  # whatever the bucket, the same kernels over max_seqs rows: the cheapest
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:

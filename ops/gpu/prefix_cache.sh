@@ -20,7 +20,9 @@ SERVE=(--concurrency 200 --max-num-seqs 256 --max-num-batched-tokens 4096 --max-
 bench() {  # bench NAME SECONDS TREE MODE ARGS...: engine_bench in TREE with --prefix-caching MODE
   local name=$1 secs=$2 tree=$3 mode=$4; shift 4
   [ -n "$tree" ] || { echo "part $name needs OLD=<tree>" >&2; status=1; return; }
-  (cd "$tree" && timeout "$secs" python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda \
+  # the commit a result records: the tree's own (the OLD tree carries its COMMIT file)
+  (cd "$tree" && export INFIRE_COMMIT=$(cat COMMIT 2>/dev/null || echo "${INFIRE_COMMIT:-}") &&
+    timeout "$secs" python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda \
     --prefix-caching "$mode" --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1) || status=1
 }
 # the shared part's control (caching off at this concurrency; CONTROL= leaves it out)
