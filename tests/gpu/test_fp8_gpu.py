@@ -170,6 +170,31 @@ def test_pre_quantized_checkpoints_load_on_the_gpu(layout, small_llama, tmp_path
         assert torch.equal(got.view(torch.uint8).cpu(), q.view(torch.uint8))
 
 
+def test_a_model_calibrated_on_the_gpu_serves_close_to_bf16(small_llama, tmp_path):
+    """engine/weights/calibrate.py on CUDA (float32 prefill for the grams, GPTQ on the device),
+    then its checkpoint served in bf16 with graphs beside the unquantized model."""
+    from engine.core.engine_core import EngineCore
+    from engine.sampling import SamplingParams
+    from engine.weights.calibrate import calibrate
+    from ops.bench.fp8_accuracy import prefill_logits
+
+    ids = torch.randint(3, 400, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
+    calibrate(small_llama, tmp_path / "cal", ids, window=256, device="cuda")
+    prompts = [list(range(3, 60)), list(range(100, 400, 7))]
+    core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0)
+    core.load_model("bf16", small_llama, max_model_len=512, max_num_seqs=8)
+    core.load_model("cal", tmp_path / "cal", max_model_len=512, max_num_seqs=8)
+    assert core.slot("cal").model.quantization == "fp8"
+    cos = torch.nn.functional.cosine_similarity(prefill_logits(core, "cal", prompts),
+                                                prefill_logits(core, "bf16", prompts), dim=-1)
+    assert cos.min().item() >= 0.99, cos.min().item()
+    core.add_request("g", "cal", prompts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    n = 0
+    while core.has_unfinished_requests():
+        n += sum(len(o.new_token_ids) for o in core.step())
+    assert n == 8
+
+
 @pytest.mark.parametrize("case", ["decode-split", "decode", "prefill", "mixed"])
 def test_attention_over_an_e4m3_cache_matches_the_reference(case):
     """bf16 q over an e4m3 cache on the GPU: float16 dots, V widened by the inline-assembly
