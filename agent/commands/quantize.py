@@ -11,14 +11,12 @@ from pathlib import Path
 MAX_TEXT_BYTES = 64 << 20
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text}")
-    return value
+def _token_count(text: str) -> int:
+    from engine.weights.calibrate import MAX_TOKENS, MIN_TOKENS
+
+    if not text.isdigit() or not MIN_TOKENS <= int(text) <= MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"tokens must be an integer in [{MIN_TOKENS}, {MAX_TOKENS}]: {text!r}")
+    return int(text)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="the folder to write (must not exist)")
     p.add_argument("--calibration", required=True,
                    help="a UTF-8 text file like what the model will serve (tokenized with the model's tokenizer)")
-    p.add_argument("--tokens", type=_positive, default=4096, help="calibration tokens used (default 4096)")
+    p.add_argument("--tokens", type=_token_count, default=4096, help="calibration tokens used (default 4096)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the float32 calibration runs (an 8B needs a GPU: ~60 GB)")
     p.set_defaults(func=run)

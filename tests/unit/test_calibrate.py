@@ -127,3 +127,13 @@ def test_an_8b_calibration_is_sized_before_it_loads():
     cfg = parse_config(model_config("llama", "llama-3.1-8b", 128256, defaultdict(int)))
     gib = calibration_bytes(cfg) / 2**30
     assert 50 < gib < 65, gib
+
+
+@pytest.mark.parametrize("tokens", ["10", "-5", "many", str(1 << 30)])
+def test_the_quantize_command_bounds_its_token_count(tiny_llama_dir, tmp_path, capsys, tokens):
+    from agent.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["quantize", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "q"), "--calibration", "x",
+              "--tokens", tokens])
+    assert e.value.code == 2 and "tokens must be an integer" in capsys.readouterr().err
