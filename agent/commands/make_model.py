@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         if args.quantize:
             import shutil
 
-            from modelgen.fp8_checkpoint import quantize_folder
+            from engine.weights.fp8_writer import quantize_folder
 
             try:
                 out = quantize_folder(out, args.out, args.fp8_layout)

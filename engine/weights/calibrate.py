@@ -160,7 +160,7 @@ def calibrate(model_dir: str | Path, out: str | Path, token_ids: list[int], *, w
     """Write ``model_dir`` (unquantized) at ``out`` as a calibrated FP8 checkpoint; a report of
     what was done. ``out`` must not exist; nothing is left there when this fails."""
     from engine.core.engine_core import EngineCore
-    from modelgen.fp8_checkpoint import quantize_folder
+    from engine.weights.fp8_writer import quantize_folder
 
     if not MIN_TOKENS <= len(token_ids) <= MAX_TOKENS:
         raise CalibrationError(f"calibration needs {MIN_TOKENS}..{MAX_TOKENS} tokens, got {len(token_ids)}")

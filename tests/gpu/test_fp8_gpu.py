@@ -151,7 +151,7 @@ def test_pre_quantized_checkpoints_load_on_the_gpu(layout, small_llama, tmp_path
     from safetensors.torch import load_file
 
     from engine.core.engine_core import EngineCore
-    from modelgen.fp8_checkpoint import quantize_folder
+    from engine.weights.fp8_writer import quantize_folder
     from ops.bench.fp8_accuracy import prefill_logits
 
     ck = quantize_folder(small_llama, tmp_path / layout, layout)

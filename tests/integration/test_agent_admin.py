@@ -24,7 +24,7 @@ def daemon(make_tiny_model, tmp_path_factory):
     url = publish_tiny(make_tiny_model, tmp / "store", MODEL)
     from cache.publish import publish_model
     from cache.store import open_store
-    from modelgen.fp8_checkpoint import quantize_folder
+    from engine.weights.fp8_writer import quantize_folder
 
     store = open_store(url)
     try:  # a pre-quantized FP8 checkpoint beside it

@@ -1,4 +1,4 @@
-"""Pre-quantized FP8 checkpoints in the hub's layouts (modelgen/fp8_checkpoint.py writes them,
+"""Pre-quantized FP8 checkpoints in the hub's layouts (engine/weights/fp8_writer.py writes them,
 engine/weights/fp8_checkpoint.py reads them), on the CPU reference path: each layout loads as an
 FP8 model whatever the load asked, tracks the unquantized model, and every malformed scale or
 misplaced e4m3 tensor is refused naming the tensor, with nothing loaded and nothing booked."""
@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from engine.core.engine_core import EngineCore
 from engine.errors import ModelConfigError, WeightsError
 from engine.kernels import fp8_format as fmt
-from modelgen.fp8_checkpoint import LAYOUTS, quantize_folder
+from engine.weights.fp8_writer import LAYOUTS, quantize_folder
 from ops.bench.fp8_accuracy import prefill_logits
 from tests.integration.agent_harness import REPO
 

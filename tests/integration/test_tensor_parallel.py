@@ -289,7 +289,7 @@ def test_unsplittable_models_are_refused(make_tiny_model):
 def test_fp8_checkpoints_are_refused_before_any_rank_loads(make_tiny_model, tmp_path):
     from engine.parallel.group import TPConfigError
     from engine.parallel.shard import plan_shards
-    from modelgen.fp8_checkpoint import quantize_folder
+    from engine.weights.fp8_writer import quantize_folder
 
     cfg = load_model_config(quantize_folder(make_tiny_model("llama"), tmp_path / "fp8", "channel"))
     with pytest.raises(TPConfigError, match="pre-quantized FP8 checkpoint .*channel.* one GPU"):

@@ -69,7 +69,7 @@ def test_a_calibrated_checkpoint_is_compressed_tensors_and_serves_close_to_the_u
 @pytest.mark.parametrize("case", ["few tokens", "outside the vocabulary", "out exists", "quantized", "memory"])
 def test_bad_calibration_inputs_are_refused_and_nothing_is_written(tiny_llama_dir, tmp_path, case, monkeypatch):
     from engine.weights import calibrate as mod
-    from modelgen.fp8_checkpoint import quantize_folder
+    from engine.weights.fp8_writer import quantize_folder
 
     ids, out, model = list(range(3, 303)), tmp_path / "cal", tiny_llama_dir
     if case == "few tokens":

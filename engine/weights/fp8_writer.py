@@ -1,5 +1,7 @@
-"""Write a model folder as a pre-quantized FP8 checkpoint in a hub layout (for tests and benches):
-``quantize_folder(src, out, layout)``, from a bf16/float32 folder.
+"""Write a model folder as a pre-quantized FP8 checkpoint in a hub layout:
+``quantize_folder(src, out, layout)``, from a bf16/float32 folder — rounded to nearest
+(``make-model --quantize fp8``, tests and benches), or with the calibrated tensors
+engine/weights/calibrate.py hands in (``replace``; ``infire-agent quantize``).
 
 Layouts (what engine/weights/fp8_checkpoint.py reads):
 - ``channel`` / ``tensor``: compressed-tensors ``float-quantized``: ``P.weight`` e4m3 and
