@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a UTF-8 text file like what the model will serve (tokenized with the model's tokenizer)")
     p.add_argument("--tokens", type=_token_count, default=4096, help="calibration tokens used (default 4096)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the float32 calibration runs (an 8B needs a GPU: ~60 GB)")
+                   help="where the float32 calibration runs (an 8B needs a GPU with ~70 GB free)")
     p.set_defaults(func=run)
 
 

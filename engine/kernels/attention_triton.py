@@ -357,6 +357,19 @@ def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count
     return triton.cdiv(max(max_seq_len, 1), part), part
 
 
+def decode_forms(batches: list[int], head_dim: int, dtype: torch.dtype, num_kv_heads: int, max_seq_len: int,
+                 device: torch.device) -> list[int]:
+    """One batch size of ``batches`` per compiled form of the decode path (unsplit, or split with
+    its reduce's ``BLOCK_S``), largest first: running those eagerly compiles every kernel a graph
+    of any of ``batches`` launches (a graph's decode runs with ``max_seq_len``)."""
+    block_n = 64 if head_dim <= 128 and dtype != torch.float32 else 32
+    forms: dict[int, int] = {}
+    for b in sorted(batches, reverse=True):
+        splits, _ = decode_splits(b, num_kv_heads, max_seq_len, block_n, _sm_count(device))
+        forms.setdefault(0 if splits == 1 else triton.next_power_of_2(splits), b)
+    return sorted(forms.values(), reverse=True)
+
+
 # The shared prefix of a cascade tile is read in this many partitions, one program each: a
 # group's few tiles × KV heads alone are too few programs for the chip, and each would walk the
 # whole prefix in sequence (a first H200 run with one program a tile gained nothing on decode

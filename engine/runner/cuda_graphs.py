@@ -11,9 +11,8 @@ the bucket, and the greedy argmax, written into the step buffers' one pair (``gr
 sampler eagerly on the graph's logits. Mixed prefill+decode steps never use them.
 
 Capture: the Triton kernels and cuBLAS are warmed up eagerly at the largest and the smallest
-bucket first (compiles and workspace allocations cannot happen inside a capture; every kernel
-shape constant is a model constant, so two warm-ups reach every compiled variant: the decode
-reduce only runs when a bucket is small enough to split), then the largest bucket and the
+bucket first (workspace allocations cannot happen inside a capture; the decode reduce's block
+follows the split count, so buckets between compile theirs inside their capture, at load), then the largest bucket and the
 buckets not deferred are captured, largest first, into one shared memory pool, so the smaller
 graphs reuse the largest one's activations. Deferred buckets (the runner defers those above
 ``engine.runner.model_runner.GRAPHS_AT_LOAD_MAX``) are captured into the same pool by
@@ -27,8 +26,8 @@ Padding rows (slot -1, one token at position 0 of page 0) write nothing and are 
 **Cascade variants.** A bucket whose steps can carry a cascade plan (engine/runner/cascade.py: 16
 rows and more, on the Triton kernels; every mixed bucket then) may get a second graph that
 launches the cascade kernel over the plan's static tile grid and merges it. The warm-up runs the
-cascade forward too (at the largest and the smallest bucket that can carry a plan: the decode
-kernel's split and unsplit forms), so its kernels are compiled at load, and a variant is then
+cascade forward too (at one bucket of each form the decode kernels take: unsplit, and split with
+the reduce's block over the splits), so its kernels are compiled at load, and a variant is then
 captured by the first step that needs it, on that step's staged inputs (a capture runs nothing,
 so they survive it), and replayed at once. A workload that shares nothing never captures one,
 and loads capture no more than before (on the H200 capturing both variants of every bucket
@@ -70,6 +69,7 @@ its runner does): they hold the buffers, the model and its KV cache.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -82,6 +82,8 @@ from engine.runner.step_buffers import StepBuffers
 
 if TYPE_CHECKING:
     from engine.runner.streams import StreamPool
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -123,11 +125,11 @@ class GraphSet:
     cascade)`` (what is recorded: it returns (logits, ids), prefixes of the buffers' pair);
     ``graphs`` and ``cascade_graphs`` hold the captures by bucket.
 
-    A step asks :meth:`capture_pending` before its inputs are staged, then :meth:`ready` (which
+    A step asks :meth:`capture_deferred` before its inputs are staged, then :meth:`ready` (which
     captures a missing cascade variant on the staged inputs) and :meth:`replay`s when it says so;
     otherwise it runs the same forward eagerly. A bucket whose capture failed has no graph and
-    runs eagerly (the step whose capture failed fails; a failed cascade variant is not tried
-    again)."""
+    runs eagerly (a deferred bucket's failure fails the step that needed it; a failed cascade
+    variant does not: that step runs eagerly, and the variant is not tried again)."""
 
     kind = "graph"
 
@@ -189,11 +191,12 @@ class GraphSet:
         (self.cascade_graphs if cascade else self.graphs)[b] = _Graph(g, *outputs)
 
     def _warm(self, order: list[int]) -> None:
-        """Run the largest and smallest bucket eagerly first: Triton compiles and cuBLAS
-        workspace allocations cannot happen inside a capture (every kernel constant is a model
-        constant, so two sizes reach every compiled variant), and the cascade forward at the
-        largest and smallest bucket that can carry a plan (its variants are captured by the
-        steps that need them, on their staged inputs: nothing may compile then)."""
+        """Run the largest and smallest bucket eagerly first (cuBLAS workspace allocations
+        cannot happen inside a capture; kernels compile outside it), and the cascade forward at
+        one bucket of each decode form that can carry a plan: its variants are captured by
+        serving steps, on their staged inputs, and a compile there would stall the step. (The
+        plain decode graphs of the few-row buckets, whose reduce differs by split count, still
+        compile theirs inside their captures, at load: a thread-local capture allows it.)"""
         planned = [b for b in order if self._plans(self.bufs, b)]
         runs = [(b, False) for b in sorted({order[0], order[-1]}, reverse=True)]
         runs += [(b, True) for b in self._cascade_warm(planned)]
@@ -202,15 +205,11 @@ class GraphSet:
             self._forward(self.bufs, self.model, self.kv, b, cascade)
         torch.cuda.synchronize(self.device)
 
-    def capture_pending(self, bucket: int) -> None:
-        """Capture a step of ``bucket``'s graph if it was deferred to its first use. Before the
-        step's inputs are staged: this capture writes padding into them."""
-        self.capture_deferred(bucket)
-
     def ready(self, bucket: int, cascade: bool = False) -> bool:
         """Whether a step of ``bucket`` can replay its graph (the cascade variant when the step
         staged a plan). A missing variant of a captured bucket is captured now, on the step's
-        staged inputs; one whose capture failed is not tried again (its steps run eagerly)."""
+        staged inputs (a capture runs nothing, so they are intact whatever happens); one whose
+        capture failed is logged, never tried again, and its steps run eagerly."""
         if bucket in (self.cascade_graphs if cascade else self.graphs):
             return True
         if not cascade or bucket not in self.graphs or bucket in self.cascade_failed:
@@ -219,9 +218,11 @@ class GraphSet:
         try:
             with torch.inference_mode():
                 self._capture_one(bucket, cascade=True, staged=True)
-        except RuntimeError as e:
+        except Exception as e:  # noqa: BLE001 - any failure: this bucket's plans run eagerly
             self.cascade_failed.add(bucket)
-            raise CudaGraphError(f"{self.kind} capture of bucket {bucket} (cascade) failed: {e}") from e
+            log.warning("%s capture of bucket %d (cascade) failed; its steps with a plan run eagerly: %s",
+                        self.kind, bucket, e)
+            return False
         self.deferred_capture_seconds += time.perf_counter() - t
         return True
 
@@ -257,11 +258,10 @@ class GraphSet:
         """Whether a step of ``bucket`` can carry a cascade plan (so has a variant)."""
         raise NotImplementedError
 
-    @staticmethod
-    def _cascade_warm(planned: list[int]) -> list[int]:
+    def _cascade_warm(self, planned: list[int]) -> list[int]:  # pragma: no cover - abstract
         """Of the buckets that can carry a plan (largest first), those whose eager cascade
-        forward compiles every kernel form a variant can launch."""
-        return sorted({planned[0], planned[-1]}, reverse=True) if planned else []
+        forwards compile every kernel form a variant can launch."""
+        raise NotImplementedError
 
     @staticmethod
     def _forward(bufs: StepBuffers, model: Any, kv: KVCache, bucket: int, cascade: bool):  # pragma: no cover
@@ -276,6 +276,18 @@ class DecodeGraphs(GraphSet):
     @staticmethod
     def _plans(bufs: StepBuffers, bucket: int) -> bool:
         return bufs.cascade_tiles_for(bucket) > 0
+
+    def _cascade_warm(self, planned: list[int]) -> list[int]:
+        """One bucket per form of the decode kernels (unsplit, or split with the reduce's block
+        over the splits; the split count falls as the batch grows): on the H200 with the 8B,
+        16 (4 splits), 24 (2) and the largest (unsplit)."""
+        if not planned:
+            return []
+        from engine.kernels.attention_triton import decode_forms
+
+        cfg = self.model.cfg
+        return decode_forms(planned, cfg.head_dim, self.model.dtype, cfg.num_kv_heads, self.bufs.max_model_len,
+                            self.device)
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:
@@ -331,8 +343,7 @@ class MixedGraphs(GraphSet):
     def _plans(bufs: StepBuffers, bucket: int) -> bool:
         return bufs.cascade_tiles_for(bufs.max_seqs) > 0  # a mixed step's plan covers every sequence slot
 
-    @staticmethod
-    def _cascade_warm(planned: list[int]) -> list[int]:
+    def _cascade_warm(self, planned: list[int]) -> list[int]:
         return planned[-1:]  # whatever the bucket, the same kernels over max_seqs rows: the cheapest
 
     @staticmethod

@@ -346,7 +346,7 @@ class ModelRunner:
             if mixed is not None:
                 graphs, bucket, pad = self.mixed, mixed, None
         if graphs is not None:
-            graphs.capture_pending(bucket)  # before prepare: a capture writes the input buffers
+            graphs.capture_deferred(bucket)  # before prepare: this capture writes padding into the inputs
         step = self.prepare(out, pad_to=pad, pad_tokens=mixed)
         self._prev_ids, self._prev_rows = None, {}
         ids = None

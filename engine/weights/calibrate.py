@@ -19,8 +19,9 @@ activations' own per-token e4m3 rounding at serving is unchanged: on that model 
 top-1 agreement at ~93 %.
 
 ``calibrate(model_dir, out, token_ids)``: the caller gives the tokens (``infire-agent quantize``
-tokenizes a text file). Float32 on ``device``: the grams of an 8B take ~27 GB (its down
-projection's inputs are 14,336 wide), so an 8B calibrates on a GPU, a small model anywhere.
+tokenizes a text file). Float32 on ``device``: an 8B's weights take 32 GB and its grams 33 GB
+(its down projections' inputs are 14,336 wide), so an 8B calibrates on a GPU, a small model
+anywhere; :func:`calibration_bytes` sizes it before anything loads.
 """
 
 from __future__ import annotations
@@ -62,9 +63,22 @@ def gptq_e4m3(w: torch.Tensor, gram: torch.Tensor, damp: float = GPTQ_DAMP,
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype, device=h.device)
-    # the upper Cholesky factor of H⁻¹: row i holds what rounding column i does to the later ones
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    if not torch.isfinite(h).all():
+        raise CalibrationError("the calibration inputs hold NaN or Inf")
+    # the upper Cholesky factor of H⁻¹: row i holds what rounding column i does to the later ones;
+    # a gram too close to singular for float64 gets more damping (GPTQ's own remedy)
+    mean = torch.diag(h).mean()
+    for attempt in range(4):
+        hd = h.clone()
+        hd.diagonal().add_(damp * 10 ** attempt * mean)
+        try:
+            u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hd)), upper=True).float()
+            break
+        except torch.linalg.LinAlgError:
+            continue
+    else:
+        raise CalibrationError(f"the inputs' gram stays singular at {damp * 1000:g} x its mean diagonal damping")
+    del hd
     codes = torch.empty(w.shape, dtype=FP8, device=w.device)
     inv = 1.0 / scale[:, None]
     for b0 in range(0, k, block):
@@ -97,8 +111,9 @@ class _GramRecorder:
             def record(x, w, s, b, _orig=orig, _roles=roles, _g=self.grams[i]):
                 rows = x.reshape(-1, x.shape[-1]).float()
                 role = _roles[id(w)]
-                g = rows.T @ rows
-                _g[role] = g if role not in _g else _g[role] + g
+                if role not in _g:
+                    _g[role] = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float32, device=rows.device)
+                _g[role].addmm_(rows.T, rows)  # in place: no second gram-sized temporary
                 return _orig(x, w, s, b)
 
             layer._linear = record
@@ -130,55 +145,73 @@ def _collect_grams(core, name: str, token_ids: list[int], window: int) -> list[d
 
 
 def calibration_bytes(cfg) -> int:
-    """What a calibration holds at once: the float32 weights and every projection's gram."""
+    """What a calibration holds at once: the float32 weights, every projection's gram (float32),
+    and GPTQ's working set on the widest one (a handful of float64 copies of its gram)."""
     from engine.core.memory_plan import weight_bytes
 
     widths = 2 * cfg.hidden_size ** 2 + cfg.q_size ** 2 + cfg.intermediate_size ** 2  # qkv, gate_up, o, down
-    return weight_bytes(cfg, torch.float32) + 4 * widths * cfg.num_layers
+    widest = max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size) ** 2
+    return weight_bytes(cfg, torch.float32) + 4 * widths * cfg.num_layers + 4 * 8 * widest
 
 
-def _check_memory(model_dir: str | Path, device: str) -> None:
-    """Refuse before loading when the device cannot hold :func:`calibration_bytes` (with a
-    tenth to spare): an 8B on a small host would otherwise be killed mid-way."""
+def _available_bytes(device: str) -> tuple[int, str]:
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return torch.cuda.mem_get_info()[0], "free on the GPU"
+    try:  # MemAvailable counts the page cache the kernel can reclaim (the model files just read)
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "of available host memory"
+    except OSError:
+        pass
     import os
 
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "of free host memory"
+
+
+def _preflight(model_dir: str | Path, token_ids: list[int], device: str) -> None:
+    """What can be refused from the model's config, before any weight loads: a checkpoint
+    already quantized, tokens outside its vocabulary, a device too small
+    (:func:`calibration_bytes`, with a tenth to spare)."""
     from engine.config import load_model_config
 
-    need = int(calibration_bytes(load_model_config(model_dir)) * 1.1)
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if cuda:
-        have, where = torch.cuda.mem_get_info()[0], "free on the GPU"
-    else:
-        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "of free host memory"
+    cfg = load_model_config(model_dir)
+    if cfg.fp8_checkpoint is not None:
+        raise CalibrationError(f"{model_dir} is already quantized (FP8, {cfg.fp8_checkpoint})")
+    bad = next((t for t in token_ids if not 0 <= t < cfg.vocab_size), None)
+    if bad is not None:
+        raise CalibrationError(f"calibration token {bad} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    need = int(calibration_bytes(cfg) * 1.1)
+    have, where = _available_bytes(device)
     if need > have:
-        raise CalibrationError(f"calibrating {model_dir} needs ~{need / 2**30:.1f} GiB (float32 weights and "
-                               f"grams); {have / 2**30:.1f} GiB {where}")
+        raise CalibrationError(f"calibrating {model_dir} needs ~{need / 2**30:.1f} GiB (float32 weights, grams, "
+                               f"GPTQ's working set); {have / 2**30:.1f} GiB {where}")
 
 
 def calibrate(model_dir: str | Path, out: str | Path, token_ids: list[int], *, window: int = 512,
               device: str = "auto") -> dict:
     """Write ``model_dir`` (unquantized) at ``out`` as a calibrated FP8 checkpoint; a report of
     what was done. ``out`` must not exist; nothing is left there when this fails."""
-    from engine.core.engine_core import EngineCore
-    from engine.weights.fp8_writer import quantize_folder
-
     if not MIN_TOKENS <= len(token_ids) <= MAX_TOKENS:
         raise CalibrationError(f"calibration needs {MIN_TOKENS}..{MAX_TOKENS} tokens, got {len(token_ids)}")
     out = Path(out)
     if out.exists():
         raise CalibrationError(f"{out} exists")
-    _check_memory(model_dir, device)
+    _preflight(model_dir, token_ids, device)
+    try:
+        return _calibrate(model_dir, out, token_ids, window, device)
+    except torch.OutOfMemoryError as e:
+        raise CalibrationError(f"calibrating {model_dir} ran out of device memory: {e}") from None
+
+
+def _calibrate(model_dir: str | Path, out: Path, token_ids: list[int], window: int, device: str) -> dict:
+    from engine.core.engine_core import EngineCore
+    from engine.weights.fp8_writer import quantize_folder
+
     t0 = time.perf_counter()
     core = EngineCore(device=device, dtype="float32", max_num_batched_tokens=window, cuda_graphs=False)
-    info = core.load_model("calibrate", model_dir, max_model_len=window + 8, max_num_seqs=2, prefix_caching=False)
+    core.load_model("calibrate", model_dir, max_model_len=window + 8, max_num_seqs=2, prefix_caching=False)
     slot = core.slot("calibrate")
     model = slot.model
-    if model.quantization is not None:
-        raise CalibrationError(f"{model_dir} is already quantized ({model.quantization})")
-    vocab = info.vocab_size
-    bad = [t for t in token_ids if not 0 <= t < vocab]
-    if bad:
-        raise CalibrationError(f"calibration token {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     grams = _collect_grams(core, "calibrate", token_ids, window)
     t_grams = time.perf_counter() - t0
     cfg = model.cfg
@@ -201,7 +234,10 @@ def calibrate(model_dir: str | Path, out: str | Path, token_ids: list[int], *, w
                                              p + proj + ".weight_scale": scale[lo:hi, None].cpu().contiguous()}
     layers = len(model.layers)
     del core, slot, model, grams
-    quantize_folder(model_dir, out, "channel", replace=replace)
+    try:
+        quantize_folder(model_dir, out, "channel", replace=replace, overwrite=False)
+    except FileExistsError as e:
+        raise CalibrationError(str(e)) from None
     seconds = time.perf_counter() - t0
     log.info("calibrated %s → %s: %d tokens, %.1f s (grams %.1f s)", model_dir, out, len(token_ids), seconds, t_grams)
     return {"tokens": len(token_ids), "layers": layers, "seconds": seconds, "grams_seconds": t_grams,

@@ -63,11 +63,12 @@ def quantization_config(layout: str, static_input: bool) -> dict:
 
 
 def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str, static_input: bool = False,
-                    replace: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+                    replace: dict[str, dict[str, torch.Tensor]] | None = None, overwrite: bool = True) -> Path:
     """``src`` (an unquantized model folder) written again at ``out`` as an FP8 checkpoint.
-    ``replace``: tensors written in place of a source tensor, by its name (a calibration's
-    quantized projections and smoothed norms: engine/weights/calibrate.py); one of the source
-    tensor's own name keeps its dtype unless it is e4m3."""
+    ``replace``: the tensors written in place of each decoder projection's weight, by its name
+    (a calibration's codes and scales: engine/weights/calibrate.py) — then every projection must
+    have an entry and every entry a projection. ``overwrite`` False: an ``out`` that exists
+    when the folder is ready to move there is an error, not replaced."""
     from safetensors.torch import load_file, save_file
 
     if layout not in LAYOUTS:
@@ -78,15 +79,17 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
     tmp.mkdir(parents=True)
     try:
         weight_map: dict[str, str] = {}
+        used: set[str] = set()
         for f in sorted(src.iterdir()):
             if f.suffix == ".safetensors":
                 tensors = {}
                 for name, t in load_file(str(f)).items():
-                    if replace and name in replace:
-                        for rname, v in replace[name].items():
-                            keep = rname == name and v.dtype != torch.float8_e4m3fn
-                            tensors[rname] = (v.to(t.dtype) if keep else v).contiguous()
-                        if static_input and _is_projection(name):
+                    if replace is not None and _is_projection(name):
+                        if name not in replace:
+                            raise ValueError(f"no calibrated tensors for {name}")
+                        tensors.update({k: v.contiguous() for k, v in replace[name].items()})
+                        used.add(name)
+                        if static_input:
                             tensors[f"{name[: -len('.weight')]}.input_scale"] = torch.ones(1)
                     elif _is_projection(name):
                         base = name[: -len(".weight")]
@@ -106,9 +109,13 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
                 continue  # written below, with the new tensor names
             elif f.is_file():
                 shutil.copy2(f, tmp / f.name)
+        if replace is not None and set(replace) != used:
+            raise ValueError(f"calibrated tensors for names the checkpoint lacks: {sorted(set(replace) - used)[:3]}")
         if (src / "model.safetensors.index.json").exists():
             (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
         if out.exists():
+            if not overwrite:
+                raise FileExistsError(f"{out} appeared while it was being written")
             shutil.rmtree(out)
         tmp.rename(out)
     except BaseException:

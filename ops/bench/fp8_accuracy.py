@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -280,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
+    if a.calibrated and not a.engine:
+        ap.error("--calibrated measures through the engine: add --engine")
     import transformers
 
     if a.engine:
@@ -289,15 +292,14 @@ def main(argv: list[str] | None = None) -> int:
         tok = transformers.AutoTokenizer.from_pretrained(d)
         ids = text_tokens(tok, a.positions + 1)
         t0 = time.perf_counter()
-        cal, cal_report = None, None
-        if a.calibrated:  # calibrated on text past the evaluated text, never on it
-            import tempfile
+        with tempfile.TemporaryDirectory(prefix="fp8-cal-") as tmp:
+            cal, cal_report = None, None
+            if a.calibrated:  # calibrated on text past the evaluated text, never on it
+                from engine.weights.calibrate import calibrate
 
-            from engine.weights.calibrate import calibrate
-
-            cal = Path(tempfile.mkdtemp(prefix="fp8-cal-")) / "model"
-            cal_report = calibrate(d, cal, text_tokens(tok, a.calibration, skip=len(ids)), device=a.device)
-        res = engine_accuracy(d, ids, a.window, a.device, calibrated=cal)
+                cal = Path(tmp) / "model"
+                cal_report = calibrate(d, cal, text_tokens(tok, a.calibration, skip=len(ids)), device=a.device)
+            res = engine_accuracy(d, ids, a.window, a.device, calibrated=cal)
         if cal_report is not None:
             res["calibrated"]["calibration"] = cal_report
         result = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quantization": "fp8",

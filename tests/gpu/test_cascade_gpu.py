@@ -98,3 +98,25 @@ def test_forks_of_one_prompt_run_through_cascade_graphs(tmp_path_factory):
         del core, runner
     assert planned[True] >= 20 * 10 and planned[False] >= 20 * 10
     assert got[True] == got[False]
+
+
+def test_the_warm_up_compiles_every_kernel_a_cascade_variant_launches(tmp_path):
+    """After a load, capturing the cascade variant of every decode bucket that can plan finds
+    every kernel compiled (a variant is captured by a serving step: a compile there stalls it)."""
+    from engine.core.engine_core import EngineCore
+    from engine.kernels import attention_triton as at
+    from modelgen.make import make_model
+
+    d = make_model(tmp_path / "m", "llama", "small", seed=0)
+    core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
+                      decode_buckets=(1, 8, 16, 24, 32, 48, 64), mixed_buckets=())
+    core.load_model("m", d, max_model_len=2048, max_num_seqs=64)
+    graphs = core.slot("m").runner.graphs
+    planned = [b for b in sorted(graphs.graphs) if graphs._plans(graphs.bufs, b)]
+    assert planned == [16, 24, 32, 48, 64]
+    launchers = (at._DECODE_LAUNCH, at._REDUCE_LAUNCH, at._CASCADE_LAUNCH)
+    before = [x.misses for x in launchers]
+    for b in planned:
+        graphs._capture_one(b, cascade=True)
+    assert [x.misses for x in launchers] == before
+    assert sorted(graphs.cascade_graphs) == planned
