@@ -285,9 +285,8 @@ class DecodeGraphs(GraphSet):
             return []
         from engine.kernels.attention_triton import decode_forms
 
-        cfg = self.model.cfg
-        return decode_forms(planned, cfg.head_dim, self.model.dtype, cfg.num_kv_heads, self.bufs.max_model_len,
-                            self.device)
+        k = self.kv.k(0)  # [pages, block, this rank's KV heads, head dim]
+        return decode_forms(planned, k.shape[3], self.model.dtype, k.shape[2], self.bufs.max_model_len, self.device)
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:

@@ -112,3 +112,27 @@ def test_a_cascade_variant_that_failed_to_capture_runs_its_steps_eagerly_and_is_
     assert not g.ready(16, cascade=True) and len(tries) == 1
     assert g.ready(16)  # its plain graph still replays
     assert not g.ready(32, cascade=True) and len(tries) == 1  # a bucket without a graph: no variant
+
+
+def test_the_decode_warm_up_picks_one_bucket_per_decode_form(make_tiny_model, monkeypatch):
+    """DecodeGraphs' choice of cascade warm-up buckets on a real runner's KV cache and model: the
+    forms follow the split count of each batch (an H200's 132 SMs here), one bucket each."""
+    from types import SimpleNamespace
+
+    from engine.kernels import attention_triton
+
+    llm = LLM(make_tiny_model("llama"), device="cpu", max_model_len=2048, block_size=16, dtype="bfloat16",
+              max_num_seqs=64)
+    runner = next(iter(llm.core._slots.values())).runner
+    fake = SimpleNamespace(kv=runner.kv, model=runner.model, bufs=runner.bufs, device=torch.device("cpu"))
+    monkeypatch.setattr(attention_triton, "_sm_count", lambda device: 132)
+    k = runner.kv.k(0)
+    planned = [64, 48, 32, 24, 16]
+    got = DecodeGraphs._cascade_warm(fake, planned)
+    forms = {}
+    for b in planned:
+        splits, _ = attention_triton.decode_splits(b, k.shape[2], 2048, 64, 132)
+        forms.setdefault(splits == 1 or attention_triton.triton.next_power_of_2(splits), b)
+    assert got == sorted(forms.values(), reverse=True) and len(got) >= 2
+    assert DecodeGraphs._cascade_warm(fake, []) == []
+    assert MixedGraphs._cascade_warm(fake, planned) == [16]  # the mixed forms do not depend on the bucket
