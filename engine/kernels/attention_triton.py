@@ -357,12 +357,18 @@ def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count
     return triton.cdiv(max(max_seq_len, 1), part), part
 
 
+def _decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
+    """The decode kernel's KV tile: float32 tiles take twice the registers, so half as many
+    (fp32 KV is a test path, not served)."""
+    return 64 if head_dim <= 128 and dtype != torch.float32 else 32
+
+
 def decode_forms(batches: list[int], head_dim: int, dtype: torch.dtype, num_kv_heads: int, max_seq_len: int,
                  device: torch.device) -> list[int]:
     """One batch size of ``batches`` per compiled form of the decode path (unsplit, or split with
     its reduce's ``BLOCK_S``), largest first: running those eagerly compiles every kernel a graph
     of any of ``batches`` launches (a graph's decode runs with ``max_seq_len``)."""
-    block_n = 64 if head_dim <= 128 and dtype != torch.float32 else 32
+    block_n = _decode_block_n(head_dim, dtype)
     forms: dict[int, int] = {}
     for b in sorted(batches, reverse=True):
         splits, _ = decode_splits(b, num_kv_heads, max_seq_len, block_n, _sm_count(device))
@@ -407,8 +413,7 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
     """Flash-decoding of every one-token query (all rows of a decode step; the decode rows of a
     mixed step, whose other sequences the kernels skip). ``cascade``: (tiles, kv_lo) of a plan,
     or None."""
-    # float32 tiles take twice the registers: halve them (fp32 KV is a test path, not served)
-    block_n = cfg.get("block_n", 64 if d <= 128 and q.dtype != torch.float32 else 32)
+    block_n = cfg.get("block_n", _decode_block_n(d, q.dtype))
     block_g = max(16, triton.next_power_of_2(g))
     if num_splits is None:
         splits, part = decode_splits(b, hkv, max_seq_len, block_n, _sm_count(q.device))

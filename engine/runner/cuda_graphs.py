@@ -12,8 +12,8 @@ sampler eagerly on the graph's logits. Mixed prefill+decode steps never use them
 
 Capture: the Triton kernels and cuBLAS are warmed up eagerly at the largest and the smallest
 bucket first (workspace allocations cannot happen inside a capture; the decode reduce's block
-follows the split count, so buckets between compile theirs inside their capture, at load), then the largest bucket and the
-buckets not deferred are captured, largest first, into one shared memory pool, so the smaller
+follows the split count, so buckets between compile theirs inside their capture, at load), then
+the largest bucket and the buckets not deferred are captured, largest first, into one shared memory pool, so the smaller
 graphs reuse the largest one's activations. Deferred buckets (the runner defers those above
 ``engine.runner.model_runner.GRAPHS_AT_LOAD_MAX``) are captured into the same pool by
 :meth:`GraphSet.capture_deferred` just before the first step that needs them. Captures use
@@ -31,9 +31,9 @@ the reduce's block over the splits), so its kernels are compiled at load, and a 
 captured by the first step that needs it, on that step's staged inputs (a capture runs nothing,
 so they survive it), and replayed at once. A workload that shares nothing never captures one,
 and loads capture no more than before (on the H200 capturing both variants of every bucket
-doubled the deferred captures' time in a c200 run, 0.54 → 1.60 s). Before the warm-up compiled
-them, the first step of each bucket with a plan ran eagerly and compiled the cascade kernels in
-the serving path (42 eager steps, 2.45 s of a 27.3 s shared-prompt c200 run on the H200).
+doubled the deferred captures' time in a c200 run, 0.54 → 1.60 s). Before, the first step of
+each bucket with a plan ran eagerly to compile them (23 eager steps, ~0.8 s of a 27.5 s
+shared-prompt c200 run on the H200; docs/perf.md).
 
 **Mixed-step graphs**: the model forward of any step of up to a bucket of tokens, replayed.
 Under steady serving load nearly every step is *mixed*: the running sequences' decodes plus a
@@ -60,8 +60,9 @@ runs on its logits as on a decode graph's. The LM head was eager once (only the 
 on the H200 each eager cuBLAS call spun ~1 ms in the driver (``cuKernelSetAttribute`` under
 ``cublasLtMatmul``, py-spy --native over the c200 serve bench at 79d127b), ~10 % of the worker's
 CPU, for a GEMM that in the graph costs at most ~0.2 ms more at 256 rows than at the rows
-sampled. Mixed graphs share the decode graphs' memory pool: they replay one at a time. The largest bucket is captured at load (so the load's measured
-workspace includes the pool's size); the others at their first use.
+sampled. Mixed graphs share the decode graphs' memory pool: they replay one at a time. The
+largest bucket is captured at load (so the load's measured workspace includes the pool's size);
+the others at their first use.
 
 The graph sets keep no reference to the runner (no cycle: an unloaded model's memory goes when
 its runner does): they hold the buffers, the model and its KV cache.
@@ -197,9 +198,8 @@ class GraphSet:
         serving steps, on their staged inputs, and a compile there would stall the step. (The
         plain decode graphs of the few-row buckets, whose reduce differs by split count, still
         compile theirs inside their captures, at load: a thread-local capture allows it.)"""
-        planned = [b for b in order if self._plans(self.bufs, b)]
         runs = [(b, False) for b in sorted({order[0], order[-1]}, reverse=True)]
-        runs += [(b, True) for b in self._cascade_warm(planned)]
+        runs += [(b, True) for b in self._cascade_warm(order)]
         for b, cascade in runs:
             self._fill_padding(self.bufs, b)
             self._forward(self.bufs, self.model, self.kv, b, cascade)
@@ -253,14 +253,9 @@ class GraphSet:
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    @staticmethod
-    def _plans(bufs: StepBuffers, bucket: int) -> bool:  # pragma: no cover - abstract
-        """Whether a step of ``bucket`` can carry a cascade plan (so has a variant)."""
-        raise NotImplementedError
-
-    def _cascade_warm(self, planned: list[int]) -> list[int]:  # pragma: no cover - abstract
-        """Of the buckets that can carry a plan (largest first), those whose eager cascade
-        forwards compile every kernel form a variant can launch."""
+    def _cascade_warm(self, order: list[int]) -> list[int]:  # pragma: no cover - abstract
+        """Of the buckets (largest first), those whose eager cascade forwards compile every
+        kernel form a cascade variant of the set can launch (none: no bucket can carry a plan)."""
         raise NotImplementedError
 
     @staticmethod
@@ -273,14 +268,11 @@ class DecodeGraphs(GraphSet):
 
     kind = "decode graph"
 
-    @staticmethod
-    def _plans(bufs: StepBuffers, bucket: int) -> bool:
-        return bufs.cascade_tiles_for(bucket) > 0
-
-    def _cascade_warm(self, planned: list[int]) -> list[int]:
-        """One bucket per form of the decode kernels (unsplit, or split with the reduce's block
-        over the splits; the split count falls as the batch grows): on the H200 with the 8B,
-        16 (4 splits), 24 (2) and the largest (unsplit)."""
+    def _cascade_warm(self, order: list[int]) -> list[int]:
+        """Of the buckets that can carry a plan (16 rows and more), one per form of the decode
+        kernels (unsplit, or split with the reduce's block over the splits; the split count falls
+        as the batch grows): on the H200 with the 8B, 16 (4 splits), 32 (2) and the largest."""
+        planned = [b for b in order if self.bufs.cascade_tiles_for(b) > 0]
         if not planned:
             return []
         from engine.kernels.attention_triton import decode_forms
@@ -338,12 +330,10 @@ class MixedGraphs(GraphSet):
 
     kind = "mixed-step graph"
 
-    @staticmethod
-    def _plans(bufs: StepBuffers, bucket: int) -> bool:
-        return bufs.cascade_tiles_for(bufs.max_seqs) > 0  # a mixed step's plan covers every sequence slot
-
-    def _cascade_warm(self, planned: list[int]) -> list[int]:
-        return planned[-1:]  # whatever the bucket, the same kernels over max_seqs rows: the cheapest
+    def _cascade_warm(self, order: list[int]) -> list[int]:
+        # a mixed step's plan covers every sequence slot: whatever the bucket, the same kernels
+        # over max_seqs rows, so the cheapest bucket compiles them
+        return order[-1:] if self.bufs.cascade_tiles_for(self.bufs.max_seqs) > 0 else []
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:

@@ -96,6 +96,11 @@ def gptq_e4m3(w: torch.Tensor, gram: torch.Tensor, damp: float = GPTQ_DAMP,
     return codes, scale
 
 
+def _projections(layer) -> dict[str, torch.Tensor]:
+    """A decoder layer's four projection weights by role (q/k/v and gate/up fused)."""
+    return {"qkv": layer.qkv_w, "o": layer.o_w, "gate_up": layer.gate_up_w, "down": layer.down_w}
+
+
 class _GramRecorder:
     """XᵀX of every projection's inputs, summed over the calibration prefill (float32, on the
     model's device), by layer and projection: each decoder layer's ``_linear`` wrapped."""
@@ -104,8 +109,7 @@ class _GramRecorder:
         self.grams: list[dict[str, torch.Tensor]] = [{} for _ in model.layers]
         self._restore = []
         for i, layer in enumerate(model.layers):
-            roles = {id(layer.qkv_w): "qkv", id(layer.o_w): "o", id(layer.gate_up_w): "gate_up",
-                     id(layer.down_w): "down"}
+            roles = {id(w): role for role, w in _projections(layer).items()}
             orig = layer._linear
 
             def record(x, w, s, b, _orig=orig, _roles=roles, _g=self.grams[i]):
@@ -214,24 +218,20 @@ def _calibrate(model_dir: str | Path, out: Path, token_ids: list[int], window: i
     model = slot.model
     grams = _collect_grams(core, "calibrate", token_ids, window)
     t_grams = time.perf_counter() - t0
-    cfg = model.cfg
-    q, kv, inter = cfg.q_size, cfg.kv_size, model.layers[0].down_w.shape[1]
-    replace: dict[str, dict[str, torch.Tensor]] = {}
+    quantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id of the fused weight: (codes, scales)
     for i, (layer, g) in enumerate(zip(model.layers, grams)):
         if set(g) != {"qkv", "o", "gate_up", "down"}:
             raise CalibrationError(f"layer {i}: the calibration prefill reached {sorted(g)} only")
-        weights = {"qkv": layer.qkv_w, "o": layer.o_w, "gate_up": layer.gate_up_w, "down": layer.down_w}
-        quantized = {role: gptq_e4m3(w.detach(), g[role]) for role, w in weights.items()}
-        p = f"model.layers.{i}."
-        parts = {"self_attn.q_proj": ("qkv", 0, q), "self_attn.k_proj": ("qkv", q, q + kv),
-                 "self_attn.v_proj": ("qkv", q + kv, q + 2 * kv), "self_attn.o_proj": ("o", 0, None),
-                 "mlp.gate_proj": ("gate_up", 0, inter), "mlp.up_proj": ("gate_up", inter, 2 * inter),
-                 "mlp.down_proj": ("down", 0, None)}
-        for proj, (role, lo, hi) in parts.items():
-            codes, scale = quantized[role]
-            hi = hi if hi is not None else codes.shape[0]
-            replace[p + proj + ".weight"] = {p + proj + ".weight": codes[lo:hi].cpu().contiguous(),
-                                             p + proj + ".weight_scale": scale[lo:hi, None].cpu().contiguous()}
+        for role, w in _projections(layer).items():
+            quantized[id(w)] = tuple(t.cpu() for t in gptq_e4m3(w.detach(), g[role]))
+    # each checkpoint projection's rows of its fused weight, as the loader maps them
+    replace: dict[str, dict[str, torch.Tensor]] = {}
+    for name, (dst, start, rows) in model.weight_slots().items():
+        if id(dst) in quantized:
+            codes, scale = quantized[id(dst)]
+            part = slice(start, start + rows)
+            replace[name] = {name: codes[part].contiguous(),
+                             name.removesuffix(".weight") + ".weight_scale": scale[part, None].contiguous()}
     layers = len(model.layers)
     del core, slot, model, grams
     try:

@@ -24,9 +24,11 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels.fp8 import quantize_weight
+from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE
+
 LAYOUTS = ("channel", "tensor", "block128")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-E4M3_MAX = 448.0
 
 
 def _is_projection(name: str) -> bool:
@@ -36,18 +38,18 @@ def _is_projection(name: str) -> bool:
 def quantize_tensor(w: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
     """``{"weight": e4m3, scale name: float32}`` of one [N, K] weight in ``layout``."""
     wf = w.float()
-    if layout == "channel":
-        s = (wf.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp_min(1e-12)
-        return {"weight": (wf / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), "weight_scale": s}
+    if layout == "channel":  # the scheme a load quantizes to
+        q, s = quantize_weight(wf)
+        return {"weight": q, "weight_scale": s[:, None]}
     if layout == "tensor":
-        s = (wf.abs().amax() / E4M3_MAX).clamp_min(1e-12).reshape(1)
-        return {"weight": (wf / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), "weight_scale": s}
+        s = (wf.abs().amax() / E4M3_MAX).clamp_min(MIN_SCALE).reshape(1)
+        return {"weight": (wf / s).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), "weight_scale": s}
     n, k = wf.shape
     pr, pc = -n % 128, -k % 128
     x = torch.nn.functional.pad(wf, (0, pc, 0, pr)).reshape((n + pr) // 128, 128, (k + pc) // 128, 128)
-    s = (x.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(1e-12)
+    s = (x.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(MIN_SCALE)
     q = (x / s[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).reshape(n + pr, k + pc)[:n, :k]
-    return {"weight": q.to(torch.float8_e4m3fn), "weight_scale_inv": s}
+    return {"weight": q.to(FP8), "weight_scale_inv": s}
 
 
 def quantization_config(layout: str, static_input: bool) -> dict:
@@ -84,17 +86,16 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
             if f.suffix == ".safetensors":
                 tensors = {}
                 for name, t in load_file(str(f)).items():
-                    if replace is not None and _is_projection(name):
-                        if name not in replace:
-                            raise ValueError(f"no calibrated tensors for {name}")
-                        tensors.update({k: v.contiguous() for k, v in replace[name].items()})
-                        used.add(name)
-                        if static_input:
-                            tensors[f"{name[: -len('.weight')]}.input_scale"] = torch.ones(1)
-                    elif _is_projection(name):
+                    if _is_projection(name):
                         base = name[: -len(".weight")]
-                        for part, v in quantize_tensor(t, layout).items():
-                            tensors[f"{base}.{part}"] = v.contiguous()
+                        if replace is None:
+                            parts = {f"{base}.{part}": v for part, v in quantize_tensor(t, layout).items()}
+                        elif name in replace:
+                            parts = replace[name]
+                            used.add(name)
+                        else:
+                            raise ValueError(f"no calibrated tensors for {name}")
+                        tensors.update({k: v.contiguous() for k, v in parts.items()})
                         if static_input:
                             tensors[f"{base}.input_scale"] = torch.ones(1)
                     else:

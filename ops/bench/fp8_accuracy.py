@@ -10,14 +10,15 @@ as the fused kernels would emit it); ``block128`` — weights with one scale per
 per token and 128 channels; ``weights-mse`` — per output channel, each scale the clipping of the
 channel's amax with the least squared error; ``weights-gptq`` — per output channel, the columns
 rounded in order with each one's error spread over the rest through the inverse of the inputs'
-XᵀX on calibration text past the evaluated text (GPTQ on the e4m3 grid); ``..., smoothed`` —
-per input channel factors moving the activations' range into the weights first; ``... first/last layer
-bf16`` — the same, the first and last decoder layers left unquantized. ``act`` (and ``act, smoothed``):
-weights left exact, only the inputs through e4m3 — the activations' share of the loss alone. A control, ``bf16
-arithmetic``: no FP8, the same weights run in bf16 instead of float32 — the floor any top-1
-figure against the float32 reference stands on. Arithmetic is float32 throughout, so the
-figures are the quantization's alone. Reported per variant: perplexity over every predicted position, and top-1
-agreement with the bf16 reference (the share of positions where both predict the same next token).
+XᵀX on calibration text past the evaluated text (GPTQ on the e4m3 grid); ``..., smoothed`` — per
+input channel factors moving the activations' range into the weights first; ``... first/last
+layer bf16`` — the same, the first and last decoder layers left unquantized. ``act`` (and ``act,
+smoothed``): weights left exact, only the inputs through e4m3 — the activations' share of the
+loss alone. A control, ``bf16 arithmetic``: no FP8, the same weights run in bf16 instead of
+float32 — the floor any top-1 figure against the float32 reference stands on. Arithmetic is
+float32 throughout, so the figures are the quantization's alone. Reported per variant:
+perplexity over every predicted position, and top-1 agreement with the bf16 reference (the share
+of positions where both predict the same next token).
 The FP8 KV cache is not simulated here (it needs the engine's attention path).
 
 ``--engine``: the engine's own FP8 model (engine.kernels.fp8) against the same engine's
