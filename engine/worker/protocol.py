@@ -11,6 +11,11 @@ an unknown version or tag, a missing field, a field of the wrong type or a frame
 ``MAX_FRAME_BYTES`` raises :class:`ProtocolError`; unknown *extra* fields are ignored so a newer
 peer may add optional fields within one protocol version.
 
+A field typed as a dataclass (a *record*: a load's spec, a request's sampling, a model's info)
+crosses as a map and is decoded by the same rules, field by field, into that dataclass; so do
+``list[X]`` items and ``dict[str, X]`` values. A record whose constructor refuses its values
+(``__post_init__`` bounds) is a ProtocolError. One typed value per concept, never a loose map.
+
 Direction: the agent sends Load, Unload, Add, Abort, Shutdown; the worker sends Hello (first),
 Loaded, Unloaded, Tokens (one per engine step, carrying every request's new ids), Status
 (periodic, doubles as the engine-progress heartbeat), Heartbeat (from a side thread, proves the
@@ -20,10 +25,12 @@ process is alive even while the main loop is inside a long load) and Error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import struct
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
@@ -41,7 +48,6 @@ class ProtocolError(Exception):
 
 # Filled once at import by @_register and read-only afterwards.
 _REGISTRY: dict[str, type[Message]] = {}
-_FIELDS: dict[str, list[tuple[str, Any, bool]]] = {}  # tag → [(name, type hint, required)]
 
 
 @dataclass(frozen=True)
@@ -51,19 +57,51 @@ class Message:
     def to_wire(self) -> dict[str, Any]:
         body = {"v": PROTOCOL_VERSION, "t": self.TAG}
         for f in dataclasses.fields(self):
-            body[f.name] = getattr(self, f.name)
+            body[f.name] = _wire_value(getattr(self, f.name))
         return body
+
+
+def _wire_value(value: Any) -> Any:
+    """A record as its map (recursively); containers of records likewise; the rest unchanged
+    (the hot ``Tokens`` lists pass through without a copy when they hold no record)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _wire_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict) and value and _has_record(next(iter(value.values()))):
+        return {k: _wire_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and value and _has_record(value[0]):
+        return [_wire_value(v) for v in value]
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _has_record(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+@functools.cache
+def _record_fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """(name, type hint, required) of a dataclass's init fields, resolved once per type."""
+    hints = get_type_hints(cls)
+    return tuple((f.name, hints[f.name],
+                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                 for f in dataclasses.fields(cls) if f.init)
+
+
+@functools.cache
+def _holds_record(hint: Any) -> bool:
+    """Whether a value of ``hint`` can contain a record: only then are a container's items walked
+    (a prompt's ids are checked by the engine, not once more here)."""
+    if dataclasses.is_dataclass(hint):
+        return True
+    return any(_holds_record(a) for a in get_args(hint))
 
 
 def _register(cls: type[Message]) -> type[Message]:
     if not cls.TAG or cls.TAG in _REGISTRY:
         raise ValueError(f"bad or duplicate message tag {cls.TAG!r}")  # programming error at import
     _REGISTRY[cls.TAG] = cls
-    hints = get_type_hints(cls)
-    _FIELDS[cls.TAG] = [
-        (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-        for f in dataclasses.fields(cls)
-    ]
+    _record_fields(cls)  # resolved at import: a bad hint fails here, not on the first frame
     return cls
 
 
@@ -385,21 +423,73 @@ def frame_length(header: bytes) -> int:
     return n
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin = get_origin(hint)
+_ABSENT = object()
+
+
+def _typed(value: Any, hint: Any, where: str) -> Any:
+    """``value`` checked against ``hint`` (records built, containers walked where their items
+    are typed); raises ProtocolError naming ``where``."""
     if hint is Any:
-        return True
-    if origin is Union:
-        return any(_type_ok(value, a) for a in get_args(hint))
+        return value
+    origin = get_origin(hint)
+    if origin is Union or origin is types.UnionType:
+        if value is None and type(None) in get_args(hint):
+            return None
+        for arm in get_args(hint):
+            if arm is type(None):
+                continue
+            try:
+                return _typed(value, arm, where)
+            except ProtocolError:
+                continue
+        raise ProtocolError(f"{where}: unexpected type {type(value).__name__}")
     if hint is type(None):
-        return value is None
-    if origin in (list, dict):
-        return isinstance(value, origin)
+        if value is not None:
+            raise ProtocolError(f"{where}: expected nil")
+        return None
+    if origin is list or hint is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: unexpected type {type(value).__name__}")
+        args = get_args(hint)
+        if not args or not _holds_record(args[0]):
+            return value
+        return [_typed(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: unexpected type {type(value).__name__}")
+        args = get_args(hint)
+        if not args or not _holds_record(args[1]):
+            return value
+        return {_typed(k, args[0], where): _typed(v, args[1], f"{where}[{k!r}]") for k, v in value.items()}
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+        return _build(hint, value, where)
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, hint):
+        return value
+    raise ProtocolError(f"{where}: unexpected type {type(value).__name__}")
+
+
+def _build(cls: type, obj: dict[str, Any], where: str) -> Any:
+    """A dataclass from a decoded map: every known field typed, required ones present, extra
+    keys ignored; the constructor's own refusal (bounds) becomes a ProtocolError."""
+    kwargs: dict[str, Any] = {}
+    for name, hint, required in _record_fields(cls):
+        value = obj.get(name, _ABSENT)
+        if value is not _ABSENT:
+            kwargs[name] = _typed(value, hint, f"{where}.{name}")
+        elif required:
+            raise ProtocolError(f"{where}: missing field {name!r}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"{where}: {e}") from None
 
 
 def decode(body: bytes) -> Message:
@@ -420,16 +510,7 @@ def decode(body: bytes) -> Message:
     cls = _REGISTRY.get(obj.get("t"))  # type: ignore[arg-type]
     if cls is None:
         raise ProtocolError(f"unknown message type {obj.get('t')!r}")
-    kwargs: dict[str, Any] = {}
-    for name, hint, required in _FIELDS[cls.TAG]:
-        if name in obj:
-            value = obj[name]
-            if not _type_ok(value, hint):
-                raise ProtocolError(f"{cls.TAG}.{name}: unexpected type {type(value).__name__}")
-            kwargs[name] = value
-        elif required:
-            raise ProtocolError(f"{cls.TAG}: missing field {name!r}")
-    return cls(**kwargs)
+    return _build(cls, obj, cls.TAG)
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:

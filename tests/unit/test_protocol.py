@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pickle
+import re
 import struct
+from dataclasses import dataclass, field
 
 import msgpack
 import pytest
@@ -100,3 +102,49 @@ def test_frame_size_bounds() -> None:
         P.encode(P.Add(req_id="r", model="m", prompt_token_ids=[], sampling={"x": b"\0" * (P.MAX_FRAME_BYTES + 1)}))
     with pytest.raises(P.ProtocolError):
         P.frame_length(b"\0\0")
+
+
+# --- records: typed values nested in a message ---------------------------------------------------
+
+@dataclass(frozen=True)
+class _Inner:
+    n: int
+    tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            raise ValueError("n must be >= 0")
+
+
+@dataclass(frozen=True)
+class _Outer:
+    inner: _Inner
+    rows: list[_Inner] = field(default_factory=list)
+    by_name: dict[str, _Inner] = field(default_factory=dict)
+    ids: list[int] = field(default_factory=list)
+
+
+def test_a_record_crosses_as_a_map_and_comes_back_as_its_type() -> None:
+    out = _Outer(_Inner(1, "a"), [_Inner(2)], {"m": _Inner(3, "c")}, [5, 6])
+    wire = P._wire_value(out)
+    assert wire == {"inner": {"n": 1, "tag": "a"}, "rows": [{"n": 2, "tag": None}],
+                    "by_name": {"m": {"n": 3, "tag": "c"}}, "ids": [5, 6]}
+    assert P._typed(msgpack.unpackb(msgpack.packb(wire)), _Outer, "x") == out
+
+
+@pytest.mark.parametrize("wire, why", [
+    ({"inner": {"n": "1"}}, "x.inner.n: unexpected type str"),
+    ({"inner": {}}, "x.inner: missing field 'n'"),
+    ({"inner": {"n": -1}}, "x.inner: n must be >= 0"),  # the record's own bounds
+    ({"inner": [1]}, "x.inner: expected a map"),
+    ({"inner": {"n": 1}, "rows": [{"n": True}]}, "x.rows[0].n: unexpected type bool"),
+    ({"inner": {"n": 1}, "by_name": {"m": 3}}, "x.by_name['m']: expected a map"),
+    ({"inner": {"n": 1}, "ids": {"a": 1}}, "x.ids: unexpected type dict"),
+])
+def test_a_record_is_decoded_strictly_naming_the_field(wire: dict, why: str) -> None:
+    with pytest.raises(P.ProtocolError, match=re.escape(why)):
+        P._typed(wire, _Outer, "x")
+
+
+def test_a_record_ignores_extra_keys_within_a_version() -> None:
+    assert P._typed({"inner": {"n": 1, "later": 2}, "new": 0}, _Outer, "x") == _Outer(_Inner(1))
