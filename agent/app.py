@@ -227,7 +227,8 @@ def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | 
     before importing this module, so the worker's torch import overlaps the agent's), else a new one
     that the lifecycle starts."""
     metrics = Metrics()
-    worker = worker or WorkerClient(worker_options(settings), engine=engine, env=worker_env(settings))
+    worker = worker or WorkerClient(worker_options(settings), engine=engine, env=worker_env(settings),
+                                     hang_timeout_s=settings.server.worker_hang_timeout)
     worker.on_restart = metrics.worker_restarts.inc
     ctx = AgentContext(settings=settings, metrics=metrics, notifier=notifier or Notifier(), engine=engine,
                        worker=worker)

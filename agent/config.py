@@ -80,8 +80,13 @@ class ServerSettings(_Section):
     max_headers: int = Field(100, ge=8, le=1000)
     keepalive_timeout: Seconds = 75.0
     drain_timeout: Seconds = 30.0
-    autoload: bool = False  # a request for a cached, unloaded model loads it (per model: models[].autoload)
+    # A request for a configured model that is not loaded loads it, pulling it first when it is
+    # only in the store (per model: models[].autoload); off, such a request is a 503.
+    autoload: bool = True
     autoload_timeout: Seconds = 60.0  # how long such a request waits for the load before a 503
+    # A worker that sent no frame (its heartbeat thread writes every 0.5 s) for this long is
+    # killed and replaced; its requests end with an error naming why.
+    worker_hang_timeout: Seconds = Field(30.0, ge=2.0, le=3600.0)
     runtime_dir: Path = Field(default_factory=default_runtime_dir)
 
     def admin_socket_path(self) -> Path:

@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from agent.worker.client import WorkerClient
 
     configure_logging(settings.log_format, settings.log_level)
-    worker = WorkerClient(options, engine=args.engine, env=env, first=first)
+    worker = WorkerClient(options, engine=args.engine, env=env, first=first,
+                          hang_timeout_s=settings.server.worker_hang_timeout)
     try:
         import uvloop
 

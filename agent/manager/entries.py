@@ -84,6 +84,15 @@ class NoRoom(ManagerError):
     status, code = 507, "no_room"
 
 
+# A model whose load was in flight when the worker died this many times is not reloaded after a
+# restart: one bad model must not keep taking the worker (and every other model) down.
+CRASH_LOOP_LOADS = 2
+
+# Worker error codes of a load that mean its files may be wrong (the next load re-verifies every
+# sha256); any other failure (no room, out of memory, a capture error) leaves the bytes trusted.
+BYTES_SUSPECT_CODES = frozenset({"WeightsError", "ModelConfigError", "SafetensorError", "HeaderTooLarge"})
+
+
 class ModelSource(Protocol):
     """What the manager needs of the disk cache (``agent.manager.model_source`` adapts DiskCache)."""
 
@@ -116,7 +125,10 @@ class ModelEntry:
     pin_override: bool | None = None  # set through the admin API; None: settings.pin
     refusal: dict[str, Any] = field(default_factory=dict)  # figures of the last load refused for room
     failure: ManagerError | None = None  # why it is failed, typed (the APIs answer its status)
-    needs_repair: bool = False  # the next pull or load verifies every sha256 (a load failed)
+    needs_repair: bool = False  # the next pull or load verifies every sha256 (a load failed on its bytes)
+    # Workers that died while this model's load was in flight; at CRASH_LOOP_LOADS it is failed
+    # and not reloaded automatically (an operator's load resets it).
+    crashed_loads: int = 0
     been_ready: bool = False  # ready at least once since the agent started (preload is done)
     last_verify: dict[str, Any] | None = None  # the last verify action's findings
     # The last load's steps in order (pull, verify, load, tokenizer, canary): (start, end), monotonic.

@@ -37,6 +37,8 @@ from typing import Any
 from agent.config import MODEL_NAME_RE, ModelSettings, Settings
 from agent.log import get_logger
 from agent.manager.entries import (
+    BYTES_SUSPECT_CODES,
+    CRASH_LOOP_LOADS,
     NEXT_STATES,
     Admission,
     CacheBusy,
@@ -201,6 +203,7 @@ class ModelManager:
         if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
         task = self._start(e, self._load(e))
+        e.crashed_loads = 0  # asked for again (an operator, a preload, a request): a fresh count
         files_ok = e.snapshot is not None and e.snapshot.exists() and not e.needs_repair
         self._set(e, State.LOADING if files_ok else State.PULLING)
         return task
@@ -257,8 +260,8 @@ class ModelManager:
             e.want_loaded = False
             if isinstance(ex, NoRoom):
                 e.refusal = dict(ex.details)
-            if isinstance(ex, SnapshotBroken) or (isinstance(ex, WorkerError) and ex.code not in ("no_room", "worker_down", "no_engine")):
-                e.needs_repair = True  # bad files or a model the engine could not load: verify it next time
+            if isinstance(ex, SnapshotBroken) or (isinstance(ex, WorkerError) and ex.code in BYTES_SUSPECT_CODES):
+                e.needs_repair = True  # the engine could not read its files: verify every sha256 next time
             if in_engine and self.worker.alive:
                 try:
                     await self.worker.unload(e.name)  # do not leave a half-good model holding memory
@@ -271,6 +274,7 @@ class ModelManager:
             return
         self.metrics.load_seconds.labels(model=e.name).observe(e.load_seconds)
         e.touch()  # keep_alive and LRU count from the load, not from an older use
+        e.crashed_loads = 0
         self._set(e, State.READY)
 
     def _tokenizer(self, e: ModelEntry) -> Any:
@@ -471,9 +475,19 @@ class ModelManager:
     async def on_worker_down(self) -> None:
         for e in self.models.values():
             if e.state in (State.READY, State.DRAINING, State.UNLOADING) or (e.state is State.LOADING and e.want_loaded):
+                # its load (or the canary's first decode) was in the worker when it died
+                in_engine_load = e.state is State.LOADING and "verify" in e.phases and "canary" not in e.phases
                 if e.task is not None and not e.task.done():
                     e.task.cancel()
-                if e.want_loaded:
+                if in_engine_load:
+                    e.crashed_loads += 1
+                if e.want_loaded and e.crashed_loads >= CRASH_LOOP_LOADS:
+                    e.want_loaded = False
+                    self._unpin(e)
+                    e.tokenizer, e.info = None, {}
+                    self._set(e, State.FAILED, f"the engine worker died during {e.crashed_loads} of its loads; "
+                                               "not reloaded automatically (load it to try again)")
+                elif e.want_loaded:
                     self._set(e, State.LOADING, "the engine worker restarted; reloading")
                 else:  # it was on its way out anyway: finish the unload's bookkeeping
                     self._set(e, State.UNLOADING, "the engine worker exited")
@@ -483,9 +497,26 @@ class ModelManager:
                     self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT)
 
     async def on_worker_up(self) -> None:
-        for e in list(self.models.values()):
-            if e.state is State.LOADING and e.want_loaded and (e.task is None or e.task.done()):
-                e.task = asyncio.create_task(self._load(e), name=f"reload-{e.name}")
+        """Reload what was loaded when the worker died, one model at a time in priority order
+        (pinned, then preload, then the most recently used), so the first back serve first and
+        a model that cannot come back does not hold the others behind a shared failure."""
+        order = self.reload_order([e for e in self.models.values()
+                                   if e.state is State.LOADING and e.want_loaded and (e.task is None or e.task.done())])
+        if order:
+            chain = asyncio.create_task(self._reload_in_order(order), name="reload-after-restart")
+            for e in order:
+                e.task = chain
+
+    @staticmethod
+    def reload_order(entries: list[ModelEntry]) -> list[ModelEntry]:
+        """Pinned first, then preload, then by last use (most recent first)."""
+        return sorted(entries, key=lambda e: (not e.pin, not e.settings.preload, -e.last_used_mono))
+
+    async def _reload_in_order(self, order: list[ModelEntry]) -> None:
+        for e in order:
+            if e.state is not State.LOADING or not e.want_loaded:
+                continue  # unloaded or failed meanwhile
+            await self._load(e)
 
     # --- admission --------------------------------------------------------------------------
 
@@ -510,10 +541,12 @@ class ModelManager:
         return self.settings.server.autoload if a is None else a
 
     async def admit_wait(self, name: str, timeout: float | None = None) -> Admission:
-        """Like ``admit``; with autoload on, a cached model that is not loaded is loaded first.
+        """Like ``admit``; with autoload on, a configured model that is not loaded is loaded
+        first, pulled first when it is only in the store.
 
         The request waits for the load, at most ``timeout`` (``server.autoload_timeout``); then
-        ModelNotReady (503 + Retry-After). Models not in the cache are not pulled for a request.
+        ModelNotReady (503 + Retry-After) while the pull and load go on. A model failed by a crash
+        loop is not retried for a request (an operator's load is).
         """
         e = self.models.get(name)
         if e is None or e.state is State.READY or not self.autoload_enabled(e):
@@ -521,10 +554,15 @@ class ModelManager:
         limit = self.settings.server.autoload_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while e.state is not State.READY:
-            if e.state in (State.CACHED, State.FAILED) and e.snapshot is not None and (e.task is None or e.task.done()):
-                self.load(name)
-            elif e.state is State.ABSENT:
-                return self.admit(name)  # not cached: refused as not ready, never pulled here
+            if e.state is State.FAILED and e.crashed_loads >= CRASH_LOOP_LOADS:
+                return self.admit(name)  # refused with its reason
+            if e.task is None or e.task.done():
+                startable = e.state is State.CACHED or (e.state in (State.ABSENT, State.FAILED) and (
+                    self.source is not None or (e.snapshot is not None and e.state is State.FAILED)))
+                if not startable and e.state in (State.ABSENT, State.FAILED):
+                    return self.admit(name)  # nowhere to pull it from: refused as not ready
+                if startable:
+                    self.load(name)  # pulls first when its files are not (all) in the cache
             left = deadline - time.monotonic()
             if left <= 0:
                 why = f" ({e.reason})" if e.reason else ""

@@ -117,15 +117,21 @@ class WorkerClient:
         on_down: Hook | None = None,
         on_restart: Callable[[], None] | None = None,
         first: Spawned | None = None,
+        hang_timeout_s: float | None = None,
     ) -> None:
         """``first``: a worker already started with ``spawn_worker`` (the serve command's, before
-        its event loop existed), supervised as the first one."""
+        its event loop existed), supervised as the first one. ``hang_timeout_s``: a worker that
+        sent no frame for this long (its heartbeat thread writes one every 0.5 s whatever the
+        main loop does, so a long step or load is not a hang) is killed and replaced
+        (``server.worker_hang_timeout``; None: never, for tools that drive a worker by hand)."""
         self.options = options
         self.engine = engine
         self.env = env  # the worker's environment (None: the agent's)
         self.on_up = on_up
         self.on_down = on_down
         self.on_restart = on_restart
+        self.hang_timeout_s = hang_timeout_s
+        self.hangs = 0  # workers killed for silence
         self.state = WorkerState()
         self.last_decode: dict[str, float] = {}
         self.load_timings: dict[str, dict[str, float]] = {}  # each model's last load, by phase (Loaded.timings)
@@ -141,6 +147,7 @@ class WorkerClient:
         self._hello: asyncio.Future[P.Hello] | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
+        self._kill_reason = ""  # why the agent killed the current worker, for its exit's message
         self._spawned = asyncio.Event()  # the first worker process exists
         self._up = asyncio.Event()  # set while a worker is alive (said Hello, not exited)
 
@@ -249,12 +256,33 @@ class WorkerClient:
             self._up.set()
             if self.on_up:
                 up_task = asyncio.create_task(self.on_up(), name="worker-on-up")
-            # Either the socket closing or the process exiting means the worker is gone.
-            await asyncio.wait([read_task, self._exited], return_when=asyncio.FIRST_COMPLETED)
+            # Either the socket closing or the process exiting means the worker is gone; a worker
+            # silent past the bound is killed (then it exits like any other).
+            watch = asyncio.create_task(self._watch_hang(proc), name="worker-hang-watch")
+            try:
+                await asyncio.wait([read_task, self._exited], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watch.cancel()
         except asyncio.TimeoutError:
             self._log.error("worker_no_hello", timeout_s=HELLO_TIMEOUT_S)
         finally:
             await self._reap(proc, read_task, up_task)
+
+    async def _watch_hang(self, proc: subprocess.Popen) -> None:
+        """Kill the worker once no frame came for ``hang_timeout_s`` (stopped, deadlocked, or a
+        main loop that holds the GIL); the reap then fails its requests and a new one starts."""
+        bound = self.hang_timeout_s
+        if bound is None:
+            return
+        while True:
+            silent = time.monotonic() - self.state.last_frame
+            if silent >= bound:
+                break
+            await asyncio.sleep(min(1.0, bound - silent + 0.01))
+        self.hangs += 1
+        self._kill_reason = f"it sent nothing for {silent:.0f} s (server.worker_hang_timeout {bound:g} s)"
+        self._log.error("worker_hung", pid=proc.pid, silent_s=round(silent, 1), bound_s=bound)
+        proc.kill()
 
     async def _sweep_kernels(self) -> None:
         """Take damaged compiled kernels out of the worker's Triton cache (they would fail its
@@ -286,6 +314,8 @@ class WorkerClient:
             self._writer.close()
             self._writer = None
         how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+        if self._kill_reason:
+            how, self._kill_reason = f"killed: {self._kill_reason}", ""
         self.state.last_exit = how
         if not self._stopping:
             self._log.error("worker_exited", pid=proc.pid, how=how)

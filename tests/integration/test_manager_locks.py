@@ -161,7 +161,7 @@ async def test_keep_alive_unloads_idle_unpinned_only(monkeypatch, tmp_path) -> N
 
 async def test_autoload_waits_for_the_load_and_times_out_with_retry_after(monkeypatch, tmp_path) -> None:
     w = FakeWorker(load_s=0.1)
-    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "a", "autoload": true}, {"name": "b"}]', ["a", "b"])
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "a"}, {"name": "b", "autoload": false}]', ["a", "b"])
     with pytest.raises(ModelNotReady):
         await mgr.admit_wait("b")  # autoload off for b
     with await mgr.admit_wait("a") as e:
@@ -187,3 +187,79 @@ async def test_max_queue_bounds_requests_in_flight(monkeypatch, tmp_path) -> Non
         mgr.admit("q")
     assert ex.value.status == 503 and ex.value.retry_after
     assert len(held) == 3 and mgr.describe(mgr.get("q"))["queue_limit"] == 3
+
+
+async def test_autoload_pulls_a_configured_model_that_is_only_in_the_store(monkeypatch, tmp_path) -> None:
+    w = FakeWorker()
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "x"}]', [])  # autoload on by default
+    assert mgr.get("x").state is State.ABSENT
+    with await mgr.admit_wait("x") as e:  # pulled (0.3 s), loaded, then admitted
+        assert e.state is State.READY and w.loaded == ["x"]
+    mgr2 = _manager(monkeypatch, tmp_path / "b", FakeWorker(), '[{"name": "y"}]', [])
+    mgr2.source.pull_s = 2.0
+    with pytest.raises(ModelNotReady) as ex:  # past the bound: a 503 while the pull goes on
+        await mgr2.admit_wait("y", timeout=0.2)
+    assert ex.value.retry_after and mgr2.get("y").state is State.PULLING
+    await mgr2.get("y").task
+    assert mgr2.get("y").state is State.READY
+
+
+class _HangingWorker(FakeWorker):
+    """A worker whose loads of ``hang`` never answer (the worker dies meanwhile)."""
+
+    def __init__(self, hang: str) -> None:
+        super().__init__()
+        self.hang, self.order = hang, []
+
+    async def load(self, name: str, model_dir: str, **kw: Any) -> Any:
+        self.order.append(name)
+        if name == self.hang:
+            await asyncio.Event().wait()
+        return await super().load(name, model_dir, **kw)
+
+
+async def _restart(mgr: ModelManager, w: FakeWorker) -> None:
+    await mgr.on_worker_down()
+    await asyncio.sleep(0.01)  # the cancelled operations end (a restart's backoff is longer)
+    w.loaded = []  # a new process holds nothing
+    await mgr.on_worker_up()
+
+
+async def test_after_a_restart_models_come_back_one_at_a_time_in_priority_order(monkeypatch, tmp_path) -> None:
+    w = _HangingWorker(hang="")
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "old"}, {"name": "pre", "preload": true},'
+                   ' {"name": "pinned", "pin": true}, {"name": "new"}]', ["old", "pre", "pinned", "new"])
+    for n in ("pinned", "pre", "old", "new"):
+        await mgr.load(n)
+    mgr.get("old").touch()
+    await asyncio.sleep(0.01)
+    mgr.get("new").touch()
+    w.order = []
+    await _restart(mgr, w)
+    assert {mgr.get(n).state for n in ("pinned", "pre", "old", "new")} == {State.LOADING}
+    await mgr.get("pinned").task
+    assert w.order == ["pinned", "pre", "new", "old"] and w.max_active == 1
+    assert {mgr.get(n).state for n in ("pinned", "pre", "old", "new")} == {State.READY}
+
+
+async def test_a_model_whose_load_took_the_worker_down_twice_is_failed_not_retried(monkeypatch, tmp_path) -> None:
+    w = _HangingWorker(hang="bad")
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "good"}, {"name": "bad"}]', ["good", "bad"])
+    await mgr.load("good")
+    mgr.load("bad")
+    await asyncio.sleep(0.1)  # in the worker's load when it dies
+    await _restart(mgr, w)
+    assert mgr.get("bad").state is State.LOADING and mgr.get("bad").crashed_loads == 1
+    await asyncio.sleep(0.2)  # good back first (more recently used), then bad's load hangs again
+    assert w.order[-2:] == ["good", "bad"] and mgr.get("good").state is State.READY
+    await _restart(mgr, w)
+    bad = mgr.get("bad")
+    assert bad.state is State.FAILED and "died during 2 of its loads" in bad.reason
+    await mgr.get("good").task
+    assert mgr.get("good").state is State.READY and w.order.count("bad") == 2  # no third try
+    with pytest.raises(ModelNotReady, match="died during 2"):
+        await mgr.admit_wait("bad", timeout=1.0)  # a request does not retry it
+    assert w.order.count("bad") == 2
+    w.hang = ""
+    await mgr.load("bad")  # an operator's load does
+    assert mgr.get("bad").state is State.READY and mgr.get("bad").crashed_loads == 0

@@ -23,7 +23,8 @@ def daemon(make_tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("manager-room")
     src = make_tiny_model("llama")
     publish_tiny(make_tiny_model, tmp / "store", NAMES)
-    base = {"max_model_len": CTX, "max_num_seqs": SEQS, "keep_alive": -1}
+    # autoload off but for m-auto: these tests drive loads through the admin API
+    base = {"max_model_len": CTX, "max_num_seqs": SEQS, "keep_alive": -1, "autoload": False}
     models = [{**base, "name": "m-a", "pin": True}, {**base, "name": "m-b"}, {**base, "name": "m-c"},
               {**base, "name": "m-k", "keep_alive": "1s"}, {**base, "name": "m-auto", "autoload": True}]
     d = Daemon(tmp, models=models, env={"INFIRE_GPU__CPU_MEMORY_BUDGET": str(budget_for_two(src)),

@@ -4,6 +4,7 @@ and model folders the engine must refuse (pickle weights, remote code)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -150,4 +151,37 @@ def test_worker_sigkill_under_load_then_sigterm_with_live_streams(make_tiny_mode
         tally["faults"] += 2
         tally["requests"] += 14
     finally:
+        d.stop()
+
+
+def test_a_stopped_worker_is_killed_after_the_hang_bound_and_replaced(make_tiny_model, tmp_path, tally) -> None:
+    """SIGSTOP (a hang: no frame at all, heartbeat included): past server.worker_hang_timeout
+    the agent kills it; its streams end with an error naming why, a new worker serves."""
+    url = publish_tiny(make_tiny_model, tmp_path / "store", MODEL)
+    d = Daemon(tmp_path, store_url=url, models=[{"name": MODEL, "preload": True, "max_model_len": 2048,
+                                                 "max_num_seqs": 8}],
+               env={"INFIRE_SERVER__WORKER_HANG_TIMEOUT": "3s"}).start(timeout=120)
+    try:
+        pid = d.status()["worker"]["pid"]
+        streams = [open_stream(d, 1500) for _ in range(2)]
+        for _, r in streams:
+            assert r.status == 200 and r.readline().startswith(b"data: ")
+        os.kill(pid, signal.SIGSTOP)
+        for c, r in streams:
+            events = sse_events(r)
+            c.close()
+            err = json.loads(events[-1])["error"]
+            assert err["code"] == "worker_died" and "sent nothing for" in err["message"], err
+        d.wait_for(f"/readyz/{MODEL}", 200, timeout=90)  # reloaded in the new worker
+        st = d.status()["worker"]
+        assert st["pid"] != pid and st["restarts"] == 1, st
+        code, body = d.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert code == 200, body
+        logs = [json.loads(line) for line in d.logs().splitlines() if line.startswith("{")]
+        assert any(r.get("event") == "worker_hung" for r in logs)
+        tally["faults"] += 1
+        tally["requests"] += 3
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         d.stop()
