@@ -6,6 +6,7 @@ choices, each as a CUDA graph. Prints a table last, writes JSON.
     python ops/gpu/fp8_bench.py [out.json]
     python ops/gpu/fp8_bench.py --medium [out.json]     (32-128 rows: the kernel tiled over rows vs cuBLASLt)
     python ops/gpu/fp8_bench.py --one-row [out.json]    (one row: 16-channel tiles too, and a step's linears)
+    python ops/gpu/fp8_bench.py --parts [out.json]      (one FP8 decoder layer's kernels beside bf16's)
 
 Achieved GB/s is the weight bytes over the time (the floor a decode step of a few rows has).
 """
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from engine.kernels import fp8  # noqa: E402
+from engine.kernels import activation, fp8, norm  # noqa: E402
 from engine.kernels.fp8_triton import fp8_linear_small_m, small_m_config  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -32,7 +33,7 @@ ROWS = (1, 4, 16)
 SWEEP = [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=st)
          for bn, bk, sk, w, st in itertools.product((32, 64, 128), (128, 256, 512), (1, 2, 4, 8), (4,), (3, 5))]
 # Medium rows (--medium): the kernel tiled over rows too, against cuBLASLt, where cuBLASLt's FP8
-# falls behind its bf16 (ops/gpu/fp8_parts.py: the down projection at 64 rows).
+# falls behind its bf16 (--parts: the down projection at 64 rows).
 # 256 and 512 rows (decode batches of the c200 and offline runs): 128-row tiles with 8 warps, and
 # split K (the down projection's K = 14336 over 64 programs leaves most SMs idle); 256-channel
 # tiles spill (sm_90 AOT: 255 registers and 200 bytes of stack).
@@ -158,6 +159,40 @@ def one_row(res: dict) -> None:
     res["one_row_step_linears"] = step
 
 
+def parts(res: dict) -> None:
+    """What one FP8 decoder layer's kernels cost beside bf16's, at a few batch sizes (Llama-3.1-8B
+    shapes), each replayed from a CUDA graph: the norms with and without quantized output, SiLU-mul
+    with and without, the separate row quantization before o_proj, and each projection's GEMM (µs)."""
+    dev, h, inter = "cuda", 4096, 14336
+    res["rows"] = {}
+    ws = {nm: torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for nm, (n, k) in SHAPES.items()}
+    qs = {nm: fp8.quantize_weight(w) for nm, w in ws.items()}
+    for m in (1, 64, 256, 512):
+        x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
+        r = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
+        w = torch.rand(h, device=dev, dtype=torch.bfloat16) + 0.5
+        gu = torch.randn(m, 2 * inter, device=dev, dtype=torch.bfloat16)
+        row = {
+            "add_norm_bf16": graph_ms(lambda: norm.fused_add_rms_norm(x, r, w, 1e-5)),
+            "add_norm_fp8": graph_ms(lambda: norm.fused_add_rms_norm(x, r, w, 1e-5, quant=True)),
+            "silu_bf16": graph_ms(lambda: activation.silu_and_mul(gu)),
+            "silu_fp8": graph_ms(lambda: activation.silu_and_mul(gu, quant=True)),
+            "quantize_rows_4096": graph_ms(lambda: fp8.quantize_rows(x)),
+        }
+        for nm, (n, k) in SHAPES.items():
+            xa = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            a = fp8.quantize_rows(xa)
+            row[f"{nm}_bf16"] = graph_ms(lambda: torch.nn.functional.linear(xa, ws[nm]))
+            row[f"{nm}_fp8"] = graph_ms(lambda: fp8.fp8_linear(a, *qs[nm]))
+        row = {k: v * 1e3 for k, v in row.items()}  # microseconds
+        layer_bf16 = 2 * row["add_norm_bf16"] + row["silu_bf16"] + sum(row[f"{nm}_bf16"] for nm in SHAPES)
+        layer_fp8 = (2 * row["add_norm_fp8"] + row["silu_fp8"] + row["quantize_rows_4096"]
+                     + sum(row[f"{nm}_fp8"] for nm in SHAPES))
+        row.update(layer_bf16_us=layer_bf16, layer_fp8_us=layer_fp8)
+        res["rows"][m] = row
+        print(f"M={m:3d} " + "  ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+
+
 def graph_ms(fn, reps: int = 50) -> float:
     """Median ms of ``fn`` replayed from a CUDA graph (launch cost excluded, as the engine runs)."""
     s = torch.cuda.Stream()
@@ -175,11 +210,14 @@ def graph_ms(fn, reps: int = 50) -> float:
 def main() -> int:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     out = Path(args[0] if args else os.path.join(os.environ.get("OUT", "."), "fp8_bench.json"))
-    if "--medium" in sys.argv or "--one-row" in sys.argv:
+    modes = {"--medium": medium, "--one-row": one_row, "--parts": parts}
+    mode = next((fn for flag, fn in modes.items() if flag in sys.argv), None)
+    if mode is not None:
         res = {"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("INFIRE_COMMIT", ""),
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        (medium if "--medium" in sys.argv else one_row)(res)
+        mode(res)
         out.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {out}")
         return 0
     dev = "cuda"
     torch.manual_seed(0)
