@@ -8,7 +8,11 @@ Every byte the engine puts on the device is booked here first:
   batch. Booked as a sum over models, because each model's captured graphs keep a private pool;
 - **KV**: the one shared PagePool (``kv_pool_bytes``), of which each model holds a guaranteed
   minimum (``kv_min``); the part of the pool above the sum of minimums is *elastic*: the pool may
-  be shrunk to give it to a model being loaded.
+  be shrunk to give it to a model being loaded;
+- **untracked**: what the device measurably holds for this process beyond every booking above
+  (library workspaces, graph pools larger than measured, allocator fragmentation), set by
+  :meth:`MemoryLedger.reconcile` from the device's own figure before each load is decided. The
+  books estimate; the device is the truth: a load is decided against the larger of the two.
 
 ``check_load`` decides a load before anything touches the GPU and returns a ``LoadPlan`` (which
 idle models to evict first and how large the KV pool becomes), or raises ``LoadRefused`` with the
@@ -109,8 +113,9 @@ class LedgerSnapshot:
     workspace: dict[str, int]
     kv_min: dict[str, int]
     kv_pool_bytes: int
-    used: int  # weights + workspace + the whole KV pool: what should be on the device
+    used: int  # weights + workspace + the whole KV pool + untracked: what is on the device
     free: int  # budget - used
+    untracked: int = 0  # measured device bytes no booking explains (reconcile)
 
 
 @dataclass(frozen=True)
@@ -186,15 +191,29 @@ class MemoryLedger:
         self.budget = resolve_budget(budget, device_total=device_total, device_free=device_free)
         self._models: dict[str, _Model] = {}
         self._kv_pool = 0
+        self._untracked = 0
         self._lock = threading.Lock()
 
     # -- totals (call with the lock held) ---------------------------------------------------------
     def _non_kv(self) -> int:
-        return sum(m.weights + m.workspace for m in self._models.values())
+        return sum(m.weights + m.workspace for m in self._models.values()) + self._untracked
 
     def _committed(self) -> int:
-        """Bytes nobody else may take: weights, workspace and every guaranteed KV minimum."""
-        return sum(m.weights + m.workspace + m.kv_min for m in self._models.values())
+        """Bytes nobody else may take: weights, workspace, every guaranteed KV minimum and what
+        the device holds beyond the books."""
+        return sum(m.weights + m.workspace + m.kv_min for m in self._models.values()) + self._untracked
+
+    # -- the device's own figure ------------------------------------------------------------------
+    def reconcile(self, held_bytes: int) -> int:
+        """Take the device's figure of what this process holds now (``held_bytes``: beyond the
+        start-up baseline, cached free memory the allocator can hand back excluded) as the
+        truth: whatever of it no booking explains becomes ``untracked`` and is charged like a
+        model's bytes until the next reconcile. Returns the untracked bytes."""
+        _nonneg("held_bytes", held_bytes)
+        with self._lock:
+            booked = sum(m.weights + m.workspace for m in self._models.values()) + self._kv_pool
+            self._untracked = max(0, held_bytes - booked)
+            return self._untracked
 
     def _used(self) -> int:
         return self._non_kv() + self._kv_pool
@@ -340,7 +359,8 @@ class MemoryLedger:
                 weights={n: m.weights for n, m in self._models.items()},
                 workspace={n: m.workspace for n, m in self._models.items()},
                 kv_min={n: m.kv_min for n, m in self._models.items()},
-                kv_pool_bytes=self._kv_pool, used=used, free=self.budget - used)
+                kv_pool_bytes=self._kv_pool, used=used, free=self.budget - used,
+                untracked=self._untracked)
 
     def verify_against_allocator(self, *, tolerance: int = 256 * 1024**2,
                                  reserved_bytes: int | None = None) -> AllocatorCheck:

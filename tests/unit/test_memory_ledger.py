@@ -214,3 +214,25 @@ def test_concurrent_bookings_never_exceed_the_budget():
     snap = led.snapshot()
     assert len(snap.weights) == 33 and snap.used == 99 * MiB
     assert len(refused) == 200 - 33
+
+
+def test_what_the_device_holds_beyond_the_books_is_charged_until_the_next_reconcile():
+    led = MemoryLedger(100 * GiB)
+    led.reserve_weights("a", 10 * GiB, workspace_estimate=2 * GiB, min_kv_bytes=1 * GiB)
+    led.set_kv_pool(20 * GiB)
+    assert led.reconcile(30 * GiB) == 0  # the device holds less than booked: nothing changes
+    assert led.reconcile(40 * GiB) == 8 * GiB  # 8 GiB no booking explains (library scratch, pools)
+    snap = led.snapshot()
+    assert snap.untracked == 8 * GiB and snap.used == 40 * GiB and snap.free == 60 * GiB
+    # a load is decided against the device's figure: 80 GiB fit the books (87 free) but not the device
+    with pytest.raises(LoadRefused) as ex:
+        led.check_load("b", 70 * GiB, 8 * GiB, 2 * GiB)
+    assert ex.value.free == 100 * GiB - 13 * GiB - 8 * GiB
+    plan = led.check_load("b", 60 * GiB, 5 * GiB, 2 * GiB)
+    assert plan.kv_pool_bytes_after == 100 * GiB - 12 * GiB - 8 * GiB - 65 * GiB
+    with pytest.raises(EngineError):  # the pool cannot grow into what the device holds
+        led.set_kv_pool(81 * GiB)
+    led.reconcile(32 * GiB)
+    assert led.snapshot().untracked == 0 and led.snapshot().free == 100 * GiB - 32 * GiB
+    with pytest.raises(EngineError):
+        led.reconcile(-1)
