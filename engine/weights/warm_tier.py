@@ -9,12 +9,15 @@ CUDA streams and returns when they have landed. A model bigger than the whole bu
 the lock only for ``restore``'s device transfers of an entry that is pinned against eviction.
 
 ``prepin()`` page-locks the whole budget once (a thread at start: ``prepin_async``); puts then take
-a range of that arena instead of pinning a buffer each (~0.3 s per GB on the H200). It pins in
-``PIN_CHUNK_BYTES`` pieces, one ``cudaHostRegister`` each, and asks ``wait_turn`` before each: the
-worker passes "wait until the engine is idle", because a registration holds the driver up (on the
-H200, 40 GiB pinned beside the first load after a restart held its KV pool's allocation up for
-6-11 s, and a 1-token request behind it took 8.9 s). Copies in and out of the arena are split
-where one registration ends and the next begins, so each DMA stays inside one page-locked range.
+a range of that arena. Nothing else is ever page-locked: a put before the arena exists stores a
+pageable copy (restored at pageable speed) rather than pin a buffer on the unload's path (~0.3 s
+per GB on the H200: the first eviction of an 8B took 19.9 s to answer after when it pinned). It
+pins in ``PIN_CHUNK_BYTES`` pieces, one ``cudaHostRegister`` each, and asks ``wait_turn`` before
+each: the worker passes "wait until the engine is idle, or a pace under traffic", because a
+registration holds the driver up (on the H200, 40 GiB pinned beside the first load after a
+restart held its KV pool's allocation up for 6-11 s, and a 1-token request behind it took 8.9 s).
+Copies in and out of the arena are split where one registration ends and the next begins, so each
+DMA stays inside one page-locked range.
 
 ``note(name, tag, value)`` / ``noted(name, tag)`` keep small figures with a stored entry and go
 with it (EngineCore keeps the workspace it measured for those weights at one load shape there,
@@ -148,19 +151,6 @@ def _pin_pieces(buf: torch.Tensor, cuts: list[int], pin: bool, wait_turn: Callab
     if done:
         weakref.finalize(buf, _unregister_all, done)  # before its memory is freed
     return True
-
-
-def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """A host uint8 buffer, page-locked for its lifetime when ``pin`` (unpinned if that fails)."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    if pin and nbytes:
-        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
-        if int(err) != 0:
-            log.warning("warm tier: cudaHostRegister of %d bytes failed (%s); keeping it pageable", nbytes, err)
-        else:
-            # unregistered when the buffer object dies, before its memory is freed
-            weakref.finalize(buf, _unregister, buf.data_ptr())
-    return buf
 
 
 class WarmTier:
@@ -305,7 +295,8 @@ class WarmTier:
             self._entries[name] = entry
         try:
             t0 = time.perf_counter()
-            buf = self._arena.buf[off:off + total] if off is not None else _host_buffer(total, self.pin)
+            # before the arena is pinned: a pageable copy, never a page-locking call on this path
+            buf = self._arena.buf[off:off + total] if off is not None else torch.empty(total, dtype=torch.uint8)
             t1 = time.perf_counter()
             for n, t in tensors.items():
                 s, src = slots[n], _bytes_of(t)

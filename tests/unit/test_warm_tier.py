@@ -153,3 +153,30 @@ def test_the_arena_is_pinned_in_pieces_each_after_its_turn_and_copies_never_cros
 def test_pin_chunk_must_be_whole_pages():
     with pytest.raises(WarmTierError):
         WarmTier(1 << 20, pin=False, pin_chunk_bytes=1000)
+
+
+def test_a_put_never_page_locks_only_the_start_up_pinning_does(monkeypatch):
+    """An unload's stash must not pay for page-locking (seconds per 8B): before the arena is
+    pinned a put stores a pageable copy; the registrations all happen in prepin, piece by piece."""
+    calls = []
+
+    class Driver:
+        def cudaHostRegister(self, ptr, n, flags):
+            calls.append(("register", n))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", 0))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Driver())
+    m = model(3)
+    tier = WarmTier(2 * nbytes(m), pin=True, pin_chunk_bytes=4096)
+    assert tier.put("a", m) and calls == []  # no arena yet: pageable, nothing registered
+    dst = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in m.items()}
+    assert tier.restore("a", dst) and all(torch.equal(dst[k], m[k]) for k in m)
+    tier.prepin()
+    assert calls and all(c == "register" for c, _ in calls)
+    assert sum(n for _, n in calls) == 2 * nbytes(m)  # the whole budget, once
+    n = len(calls)
+    assert tier.put("b", model(4)) and len(calls) == n  # puts take arena ranges: no more calls
