@@ -82,7 +82,7 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.block_size = kv.block_size
-        self.max_tokens = max_num_batched_tokens
+        self.max_step_tokens = max_num_batched_tokens
         self.max_seqs = max_num_seqs
         self.max_pages = -(-max_model_len // self.block_size)
         dev = self.device
@@ -95,8 +95,8 @@ class ModelRunner:
         # whole context whatever the plan).
         cfg = model.cfg
         per_tile = rows_per_tile(cfg.num_heads, cfg.num_kv_heads) if use_triton(kv.k(0)) else 0
-        self.bufs = StepBuffers(dev, self.max_tokens, self.max_seqs, self.max_pages, max_model_len, cfg.vocab_size,
-                                per_tile)
+        self.bufs = StepBuffers(dev, self.max_step_tokens, self.max_seqs, self.max_pages, max_model_len,
+                                cfg.vocab_size, per_tile)
         self.cascade_rows = 0  # rows that read a shared prefix through a cascade tile
         self.cascade_steps = 0  # steps with a cascade plan
         self.streams = StepStreams(dev, stream_pool) if self._pin else None
@@ -128,7 +128,7 @@ class ModelRunner:
         if mixed_buckets is None:
             mixed_buckets = DEFAULT_MIXED_BUCKETS
         # Token buckets of the mixed-step graphs (engine/runner/cuda_graphs.py), on CUDA with graphs.
-        self.mixed_buckets = tuple(sorted(b for b in mixed_buckets if 0 < b <= self.max_tokens))
+        self.mixed_buckets = tuple(sorted(b for b in mixed_buckets if 0 < b <= self.max_step_tokens))
         decode_now, mixed_now = graph_buckets(dev, cuda_graphs, self.decode_buckets, self.mixed_buckets)
         if decode_now:
             # At load: the largest bucket (it sizes the shared pool) and those up to
@@ -216,8 +216,8 @@ class ModelRunner:
         max_seq = int(seq_lens.max())
         full_width = pad_to is not None or pad_tokens is not None
         max_pages = self.max_pages if full_width else -(-max_seq // bs)
-        if (n > self.max_tokens or rows_total > self.max_seqs or -(-max_seq // bs) > self.max_pages
-                or (pad_tokens is not None and not n <= pad_tokens <= self.max_tokens)):
+        if (n > self.max_step_tokens or rows_total > self.max_seqs or -(-max_seq // bs) > self.max_pages
+                or (pad_tokens is not None and not n <= pad_tokens <= self.max_step_tokens)):
             raise ValueError("step larger than the runner's buffers (scheduler limits disagree with the runner)")
         tables = np.zeros((rows_total, max_pages), dtype=np.int32)
         if b:

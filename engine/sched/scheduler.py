@@ -172,11 +172,11 @@ class Scheduler:
         return len(self.waiting)
 
     # -- one step --------------------------------------------------------------------------
-    def schedule(self, max_tokens: int | None = None) -> SchedulerOutput:
-        """One step's batch; ``max_tokens`` lowers this step's token budget (the engine's cap
+    def schedule(self, token_cap: int | None = None) -> SchedulerOutput:
+        """One step's batch; ``token_cap`` lowers this step's token budget (the engine's cap
         while other models share the device), never below one token."""
         cfg = self.config
-        budget = cfg.max_num_batched_tokens if max_tokens is None else max(1, min(max_tokens, cfg.max_num_batched_tokens))
+        budget = cfg.max_num_batched_tokens if token_cap is None else max(1, min(token_cap, cfg.max_num_batched_tokens))
         chunk_cap = cfg.max_prefill_chunk or budget
         planned: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, tokens); insertion order
         decodes: set[int] = set()  # the seq_ids loop 1 planned
