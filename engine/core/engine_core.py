@@ -74,7 +74,7 @@ class InFlight:
     """A launched step (``pending``), or one a synchronous runner already ran (``result``).
 
     The only place the core looks at a step's device event: :meth:`ready` and :meth:`wait`.
-    :meth:`EngineCore.parked` hands this object out, so a caller can wait for a parked step
+    :meth:`EngineCore.yielded` hands this object out, so a caller can wait for a yielded step
     without knowing what the device uses to signal it.
     """
 
@@ -171,7 +171,7 @@ class EngineCore:
         self._req_model: dict[str, str] = {}
         self._pending: list[RequestOutput] = []
         self._inflight: InFlight | None = None
-        self._parked_at: float | None = None  # when the last step() left a yielding model's step parked
+        self._yielded_at: float | None = None  # when the last step() returned with a yielding model's step in flight
         self._last_done = 0.0
         self._pools = PoolKeeper(make_ledger(self._budget_arg, self.device), self.device, self._slots,
                                  max_num_batched_tokens=max_num_batched_tokens, decode_buckets=self.decode_buckets,
@@ -414,14 +414,14 @@ class EngineCore:
         outputs of the *previous* launch, collected after the new one was queued: the host
         schedules and prepares step N+1 while the GPU runs step N. A decode scheduled ahead of its
         previous token reads that token on the device (scheduler PLACEHOLDER). The policy decides
-        when a model yields (:meth:`parked`), when a batch must not be queued behind the step in
+        when a model yields (:meth:`yielded`), when a batch must not be queued behind the step in
         flight, and how a batch is launched.
         """
         outs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
-        if self._parked_at is not None and prev is not None:  # how long the caller slept on it
-            prev.slot.parked_s += time.perf_counter() - self._parked_at
-        self._parked_at = None
+        if self._yielded_at is not None and prev is not None:  # how long the caller slept on it
+            prev.slot.yield_wait_s += time.perf_counter() - self._yielded_at
+        self._yielded_at = None
         new = None
         try:
             # schedule: while the busy model yields, its next step waits until its step in flight
@@ -430,7 +430,7 @@ class EngineCore:
             yielding = prev is not None and self.policy.yields(prev.slot)
             slot, batch = self._schedule(exclude=prev.slot if yielding else None)
             if batch is None and yielding and not prev.ready():
-                self._park(prev)  # the caller waits for it or for a new request
+                self._yield_step(prev)  # the caller waits for it or for a new request
                 return outs
             # launch: behind the step in flight when the policy lets it, else after collecting it
             if batch is not None:
@@ -465,19 +465,19 @@ class EngineCore:
         self._inflight = new
         return outs
 
-    def parked(self) -> InFlight | None:
+    def yielded(self) -> InFlight | None:
         """After a :meth:`step` that returned while a yielding model's step was still running:
         that step, whose :meth:`InFlight.wait` returns once its ids are in. The caller waits for
         it or a new request, whichever comes first, before the next call (instead of calling
         again at once); the same object is returned until the next :meth:`step`. None otherwise."""
         f = self._inflight
-        if self._parked_at is None or f is None or f.pending is None:
+        if self._yielded_at is None or f is None or f.pending is None:
             return None
         return f
 
-    def _park(self, prev: InFlight) -> None:
-        prev.slot.parked += 1
-        self._inflight, self._parked_at = prev, time.perf_counter()
+    def _yield_step(self, prev: InFlight) -> None:
+        prev.slot.yield_waits += 1
+        self._inflight, self._yielded_at = prev, time.perf_counter()
 
     def _settle(self) -> None:
         """Finish the step in flight, if any; its outputs are returned by the next step."""
@@ -553,7 +553,7 @@ class EngineCore:
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per model: requests, KV pages (used, and the most it could hold now), device bytes
         (weights + workspace + the pages it holds; ``memory()`` has the split by kind), and how
-        often its step was parked for a quiet model and how long the caller slept on those; with
+        often its step yielded to a quiet model and how long the caller slept on those; with
         prefix caching, the pages its index holds (in use or free) and the prompt tokens its
         admissions looked up and found since the load; where steps plan cascade attention, the rows
         that read a shared prefix once a tile and the steps with a plan; once it had a constrained request, its
@@ -567,8 +567,8 @@ class EngineCore:
                 "kv_pages_used": blocks.num_used_pages,
                 "kv_pages_total": blocks.num_total_pages,
                 "device_bytes": s.device_bytes,
-                "parked": s.parked,
-                "parked_s": round(s.parked_s, 6),
+                "parked": s.yield_waits,
+                "parked_s": round(s.yield_wait_s, 6),
             }
             if blocks.prefix is not None:
                 out[name].update(prefix_cached_pages=len(blocks.prefix), prefix_queried_tokens=blocks.prefix.queried_tokens,

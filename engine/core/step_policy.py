@@ -2,7 +2,7 @@
 
 It owns the multi-model rules of the step loop (docs/multi-model.md has the measurements behind
 each): when a busy model *yields* (its next step waits for the one in flight, so a quiet model's
-new prompt goes out at once: :meth:`EngineCore.parked`), how many tokens a step may take while
+new prompt goes out at once: :meth:`EngineCore.yielded`), how many tokens a step may take while
 another model is active (``shared_step_tokens``), which step goes on the high-priority stream
 (*urgent*, engine/runner/streams.py), whether an urgent prefill *holds* the other models' next
 launch, and whether a batch may be launched behind the step in flight (*overlap*). It reads the
@@ -70,7 +70,7 @@ class StepPolicy:
     def yields(self, slot: ModelSlot) -> bool:
         """Whether ``slot``'s next step waits until its step in flight is collected (the other
         models are scheduled meanwhile, and ``step()`` returns instead of blocking on it while
-        nothing else has work: ``EngineCore.parked``): some model with at most a
+        nothing else has work: ``EngineCore.yielded``): some model with at most a
         ``QUIET_RATIO``-th of its requests had one within ``quiet_window_s``.
 
         Launching ahead queues the busy model's next step before the host can see a request that

@@ -14,14 +14,14 @@ Sharing rules, all O(1) per call:
 - an optional cap per model;
 - above their minimums, models take free pages first come first served.
 
-Prefix caching: a model's block manager *parks* a page it no longer holds but whose K/V its
-prefix index still points at. A parked page is free (it counts as free for every model, for
-admission and for a loading model's room), sits in one pool-wide least-recently-parked order,
-and is handed out only after the plain free pages; the model that parked it is told
-(``on_evict`` of its allocator) just before. ``unpark`` takes one back for its model (a cache
-hit), under the same minimums and caps as an allocation. A fence or a resize evicts the parked
-pages it cuts off; a resize keeps the others' contents; unregistering a model frees its parked
-pages.
+Prefix caching: a model's block manager frees a page it no longer holds but whose K/V its
+prefix index still points at as *cached-free* (``free_cached``). A cached-free page is free (it
+counts as free for every model, for admission and for a loading model's room), sits in one
+pool-wide least-recently-freed order, and is handed out only after the plain free pages; the
+model that freed it is told (``on_evict`` of its allocator) just before. ``take_cached`` takes
+one back for its model (a cache hit), under the same minimums and caps as an allocation. A fence
+or a resize evicts the cached-free pages it cuts off; a resize keeps the others' contents;
+unregistering a model makes its cached-free pages plain free ones.
 
 Resizing (see docs/multi-model.md): ``fence(limit)`` stops handing out pages ``>= limit`` so they
 drain as sequences finish; ``resize(n)`` then re-creates the memory, copying the live pages
@@ -71,7 +71,7 @@ class _Slot:
         self.counted = 0  # pages held below the fence: only these count toward the minimum
         self.pages: set[int] = set()
         self.active = True
-        self.on_evict: Any = None  # called with a page id this model parked, when it is handed out
+        self.on_evict: Any = None  # called with a cached-free page id of this model as it is handed out
 
     def reserve(self) -> int:
         return max(0, self.min_pages - self.counted)
@@ -113,14 +113,14 @@ class _ModelAllocator:
     def free(self, page_id: int) -> None:
         self._pool._free(self._live(), page_id)
 
-    def park(self, page_id: int) -> None:
-        self._pool._free(self._live(), page_id, park=True)
+    def free_cached(self, page_id: int) -> None:
+        self._pool._free(self._live(), page_id, cached=True)
 
-    def unpark(self, page_id: int) -> bool:
-        return self._pool._unpark(self._live(), page_id)
+    def take_cached(self, page_id: int) -> bool:
+        return self._pool._take_cached(self._live(), page_id)
 
-    def drop_parked(self) -> None:
-        self._pool._drop_parked(self._live())
+    def drop_cached(self) -> None:
+        self._pool._drop_cached(self._live())
 
     @property
     def on_evict(self) -> Any:
@@ -151,7 +151,7 @@ class PagePool:
         self.generation = 0
         self._limit = num_pages  # pages >= limit are fenced: never handed out
         self._free_ids: list[int] = list(range(num_pages - 1, -1, -1))  # stack, low ids first
-        self._parked: dict[int, _Slot] = {}  # free pages still indexed, least recently parked first
+        self._cached_free: dict[int, _Slot] = {}  # free pages still indexed, least recently freed first
         self._owner: list[_Slot | None] = [None] * num_pages
         self._slots: dict[str, _Slot] = {}
         self._reserve = 0  # sum of slot.reserve(): free pages held back for minimums
@@ -191,7 +191,7 @@ class PagePool:
         slot = self._slot(model)
         if slot.used:
             raise PoolBusyError(f"model {model!r} still holds {slot.used} pages")
-        self._drop_parked(slot)  # its index goes with it: plain free pages now
+        self._drop_cached(slot)  # its index goes with it: plain free pages now
         self._reserve -= slot.reserve()
         slot.active = False
         del self._slots[model]
@@ -215,7 +215,7 @@ class PagePool:
     # -- the O(1) core ----------------------------------------------------------------------------
     def _available(self, slot: _Slot) -> int:
         # Below its minimum a model may also take the pages held back for it.
-        n = len(self._free_ids) + len(self._parked) - self._reserve + slot.reserve()
+        n = len(self._free_ids) + len(self._cached_free) - self._reserve + slot.reserve()
         if slot.max_pages is not None:
             n = min(n, slot.max_pages - slot.used)
         return max(0, n)
@@ -226,26 +226,26 @@ class PagePool:
         if self._free_ids:
             page_id = self._free_ids.pop()
         else:
-            page_id = next(iter(self._parked))
+            page_id = next(iter(self._cached_free))
             self._evict(page_id)
         self._take(slot, page_id)
         return page_id
 
-    def _unpark(self, slot: _Slot, page_id: int) -> bool:
-        if self._parked.get(page_id) is not slot or self._available(slot) < 1:
+    def _take_cached(self, slot: _Slot, page_id: int) -> bool:
+        if self._cached_free.get(page_id) is not slot or self._available(slot) < 1:
             return False
-        del self._parked[page_id]
+        del self._cached_free[page_id]
         self._take(slot, page_id)
         return True
 
-    def _drop_parked(self, slot: _Slot) -> None:
-        """Make ``slot``'s parked pages plain free ones (its index is gone); no hook is called."""
-        for page_id in [p for p, owner in self._parked.items() if owner is slot]:
-            del self._parked[page_id]
+    def _drop_cached(self, slot: _Slot) -> None:
+        """Make ``slot``'s cached-free pages plain free ones (its index is gone); no hook is called."""
+        for page_id in [p for p, owner in self._cached_free.items() if owner is slot]:
+            del self._cached_free[page_id]
             self._free_ids.append(page_id)
 
     def _evict(self, page_id: int) -> None:
-        owner = self._parked.pop(page_id)
+        owner = self._cached_free.pop(page_id)
         if owner.active and owner.on_evict is not None:
             owner.on_evict(page_id)
 
@@ -257,7 +257,7 @@ class PagePool:
         slot.pages.add(page_id)
         self._owner[page_id] = slot
 
-    def _free(self, slot: _Slot, page_id: int, park: bool = False) -> None:
+    def _free(self, slot: _Slot, page_id: int, cached: bool = False) -> None:
         if isinstance(page_id, bool) or not isinstance(page_id, int) or not 0 <= page_id < self.num_pages:
             raise PagePoolError(f"{page_id!r} is not a page id of this pool (0..{self.num_pages - 1})")
         if self._owner[page_id] is not slot:
@@ -271,11 +271,11 @@ class PagePool:
             slot.counted -= 1
             if slot.counted < slot.min_pages:
                 self._reserve += 1
-            if park:
-                self._parked[page_id] = slot
+            if cached:
+                self._cached_free[page_id] = slot
             else:
                 self._free_ids.append(page_id)
-        elif park and slot.on_evict is not None:
+        elif cached and slot.on_evict is not None:
             slot.on_evict(page_id)  # fenced: it drains and is not kept, so it leaves the index now
         # A fenced page just drains: it is not handed out again before the resize.
 
@@ -297,9 +297,10 @@ class PagePool:
         for s in self._slots.values():
             s.counted = counted[s.name]
         self._reserve = reserve
-        for page_id in [p for p in self._parked if p >= limit]:
+        for page_id in [p for p in self._cached_free if p >= limit]:
             self._evict(page_id)
-        self._free_ids = [p for p in range(limit - 1, -1, -1) if self._owner[p] is None and p not in self._parked]
+        self._free_ids = [p for p in range(limit - 1, -1, -1)
+                          if self._owner[p] is None and p not in self._cached_free]
         return self.num_fenced_in_use()
 
     def num_fenced_in_use(self) -> int:
@@ -324,16 +325,18 @@ class PagePool:
         if num_pages - used < reserve:
             raise PoolExhausted(f"{num_pages} pages cannot hold {used} live pages plus "
                                 f"{reserve} guaranteed to models")
-        for page_id in [p for p in self._parked if p >= num_pages]:
+        for page_id in [p for p in self._cached_free if p >= num_pages]:
             self._evict(page_id)
-        if self._memory is not None:  # parked pages keep their K/V too
-            self._memory.resize(num_pages, [p for s in self._slots.values() for p in s.pages] + list(self._parked))
+        if self._memory is not None:  # cached-free pages keep their K/V too
+            live = [p for s in self._slots.values() for p in s.pages]
+            self._memory.resize(num_pages, live + list(self._cached_free))
         self._owner = self._owner[:num_pages] + [None] * max(0, num_pages - self.num_pages)
         self.num_pages = self._limit = num_pages
         for s in self._slots.values():
             s.counted = s.used
         self._reserve = reserve
-        self._free_ids = [p for p in range(num_pages - 1, -1, -1) if self._owner[p] is None and p not in self._parked]
+        self._free_ids = [p for p in range(num_pages - 1, -1, -1)
+                          if self._owner[p] is None and p not in self._cached_free]
         self.generation += 1
 
     # -- memory and views -----------------------------------------------------------------------
@@ -367,17 +370,17 @@ class PagePool:
     # -- reading ------------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        """Free pages that may be handed out (below the fence), including held-back and parked ones."""
-        return len(self._free_ids) + len(self._parked)
+        """Free pages that may be handed out (below the fence), including held-back and cached-free ones."""
+        return len(self._free_ids) + len(self._cached_free)
 
     @property
-    def num_parked(self) -> int:
-        return len(self._parked)
+    def num_cached_free(self) -> int:
+        return len(self._cached_free)
 
-    def parked_pages(self, model: str | None = None) -> list[int]:
-        """Parked pages (of ``model``'s, or all), least recently parked first."""
+    def cached_free_pages(self, model: str | None = None) -> list[int]:
+        """Cached-free pages (of ``model``'s, or all), least recently freed first."""
         slot = self._slot(model) if model is not None else None
-        return [p for p, owner in self._parked.items() if slot is None or owner is slot]
+        return [p for p, owner in self._cached_free.items() if slot is None or owner is slot]
 
     @property
     def num_reserved(self) -> int:
@@ -410,12 +413,12 @@ class PagePool:
             below = sum(1 for p in s.pages if p < self._limit)
             if n != s.used or len(s.pages) != s.used or below != s.counted:
                 raise PagePoolError(f"{s.name!r}: owns {n} pages, books {s.used} / {s.counted}")
-        free = sorted(self._free_ids + list(self._parked))
+        free = sorted(self._free_ids + list(self._cached_free))
         expect = [p for p in range(self._limit) if self._owner[p] is None]
-        if free != expect or len(set(self._free_ids) & set(self._parked)):
+        if free != expect or len(set(self._free_ids) & set(self._cached_free)):
             raise PagePoolError("the free list disagrees with the owner table (leak or double free)")
-        if any(owner not in self._slots.values() for owner in self._parked.values()):
-            raise PagePoolError("a parked page belongs to a model no longer registered")
+        if any(owner not in self._slots.values() for owner in self._cached_free.values()):
+            raise PagePoolError("a cached-free page belongs to a model no longer registered")
         if self._reserve != sum(s.reserve() for s in self._slots.values()) or self._reserve > len(free):
             raise PagePoolError(f"held-back pages {self._reserve} are wrong or exceed {len(free)} free")
 

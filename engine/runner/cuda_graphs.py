@@ -128,9 +128,10 @@ class GraphSet:
 
     A step asks :meth:`capture_deferred` before its inputs are staged, then :meth:`ready` (which
     captures a missing cascade variant on the staged inputs) and :meth:`replay`s when it says so;
-    otherwise it runs the same forward eagerly. A bucket whose capture failed has no graph and
-    runs eagerly (a deferred bucket's failure fails the step that needed it; a failed cascade
-    variant does not: that step runs eagerly, and the variant is not tried again)."""
+    otherwise it runs the same forward eagerly (:meth:`run_eager`, or the runner's own). A bucket
+    whose capture failed has no graph and runs eagerly (a deferred bucket's failure fails the step
+    that needed it; a failed cascade variant does not: that step runs eagerly, and the variant is
+    not tried again)."""
 
     kind = "graph"
 
@@ -202,7 +203,7 @@ class GraphSet:
         runs += [(b, True) for b in self._cascade_warm(order)]
         for b, cascade in runs:
             self._fill_padding(self.bufs, b)
-            self._forward(self.bufs, self.model, self.kv, b, cascade)
+            self.run_eager(b, cascade)
         torch.cuda.synchronize(self.device)
 
     def ready(self, bucket: int, cascade: bool = False) -> bool:
@@ -225,6 +226,12 @@ class GraphSet:
             return False
         self.deferred_capture_seconds += time.perf_counter() - t
         return True
+
+    def run_eager(self, bucket: int, cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run what a graph of ``bucket`` records (its cascade variant: ``cascade``) without a
+        graph, on the inputs in the step buffers: the (logits, ids) a replay gives. What a warm-up
+        runs, and a step of a bucket left without its graph."""
+        return self._forward(self.bufs, self.model, self.kv, bucket, cascade)
 
     def replay(self, bucket: int, cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the bucket's graph (its cascade variant: the step staged a plan) on the inputs in

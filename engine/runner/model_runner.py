@@ -15,7 +15,21 @@ buckets, mixed-step graphs the forward of the other steps up to their token buck
 
 A step is :meth:`ModelRunner.launch` (host lists → buffers, kernels queued, the ids' copy into
 pinned host memory queued behind an event) then :meth:`ModelRunner.collect` (wait for that
-event, read the ids): a caller can do host work for the next step between the two.
+event, read the ids): a caller can do host work for the next step between the two. A launch has
+three phases:
+
+1. plan: :meth:`ModelRunner.step_plan` chooses once, from the step's shape, how it runs (a
+   :class:`~engine.runner.step.StepPlan`: eager, a decode graph's batch bucket or a mixed-step
+   graph's token bucket, and the padding that goes with it);
+2. stage and run: the deferred graph of that bucket is captured (it writes padding into the
+   inputs), the inputs are staged (with the step's cascade plan, if any), then the bucket's graph
+   is replayed (its cascade variant for a staged cascade plan) or, without one, the same forward
+   runs eagerly;
+3. sample: the sampled rows' ids are picked on the device and their copy to the host queued (a
+   :class:`~engine.runner.step.PendingStep`), or, with grammar masks, left to
+   :meth:`ModelRunner.sample_masked` once the step before is collected.
+
+The host time of each launch (and of each masked sampling) is booked once, by ``_spent``.
 """
 
 from __future__ import annotations
@@ -37,7 +51,7 @@ from engine.runner.cascade import plan_cascade, rows_per_tile
 from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS, DecodeGraphs, MixedGraphs
 from engine.runner.logprobs import logprobs_result
 from engine.grammar.matcher import fill_masks
-from engine.runner.step import MaskedSample, PendingStep, PreparedStep, StepResult
+from engine.runner.step import EAGER, MaskedSample, PendingStep, PreparedStep, StepPlan, StepResult
 from engine.runner.step_buffers import StepBuffers
 from engine.runner.streams import StepStreams, StreamPool
 from engine.sched.scheduler import PLACEHOLDER, SchedulerOutput
@@ -82,7 +96,7 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.block_size = kv.block_size
-        self.max_tokens = max_num_batched_tokens
+        self.max_step_tokens = max_num_batched_tokens
         self.max_seqs = max_num_seqs
         self.max_pages = -(-max_model_len // self.block_size)
         dev = self.device
@@ -95,8 +109,8 @@ class ModelRunner:
         # whole context whatever the plan).
         cfg = model.cfg
         per_tile = rows_per_tile(cfg.num_heads, cfg.num_kv_heads) if use_triton(kv.k(0)) else 0
-        self.bufs = StepBuffers(dev, self.max_tokens, self.max_seqs, self.max_pages, max_model_len, cfg.vocab_size,
-                                per_tile)
+        self.bufs = StepBuffers(dev, self.max_step_tokens, self.max_seqs, self.max_pages, max_model_len,
+                                cfg.vocab_size, per_tile)
         self.cascade_rows = 0  # rows that read a shared prefix through a cascade tile
         self.cascade_steps = 0  # steps with a cascade plan
         self.streams = StepStreams(dev, stream_pool) if self._pin else None
@@ -128,7 +142,7 @@ class ModelRunner:
         if mixed_buckets is None:
             mixed_buckets = DEFAULT_MIXED_BUCKETS
         # Token buckets of the mixed-step graphs (engine/runner/cuda_graphs.py), on CUDA with graphs.
-        self.mixed_buckets = tuple(sorted(b for b in mixed_buckets if 0 < b <= self.max_tokens))
+        self.mixed_buckets = tuple(sorted(b for b in mixed_buckets if 0 < b <= self.max_step_tokens))
         decode_now, mixed_now = graph_buckets(dev, cuda_graphs, self.decode_buckets, self.mixed_buckets)
         if decode_now:
             # At load: the largest bucket (it sizes the shared pool) and those up to
@@ -216,8 +230,8 @@ class ModelRunner:
         max_seq = int(seq_lens.max())
         full_width = pad_to is not None or pad_tokens is not None
         max_pages = self.max_pages if full_width else -(-max_seq // bs)
-        if (n > self.max_tokens or rows_total > self.max_seqs or -(-max_seq // bs) > self.max_pages
-                or (pad_tokens is not None and not n <= pad_tokens <= self.max_tokens)):
+        if (n > self.max_step_tokens or rows_total > self.max_seqs or -(-max_seq // bs) > self.max_pages
+                or (pad_tokens is not None and not n <= pad_tokens <= self.max_step_tokens)):
             raise ValueError("step larger than the runner's buffers (scheduler limits disagree with the runner)")
         tables = np.zeros((rows_total, max_pages), dtype=np.int32)
         if b:
@@ -330,69 +344,86 @@ class ModelRunner:
         with torch.cuda.stream(self.streams.enter(urgent, self._prev_ids)):
             return self._launch(out)
 
+    def step_plan(self, out: SchedulerOutput) -> StepPlan:
+        """How ``out`` runs, chosen once before its inputs are staged: a decode-only step whose
+        rows all sample replays the decode graph of its batch bucket; another step the mixed-step
+        graph of its token bucket; a step beyond the largest buckets runs eagerly. A decode-only
+        step is padded to its decode bucket whether or not it replays a graph (same kernels)."""
+        b = len(out.seqs)
+        if not b:
+            return EAGER
+        pad = self.decode_bucket(b) if out.num_decodes == b else None
+        if pad is not None and self.graphs is not None and all(s.sample for s in out.seqs):
+            return StepPlan(self.graphs, pad, pad_to=pad)
+        mixed = self.mixed_bucket(sum(len(s.token_ids) for s in out.seqs))
+        if mixed is not None:
+            return StepPlan(self.mixed, mixed, pad_tokens=mixed)
+        return EAGER if pad is None else StepPlan(pad_to=pad)
+
     @torch.inference_mode()
     def _launch(self, out: SchedulerOutput) -> PendingStep:
         t0 = time.perf_counter()
-        b = len(out.seqs)
-        # the graph set and bucket this step may replay: a decode graph (decode-only, every row
-        # sampling), else a mixed-step graph of its token count; none beyond the largest buckets
-        # (a decode step is padded to its bucket whether or not graphs exist: same kernels)
-        pad = self.decode_bucket(b) if b and out.num_decodes == b else None
-        graphs, bucket, mixed = None, None, None
-        if pad is not None and self.graphs is not None and all(s.sample for s in out.seqs):
-            graphs, bucket = self.graphs, pad
-        elif b:
-            mixed = self.mixed_bucket(sum(len(s.token_ids) for s in out.seqs))
-            if mixed is not None:
-                graphs, bucket, pad = self.mixed, mixed, None
-        if graphs is not None:
-            graphs.capture_deferred(bucket)  # before prepare: this capture writes padding into the inputs
-        step = self.prepare(out, pad_to=pad, pad_tokens=mixed)
+        plan = self.step_plan(out)
+        if plan.graphs is not None:
+            plan.graphs.capture_deferred(plan.bucket)  # before prepare: this capture writes padding into the inputs
+        step = self.prepare(out, pad_to=plan.pad_to, pad_tokens=plan.pad_tokens)
         self._prev_ids, self._prev_rows = None, {}
-        ids = None
-        planned = step.meta.cascade is not None  # the step staged a cascade plan
-        graph = graphs is not None and graphs.ready(bucket, planned)
-        if graph:
-            logits, ids = graphs.replay(bucket, planned)
+        logits, ids, graph = self._forward(plan, step)
+        entries = step.sample_entries
+        if not entries:
+            self._spent(t0, graph)
+            return PendingStep.empty()
+        if ids is not None:  # a graph's rows (or the padded forward's): the step's sampled rows lead
+            s = len(entries)
+            logits, ids = logits[:s], ids[:s]
+        rows = [(k, out.seqs[i].grammar) for k, i in enumerate(entries)
+                if out.seqs[i].grammar is not None] if out.num_constrained else None
+        if rows:  # sampled by sample_masked, once the step before has advanced the grammars
+            self._spent(t0, graph)
+            stream = torch.cuda.current_stream(self.device) if self._pin else None
+            return PendingStep.awaiting_masks(MaskedSample(out, entries, logits, rows, graph, stream))
+        return self._sample(out, entries, logits, ids, graph, t0)
+
+    def _forward(self, plan: StepPlan, step: PreparedStep) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+        """Run the staged ``step`` as ``plan`` says: (the logits of its sampled rows, or of a
+        graph's rows with those first; a graph's greedy ids, else None; whether a graph replayed).
+        A step that staged a cascade plan replays the bucket's cascade variant (captured now if
+        it can be); a bucket or variant without a graph runs the same forward eagerly."""
+        cascade = step.meta.cascade is not None
+        graphs = plan.graphs
+        if graphs is not None and graphs.ready(plan.bucket, cascade):
+            logits, ids = graphs.replay(plan.bucket, cascade)
             if graphs is self.graphs:
                 self.graph_steps += 1
             else:
                 self.mixed_graph_steps += 1
-        elif mixed is not None:  # no graph for it (yet): the forward its capture records, eagerly
-            logits, ids = MixedGraphs._forward(self.bufs, self.model, self.kv, mixed, planned)
-        elif step.sample_entries:  # unpadded, or a padded decode step whose bucket has no (cascade) graph
-            logits = self.forward_logits(step)
-        else:  # a prefill chunk that samples nothing
-            self.model(step.input_ids, step.positions, self.kv, step.meta)
-        if not step.sample_entries:
-            dt = time.perf_counter() - t0
-            self.host_seconds += dt
-            self.host_graph_seconds += dt if graph else 0.0
-            return PendingStep(0, None, None, None, None, None)
-        if ids is not None:  # a graph's rows (or the padded forward's): the step's sampled rows lead
-            s = len(step.sample_entries)
-            logits, ids = logits[:s], ids[:s]
-        rows = [(k, out.seqs[i].grammar) for k, i in enumerate(step.sample_entries)
-                if out.seqs[i].grammar is not None] if out.num_constrained else None
-        if rows:  # sampled by sample_masked, once the step before has advanced the grammars
-            dt = time.perf_counter() - t0
-            self.host_seconds += dt
-            self.host_graph_seconds += dt if graph else 0.0
-            stream = torch.cuda.current_stream(self.device) if self._pin else None
-            return PendingStep(len(step.sample_entries), None, None, None, None, None,
-                               masked=MaskedSample(out, step.sample_entries, logits, rows, graph, stream))
-        return self._sample(out, step.sample_entries, logits, ids, graph, t0)
+            return logits, ids, True
+        if plan.pad_tokens is not None:  # no graph for it (yet): the forward its capture records, eagerly
+            logits, ids = graphs.run_eager(plan.bucket, cascade)
+            return logits, ids, False
+        if step.sample_entries:  # unpadded, or a padded decode step whose bucket has no (cascade) graph
+            return self.forward_logits(step), None, False
+        self.model(step.input_ids, step.positions, self.kv, step.meta)  # a prefill chunk that samples nothing
+        return None, None, False
+
+    def _spent(self, t0: float, graph: bool) -> None:
+        """Book the host seconds since ``t0`` (building, launching or sampling a step) to
+        ``host_seconds``, and to ``host_graph_seconds`` for a step that replayed a graph."""
+        dt = time.perf_counter() - t0
+        self.host_seconds += dt
+        if graph:
+            self.host_graph_seconds += dt
 
     def sample_masked(self, pending: PendingStep) -> None:
-        """Sample a step launched with constrained rows (``pending.masked``), in place: fill each
-        grammar's mask on the host (its tokens so far are all accepted by now: the caller has
-        collected every earlier step of this model), copy the masks over, mask those rows'
-        logits on the device, then sample and copy the ids as ``launch`` does. No-op when the
-        step has no masks pending. The forward pass runs on the GPU meanwhile."""
+        """Sample a step launched with constrained rows (``pending.masked``): fill each grammar's
+        mask on the host (its tokens so far are all accepted by now: the caller has collected
+        every earlier step of this model), copy the masks over, mask those rows' logits on the
+        device, then sample and copy the ids as ``launch`` does; the step takes them over
+        (:meth:`PendingStep.sampled`). No-op when the step has no masks pending. The forward
+        pass runs on the GPU meanwhile."""
         m = pending.masked
         if m is None:
             return
-        pending.masked = None
         t0 = time.perf_counter()
         ctx = torch.cuda.stream(m.stream) if m.stream is not None else contextlib.nullcontext()
         with ctx, torch.inference_mode():
@@ -417,9 +448,7 @@ class ModelRunner:
             sub = m.logits.index_select(0, idx)
             kernels.apply_token_bitmask(sub, mask)
             m.logits.index_copy_(0, idx, sub)
-            done = self._sample(m.out, m.entries, m.logits, None, m.graph, t0)
-        pending.ids_host, pending.ready, pending.ids = done.ids_host, done.ready, done.ids
-        pending.logits, pending.want_logprobs = done.logits, done.want_logprobs
+            pending.sampled(self._sample(m.out, m.entries, m.logits, None, m.graph, t0))
 
     def _sample(self, out: SchedulerOutput, entries: list[int], logits: torch.Tensor, ids: torch.Tensor | None,
                 graph: bool, t0: float) -> PendingStep:
@@ -444,19 +473,17 @@ class ModelRunner:
         self._prev_rows = {out.seqs[i].seq_id: k for k, i in enumerate(entries)}
         want_lp = [p.logprobs for p in params]
         if any(n is not None for n in want_lp):
-            self.host_seconds += time.perf_counter() - t0
-            return PendingStep(len(params), None, None, ids, logits, want_lp)
+            self._spent(t0, graph)
+            return PendingStep.with_logprobs(ids, logits, want_lp)
         host = ready = None
-        if graph:
-            self.host_graph_seconds += time.perf_counter() - t0
         if self._pin:
             self._flip ^= 1
             host = self._ids_host[self._flip][:len(params)]
             host.copy_(ids, non_blocking=True)
             ready = self._ids_ready[self._flip]
             ready.record()
-        self.host_seconds += time.perf_counter() - t0
-        return PendingStep(len(params), host, ready, ids, None, None)
+        self._spent(t0, graph)
+        return PendingStep.copying(len(params), ids, host, ready)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step's ids (the step's only host sync) and return them; a step

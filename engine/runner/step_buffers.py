@@ -114,7 +114,7 @@ class StepBuffers:
     before the next step of the runner is launched (the sampler right behind the replay on its
     stream; logprobs and grammar masks before any later launch)."""
 
-    def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_pages: int,
+    def __init__(self, device: torch.device, max_step_tokens: int, max_seqs: int, max_pages: int,
                  max_model_len: int, vocab_size: int, cascade_rows: int = 0) -> None:
         self.device = device
         self.max_model_len = max_model_len
@@ -128,7 +128,8 @@ class StepBuffers:
             ("qsl", i32, max_seqs + 1), ("seq_lens", i32, max_seqs), ("rows", i64, max_seqs),
             ("fill_dst", i64, max_seqs), ("fill_src", i64, max_seqs),
             ("kv_lo", i32, max_seqs), ("cascade_tiles", i32, tiles * width),
-            ("input_ids", i64, max_tokens), ("positions", i64, max_tokens), ("slots", i64, max_tokens),
+            ("input_ids", i64, max_step_tokens), ("positions", i64, max_step_tokens),
+            ("slots", i64, max_step_tokens),
             ("block_tables", i32, max_seqs * max_pages),
         ])
         t = self.inputs.tensors

@@ -15,8 +15,9 @@ any step that could read it) is indexed by its key chain. A new sequence whose l
 keys are indexed starts with those pages in its table (``take_prefix``) and computes only the
 rest; such pages are shared, counted by reference, and never written again (a sequence only
 writes past its shared prefix, into pages of its own). When the last table holding an indexed
-page lets go of it, the page is *parked* in the source: free for anyone, still indexed, handed
-out least recently parked first, and dropped from the index (``on_evict``) at that moment.
+page lets go of it, the page goes back to the source *cached-free*: free for anyone, still
+indexed, handed out least recently freed first, and dropped from the index (``on_evict``) at that
+moment.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ class PageError(Exception):
 class PageSource(Protocol):
     """Where pages come from: one model's free list, or its view of the shared PagePool.
 
-    ``num_free`` counts parked pages (free, still holding K/V a prefix index points at);
-    ``allocate`` hands out plain free pages first, then the least recently parked, calling
-    ``on_evict(page_id)`` for it first; ``park`` frees a page but keeps it for ``unpark``, which
-    takes it back (False when the page is not parked by this source's model or may not be taken
-    now: a cap, another model's minimum); ``drop_parked`` makes every parked page of this model a
-    plain free one."""
+    ``num_free`` counts cached-free pages (free, still holding K/V a prefix index points at);
+    ``allocate`` hands out plain free pages first, then the least recently freed cached-free one,
+    calling ``on_evict(page_id)`` for it first; ``free_cached`` frees a page but keeps its K/V for
+    ``take_cached``, which takes it back (False when the page is not cached-free for this source's
+    model or may not be taken now: a cap, another model's minimum); ``drop_cached`` makes every
+    cached-free page of this model a plain free one."""
 
     on_evict: Callable[[int], None] | None
 
@@ -57,11 +58,11 @@ class PageSource(Protocol):
 
     def free(self, page_id: int) -> None: ...
 
-    def park(self, page_id: int) -> None: ...
+    def free_cached(self, page_id: int) -> None: ...
 
-    def unpark(self, page_id: int) -> bool: ...
+    def take_cached(self, page_id: int) -> bool: ...
 
-    def drop_parked(self) -> None: ...
+    def drop_cached(self) -> None: ...
 
 
 class PageAllocator:
@@ -75,31 +76,31 @@ class PageAllocator:
         # Pop from the end: low ids are handed out first, which keeps small runs compact.
         self._free = list(range(first_id + num_pages - 1, first_id - 1, -1))
         self._in_use = bytearray(num_pages)
-        self._parked: dict[int, None] = {}  # insertion order: least recently parked first
+        self._cached_free: dict[int, None] = {}  # insertion order: least recently freed first
         self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + len(self._parked)
+        return len(self._free) + len(self._cached_free)
 
     @property
     def num_total(self) -> int:
         return self._total
 
     @property
-    def num_parked(self) -> int:
-        return len(self._parked)
+    def num_cached_free(self) -> int:
+        return len(self._cached_free)
 
-    def parked_pages(self) -> list[int]:
-        """Parked pages, least recently parked first."""
-        return list(self._parked)
+    def cached_free_pages(self) -> list[int]:
+        """Cached-free pages, least recently freed first."""
+        return list(self._cached_free)
 
     def allocate(self) -> int:
         if self._free:
             pid = self._free.pop()
-        elif self._parked:
-            pid = next(iter(self._parked))
-            del self._parked[pid]
+        elif self._cached_free:
+            pid = next(iter(self._cached_free))
+            del self._cached_free[pid]
             if self.on_evict is not None:
                 self.on_evict(pid)
         else:
@@ -111,21 +112,21 @@ class PageAllocator:
         self._release(page_id)
         self._free.append(page_id)
 
-    def park(self, page_id: int) -> None:
+    def free_cached(self, page_id: int) -> None:
         self._release(page_id)
-        self._parked[page_id] = None
+        self._cached_free[page_id] = None
 
-    def unpark(self, page_id: int) -> bool:
-        if page_id not in self._parked:
+    def take_cached(self, page_id: int) -> bool:
+        if page_id not in self._cached_free:
             return False
-        del self._parked[page_id]
+        del self._cached_free[page_id]
         self._in_use[page_id - self._first] = 1
         return True
 
-    def drop_parked(self) -> None:
-        """Turn every parked page into a plain free one (the index that kept them is gone)."""
-        self._free.extend(self._parked)
-        self._parked.clear()
+    def drop_cached(self) -> None:
+        """Turn every cached-free page into a plain free one (the index that kept them is gone)."""
+        self._free.extend(self._cached_free)
+        self._cached_free.clear()
 
     def _release(self, page_id: int) -> None:
         i = page_id - self._first
@@ -196,13 +197,14 @@ class BlockManager:
         return seq_id in self._tables
 
     def free(self, seq_id: int) -> int:
-        """Let go of every page of the sequence (indexed ones no other table holds are parked);
+        """Let go of every page of the sequence (indexed ones no other table holds go back
+        cached-free);
         unknown ids are a no-op. Returns how many pages were in its table."""
         table = self._tables.pop(seq_id, None)
         if not table:
             return 0
         refs, prefix = self._refs, self.prefix
-        # Reverse: a sequence's tail is parked before its head, so under pressure its last
+        # Reverse: a sequence's tail is freed before its head, so under pressure its last
         # blocks are handed out first and the shared head (the likelier hit) stays longest.
         for pid in reversed(table):
             n = refs[pid] - 1
@@ -211,7 +213,7 @@ class BlockManager:
                 continue
             del refs[pid]
             if prefix is not None and prefix.key(pid) is not None:
-                self.pages.park(pid)
+                self.pages.free_cached(pid)
             else:
                 self.pages.free(pid)
         return len(table)
@@ -225,23 +227,23 @@ class BlockManager:
     # -- prefix caching --------------------------------------------------------------------
     def cached_prefix(self, keys: list[bytes]) -> tuple[list[int], int]:
         """The pages of the longest run of ``keys`` that is indexed, and how many of them are
-        parked (taking those uses free pages). Nothing changes."""
+        cached-free (taking those uses free pages). Nothing changes."""
         prefix = self.prefix
         if prefix is None:
             return [], 0
         pages: list[int] = []
-        parked = 0
+        cached_free = 0
         for key in keys:
             pid = prefix.page(key)
             if pid is None:
                 break
             pages.append(pid)
-            parked += pid not in self._refs
-        return pages, parked
+            cached_free += pid not in self._refs
+        return pages, cached_free
 
     def take_prefix(self, seq_id: int, pages: list[int]) -> int:
         """Start ``seq_id``'s (empty) table with ``pages`` (from :meth:`cached_prefix`, this
-        step); stops at the first parked page the source will not give back. Returns how many
+        step); stops at the first cached-free page the source will not give back. Returns how many
         it took."""
         if self._tables.get(seq_id):
             raise ValueError(f"sequence {seq_id} already has pages")
@@ -250,7 +252,7 @@ class BlockManager:
         for pid in pages:
             if pid in refs:
                 refs[pid] += 1
-            elif self.pages.unpark(pid):
+            elif self.pages.take_cached(pid):
                 refs[pid] = 1
             else:
                 break
@@ -272,9 +274,9 @@ class BlockManager:
         return stop
 
     def drop_prefix_cache(self) -> int:
-        """Forget the index: parked pages become plain free; pages in live tables stay where
+        """Forget the index: cached-free pages become plain free; pages in live tables stay where
         they are (freed normally when their sequences end). Returns the entries dropped."""
         if self.prefix is None:
             return 0
-        self.pages.drop_parked()
+        self.pages.drop_cached()
         return self.prefix.clear()

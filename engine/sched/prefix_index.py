@@ -7,8 +7,8 @@ tokens at every position of those blocks, so the K/V of those positions is the s
 computed for one serves the other. The hash is BLAKE2b (16 bytes): a prefix match must not be
 forgeable, or one client could read another's cached K/V by crafting colliding token ids.
 
-The index holds pages that are in a live sequence's table and pages that are *parked*: free in
-the page source (taken first-come by anyone who needs a page, least recently parked first) but
+The index holds pages that are in a live sequence's table and pages that are *cached-free*: free
+in the page source (taken first-come by anyone who needs a page, least recently freed first) but
 still holding their K/V. The block manager keeps the index and the source in step: a page leaves
 the index when the source hands it out again (``on_evict``), when its model is unloaded, or when
 the cache is dropped.

@@ -172,11 +172,11 @@ class Scheduler:
         return len(self.waiting)
 
     # -- one step --------------------------------------------------------------------------
-    def schedule(self, max_tokens: int | None = None) -> SchedulerOutput:
-        """One step's batch; ``max_tokens`` lowers this step's token budget (the engine's cap
+    def schedule(self, token_cap: int | None = None) -> SchedulerOutput:
+        """One step's batch; ``token_cap`` lowers this step's token budget (the engine's cap
         while other models share the device), never below one token."""
         cfg = self.config
-        budget = cfg.max_num_batched_tokens if max_tokens is None else max(1, min(max_tokens, cfg.max_num_batched_tokens))
+        budget = cfg.max_num_batched_tokens if token_cap is None else max(1, min(token_cap, cfg.max_num_batched_tokens))
         chunk_cap = cfg.max_prefill_chunk or budget
         planned: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, tokens); insertion order
         decodes: set[int] = set()  # the seq_ids loop 1 planned
@@ -232,14 +232,14 @@ class Scheduler:
             if seq.num_inflight or (seq.num_preemptions and any(seq is p for p in preempted)):
                 break  # (a token in flight: preempted mid-step; it resumes once the token is known)
             hits: list[int] = []
-            parked = 0
+            cached_free = 0
             if prefix is not None:
                 # Full blocks before the last token only: that one is always computed.
                 extend_keys(seq.block_keys, prefix.root, seq.token_ids, bs, seq.num_tokens - 1)
-                hits, parked = blocks.cached_prefix(seq.block_keys[:(seq.num_tokens - 1) // bs])
+                hits, cached_free = blocks.cached_prefix(seq.block_keys[:(seq.num_tokens - 1) // bs])
             n = min(seq.num_uncomputed_tokens - len(hits) * bs, chunk_cap, budget)
             reserve_pages = self._watermark if self.running else 0
-            need = blocks.pages_for_tokens(len(hits) * bs + n) - len(hits) + parked
+            need = blocks.pages_for_tokens(len(hits) * bs + n) - len(hits) + cached_free
             if not blocks.can_allocate(need + reserve_pages):
                 break
             if hits:

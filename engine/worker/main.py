@@ -112,7 +112,7 @@ class Worker:
         self._wake_r, self._wake_w = os.pipe()
         for end in (self._wake_r, self._wake_w):
             os.set_blocking(end, False)
-        self._waiter: StepWaiter | None = None  # made at the first parked step
+        self._waiter: StepWaiter | None = None  # made at the first yielded step
         # Constrained requests whose grammar compiles on the model's grammar thread (never on
         # this loop): added to the engine once compiled, dropped if aborted meanwhile.
         self._compiling: dict[str, P.Add] = {}
@@ -353,9 +353,9 @@ class Worker:
 
     def _wait_for(self, busy: bool) -> float | None:
         """How long the next select may sleep: not at all while steps are due; while a step is
-        parked (EngineCore.parked) until it is done (the waiter's wake-up) or a request comes;
+        yielded (EngineCore.yielded) until it is done (the waiter's wake-up) or a request comes;
         idle, until the next status."""
-        step = self.core.parked() if busy else None
+        step = self.core.yielded() if busy else None
         if step is not None:
             if self._waiter is None:
                 self._waiter = StepWaiter(self._wake)

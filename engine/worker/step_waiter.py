@@ -1,11 +1,11 @@
-"""Wakes a selector loop when a parked step's ids are ready (:meth:`engine.core.engine_core.EngineCore.parked`).
+"""Wakes a selector loop when a yielded step's ids are ready (:meth:`engine.core.engine_core.EngineCore.yielded`).
 
 While a quiet model is active the busy model's next step waits for its step in flight, and
 ``step()`` returns instead of blocking on it. The loop must then sleep until either that step is
 done or a new request arrives; the step's completion cannot be selected on, so one thread calls
 its ``wait()`` (on CUDA a blocking-sync event: the thread sleeps, no core spins) and writes a byte
-to the loop's wake-up pipe when it returns. The loop hands the parked step over on every pass
-while it stays parked (each request that arrives meanwhile is a pass); a step already being
+to the loop's wake-up pipe when it returns. The loop hands the yielded step over on every pass
+while it stays yielded (each request that arrives meanwhile is a pass); a step already being
 waited on is not queued again.
 """
 
@@ -18,13 +18,13 @@ from typing import Protocol
 
 
 class Waitable(Protocol):
-    """What :meth:`EngineCore.parked` returns: ``wait()`` blocks until the step's ids are in."""
+    """What :meth:`EngineCore.yielded` returns: ``wait()`` blocks until the step's ids are in."""
 
     def wait(self) -> None: ...
 
 
 class StepWaiter:
-    """A daemon thread that waits on the parked steps it is given and calls ``wake`` after each."""
+    """A daemon thread that waits on the yielded steps it is given and calls ``wake`` after each."""
 
     def __init__(self, wake: Callable[[], None]) -> None:
         self._wake = wake

@@ -151,7 +151,7 @@ class Bench:
         return [r.randrange(10, self.vocab[model]) for _ in range(n)]
 
     def step(self, tr: Tracker | None = None, until: float | None = None) -> None:
-        """One ``step()`` call; when it left a step parked (EngineCore.parked), wait as the worker
+        """One ``step()`` call; when it left a step yielded (EngineCore.yielded), wait as the worker
         does: until that step is done or, on ``tr``'s clock, the next request is due (``until``)."""
         outs = self.core.step()
         self.calls += 1
@@ -159,11 +159,11 @@ class Bench:
             now = tr.now()
             tr.tick(now)
             tr.take(outs, now)
-        parked = self.core.parked()
-        if parked is not None:
+        yielded = self.core.yielded()
+        if yielded is not None:
             # The worker sleeps in its selector until a waiter thread sees the event; polling
             # every 0.2 ms here keeps the bench to one thread at a comparable wake-up latency.
-            while not parked.ready() and (until is None or tr is None or tr.now() < until):
+            while not yielded.ready() and (until is None or tr is None or tr.now() < until):
                 time.sleep(0.0002)
 
     def drain(self, tr: Tracker | None = None) -> None:

@@ -1,10 +1,11 @@
 """The daemon on CUDA with a flooded model and a quiet one (defaults: shared step cap, quiet window).
 
-While the quiet model is active the flooded model's step is parked instead of waited on
-(engine.core.engine_core.EngineCore.parked); the worker's selector then sleeps until the step's event fires
+While the quiet model is active the flooded model's step is yielded instead of waited on
+(engine.core.engine_core.EngineCore.yielded); the worker's selector then sleeps until the step's event fires
 (engine/worker/step_waiter.py) or a request comes. Every request is answered in full, the quiet model's
-greedy text is its text alone, and the worker woke for parked steps promptly: a waiter that never
-fired would leave each parked step to the selector's 0.25 s status timeout. Skipped without CUDA.
+greedy text is its text alone, and the worker woke for yielded steps promptly: a waiter that never
+fired would leave each yielded step to the selector's 0.25 s status timeout. (The status keys keep
+their names: ``parked`` counts the yields, ``parked_s`` the sleep on them.) Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ def _complete(d, model: str, prompt: list[int], n: int) -> dict:
     return body
 
 
-def test_a_flooded_model_parks_for_a_quiet_one_and_every_answer_is_whole(daemon):
+def test_a_flooded_model_yields_to_a_quiet_one_and_every_answer_is_whole(daemon):
     # Both models warm first: on a fresh machine the busy model's first steps (kernel builds,
     # deferred graphs) took long enough once that its flood had not started when the quiet
-    # requests came, and nothing parked.
+    # requests came, and nothing yielded.
     _complete(daemon, "busy", [7] * 40, FLOOD_TOKENS)
     solo = _complete(daemon, "quiet", PROMPT, QUIET_TOKENS)["choices"][0]["text"]
     before = daemon.engine_status()["engine"]["models"]["busy"]
@@ -76,7 +77,7 @@ def test_a_flooded_model_parks_for_a_quiet_one_and_every_answer_is_whole(daemon)
     assert quiet == [solo] * 5
     time.sleep(0.6)  # the worker's next status carries the counters
     busy = daemon.engine_status()["engine"]["models"]["busy"]
-    parks = busy["parked"] - before["parked"]
+    yields = busy["parked"] - before["parked"]
     slept = busy["parked_s"] - before["parked_s"]
-    assert parks > 0, busy
-    assert slept / parks < 0.1, (parks, slept)  # woken by the step's event, not the status timeout
+    assert yields > 0, busy
+    assert slept / yields < 0.1, (yields, slept)  # woken by the step's event, not the status timeout

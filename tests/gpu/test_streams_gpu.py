@@ -21,7 +21,7 @@ def two_models(tmp_path_factory):
     return make_model(root / "llama", "llama", "small", seed=0), make_model(root / "qwen3", "qwen3", "small", seed=1)
 
 
-def _run(dirs, window_ms: str = "0", parked: list | None = None, only: str | None = None):
+def _run(dirs, window_ms: str = "0", yielded: list | None = None, only: str | None = None):
     """The flood (24 requests at once) and the quiet model (3 requests arriving while it runs) in one
     engine; ``only``: that model alone, with the same requests at the same steps."""
     from engine.core.engine_core import EngineCore
@@ -45,9 +45,9 @@ def _run(dirs, window_ms: str = "0", parked: list | None = None, only: str | Non
             core.add_request(f"q{steps}", "quiet", list(range(100, 100 + 5 * steps)), greedy)
         for out in core.step():
             tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
-        step = core.parked()
-        if step is not None and parked is not None:
-            parked.append(steps)
+        step = core.yielded()
+        if step is not None and yielded is not None:
+            yielded.append(steps)
             step.wait()  # as the worker's waiter does
         steps += 1
     urgent = {n: s.runner.streams.urgent_steps for n, s in core.slots().items()}
@@ -90,10 +90,10 @@ def test_a_stream_pool_lends_a_stream_again_once_its_borrower_is_gone():
     assert pool.created == 3
 
 
-def test_a_busy_model_parks_its_step_for_a_quiet_one_and_the_tokens_stay_the_same(two_models):
+def test_a_busy_model_yields_its_step_to_a_quiet_one_and_the_tokens_stay_the_same(two_models):
     plain, _ = _run(two_models)
-    parked: list[int] = []
-    yielding, urgent = _run(two_models, window_ms="60000", parked=parked)
+    yielded: list[int] = []
+    yielding, urgent = _run(two_models, window_ms="60000", yielded=yielded)
     assert yielding == plain
-    assert parked and parked[0] >= 3  # only once the quiet model had a request
+    assert yielded and yielded[0] >= 3  # only once the quiet model had a request
     assert urgent["quiet"] > 0

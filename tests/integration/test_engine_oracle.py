@@ -174,7 +174,7 @@ def test_prefix_cache_hits_give_transformers_greedy_tokens(arch, pages, oracle_m
     """Prompts that share a system prompt, a prompt sent again, and a chat turn that resends
     the previous answer: with the prefix cache the hits are counted and every greedy token is
     transformers'; with it off, the same tokens and no hit. ``tight``: 40 pages of 4 tokens for
-    six ~30-token requests, so sequences are preempted and parked pages handed out again."""
+    six ~30-token requests, so sequences are preempted and cached-free pages handed out again."""
     d = oracle_model(arch, True)  # sharp: a K/V at the wrong position changes tokens
     hf = hf_model(d)
     n_new = 6

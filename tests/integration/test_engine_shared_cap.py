@@ -21,8 +21,8 @@ def _run(core: EngineCore, model: str, sizes: list[int], beside: str | None = No
     slot = core.slot(model)
     schedule = slot.scheduler.schedule
 
-    def spy(max_tokens=None):
-        out = schedule(max_tokens)
+    def spy(token_cap=None):
+        out = schedule(token_cap)
         sizes.append(out.num_batched_tokens)
         return out
 

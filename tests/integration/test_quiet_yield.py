@@ -1,7 +1,7 @@
 """A busy model yields to a quiet one (StepPolicy.yields, EngineCore(quiet_window_s=)): while a model
 with at most a quarter of its requests had one within the window, the busy model's next step is
 launched only once its step in flight is collected, and step() returns instead of blocking on that
-step while nothing else has work (EngineCore.parked), so a request that arrives meanwhile goes out
+step while nothing else has work (EngineCore.yielded), so a request that arrives meanwhile goes out
 at once, ahead of the busy model's next step. Tokens are those of the engine without the rule;
 two equally busy models keep launching ahead."""
 

@@ -127,7 +127,7 @@ def test_the_decode_warm_up_picks_one_bucket_per_decode_form(make_tiny_model, mo
     from engine.runner.step_buffers import StepBuffers
 
     # buffers with cascade regions (a CPU runner plans none), 16 rows a tile
-    bufs = StepBuffers(torch.device("cpu"), max_tokens=64, max_seqs=64, max_pages=128, max_model_len=2048,
+    bufs = StepBuffers(torch.device("cpu"), max_step_tokens=64, max_seqs=64, max_pages=128, max_model_len=2048,
                        vocab_size=32, cascade_rows=16)
     fake = SimpleNamespace(kv=runner.kv, model=runner.model, bufs=bufs, device=torch.device("cpu"))
     monkeypatch.setattr(attention_triton, "_sm_count", lambda device: 132)

@@ -3,7 +3,10 @@
 - no import cycle between project modules, counting type-only and in-function imports;
 - a package imports only those below it (agent -> engine, text, cache, sandbox; never back);
 - engine/ keeps a handful of top-level modules, the rest in subpackages by concept;
-- no environment variable switches the step path: the settings do (agent/config.py, engine/options.py).
+- no environment variable switches the step path: the settings do (agent/config.py, engine/options.py);
+- one name per concept in engine/: a freed page the prefix index keeps is *cached-free* and a step
+  left in flight for a quiet model is *yielded* ("parked" named both), and ``max_tokens`` is a
+  request's output limit only (a step's cap is ``token_cap`` / ``max_step_tokens``).
 """
 
 from __future__ import annotations
@@ -147,3 +150,44 @@ def test_no_environment_switches_on_the_step_path() -> None:
                      for pkg in PACKAGES for path in (ROOT / pkg).rglob("*.py")
                      for name in RETIRED_SWITCHES if name in path.read_text(encoding="utf-8"))
     assert readers == []
+
+
+def _identifiers(path: Path):
+    """(line, kind, name) of every name a module binds or reads: definitions, parameters, names,
+    attributes and keyword arguments (string constants, such as a stats key, are not names)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.lineno, "def", node.name
+        elif isinstance(node, ast.arg):
+            yield node.lineno, "parameter", node.arg
+        elif isinstance(node, ast.Name):
+            yield node.lineno, "name", node.id
+        elif isinstance(node, ast.Attribute):
+            own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            yield node.lineno, "own attribute" if own else "attribute", node.attr
+        elif isinstance(node, ast.keyword) and node.arg:
+            yield node.lineno, "keyword", node.arg
+
+
+def test_parked_names_nothing_in_the_engine() -> None:
+    """Pages are cached-free (``free_cached``, ``take_cached``), steps yielded (``yielded()``,
+    ``yield_waits``); the word is left only to the stats keys and metrics read outside the engine,
+    and to no text at all in engine/sched and engine/kv."""
+    found = sorted(f"{path.relative_to(ROOT)}:{line} {kind} {name}"
+                   for path in (ROOT / "engine").rglob("*.py")
+                   for line, kind, name in _identifiers(path) if "park" in name.lower())
+    found += sorted(f"{path.relative_to(ROOT)}: in its text"
+                    for sub in ("sched", "kv") for path in (ROOT / "engine" / sub).rglob("*.py")
+                    if "park" in path.read_text(encoding="utf-8").lower())
+    assert found == []
+
+
+def test_max_tokens_is_only_a_requests_output_limit() -> None:
+    """Outside engine/sampling.py, ``max_tokens`` is read off sampling parameters or passed to
+    them, never a parameter, a local name or an object's own attribute (a step's token cap is
+    ``Scheduler.schedule(token_cap)``, ``ModelRunner.max_step_tokens``)."""
+    found = sorted(f"{path.relative_to(ROOT)}:{line} {kind}"
+                   for path in (ROOT / "engine").rglob("*.py") if path != ROOT / "engine" / "sampling.py"
+                   for line, kind, name in _identifiers(path)
+                   if name == "max_tokens" and kind in ("parameter", "name", "own attribute", "def"))
+    assert found == []

@@ -137,9 +137,9 @@ def test_cuda_graphs_off_captures_neither_decode_nor_mixed_graphs(make_tiny_mode
     monkeypatch.setattr(model_runner, "DecodeGraphs", _Decode)
     monkeypatch.setattr(model_runner, "MixedGraphs", _Mixed)
     monkeypatch.setattr(_RecordedGraphs, "captures", [])
-    runner = model_runner.ModelRunner(base.model, base.kv, base.max_tokens, base.max_seqs, base.max_model_len,
+    runner = model_runner.ModelRunner(base.model, base.kv, base.max_step_tokens, base.max_seqs, base.max_model_len,
                                       decode_buckets=(1, 2, 4), cuda_graphs=on)
-    mixed = tuple(b for b in DEFAULT_MIXED_BUCKETS if b <= base.max_tokens)
+    mixed = tuple(b for b in DEFAULT_MIXED_BUCKETS if b <= base.max_step_tokens)
     assert runner.decode_buckets == (1, 2, 4) and runner.mixed_buckets == mixed and mixed
     if on:
         assert _RecordedGraphs.captures == [("_Decode", (1, 2, 4)), ("_Mixed", mixed)]

@@ -353,10 +353,10 @@ def test_import_stays_torch_free():
     assert out.stdout.strip() == "False"
 
 
-# -- prefix caching: parked pages ------------------------------------------------------------
+# -- prefix caching: cached-free pages ----------------------------------------------------------
 
 
-def _parking_pool(num_pages=6, device=None):
+def _caching_pool(num_pages=6, device=None):
     pool = PagePool(num_pages, 1024, device=device)
     for m in ("a", "b"):
         pool.register(m, **SMALL)
@@ -368,72 +368,72 @@ def _parking_pool(num_pages=6, device=None):
     return pool, allocs["a"], allocs["b"], evicted
 
 
-def test_parked_pages_are_free_for_everyone_and_go_last_least_recent_first():
-    pool, a, b, evicted = _parking_pool()
+def test_cached_free_pages_are_free_for_everyone_and_go_last_least_recent_first():
+    pool, a, b, evicted = _caching_pool()
     held = [a.allocate() for _ in range(4)]
-    a.park(held[2])
-    a.park(held[0])
+    a.free_cached(held[2])
+    a.free_cached(held[0])
     a.free(held[1])
-    assert pool.num_free == 5 and pool.num_parked == 2 and b.num_free == 5 and a.num_free == 5
-    got = [b.allocate() for _ in range(4)]  # the 3 plain free ones, then the least recently parked
+    assert pool.num_free == 5 and pool.num_cached_free == 2 and b.num_free == 5 and a.num_free == 5
+    got = [b.allocate() for _ in range(4)]  # the 3 plain free ones, then the least recently freed cached-free one
     assert set(got[:3]) == set(range(6)) - {held[0], held[2], held[3]} and got[3] == held[2]
     assert evicted == {"a": [held[2]], "b": []}
-    assert not a.unpark(held[2])  # handed out: no longer a's to take back
-    assert a.unpark(held[0]) and pool.num_parked == 0 and pool.num_used("a") == 2
+    assert not a.take_cached(held[2])  # handed out: no longer a's to take back
+    assert a.take_cached(held[0]) and pool.num_cached_free == 0 and pool.num_used("a") == 2
     pool.audit()
 
 
-def test_unpark_respects_caps_and_other_models_minimums():
+def test_take_cached_respects_caps_and_other_models_minimums():
     pool = PagePool(4, 1024)
     pool.register("a", **SMALL, max_pages=1)
     a = pool.allocator_for("a")
     p = a.allocate()
-    a.park(p)
-    q = a.allocate()  # a plain free page: the parked one is handed out last
-    assert q != p and not a.unpark(p)  # a is at its cap
+    a.free_cached(p)
+    q = a.allocate()  # a plain free page: the cached-free one is handed out last
+    assert q != p and not a.take_cached(p)  # a is at its cap
     a.free(q)
-    assert a.unpark(p)
+    assert a.take_cached(p)
     pool = PagePool(3, 1024)
     pool.register("c", **SMALL)
     pool.register("b", **SMALL, min_pages=2)
     c = pool.allocator_for("c")
     y = c.allocate()
-    c.park(y)
+    c.free_cached(y)
     z = c.allocate()  # plain; now 2 free pages (one is y) and both are held back for b
-    assert z != y and not c.unpark(y)
+    assert z != y and not c.take_cached(y)
     b = pool.allocator_for("b")
     taken = [b.allocate() for _ in range(2)]
-    assert y in taken  # b's guaranteed pages may be the parked one
+    assert y in taken  # b's guaranteed pages may be the cached-free one
     pool.audit()
 
 
-def test_fence_and_resize_evict_the_parked_pages_they_cut_and_keep_the_rest():
-    pool, a, b, evicted = _parking_pool(8, device="cpu")
+def test_fence_and_resize_evict_the_cached_free_pages_they_cut_and_keep_the_rest():
+    pool, a, b, evicted = _caching_pool(8, device="cpu")
     pages = [a.allocate() for _ in range(8)]
     k = pool.kv_views("a")[0][0]
     for p in pages:
         k[p].fill_(float(p))
     del k
     for p in (1, 6):
-        a.park(p)
-    assert pool.fence(4) == 3  # pages 4, 5, 7 held above it; 6, parked above it, is evicted
+        a.free_cached(p)
+    assert pool.fence(4) == 3  # pages 4, 5, 7 held above it; 6, cached-free above it, is evicted
     assert evicted["a"] == [6]
-    a.park(5)  # parked above the fence: it drains, out of the index at once
-    assert evicted["a"] == [6, 5] and 5 not in pool.parked_pages()
+    a.free_cached(5)  # freed cached above the fence: it drains, out of the index at once
+    assert evicted["a"] == [6, 5] and 5 not in pool.cached_free_pages()
     for p in (4, 7):
         a.free(p)
     pool.resize(4)
-    assert pool.parked_pages("a") == [1] and pool.num_free == 1
-    assert torch.all(pool.kv_views("a")[0][0][1] == 1.0)  # a parked page keeps its K/V across a resize
-    assert a.unpark(1)
+    assert pool.cached_free_pages("a") == [1] and pool.num_free == 1
+    assert torch.all(pool.kv_views("a")[0][0][1] == 1.0)  # a cached-free page keeps its K/V across a resize
+    assert a.take_cached(1)
     pool.audit()
 
 
-def test_unregistering_frees_a_models_parked_pages():
-    pool, a, b, evicted = _parking_pool()
+def test_unregistering_frees_a_models_cached_free_pages():
+    pool, a, b, evicted = _caching_pool()
     p = a.allocate()
-    a.park(p)
+    a.free_cached(p)
     pool.free_all("a")
     pool.unregister("a")
-    assert pool.num_parked == 0 and pool.num_free == 6 and evicted["a"] == []
+    assert pool.num_cached_free == 0 and pool.num_free == 6 and evicted["a"] == []
     pool.audit()

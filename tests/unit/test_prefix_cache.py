@@ -3,7 +3,7 @@ tests/unit/test_scheduler.py, which derives every token from what it *reads back
 block tables: a cached page handed to a sequence whose tokens it does not hold, a page reused
 while still indexed, or a wrong start position changes the output, and every schedule must give
 the reference tokens. The invariants (references = tables holding a page; only indexed pages
-shared; an indexed page is held or parked, never plain free; nothing leaked) hold after every step.
+shared; an indexed page is held or cached-free, never plain free; nothing leaked) hold after every step.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ def check_cache(sched: Scheduler, alloc: PageAllocator) -> None:
     bm, index = sched.blocks, sched.blocks.prefix
     tables = {sid: bm.block_table(sid) for sid in bm.live_sequences()}
     held = Counter(p for t in tables.values() for p in t)
-    parked = set(alloc.parked_pages())
+    cached_free = set(alloc.cached_free_pages())
     assert all(bm.refs(p) == n for p, n in held.items()), "a reference count is off"
     assert bm.num_used_pages == len(held) and alloc.num_free + len(held) == alloc.num_total, "a page leaked"
-    assert not parked & set(held), "a parked page is in a table"
-    assert all(index.key(p) is not None for p in parked), "a parked page lost its index entry"
-    assert all(p in held or p in parked for p in index.pages()), "an indexed page is plain free"
+    assert not cached_free & set(held), "a cached-free page is in a table"
+    assert all(index.key(p) is not None for p in cached_free), "a cached-free page lost its index entry"
+    assert all(p in held or p in cached_free for p in index.pages()), "an indexed page is plain free"
     by_id = {s.seq_id: s for s in sched.running}
     check_shared_pages_are_full(bm, by_id)
     assert set(tables) <= set(by_id), "a waiting or finished sequence holds pages"
@@ -165,26 +165,26 @@ def test_output_tokens_are_cached_for_the_next_turn():
     assert seq.num_cached_tokens == 8 and out.seqs[0].start_pos == 8
 
 
-def test_parked_pages_go_least_recent_first_and_leave_the_index():
+def test_cached_free_pages_go_least_recent_first_and_leave_the_index():
     sched, alloc, runner = make(num_pages=8, block_size=4, max_model_len=32)
     _run(sched, runner, "a", [1] * 9, ONE)  # two full blocks each (the two keys differ: a chain)
     _run(sched, runner, "b", [2] * 9, ONE)
     index = sched.blocks.prefix
-    parked = alloc.parked_pages()
-    assert len(index) == len(parked) == 4  # a's tail block, a's head, b's tail, b's head
-    # A 20-token prompt needs 5 pages: the 4 plain free ones, then the least recently parked:
+    cached_free = alloc.cached_free_pages()
+    assert len(index) == len(cached_free) == 4  # a's tail block, a's head, b's tail, b's head
+    # A 20-token prompt needs 5 pages: the 4 plain free ones, then the least recently freed:
     # a's tail block (a sequence's head outlives its tail: shared heads are the likelier hits).
-    keys = {p: index.key(p) for p in parked}
+    keys = {p: index.key(p) for p in cached_free}
     _run(sched, runner, "c", [3] * 20, ONE)
-    assert index.key(parked[0]) != keys[parked[0]]  # handed to c (and now indexed under c's key)
-    assert all(index.key(p) == keys[p] for p in parked[1:])
+    assert index.key(cached_free[0]) != keys[cached_free[0]]  # handed to c (and now indexed under c's key)
+    assert all(index.key(p) == keys[p] for p in cached_free[1:])
     a_again = sched.add("a2", [1] * 9, GREEDY)
     sched.schedule()
     assert a_again.num_cached_tokens == 4  # a's head block only
     check_cache(sched, alloc)
 
 
-def test_a_preempted_sequence_resumes_from_its_own_parked_pages():
+def test_a_preempted_sequence_resumes_from_its_own_cached_free_pages():
     sched, alloc, runner = make(block_size=2, max_model_len=40)
     sched.add("a", list(range(1, 12)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for _ in range(3):
@@ -202,17 +202,17 @@ def test_a_preempted_sequence_resumes_from_its_own_parked_pages():
     assert seq.output_token_ids == reference(list(range(1, 12)), seq.params, 40)[0]
 
 
-def test_dropping_the_cache_frees_parked_pages_and_keeps_live_ones():
+def test_dropping_the_cache_frees_cached_free_pages_and_keeps_live_ones():
     sched, alloc, runner = make(block_size=4)
     _run(sched, runner, "a", list(range(1, 10)), ONE)
     sched.add("live", list(range(1, 10)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     out = sched.schedule()
     sched.update(out, runner.run(sched, out))
-    assert alloc.num_parked == 0 and len(sched.blocks.prefix) == 2  # the live one holds them
+    assert alloc.num_cached_free == 0 and len(sched.blocks.prefix) == 2  # the live one holds them
     assert sched.blocks.drop_prefix_cache() == 2
     check_cache(sched, alloc)
     sched.abort("live")
-    assert alloc.num_parked == 0 and alloc.num_free == alloc.num_total
+    assert alloc.num_cached_free == 0 and alloc.num_free == alloc.num_total
     again = sched.add("b", list(range(1, 10)), GREEDY)
     sched.schedule()
     assert again.num_cached_tokens == 0
@@ -232,10 +232,10 @@ def check_pool_models(pool, scheds: dict[str, Scheduler]) -> None:
     for name, sched in scheds.items():
         bm, index = sched.blocks, sched.blocks.prefix
         held = Counter(p for sid in bm.live_sequences() for p in bm.block_table(sid))
-        parked = set(pool.parked_pages(name))
+        cached_free = set(pool.cached_free_pages(name))
         assert all(bm.refs(p) == n for p, n in held.items()) and pool.num_used(name) == len(held)
-        assert all(index.key(p) is not None for p in parked), "a parked page lost its index entry"
-        assert all(p in held or p in parked for p in index.pages()), "an indexed page is free or another's"
+        assert all(index.key(p) is not None for p in cached_free), "a cached-free page lost its index entry"
+        assert all(p in held or p in cached_free for p in index.pages()), "an indexed page is free or another's"
         check_shared_pages_are_full(bm, {seq.seq_id: seq for seq in sched.running})
 
 
@@ -244,7 +244,7 @@ def check_pool_models(pool, scheds: dict[str, Scheduler]) -> None:
        spare_pages=st.integers(0, 12), shrinks=st.lists(st.integers(0, 60), max_size=3))
 def test_two_models_in_one_pool_with_shrinks_and_drops_give_reference_tokens(seed, block_size, budget, spare_pages,
                                                                              shrinks):
-    """Two models' caches in one PagePool: their parked pages are free for both; a shrink
+    """Two models' caches in one PagePool: their cached-free pages are free for both; a shrink
     (fence, preempt the holders of fenced pages, resize) and a grow back, and dropping a
     model's cache, never change a token."""
     import torch

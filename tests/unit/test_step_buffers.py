@@ -12,7 +12,7 @@ from engine.runner.step_buffers import Arena, StepBuffers
 
 
 def test_regions_are_aligned_views_of_one_buffer_and_do_not_overlap() -> None:
-    bufs = StepBuffers(torch.device("cpu"), max_tokens=64, max_seqs=8, max_pages=4, max_model_len=64, vocab_size=32)
+    bufs = StepBuffers(torch.device("cpu"), max_step_tokens=64, max_seqs=8, max_pages=4, max_model_len=64, vocab_size=32)
     views = [bufs.qsl, bufs.seq_lens, bufs.rows, bufs.fill_dst, bufs.fill_src, bufs.input_ids, bufs.positions,
              bufs.slots, bufs.block_tables]
     base = bufs.inputs.device_bytes.data_ptr()
@@ -37,7 +37,7 @@ def test_stage_casts_shapes_and_bounds() -> None:
 
 
 def test_graph_outputs_are_made_at_their_first_use_and_kept():
-    bufs = StepBuffers(torch.device("cpu"), max_tokens=64, max_seqs=8, max_pages=4, max_model_len=64, vocab_size=32)
+    bufs = StepBuffers(torch.device("cpu"), max_step_tokens=64, max_seqs=8, max_pages=4, max_model_len=64, vocab_size=32)
     assert bufs._outputs is None  # a runner without graphs never pays for them
     logits, ids = bufs.graph_outputs()
     assert logits.shape == (8, 32) and logits.dtype == torch.float32 and ids.shape == (8,)

@@ -1,5 +1,5 @@
-"""The worker's loop while a step is parked (EngineCore.parked): it sleeps in its selector until
-the parked step's event fires (a waiter thread writes to the wake-up pipe) or a request comes,
+"""The worker's loop while a step is yielded (EngineCore.yielded): it sleeps in its selector until
+the yielded step's event fires (a waiter thread writes to the wake-up pipe) or a request comes,
 instead of spinning on step() calls."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from engine.worker.main import STATUS_INTERVAL_S, Worker
 
 
 class _Event:
-    """Stands in for EngineCore.parked()'s step: wait() returns once fire() was called."""
+    """Stands in for EngineCore.yielded()'s step: wait() returns once fire() was called."""
 
     def __init__(self) -> None:
         self._fired = threading.Event()
@@ -29,7 +29,7 @@ class _Core:
     def __init__(self, event) -> None:
         self.event = event
 
-    def parked(self):
+    def yielded(self):
         return self.event
 
     def has_unfinished_requests(self) -> bool:
@@ -40,16 +40,16 @@ def _readable(fd: int, timeout: float) -> bool:
     return bool(select.select([fd], [], [], timeout)[0])
 
 
-def test_a_parked_step_lets_the_loop_sleep_until_its_event_fires():
+def test_a_yielded_step_lets_the_loop_sleep_until_its_event_fires():
     event = _Event()
     w = Worker(conn=None, core=_Core(event))
     try:
-        assert w._wait_for(w._busy()) == STATUS_INTERVAL_S  # parked: sleep, the waiter wakes the loop
+        assert w._wait_for(w._busy()) == STATUS_INTERVAL_S  # yielded: sleep, the waiter wakes the loop
         assert not _readable(w._wake_r, 0.2)  # nothing yet: the step is still running
         event.fire()
         assert _readable(w._wake_r, 5)  # done: the loop wakes to collect it
         w._drain_wake()
-        w.core.event = None  # not parked, work left: poll without sleeping
+        w.core.event = None  # not yielded, work left: poll without sleeping
         assert w._wait_for(w._busy()) == 0
     finally:
         w._waiter.close()
