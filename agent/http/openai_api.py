@@ -10,18 +10,16 @@ requests that reuse one never meet); outputs come back as token ids and are deto
 Streaming answers are SSE; a client that goes away cancels the handler (aiohttp
 ``handler_cancellation``), and the ``finally`` aborts the request in the engine before the next step.
 
-Bodies are decoded here, not by aiohttp (the server runs with ``auto_decompress=False``): gzip and
-deflate up to the body limit, anything else a 415 in OpenAI's error shape.
+The body is read and checked by agent/http/request_body.py (keys: api_keys.py); every refusal is
+an :class:`~agent.http.api_error.ApiError` in OpenAI's shape.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import re
 import time
-import zlib
 from typing import Any
 
 from aiohttp import web
@@ -32,174 +30,41 @@ from agent.worker.generation import Delta, Generation
 from agent.context import AgentContext
 from agent.log import bind_request_id, get_logger, new_request_id
 from agent.manager.entries import ManagerError
-from agent.http.openai_schema import (
-    MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest, first_error, json_depth_ok,
-)
+from agent.http.api_error import ApiError, manager_error, send_error, stream_error
+from agent.http.api_keys import ApiKeys
+from agent.http.openai_schema import MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest, first_error
+from agent.http.request_body import BodyReader
 from agent.http.sse import EventStream, encode as sse_encode
 from agent.http.structured import StructuredOutputError
-from agent.worker.client import WorkerDied, WorkerError
+from agent.worker.client import WorkerError
 from text.tokenizer import TokenLimitExceeded
 from text.tool_calls import ToolFormat, ToolStream, default_tool_prompt, history_view, tool_format
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-          415: "invalid_request_error", 417: "invalid_request_error", 503: "server_error", 500: "server_error"}
 TOKENIZE_INLINE_CHARS = 16_384  # longer texts tokenize in a thread so the loop keeps serving
-DECODE_INLINE_BYTES = 65_536  # longer compressed bodies inflate in a thread (zlib drops the GIL)
 DEFAULT_COMPLETION_TOKENS = 16
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
-BODY_TIMEOUT_S = 30.0  # a client trickling its body holds a connection, not the server
-# Content codings a body may come in, with zlib's window bits for each (gzip header / zlib header).
-_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
-
-
-def _stream_error(e: WorkerError) -> ApiError:
-    """A failure after the request was sent: refused by the engine (400), engine gone or
-    shutting down (503), anything else (500)."""
-    if e.code in ("EngineError", "RequestError", "SamplingParamsError"):
-        return ApiError(400, str(e), code="invalid_request")
-    if e.code == "GrammarError":  # the format passed the agent's check but not this model's vocabulary
-        return ApiError(400, str(e), param="response_format", code="invalid_value")
-    unavailable = isinstance(e, WorkerDied) or e.code in ("shutting_down", "aborted")
-    return ApiError(503 if unavailable else 500, str(e), code=e.code)
-
-
-def _from_manager(e: ManagerError) -> ApiError:
-    return ApiError(e.status, str(e), param="model", code=e.code, retry_after=e.retry_after)
-
-
-def _inflate(raw: bytes, coding: str, limit: int) -> bytes:
-    """``raw`` decoded from ``coding``; ApiError past ``limit`` bytes or when it is not that coding."""
-    wbits = _CODINGS[coding]
-    try:
-        d = zlib.decompressobj(wbits)
-        out = d.decompress(raw, limit + 1)
-    except zlib.error:
-        if coding != "deflate":
-            raise ApiError(400, f"the body is not valid {coding} data", code="invalid_encoding") from None
-        try:  # "deflate" is sent both with and without the zlib header
-            d = zlib.decompressobj(-zlib.MAX_WBITS)
-            out = d.decompress(raw, limit + 1)
-        except zlib.error:
-            raise ApiError(400, "the body is not valid deflate data", code="invalid_encoding") from None
-    if len(out) > limit or d.unconsumed_tail:
-        raise ApiError(413, f"the decoded body is larger than {limit} bytes", code="body_too_large")
-    if not d.eof:
-        raise ApiError(400, f"the {coding} body is truncated", code="invalid_encoding")
-    return out
-
-
-async def _decode_body(request: web.Request, raw: bytes) -> bytes:
-    coding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if coding in ("", "identity"):
-        return raw
-    if coding not in _CODINGS:
-        raise ApiError(415, f"Content-Encoding {coding[:40]!r} is not supported; send identity, gzip or deflate",
-                       param="Content-Encoding", code="unsupported_content_encoding")
-    limit = request.app._client_max_size
-    if len(raw) <= DECODE_INLINE_BYTES:
-        return _inflate(raw, coding, limit)
-    return await asyncio.to_thread(_inflate, raw, coding, limit)
-
-
-async def read_json(request: web.Request) -> Any:
-    """The body as JSON, with the size (client_max_size, before and after decoding), the content
-    coding and the nesting depth bounded."""
-    # asyncio.timeout, not wait_for: wait_for reads in a task of its own, and a refused body's
-    # exception then sits in a cycle (task -> exception -> traceback -> frames -> task) that
-    # keeps the partial body alive until the cyclic GC runs: ~20 MB per refused 100 MB upload.
-    err: ApiError | None = None
-    try:
-        async with asyncio.timeout(BODY_TIMEOUT_S):
-            raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        err = ApiError(413, f"the body is larger than {request.app._client_max_size} bytes", code="body_too_large")
-    except TimeoutError:
-        err = ApiError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g}s", code="body_timeout")
-    if err is not None:  # raised outside the handler: no link back to the frames that held the body
-        raise err
-    raw = await _decode_body(request, raw)
-    try:
-        obj = json.loads(raw)
-    except RecursionError:
-        raise ApiError(400, "the JSON body nests too deeply", code="invalid_json") from None
-    except ValueError as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not json_depth_ok(obj):
-        raise ApiError(400, "the JSON body nests too deeply", code="invalid_json")
-    if not isinstance(obj, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-    return obj
 
 
 class OpenAIApi:
     def __init__(self, ctx: AgentContext) -> None:
+        server = ctx.settings.server
         self.ctx = ctx
-        self._keys = [k.get_secret_value().encode() for k in ctx.settings.server.api_keys if k.get_secret_value()]
+        self._keys = ApiKeys(k.get_secret_value() for k in server.api_keys)
+        # The same limit the application gives aiohttp (client_max_size), kept here from the settings.
+        self._bodies = BodyReader(int(server.max_body_bytes), self._keys)
         self._log = get_logger("openai")
 
     def routes(self) -> list[web.RouteDef]:
         return [
             web.get("/v1/models", self.list_models),
             web.get("/v1/models/{model}", self.get_model),
-            web.post("/v1/completions", self.completions, expect_handler=self.expect),
-            web.post("/v1/chat/completions", self.chat_completions, expect_handler=self.expect),
+            web.post("/v1/completions", self.completions, expect_handler=self._bodies.expect),
+            web.post("/v1/chat/completions", self.chat_completions, expect_handler=self._bodies.expect),
         ]
-
-    async def expect(self, request: web.Request) -> web.StreamResponse | None:
-        """``Expect: 100-continue``: a refusal the headers already decide (no key, a body over the
-        limit) is answered now, so the client never sends the body; else 100 Continue."""
-        expect = request.headers.get("Expect", "").lower()
-        if expect != "100-continue":
-            err = ApiError(417, f"Expect: {expect[:40]!r} is not understood (only 100-continue)",
-                           param="Expect", code="expectation_failed")
-        elif request.content_length is not None and request.content_length > request.app._client_max_size:
-            err = ApiError(413, f"the body is larger than {request.app._client_max_size} bytes", code="body_too_large")
-        else:
-            try:
-                self._check_key(request)
-            except ApiError as e:
-                err = e
-            else:
-                if request.version == HttpVersion11:
-                    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    request.writer.output_size = 0  # the answer proper has not started
-                return None
-        resp = err.response()
-        resp.force_close()  # the body will not come: the connection cannot carry another request
-        return resp
-
-    def _check_key(self, request: web.Request) -> None:
-        if not self._keys:
-            return
-        auth = request.headers.get("Authorization", "")
-        # Header bytes that are not UTF-8 arrive as surrogate escapes: encode them back to bytes.
-        given = auth[7:].strip().encode("utf-8", "surrogateescape") if auth[:7].lower() == "bearer " else b""
-        # Compare against every key so the time taken says nothing about which one was close.
-        ok = False
-        for k in self._keys:
-            ok |= hmac.compare_digest(given, k)
-        if not ok:
-            raise ApiError(401, "a valid API key is required (Authorization: Bearer ...)", code="invalid_api_key")
 
     async def list_models(self, request: web.Request) -> web.Response:
         try:
-            self._check_key(request)
+            self._keys.check(request)
         except ApiError as e:
             return e.response()
         return web.json_response({"object": "list", "data": [self._model_view(e) for e in self.ctx.manager.ready_models()]})
@@ -207,7 +72,7 @@ class OpenAIApi:
     async def get_model(self, request: web.Request) -> web.Response:
         """One model, as the list shows it (the SDK's ``models.retrieve``); 404 when not listed."""
         try:
-            self._check_key(request)
+            self._keys.check(request)
             name = request.match_info["model"]
             entry = next((e for e in self.ctx.manager.ready_models() if e.name == name), None)
             if entry is None:
@@ -238,10 +103,10 @@ class OpenAIApi:
         model_label = ""  # only known models become label values: clients cannot grow the series
         status = 500
         try:
-            self._check_key(request)
+            self._keys.check(request)
             if self.ctx.draining:
                 raise ApiError(503, "the server is shutting down", code="shutting_down", retry_after=5)
-            body = await read_json(request)
+            body = await self._bodies.read_json(request)
             try:
                 req: ChatCompletionRequest | CompletionRequest = (
                     ChatCompletionRequest.model_validate(body) if chat else CompletionRequest.model_validate(body))
@@ -253,7 +118,7 @@ class OpenAIApi:
             try:
                 admission = await self.ctx.manager.admit_wait(req.model)  # autoload waits, bounded
             except ManagerError as e:
-                raise _from_manager(e) from None
+                raise manager_error(e) from None
             with admission as entry:
                 resp = await self._run(request, req, entry, chat, rid, uid)
             status = resp.status
@@ -376,10 +241,8 @@ class OpenAIApi:
         try:
             try:
                 gen.start(prompt_ids, samplings, grammar)
-            except WorkerDied as e:
-                raise ApiError(503, str(e), code="engine_unavailable", retry_after=2) from None
             except WorkerError as e:
-                raise ApiError(400, str(e), code=e.code) from None
+                raise send_error(e) from None
             tools = (tool_fmt, {t.function.name for t in req.tools}) if chat and req.uses_tools else None
             fmt = _Formatter(base_id, entry.name, chat, entry.tokenizer, tools)
             if req.stream:
@@ -395,7 +258,7 @@ class OpenAIApi:
         try:
             await gen.finish()
         except WorkerError as e:
-            raise _stream_error(e) from None
+            raise stream_error(e) from None
         usage = gen.usage()
         usage["prompt_tokens"] = usage["prompt_tokens"] or n_prompt
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -433,7 +296,7 @@ class OpenAIApi:
             tail = fmt.sse([fmt.usage_chunk(gen.usage())]) if include_usage else b""
             await stream.write(tail + b"data: [DONE]\n\n")
         except WorkerError as e:
-            err = _stream_error(e)
+            err = stream_error(e)
             self._log.warning("stream_failed", status=err.status, code=err.code, error=err.message)
             await stream.write(fmt.sse([err.body()]))
         except (ConnectionResetError, ConnectionError):
