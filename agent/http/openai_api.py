@@ -17,9 +17,7 @@ an :class:`~agent.http.api_error.ApiError` in OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import time
 from typing import Any
 
 from aiohttp import web
@@ -29,20 +27,26 @@ from pydantic import ValidationError
 from agent.worker.generation import Delta, Generation
 from agent.context import AgentContext
 from agent.log import bind_request_id, get_logger, new_request_id
-from agent.manager.entries import ManagerError
+from agent.manager.entries import ManagerError, ModelEntry
 from agent.http.api_error import ApiError, manager_error, send_error, stream_error
 from agent.http.api_keys import ApiKeys
 from agent.http.openai_schema import MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest, first_error
 from agent.http.request_body import BodyReader
-from agent.http.sse import EventStream, encode as sse_encode
+from agent.http.openai_format import OpenAIFormatter, model_object
+from agent.http.sse import EventStream
 from agent.http.structured import StructuredOutputError
 from agent.worker.client import WorkerError
 from text.tokenizer import TokenLimitExceeded
-from text.tool_calls import ToolFormat, ToolStream, default_tool_prompt, history_view, tool_format
+from text.tool_calls import ToolFormat, default_tool_prompt, history_view, tool_format
 
 TOKENIZE_INLINE_CHARS = 16_384  # longer texts tokenize in a thread so the loop keeps serving
 DEFAULT_COMPLETION_TOKENS = 16
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def _context_len(entry: ModelEntry) -> int:
+    """The model's context: what the engine loaded it with, else what its settings ask."""
+    return int(entry.info.get("max_model_len", entry.settings.max_model_len))
 
 
 class OpenAIApi:
@@ -67,7 +71,8 @@ class OpenAIApi:
             self._keys.check(request)
         except ApiError as e:
             return e.response()
-        return web.json_response({"object": "list", "data": [self._model_view(e) for e in self.ctx.manager.ready_models()]})
+        models = [self._model_object(e) for e in self.ctx.manager.ready_models()]
+        return web.json_response({"object": "list", "data": models})
 
     async def get_model(self, request: web.Request) -> web.Response:
         """One model, as the list shows it (the SDK's ``models.retrieve``); 404 when not listed."""
@@ -80,11 +85,10 @@ class OpenAIApi:
                                code="model_not_found")
         except ApiError as e:
             return e.response()
-        return web.json_response(self._model_view(entry))
+        return web.json_response(self._model_object(entry))
 
-    def _model_view(self, e: Any) -> dict[str, Any]:
-        return {"id": e.name, "object": "model", "created": int(self.ctx.started_wall), "owned_by": "infire",
-                "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len))}
+    def _model_object(self, e: ModelEntry) -> dict[str, object]:
+        return model_object(e.name, int(self.ctx.started_wall), _context_len(e))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -203,7 +207,7 @@ class OpenAIApi:
 
     async def _run(self, request: web.Request, req: Any, entry: Any, chat: bool, rid: str,
                    uid: str) -> web.StreamResponse:
-        ctx_len = int(entry.info.get("max_model_len", entry.settings.max_model_len))
+        ctx_len = _context_len(entry)
         tool_fmt = tool_format(getattr(entry.tokenizer, "chat_template", None)) if chat else None
         prompt_ids = await self._prompt_ids(req, entry, chat, ctx_len, tool_fmt)
         if not prompt_ids:
@@ -244,7 +248,7 @@ class OpenAIApi:
             except WorkerError as e:
                 raise send_error(e) from None
             tools = (tool_fmt, {t.function.name for t in req.tools}) if chat and req.uses_tools else None
-            fmt = _Formatter(base_id, entry.name, chat, entry.tokenizer, tools)
+            fmt = OpenAIFormatter(base_id, entry.name, chat, entry.tokenizer, tools)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return await self._stream(request, gen, fmt, include_usage, rid)
@@ -254,7 +258,7 @@ class OpenAIApi:
         finally:
             gen.close()
 
-    async def _collect(self, gen: Generation, fmt: _Formatter, n_prompt: int) -> web.Response:
+    async def _collect(self, gen: Generation, fmt: OpenAIFormatter, n_prompt: int) -> web.Response:
         try:
             await gen.finish()
         except WorkerError as e:
@@ -264,7 +268,7 @@ class OpenAIApi:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return web.json_response(fmt.full(list(gen.choices.values()), usage))
 
-    async def _stream(self, request: web.Request, gen: Generation, fmt: _Formatter, include_usage: bool,
+    async def _stream(self, request: web.Request, gen: Generation, fmt: OpenAIFormatter, include_usage: bool,
                       rid: str) -> web.StreamResponse:
         """SSE: the events are written by ``EventStream.push`` as the generation makes them (from
         before the first await: nothing made meanwhile is missed); this task writes what that
@@ -276,11 +280,7 @@ class OpenAIApi:
             resp.enable_chunked_encoding()
         first = fmt.sse(fmt.role_chunks(len(gen.choices), include_usage)) if fmt.chat else b""
         stream = EventStream(request, resp, gen.notify, chunked, first)
-        if fmt.tools is not None:
-            streams: dict[int, ToolStream] = {}
-            gen.on_delta = lambda d: stream.push(fmt.tool_events(streams, d, include_usage))
-        else:
-            gen.on_delta = lambda d: stream.push(fmt.chunk_event(d, include_usage))
+        gen.on_delta = lambda d: stream.push(fmt.event(d, include_usage))
         try:
             await resp.prepare(request)
             while True:
@@ -306,131 +306,9 @@ class OpenAIApi:
         return resp
 
 
-def _call_view(call: Any) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def _tool_finish(reason: str | None, calls: list[Any]) -> str | None:
-    """OpenAI's finish_reason for an answer that called tools."""
-    return "tool_calls" if calls and reason == "stop" else reason
-
-
 def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     """``text`` at the end of the system message, or as one in front."""
     if messages and messages[0]["role"] in ("system", "developer"):
         first = messages[0]
         return [{**first, "content": f"{first.get('content') or ''}\n\n{text}".lstrip()}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
-
-
-def _compact(o: Any) -> bytes:
-    return json.dumps(o, separators=(",", ":")).encode()
-
-
-class _Formatter:
-    """OpenAI response and chunk shapes for one request."""
-
-    def __init__(self, base_id: str, model: str, chat: bool, tokenizer: Any,
-                 tools: tuple[ToolFormat, set[str]] | None = None) -> None:
-        """``tools``: (the model's call format, the offered tool names) when the request offers
-        tools: answers are read for calls (text/tool_calls.py)."""
-        self.id, self.model, self.chat, self.tok = base_id, model, chat, tokenizer
-        self.tools = tools
-        self.created = int(time.time())
-        self.object = "chat.completion.chunk" if chat else "text_completion"
-        # A streamed chunk without logprobs, as bytes around its varying parts (index, text,
-        # finish_reason): what ``sse([chunk(d)])`` encodes, byte for byte, without building and
-        # encoding the dict for every token (a fifth of the agent's CPU at c200 went to SSE
-        # encoding and JSON).
-        head = _compact({"id": self.id, "object": self.object, "created": self.created, "model": self.model})
-        self._head = b"data: " + head[:-1] + b',"choices":[{"index":'
-
-    def chunk_event(self, d: Delta, include_usage: bool) -> bytes:
-        """``sse([chunk(d, include_usage)])``."""
-        if d.logprobs:
-            return self.sse([self.chunk(d, include_usage)])
-        finish = b"null" if d.finish_reason is None else _compact(d.finish_reason)
-        if self.chat:
-            text = b'{"content":' + _compact(d.text) + b"}" if d.text else b"{}"
-            body = b',"delta":' + text
-        else:
-            body = b',"text":' + _compact(d.text)
-        tail = b',"logprobs":null,"finish_reason":' + finish + (b'}],"usage":null}\n\n' if include_usage else b"}]}\n\n")
-        return self._head + str(d.index).encode() + body + tail
-
-    sse = staticmethod(sse_encode)
-
-    def _envelope(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                             "choices": choices}
-        if include_usage:
-            d["usage"] = None
-        return d
-
-    def role_chunks(self, n: int, include_usage: bool) -> list[dict[str, Any]]:
-        return [self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}], include_usage) for i in range(n)]
-
-    def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
-        lp = self._logprobs(d.token_ids, d.pieces or [], d.logprobs) if d.logprobs else None
-        if self.chat:
-            delta = {"content": d.text} if d.text else {}
-            choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-        else:
-            choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-        return self._envelope([choice], include_usage)
-
-    def tool_events(self, streams: dict[int, ToolStream], d: Delta, include_usage: bool) -> bytes:
-        """The chunks of one delta when tools are offered: content up to where a call may start
-        (held back from there), and at the choice's end what was held, as content or as calls
-        (each call as OpenAI streams it: id, type and name, then the arguments)."""
-        stream = streams.setdefault(d.index, ToolStream(*self.tools))
-        out = [stream.feed(d.text)]
-        calls: list[Any] = []
-        if d.finish_reason is not None:
-            rest, calls = stream.finish()
-            out.append(rest)
-        chunks = [self._envelope([{"index": d.index, "delta": {"content": t}, "logprobs": None,
-                                   "finish_reason": None}], include_usage) for t in out if t]
-        for k, call in enumerate(calls):
-            head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-            body = {"index": k, "function": {"arguments": call.arguments}}
-            chunks += [self._envelope([{"index": d.index, "delta": {"tool_calls": [part]}, "logprobs": None,
-                                        "finish_reason": None}], include_usage) for part in (head, body)]
-        if d.finish_reason is not None:
-            chunks.append(self._envelope([{"index": d.index, "delta": {}, "logprobs": None,
-                                           "finish_reason": _tool_finish(d.finish_reason, calls)}], include_usage))
-        return self.sse(chunks) if chunks else b""
-
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        d = self._envelope([], False)
-        d["usage"] = usage
-        return d
-
-    def full(self, choices: list[Any], usage: dict[str, int]) -> dict[str, Any]:
-        out = []
-        for c in sorted(choices, key=lambda c: c.index):
-            text = "".join(c.text)
-            lp = self._logprobs(c.token_ids, c.pieces, c.logprobs, text) if c.logprobs else None
-            if self.chat and self.tools is not None:
-                content, calls = self.tools[0].parse(text, self.tools[1])
-                message: dict[str, Any] = {"role": "assistant", "content": content}
-                if calls:
-                    message["tool_calls"] = [_call_view(k) for k in calls]
-                out.append({"index": c.index, "message": message, "logprobs": lp,
-                            "finish_reason": _tool_finish(c.finish_reason, calls)})
-            elif self.chat:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": lp, "finish_reason": c.finish_reason})
-            else:
-                out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": out, "usage": usage}
-
-    def _logprobs(self, token_ids: list[int], pieces: list[str], entries: list[Any],
-                  text: str | None = None) -> dict[str, Any]:
-        from agent.http.logprobs import chat_logprobs, completion_logprobs
-
-        if self.chat:
-            return chat_logprobs(self.tok, token_ids, entries)
-        return completion_logprobs(self.tok, token_ids, pieces, entries, text)
