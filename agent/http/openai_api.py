@@ -30,16 +30,15 @@ from agent.log import bind_request_id, get_logger, new_request_id
 from agent.manager.entries import ManagerError, ModelEntry
 from agent.http.api_error import ApiError, manager_error, send_error, stream_error
 from agent.http.api_keys import ApiKeys
-from agent.http.openai_schema import MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest, first_error
+from agent.http.openai_schema import ChatCompletionRequest, CompletionRequest, first_error
+from agent.http.prompt_ids import prompt_ids
 from agent.http.request_body import BodyReader
 from agent.http.openai_format import OpenAIFormatter, model_object
 from agent.http.sse import EventStream
 from agent.http.structured import StructuredOutputError
 from agent.worker.client import WorkerError
-from text.tokenizer import TokenLimitExceeded
-from text.tool_calls import ToolFormat, default_tool_prompt, history_view, tool_format
+from text.tool_calls import tool_format
 
-TOKENIZE_INLINE_CHARS = 16_384  # longer texts tokenize in a thread so the loop keeps serving
 DEFAULT_COMPLETION_TOKENS = 16
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -140,53 +139,6 @@ class OpenAIApi:
         finally:
             self.ctx.metrics.requests.labels(model=model_label, status=str(status)).inc()
 
-    async def _prompt_ids(self, req: Any, entry: Any, chat: bool, ctx_len: int,
-                          tool_fmt: ToolFormat | None = None) -> list[int]:
-        """The prompt's ids; a prompt of ``ctx_len`` tokens or more is refused, by its length alone
-        when that already tells (before any tokenizing), else before its ids are built.
-        ``tool_fmt``: how the model writes tool calls (chat), for tools and a history with calls."""
-        tok = entry.tokenizer
-        limit = min(ctx_len, MAX_PROMPT_TOKENS + 1)
-        if chat:
-            messages = [m.template_view() for m in req.messages]
-            variables: dict[str, Any] = {}
-            if tool_fmt is not None and (req.uses_tools or any("tool_calls" in m or m["role"] == "tool"
-                                                               for m in messages)):
-                messages = history_view(messages, tool_fmt)
-                if req.uses_tools:
-                    tools = [t.model_dump(exclude_none=True) for t in req.tools]
-                    if tool_fmt.native:
-                        variables["tools"] = tools
-                    else:
-                        messages = _with_system(messages, default_tool_prompt([t["function"] for t in tools]))
-            size = sum(len(m.get("content") or "") for m in messages)
-            work = lambda: tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,  # noqa: E731
-                                                              **variables),
-                                      add_special_tokens=False, limit=limit)
-        elif isinstance(req.prompt, str):
-            size = len(req.prompt)
-            if (at_least := tok.min_tokens(req.prompt)) >= limit:  # O(1): no thread, no tokenizing
-                raise self._too_long(at_least, ctx_len, chat, exact=False)
-            work = lambda: tok.encode(req.prompt, limit=limit)  # noqa: E731
-        else:
-            vocab = int(entry.info.get("vocab_size", 0) or getattr(tok, "vocab_size", 0))
-            bad = next((t for t in req.prompt if vocab and t >= vocab), None)
-            if bad is not None:
-                raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary (size {vocab})", param="prompt")
-            return list(req.prompt)
-        try:
-            ids = work() if size < TOKENIZE_INLINE_CHARS else await asyncio.to_thread(work)
-        except TokenLimitExceeded as e:
-            raise self._too_long(e.tokens, ctx_len, chat, exact=e.exact) from None
-        except Exception as e:  # template errors, template output bounds
-            raise ApiError(400, f"{'messages' if chat else 'prompt'}: {e}", param="messages" if chat else "prompt") from None
-        return list(ids)
-
-    @staticmethod
-    def _too_long(n: int, ctx_len: int, chat: bool, *, exact: bool) -> ApiError:
-        return ApiError(400, f"the prompt has {'' if exact else 'at least '}{n} tokens; this model's context is {ctx_len}",
-                        param="messages" if chat else "prompt", code="context_length_exceeded")
-
     def _samplings(self, req: Any, max_tokens: int, chat: bool) -> list[dict[str, Any]]:
         from engine.sampling import SamplingParams, SamplingParamsError
 
@@ -209,17 +161,14 @@ class OpenAIApi:
                    uid: str) -> web.StreamResponse:
         ctx_len = _context_len(entry)
         tool_fmt = tool_format(getattr(entry.tokenizer, "chat_template", None)) if chat else None
-        prompt_ids = await self._prompt_ids(req, entry, chat, ctx_len, tool_fmt)
-        if not prompt_ids:
-            raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
-        if len(prompt_ids) >= ctx_len or len(prompt_ids) > MAX_PROMPT_TOKENS:
-            raise self._too_long(len(prompt_ids), ctx_len, chat, exact=True)
+        vocab_size = int(entry.info.get("vocab_size", 0) or 0)
+        ids = await prompt_ids(req, entry.tokenizer, vocab_size, ctx_len, tool_fmt)
         limit = req.output_limit() if chat else req.max_tokens
         if limit is None:  # OpenAI's defaults: the rest of the context for chat, 16 for completions
-            limit = ctx_len - len(prompt_ids) if chat else min(DEFAULT_COMPLETION_TOKENS, ctx_len - len(prompt_ids))
+            limit = ctx_len - len(ids) if chat else min(DEFAULT_COMPLETION_TOKENS, ctx_len - len(ids))
         max_tokens = limit
-        if len(prompt_ids) + max_tokens > ctx_len:
-            raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds this "
+        if len(ids) + max_tokens > ctx_len:
+            raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds this "
                                 f"model's context of {ctx_len} tokens",
                            param="max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens",
                            code="context_length_exceeded")
@@ -244,7 +193,7 @@ class OpenAIApi:
                          req.stop_list(), IncrementalDetokenizer, StopMatcher)
         try:
             try:
-                gen.start(prompt_ids, samplings, grammar)
+                gen.start(ids, samplings, grammar)
             except WorkerError as e:
                 raise send_error(e) from None
             tools = (tool_fmt, {t.function.name for t in req.tools}) if chat and req.uses_tools else None
@@ -252,7 +201,7 @@ class OpenAIApi:
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return await self._stream(request, gen, fmt, include_usage, rid)
-            resp = await self._collect(gen, fmt, len(prompt_ids))
+            resp = await self._collect(gen, fmt, len(ids))
             resp.headers["X-Request-Id"] = rid
             return resp
         finally:
@@ -305,10 +254,3 @@ class OpenAIApi:
         await resp.write_eof()
         return resp
 
-
-def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    """``text`` at the end of the system message, or as one in front."""
-    if messages and messages[0]["role"] in ("system", "developer"):
-        first = messages[0]
-        return [{**first, "content": f"{first.get('content') or ''}\n\n{text}".lstrip()}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
