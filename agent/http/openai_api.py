@@ -1,45 +1,45 @@
 """The OpenAI-compatible API: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``.
 
-A request is parsed (size, content coding and JSON depth bounded), validated (every field
-bounded), tokenized (chat template in the tokenizer's sandboxed Jinja; a prompt that cannot fit
-the context by its length alone is refused before that, and long texts tokenize in a thread
-without the GIL), admitted under the model's queue limit and sent to the engine under request ids
-of its own (a client's ``X-Request-Id`` names the request in logs and the answer only, so two
-requests that reuse one never meet); outputs come back as token ids and are detokenized here.
-Streaming answers are SSE; a client that goes away cancels the handler (aiohttp
-``handler_cancellation``), and the ``finally`` aborts the request in the engine before the next step.
-
-The body is read and checked by agent/http/request_body.py (keys: api_keys.py); every refusal is
-an :class:`~agent.http.api_error.ApiError` in OpenAI's shape.
+The handler wires the pieces of a request's path: the body read and checked
+(agent/http/request_body.py, keys in api_keys.py), validated (every field bounded,
+openai_schema.py), its prompt as token ids (prompt_ids.py, chat prompts built in
+text/chat_prompt.py), its decoding planned (decoding.py: token limit, sampling, the grammar's
+constraint, built by structured.py), admitted under the model's queue limit and sent to the engine
+under request ids of its own (a client's ``X-Request-Id`` names the request in logs and the answer
+only, so two requests that reuse one never meet); outputs come back as token ids, are detokenized
+by the generation (agent/worker/generation.py) and shaped by openai_format.py. Streaming answers
+are SSE (sse.py); a client that goes away cancels the handler (aiohttp ``handler_cancellation``),
+and the ``finally`` aborts the request in the engine before the next step. Every refusal is an
+:class:`~agent.http.api_error.ApiError` in OpenAI's shape.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any
 
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 from pydantic import ValidationError
 
-from agent.worker.generation import Delta, Generation
 from agent.context import AgentContext
-from agent.log import bind_request_id, get_logger, new_request_id
-from agent.manager.entries import ManagerError, ModelEntry
 from agent.http.api_error import ApiError, manager_error, send_error, stream_error
 from agent.http.api_keys import ApiKeys
+from agent.http.decoding import plan_decoding
+from agent.http.openai_format import OpenAIFormatter, model_object
 from agent.http.openai_schema import ChatCompletionRequest, CompletionRequest, first_error
 from agent.http.prompt_ids import prompt_ids
 from agent.http.request_body import BodyReader
-from agent.http.openai_format import OpenAIFormatter, model_object
 from agent.http.sse import EventStream
 from agent.http.structured import StructuredOutputError
+from agent.log import bind_request_id, get_logger, new_request_id
+from agent.manager.entries import ManagerError, ModelEntry
 from agent.worker.client import WorkerError
+from agent.worker.generation import Generation
+from text.detokenizer import IncrementalDetokenizer, StopMatcher
 from text.tool_calls import tool_format
 
-DEFAULT_COMPLETION_TOKENS = 16
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -123,7 +123,7 @@ class OpenAIApi:
             except ManagerError as e:
                 raise manager_error(e) from None
             with admission as entry:
-                resp = await self._run(request, req, entry, chat, rid, uid)
+                resp = await self._run(request, req, entry, rid, uid)
             status = resp.status
             return resp
         except ApiError as e:
@@ -139,65 +139,34 @@ class OpenAIApi:
         finally:
             self.ctx.metrics.requests.labels(model=model_label, status=str(status)).inc()
 
-    def _samplings(self, req: Any, max_tokens: int, chat: bool) -> list[dict[str, Any]]:
-        from engine.sampling import SamplingParams, SamplingParamsError
-
-        logprobs = req.logprobs_count() if chat else req.logprobs
-        out = []
-        for i in range(req.n):
-            # With a seed and n > 1 each choice gets its own seed, else the n answers are equal.
-            seed = None if req.seed is None else (req.seed + i) % (1 << 63)
-            sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-                                min_p=req.min_p, seed=seed, max_tokens=max_tokens,
-                                ignore_eos=req.ignore_eos, logprobs=logprobs)
-            try:
-                sp.validate()
-            except SamplingParamsError as e:
-                raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
-            out.append(sp.to_dict())
-        return out
-
-    async def _run(self, request: web.Request, req: Any, entry: Any, chat: bool, rid: str,
-                   uid: str) -> web.StreamResponse:
+    async def _run(self, request: web.Request, req: ChatCompletionRequest | CompletionRequest, entry: ModelEntry,
+                   rid: str, uid: str) -> web.StreamResponse:
+        chat = isinstance(req, ChatCompletionRequest)
+        tok = entry.tokenizer
         ctx_len = _context_len(entry)
-        tool_fmt = tool_format(getattr(entry.tokenizer, "chat_template", None)) if chat else None
+        tool_fmt = tool_format(tok.chat_template) if chat else None
         vocab_size = int(entry.info.get("vocab_size", 0) or 0)
-        ids = await prompt_ids(req, entry.tokenizer, vocab_size, ctx_len, tool_fmt)
-        limit = req.output_limit() if chat else req.max_tokens
-        if limit is None:  # OpenAI's defaults: the rest of the context for chat, 16 for completions
-            limit = ctx_len - len(ids) if chat else min(DEFAULT_COMPLETION_TOKENS, ctx_len - len(ids))
-        max_tokens = limit
-        if len(ids) + max_tokens > ctx_len:
-            raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds this "
-                                f"model's context of {ctx_len} tokens",
-                           param="max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens",
-                           code="context_length_exceeded")
-        samplings = self._samplings(req, max_tokens, chat)
+        ids = await prompt_ids(req, tok, vocab_size, ctx_len, tool_fmt)
+        plan = plan_decoding(req, len(ids), ctx_len, tool_fmt)
         try:
-            if chat and req.forces_call:
-                named = req.tool_choice.function.name if req.tool_choice != "required" else None
-                offered = [t.function.model_dump(exclude_none=True) for t in req.tools
-                           if named is None or t.function.name == named]
-                grammar = await self.ctx.grammars.tool_grammar(tool_fmt, offered, req.parallel_tool_calls and not named,
-                                                               strict=any(t.get("strict") for t in offered))
-            else:
-                grammar = await self.ctx.grammars.grammar(req.response_format)
+            grammar = await self.ctx.grammars.grammar(plan.constraint)
         except StructuredOutputError as e:
             raise ApiError(400, e.message, param=e.param, code="invalid_value") from None
         if grammar:
             self.ctx.metrics.constrained_requests.labels(model=entry.name).inc()
-        from text.detokenizer import IncrementalDetokenizer, StopMatcher
 
         base_id = ("chatcmpl-" if chat else "cmpl-") + uid
-        gen = Generation(self.ctx.worker, self.ctx.metrics, entry.name, base_id, entry.tokenizer,
+        gen = Generation(self.ctx.worker, self.ctx.metrics, entry.name, base_id, tok,
                          req.stop_list(), IncrementalDetokenizer, StopMatcher)
         try:
             try:
-                gen.start(ids, samplings, grammar)
+                gen.start(ids, [sp.to_dict() for sp in plan.samplings], grammar)
             except WorkerError as e:
                 raise send_error(e) from None
-            tools = (tool_fmt, {t.function.name for t in req.tools}) if chat and req.uses_tools else None
-            fmt = OpenAIFormatter(base_id, entry.name, chat, entry.tokenizer, tools)
+            tools = None
+            if isinstance(req, ChatCompletionRequest) and req.uses_tools and req.tools and tool_fmt is not None:
+                tools = (tool_fmt, {t.function.name for t in req.tools})
+            fmt = OpenAIFormatter(base_id, entry.name, chat, tok, tools)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return await self._stream(request, gen, fmt, include_usage, rid)
@@ -253,4 +222,3 @@ class OpenAIApi:
 
         await resp.write_eof()
         return resp
-
