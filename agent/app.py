@@ -37,7 +37,8 @@ from agent.http.health import Canary, Health
 from agent.log import get_logger
 from agent.manager.manager import ModelManager
 from agent.metrics import CONTENT_TYPE, Metrics
-from agent.http.openai_api import ApiError, OpenAIApi
+from agent.http.api_error import ApiError
+from agent.http.openai_api import OpenAIApi
 from agent.http.openapi import routes as openapi_routes
 from agent.systemd import Notifier
 from agent.worker.client import WorkerClient
@@ -307,7 +308,7 @@ async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event
         app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
         keepalive_timeout=s.keepalive_timeout, max_line_size=s.max_header_bytes,
         max_field_size=s.max_header_bytes, max_headers=s.max_headers,
-        # Bodies are decoded by the handlers (openai_api.read_json): a coding they do not take is
+        # Bodies are decoded by the handlers (request_body.BodyReader): a coding they do not take is
         # a 415 in OpenAI's shape there, not a plain-text 400 from the parser.
         auto_decompress=False, logger=ProtocolLog(),
     )

@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from text.tokenizer import Tokenizer
+
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback tokens
 
 
@@ -33,7 +35,7 @@ def _entry(raw: Any) -> tuple[float, list[tuple[int, float]]]:
     raise ValueError(f"unexpected logprobs entry {raw!r}")
 
 
-def token_view(tok: Any, token_id: int) -> tuple[str, bytes | None]:
+def token_view(tok: Tokenizer, token_id: int) -> tuple[str, bytes | None]:
     """(how ``token_id`` shows on its own, the bytes it stands for; None when unknown)."""
     if not tok.knows(token_id):
         return f"token_id:{token_id}", None
@@ -50,7 +52,7 @@ def token_view(tok: Any, token_id: int) -> tuple[str, bytes | None]:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
 
-def chat_logprobs(tok: Any, token_ids: list[int], entries: list[Any]) -> dict[str, Any]:
+def chat_logprobs(tok: Tokenizer, token_ids: list[int], entries: list[Any]) -> dict[str, Any]:
     def one(token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = token_view(tok, token_id)
         return {"token": text, "logprob": logprob, "bytes": None if raw is None else list(raw)}
@@ -62,7 +64,7 @@ def chat_logprobs(tok: Any, token_ids: list[int], entries: list[Any]) -> dict[st
     return {"content": content}
 
 
-def completion_logprobs(tok: Any, token_ids: list[int], pieces: list[str], entries: list[Any],
+def completion_logprobs(tok: Tokenizer, token_ids: list[int], pieces: list[str], entries: list[Any],
                         text: str | None = None) -> dict[str, Any]:
     """``pieces``: the text each token added; ``text``: the answer, when it may end before the
     tokens do (a stop string cut it): the tokens past its end are left out."""

@@ -5,7 +5,11 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the clients that parse streams (demo, benchmark) need no aiohttp
+    from aiohttp import web
 
 DONE = object()  # parse_line's answer to ``data: [DONE]``
 
@@ -38,7 +42,8 @@ class EventStream:
 
     HIGH_WATER = 64 * 1024  # bytes queued in the transport beyond which the handler's drain takes over
 
-    def __init__(self, request: Any, response: Any, wake: Any, chunked: bool, first: bytes = b"") -> None:
+    def __init__(self, request: web.BaseRequest, response: web.StreamResponse, wake: Callable[[], None],
+                 chunked: bool, first: bytes = b"") -> None:
         """``response``: the ``web.StreamResponse`` to ``request``, with chunked encoding enabled
         when ``chunked`` (else ``push`` always holds back); ``wake()``: tells the handler that
         events are pending; ``first``: what the stream starts with, ahead of any event."""

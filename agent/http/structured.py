@@ -1,4 +1,5 @@
-"""From an OpenAI ``response_format`` to the grammar the engine constrains decoding with.
+"""From an OpenAI ``response_format``, or a forced tool call, to the grammar the engine constrains
+decoding with.
 
 The agent turns the request's format into an llguidance grammar (JSON text) and checks it here,
 so a bad schema is a 400 naming ``response_format`` before anything is queued and the worker
@@ -19,7 +20,12 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from agent.http.openai_schema import ResponseFormat
+from text.tool_calls import ToolFormat
 
 CHECK_TIMEOUT_S = 2.0
 CACHE_ENTRIES = 512
@@ -34,6 +40,20 @@ class StructuredOutputError(ValueError):
         super().__init__(message)
         self.param = param
         self.message = message
+
+
+@dataclass(frozen=True)
+class ForcedCall:
+    """Output that must be a tool call (``tool_choice`` required, or one named tool)."""
+
+    fmt: ToolFormat  # how the model writes calls
+    tools: list[dict[str, Any]]  # the functions it may call (name, description, parameters, strict)
+    parallel: bool  # one call or more
+
+    @property
+    def strict(self) -> bool:
+        """Any of the functions asks for strict parameters: the grammar then enforces every keyword."""
+        return any(t.get("strict") for t in self.tools)
 
 
 def json_grammar(schema: dict[str, Any] | None, strict: bool, param: str) -> str:
@@ -61,7 +81,7 @@ def _checked(grammar: str, param: str, what: str) -> str:
     return grammar
 
 
-def tool_call_grammar(fmt: Any, tools: list[dict[str, Any]], parallel: bool, strict: bool) -> str:
+def tool_call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], parallel: bool, strict: bool) -> str:
     """The grammar of a forced call (``tool_choice`` required, or the one named tool when
     ``tools`` holds only it): the format's wrapping around JSON naming one of ``tools`` with
     arguments valid for its parameters; raises :class:`StructuredOutputError` (param ``tools``)."""
@@ -85,29 +105,35 @@ class GrammarBuilder:
     ``checks`` and ``check_seconds`` count the schemas actually compiled (cache misses)."""
 
     def __init__(self, entries: int = CACHE_ENTRIES, timeout_s: float = CHECK_TIMEOUT_S) -> None:
-        self._cache: OrderedDict[tuple[str, str, bool], str | StructuredOutputError] = OrderedDict()
+        self._cache: OrderedDict[tuple[object, ...], str | StructuredOutputError] = OrderedDict()
         self._entries = entries
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self.checks = 0
         self.check_seconds = 0.0
 
-    async def grammar(self, response_format: Any) -> str:
+    async def grammar(self, constraint: ResponseFormat | ForcedCall | None) -> str:
         """``""`` for free text (no format, or type ``text``), else the grammar's text; raises
         :class:`StructuredOutputError`."""
+        if isinstance(constraint, ForcedCall):
+            return await self._tool_grammar(constraint)
+        return await self._format_grammar(constraint)
+
+    async def _format_grammar(self, response_format: ResponseFormat | None) -> str:
         if response_format is None or response_format.type == "text":
             return ""
         if response_format.type == "json_object":
-            key = ("json_object", "", False)
+            key: tuple[str, str, bool] = ("json_object", "", False)
             schema, strict, param = None, False, "response_format"
         else:
             js = response_format.json_schema
+            assert js is not None  # the schema's validator: json_schema comes with its type
             schema, strict, param = js.json_schema, bool(js.strict), "response_format.json_schema.schema"
             # property order is the output's order: the key keeps it
             key = ("json_schema", json.dumps(schema, separators=(",", ":")), strict)
         return await self._cached(key, lambda: self._timed(json_grammar, schema, strict, param), param)
 
-    async def _cached(self, key: tuple, build: Any, param: str) -> str:
+    async def _cached(self, key: tuple[object, ...], build: Callable[[], str], param: str) -> str:
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -129,12 +155,14 @@ class GrammarBuilder:
             raise hit
         return hit
 
-    async def tool_grammar(self, fmt: Any, tools: list[dict[str, Any]], parallel: bool, strict: bool) -> str:
+    async def _tool_grammar(self, call: ForcedCall) -> str:
         """:func:`tool_call_grammar`, off the event loop and kept like the schemas."""
-        key = ("tools:" + fmt.name, json.dumps(tools, separators=(",", ":")), strict, parallel)
-        return await self._cached(key, lambda: self._timed(tool_call_grammar, fmt, tools, parallel, strict), "tools")
+        strict = call.strict
+        key = ("tools:" + call.fmt.name, json.dumps(call.tools, separators=(",", ":")), strict, call.parallel)
+        return await self._cached(key, lambda: self._timed(tool_call_grammar, call.fmt, call.tools, call.parallel,
+                                                           strict), "tools")
 
-    def _timed(self, fn: Any, *args: Any) -> str:
+    def _timed(self, fn: Callable[..., str], *args: object) -> str:
         t0 = time.perf_counter()
         try:
             return fn(*args)

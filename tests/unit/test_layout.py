@@ -7,6 +7,10 @@
 - one name per concept in engine/: a freed page the prefix index keeps is *cached-free* and a step
   left in flight for a quiet model is *yielded* ("parked" named both), and ``max_tokens`` is a
   request's output limit only (a step's cap is ``token_cap`` / ``max_step_tokens``).
+- agent/http reads no private attribute of another object (aiohttp's ``request.app._client_max_size``
+  and the like: the limits it needs come from the settings), and the request path's parameters are
+  typed (no bare ``Any``);
+- text/ imports neither aiohttp nor torch: prompt building stays a pure function of the text.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ MAY_IMPORT = {
     "cache": set(),
     "sandbox": set(),
 }
+# Third-party packages a package never imports (beside the project packages MAY_IMPORT leaves out).
+NEVER_IMPORTS = {"text": {"aiohttp", "torch"}, "engine": {"aiohttp"}}
+# The OpenAI request path: transport, body, prompt, decoding, formatting. Their parameters are typed.
+HTTP_REQUEST_PATH = ("openai_api", "api_error", "api_keys", "request_body", "prompt_ids", "decoding",
+                     "openai_format", "sse", "structured")
 # Switches that once changed the step path from the environment; the settings replaced them.
 RETIRED_SWITCHES = ("INFIRE_URGENT_HOLDS", "INFIRE_SHARED_CAP", "INFIRE_QUIET_WINDOW_MS", "INFIRE_MODEL_STREAMS",
                     "INFIRE_SYNC", "INFIRE_CUDA_GRAPHS", "INFIRE_MIXED_GRAPHS", "INFIRE_GRAPHS_AT_LOAD_MAX",
@@ -190,4 +199,45 @@ def test_max_tokens_is_only_a_requests_output_limit() -> None:
                    for path in (ROOT / "engine").rglob("*.py") if path != ROOT / "engine" / "sampling.py"
                    for line, kind, name in _identifiers(path)
                    if name == "max_tokens" and kind in ("parameter", "name", "own attribute", "def"))
+    assert found == []
+
+
+def test_third_party_imports_stay_where_they_belong() -> None:
+    found = []
+    for pkg, banned in NEVER_IMPORTS.items():
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    names = [node.module or ""]
+                else:
+                    continue
+                found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in banned]
+    assert sorted(found) == []
+
+
+def test_http_reads_no_private_attribute_of_another_object() -> None:
+    # ``x._name`` is only ever the object's own (self, cls): never aiohttp's internals
+    # (``request.app._client_max_size``), another module's helpers or a collaborator's state.
+    found = []
+    for path in sorted((ROOT / "agent" / "http").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert found == []
+
+
+def test_http_request_path_parameters_are_typed() -> None:
+    found = []
+    for name in HTTP_REQUEST_PATH:
+        path = ROOT / "agent" / "http" / f"{name}.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
+                    if arg is not None and arg.arg not in ("self", "cls") and (
+                            arg.annotation is None or ast.unparse(arg.annotation) == "Any"):
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}({arg.arg})")
     assert found == []

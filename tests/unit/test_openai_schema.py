@@ -43,12 +43,12 @@ def test_chat_output_limit_and_logprobs() -> None:
 
 
 def test_a_grammar_the_worker_cannot_compile_is_a_400_naming_response_format() -> None:
-    from agent.http.openai_api import _stream_error
+    from agent.http.api_error import stream_error
     from agent.worker.client import WorkerError
 
-    e = _stream_error(WorkerError("grammar does not compile: ...", "GrammarError"))
+    e = stream_error(WorkerError("grammar does not compile: ...", "GrammarError"))
     assert (e.status, e.param) == (400, "response_format")
-    assert _stream_error(WorkerError("boom", "RuntimeError")).status == 500
+    assert stream_error(WorkerError("boom", "RuntimeError")).status == 500
 
 
 @pytest.mark.parametrize("fmt, param", [

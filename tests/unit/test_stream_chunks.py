@@ -1,4 +1,4 @@
-"""A streamed chunk's bytes (``_Formatter.chunk_event``) are exactly what encoding its OpenAI dict
+"""A streamed chunk's bytes (``OpenAIFormatter.chunk_event``) are exactly what encoding its OpenAI dict
 gives (``sse([chunk(d)])``), for chat and completions, with and without the usage field, for any
 text (quotes, escapes, non-ASCII, empty) and finish reason: the fast path is only a faster way to
 write the same bytes."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from agent.http.openai_api import _Formatter
+from agent.http.openai_format import OpenAIFormatter
 from agent.worker.generation import Delta
 
 texts = st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.sampled_from(
@@ -18,7 +18,7 @@ texts = st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.sampled
        chat=st.booleans(), usage=st.booleans(), rid=st.sampled_from(["cmpl-abc", 'q"uote', "é"]),
        model=st.sampled_from(["m", "llama-3.1-8b", "mo\\del"]))
 def test_chunk_bytes_equal_the_encoded_dict(text, index, finish, chat, usage, rid, model):
-    fmt = _Formatter(rid, model, chat, tokenizer=None)
+    fmt = OpenAIFormatter(rid, model, chat, tokenizer=None)
     d = Delta(index, text, [1, 2], None, finish)
     assert fmt.chunk_event(d, usage) == fmt.sse([fmt.chunk(d, usage)])
 

@@ -1,0 +1,54 @@
+"""A refusal or failure in OpenAI's error shape (``{"error": {message, type, param, code}}``), and
+how the agent's own failures (the worker's, the manager's) become one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from agent.manager.entries import ManagerError
+from agent.worker.client import WorkerDied, WorkerError
+
+# OpenAI's error type for each status we answer with.
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 417: "invalid_request_error", 503: "server_error", 500: "server_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def stream_error(e: WorkerError) -> ApiError:
+    """A failure after the request was sent: refused by the engine (400), engine gone or
+    shutting down (503), anything else (500)."""
+    if e.code in ("EngineError", "RequestError", "SamplingParamsError"):
+        return ApiError(400, str(e), code="invalid_request")
+    if e.code == "GrammarError":  # the format passed the agent's check but not this model's vocabulary
+        return ApiError(400, str(e), param="response_format", code="invalid_value")
+    unavailable = isinstance(e, WorkerDied) or e.code in ("shutting_down", "aborted")
+    return ApiError(503 if unavailable else 500, str(e), code=e.code)
+
+
+def send_error(e: WorkerError) -> ApiError:
+    """A failure to send the request: the worker is gone (503, retry soon) or refused it (400)."""
+    if isinstance(e, WorkerDied):
+        return ApiError(503, str(e), code="engine_unavailable", retry_after=2)
+    return ApiError(400, str(e), code=e.code)
+
+
+def manager_error(e: ManagerError) -> ApiError:
+    """The manager's refusal of a model (unknown, not ready, queue full, ...), about ``model``."""
+    return ApiError(e.status, str(e), param="model", code=e.code, retry_after=e.retry_after)

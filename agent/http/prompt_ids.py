@@ -1,0 +1,75 @@
+"""A validated request's prompt as token ids, bounded by the model's context.
+
+Chat prompts are built and rendered by :class:`text.chat_prompt.ChatPrompt`; completion prompts
+are a text to tokenize or ids to check against the vocabulary. A prompt that cannot fit the
+context by its length alone is refused before any tokenizing, and one that turns out too long is
+refused before its ids are all built. Long texts render and tokenize in a thread (the tokenizer
+drops the GIL), so the event loop keeps serving meanwhile. Every refusal is a 400 :class:`ApiError`
+naming ``messages`` or ``prompt``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from agent.http.api_error import ApiError
+from agent.http.openai_schema import MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest
+from text.chat_prompt import ChatPrompt
+from text.tokenizer import Tokenizer, TokenLimitExceeded
+from text.tool_calls import ToolFormat, tool_format
+
+TOKENIZE_INLINE_CHARS = 16_384  # longer texts tokenize in a thread so the loop keeps serving
+
+
+def too_long(n: int, ctx_len: int, chat: bool, *, exact: bool) -> ApiError:
+    return ApiError(400, f"the prompt has {'' if exact else 'at least '}{n} tokens; this model's context is {ctx_len}",
+                    param="messages" if chat else "prompt", code="context_length_exceeded")
+
+
+async def prompt_ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokenizer, vocab_size: int, ctx_len: int,
+                     tool_fmt: ToolFormat | None) -> list[int]:
+    """The prompt's ids: not empty, and shorter than ``ctx_len`` (and :data:`MAX_PROMPT_TOKENS`).
+
+    ``vocab_size``: the model's (0: unknown), which ids sent as the prompt must be below;
+    ``tool_fmt``: how the model writes tool calls (chat), for tools and a history with calls."""
+    chat = isinstance(req, ChatCompletionRequest)
+    ids = await _ids(req, tok, vocab_size, ctx_len, tool_fmt)
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
+    if len(ids) >= ctx_len or len(ids) > MAX_PROMPT_TOKENS:
+        raise too_long(len(ids), ctx_len, chat, exact=True)
+    return ids
+
+
+async def _ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokenizer, vocab_size: int, ctx_len: int,
+               tool_fmt: ToolFormat | None) -> list[int]:
+    limit = min(ctx_len, MAX_PROMPT_TOKENS + 1)
+    chat = isinstance(req, ChatCompletionRequest)
+    work: Callable[[], list[int]]
+    if isinstance(req, ChatCompletionRequest):
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools and req.tools else None
+        fmt = tool_fmt if tool_fmt is not None else tool_format(tok.chat_template)
+        prompt = ChatPrompt.build([m.template_view() for m in req.messages], tools, fmt)
+        size = prompt.chars
+        work = lambda: prompt.token_ids(tok, limit)  # noqa: E731
+    elif isinstance(req.prompt, str):
+        text = req.prompt
+        size = len(text)
+        if (at_least := tok.min_tokens(text)) >= limit:  # O(1): no thread, no tokenizing
+            raise too_long(at_least, ctx_len, chat, exact=False)
+        work = lambda: tok.encode(text, limit=limit)  # noqa: E731
+    else:
+        vocab = vocab_size or tok.vocab_size
+        bad = next((t for t in req.prompt if vocab and t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary (size {vocab})", param="prompt")
+        return list(req.prompt)
+    try:
+        ids = work() if size < TOKENIZE_INLINE_CHARS else await asyncio.to_thread(work)
+    except TokenLimitExceeded as e:
+        raise too_long(e.tokens, ctx_len, chat, exact=e.exact) from None
+    except Exception as e:  # template errors, template output bounds
+        param = "messages" if chat else "prompt"
+        raise ApiError(400, f"{param}: {e}", param=param) from None
+    return list(ids)

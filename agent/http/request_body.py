@@ -1,0 +1,125 @@
+"""A request's body as the API takes it in: ``Expect: 100-continue`` answered from the headers,
+the body read within a time and a size limit, decoded from its content coding (gzip and deflate up
+to the same limit, anything else a 415), and parsed as a JSON object of bounded nesting.
+
+Bodies are decoded here, not by aiohttp (the server runs with ``auto_decompress=False``), so that
+every refusal is in OpenAI's error shape. The size limit is the one the application is built with
+(``server.max_body_bytes``, aiohttp's ``client_max_size``), handed in once from the settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import zlib
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http import HttpVersion11
+
+from agent.http.api_error import ApiError
+from agent.http.api_keys import ApiKeys
+from agent.http.openai_schema import json_depth_ok
+
+DECODE_INLINE_BYTES = 65_536  # longer compressed bodies inflate in a thread (zlib drops the GIL)
+BODY_TIMEOUT_S = 30.0  # a client trickling its body holds a connection, not the server
+# Content codings a body may come in, with zlib's window bits for each (gzip header / zlib header).
+_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def inflate(raw: bytes, coding: str, limit: int) -> bytes:
+    """``raw`` decoded from ``coding``; ApiError past ``limit`` bytes or when it is not that coding."""
+    wbits = _CODINGS[coding]
+    try:
+        d = zlib.decompressobj(wbits)
+        out = d.decompress(raw, limit + 1)
+    except zlib.error:
+        if coding != "deflate":
+            raise ApiError(400, f"the body is not valid {coding} data", code="invalid_encoding") from None
+        try:  # "deflate" is sent both with and without the zlib header
+            d = zlib.decompressobj(-zlib.MAX_WBITS)
+            out = d.decompress(raw, limit + 1)
+        except zlib.error:
+            raise ApiError(400, "the body is not valid deflate data", code="invalid_encoding") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise ApiError(413, f"the decoded body is larger than {limit} bytes", code="body_too_large")
+    if not d.eof:
+        raise ApiError(400, f"the {coding} body is truncated", code="invalid_encoding")
+    return out
+
+
+class BodyReader:
+    """Reads the bodies of one API's requests; ``max_bytes`` bounds a body before and after decoding."""
+
+    def __init__(self, max_bytes: int, keys: ApiKeys) -> None:
+        """``max_bytes``: the application's ``client_max_size`` (the same setting); ``keys``: who
+        may send a body at all (an ``Expect`` is refused before the body for a missing key)."""
+        self.max_bytes = max_bytes
+        self._keys = keys
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the body is larger than {self.max_bytes} bytes", code="body_too_large")
+
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """aiohttp's ``expect_handler`` for ``Expect: 100-continue``: a refusal the headers already
+        decide (no key, a body over the limit) is answered now, so the client never sends the
+        body; else 100 Continue."""
+        expect = request.headers.get("Expect", "").lower()
+        if expect != "100-continue":
+            err = ApiError(417, f"Expect: {expect[:40]!r} is not understood (only 100-continue)",
+                           param="Expect", code="expectation_failed")
+        elif request.content_length is not None and request.content_length > self.max_bytes:
+            err = self._too_large()
+        else:
+            try:
+                self._keys.check(request)
+            except ApiError as e:
+                err = e
+            else:
+                if request.version == HttpVersion11:
+                    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    request.writer.output_size = 0  # the answer proper has not started
+                return None
+        resp = err.response()
+        resp.force_close()  # the body will not come: the connection cannot carry another request
+        return resp
+
+    async def read_json(self, request: web.Request) -> dict[str, Any]:
+        """The body as a JSON object, with the size (before and after decoding), the content
+        coding and the nesting depth bounded; ApiError otherwise."""
+        # asyncio.timeout, not wait_for: wait_for reads in a task of its own, and a refused body's
+        # exception then sits in a cycle (task -> exception -> traceback -> frames -> task) that
+        # keeps the partial body alive until the cyclic GC runs: ~20 MB per refused 100 MB upload.
+        err: ApiError | None = None
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            err = self._too_large()
+        except TimeoutError:
+            err = ApiError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g}s", code="body_timeout")
+        if err is not None:  # raised outside the handler: no link back to the frames that held the body
+            raise err
+        raw = await self._decode(request, raw)
+        try:
+            obj = json.loads(raw)
+        except RecursionError:
+            raise ApiError(400, "the JSON body nests too deeply", code="invalid_json") from None
+        except ValueError as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        if not json_depth_ok(obj):
+            raise ApiError(400, "the JSON body nests too deeply", code="invalid_json")
+        if not isinstance(obj, dict):
+            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        return obj
+
+    async def _decode(self, request: web.Request, raw: bytes) -> bytes:
+        coding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if coding in ("", "identity"):
+            return raw
+        if coding not in _CODINGS:
+            raise ApiError(415, f"Content-Encoding {coding[:40]!r} is not supported; send identity, gzip or deflate",
+                           param="Content-Encoding", code="unsupported_content_encoding")
+        if len(raw) <= DECODE_INLINE_BYTES:
+            return inflate(raw, coding, self.max_bytes)
+        return await asyncio.to_thread(inflate, raw, coding, self.max_bytes)
