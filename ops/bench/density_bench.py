@@ -1,0 +1,706 @@
+"""Density benchmark: N models on one device behind the real daemon, open-loop Poisson traffic.
+
+Starts ``infire-agent serve`` as a subprocess with a generated TOML config (a ``file://`` store,
+autoload on), publishes N model names ``d00 .. d{N-1}`` (one model folder under every name, so
+the store and the cache keep one copy by digest, or ``--model-dir`` repeated for different
+bytes), and drives it from this process with an independent asyncio + aiohttp client: Poisson
+arrivals per model (``--rate-per-model``, or a total ``--rate`` split by Zipf(``--zipf``)
+popularity; seeded numpy), streaming ``POST /v1/completions`` with prompt token ids,
+``ignore_eos`` and ``max_tokens``, so each request's TTFT and TPOT are measured. Prompts: fixed
+``--prompt-len``/``--gen-len`` random ids, or ``--workload sharegpt`` (ops/bench/workload.py; model
+``i`` draws its requests with seed ``--seed + i``).
+
+A monitor thread polls ``/admin/v1/status`` every 0.5 s (models resident at once, worker pid and
+restarts, the ledger's budget) and, on a GPU, ``nvidia-smi --query-compute-apps`` (the real
+device memory of the agent's processes: the NVML peak). Loads come from ``/metrics``
+(``infire_model_load_seconds_count``; a load inside the window is a swap in), evictions from the
+agent's JSON log (``evict`` events; idle unloads are ``keep_alive_unload``), both counted over
+the measured window only. ``swap_ttft_ms``: TTFT of the requests whose model was not ready at the
+last poll before they were sent (so within 0.5 s of the truth), i.e. evict + load → first token.
+
+Fault drills (optional): ``--drill-sigstop-at S`` stops the worker with SIGSTOP S seconds into
+the window and reports how long until the daemon gave up on it (``detected_after_s``) and until a
+new worker pid is up (``replaced_after_s``; ``--worker-hang-timeout`` sets the daemon's bound).
+``--drill-load-fail-at S`` asks the daemon to load an extra configured model whose config names
+one more layer than its checkpoint holds (a load that fails inside the engine, not an injected
+OOM: the daemon has no OOM injection hook) and reports the answer; the other models' errors over
+the window say whether they lost anything to it.
+
+    python -m ops.bench.density_bench --device cpu --models 3 --duration 5 --prompt-len 16 --gen-len 8 \\
+        --rate-per-model 2
+    python -m ops.bench.density_bench --model-dir /tmp/m8b --models 12 --quantization fp8 --kv-cache-dtype fp8 \\
+        --rate-per-model 0.5 --duration 120 --prompt-len 256 --gen-len 128
+
+The JSON goes to docs/perf/<date>-density-<commit>.json (``--out`` elsewhere); a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ops.bench.engine_bench import REPO, _commit, save_result
+from ops.bench.workload import ID_MARGIN, percentile, sharegpt_like
+
+ADMIN_TOKEN = "density-bench-token"
+FAIL_MODEL = "dfail"
+POLL_S = 0.5
+RESIDENT = ("ready", "draining")  # serving or finishing its streams: its weights are on the device
+
+
+# --- traffic ----------------------------------------------------------------------------------
+
+
+def zipf_weights(n: int, s: float) -> list[float]:
+    """Popularity of n models: rank ``i`` (0-based) gets ``1/(i+1)^s``, normalised; s = 0: equal."""
+    w = np.array([1.0 / (i + 1) ** s for i in range(n)])
+    return (w / w.sum()).tolist()
+
+
+def arrivals(rates: list[float], duration: float, seed: int) -> list[tuple[float, int]]:
+    """Poisson arrivals, (time, model index) sorted by time: each model its own stream at its rate."""
+    rng = np.random.default_rng(seed)
+    out: list[tuple[float, int]] = []
+    for m, rate in enumerate(rates):
+        if rate <= 0:
+            continue
+        t = rng.exponential(1.0 / rate)
+        while t < duration:
+            out.append((float(t), m))
+            t += rng.exponential(1.0 / rate)
+    return sorted(out)
+
+
+def prompts(schedule: list[tuple[float, int]], vocabs: list[int], workload: str, prompt_len: int, gen_len: int,
+            seed: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens) for each arrival, in schedule order."""
+    counts = [0] * len(vocabs)
+    for _, m in schedule:
+        counts[m] += 1
+    if workload == "sharegpt":
+        per_model = [[(r.prompt_token_ids, r.output_len) for r in sharegpt_like(c, vocabs[m], seed + m)]
+                     for m, c in enumerate(counts)]
+    else:
+        rng = np.random.default_rng(seed)
+        per_model = [[(rng.integers(ID_MARGIN, vocabs[m] - ID_MARGIN, size=prompt_len).tolist(), gen_len)
+                      for _ in range(c)] for m, c in enumerate(counts)]
+    nxt = [0] * len(vocabs)
+    out = []
+    for _, m in schedule:
+        out.append(per_model[m][nxt[m]])
+        nxt[m] += 1
+    return out
+
+
+async def one_request(session: Any, url: str, model: str, ids: list[int], max_tokens: int, seed: int) -> dict:
+    """One streamed completion: TTFT, TPOT, tokens out, or the error as ``http_<status>:<code>``,
+    ``stream:<code>`` or ``client:<exception>``."""
+    from agent.http import sse
+
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0,
+            "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = None
+    usage: dict = {}
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                text = await resp.text()
+                try:
+                    code = json.loads(text)["error"].get("code") or "unknown"
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    code = "unknown"
+                return {"error": f"http_{resp.status}:{code}", "detail": text[:300]}
+            async for line in resp.content:
+                chunk = sse.parse_line(line)
+                if chunk is None:
+                    continue
+                if chunk is sse.DONE:
+                    break
+                if "error" in chunk:
+                    err = chunk["error"]
+                    return {"error": f"stream:{err.get('code') or err.get('type') or 'unknown'}",
+                            "detail": str(err.get("message"))[:300]}
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                elif first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                    first = time.perf_counter()
+    except asyncio.CancelledError:
+        return {"error": "client:unfinished", "detail": "still running at the drain deadline"}
+    except Exception as ex:  # noqa: BLE001 - every failure is a counted error, not a crash of the bench
+        return {"error": f"client:{type(ex).__name__}", "detail": str(ex)[:300]}
+    end = time.perf_counter()
+    n_out = int(usage.get("completion_tokens", 0) or 0)
+    if first is None:
+        return {"error": "stream:no_tokens", "detail": f"stream ended with {n_out} tokens and no text"}
+    return {"ttft": first - t0, "tpot": (end - first) / (n_out - 1) if n_out > 1 else None, "out": n_out,
+            "e2e": end - t0}
+
+
+async def drive(url: str, names: list[str], schedule: list[tuple[float, int]], reqs: list[tuple[list[int], int]],
+                monitor: "Monitor", drain_timeout: float) -> tuple[list[dict], float]:
+    """Send every request at its time (open loop: a slow answer never delays the next send);
+    returns one record per request and the window's start (perf_counter)."""
+    import aiohttp
+
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    records: list[dict] = [{} for _ in schedule]
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+
+        async def send(i: int, m: int) -> None:
+            ids, max_tokens = reqs[i]
+            rec = records[i]
+            rec.update(model=names[m], sent_s=time.perf_counter() - t0,
+                       ready_at_send=monitor.states.get(names[m]) == "ready")
+            rec.update(await one_request(session, url, names[m], ids, max_tokens, i))
+
+        t0 = time.perf_counter()
+        monitor.window_start(t0)
+        tasks = []
+        for i, (at, m) in enumerate(schedule):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(i, m)))
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=drain_timeout)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return records, t0
+
+
+# --- the daemon -------------------------------------------------------------------------------
+
+
+def _http(url: str, method: str = "GET", timeout: float = 10.0, token: bool = True) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"} if token else {}
+    req = urllib.request.Request(url, method=method, headers=headers, data=b"" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw, code = r.read(), r.status
+    except urllib.error.HTTPError as e:
+        raw, code = e.read(), e.code
+    try:
+        return code, json.loads(raw)
+    except ValueError:
+        return code, raw.decode(errors="replace")
+
+
+def metric_counts(url: str, name: str) -> dict[str, float]:
+    """``name``'s value per ``model`` label from the agent's /metrics ({} when unreachable)."""
+    try:
+        _, text = _http(url + "/metrics", token=False)
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in str(text).splitlines():
+        m = re.match(rf'^{re.escape(name)}\{{[^}}]*model="([^"]+)"[^}}]*\}} (\S+)$', line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def log_events(path: Path, offset: int) -> list[dict]:
+    """The agent's JSON log lines from byte ``offset`` on (other lines skipped)."""
+    out = []
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            for line in f:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict):
+                    out.append(ev)
+    except OSError:
+        pass
+    return out
+
+
+def make_failing_model(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` (weights hard-linked, else copied) whose config names one more layer than
+    the checkpoint holds: its load fails inside the engine."""
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        if p.name == "config.json" or not p.is_file():
+            continue
+        try:
+            os.link(p, dst / p.name)
+        except OSError:
+            shutil.copy2(p, dst / p.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = int(cfg.get("num_hidden_layers", 1)) + 1
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def write_config(a: argparse.Namespace, root: Path, store_url: str, port: int, names: list[str], max_len: int) -> Path:
+    lines = ["[server]", f"port = {port}", f'runtime_dir = "{root / "run"}"', f'admin_token = "{ADMIN_TOKEN}"',
+             "autoload = true"]
+    if a.worker_hang_timeout is not None:
+        lines.append(f"worker_hang_timeout = {a.worker_hang_timeout}")
+    lines += ["", "[store]", f'url = "{store_url}"', "", "[cache]", f'dir = "{root / "cache"}"',
+              f'max_bytes = "{a.cache_bytes}"', "", "[gpu]", f'device = "{a.device}"',
+              f'warm_tier_bytes = "{a.warm_tier_bytes}"']
+    if a.budget is not None:
+        b = a.budget
+        lines.append(f"memory_budget = {b}" if re.fullmatch(r"0?\.\d+|1(\.0*)?", b) else f'memory_budget = "{b}"')
+    for n in names + ([FAIL_MODEL] if a.drill_load_fail_at is not None else []):
+        lines += ["", "[[models]]", f'name = "{n}"', f"max_model_len = {max_len}", f"max_num_seqs = {a.max_num_seqs}",
+                  f"keep_alive = {a.keep_alive}"]
+        if n == FAIL_MODEL:
+            lines.append("autoload = false")
+        elif a.preload:
+            lines.append("preload = true")
+        if a.quantization != "none":
+            lines.append(f'quantization = "{a.quantization}"')
+        if a.kv_cache_dtype != "auto":
+            lines.append(f'kv_cache_dtype = "{a.kv_cache_dtype}"')
+    cfg = root / "agent.toml"
+    cfg.write_text("\n".join(lines) + "\n")
+    return cfg
+
+
+def start_daemon(root: Path, cfg: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "INFIRE_CONFIG": str(cfg), "INFIRE_LOG_FORMAT": "json",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    log = open(root / "agent.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "agent.cli", "serve", "--config", str(cfg)], cwd=REPO,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def wait_worker(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> dict:
+    """Until the agent answers and its worker is up; returns the status."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited with {proc.returncode}; its log ends:\n"
+                               + log.read_text(errors="replace")[-3000:])
+        try:
+            code, st = _http(url + "/admin/v1/status", timeout=5)
+            if code == 200 and (st.get("worker") or {}).get("alive") and (st["worker"].get("device")):
+                return st
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"the daemon's worker was not up after {timeout:.0f}s; see {log}")
+
+
+class Monitor(threading.Thread):
+    """Polls the agent's status and nvidia-smi every 0.5 s from before the window to its end; runs
+    the fault drills at their times."""
+
+    def __init__(self, url: str, agent_pid: int, nvml: bool, a: argparse.Namespace) -> None:
+        super().__init__(daemon=True, name="density-monitor")
+        self.url, self.agent_pid, self.nvml, self.a = url, agent_pid, nvml, a
+        self.states: dict[str, str] = {}
+        self.worker_pids: set[int] = set()
+        self.max_resident = 0
+        self.max_resident_models: list[str] = []
+        self.nvml_peak = 0 if nvml else None  # the agent's processes (worker pids as status named them)
+        self.nvml_peak_all = 0  # every compute process on the device (pids of another namespace included)
+        self.ledger_peak = 0
+        self.restarts_first: int | None = None
+        self.restarts_last: int | None = None
+        self.budget_bytes: int | None = None
+        self.status_errors = 0
+        self.samples = 0
+        self.t0: float | None = None
+        self.stop_evt = threading.Event()
+        self.sigstop: dict[str, Any] | None = None
+        self.load_fail: dict[str, Any] | None = None
+        self._lf_thread: threading.Thread | None = None
+
+    def window_start(self, t0: float) -> None:
+        self.t0 = t0
+        self.max_resident, self.max_resident_models = 0, []
+        self.nvml_peak = 0 if self.nvml else None
+        self.nvml_peak_all = 0
+        self.ledger_peak = 0
+        self.restarts_first = self.restarts_last
+
+    def poll(self) -> dict | None:
+        try:
+            code, st = _http(self.url + "/admin/v1/status", timeout=2)
+        except OSError:
+            code, st = 0, None
+        if code != 200 or not isinstance(st, dict):
+            self.status_errors += 1
+            return None
+        self.samples += 1
+        self.states = {m["name"]: m["state"] for m in st.get("models", [])}
+        resident = sorted(n for n, s in self.states.items() if s in RESIDENT)
+        if len(resident) > self.max_resident:
+            self.max_resident, self.max_resident_models = len(resident), resident
+        w = st.get("worker") or {}
+        if w.get("pid"):
+            self.worker_pids.add(int(w["pid"]))
+        self.restarts_last = int(w.get("restarts") or 0)
+        if self.restarts_first is None:
+            self.restarts_first = self.restarts_last
+        b = st.get("budget") or {}
+        if b.get("total_bytes"):
+            self.budget_bytes = int(b["total_bytes"])
+        self.ledger_peak = max(self.ledger_peak, int(b.get("used_bytes") or 0))
+        return st
+
+    def poll_nvml(self) -> None:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            return
+        ours = self.worker_pids | {self.agent_pid}
+        total = everyone = 0
+        for line in out.splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 2 and parts[0].isdigit():
+                try:
+                    used = int(float(parts[1])) * (1 << 20)  # MiB
+                except ValueError:
+                    continue
+                everyone += used
+                total += used if int(parts[0]) in ours else 0
+        if self.nvml_peak is not None:
+            self.nvml_peak = max(self.nvml_peak, total)
+            self.nvml_peak_all = max(self.nvml_peak_all, everyone)
+
+    def run(self) -> None:
+        while not self.stop_evt.is_set():
+            st = self.poll()
+            if self.nvml:
+                self.poll_nvml()
+            if self.t0 is not None and st is not None:
+                self.drills(st, time.perf_counter() - self.t0)
+            waiting = self.sigstop is not None and "replaced_after_s" not in self.sigstop
+            self.stop_evt.wait(0.1 if waiting else POLL_S)
+
+    def drills(self, st: dict, at: float) -> None:
+        a = self.a
+        w = st.get("worker") or {}
+        if a.drill_sigstop_at is not None and self.sigstop is None and at >= a.drill_sigstop_at and w.get("pid"):
+            pid = int(w["pid"])
+            os.kill(pid, signal.SIGSTOP)
+            self.sigstop = {"at_s": round(at, 3), "pid": pid, "_t": time.perf_counter()}
+        elif self.sigstop is not None and "replaced_after_s" not in self.sigstop:
+            gone = not w.get("alive") or (w.get("pid") and int(w["pid"]) != self.sigstop["pid"])
+            if gone and "detected_after_s" not in self.sigstop:  # the daemon gave up on it (within a poll)
+                self.sigstop["detected_after_s"] = round(time.perf_counter() - self.sigstop["_t"], 3)
+            if w.get("alive") and w.get("pid") and int(w["pid"]) != self.sigstop["pid"]:
+                self.sigstop.update(replaced_after_s=round(time.perf_counter() - self.sigstop["_t"], 3),
+                                    new_pid=int(w["pid"]))
+        if a.drill_load_fail_at is not None and self.load_fail is None and at >= a.drill_load_fail_at:
+            self.load_fail = {"at_s": round(at, 3)}
+            self._lf_thread = threading.Thread(target=self._load_fail, daemon=True)
+            self._lf_thread.start()
+
+    def _load_fail(self) -> None:
+        t = time.perf_counter()
+        try:
+            code, body = _http(f"{self.url}/admin/v1/models/{FAIL_MODEL}/load?wait=true", "POST", timeout=300)
+        except OSError as ex:
+            code, body = 0, repr(ex)
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        self.load_fail.update(status=code, code=err.get("code"), message=str(err.get("message") or body)[:300],
+                              seconds=round(time.perf_counter() - t, 3))
+
+    def finish(self) -> None:
+        self.stop_evt.set()
+        self.join(10)
+        if self._lf_thread is not None:
+            self._lf_thread.join(60)
+        if self.sigstop is not None:
+            self.sigstop.pop("_t", None)
+            try:  # a worker the daemon has not replaced by now must not keep the shutdown waiting
+                os.kill(self.sigstop["pid"], signal.SIGCONT)
+            except OSError:
+                pass
+
+
+def gpu_name() -> str | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0].strip() if out else None
+
+
+# --- the report -------------------------------------------------------------------------------
+
+
+def figures(recs: list[dict]) -> dict[str, Any]:
+    """Requests, errors by kind, TTFT/TPOT p50/p99 (ms), SLO attainment (of every request sent:
+    an error misses), and the swap TTFT (requests sent while their model was not ready)."""
+    ok = [r for r in recs if "error" not in r]
+    errors: dict[str, int] = {}
+    for r in recs:
+        if "error" in r:
+            errors[r["error"]] = errors.get(r["error"], 0) + 1
+    ttft = [r["ttft"] * 1e3 for r in ok]
+    tpot = [r["tpot"] * 1e3 for r in ok if r["tpot"] is not None]
+    swap = [r["ttft"] * 1e3 for r in ok if not r.get("ready_at_send")]
+    n = len(recs)
+    rnd = lambda x: None if x is None else round(x, 2)  # noqa: E731
+    frac = lambda k: round(k / n, 4) if n else None  # noqa: E731
+    tpot_ok = lambda r: r["tpot"] is None or r["tpot"] <= 0.1  # noqa: E731
+    return {
+        "requests": n, "ok": len(ok), "errors": n - len(ok), "errors_by_kind": errors,
+        "first_error": next((f'{r["error"]}: {r.get("detail", "")}' for r in recs if "error" in r), None),
+        "output_tokens": sum(r["out"] for r in ok),
+        "ttft_ms_p50": rnd(percentile(ttft, 50)), "ttft_ms_p99": rnd(percentile(ttft, 99)),
+        "tpot_ms_p50": rnd(percentile(tpot, 50)), "tpot_ms_p99": rnd(percentile(tpot, 99)),
+        "slo_ttft_1s": frac(sum(r["ttft"] <= 1.0 for r in ok)),
+        "slo_ttft_2s": frac(sum(r["ttft"] <= 2.0 for r in ok)),
+        "slo_ttft_2s_tpot_100ms": frac(sum(r["ttft"] <= 2.0 and tpot_ok(r) for r in ok)),
+        "swap_requests": len(swap), "swap_ttft_ms_p50": rnd(percentile(swap, 50)),
+        "swap_ttft_ms_p99": rnd(percentile(swap, 99)),
+    }
+
+
+def nvml_figures(monitor: Monitor) -> dict[str, Any]:
+    if monitor.nvml_peak is None:
+        return {"nvml_peak_bytes": None, "nvml_scope": None}
+    if monitor.nvml_peak == 0 and monitor.nvml_peak_all > 0:
+        return {"nvml_peak_bytes": monitor.nvml_peak_all, "nvml_scope": "every compute process (pids not visible)"}
+    return {"nvml_peak_bytes": monitor.nvml_peak, "nvml_scope": "the agent's processes",
+            "nvml_peak_all_bytes": monitor.nvml_peak_all}
+
+
+def table(result: dict) -> str:
+    cols = ["model", "req", "err", "ttft50", "ttft99", "tpot50", "tpot99", "slo1s", "slo2s+tpot", "loads", "evict",
+            "swap50"]
+    f = lambda x: "-" if x is None else (f"{x:.1f}" if isinstance(x, float) else str(x))  # noqa: E731
+    rows = []
+    for name, m in [*result["per_model"].items(), ("overall", result["overall"])]:
+        rows.append([name, m["requests"], m["errors"], m["ttft_ms_p50"], m["ttft_ms_p99"], m["tpot_ms_p50"],
+                     m["tpot_ms_p99"], m["slo_ttft_1s"], m["slo_ttft_2s_tpot_100ms"], m["loads"], m["evictions"],
+                     m["swap_ttft_ms_p50"]])
+    cells = [cols] + [[f(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    peak = result["nvml_peak_bytes"]
+    lines.append(f"resident at most {result['max_resident']} of {result['models']}; worker restarts "
+                 f"{result['worker_restarts']}; budget {result['budget_bytes']} B; NVML peak "
+                 f"{'n/a' if peak is None else f'{peak} B'}; ms for times, fractions for SLOs")
+    for k in ("drill_sigstop", "drill_load_fail"):
+        if result.get(k):
+            lines.append(f"{k}: {json.dumps(result[k])}")
+    return "\n".join(lines)
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", type=int, default=4, help="model names configured: d00 .. d{N-1}")
+    ap.add_argument("--model-dir", action="append", default=[],
+                    help="model folder (repeat for different bytes, used round robin; default: one generated "
+                         "--arch/--preset model published under every name)")
+    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--budget", help="gpu.memory_budget: a fraction (0.9) or bytes (60GiB); default the daemon's")
+    ap.add_argument("--warm-tier-bytes", default="0", help="gpu.warm_tier_bytes (e.g. 64GiB)")
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, help="default: 2064 for sharegpt, else prompt + gen + 16")
+    ap.add_argument("--keep-alive", type=float, default=-1, help="models[].keep_alive (default -1: only evictions "
+                                                                "unload, no idle unloads inside the window)")
+    ap.add_argument("--preload", action="store_true", help="models[].preload = true (default: autoload brings them)")
+    ap.add_argument("--cache-bytes", default="200GiB", help="cache.max_bytes")
+    ap.add_argument("--worker-hang-timeout", type=float, help="server.worker_hang_timeout (default the daemon's)")
+    ap.add_argument("--rate-per-model", type=float, help="Poisson arrivals per second, each model")
+    ap.add_argument("--rate", type=float, help="Poisson arrivals per second in total, split by --zipf popularity")
+    ap.add_argument("--zipf", type=float, default=0.0, help="popularity exponent for --rate (0: equal)")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    ap.add_argument("--workload", choices=["fixed", "sharegpt"], default="fixed")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-warmup", action="store_true", help="no request to each model before the window "
+                                                             "(default: one each, in order, 4 tokens out)")
+    ap.add_argument("--drain-timeout", type=float, default=300.0, help="seconds after the last arrival before "
+                                                                       "unfinished requests count as errors")
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--drill-sigstop-at", type=float, metavar="S", help="SIGSTOP the worker S s into the window")
+    ap.add_argument("--drill-load-fail-at", type=float, metavar="S",
+                    help="S s into the window, load an extra model whose config does not match its weights")
+    ap.add_argument("--keep-dir", help="work in this folder and keep it (default: a temporary one)")
+    ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-density-<commit>.json)")
+    ap.add_argument("--no-save", action="store_true")
+    a = ap.parse_args(argv)
+    if (a.rate is None) == (a.rate_per_model is None):
+        ap.error("give exactly one of --rate-per-model R or --rate R")
+    if not 1 <= a.models <= 100:
+        ap.error("--models must be 1..100")
+    names = [f"d{i:02d}" for i in range(a.models)]
+    rates = [a.rate_per_model] * a.models if a.rate_per_model is not None else \
+        [a.rate * w for w in zipf_weights(a.models, a.zipf)]
+    max_len = a.max_model_len or (2048 + 16 if a.workload == "sharegpt" else a.prompt_len + a.gen_len + 16)
+
+    tmp = None if a.keep_dir else tempfile.TemporaryDirectory(prefix="density-bench-")
+    root = Path(a.keep_dir or tmp.name)
+    root.mkdir(parents=True, exist_ok=True)
+    proc = None
+    monitor = None
+    try:
+        from agent.commands.demo import _pick_port
+        from cache.publish import publish_model
+        from cache.store import open_store
+
+        dirs = [Path(d) for d in a.model_dir]
+        if not dirs:
+            from modelgen.make import make_model
+
+            gen = root / "models" / f"{a.arch}-{a.preset}"
+            if not (gen / "config.json").exists():
+                make_model(gen, a.arch, a.preset, seed=0, device="cpu")
+            dirs = [gen]
+        model_dirs = [dirs[i % len(dirs)] for i in range(a.models)]
+        vocabs = [int(json.loads((d / "config.json").read_text())["vocab_size"]) for d in model_dirs]
+        store_url = (root / "store").as_uri()
+        store = open_store(store_url)
+        t = time.perf_counter()
+        try:
+            for n, d in zip(names, model_dirs):
+                publish_model(store, d, n)
+            if a.drill_load_fail_at is not None:
+                publish_model(store, make_failing_model(dirs[0], root / "models" / FAIL_MODEL), FAIL_MODEL)
+        finally:
+            store.close()
+        publish_s = time.perf_counter() - t
+        port = _pick_port(18180)
+        url = f"http://127.0.0.1:{port}"
+        cfg = write_config(a, root, store_url, port, names, max_len)
+        log_path = root / "agent.log"
+        proc = start_daemon(root, cfg)
+        st = wait_worker(url, proc, log_path, a.start_timeout)
+        device = str(st["worker"].get("device") or a.device)
+        nvml = "cuda" in device and shutil.which("nvidia-smi") is not None
+        monitor = Monitor(url, int(st["pid"]), nvml, a)
+        monitor.start()
+
+        schedule = arrivals(rates, a.duration, a.seed)
+        reqs = prompts(schedule, vocabs, a.workload, a.prompt_len, a.gen_len, a.seed)
+        warmup: dict[str, Any] = {}
+        if not a.no_warmup:  # each model loaded once (as the budget allows), its first compiles out of the window
+            async def warm() -> None:
+                import aiohttp
+
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600)) as s:
+                    for m, n in enumerate(names):
+                        span = vocabs[m] - 2 * ID_MARGIN
+                        ids = [ID_MARGIN + (7919 * k) % span for k in range(min(16, a.prompt_len))]
+                        warmup[n] = await one_request(s, url, n, ids, 4, m)
+
+            asyncio.run(warm())
+            time.sleep(1.0)
+        loads0 = metric_counts(url, "infire_model_load_seconds_count")
+        log0 = log_path.stat().st_size
+        records, _ = asyncio.run(drive(url, names, schedule, reqs, monitor, a.drain_timeout))
+        time.sleep(POLL_S)  # one more status sample after the last answer
+        monitor.finish()
+        loads1 = metric_counts(url, "infire_model_load_seconds_count")
+        events = log_events(log_path, log0)
+        try:
+            final = _http(url + "/admin/v1/status")[1]
+        except OSError:
+            final = None
+    finally:
+        if monitor is not None and monitor.is_alive():
+            monitor.finish()
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if tmp is not None:
+            tmp.cleanup()
+
+    evictions = {n: 0 for n in names}
+    idle_unloads = {n: 0 for n in names}
+    for ev in events:
+        if ev.get("event") == "evict" and ev.get("model") in evictions:
+            evictions[ev["model"]] += 1
+        elif ev.get("event") == "keep_alive_unload" and ev.get("model") in idle_unloads:
+            idle_unloads[ev["model"]] += 1
+    loads = {n: int(loads1.get(n, 0) - loads0.get(n, 0)) for n in names}
+    per_model = {}
+    for m, n in enumerate(names):
+        per_model[n] = {"rate_req_s": round(rates[m], 4), **figures([r for r in records if r.get("model") == n]),
+                        "loads": loads[n], "evictions": evictions[n], "idle_unloads": idle_unloads[n]}
+    overall = {**figures(records), "loads": sum(loads.values()), "evictions": sum(evictions.values()),
+               "idle_unloads": sum(idle_unloads.values())}
+    w = (final.get("worker") or {}) if isinstance(final, dict) else {}
+    restarts = (monitor.restarts_last or 0) - (monitor.restarts_first or 0)
+    if isinstance(w.get("restarts"), int) and monitor.restarts_first is not None:
+        restarts = w["restarts"] - monitor.restarts_first
+    now = dt.datetime.now(dt.timezone.utc)
+    commit = _commit()
+    gname = gpu_name() if "cuda" in device else None
+    nv = nvml_figures(monitor)
+    result: dict[str, Any] = {
+        "date": now.isoformat(timespec="seconds"), "gpu": gname or f"none ({device})", "device": device,
+        "commit": commit, "command": "python -m ops.bench.density_bench " + shlex.join(argv if argv is not None
+                                                                                     else sys.argv[1:]),
+        "models": a.models, "model_dirs": sorted({str(d) for d in model_dirs}),
+        "distinct_bytes": len(set(model_dirs)), "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
+        "warm_tier_bytes": a.warm_tier_bytes, "budget_setting": a.budget or "default",
+        "workload": a.workload if a.workload == "sharegpt" else f"fixed {a.prompt_len} in / {a.gen_len} out",
+        "rate_per_model": a.rate_per_model, "rate": a.rate, "zipf": a.zipf, "duration_s": a.duration,
+        "seed": a.seed, "max_model_len": max_len, "max_num_seqs": a.max_num_seqs, "keep_alive_s": a.keep_alive,
+        "publish_s": round(publish_s, 3), "warmup": {n: ("ok" if "error" not in r else r["error"])
+                                                      for n, r in warmup.items()} or None,
+        "requests": overall["requests"], "errors": overall["errors"], "errors_by_kind": overall["errors_by_kind"],
+        "worker_restarts": restarts, "max_resident": monitor.max_resident,
+        "max_resident_models": monitor.max_resident_models, "status_samples": monitor.samples,
+        # nvidia-smi's pids are the host's: in a container they match none of the agent's, and
+        # then the peak is every compute process's on the device (scope says which).
+        **nv,
+        "budget_bytes": monitor.budget_bytes,
+        "ledger_peak_bytes": monitor.ledger_peak,
+        "nvml_peak_over_budget": (None if nv["nvml_peak_bytes"] is None or not monitor.budget_bytes
+                                  else nv["nvml_peak_bytes"] > monitor.budget_bytes),
+        "swaps": overall["loads"], "evictions": overall["evictions"],
+        "drill_sigstop": monitor.sigstop, "drill_load_fail": monitor.load_fail,
+        "overall": overall, "per_model": per_model,
+    }
+    if a.no_save:
+        print(json.dumps(result, indent=2))
+    else:
+        save_result(result, a.out, f"{now:%Y%m%d-%H%M}-density-{commit}")
+    print(table(result))
+    return 0 if result["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

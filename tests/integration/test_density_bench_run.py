@@ -1,0 +1,50 @@
+"""The density benchmark runs end to end on CPU: the real daemon with three tiny models published
+under three names, a few seconds of Poisson traffic, and a JSON report with every key the GPU runs
+are read by."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ops.bench.density_bench import arrivals, zipf_weights
+from tests.integration.agent_harness import REPO
+
+
+def test_traffic_shape_is_seeded_and_follows_the_popularity() -> None:
+    assert zipf_weights(3, 0) == pytest.approx([1 / 3] * 3)
+    w = zipf_weights(4, 1.0)
+    assert sum(w) == pytest.approx(1.0) and w[0] > w[1] > w[2] > w[3] and w[0] / w[1] == pytest.approx(2.0)
+    a = arrivals([5.0, 1.0], 20.0, seed=3)
+    assert a == arrivals([5.0, 1.0], 20.0, seed=3) and a == sorted(a)
+    assert all(0 <= t < 20.0 for t, _ in a)
+    n0, n1 = sum(m == 0 for _, m in a), sum(m == 1 for _, m in a)
+    assert 60 < n0 < 140 and 5 < n1 < 40
+
+
+@pytest.mark.slow
+def test_density_bench_runs_against_a_real_daemon(tmp_path) -> None:
+    out = tmp_path / "density.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "INFIRE_ENGINE__SANDBOX": "false", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "ops.bench.density_bench", "--device", "cpu", "--models", "3",
+                        "--duration", "4", "--prompt-len", "16", "--gen-len", "8", "--rate-per-model", "2",
+                        "--max-num-seqs", "8", "--out", str(out)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rep = json.loads(out.read_text())
+    for key in ("date", "gpu", "commit", "command", "models", "errors", "worker_restarts", "nvml_peak_bytes",
+                "budget_bytes", "max_resident", "swaps", "evictions", "overall", "per_model"):
+        assert key in rep, key
+    assert rep["models"] == 3 and rep["errors"] == 0 and rep["worker_restarts"] == 0
+    assert rep["requests"] > 0 and rep["nvml_peak_bytes"] is None  # no GPU: no NVML figure
+    assert rep["budget_bytes"] > 0 and 1 <= rep["max_resident"] <= 3
+    assert set(rep["per_model"]) == {"d00", "d01", "d02"}
+    assert sum(m["requests"] for m in rep["per_model"].values()) == rep["requests"]
+    o = rep["overall"]
+    assert o["ok"] == o["requests"] and 0 < o["ttft_ms_p50"] <= o["ttft_ms_p99"]
+    assert o["tpot_ms_p50"] > 0 and 0 <= o["slo_ttft_1s"] <= 1 and o["output_tokens"] == 8 * o["requests"]
+    assert any(line.lstrip().startswith("overall") for line in r.stdout.splitlines()[-6:])  # the table, last
