@@ -70,7 +70,7 @@ class OpenAIApi:
             self._keys.check(request)
         except ApiError as e:
             return e.response()
-        models = [self._model_object(e) for e in self.ctx.manager.ready_models()]
+        models = [self._model_object(e) for e in self.ctx.manager.reachable_models()]
         return web.json_response({"object": "list", "data": models})
 
     async def get_model(self, request: web.Request) -> web.Response:
@@ -78,7 +78,7 @@ class OpenAIApi:
         try:
             self._keys.check(request)
             name = request.match_info["model"]
-            entry = next((e for e in self.ctx.manager.ready_models() if e.name == name), None)
+            entry = next((e for e in self.ctx.manager.reachable_models() if e.name == name), None)
             if entry is None:
                 raise ApiError(404, f"the model {name[:128]!r} does not exist or is not loaded", param="model",
                                code="model_not_found")
@@ -87,7 +87,7 @@ class OpenAIApi:
         return web.json_response(self._model_object(entry))
 
     def _model_object(self, e: ModelEntry) -> dict[str, object]:
-        return model_object(e.name, int(self.ctx.started_wall), _context_len(e))
+        return model_object(e.name, int(self.ctx.started_wall), _context_len(e), e.state.value)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)

@@ -128,6 +128,13 @@ class ModelManager:
     def ready_models(self) -> list[ModelEntry]:
         return [e for e in self.models.values() if e.state is State.READY]
 
+    def reachable_models(self) -> list[ModelEntry]:
+        """What a request may name: every ready model, and every configured one a request would
+        load (autoload), whatever its state now; configured order first."""
+        configured = [self.models[m.name] for m in self.settings.models if m.name in self.models]
+        out = [e for e in configured if e.state is State.READY or self.autoload_enabled(e)]
+        return out + [e for e in self.ready_models() if e not in out]
+
     def busy(self) -> bool:
         """Some model is being pulled or loaded (systemd wants EXTEND_TIMEOUT_USEC then)."""
         return any(e.state in (State.PULLING, State.LOADING) for e in self.models.values())

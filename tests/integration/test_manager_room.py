@@ -127,6 +127,11 @@ def test_keep_alive_unloads_an_idle_model(daemon) -> None:
 
 def test_autoload_waits_then_serves_and_503_when_it_cannot(daemon) -> None:
     _reset(daemon)
+    code, body = daemon.get("/v1/models")  # what a request may name: ready, or loaded when asked for
+    listed = {m["id"]: m["state"] for m in body["data"]}
+    assert code == 200 and listed["m-auto"] == "cached", listed
+    assert all(state == "ready" for name, state in listed.items() if name != "m-auto"), listed
+    assert daemon.get("/v1/models/m-auto")[1]["state"] == "cached"
     code, body = complete(daemon, "m-c")  # autoload is off for m-c
     assert code == 503 and body["error"]["code"] == "model_not_ready"
     code, body = complete(daemon, "m-auto")  # cached, not loaded: the request loads it and waits
