@@ -89,7 +89,6 @@ class LLM:
         for p in plist:
             if not isinstance(p, SamplingParams):
                 raise EngineError("params must be SamplingParams")
-            p.validate()
         ids = [self._prompt_ids(p) for p in prompts]
         results = [GenerationResult(prompt_token_ids=i) for i in ids]
         by_req: dict[str, GenerationResult] = {}

@@ -38,6 +38,7 @@ from agent.http.openai_schema import (
 from agent.http.sse import EventStream, encode as sse_encode
 from agent.http.structured import StructuredOutputError
 from agent.worker.client import WorkerDied, WorkerError
+from engine.sampling import SamplingParams, SamplingParamsError
 from text.tokenizer import TokenLimitExceeded
 from text.tool_calls import ToolFormat, ToolStream, default_tool_prompt, history_view, tool_format
 
@@ -318,22 +319,18 @@ class OpenAIApi:
         return ApiError(400, f"the prompt has {'' if exact else 'at least '}{n} tokens; this model's context is {ctx_len}",
                         param="messages" if chat else "prompt", code="context_length_exceeded")
 
-    def _samplings(self, req: Any, max_tokens: int, chat: bool) -> list[dict[str, Any]]:
-        from engine.sampling import SamplingParams, SamplingParamsError
-
+    def _samplings(self, req: Any, max_tokens: int, chat: bool) -> list[SamplingParams]:
         logprobs = req.logprobs_count() if chat else req.logprobs
         out = []
         for i in range(req.n):
             # With a seed and n > 1 each choice gets its own seed, else the n answers are equal.
             seed = None if req.seed is None else (req.seed + i) % (1 << 63)
-            sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-                                min_p=req.min_p, seed=seed, max_tokens=max_tokens,
-                                ignore_eos=req.ignore_eos, logprobs=logprobs)
             try:
-                sp.validate()
+                out.append(SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+                                          min_p=req.min_p, seed=seed, max_tokens=max_tokens,
+                                          ignore_eos=req.ignore_eos, logprobs=logprobs))
             except SamplingParamsError as e:
                 raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
-            out.append(sp.to_dict())
         return out
 
     async def _run(self, request: web.Request, req: Any, entry: Any, chat: bool, rid: str,

@@ -21,6 +21,7 @@ from agent.log import get_logger
 from agent.worker.mailbox import Mailbox
 from agent.worker.spawn import Spawned, spawn_worker
 from cache.triton_cache import sweep_triton_cache, triton_cache_dir
+from engine.sampling import SamplingParams
 from engine.worker import protocol as P
 
 HELLO_TIMEOUT_S = 120.0  # importing torch and initialising CUDA on a cold node is slow
@@ -385,7 +386,7 @@ class WorkerClient:
             raise WorkerDied("the engine worker is not running")
         self._writer.write(P.encode(msg))
 
-    def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: dict[str, Any],
+    def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
             queue: OutputSink | None = None, grammar: str = "") -> EngineRequest:
         """Send one request to the engine; raises WorkerDied when no worker is up.
 

@@ -47,7 +47,7 @@ from engine.options import EngineOptions
 from engine.runner.cuda_graphs import DEFAULT_BUCKETS
 from engine.runner.step import PendingStep, StepResult
 from engine.runner.streams import StreamPool
-from engine.sampling import SamplingParams, SamplingParamsError
+from engine.sampling import SamplingParams
 from engine.sched.scheduler import SchedulerOutput
 from engine.weights.loader import PendingLoad
 from engine.weights.warm_tier import WarmTier
@@ -354,12 +354,8 @@ class EngineCore:
         slot = self._slots.get(model)
         if slot is None:
             raise RequestError(f"model {model!r} is not loaded", "model")
-        if not isinstance(params, SamplingParams):
+        if not isinstance(params, SamplingParams):  # valid once made (engine/sampling.py)
             raise RequestError("params must be a SamplingParams", "sampling")
-        try:
-            params.validate()
-        except SamplingParamsError as e:
-            raise RequestError(str(e), e.field) from e
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise RequestError("prompt_token_ids must be a non-empty list of token ids", "prompt_token_ids")
         vocab = slot.config.vocab_size
@@ -373,9 +369,6 @@ class EngineCore:
                                f"with room for one generated token", "prompt_token_ids")
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(63))
-        else:
-            params = dataclasses.replace(params)  # the engine's own copy
-        params.stop_token_ids = list(params.stop_token_ids)
         slot.scheduler.add(req_id, list(prompt_token_ids), params, grammar)
         self._req_model[req_id] = model
         slot.last_request_t = time.perf_counter()

@@ -160,10 +160,7 @@ class Worker:
     def _add(self, msg: P.Add) -> None:
         if self._no_engine("add", req_id=msg.req_id, model=msg.model):
             return
-        from engine.sampling import SamplingParams
-
         try:
-            params = SamplingParams.from_dict(msg.sampling)
             if msg.grammar:
                 if msg.req_id in self._compiling:
                     raise ValueError(f"request {msg.req_id!r} is already in flight")
@@ -171,8 +168,8 @@ class Worker:
                 self._compiling[msg.req_id] = msg
                 future.add_done_callback(lambda f: (self._compiled.append((msg, f)), self._wake()))
                 return
-            self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids, params)
-        except Exception as e:  # EngineError, SamplingParamsError: the request's fault, not ours
+            self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids, msg.sampling)
+        except Exception as e:  # EngineError: the request's fault, not ours
             self._add_failed(msg, e)
 
     def _add_failed(self, msg: P.Add, e: Exception) -> None:
@@ -180,8 +177,6 @@ class Worker:
 
     def _add_compiled(self) -> None:
         """Admit the constrained requests whose grammars are compiled (and not aborted since)."""
-        from engine.sampling import SamplingParams
-
         while self._compiled:
             msg, future = self._compiled.popleft()
             if self._compiling.get(msg.req_id) is not msg:
@@ -189,7 +184,7 @@ class Worker:
             del self._compiling[msg.req_id]
             try:
                 self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids,
-                                      SamplingParams.from_dict(msg.sampling), grammar=future.result())
+                                      msg.sampling, grammar=future.result())
             except Exception as e:  # GrammarError, or the model went away meanwhile
                 self._add_failed(msg, e)
 

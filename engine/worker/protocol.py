@@ -36,6 +36,8 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import msgpack
 
+from engine.sampling import SamplingParams
+
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a 1M-token prompt as int32-ish msgpack fits with room
 _HEADER = struct.Struct(">I")
@@ -139,14 +141,15 @@ class Unload(Message):
 @_register
 @dataclass(frozen=True)
 class Add(Message):
-    """Admit one request; ``sampling`` is ``SamplingParams.to_dict()``; ``grammar``, when not
-    empty, constrains its output (an llguidance grammar, agent/http/structured.py)."""
+    """Admit one request; ``sampling`` is a record (its bounds are checked as it is decoded);
+    ``grammar``, when not empty, constrains its output (an llguidance grammar,
+    agent/http/structured.py)."""
 
     TAG: ClassVar[str] = "add"
     req_id: str
     model: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     # Optional within version 1: an older peer sends none.
     grammar: str = ""
 

@@ -15,6 +15,7 @@ import uvloop
 
 from agent.worker import client as wc
 from agent.worker import spawn as ws
+from engine.sampling import SamplingParams
 from engine.worker import protocol as P
 
 
@@ -63,7 +64,7 @@ def test_hello_heartbeat_and_refusals() -> None:
         with pytest.raises(wc.WorkerError, match="without an engine") as ei:
             await client.load("m", "/nonexistent", max_model_len=64, max_num_seqs=1)
         assert ei.value.code == "no_engine"
-        req = client.add("r1", "m", [1, 2], {"max_tokens": 2})
+        req = client.add("r1", "m", [1, 2], SamplingParams(max_tokens=2))
         err = await asyncio.wait_for(req.queue.get(), 5)
         assert isinstance(err, wc.WorkerError) and err.code == "no_engine"
         assert client.in_flight() == 0
@@ -82,7 +83,7 @@ def test_sigkill_fails_in_flight_and_restarts() -> None:
         assert isinstance(got, wc.WorkerDied) and "signal 9" in str(got)
         assert downs == [1]
         with pytest.raises(wc.WorkerDied):
-            client.add("r2", "m", [1], {})
+            client.add("r2", "m", [1], SamplingParams())
         await _wait_for(lambda: client.alive and client.state.pid != first_pid, 30)
         assert client.state.restarts == 1 and len(ups) == 2
         assert client.heartbeat_fresh()

@@ -7,6 +7,8 @@ with itself, and any lost or misplaced K/V changes the tokens of the plain model
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.core.engine_core import EngineCore
@@ -149,11 +151,11 @@ def test_seeded_sampling_is_independent_of_batch_mates(model_dir):
     sp = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, seed=7, max_tokens=10, ignore_eos=True)
     alone, _ = run(make_core(model_dir), [PROMPTS[2]], sp)
     mates = [SamplingParams(temperature=0), SamplingParams(temperature=1.5, seed=1), SamplingParams(top_k=3, seed=99)]
-    mates = [SamplingParams(**{**m.to_dict(), "max_tokens": 7, "ignore_eos": True}) for m in mates]
+    mates = [dataclasses.replace(m, max_tokens=7, ignore_eos=True) for m in mates]
     together, _ = run(make_core(model_dir, chunk=4, block_size=1), [PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[1]],
                       [mates[0], sp, mates[1], mates[2]])
     assert together["r1"] == alone["r0"]
-    other_seed, _ = run(make_core(model_dir), [PROMPTS[2]], SamplingParams(**{**sp.to_dict(), "seed": 8}))
+    other_seed, _ = run(make_core(model_dir), [PROMPTS[2]], dataclasses.replace(sp, seed=8))
     assert other_seed["r0"] != alone["r0"]  # the seed matters (10 draws at T=0.9)
     # The engine draws a seed for requests without one, so they still sample.
     a, _ = run(make_core(model_dir), [PROMPTS[2]] * 2, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True))
@@ -187,10 +189,6 @@ def test_logprobs_are_returned_and_consistent(model_dir):
         (lambda c: c.add_request("x", "m", [True], GREEDY), "not an id"),
         (lambda c: c.add_request("x", "m", list(range(1, 65)), GREEDY), "max_model_len"),
         (lambda c: c.add_request("", "m", [1], GREEDY), "req_id"),
-        (lambda c: c.add_request("x", "m", [1], SamplingParams(temperature=-1)), "temperature"),
-        (lambda c: c.add_request("x", "m", [1], SamplingParams(top_p=0)), "top_p"),
-        (lambda c: c.add_request("x", "m", [1], SamplingParams(logprobs=21)), "logprobs"),
-        (lambda c: c.add_request("x", "m", [1], SamplingParams(max_tokens=0)), "max_tokens"),
         (lambda c: c.add_request("x", "m", [1], {"temperature": 0}), "SamplingParams"),
         (lambda c: c.load_model("m", "/nonexistent"), "already loaded"),
         (lambda c: c.unload_model("nope"), "not loaded"),
@@ -210,7 +208,6 @@ def test_bad_requests_are_refused_and_leave_no_trace(model_dir, call, match):
 @pytest.mark.parametrize("args,param", [
     (("x", "nope", [1], GREEDY), "model"),
     (("x", "m", [1, 10**6], GREEDY), "prompt_token_ids"),
-    (("x", "m", [1], SamplingParams(top_k=-2)), "top_k"),
     (("", "m", [1], GREEDY), "req_id"),
 ])
 def test_refusals_name_the_param(model_dir, args, param):

@@ -16,6 +16,7 @@ import pytest
 import uvloop
 
 from agent.worker import client as wc
+from engine.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = '''
@@ -33,7 +34,7 @@ def _gated(model, model_dir, tier=None, key=None, *, cancel=None):
 
 _cl.load_or_restore = _gated
 '''
-SAMPLING = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+SAMPLING = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import msgpack
 import pytest
 
+from engine.sampling import SamplingParams
 from engine.worker import protocol as P
 
 
@@ -20,7 +21,7 @@ def _body(obj: object) -> bytes:
 @pytest.mark.parametrize(
     "msg",
     [
-        P.Add(req_id="r1", model="m", prompt_token_ids=[1, 2, 3], sampling={"temperature": 0.0, "seed": 7}),
+        P.Add(req_id="r1", model="m", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(temperature=0.0, seed=7)),
         P.Abort(req_ids=["a", "b"]),
         P.Load(model="m", model_dir="/x", max_model_len=128, max_num_seqs=4, weight=2.0),
         P.Unload(model="m"),
@@ -99,7 +100,8 @@ def test_frame_size_bounds() -> None:
     with pytest.raises(P.ProtocolError, match="exceeds"):
         P.FrameDecoder().feed(struct.pack(">I", 0xFFFFFFFF) + b"x")
     with pytest.raises(P.ProtocolError, match="exceeds"):
-        P.encode(P.Add(req_id="r", model="m", prompt_token_ids=[], sampling={"x": b"\0" * (P.MAX_FRAME_BYTES + 1)}))
+        P.encode(P.Add(req_id="r", model="m", prompt_token_ids=[], sampling=SamplingParams(),
+                       grammar="\0" * (P.MAX_FRAME_BYTES + 1)))
     with pytest.raises(P.ProtocolError):
         P.frame_length(b"\0\0")
 
