@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine.core.engine_core import EngineCore
-from engine.core.slot import ModelInfo
+from engine.model_info import ModelInfo
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
 

@@ -220,7 +220,7 @@ class OpenAIApi:
 
     def _model_view(self, e: Any) -> dict[str, Any]:
         return {"id": e.name, "object": "model", "created": int(self.ctx.started_wall), "owned_by": "infire",
-                "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len))}
+                "max_model_len": e.info.max_model_len}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -301,8 +301,8 @@ class OpenAIApi:
                 raise self._too_long(at_least, ctx_len, chat, exact=False)
             work = lambda: tok.encode(req.prompt, limit=limit)  # noqa: E731
         else:
-            vocab = int(entry.info.get("vocab_size", 0) or getattr(tok, "vocab_size", 0))
-            bad = next((t for t in req.prompt if vocab and t >= vocab), None)
+            vocab = entry.info.vocab_size
+            bad = next((t for t in req.prompt if t >= vocab), None)
             if bad is not None:
                 raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary (size {vocab})", param="prompt")
             return list(req.prompt)
@@ -335,7 +335,7 @@ class OpenAIApi:
 
     async def _run(self, request: web.Request, req: Any, entry: Any, chat: bool, rid: str,
                    uid: str) -> web.StreamResponse:
-        ctx_len = int(entry.info.get("max_model_len", entry.settings.max_model_len))
+        ctx_len = entry.info.max_model_len
         tool_fmt = tool_format(getattr(entry.tokenizer, "chat_template", None)) if chat else None
         prompt_ids = await self._prompt_ids(req, entry, chat, ctx_len, tool_fmt)
         if not prompt_ids:

@@ -32,6 +32,7 @@ from collections import deque
 from typing import Any
 
 from engine.core import heap
+from engine.model_info import ModelInfo
 from engine.worker import protocol as P
 from engine.worker.step_waiter import StepWaiter
 from engine.worker.setup import confine, make_core
@@ -234,12 +235,12 @@ class Worker:
             self._load_failed(msg, e)
         self._next_load()
 
-    def _loaded(self, msg: P.Load, info: Any, t0: float) -> None:
+    def _loaded(self, msg: P.Load, info: ModelInfo, t0: float) -> None:
         self._graphs_left = True  # its runner may defer some to their first use
         heap.freeze()  # the model's objects live until its unload (whose collection thaws them)
         timings = {str(k): float(v) for k, v in P.plain(self.core.last_load_timings).items()
                    if isinstance(v, (int, float)) and v >= 0}  # figures only: the agent refuses the rest
-        self.conn.send(P.Loaded(model=msg.model, info=P.info_dict(info), seconds=time.monotonic() - t0,
+        self.conn.send(P.Loaded(model=msg.model, info=info, seconds=time.monotonic() - t0,
                                 timings=timings))
 
     def _cancel_load(self, model: str) -> bool:

@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import msgpack
 
+from engine.model_info import ModelInfo
 from engine.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -191,11 +192,11 @@ class Hello(Message):
 @_register
 @dataclass(frozen=True)
 class Loaded(Message):
-    """``info`` is ``ModelInfo`` as a map (vocab_size, max_model_len, eos_token_ids, ...)."""
+    """``info``: the model as the engine runs it (vocab_size, max_model_len, eos_token_ids, ...)."""
 
     TAG: ClassVar[str] = "loaded"
     model: str
-    info: dict[str, Any]
+    info: ModelInfo
     seconds: float
     # EngineCore.last_load_timings of this load: each phase's seconds (config_s, weights_s, ...).
     # Optional within version 1: an older peer sends none.
@@ -394,15 +395,6 @@ def status_memory(memory: dict[str, Any]) -> dict[str, Any]:
                      for n in names[:STATUS_MEMORY_MODELS]}
     out["models_omitted"] = max(0, len(names) - STATUS_MEMORY_MODELS)
     return out
-
-
-def info_dict(info: Any) -> dict[str, Any]:
-    """``Loaded.info`` from an engine ``ModelInfo`` (or a map)."""
-    if isinstance(info, dict):
-        return plain(info)
-    names = ("name", "vocab_size", "max_model_len", "eos_token_ids", "device_bytes", "kv_pages", "block_size",
-             "quantization", "kv_cache_dtype")
-    return plain({n: getattr(info, n) for n in names if hasattr(info, n)})
 
 
 # --- encoding ---------------------------------------------------------------------------------

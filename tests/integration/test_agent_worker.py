@@ -15,6 +15,7 @@ import uvloop
 
 from agent.worker import client as wc
 from agent.worker import spawn as ws
+from engine.model_info import ModelInfo
 from engine.sampling import SamplingParams
 from engine.worker import protocol as P
 
@@ -270,7 +271,7 @@ def test_a_load_or_unload_marks_the_models_last_status_stale() -> None:
     c = wc.WorkerClient({}, engine="none")
     old = {"device_bytes": 9_000, "running": 0}
     c._dispatch(P.Status(steps=1, busy=False, models={"m": old, "other": {"device_bytes": 5}}))
-    c._dispatch(P.Loaded(model="m", info={"device_bytes": 4_000}, seconds=0.1))
+    c._dispatch(P.Loaded(model="m", info=ModelInfo("m", 8, 64, [2], 4_000, 10, 16), seconds=0.1))
     assert c.state.stale_models == {"m"} and c.state.models["m"] is old
     c._dispatch(P.Status(steps=2, busy=False, models={"m": {"device_bytes": 4_000}, "other": {"device_bytes": 5}}))
     assert not c.state.stale_models and c.state.models["m"]["device_bytes"] == 4_000

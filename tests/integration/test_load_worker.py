@@ -93,7 +93,7 @@ def test_a_model_decodes_while_another_loads_in_the_worker(gated):
         assert not load_b.done()  # all 40 tokens of "a" came while "b" was loading
         gate.touch()
         loaded = await asyncio.wait_for(load_b, 60)
-        assert loaded.model == "b" and loaded.info["kv_pages"] > 0
+        assert loaded.model == "b" and loaded.info.kv_pages > 0
         assert len(await _drain(c.add("r2", "b", [5, 9, 2, 7], SAMPLING))) == 40
         deadline = time.monotonic() + 10  # the next Status carries the engine's memory split
         while set(c.state.memory.get("models", {})) != {"a", "b"}:

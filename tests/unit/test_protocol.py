@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import msgpack
 import pytest
 
+from engine.model_info import ModelInfo
 from engine.sampling import SamplingParams
 from engine.worker import protocol as P
 
@@ -27,7 +28,7 @@ def _body(obj: object) -> bytes:
         P.Unload(model="m"),
         P.Shutdown(),
         P.Hello(pid=12, device="cpu"),
-        P.Loaded(model="m", info={"vocab_size": 100}, seconds=0.5),
+        P.Loaded(model="m", info=ModelInfo("m", 100, 64, [2, 3], 1 << 20, 12, 16, "fp8", None), seconds=0.5),
         P.Unloaded(model="m"),
         P.Tokens(step=3, outputs=[P.pack_output("r1", [5, 6], None, None, 3), P.pack_output("r2", [], "abort", None, 1)]),
         P.Status(steps=9, busy=True, models={"m": {"running": 2}}),
@@ -150,3 +151,14 @@ def test_a_record_is_decoded_strictly_naming_the_field(wire: dict, why: str) -> 
 
 def test_a_record_ignores_extra_keys_within_a_version() -> None:
     assert P._typed({"inner": {"n": 1, "later": 2}, "new": 0}, _Outer, "x") == _Outer(_Inner(1))
+
+
+def test_model_info_crosses_whole_and_strictly() -> None:
+    info = ModelInfo("m", 100, 64, [2], 1000, 10, 16)
+    wire = P.Loaded(model="m", info=info, seconds=0.1).to_wire()
+    assert set(wire["info"]) == {f for f in ModelInfo.__dataclass_fields__}  # every field, always
+    back = P.decode(msgpack.packb(wire, use_bin_type=True))
+    assert isinstance(back, P.Loaded) and back.info == info and isinstance(back.info, ModelInfo)
+    del wire["info"]["vocab_size"]
+    with pytest.raises(P.ProtocolError, match="loaded.info: missing field 'vocab_size'"):
+        P.decode(msgpack.packb(wire, use_bin_type=True))
