@@ -560,18 +560,27 @@ class ModelManager:
 
     def describe(self, e: ModelEntry) -> dict[str, Any]:
         st = self.worker.state
-        stats = st.models.get(e.name, {}) if e.state is State.READY and e.name not in st.stale_models else {}
+        # The engine's row of a ready model: none before it is ready, nor while the last Status
+        # describes its load before (its Loaded info has the bytes and pages then).
+        s = st.models.get(e.name) if e.state is State.READY and e.name not in st.stale_models else None
         info = e.info
+        if s is not None:
+            device_bytes, pages_total = s.device_bytes, s.kv_pages_total
+        elif info is not None:
+            device_bytes, pages_total = info.device_bytes, info.kv_pages
+        else:
+            device_bytes, pages_total = 0, 0
+        live = s is not None
         return {
             "name": e.name, "state": e.state.value, "reason": e.reason or None,
-            "device_bytes": int(stats.get("device_bytes", info.device_bytes if info is not None else 0) or 0),
-            "kv_pages": {"used": int(stats.get("kv_pages_used", 0)), "total": int(stats.get("kv_pages_total", info.kv_pages if info is not None else 0) or 0),
-                         "prefix_cached": int(stats.get("prefix_cached_pages", 0) or 0)},
-            "prefix_cache": ({"enabled": True, "queried_tokens": int(stats.get("prefix_queried_tokens", 0) or 0),
-                              "hit_tokens": int(stats.get("prefix_hit_tokens", 0) or 0),
-                              "cascade_rows": int(stats.get("cascade_rows", 0) or 0)}
+            "device_bytes": device_bytes,
+            "kv_pages": {"used": s.kv_pages_used if live else 0, "total": pages_total,
+                         "prefix_cached": s.prefix_cached_pages if live else 0},
+            "prefix_cache": ({"enabled": True, "queried_tokens": s.prefix_queried_tokens if live else 0,
+                              "hit_tokens": s.prefix_hit_tokens if live else 0,
+                              "cascade_rows": s.cascade_rows if live else 0}
                              if e.settings.prefix_caching else {"enabled": False}),
-            "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
+            "running": s.running if live else 0, "waiting": s.waiting if live else 0,
             "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
             "max_model_len": info.max_model_len if info is not None else e.settings.max_model_len,
             "quantization": self._format(e, "quantization"), "kv_cache_dtype": self._format(e, "kv_cache_dtype"),

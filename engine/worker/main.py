@@ -311,8 +311,8 @@ class Worker:
         if now - self._last_status < STATUS_INTERVAL_S:
             return
         self._last_status = now
-        models = P.plain(self.core.stats()) if self.core is not None else {}
-        memory = P.status_memory(self.core.memory()) if self.core is not None else {}
+        models = self.core.stats() if self.core is not None else {}
+        memory = self.core.memory().largest(P.STATUS_MEMORY_MODELS) if self.core is not None else None
         self.conn.send(P.Status(steps=self.steps, busy=busy, models=models, memory=memory))
 
     def run(self) -> int:

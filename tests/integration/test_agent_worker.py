@@ -18,6 +18,7 @@ from agent.worker import spawn as ws
 from engine.model_info import ModelInfo
 from engine.sampling import SamplingParams
 from engine.worker import protocol as P
+from tests.records import model_stats
 
 
 async def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -269,11 +270,12 @@ def test_a_load_or_unload_marks_the_models_last_status_stale() -> None:
     marks that model's row stale (a model's view reads its Loaded info instead) until the next
     Status; the rows themselves stay as the worker sent them, consistent with its memory split."""
     c = wc.WorkerClient({}, engine="none")
-    old = {"device_bytes": 9_000, "running": 0}
-    c._dispatch(P.Status(steps=1, busy=False, models={"m": old, "other": {"device_bytes": 5}}))
+    old = model_stats(device_bytes=9_000)
+    c._dispatch(P.Status(steps=1, busy=False, models={"m": old, "other": model_stats(device_bytes=5)}))
     c._dispatch(P.Loaded(model="m", info=ModelInfo("m", 8, 64, [2], 4_000, 10, 16), seconds=0.1))
     assert c.state.stale_models == {"m"} and c.state.models["m"] is old
-    c._dispatch(P.Status(steps=2, busy=False, models={"m": {"device_bytes": 4_000}, "other": {"device_bytes": 5}}))
-    assert not c.state.stale_models and c.state.models["m"]["device_bytes"] == 4_000
+    c._dispatch(P.Status(steps=2, busy=False, models={"m": model_stats(device_bytes=4_000),
+                                                      "other": model_stats(device_bytes=5)}))
+    assert not c.state.stale_models and c.state.models["m"].device_bytes == 4_000
     c._dispatch(P.Unloaded(model="m"))
     assert c.state.stale_models == {"m"}

@@ -14,6 +14,7 @@ import pytest
 from engine.core.engine_core import EngineCore
 from engine.errors import EngineError, RequestError
 from engine.sampling import SamplingParams
+from engine.stats import ModelStats
 
 PROMPTS = [list(range(40, 40 + n)) for n in (1, 5, 19, 33, 8)]
 N_NEW = 12
@@ -43,7 +44,7 @@ def run(core: EngineCore, prompts, params, prefix="r") -> tuple[dict[str, list[i
                 reasons[o.req_id] = o.finish_reason
         steps += 1
         assert steps < 5000
-    assert core.stats()["m"]["kv_pages_used"] == 0
+    assert core.stats()["m"].kv_pages_used == 0
     return toks, reasons
 
 
@@ -113,9 +114,9 @@ def test_abort_frees_every_page_and_spares_the_others(model_dir, reference, when
         assert 0 < seq.num_computed_tokens < seq.num_prompt_tokens
     else:
         assert seq.num_output_tokens >= 1
-    used = core.stats()["m"]["kv_pages_used"]
+    used = core.stats()["m"].kv_pages_used
     core.abort_request(victim)
-    assert core.stats()["m"]["kv_pages_used"] < used
+    assert core.stats()["m"].kv_pages_used < used
     core.abort_request(victim)  # twice: no-op
     core.abort_request("never-seen")
     reasons = {}
@@ -128,7 +129,7 @@ def test_abort_frees_every_page_and_spares_the_others(model_dir, reference, when
     assert got[victim] == reference[3][: len(got[victim])]
     for i in (0, 1, 2, 4):
         assert got[f"r{i}"] == reference[i]
-    assert core.stats()["m"]["kv_pages_used"] == 0
+    assert core.stats()["m"].kv_pages_used == 0
 
 
 def test_abort_everything_midway_frees_every_page(model_dir):
@@ -137,10 +138,10 @@ def test_abort_everything_midway_frees_every_page(model_dir):
         core.add_request(f"r{i}", "m", p, GREEDY)
     for _ in range(5):
         core.step()
-    assert core.stats()["m"]["kv_pages_used"] > 0
+    assert core.stats()["m"].kv_pages_used > 0
     for i in range(len(PROMPTS)):
         core.abort_request(f"r{i}")
-    assert core.stats()["m"]["kv_pages_used"] == 0
+    assert core.stats()["m"].kv_pages_used == 0
     outs = core.step()
     assert sorted(o.req_id for o in outs) == [f"r{i}" for i in range(len(PROMPTS))]
     assert all(o.finish_reason == "abort" and o.new_token_ids == [] for o in outs)
@@ -199,10 +200,12 @@ def test_bad_requests_are_refused_and_leave_no_trace(model_dir, call, match):
     with pytest.raises(EngineError, match=match):
         call(core)
     assert not core.has_unfinished_requests()
-    assert core.stats()["m"] == {"running": 0, "waiting": 0, "kv_pages_used": 0,
-                                 "kv_pages_total": core.stats()["m"]["kv_pages_total"],
-                                 "device_bytes": core.stats()["m"]["device_bytes"], "parked": 0, "parked_s": 0.0,
-                                 "prefix_cached_pages": 0, "prefix_queried_tokens": 0, "prefix_hit_tokens": 0}
+    st = core.stats()["m"]
+    assert dataclasses.replace(st, kv_pages_total=0, device_bytes=0) == ModelStats(
+        running=0, waiting=0, kv_pages_used=0, kv_pages_total=0, device_bytes=0, parked=0, parked_s=0.0,
+        prefix_caching=True, prefix_cached_pages=0, prefix_queried_tokens=0, prefix_hit_tokens=0,
+        cascade=False, cascade_rows=0, cascade_steps=0, constrained=False, grammar_compiles=0, grammar_cache_hits=0,
+        grammar_compile_s=0.0, grammar_mask_s=0.0, grammar_masked_rows=0, grammar_masked_steps=0)
 
 
 @pytest.mark.parametrize("args,param", [
@@ -260,7 +263,7 @@ def test_a_failing_step_aborts_its_batch_and_keeps_the_books(model_dir):
     runner.execute = boom
     with pytest.raises(EngineError, match="device fell over"):
         core.step()
-    assert core.stats()["m"]["kv_pages_used"] == 0
+    assert core.stats()["m"].kv_pages_used == 0
     outs = core.step()
     assert sorted((o.req_id, o.finish_reason) for o in outs) == [("a", "abort"), ("b", "abort")]
     assert not core.has_unfinished_requests()

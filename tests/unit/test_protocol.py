@@ -13,6 +13,7 @@ import pytest
 from engine.model_info import ModelInfo
 from engine.sampling import SamplingParams
 from engine.worker import protocol as P
+from tests.records import model_stats
 
 
 def _body(obj: object) -> bytes:
@@ -31,7 +32,7 @@ def _body(obj: object) -> bytes:
         P.Loaded(model="m", info=ModelInfo("m", 100, 64, [2, 3], 1 << 20, 12, 16, "fp8", None), seconds=0.5),
         P.Unloaded(model="m"),
         P.Tokens(step=3, outputs=[P.pack_output("r1", [5, 6], None, None, 3), P.pack_output("r2", [], "abort", None, 1)]),
-        P.Status(steps=9, busy=True, models={"m": {"running": 2}}),
+        P.Status(steps=9, busy=True, models={"m": model_stats(running=2, prefix_caching=True, parked_s=0.5)}),
         P.Heartbeat(seq=1, phase="loading:m", phase_seconds=1.5),
         P.Error(op="add", message="bad", code="EngineError", req_id="r1"),
     ],
