@@ -45,7 +45,7 @@ class AgentContext:
         total: int | None = self.worker.state.budget_bytes or None  # what the engine works with
         if total is None and isinstance(g.memory_budget, int):
             total = int(g.memory_budget)
-        used = sum(int(s.get("device_bytes", 0) or 0) for s in self.worker.state.models.values())
+        used = sum(s.device_bytes for s in self.worker.state.models.values())
         out: dict[str, Any] = {"total_bytes": total, "used_bytes": used}
         if isinstance(g.memory_budget, float):
             out["fraction"] = g.memory_budget

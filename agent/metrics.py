@@ -8,12 +8,13 @@ never share counters. Gauges that mirror engine or manager state are refreshed b
 from __future__ import annotations
 
 import bisect
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
+
+from engine.stats import ModelStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -140,30 +141,30 @@ class Metrics:
         for s in MODEL_STATES:
             self.model_state.labels(model=model, state=s).set(1.0 if s == state else 0.0)
 
-    def refresh_engine(self, stats: dict[str, dict[str, Any]]) -> None:
-        """Mirror the worker's last ``EngineCore.stats()``."""
+    def refresh_engine(self, stats: dict[str, ModelStats]) -> None:
+        """Mirror the worker's last ``EngineCore.stats()``: the cascade and grammar series only
+        for a model that uses them (the prefix ones read 0 without a prefix cache)."""
         used = 0
         for model, s in stats.items():
-            self.queue_depth.labels(model=model).set(s.get("waiting", 0))
-            self.running.labels(model=model).set(s.get("running", 0))
-            self.kv_used.labels(model=model).set(s.get("kv_pages_used", 0))
-            self.kv_total.labels(model=model).set(s.get("kv_pages_total", 0))
-            self.parked.labels(model=model).set(s.get("parked", 0) or 0)
-            self.parked_seconds.labels(model=model).set(s.get("parked_s", 0.0) or 0.0)
-            self.prefix_pages.labels(model=model).set(s.get("prefix_cached_pages", 0) or 0)
-            self.prefix_queried.labels(model=model).set(s.get("prefix_queried_tokens", 0) or 0)
-            self.prefix_hit.labels(model=model).set(s.get("prefix_hit_tokens", 0) or 0)
-            if "cascade_rows" in s:
-                self.cascade_rows.labels(model=model).set(s.get("cascade_rows", 0) or 0)
-            if "grammar_compiles" in s:
-                self.grammar_compiles.labels(model=model).set(s.get("grammar_compiles", 0) or 0)
-                self.grammar_compile_seconds.labels(model=model).set(s.get("grammar_compile_s", 0.0) or 0.0)
-                self.grammar_mask_seconds.labels(model=model).set(s.get("grammar_mask_s", 0.0) or 0.0)
-                self.grammar_masked_rows.labels(model=model).set(s.get("grammar_masked_rows", 0) or 0)
-                self.grammar_masked_steps.labels(model=model).set(s.get("grammar_masked_steps", 0) or 0)
-            dev = s.get("device_bytes", 0) or 0
-            self.gpu_memory.labels(model=model).set(dev)
-            used += dev
+            self.queue_depth.labels(model=model).set(s.waiting)
+            self.running.labels(model=model).set(s.running)
+            self.kv_used.labels(model=model).set(s.kv_pages_used)
+            self.kv_total.labels(model=model).set(s.kv_pages_total)
+            self.parked.labels(model=model).set(s.yield_waits)
+            self.parked_seconds.labels(model=model).set(s.yield_wait_s)
+            self.prefix_pages.labels(model=model).set(s.prefix_cached_pages)
+            self.prefix_queried.labels(model=model).set(s.prefix_queried_tokens)
+            self.prefix_hit.labels(model=model).set(s.prefix_hit_tokens)
+            if s.cascade:
+                self.cascade_rows.labels(model=model).set(s.cascade_rows)
+            if s.constrained:
+                self.grammar_compiles.labels(model=model).set(s.grammar_compiles)
+                self.grammar_compile_seconds.labels(model=model).set(s.grammar_compile_s)
+                self.grammar_mask_seconds.labels(model=model).set(s.grammar_mask_s)
+                self.grammar_masked_rows.labels(model=model).set(s.grammar_masked_rows)
+                self.grammar_masked_steps.labels(model=model).set(s.grammar_masked_steps)
+            self.gpu_memory.labels(model=model).set(s.device_bytes)
+            used += s.device_bytes
         self.gpu_used.set(used)
 
     def forget_model(self, model: str) -> None:

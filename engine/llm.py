@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine.core.engine_core import EngineCore
-from engine.core.slot import ModelInfo
+from engine.model_info import ModelInfo
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
 
@@ -89,7 +89,6 @@ class LLM:
         for p in plist:
             if not isinstance(p, SamplingParams):
                 raise EngineError("params must be SamplingParams")
-            p.validate()
         ids = [self._prompt_ids(p) for p in prompts]
         results = [GenerationResult(prompt_token_ids=i) for i in ids]
         by_req: dict[str, GenerationResult] = {}

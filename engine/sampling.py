@@ -1,14 +1,16 @@
-"""Sampling parameters of one request, validated at the boundary (no torch import).
+"""Sampling parameters of one request, validated once, at construction (no torch import).
 
 The sampling itself runs on the device in ``engine.kernels.sample``; this module only carries
-and checks the numbers. Every bound is checked here with a :class:`SamplingParamsError` naming
-the field, so the agent can answer a 400 with ``param`` set.
+and checks the numbers. Every bound is checked when a :class:`SamplingParams` is made, with a
+:class:`SamplingParamsError` naming the field, so the agent can answer a 400 with ``param``
+set; the value is frozen, so a made one stays valid. It crosses the worker protocol as a record
+(``Add.sampling``), and a refusal there is the frame's ProtocolError.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
@@ -37,13 +39,15 @@ def _is_number(x: Any) -> bool:
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next tokens of one request.
 
     ``temperature`` 0 means greedy; ``top_k`` 0 and ``top_p`` 1 and ``min_p`` 0 mean off;
     ``seed`` None lets the engine draw one at admission so every request is reproducible from
     its seed; ``logprobs`` None returns none, N returns the chosen token's logprob and the top N.
+    Construction raises :class:`SamplingParamsError` on the first bad field; ``stop_token_ids``
+    is copied (a list of its own), so the caller's list may change afterwards.
     """
 
     temperature: float = 1.0
@@ -56,8 +60,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
 
-    def validate(self) -> "SamplingParams":
-        """Raise :class:`SamplingParamsError` on the first bad field; return self when fine."""
+    def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise SamplingParamsError("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}]")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -81,28 +84,8 @@ class SamplingParams:
             raise SamplingParamsError("ignore_eos", "must be true or false")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingParamsError("logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}]")
-        return self
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types only (msgpack-able)."""
-        d = asdict(self)
-        d["stop_token_ids"] = list(self.stop_token_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
-        """Build and validate; unknown keys are an error, not silently dropped."""
-        if not isinstance(d, dict):
-            raise SamplingParamsError("sampling", "must be a mapping")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise SamplingParamsError(unknown[0], "unknown sampling parameter")
-        kw = dict(d)
-        if "stop_token_ids" in kw and isinstance(kw["stop_token_ids"], tuple):
-            kw["stop_token_ids"] = list(kw["stop_token_ids"])
-        return cls(**kw).validate()

@@ -10,6 +10,7 @@ state once the operation has finished.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import math
 import os
@@ -24,6 +25,7 @@ from agent.config import MODEL_NAME_RE
 from agent.context import AgentContext
 from agent.http.health import Health
 from agent.manager.entries import ManagerError, State
+from engine.stats import ModelStats
 
 MAX_WAIT_S = 3600.0
 
@@ -33,6 +35,24 @@ def _error(status: int, message: str, code: str, retry_after: float | None = Non
     kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": code}},
                              status=status, headers=headers)
+
+
+def engine_row(s: ModelStats) -> dict[str, Any]:
+    """A model's engine figures in the status view: the prefix, cascade and grammar ones only for
+    a model that uses the feature (its flag; the figures are 0 otherwise)."""
+    row: dict[str, Any] = {"running": s.running, "waiting": s.waiting, "kv_pages_used": s.kv_pages_used,
+                           "kv_pages_total": s.kv_pages_total, "device_bytes": s.device_bytes, "parked": s.yield_waits,
+                           "parked_s": s.yield_wait_s}
+    if s.prefix_caching:
+        row.update(prefix_cached_pages=s.prefix_cached_pages, prefix_queried_tokens=s.prefix_queried_tokens,
+                   prefix_hit_tokens=s.prefix_hit_tokens)
+    if s.cascade:
+        row.update(cascade_rows=s.cascade_rows, cascade_steps=s.cascade_steps)
+    if s.constrained:
+        row.update(grammar_compiles=s.grammar_compiles, grammar_cache_hits=s.grammar_cache_hits,
+                   grammar_compile_s=s.grammar_compile_s, grammar_mask_s=s.grammar_mask_s,
+                   grammar_masked_rows=s.grammar_masked_rows, grammar_masked_steps=s.grammar_masked_steps)
+    return row
 
 
 def is_unix_peer(request: web.Request) -> bool:
@@ -110,9 +130,10 @@ class AdminApi:
             "store": ctx.settings.store.model_dump(),
             "models": models,
             # The worker's last EngineCore.stats(): what the engine itself holds, per model.
-            "engine": {"models": w.models, "kv_pages_used": sum(int(m.get("kv_pages_used", 0) or 0)
-                                                                for m in w.models.values()),
-                       "memory": w.memory or None},  # the ledger's split in bytes (Status.memory)
+            "engine": {"models": {name: engine_row(s) for name, s in w.models.items()},
+                       "kv_pages_used": sum(s.kv_pages_used for s in w.models.values()),
+                       # the ledger's split in bytes (Status.memory)
+                       "memory": dataclasses.asdict(w.memory) if w.memory is not None else None},
             # The start from exec to ready by phase, seconds since the agent's exec (agent/startup.py).
             "startup": ctx.startup_record(),
         }

@@ -48,14 +48,12 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
     for i in range(req.n):
         # With a seed and n > 1 each choice gets its own seed, else the n answers are equal.
         seed = None if req.seed is None else (req.seed + i) % (1 << 63)
-        sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-                            min_p=req.min_p, seed=seed, max_tokens=max_tokens,
-                            ignore_eos=req.ignore_eos, logprobs=logprobs)
-        try:
-            sp.validate()
+        try:  # checked as it is made (a frozen record)
+            out.append(SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+                                      min_p=req.min_p, seed=seed, max_tokens=max_tokens,
+                                      ignore_eos=req.ignore_eos, logprobs=logprobs))
         except SamplingParamsError as e:
             raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
-        out.append(sp)
     return out
 
 

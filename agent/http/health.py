@@ -24,6 +24,7 @@ from agent.context import AgentContext
 from agent.log import get_logger
 from agent.manager.entries import ModelEntry, State
 from agent.worker.client import WorkerError
+from engine.sampling import SamplingParams
 
 CANARY_INTERVAL_S = 10.0
 DECODE_FRESH_S = 45.0
@@ -118,7 +119,7 @@ class Canary:
         first = getattr(tok, "bos_token_id", None)
         prompt = [first if isinstance(first, int) else 0]
         # logprobs 0: the chosen token's logprob, which is NaN when the logits are not finite.
-        sampling: dict[str, Any] = {"temperature": 0.0, "max_tokens": 1, "ignore_eos": True, "logprobs": 0}
+        sampling = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=0)
         try:
             req = self.ctx.worker.add(req_id, e.name, prompt, sampling)
         except WorkerError as ex:

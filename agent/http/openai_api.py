@@ -45,7 +45,7 @@ _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 def _context_len(entry: ModelEntry) -> int:
     """The model's context: what the engine loaded it with, else what its settings ask."""
-    return int(entry.info.get("max_model_len", entry.settings.max_model_len))
+    return entry.info.max_model_len if entry.info is not None else entry.settings.max_model_len
 
 
 class OpenAIApi:
@@ -145,7 +145,7 @@ class OpenAIApi:
         tok = entry.tokenizer
         ctx_len = _context_len(entry)
         tool_fmt = tool_format(tok.chat_template) if chat else None
-        vocab_size = int(entry.info.get("vocab_size", 0) or 0)
+        vocab_size = entry.info.vocab_size
         ids = await prompt_ids(req, tok, vocab_size, ctx_len, tool_fmt)
         plan = plan_decoding(req, len(ids), ctx_len, tool_fmt)
         try:
@@ -160,7 +160,7 @@ class OpenAIApi:
                          req.stop_list(), IncrementalDetokenizer, StopMatcher)
         try:
             try:
-                gen.start(ids, [sp.to_dict() for sp in plan.samplings], grammar)
+                gen.start(ids, plan.samplings, grammar)
             except WorkerError as e:
                 raise send_error(e) from None
             tools = None

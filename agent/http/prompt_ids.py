@@ -31,7 +31,7 @@ async def prompt_ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokeni
                      tool_fmt: ToolFormat | None) -> list[int]:
     """The prompt's ids: not empty, and shorter than ``ctx_len`` (and :data:`MAX_PROMPT_TOKENS`).
 
-    ``vocab_size``: the model's (0: unknown), which ids sent as the prompt must be below;
+    ``vocab_size``: the model's (as the engine loaded it), which ids sent as the prompt must be below;
     ``tool_fmt``: how the model writes tool calls (chat), for tools and a history with calls."""
     chat = isinstance(req, ChatCompletionRequest)
     ids = await _ids(req, tok, vocab_size, ctx_len, tool_fmt)
@@ -60,8 +60,8 @@ async def _ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokenizer, v
             raise too_long(at_least, ctx_len, chat, exact=False)
         work = lambda: tok.encode(text, limit=limit)  # noqa: E731
     else:
-        vocab = vocab_size or tok.vocab_size
-        bad = next((t for t in req.prompt if vocab and t >= vocab), None)
+        vocab = vocab_size
+        bad = next((t for t in req.prompt if t >= vocab), None)
         if bad is not None:
             raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary (size {vocab})", param="prompt")
         return list(req.prompt)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agent.config import ModelSettings
+from engine.model_info import ModelInfo
 
 
 class State(str, Enum):
@@ -113,7 +114,7 @@ class ModelEntry:
     state: State = State.ABSENT
     reason: str = ""
     snapshot: Path | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+    info: ModelInfo | None = None  # the engine's, from its Loaded (None: never loaded, or unloaded)
     tokenizer: Any = None
     in_flight: int = 0
     last_used: float | None = None  # wall clock, for humans

@@ -256,7 +256,7 @@ class ModelManager:
             e.phases["load"] = (t0, time.monotonic())
             in_engine = True
             e.tokenizer = await tok_task
-            e.info, e.load_seconds = dict(loaded.info), time.monotonic() - t0
+            e.info, e.load_seconds = loaded.info, time.monotonic() - t0
             t = time.monotonic()
             if self.verify is not None and not await self.verify(e):
                 raise WorkerError("the model loaded but could not decode a token", "decode_failed")
@@ -419,7 +419,7 @@ class ModelManager:
                 await self.worker.unload(e.name)  # aborts whatever did not drain in time
         except WorkerError as ex:
             self._log.warning("unload_error", model=e.name, error=str(ex))
-        e.tokenizer, e.info = None, {}
+        e.tokenizer, e.info = None, None
         self._unpin(e)
         self.metrics.forget_model(e.name)
         self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT, reason)
@@ -498,7 +498,7 @@ class ModelManager:
                     self._set(e, State.LOADING, "the engine worker restarted; reloading")
                 else:  # it was on its way out anyway: finish the unload's bookkeeping
                     self._set(e, State.UNLOADING, "the engine worker exited")
-                    e.tokenizer, e.info = None, {}
+                    e.tokenizer, e.info = None, None
                     self._unpin(e)
                     self.metrics.forget_model(e.name)
                     self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT)
@@ -599,27 +599,37 @@ class ModelManager:
     def _format(e: ModelEntry, key: str) -> str | None:
         """``quantization`` / ``kv_cache_dtype`` of a model: what its load runs with once ready
         (the engine decides for a pre-quantized checkpoint), its settings' until then."""
-        if e.state is State.READY and key in e.info:
-            return e.info[key]
+        if e.state is State.READY and e.info is not None:
+            return getattr(e.info, key)
         return getattr(e.settings, key)
 
     def describe(self, e: ModelEntry) -> dict[str, Any]:
         st = self.worker.state
-        stats = st.models.get(e.name, {}) if e.state is State.READY and e.name not in st.stale_models else {}
+        # The engine's row of a ready model: none before it is ready, nor while the last Status
+        # describes its load before (its Loaded info has the bytes and pages then).
+        s = st.models.get(e.name) if e.state is State.READY and e.name not in st.stale_models else None
+        info = e.info
+        if s is not None:
+            device_bytes, pages_total = s.device_bytes, s.kv_pages_total
+        elif info is not None:
+            device_bytes, pages_total = info.device_bytes, info.kv_pages
+        else:
+            device_bytes, pages_total = 0, 0
+        live = s is not None
         return {
             "name": e.name, "state": e.state.value, "reason": e.reason or None,
-            "device_bytes": int(stats.get("device_bytes", e.info.get("device_bytes", 0)) or 0),
-            "kv_pages": {"used": int(stats.get("kv_pages_used", 0)), "total": int(stats.get("kv_pages_total", e.info.get("kv_pages", 0)) or 0),
-                         "prefix_cached": int(stats.get("prefix_cached_pages", 0) or 0)},
-            "prefix_cache": ({"enabled": True, "queried_tokens": int(stats.get("prefix_queried_tokens", 0) or 0),
-                              "hit_tokens": int(stats.get("prefix_hit_tokens", 0) or 0),
-                              "cascade_rows": int(stats.get("cascade_rows", 0) or 0)}
+            "device_bytes": device_bytes,
+            "kv_pages": {"used": s.kv_pages_used if live else 0, "total": pages_total,
+                         "prefix_cached": s.prefix_cached_pages if live else 0},
+            "prefix_cache": ({"enabled": True, "queried_tokens": s.prefix_queried_tokens if live else 0,
+                              "hit_tokens": s.prefix_hit_tokens if live else 0,
+                              "cascade_rows": s.cascade_rows if live else 0}
                              if e.settings.prefix_caching else {"enabled": False}),
-            "running": int(stats.get("running", 0)), "waiting": int(stats.get("waiting", 0)),
+            "running": s.running if live else 0, "waiting": s.waiting if live else 0,
             "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
-            "max_model_len": int(e.info.get("max_model_len", e.settings.max_model_len)),
+            "max_model_len": info.max_model_len if info is not None else e.settings.max_model_len,
             "quantization": self._format(e, "quantization"), "kv_cache_dtype": self._format(e, "kv_cache_dtype"),
-            "vocab_size": int(e.info["vocab_size"]) if "vocab_size" in e.info else None,
+            "vocab_size": info.vocab_size if info is not None else None,
             "preload": e.settings.preload, "queue_limit": e.queue_limit, "pinned": e.pin,
             "autoload": self.autoload_enabled(e), "keep_alive_s": e.settings.keep_alive,
             "idle_s": round(e.idle_for(time.monotonic()), 3) if e.state is State.READY else None,

@@ -21,6 +21,8 @@ from agent.log import get_logger
 from agent.worker.mailbox import Mailbox
 from agent.worker.spawn import Spawned, spawn_worker
 from cache.triton_cache import sweep_triton_cache, triton_cache_dir
+from engine.sampling import SamplingParams
+from engine.stats import MemoryStats, ModelStats
 from engine.worker import protocol as P
 
 HELLO_TIMEOUT_S = 120.0  # importing torch and initialising CUDA on a cold node is slow
@@ -88,8 +90,8 @@ class WorkerState:
     steps: int = 0
     busy: bool = False
     last_progress: float = 0.0
-    models: dict[str, dict[str, Any]] = field(default_factory=dict)
-    memory: dict[str, Any] = field(default_factory=dict)  # the engine's ledger split (Status.memory)
+    models: dict[str, ModelStats] = field(default_factory=dict)  # the engine's, per model (Status.models)
+    memory: MemoryStats | None = None  # the engine's ledger split (Status.memory); None: none known
     # Models loaded or unloaded since the last Status: their rows there describe the load before
     # (a model's own view reads its Loaded info instead until the next Status).
     stale_models: set[str] = field(default_factory=set)
@@ -415,7 +417,7 @@ class WorkerClient:
             raise WorkerDied("the engine worker is not running")
         self._writer.write(P.encode(msg))
 
-    def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: dict[str, Any],
+    def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
             queue: OutputSink | None = None, grammar: str = "") -> EngineRequest:
         """Send one request to the engine; raises WorkerDied when no worker is up.
 

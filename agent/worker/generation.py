@@ -24,6 +24,7 @@ from typing import Any
 
 from agent.metrics import Metrics
 from agent.worker.client import EngineRequest, WorkerClient, WorkerError
+from engine.sampling import SamplingParams
 from engine.worker import protocol as P
 
 
@@ -114,7 +115,7 @@ class Generation:
         self._ttft = metrics.ttft.labels(model=model)
         self._itl = metrics.itl.labels(model=model)
 
-    def start(self, prompt_token_ids: list[int], samplings: list[dict[str, Any]], grammar: str = "") -> None:
+    def start(self, prompt_token_ids: list[int], samplings: list[SamplingParams], grammar: str = "") -> None:
         """Send one engine request per choice (each constrained by ``grammar`` when not empty).
         Raises WorkerError (the caller answers 503/400).
 

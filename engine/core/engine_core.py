@@ -47,7 +47,8 @@ from engine.options import EngineOptions
 from engine.runner.cuda_graphs import DEFAULT_BUCKETS
 from engine.runner.step import PendingStep, StepResult
 from engine.runner.streams import StreamPool
-from engine.sampling import SamplingParams, SamplingParamsError
+from engine.sampling import SamplingParams
+from engine.stats import MemoryStats, ModelStats
 from engine.sched.scheduler import SchedulerOutput
 from engine.weights.loader import PendingLoad
 from engine.weights.warm_tier import WarmTier
@@ -326,7 +327,7 @@ class EngineCore:
     def models(self) -> dict[str, ModelInfo]:
         return {n: s.info for n, s in self._slots.items()}
 
-    def memory(self) -> dict[str, Any]:
+    def memory(self) -> MemoryStats:
         """The budget and who holds it (:meth:`PoolKeeper.memory`)."""
         return self._pools.memory()
 
@@ -354,12 +355,8 @@ class EngineCore:
         slot = self._slots.get(model)
         if slot is None:
             raise RequestError(f"model {model!r} is not loaded", "model")
-        if not isinstance(params, SamplingParams):
+        if not isinstance(params, SamplingParams):  # valid once made (engine/sampling.py)
             raise RequestError("params must be a SamplingParams", "sampling")
-        try:
-            params.validate()
-        except SamplingParamsError as e:
-            raise RequestError(str(e), e.field) from e
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise RequestError("prompt_token_ids must be a non-empty list of token ids", "prompt_token_ids")
         vocab = slot.config.vocab_size
@@ -373,9 +370,6 @@ class EngineCore:
                                f"with room for one generated token", "prompt_token_ids")
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(63))
-        else:
-            params = dataclasses.replace(params)  # the engine's own copy
-        params.stop_token_ids = list(params.stop_token_ids)
         slot.scheduler.add(req_id, list(prompt_token_ids), params, grammar)
         self._req_model[req_id] = model
         slot.last_request_t = time.perf_counter()
@@ -550,36 +544,37 @@ class EngineCore:
         self.picker.charge(slot.name, slot.last_step_s)
         return outs
 
-    def stats(self) -> dict[str, dict[str, Any]]:
-        """Per model: requests, KV pages (used, and the most it could hold now), device bytes
-        (weights + workspace + the pages it holds; ``memory()`` has the split by kind), and how
-        often its step yielded to a quiet model and how long the caller slept on those; with
-        prefix caching, the pages its index holds (in use or free) and the prompt tokens its
-        admissions looked up and found since the load; where steps plan cascade attention, the rows
-        that read a shared prefix once a tile and the steps with a plan; once it had a constrained request, its
-        grammar compiles, cache hits, compile seconds, mask-filling seconds, masked rows and steps."""
+    def stats(self) -> dict[str, ModelStats]:
+        """Per model: requests, KV pages, device bytes, steps yielded to a quiet model; with prefix caching, its index's
+        pages and the prompt tokens looked up and found since the load; where steps plan cascade
+        attention, the rows and steps planned; once it had a constrained request, its grammar
+        compiles, cache hits and seconds, mask-filling seconds, masked rows and steps (engine/stats.py:
+        the figures of a feature a model does not use are 0, and its flag says so)."""
         out = {}
         for name, s in self._slots.items():
-            blocks = s.scheduler.blocks
-            out[name] = {
-                "running": s.scheduler.num_running,
-                "waiting": s.scheduler.num_waiting,
-                "kv_pages_used": blocks.num_used_pages,
-                "kv_pages_total": blocks.num_total_pages,
-                "device_bytes": s.device_bytes,
-                "parked": s.yield_waits,
-                "parked_s": round(s.yield_wait_s, 6),
-            }
-            if blocks.prefix is not None:
-                out[name].update(prefix_cached_pages=len(blocks.prefix), prefix_queried_tokens=blocks.prefix.queried_tokens,
-                                 prefix_hit_tokens=blocks.prefix.hit_tokens)
-            if s.runner is not None and s.runner.bufs.cascade_rows:  # cascade attention plans (Triton kernels)
-                out[name].update(cascade_rows=s.runner.cascade_rows, cascade_steps=s.runner.cascade_steps)
-            if s.grammar is not None and s.runner is not None:  # constrained decoding: compiles, masks
-                out[name].update(grammar_compiles=s.grammar.compiled, grammar_cache_hits=s.grammar.hits,
-                                 grammar_compile_s=round(s.grammar.compile_seconds, 6),
-                                 grammar_mask_s=round(s.runner.mask_seconds, 6),
-                                 grammar_masked_rows=s.runner.masked_rows, grammar_masked_steps=s.runner.masked_steps)
+            blocks, runner, grammar = s.scheduler.blocks, s.runner, s.grammar
+            prefix = blocks.prefix
+            cascade = runner is not None and bool(runner.bufs.cascade_rows)  # cascade plans (Triton kernels)
+            constrained = grammar is not None and runner is not None  # constrained decoding: compiles, masks
+            out[name] = ModelStats(
+                running=s.scheduler.num_running, waiting=s.scheduler.num_waiting,
+                kv_pages_used=blocks.num_used_pages, kv_pages_total=blocks.num_total_pages,
+                device_bytes=s.device_bytes, yield_waits=s.yield_waits, yield_wait_s=round(s.yield_wait_s, 6),
+                prefix_caching=prefix is not None,
+                prefix_cached_pages=len(prefix) if prefix is not None else 0,
+                prefix_queried_tokens=prefix.queried_tokens if prefix is not None else 0,
+                prefix_hit_tokens=prefix.hit_tokens if prefix is not None else 0,
+                cascade=cascade,
+                cascade_rows=runner.cascade_rows if cascade else 0,
+                cascade_steps=runner.cascade_steps if cascade else 0,
+                constrained=constrained,
+                grammar_compiles=grammar.compiled if constrained else 0,
+                grammar_cache_hits=grammar.hits if constrained else 0,
+                grammar_compile_s=round(grammar.compile_seconds, 6) if constrained else 0.0,
+                grammar_mask_s=round(runner.mask_seconds, 6) if constrained else 0.0,
+                grammar_masked_rows=runner.masked_rows if constrained else 0,
+                grammar_masked_steps=runner.masked_steps if constrained else 0,
+            )
         return out
 
     def drop_prefix_cache(self, name: str) -> int:

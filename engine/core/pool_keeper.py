@@ -27,6 +27,7 @@ from engine.kv.layout import PoolBusyError
 from engine.kv.page_pool import PagePool
 from engine.runner.model_runner import ModelRunner
 from engine.runner.streams import StreamPool
+from engine.stats import MemoryStats, ModelMemory
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -188,11 +189,10 @@ class PoolKeeper:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def memory(self) -> dict[str, Any]:
-        """The budget and who holds it, in bytes: ``budget``, ``used`` (weights + workspace + the
-        whole KV pool), ``free``, ``weights``, ``workspace``, ``kv`` (the pool), ``kv_used`` (its
-        pages held), ``page_bytes``, ``kv_pages`` / ``kv_pages_free``, and per model ``weights``,
-        ``workspace``, ``kv_min``, ``kv_used``, ``kv_pages_used``, ``kv_pages_total``."""
+    def memory(self) -> MemoryStats:
+        """The budget and who holds it, in bytes (engine/stats.py): ``used`` is weights +
+        workspace + the whole KV pool, ``kv_used`` its pages held; per model on the pool its
+        weights, workspace, KV minimum, KV bytes and pages held, and the pages it could hold."""
         snap = self.ledger.snapshot()
         pool = self.pool
         pb = pool.page_bytes if pool is not None else 0
@@ -200,11 +200,11 @@ class PoolKeeper:
         for name, s in self._slots.items():
             if s.pages is None:
                 continue
-            models[name] = {"weights": snap.weights.get(name, 0), "workspace": snap.workspace.get(name, 0),
-                            "kv_min": snap.kv_min.get(name, 0), "kv_used": s.pages.num_used * pb,
-                            "kv_pages_used": s.pages.num_used, "kv_pages_total": s.pages.num_total}
-        return {"budget": snap.budget, "used": snap.used, "free": snap.free,
-                "weights": sum(snap.weights.values()), "workspace": sum(snap.workspace.values()),
-                "kv": snap.kv_pool_bytes, "kv_used": sum(m["kv_used"] for m in models.values()),
-                "page_bytes": pb, "kv_pages": pool.num_pages if pool is not None else 0,
-                "kv_pages_free": pool.num_free if pool is not None else 0, "models": models}
+            models[name] = ModelMemory(weights=snap.weights.get(name, 0), workspace=snap.workspace.get(name, 0),
+                                       kv_min=snap.kv_min.get(name, 0), kv_used=s.pages.num_used * pb,
+                                       kv_pages_used=s.pages.num_used, kv_pages_total=s.pages.num_total)
+        return MemoryStats(budget=snap.budget, used=snap.used, free=snap.free,
+                           weights=sum(snap.weights.values()), workspace=sum(snap.workspace.values()),
+                           kv=snap.kv_pool_bytes, kv_used=sum(m.kv_used for m in models.values()),
+                           page_bytes=pb, kv_pages=pool.num_pages if pool is not None else 0,
+                           kv_pages_free=pool.num_free if pool is not None else 0, models=models, models_omitted=0)

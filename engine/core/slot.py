@@ -1,5 +1,5 @@
-"""The records EngineCore hands out (:class:`ModelInfo`, :class:`RequestOutput`) and keeps per loaded
-model (:class:`ModelSlot`); this module is their only home."""
+"""The records EngineCore hands out (:class:`RequestOutput`; :class:`ModelInfo` lives torch-free in
+engine/model_info.py) and keeps per loaded model (:class:`ModelSlot`)."""
 
 from __future__ import annotations
 
@@ -9,24 +9,11 @@ from engine.config import ModelConfig
 from engine.core.memory_plan import LoadNeeds
 from engine.grammar.compiler import GrammarCompiler
 from engine.kv.kv_cache import KVCache
+from engine.model_info import ModelInfo
 from engine.runner.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
 from engine.kv.layout import ModelPageSource
 from engine.sched.scheduler import Scheduler
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: list[int]
-    device_bytes: int
-    kv_pages: int
-    block_size: int
-    # what the load runs with (a pre-quantized checkpoint is "fp8" whatever was asked)
-    quantization: str | None = None
-    kv_cache_dtype: str | None = None
 
 
 @dataclass

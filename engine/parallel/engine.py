@@ -26,7 +26,8 @@ from engine.config import ModelConfig, load_model_config, usable_len
 from engine.core.engine_core import EngineCore
 from engine.core.loading import DTYPES
 from engine.core.memory_plan import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, workspace_estimate
-from engine.core.slot import ModelInfo, ModelSlot
+from engine.core.slot import ModelSlot
+from engine.model_info import ModelInfo
 from engine.errors import EngineError, RequestError
 from engine.kv.kv_cache import KVCache, KVSpec
 from engine.runner.model_runner import ModelRunner

@@ -51,7 +51,7 @@ def refusal_details(core: Any, exc: Exception, *, model_dir: str, max_model_len:
     """The refusal's numbers, or None when ``exc`` is not a refusal for lack of room."""
     if isinstance(exc, (ModelConfigError, WeightsError, LoadOptionError)):
         return None
-    sizes = {name: int(s.get("device_bytes", 0) or 0) for name, s in core.stats().items()}
+    sizes = {name: s.device_bytes for name, s in core.stats().items()}
     if all(hasattr(exc, a) for a in ("needed", "free", "budget")):
         needed, free, budget = int(exc.needed), int(exc.free), int(exc.budget)
     else:

@@ -32,6 +32,7 @@ from collections import deque
 from typing import Any
 
 from engine.core import heap
+from engine.model_info import ModelInfo
 from engine.worker import protocol as P
 from engine.worker.step_waiter import StepWaiter
 from engine.worker.setup import confine, make_core
@@ -161,10 +162,7 @@ class Worker:
     def _add(self, msg: P.Add) -> None:
         if self._no_engine("add", req_id=msg.req_id, model=msg.model):
             return
-        from engine.sampling import SamplingParams
-
         try:
-            params = SamplingParams.from_dict(msg.sampling)
             if msg.grammar:
                 if msg.req_id in self._compiling:
                     raise ValueError(f"request {msg.req_id!r} is already in flight")
@@ -172,8 +170,8 @@ class Worker:
                 self._compiling[msg.req_id] = msg
                 future.add_done_callback(lambda f: (self._compiled.append((msg, f)), self._wake()))
                 return
-            self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids, params)
-        except Exception as e:  # EngineError, SamplingParamsError: the request's fault, not ours
+            self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids, msg.sampling)
+        except Exception as e:  # EngineError: the request's fault, not ours
             self._add_failed(msg, e)
 
     def _add_failed(self, msg: P.Add, e: Exception) -> None:
@@ -181,8 +179,6 @@ class Worker:
 
     def _add_compiled(self) -> None:
         """Admit the constrained requests whose grammars are compiled (and not aborted since)."""
-        from engine.sampling import SamplingParams
-
         while self._compiled:
             msg, future = self._compiled.popleft()
             if self._compiling.get(msg.req_id) is not msg:
@@ -190,7 +186,7 @@ class Worker:
             del self._compiling[msg.req_id]
             try:
                 self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids,
-                                      SamplingParams.from_dict(msg.sampling), grammar=future.result())
+                                      msg.sampling, grammar=future.result())
             except Exception as e:  # GrammarError, or the model went away meanwhile
                 self._add_failed(msg, e)
 
@@ -240,12 +236,12 @@ class Worker:
             self._load_failed(msg, e)
         self._next_load()
 
-    def _loaded(self, msg: P.Load, info: Any, t0: float) -> None:
+    def _loaded(self, msg: P.Load, info: ModelInfo, t0: float) -> None:
         self._graphs_left = True  # its runner may defer some to their first use
         heap.freeze()  # the model's objects live until its unload (whose collection thaws them)
         timings = {str(k): float(v) for k, v in P.plain(self.core.last_load_timings).items()
                    if isinstance(v, (int, float)) and v >= 0}  # figures only: the agent refuses the rest
-        self.conn.send(P.Loaded(model=msg.model, info=P.info_dict(info), seconds=time.monotonic() - t0,
+        self.conn.send(P.Loaded(model=msg.model, info=info, seconds=time.monotonic() - t0,
                                 timings=timings))
 
     def _cancel_load(self, model: str) -> bool:
@@ -316,8 +312,8 @@ class Worker:
         if now - self._last_status < STATUS_INTERVAL_S:
             return
         self._last_status = now
-        models = P.plain(self.core.stats()) if self.core is not None else {}
-        memory = P.status_memory(self.core.memory()) if self.core is not None else {}
+        models = self.core.stats() if self.core is not None else {}
+        memory = self.core.memory().largest(P.STATUS_MEMORY_MODELS) if self.core is not None else None
         self.conn.send(P.Status(steps=self.steps, busy=busy, models=models, memory=memory))
 
     def run(self) -> int:

@@ -36,6 +36,10 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import msgpack
 
+from engine.model_info import ModelInfo
+from engine.sampling import SamplingParams
+from engine.stats import MemoryStats, ModelStats
+
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a 1M-token prompt as int32-ish msgpack fits with room
 _HEADER = struct.Struct(">I")
@@ -139,14 +143,15 @@ class Unload(Message):
 @_register
 @dataclass(frozen=True)
 class Add(Message):
-    """Admit one request; ``sampling`` is ``SamplingParams.to_dict()``; ``grammar``, when not
-    empty, constrains its output (an llguidance grammar, agent/http/structured.py)."""
+    """Admit one request; ``sampling`` is a record (its bounds are checked as it is decoded);
+    ``grammar``, when not empty, constrains its output (an llguidance grammar,
+    agent/http/structured.py)."""
 
     TAG: ClassVar[str] = "add"
     req_id: str
     model: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     # Optional within version 1: an older peer sends none.
     grammar: str = ""
 
@@ -188,11 +193,11 @@ class Hello(Message):
 @_register
 @dataclass(frozen=True)
 class Loaded(Message):
-    """``info`` is ``ModelInfo`` as a map (vocab_size, max_model_len, eos_token_ids, ...)."""
+    """``info``: the model as the engine runs it (vocab_size, max_model_len, eos_token_ids, ...)."""
 
     TAG: ClassVar[str] = "loaded"
     model: str
-    info: dict[str, Any]
+    info: ModelInfo
     seconds: float
     # EngineCore.last_load_timings of this load: each phase's seconds (config_s, weights_s, ...).
     # Optional within version 1: an older peer sends none.
@@ -330,10 +335,10 @@ class Status(Message):
     TAG: ClassVar[str] = "status"
     steps: int
     busy: bool
-    models: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # EngineCore.memory() through status_memory(): the budget and who holds it, in bytes (the
-    # ledger's split by kind, per model). Optional within version 1: an older peer sends none.
-    memory: dict[str, Any] = field(default_factory=dict)
+    models: dict[str, ModelStats] = field(default_factory=dict)  # EngineCore.stats()
+    # EngineCore.memory(), at most STATUS_MEMORY_MODELS model rows (MemoryStats.largest): the budget
+    # and who holds it, in bytes. None: no engine; optional within version 1 (an older peer sends none).
+    memory: MemoryStats | None = None
 
 
 @_register
@@ -375,31 +380,7 @@ def plain(obj: Any) -> Any:
     return obj
 
 
-STATUS_MEMORY_MODELS = 64  # per-model rows a Status carries at most (a Status stays small)
-_MEMORY_KEYS = ("budget", "used", "free", "weights", "workspace", "kv", "kv_used", "page_bytes", "kv_pages",
-                "kv_pages_free")
-_MODEL_MEMORY_KEYS = ("weights", "workspace", "kv_min", "kv_used", "kv_pages_used", "kv_pages_total")
-
-
-def status_memory(memory: dict[str, Any]) -> dict[str, Any]:
-    """``Status.memory`` from ``EngineCore.memory()``: its integer figures only, at most
-    ``STATUS_MEMORY_MODELS`` models (the largest by weights; ``models_omitted`` counts the rest)."""
-    out: dict[str, Any] = {k: int(memory[k]) for k in _MEMORY_KEYS if k in memory}
-    rows = memory.get("models") or {}
-    names = sorted(rows, key=lambda n: -int(rows[n].get("weights", 0) or 0))
-    out["models"] = {str(n): {k: int(rows[n][k]) for k in _MODEL_MEMORY_KEYS if k in rows[n]}
-                     for n in names[:STATUS_MEMORY_MODELS]}
-    out["models_omitted"] = max(0, len(names) - STATUS_MEMORY_MODELS)
-    return out
-
-
-def info_dict(info: Any) -> dict[str, Any]:
-    """``Loaded.info`` from an engine ``ModelInfo`` (or a map)."""
-    if isinstance(info, dict):
-        return plain(info)
-    names = ("name", "vocab_size", "max_model_len", "eos_token_ids", "device_bytes", "kv_pages", "block_size",
-             "quantization", "kv_cache_dtype")
-    return plain({n: getattr(info, n) for n in names if hasattr(info, n)})
+STATUS_MEMORY_MODELS = 64  # memory rows a Status carries at most (a Status stays small)
 
 
 # --- encoding ---------------------------------------------------------------------------------
@@ -435,6 +416,9 @@ def _typed(value: Any, hint: Any, where: str) -> Any:
     if origin is Union or origin is types.UnionType:
         if value is None and type(None) in get_args(hint):
             return None
+        arms = [arm for arm in get_args(hint) if arm is not type(None)]
+        if len(arms) == 1:  # X | None: X's own error names the bad field inside a record
+            return _typed(value, arms[0], where)
         for arm in get_args(hint):
             if arm is type(None):
                 continue

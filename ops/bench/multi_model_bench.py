@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import shlex
@@ -130,7 +131,7 @@ def run(a: argparse.Namespace, dirs: dict[str, Path]) -> dict[str, Any]:
         _phase_ttft(b, res)
     if "swap" in a.phases:
         res["swap"] = b.swaps()
-    res["memory"] = b.core.memory()
+    res["memory"] = dataclasses.asdict(b.core.memory())
     b.core.pool.audit()
     res["goals"] = goals(res)
     return res

@@ -128,9 +128,9 @@ class Bench:
                                     max_num_seqs=self.a.max_num_seqs, num_kv_pages=kv)
         s = time.perf_counter() - t0
         self.vocab[name], self.block[name] = info.vocab_size, info.block_size
-        booked = self.core.memory()["models"].get(name, {})
+        booked = self.core.memory().models.get(name)
         return {"s": s, "from": "warm_tier" if held else "files", "kv_pages": info.kv_pages,
-                "tokens_per_page": info.block_size, "workspace_booked": booked.get("workspace")}
+                "tokens_per_page": info.block_size, "workspace_booked": booked.workspace if booked is not None else None}
 
     def unload(self, name: str) -> float:
         t0 = time.perf_counter()

@@ -99,8 +99,8 @@ def main() -> int:
         served = serve(core, names)
         mem = core.memory()
         room[kind] = {"loaded": len(names), "refused": refused, "served_tokens": served,
-                      "used_gib": mem.get("used", 0) / GIB, "weights_gib": mem.get("weights", 0) / GIB,
-                      "budget_gib": mem.get("budget", 0) / GIB}
+                      "used_gib": mem.used / GIB, "weights_gib": mem.weights / GIB,
+                      "budget_gib": mem.budget / GIB}
         print(f"room {kind}: {room[kind]}", flush=True)
         del core
         torch.cuda.empty_cache()

@@ -67,8 +67,11 @@ def test_pull_load_unload_cycle(daemon) -> None:
     code, body = daemon.post(f"/admin/v1/models/{MODEL}/unload?wait=true", headers=TOKEN, timeout=60)
     assert code == 200 and body["model"]["state"] == "cached"
     assert daemon.get(f"/readyz/{MODEL}")[0] == 503
+    # autoload (the default): a request for a model that is not loaded brings it back
     code, body = daemon.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}, headers=KEY)
-    assert code == 503 and body["error"]["code"] == "model_not_ready"
+    assert code == 200 and _model(daemon)["state"] == "ready", body
+    code, body = daemon.post(f"/admin/v1/models/{MODEL}/unload?wait=true", headers=TOKEN, timeout=60)
+    assert code == 200 and body["model"]["state"] == "cached"
 
 
 def test_cli_load_unload_pull(daemon) -> None:

@@ -15,7 +15,10 @@ import uvloop
 
 from agent.worker import client as wc
 from agent.worker import spawn as ws
+from engine.model_info import ModelInfo
+from engine.sampling import SamplingParams
 from engine.worker import protocol as P
+from tests.records import model_stats
 
 
 async def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -63,7 +66,7 @@ def test_hello_heartbeat_and_refusals() -> None:
         with pytest.raises(wc.WorkerError, match="without an engine") as ei:
             await client.load("m", "/nonexistent", max_model_len=64, max_num_seqs=1)
         assert ei.value.code == "no_engine"
-        req = client.add("r1", "m", [1, 2], {"max_tokens": 2})
+        req = client.add("r1", "m", [1, 2], SamplingParams(max_tokens=2))
         err = await asyncio.wait_for(req.queue.get(), 5)
         assert isinstance(err, wc.WorkerError) and err.code == "no_engine"
         assert client.in_flight() == 0
@@ -82,7 +85,7 @@ def test_sigkill_fails_in_flight_and_restarts() -> None:
         assert isinstance(got, wc.WorkerDied) and "signal 9" in str(got)
         assert downs == [1]
         with pytest.raises(wc.WorkerDied):
-            client.add("r2", "m", [1], {})
+            client.add("r2", "m", [1], SamplingParams())
         await _wait_for(lambda: client.alive and client.state.pid != first_pid, 30)
         assert client.state.restarts == 1 and len(ups) == 2
         assert client.heartbeat_fresh()
@@ -267,11 +270,12 @@ def test_a_load_or_unload_marks_the_models_last_status_stale() -> None:
     marks that model's row stale (a model's view reads its Loaded info instead) until the next
     Status; the rows themselves stay as the worker sent them, consistent with its memory split."""
     c = wc.WorkerClient({}, engine="none")
-    old = {"device_bytes": 9_000, "running": 0}
-    c._dispatch(P.Status(steps=1, busy=False, models={"m": old, "other": {"device_bytes": 5}}))
-    c._dispatch(P.Loaded(model="m", info={"device_bytes": 4_000}, seconds=0.1))
+    old = model_stats(device_bytes=9_000)
+    c._dispatch(P.Status(steps=1, busy=False, models={"m": old, "other": model_stats(device_bytes=5)}))
+    c._dispatch(P.Loaded(model="m", info=ModelInfo("m", 8, 64, [2], 4_000, 10, 16), seconds=0.1))
     assert c.state.stale_models == {"m"} and c.state.models["m"] is old
-    c._dispatch(P.Status(steps=2, busy=False, models={"m": {"device_bytes": 4_000}, "other": {"device_bytes": 5}}))
-    assert not c.state.stale_models and c.state.models["m"]["device_bytes"] == 4_000
+    c._dispatch(P.Status(steps=2, busy=False, models={"m": model_stats(device_bytes=4_000),
+                                                      "other": model_stats(device_bytes=5)}))
+    assert not c.state.stale_models and c.state.models["m"].device_bytes == 4_000
     c._dispatch(P.Unloaded(model="m"))
     assert c.state.stale_models == {"m"}

@@ -50,7 +50,7 @@ def _run(core, prompts, params, model="m", abort_at: dict[str, int] | None = Non
             if steps == at:
                 core.abort_request(rid)
         assert steps < 5000
-    assert core.stats()[model]["kv_pages_used"] == 0
+    assert core.stats()[model].kv_pages_used == 0
     return toks, reasons, lps, placeholders
 
 
@@ -119,7 +119,7 @@ def test_unload_and_load_settle_the_step_in_flight(model_dir, make_tiny_model):
     assert set(ended.values()) <= {"abort", "length"}
     core.unload_model("q")
     after = core.memory()
-    assert after["used"] == 0 and after["kv_used"] == 0 and before["budget"] == after["budget"]
+    assert after.used == 0 and after.kv_used == 0 and before.budget == after.budget
 
 
 SYSTEM = list(range(200, 219))  # 19 tokens: four full pages of 4
@@ -137,7 +137,8 @@ def test_prefix_cache_hits_under_async_steps_give_the_tokens_of_no_cache(model_d
     got = [_run(core, SHARED, _params())[:2] for _ in range(2)]
     assert got == want
     stats = core.stats()["m"]
-    assert stats["prefix_hit_tokens"] >= 5 * 16 and base.stats()["m"].get("prefix_hit_tokens") is None
+    assert stats.prefix_caching and stats.prefix_hit_tokens >= 5 * 16
+    assert not base.stats()["m"].prefix_caching and base.stats()["m"].prefix_hit_tokens == 0
 
 
 def test_a_step_left_in_flight_that_must_be_collected_is_collected_before_the_next_launch(model_dir):

@@ -81,12 +81,12 @@ def test_the_ledger_books_fp8_bytes_an_8b_takes_at_most_8_6_gib():
 
 def test_an_fp8_model_serves_and_tracks_the_unquantized_logits(tiny_llama_dir):
     core = EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, seed=0)
-    used0 = core.memory()["used"]
+    used0 = core.memory().used
     ref = core.load_model("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4)
     info = core.load_model("fp8", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="fp8")
     assert info.device_bytes < ref.device_bytes
     assert core.slot("fp8").weight_bytes == core.slot("fp8").model.nbytes
-    assert core.memory()["used"] > used0
+    assert core.memory().used > used0
     prompts = [list(range(3, 40)), [9, 8, 7], list(range(100, 180, 3))]
     a, b = prefill_logits(core, "ref", prompts), prefill_logits(core, "fp8", prompts)
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)

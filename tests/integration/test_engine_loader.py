@@ -164,7 +164,7 @@ def test_llm_rejects_bad_params_before_queueing(make_tiny_model):
     with pytest.raises(EngineError, match="not an id"):
         llm.generate([[1, 10**7]], SamplingParams(max_tokens=1))
     assert not llm.core.has_unfinished_requests()
-    assert llm.core.stats()["default"]["kv_pages_used"] == 0
+    assert llm.core.stats()["default"].kv_pages_used == 0
 
 
 def test_tied_head_saved_anyway_is_ignored(model_copy):
@@ -194,7 +194,7 @@ def test_llm_interrupted_generate_leaves_nothing_behind(make_tiny_model):
     with pytest.raises(KeyboardInterrupt):
         llm.generate([[40, 41, 42], [7, 8]], greedy)
     assert not llm.core.has_unfinished_requests()
-    assert llm.core.stats()["default"]["kv_pages_used"] == 0
+    assert llm.core.stats()["default"].kv_pages_used == 0
     llm.core.step = real_step
     again = llm.generate([[40, 41, 42], [7, 8]], greedy)
     assert [r.token_ids for r in again] == [r.token_ids for r in want]

@@ -99,7 +99,7 @@ def test_third_load_over_budget_is_refused_with_the_numbers_and_the_plan_names_t
     core.pool.audit()
     for name in ("b", "c"):
         core.unload_model(name)
-    assert core.ledger.snapshot() == start and core.memory()["kv_pages"] == 0
+    assert core.ledger.snapshot() == start and core.memory().kv_pages == 0
 
 
 @pytest.mark.parametrize("other_busy", [False, True], ids=["other_idle", "other_decoding"])
@@ -116,9 +116,9 @@ def test_unload_during_decode_frees_every_page_and_byte(dirs, solo, other_busy):
     while not all(len(toks.get(f"b{i}", ())) >= 2 for i in range(len(PROMPTS))):  # b is decoding
         for o in core.step():
             toks.setdefault(o.req_id, []).extend(o.new_token_ids)
-    assert core.stats()["b"]["kv_pages_used"] > 0
+    assert core.stats()["b"].kv_pages_used > 0
     core.unload_model("b")
-    assert "b" not in core.pool.models() and "b" not in core.memory()["models"]
+    assert "b" not in core.pool.models() and "b" not in core.memory().models
     snap = core.ledger.snapshot()
     assert "b" not in snap.weights and "b" not in snap.workspace and "b" not in snap.kv_min
     core.pool.audit()
@@ -135,10 +135,10 @@ def test_unload_during_decode_frees_every_page_and_byte(dirs, solo, other_busy):
     assert {k: v for k, v in toks.items() if k[0] == "a"} == ({k: v for k, v in solo.items() if k[0] == "a"}
                                                               if other_busy else {})
     mem = core.memory()
-    assert mem["kv_used"] == 0 and mem["models"]["a"]["kv_pages_used"] == 0
+    assert mem.kv_used == 0 and mem.models["a"].kv_pages_used == 0
     core.unload_model("a")
     assert core.ledger.snapshot() == start
-    assert core.memory()["used"] == 0 and core.memory()["kv_pages"] == 0
+    assert core.memory().used == 0 and core.memory().kv_pages == 0
 
 
 def test_memory_snapshot_and_stats_add_up(dirs):
@@ -148,12 +148,12 @@ def test_memory_snapshot_and_stats_add_up(dirs):
     core.add_request("x", "b", PROMPTS[1], GREEDY)
     core.step()
     mem = core.memory()
-    assert mem["used"] == mem["weights"] + mem["workspace"] + mem["kv"]
-    assert mem["kv"] == mem["kv_pages"] * mem["page_bytes"] and mem["free"] == mem["budget"] - mem["used"]
-    b = mem["models"]["b"]
-    assert b["kv_pages_used"] == core.stats()["b"]["kv_pages_used"] > 0
-    assert core.stats()["b"]["device_bytes"] == b["weights"] + b["workspace"] + b["kv_used"]
-    assert b["kv_min"] == -(-MAX_LEN // core.pool.layout("b").tokens_per_page) * mem["page_bytes"]
+    assert mem.used == mem.weights + mem.workspace + mem.kv
+    assert mem.kv == mem.kv_pages * mem.page_bytes and mem.free == mem.budget - mem.used
+    b = mem.models["b"]
+    assert b.kv_pages_used == core.stats()["b"].kv_pages_used > 0
+    assert core.stats()["b"].device_bytes == b.weights + b.workspace + b.kv_used
+    assert b.kv_min == -(-MAX_LEN // core.pool.layout("b").tokens_per_page) * mem.page_bytes
 
 
 def test_budget_arguments(dirs):
@@ -162,9 +162,9 @@ def test_budget_arguments(dirs):
     with pytest.raises(EngineError, match="not both"):
         EngineCore(device="cpu", memory_budget=1 << 30, memory_budget_bytes=1 << 30)
     core = EngineCore(device="cpu", memory_budget_bytes=1 << 30)
-    assert core.memory_budget_bytes == 1 << 30 and core.memory()["budget"] == 1 << 30
+    assert core.memory_budget_bytes == 1 << 30 and core.memory().budget == 1 << 30
     core.memory_budget_bytes = 2 << 30  # the worker sets it after construction
-    assert core.memory()["budget"] == 2 << 30
+    assert core.memory().budget == 2 << 30
     load(core, "a", dirs["a"])
     with pytest.raises(EngineError, match="no model is loaded"):
         core.memory_budget_bytes = 1 << 30
@@ -173,7 +173,7 @@ def test_budget_arguments(dirs):
 def test_warm_up_at_load_leaves_no_trace(dirs, solo):
     core = core_for(warmup=True)
     load(core, "a", dirs["a"])
-    assert core.stats()["a"]["kv_pages_used"] == 0
+    assert core.stats()["a"].kv_pages_used == 0
     toks: dict[str, list[int]] = {}
     submit(core, "a")
     drain(core, toks)
@@ -210,7 +210,7 @@ def test_trickle_ttft_next_to_a_flood_stays_near_its_solo_ttft(dirs):
     got_steps, got_s = [], []
     charged = {"flood": 0.0, "quiet": 0.0}  # by the flood-only steps
     for j in range(5):
-        while core.stats()["flood"]["running"] + core.stats()["flood"]["waiting"] < 8:  # keep it flooded
+        while core.stats()["flood"].running + core.stats()["flood"].waiting < 8:  # keep it flooded
             core.add_request(f"f{waves}", "flood", list(range(10, 30)), long)
             waves += 1
         for _ in range(3):  # flood-only steps: what one step of the flood costs
@@ -223,7 +223,7 @@ def test_trickle_ttft_next_to_a_flood_stays_near_its_solo_ttft(dirs):
         n, s = _ttft(core, f"q{j}", "quiet", flood_steps)
         got_steps.append(n)
         got_s.append(s)
-        while core.stats()["quiet"]["running"] + core.stats()["quiet"]["waiting"]:
+        while core.stats()["quiet"].running + core.stats()["quiet"].waiting:
             core.step()
     # Solo, the first token comes from the first step. Flooded: at most one flood step runs
     # before it (the quiet model wakes at the flood's virtual time and wins the tie).
@@ -243,17 +243,17 @@ def test_load_next_to_a_busy_model_shrinks_the_pool_by_preempting_it(dirs, needs
     core = core_for(budget)
     core.load_model("a", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=64)
     before = core.memory()
-    assert before["free"] < before["page_bytes"]  # a's pool took the rest of the budget
+    assert before.free < before.page_bytes  # a's pool took the rest of the budget
     submit(core, "a")
     toks: dict[str, list[int]] = {}
     for _ in range(4):
         for o in core.step():
             toks.setdefault(o.req_id, []).extend(o.new_token_ids)
-    assert core.stats()["a"]["kv_pages_used"] > 0
+    assert core.stats()["a"].kv_pages_used > 0
     generation = core.pool.generation
     load(core, "b", dirs["b"])
-    assert core.pool.generation == generation + 1 and core.memory()["kv"] < before["kv"]
-    assert core.memory()["used"] <= budget
+    assert core.pool.generation == generation + 1 and core.memory().kv < before.kv
+    assert core.memory().used <= budget
     submit(core, "b")
     drain(core, toks)
     assert toks == {k: v for k, v in solo.items() if k[0] in "ab"}  # the preempted ones recomputed
@@ -271,7 +271,7 @@ def test_a_load_that_fails_after_booking_leaves_the_books_as_they_were(dirs, tmp
     start = core.ledger.snapshot()
     with pytest.raises(EngineError):
         load(core, "x", broken)
-    assert core.ledger.snapshot() == start and core.memory()["kv_pages"] == 0
+    assert core.ledger.snapshot() == start and core.memory().kv_pages == 0
     load(core, "a", dirs["a"])
     after_a = core.ledger.snapshot()
     with pytest.raises(EngineError):
@@ -309,7 +309,7 @@ def test_weights_split_measured_step_time(dirs):
         longest = max(longest, time.perf_counter() - t)
     # both still have work (between two waves of max_num_seqs a model may have none running)
     st = core.stats()
-    assert all(st[n]["running"] + st[n]["waiting"] for n in ("heavy", "light")), st
+    assert all(st[n].running + st[n].waiting for n in ("heavy", "light")), st
     # Fair share keeps the weighted clocks within one step of each other...
     assert abs(core.picker.virtual_time("heavy") - core.picker.virtual_time("light")) <= longest
     # ...so measured time splits about 3:1.

@@ -210,4 +210,4 @@ def test_an_unloaded_models_prefix_cache_goes_with_it(oracle_model):
     core.unload_model("m")
     core.load_model("m", d, max_model_len=128, max_num_seqs=8)
     _, cached = _run_all(core, {"c": prompt}, 2)
-    assert cached["c"] == 0 and core.stats()["m"]["prefix_hit_tokens"] == 0
+    assert cached["c"] == 0 and core.stats()["m"].prefix_hit_tokens == 0

@@ -56,5 +56,5 @@ def test_decoding_beside_a_load_and_a_warm_reload(make_tiny_model):
     core.load_model("b", db, max_model_len=256, max_num_seqs=8)
     t = core.last_load_timings
     assert t["warm"] == 1.0 and t["warmup_skipped"] == 1.0
-    assert core.memory()["models"]["b"]["workspace"] > 0
+    assert core.memory().models["b"].workspace > 0
     assert _run(core, {"y" + k: ("b", p) for k, p in prompts.items()}) == {"y" + k: v for k, v in ref_b.items()}

@@ -71,13 +71,13 @@ def test_timings_and_a_warm_reload_skip_the_warm_up_at_the_same_shape(make_tiny_
     again = core.last_load_timings
     assert again["warm"] == 1.0 and again["warmup_skipped"] == 1.0
     assert _generate(core, "a", "r2") == ref
-    ws = core.memory()["models"]["a"]["workspace"]
+    ws = core.memory().models["a"].workspace
     core.unload_model("a")
     # Another max_num_seqs shapes another workspace: measured again, not carried over.
     core.load_model("a", d, max_model_len=128, max_num_seqs=2)
     other = core.last_load_timings
     assert other["warm"] == 1.0 and other["warmup_skipped"] == 0.0
-    assert core.memory()["models"]["a"]["workspace"] != ws
+    assert core.memory().models["a"].workspace != ws
     assert _generate(core, "a", "r3") == ref
 
 

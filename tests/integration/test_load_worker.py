@@ -16,6 +16,7 @@ import pytest
 import uvloop
 
 from agent.worker import client as wc
+from engine.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = '''
@@ -33,7 +34,7 @@ def _gated(model, model_dir, tier=None, key=None, *, cancel=None):
 
 _cl.load_or_restore = _gated
 '''
-SAMPLING = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+SAMPLING = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 @pytest.fixture
@@ -92,7 +93,7 @@ def test_a_model_decodes_while_another_loads_in_the_worker(gated):
         assert not load_b.done()  # all 40 tokens of "a" came while "b" was loading
         gate.touch()
         loaded = await asyncio.wait_for(load_b, 60)
-        assert loaded.model == "b" and loaded.info["kv_pages"] > 0
+        assert loaded.model == "b" and loaded.info.kv_pages > 0
         assert len(await _drain(c.add("r2", "b", [5, 9, 2, 7], SAMPLING))) == 40
         deadline = time.monotonic() + 10  # the next Status carries the engine's memory split
         while set(c.state.memory.get("models", {})) != {"a", "b"}:

@@ -17,6 +17,7 @@ from agent.manager.entries import ManagerError, ModelNotReady, State
 from agent.manager.manager import ModelManager
 from agent.metrics import Metrics
 from agent.worker.client import WorkerError
+from engine.model_info import ModelInfo
 
 
 class FakeWorker:
@@ -44,7 +45,7 @@ class FakeWorker:
                 raise WorkerError("no room", "no_room", {"needed": 10, "free": 4, "budget": 20, "short": 6,
                                                          "evictable": 6 * len(evictable or []), "evict": evict})
             self.loaded.append(name)
-            return SimpleNamespace(info={"vocab_size": 8, "max_model_len": max_model_len})
+            return SimpleNamespace(info=ModelInfo(name, 8, max_model_len, [2], 0, 0, 16))
         finally:
             self.active -= 1
 

@@ -73,7 +73,7 @@ class WorkerProc:
     def generate(self, name: str, prompt: list[int], n: int) -> list[int]:
         rid = f"r-{name}-{time.monotonic_ns()}"
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        self.send(P.Add(req_id=rid, model=name, prompt_token_ids=prompt, sampling=params.to_dict()))
+        self.send(P.Add(req_id=rid, model=name, prompt_token_ids=prompt, sampling=params))
         ids: list[int] = []
         while True:
             msg = self.wait_for(lambda m: isinstance(m, P.Tokens) and any(o[0] == rid for o in m.outputs)

@@ -61,7 +61,7 @@ def test_idle_only_while_the_engine_has_nothing_to_do(make_tiny_model):
         assert seen_idle_while_loading and not any(seen_idle_while_loading)
         assert worker.idle.wait(5)
         # A request: cleared from its Add until its last token is out.
-        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True).to_dict()
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
         agent.send(P.Add(req_id="r", model="m", prompt_token_ids=[5, 9, 2, 7], sampling=params))
         deadline = time.monotonic() + 60
         while not core.has_unfinished_requests() and time.monotonic() < deadline:

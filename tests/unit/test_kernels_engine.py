@@ -60,7 +60,7 @@ def test_cascade_attention_keeps_every_token(make_tiny_model, monkeypatch):
         got[mode] = [o.token_ids for o in llm.generate(prompts, params)]
         planned[mode] = next(iter(llm.core._slots.values())).runner.cascade_rows
         stats = next(iter(llm.core.stats().values()))  # what status and Prometheus report
-        assert stats.get("cascade_rows") == (planned[mode] if mode == "triton" else None)
+        assert stats.cascade == (mode == "triton") and stats.cascade_rows == planned[mode]
     assert planned["torch"] == 0  # the reference reads every row's context: no plan is made
     assert planned["triton"] >= 18 * 5  # every decode step of the 18 rows
     assert got["triton"] == got["torch"]

@@ -11,6 +11,8 @@
   and the like: the limits it needs come from the settings), and the request path's parameters are
   typed (no bare ``Any``);
 - text/ imports neither aiohttp nor torch: prompt building stays a pure function of the text.
+- no worker protocol message field, nor a field of a record one carries, is typed ``Any`` or a bare
+  ``dict`` / ``list`` (one typed value per concept), but for the few named in ``LOOSE_FIELDS``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,21 @@ HTTP_REQUEST_PATH = ("openai_api", "api_error", "api_keys", "request_body", "pro
 RETIRED_SWITCHES = ("INFIRE_URGENT_HOLDS", "INFIRE_SHARED_CAP", "INFIRE_QUIET_WINDOW_MS", "INFIRE_MODEL_STREAMS",
                     "INFIRE_SYNC", "INFIRE_CUDA_GRAPHS", "INFIRE_MIXED_GRAPHS", "INFIRE_GRAPHS_AT_LOAD_MAX",
                     "INFIRE_PREBUILD_RUNNER")
+# Protocol fields that stay loosely typed (``Any`` inside), each with the reason and the place its
+# values are checked. Every other message field, and every field of a record a message carries, is
+# typed all the way down.
+LOOSE_FIELDS = {
+    # The hot message, one frame per engine step: positional lists, checked by unpack_outputs.
+    "Tokens.outputs",
+    # At most STARTUP_PHASES_MAX [name, start_s, seconds] lists, checked by unpack_startup.
+    "Hello.startup",
+    # At most TIMINGS_MAX load phases to seconds, checked by unpack_timings.
+    "Loaded.timings",
+    # A refused load's figures (needed, free, evictable, budget, short, evict), read by the
+    # manager's room planning (agent/manager/room.py); a record once that planning takes one.
+    "Error.details",
+}
+PROTOCOL = ROOT / "engine" / "worker" / "protocol.py"
 
 
 def _modules() -> dict[str, Path]:
@@ -241,3 +258,51 @@ def test_http_request_path_parameters_are_typed() -> None:
                             arg.annotation is None or ast.unparse(arg.annotation) == "Any"):
                         found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}({arg.arg})")
     assert found == []
+
+
+def _loose(annotation: ast.expr) -> bool:
+    """An annotation with ``Any`` in it, or a bare ``dict`` / ``list`` (items of no type)."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        annotation = ast.parse(annotation.value, mode="eval").body
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Name) and node.id == "Any":
+            return True
+    bare = [annotation] + [n.slice for n in ast.walk(annotation) if isinstance(n, ast.Subscript)]
+    bare += [e for n in ast.walk(annotation) if isinstance(n, ast.Tuple) for e in n.elts]
+    bare += [side for n in ast.walk(annotation) if isinstance(n, ast.BinOp) for side in (n.left, n.right)]
+    return any(isinstance(n, ast.Name) and n.id in ("dict", "list") for n in bare)
+
+
+def _fields(cls: ast.ClassDef) -> dict[str, ast.expr]:
+    return {n.target.id: n.annotation for n in cls.body if isinstance(n, ast.AnnAssign)
+            and isinstance(n.target, ast.Name) and not ast.unparse(n.annotation).startswith("ClassVar")}
+
+
+def _classes(path: Path) -> dict[str, ast.ClassDef]:
+    return {c.name: c for c in ast.parse(path.read_text(encoding="utf-8")).body if isinstance(c, ast.ClassDef)}
+
+
+def test_protocol_messages_carry_typed_values() -> None:
+    tree = ast.parse(PROTOCOL.read_text(encoding="utf-8"))
+    messages = [c for c in tree.body if isinstance(c, ast.ClassDef)
+                and any(isinstance(d, ast.Name) and d.id == "_register" for d in c.decorator_list)]
+    assert len(messages) >= 10
+    # The records they carry: classes the protocol imports from the engine, and the classes of
+    # their modules that those name in turn (MemoryStats.models: ModelMemory).
+    records: dict[str, ast.ClassDef] = {}
+    todo: list[tuple[ast.ClassDef, dict[str, ast.ClassDef]]] = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("engine."):
+            module = _classes(ROOT.joinpath(*node.module.split(".")).with_suffix(".py"))
+            todo += [(module[a.name], module) for a in node.names if a.name in module]
+    while todo:
+        cls, module = todo.pop()
+        if cls.name in records:
+            continue
+        records[cls.name] = cls
+        todo += [(module[n.id], module) for ann in _fields(cls).values() for n in ast.walk(ann)
+                 if isinstance(n, ast.Name) and n.id in module]
+    assert {"SamplingParams", "ModelInfo", "ModelStats", "MemoryStats", "ModelMemory"} <= set(records)
+    loose = sorted(f"{c.name}.{f}" for c in messages + list(records.values())
+                   for f, ann in _fields(c).items() if _loose(ann))
+    assert loose == sorted(LOOSE_FIELDS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from agent.metrics import Metrics
+from tests.records import model_stats
 
 
 def test_metrics_registries_are_per_instance() -> None:
@@ -15,9 +16,10 @@ def test_metrics_registries_are_per_instance() -> None:
     text = a.render().decode()
     assert 'infire_model_state{model="m",state="draining"} 1.0' in text
     assert 'infire_model_state{model="m",state="ready"} 0.0' in text
-    a.refresh_engine({"m": {"running": 2, "waiting": 1, "kv_pages_used": 3, "kv_pages_total": 9, "device_bytes": 10,
-                            "parked": 4, "parked_s": 0.012, "prefix_cached_pages": 7, "prefix_queried_tokens": 900,
-                            "prefix_hit_tokens": 640, "cascade_rows": 321, "cascade_steps": 20}})
+    a.refresh_engine({"m": model_stats(running=2, waiting=1, kv_pages_used=3, kv_pages_total=9, device_bytes=10,
+                                       yield_waits=4, yield_wait_s=0.012, prefix_caching=True, prefix_cached_pages=7,
+                                       prefix_queried_tokens=900, prefix_hit_tokens=640, cascade=True,
+                                       cascade_rows=321, cascade_steps=20)})
     text = a.render().decode()
     assert 'infire_running_sequences{model="m"} 2.0' in text and "infire_gpu_used_bytes 10.0" in text
     assert 'infire_parked_steps{model="m"} 4.0' in text and 'infire_parked_seconds{model="m"} 0.012' in text
@@ -28,6 +30,20 @@ def test_metrics_registries_are_per_instance() -> None:
     text = a.render().decode()
     assert 'infire_running_sequences{model="m"}' not in text and 'infire_parked_steps{model="m"}' not in text
     assert 'infire_prefix_hit_tokens{model="m"}' not in text and 'infire_cascade_rows{model="m"}' not in text
+
+
+def test_feature_series_follow_the_flags_not_the_figures() -> None:
+    """A model without cascade plans or constrained requests has no cascade or grammar series
+    (its figures are 0 in the record); one with them has every series, zeros included."""
+    a = Metrics()
+    a.refresh_engine({"plain": model_stats(running=1),
+                      "both": model_stats(cascade=True, constrained=True, grammar_compiles=2, grammar_mask_s=0.5)})
+    text = a.render().decode()
+    assert 'model="plain"' in text and 'infire_prefix_hit_tokens{model="plain"} 0.0' in text
+    assert 'infire_cascade_rows{model="plain"}' not in text and 'infire_grammar_compiles{model="plain"}' not in text
+    assert 'infire_cascade_rows{model="both"} 0.0' in text and 'infire_grammar_compiles{model="both"} 2.0' in text
+    assert 'infire_grammar_mask_seconds{model="both"} 0.5' in text
+    assert 'infire_grammar_masked_steps{model="both"} 0.0' in text
 
 
 def test_the_loop_histogram_exposes_what_prometheus_clients_histogram_does() -> None:

@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 import msgpack
 import pytest
 
+from engine.model_info import ModelInfo
+from engine.sampling import SamplingParams
 from engine.worker import protocol as P
+from tests.records import model_stats
 
 
 def _body(obj: object) -> bytes:
@@ -20,16 +23,16 @@ def _body(obj: object) -> bytes:
 @pytest.mark.parametrize(
     "msg",
     [
-        P.Add(req_id="r1", model="m", prompt_token_ids=[1, 2, 3], sampling={"temperature": 0.0, "seed": 7}),
+        P.Add(req_id="r1", model="m", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(temperature=0.0, seed=7)),
         P.Abort(req_ids=["a", "b"]),
         P.Load(model="m", model_dir="/x", max_model_len=128, max_num_seqs=4, weight=2.0),
         P.Unload(model="m"),
         P.Shutdown(),
         P.Hello(pid=12, device="cpu"),
-        P.Loaded(model="m", info={"vocab_size": 100}, seconds=0.5),
+        P.Loaded(model="m", info=ModelInfo("m", 100, 64, [2, 3], 1 << 20, 12, 16, "fp8", None), seconds=0.5),
         P.Unloaded(model="m"),
         P.Tokens(step=3, outputs=[P.pack_output("r1", [5, 6], None, None, 3), P.pack_output("r2", [], "abort", None, 1)]),
-        P.Status(steps=9, busy=True, models={"m": {"running": 2}}),
+        P.Status(steps=9, busy=True, models={"m": model_stats(running=2, prefix_caching=True, yield_wait_s=0.5)}),
         P.Heartbeat(seq=1, phase="loading:m", phase_seconds=1.5),
         P.Error(op="add", message="bad", code="EngineError", req_id="r1"),
     ],
@@ -99,7 +102,8 @@ def test_frame_size_bounds() -> None:
     with pytest.raises(P.ProtocolError, match="exceeds"):
         P.FrameDecoder().feed(struct.pack(">I", 0xFFFFFFFF) + b"x")
     with pytest.raises(P.ProtocolError, match="exceeds"):
-        P.encode(P.Add(req_id="r", model="m", prompt_token_ids=[], sampling={"x": b"\0" * (P.MAX_FRAME_BYTES + 1)}))
+        P.encode(P.Add(req_id="r", model="m", prompt_token_ids=[], sampling=SamplingParams(),
+                       grammar="\0" * (P.MAX_FRAME_BYTES + 1)))
     with pytest.raises(P.ProtocolError):
         P.frame_length(b"\0\0")
 
@@ -148,3 +152,14 @@ def test_a_record_is_decoded_strictly_naming_the_field(wire: dict, why: str) -> 
 
 def test_a_record_ignores_extra_keys_within_a_version() -> None:
     assert P._typed({"inner": {"n": 1, "later": 2}, "new": 0}, _Outer, "x") == _Outer(_Inner(1))
+
+
+def test_model_info_crosses_whole_and_strictly() -> None:
+    info = ModelInfo("m", 100, 64, [2], 1000, 10, 16)
+    wire = P.Loaded(model="m", info=info, seconds=0.1).to_wire()
+    assert set(wire["info"]) == {f for f in ModelInfo.__dataclass_fields__}  # every field, always
+    back = P.decode(msgpack.packb(wire, use_bin_type=True))
+    assert isinstance(back, P.Loaded) and back.info == info and isinstance(back.info, ModelInfo)
+    del wire["info"]["vocab_size"]
+    with pytest.raises(P.ProtocolError, match="loaded.info: missing field 'vocab_size'"):
+        P.decode(msgpack.packb(wire, use_bin_type=True))

@@ -10,7 +10,10 @@ import time
 import msgpack
 import pytest
 
+from engine.model_info import ModelInfo
 from engine.worker import protocol as P
+
+INFO = ModelInfo("m", 100, 64, [2], 1000, 10, 16)
 
 
 def _decode(obj: dict) -> P.Message:
@@ -21,14 +24,14 @@ def test_hello_and_loaded_carry_the_start_record_both_ways() -> None:
     hello = P.Hello(pid=3, device="cpu", startup=[["python", 0.0, 0.05], ["engine_imports", 0.05, 1.5]])
     back = P.decode(P.encode(hello)[4:])
     assert back == hello and P.unpack_startup(back) == [("python", 0.0, 0.05), ("engine_imports", 0.05, 1.5)]
-    loaded = P.Loaded(model="m", info={}, seconds=0.5, timings={"weights_s": 0.25, "total_s": 0.5})
+    loaded = P.Loaded(model="m", info=INFO, seconds=0.5, timings={"weights_s": 0.25, "total_s": 0.5})
     assert P.unpack_timings(P.decode(P.encode(loaded)[4:])) == {"weights_s": 0.25, "total_s": 0.5}
 
 
 def test_an_older_peer_without_the_fields_still_decodes() -> None:
     hello = _decode({"v": 1, "t": "hello", "pid": 3, "device": "cpu"})
     assert isinstance(hello, P.Hello) and P.unpack_startup(hello) == []
-    loaded = _decode({"v": 1, "t": "loaded", "model": "m", "info": {}, "seconds": 0.1})
+    loaded = _decode({"v": 1, "t": "loaded", "model": "m", "info": P._wire_value(INFO), "seconds": 0.1})
     assert isinstance(loaded, P.Loaded) and P.unpack_timings(loaded) == {}
 
 
@@ -55,7 +58,7 @@ def test_a_bad_startup_record_is_a_protocol_error(startup: object, why: str) -> 
 ])
 def test_bad_load_timings_are_a_protocol_error(timings: dict, why: str) -> None:
     with pytest.raises(P.ProtocolError, match=why):
-        P.unpack_timings(_decode({"v": 1, "t": "loaded", "model": "m", "info": {}, "seconds": 0.1,
+        P.unpack_timings(_decode({"v": 1, "t": "loaded", "model": "m", "info": P._wire_value(INFO), "seconds": 0.1,
                                   "timings": timings}))
 
 

@@ -1,22 +1,35 @@
-"""SamplingParams: every bound refused with an error naming the field; dict round trip."""
+"""SamplingParams: every bound refused at construction with an error naming the field; frozen; a
+record of the worker protocol (Add.sampling), decoded strictly."""
 
 from __future__ import annotations
 
 import math
 
+import dataclasses
+
 import pytest
 
 from engine.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from engine.worker import protocol as P
 
 
-def test_defaults_are_valid_and_round_trip():
-    p = SamplingParams().validate()
+def _add(sampling: object) -> bytes:
+    return P.encode(P.Add(req_id="r", model="m", prompt_token_ids=[1], sampling=sampling))[4:]  # type: ignore[arg-type]
+
+
+def test_defaults_are_valid_and_cross_the_protocol():
+    p = SamplingParams()
     assert p.temperature == 1.0 and p.top_k == 0 and p.seed is None and not p.greedy
+    ids = [1, 2]
     q = SamplingParams(temperature=0, top_p=0.5, top_k=5, min_p=0.1, seed=7, max_tokens=3,
-                       stop_token_ids=[1, 2], ignore_eos=True, logprobs=MAX_LOGPROBS)
-    d = q.to_dict()
-    assert d["stop_token_ids"] == [1, 2]
-    assert SamplingParams.from_dict(d) == q and SamplingParams.from_dict(d).greedy
+                       stop_token_ids=ids, ignore_eos=True, logprobs=MAX_LOGPROBS)
+    ids.append(3)  # the record holds a list of its own
+    assert q.stop_token_ids == [1, 2] and q.greedy
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        q.top_k = 6  # type: ignore[misc]
+    back = P.decode(_add(q))
+    assert isinstance(back, P.Add) and back.sampling == q and isinstance(back.sampling, SamplingParams)
+    assert SamplingParams(stop_token_ids=(4, 5)).stop_token_ids == [4, 5]
 
 
 @pytest.mark.parametrize(
@@ -35,13 +48,12 @@ def test_defaults_are_valid_and_round_trip():
     ],
 )
 def test_out_of_bounds_is_refused_naming_the_field(field, value):
-    p = SamplingParams(**{field: value})
     with pytest.raises(SamplingParamsError) as e:
-        p.validate()
+        SamplingParams(**{field: value})
     assert e.value.field == field
     assert str(e.value).startswith(f"{field}:")
     with pytest.raises(SamplingParamsError):
-        SamplingParams.from_dict({**SamplingParams().to_dict(), field: value})
+        dataclasses.replace(SamplingParams(), **{field: value})
 
 
 @pytest.mark.parametrize(
@@ -50,12 +62,15 @@ def test_out_of_bounds_is_refused_naming_the_field(field, value):
      ("seed", 0), ("seed", (1 << 63) - 1), ("max_tokens", 1), ("logprobs", 0), ("logprobs", None)],
 )
 def test_edges_are_accepted(field, value):
-    SamplingParams(**{field: value}).validate()
+    SamplingParams(**{field: value})
 
 
-def test_from_dict_refuses_unknown_keys_and_non_mappings():
-    with pytest.raises(SamplingParamsError) as e:
-        SamplingParams.from_dict({"temperature": 0.5, "best_of": 3})
-    assert e.value.field == "best_of"
-    with pytest.raises(SamplingParamsError):
-        SamplingParams.from_dict([("temperature", 1.0)])  # type: ignore[arg-type]
+@pytest.mark.parametrize("sampling, why", [
+    ({"top_k": -1}, "add.sampling: top_k: must be an integer"),  # the record's own bounds
+    ({"max_tokens": True}, "add.sampling.max_tokens: unexpected type bool"),
+    ({"stop_token_ids": 3}, "add.sampling.stop_token_ids: unexpected type int"),
+    ([("temperature", 1.0)], "add.sampling: expected a map"),
+])
+def test_a_bad_sampling_on_the_wire_is_a_protocol_error(sampling, why):
+    with pytest.raises(P.ProtocolError, match=why):
+        P.decode(_add(sampling))

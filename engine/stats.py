@@ -1,0 +1,79 @@
+"""What the engine holds, per model and in memory: :class:`ModelStats` (``EngineCore.stats()``)
+and :class:`MemoryStats` (``EngineCore.memory()``), torch-free records the worker's ``Status``
+carries to the agent.
+
+Every field is always present. A figure of a feature a model does not use is 0, and a flag says
+whether it uses it (``prefix_caching``, ``cascade``, ``constrained``): a view that shows those
+figures only where they mean something decides from the flag, never from a missing key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """One loaded model's requests, KV pages and device bytes now, and its counters since its load."""
+
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int  # the most it could hold now
+    device_bytes: int  # weights + workspace + the pages it holds (MemoryStats has the split by kind)
+    yield_waits: int  # times its step was yielded to a quiet model (shown as "parked")
+    yield_wait_s: float  # the caller's sleep on those (shown as "parked_s")
+    prefix_caching: bool  # it keeps a prefix index: the prefix_* figures are its
+    prefix_cached_pages: int  # pages its index holds (in use or free)
+    prefix_queried_tokens: int  # prompt tokens its admissions looked up
+    prefix_hit_tokens: int  # ... and found
+    cascade: bool  # its steps may plan cascade attention (Triton kernels): the cascade_* figures are its
+    cascade_rows: int  # rows that read a shared prefix once a tile
+    cascade_steps: int  # steps with a cascade plan
+    constrained: bool  # it had a constrained request: the grammar_* figures are its
+    grammar_compiles: int  # cache misses
+    grammar_cache_hits: int
+    grammar_compile_s: float
+    grammar_mask_s: float  # host seconds filling token masks
+    grammar_masked_rows: int
+    grammar_masked_steps: int
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """One model's share of the budget, in bytes (and its KV pages)."""
+
+    weights: int
+    workspace: int
+    kv_min: int  # its guaranteed KV pages' bytes
+    kv_used: int  # the bytes of the pages it holds
+    kv_pages_used: int
+    kv_pages_total: int
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """The budget and who holds it, in bytes: ``used`` is weights + workspace + the whole KV pool
+    (``kv``), of which the models' pages hold ``kv_used``. ``models``: the models on the shared
+    pool (a tensor-parallel model, which owns its cache, has no row)."""
+
+    budget: int
+    used: int
+    free: int
+    weights: int
+    workspace: int
+    kv: int
+    kv_used: int
+    page_bytes: int
+    kv_pages: int
+    kv_pages_free: int
+    models: dict[str, ModelMemory]
+    models_omitted: int  # rows left out of ``models`` (:meth:`largest`)
+
+    def largest(self, n: int) -> MemoryStats:
+        """This split with at most ``n`` model rows, the largest by weights first; the rest are
+        counted in ``models_omitted``."""
+        names = sorted(self.models, key=lambda m: -self.models[m].weights)
+        return dataclasses.replace(self, models={m: self.models[m] for m in names[:n]},
+                                   models_omitted=self.models_omitted + max(0, len(names) - n))
