@@ -34,7 +34,7 @@ from engine.config import ModelConfig
 from engine.core.fair_share import FairSharePicker
 from engine.core.ledger import LoadPlan, MemoryLedger
 from engine.core.load_notes import LoadNotes, setting as notes_setting
-from engine.core.loading import DTYPES, ModelLoader
+from engine.core.loading import DTYPES, ModelLoader, PendingLoad
 from engine.core.memory_plan import make_ledger
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot, RequestOutput
@@ -43,13 +43,13 @@ from engine.errors import EngineError, RequestError
 from engine.grammar.compiler import GrammarCompiler
 from engine.grammar.matcher import RequestGrammar
 from engine.kv.page_pool import PagePool
+from engine.load_spec import LoadSpec
 from engine.options import EngineOptions
 from engine.runner.cuda_graphs import DEFAULT_BUCKETS
 from engine.runner.step import PendingStep, StepResult
 from engine.runner.streams import StreamPool
 from engine.sampling import SamplingParams, SamplingParamsError
 from engine.sched.scheduler import SchedulerOutput
-from engine.weights.loader import PendingLoad
 from engine.weights.warm_tier import WarmTier
 
 __all__ = ["EngineCore", "InFlight"]
@@ -265,38 +265,22 @@ class EngineCore:
         return self._loader.dtype_for(cfg)
 
     # -- models ----------------------------------------------------------------------------
-    def check_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
-                   *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), quantization: str | None = None,
-                   kv_cache_dtype: str | None = None) -> LoadPlan:
+    def check_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:
         """The plan of a load without doing it (:meth:`ModelLoader.check_load`)."""
-        return self._loader.check_load(name, model_dir, max_model_len, max_num_seqs, num_kv_pages=num_kv_pages,
-                                       block_size=block_size, evictable=evictable, quantization=quantization,
-                                       kv_cache_dtype=kv_cache_dtype)
+        return self._loader.check_load(spec, evictable)
 
-    def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
-                   weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True,
-                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> ModelInfo:
+    def load_model(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> ModelInfo:
         """Book, load weights, give the model its KV pages and make it schedulable
         (:meth:`ModelLoader.load_model`: raises :class:`~engine.core.ledger.LoadRefused` before
-        the device is touched when it does not fit). ``quantization="fp8"``: FP8 projections;
-        ``kv_cache_dtype="fp8"``: an e4m3 KV cache (twice the tokens a page)."""
-        return self._loader.load_model(name, model_dir, max_model_len, max_num_seqs, weight,
-                                       num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable,
-                                       prefix_caching=prefix_caching, quantization=quantization,
-                                       kv_cache_dtype=kv_cache_dtype)
+        the device is touched when it does not fit; with ``evictable``, the idle models whose
+        unload would make room). ``spec.quantization="fp8"``: FP8 projections;
+        ``spec.kv_cache_dtype="fp8"``: an e4m3 KV cache (twice the tokens a page)."""
+        return self._loader.load_model(spec, evictable)
 
-    def begin_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
-                   weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True,
-                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> PendingLoad:
+    def begin_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> PendingLoad:
         """Phase 1 of a load here, phase 2 in a load thread (:meth:`ModelLoader.begin_load`);
         end it with :meth:`finish_load` or :meth:`cancel_load`."""
-        return self._loader.begin_load(name, model_dir, max_model_len, max_num_seqs, weight,
-                                       num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable,
-                                       prefix_caching=prefix_caching, quantization=quantization,
-                                       kv_cache_dtype=kv_cache_dtype)
+        return self._loader.begin_load(spec, evictable)
 
     def finish_load(self, pending: PendingLoad) -> ModelInfo:
         """Phase 3 of a load: install the model (:meth:`ModelLoader.finish_load`)."""

@@ -34,6 +34,7 @@ import torch
 
 from engine.errors import EngineError
 from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE
+from engine.load_spec import LoadSpec
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ def _calibrate(model_dir: str | Path, out: Path, token_ids: list[int], window: i
 
     t0 = time.perf_counter()
     core = EngineCore(device=device, dtype="float32", max_num_batched_tokens=window, cuda_graphs=False)
-    core.load_model("calibrate", model_dir, max_model_len=window + 8, max_num_seqs=2, prefix_caching=False)
+    core.load_model(LoadSpec("calibrate", model_dir, max_model_len=window + 8, max_num_seqs=2, prefix_caching=False))
     slot = core.slot("calibrate")
     model = slot.model
     grams = _collect_grams(core, "calibrate", token_ids, window)

@@ -201,8 +201,7 @@ class Worker:
     def _load_failed(self, msg: P.Load, e: Exception) -> None:
         from engine.worker.load_refusal import refusal_details
 
-        details = refusal_details(self.core, e, model_dir=msg.model_dir, max_model_len=msg.max_model_len,
-                                  max_num_seqs=msg.max_num_seqs, offered=list(msg.evictable))
+        details = refusal_details(self.core, e, msg.spec, offered=list(msg.evictable))
         code = "no_room" if details is not None else type(e).__name__
         self.conn.send(P.Error(op="load", message=f"{type(e).__name__}: {e}", code=code, model=msg.model,
                                details=P.plain(details or {})))
@@ -213,10 +212,7 @@ class Worker:
             msg = self._queued.popleft()
             t0 = time.monotonic()
             try:
-                pending = self.core.begin_load(msg.model, msg.model_dir, max_model_len=msg.max_model_len,
-                                               max_num_seqs=msg.max_num_seqs, weight=msg.weight,
-                                               evictable=list(msg.evictable), prefix_caching=msg.prefix_caching,
-                                               quantization=msg.quantization, kv_cache_dtype=msg.kv_cache_dtype)
+                pending = self.core.begin_load(msg.spec, list(msg.evictable))
             except Exception as e:
                 self._load_failed(msg, e)
                 continue

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from ops.bench.workload import (MULTI_TURN, NAME as WORKLOAD, SHARED_SYSTEM, BenchRequest, TokenTimes, multi_turn,
                                 percentile, sharegpt_like, shared_system, summary)
+from engine.load_spec import LoadSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -239,8 +240,9 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
 
         torch.set_num_threads(1)  # as the worker: a step's host tensors are tiny
     t_load = time.perf_counter()
-    info = core.load_model("bench", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                           prefix_caching=prefix_caching, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    info = core.load_model(LoadSpec("bench", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                    prefix_caching=prefix_caching, quantization=quantization,
+                                    kv_cache_dtype=kv_cache_dtype))
     load_s = time.perf_counter() - t_load
     runner = core.slot("bench").runner
     # Graphs deferred to their first use are captured now, outside the clock (a server pays

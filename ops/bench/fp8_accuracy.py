@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from engine.weights.calibrate import gptq_e4m3
+from engine.load_spec import LoadSpec
 
 REPO = Path(__file__).resolve().parents[2]
 E4M3_MAX = 448.0
@@ -248,7 +249,7 @@ def engine_accuracy(model_dir, ids: list[int], window: int, device: str = "auto"
     if calibrated is not None:
         models += [("cal", calibrated, "fp8", None), ("cal+kv", calibrated, "fp8", "fp8")]
     for name, d, q, kv in models:
-        core.load_model(name, d, max_model_len=window + 16, max_num_seqs=2, quantization=q, kv_cache_dtype=kv)
+        core.load_model(LoadSpec(name, d, max_model_len=window + 16, max_num_seqs=2, quantization=q, kv_cache_dtype=kv))
     ref_nll, ref_top = engine_eval(core, "ref", ids, window)
 
     def measured(name: str) -> dict:

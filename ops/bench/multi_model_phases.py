@@ -20,6 +20,7 @@ from typing import Any
 from engine.core.engine_core import EngineCore
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 from ops.bench.multi_model_setup import Plan, counter_delta, engine_counters, ratio
 from ops.bench.workload import percentile as pct
 from ops.bench.workload import BenchRequest, sharegpt_like
@@ -124,8 +125,8 @@ class Bench:
         held = tier is not None and any(k.split("|", 1)[0] == name for k in tier.models())
         kv = self.plan.kv_pages if name in ("A", "B") else None
         t0 = time.perf_counter()
-        info = self.core.load_model(name, self.dirs[name], max_model_len=self.a.max_model_len,
-                                    max_num_seqs=self.a.max_num_seqs, num_kv_pages=kv)
+        info = self.core.load_model(LoadSpec(name, self.dirs[name], max_model_len=self.a.max_model_len,
+                                             max_num_seqs=self.a.max_num_seqs, num_kv_pages=kv))
         s = time.perf_counter() - t0
         self.vocab[name], self.block[name] = info.vocab_size, info.block_size
         booked = self.core.memory()["models"].get(name, {})

@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.core.engine_core import EngineCore
 from engine.core.ledger import LoadRefused
+from engine.load_spec import LoadSpec
 
 GIB = 1 << 30
 
@@ -37,7 +38,7 @@ def make_models(work: Path, arch: str, preset: str, small_arch: str, small_prese
 def _needed(core: EngineCore, name: str, d: Path, max_len: int, seqs: int, kv_pages: int | None = None) -> int:
     """Bytes a load needs (weights + workspace estimate + guaranteed KV), whether or not it fits."""
     try:
-        return core.check_load(name, d, max_len, seqs, num_kv_pages=kv_pages).needed
+        return core.check_load(LoadSpec(name, d, max_len, seqs, num_kv_pages=kv_pages)).needed
     except LoadRefused as e:
         return e.needed
 

@@ -37,6 +37,7 @@ from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.runner.cuda_graphs import DEFAULT_BUCKETS  # noqa: E402
 from engine.weights.loader import warm_key, weight_files  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 
 PHASES = ("config_s", "book_s", "alloc_s", "weights_s", "rope_s", "wait_s", "install_s", "runner_s",
           "warmup_s", "measure_s", "total_s")
@@ -83,7 +84,7 @@ def dd_rate(path: Path, files: list[Path]) -> dict:
 def load_once(core: EngineCore, model_dir: str, max_num_seqs: int = 256) -> dict:
     sync(core)
     t0 = time.perf_counter()
-    info = core.load_model("m", model_dir, max_model_len=4096, max_num_seqs=max_num_seqs)
+    info = core.load_model(LoadSpec("m", model_dir, max_model_len=4096, max_num_seqs=max_num_seqs))
     sync(core)
     t1 = time.perf_counter()
     core.add_request("q", "m", list(range(100, 116)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
@@ -104,7 +105,7 @@ def unload(core: EngineCore, res: dict, key: str) -> None:
 
 def overlap(core: EngineCore, model_dir: str, files: list[Path]) -> dict:
     """Model "a" decodes while "b" loads beside it (what the worker's loop does)."""
-    core.load_model("a", model_dir, max_model_len=4096, max_num_seqs=32)
+    core.load_model(LoadSpec("a", model_dir, max_model_len=4096, max_num_seqs=32))
     params = SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True)
     for i in range(32):
         core.add_request(f"a{i}", "a", list(range(100 + i, 164 + i)), params)
@@ -121,7 +122,7 @@ def overlap(core: EngineCore, model_dir: str, files: list[Path]) -> dict:
     alone = steps(50)
     warm(files)
     t0 = time.perf_counter()
-    pending = core.begin_load("b", model_dir, max_model_len=4096, max_num_seqs=32)
+    pending = core.begin_load(LoadSpec("b", model_dir, max_model_len=4096, max_num_seqs=32))
     begin_s = time.perf_counter() - t0
     during: list[float] = []
     while not pending.done():

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.core.ledger import LoadRefused  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 from ops.bench.fp8_accuracy import prefill_logits  # noqa: E402
 
 GIB = 1 << 30
@@ -53,7 +54,7 @@ def main() -> int:
         # no graphs: only prefill logits are read here (and float32 is a test path, not captured)
         core = EngineCore(device="cuda", max_num_batched_tokens=4096, seed=0, dtype=dtype, cuda_graphs=False)
         t = time.perf_counter()
-        info = core.load_model(name, model_dir, max_model_len=2048, max_num_seqs=8, quantization=q)
+        info = core.load_model(LoadSpec(name, model_dir, max_model_len=2048, max_num_seqs=8, quantization=q))
         loads[name] = {"load_s": time.perf_counter() - t, "weight_bytes": core.slot(name).weight_bytes,
                        "weight_gib": core.slot(name).weight_bytes / GIB, "device_bytes": info.device_bytes}
         logits[name] = prefill_logits(core, name, prompts)
@@ -91,7 +92,7 @@ def main() -> int:
         names, refused = [], None
         for i in range(4):
             try:
-                core.load_model(f"{kind}{i}", model_dir, max_model_len=4096, max_num_seqs=64, quantization=q)
+                core.load_model(LoadSpec(f"{kind}{i}", model_dir, max_model_len=4096, max_num_seqs=64, quantization=q))
                 names.append(f"{kind}{i}")
             except LoadRefused as e:
                 refused = str(e)[:300]

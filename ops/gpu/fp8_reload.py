@@ -14,6 +14,7 @@ import time
 
 from engine.core.engine_core import EngineCore
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 from ops.bench.engine_bench import _commit
 
 GiB = 1 << 30
@@ -41,7 +42,7 @@ def main() -> int:
         name = q or "bf16"
         rows = []
         t = time.perf_counter()
-        info = core.load_model(name, model, max_model_len=2048, max_num_seqs=64, quantization=q)
+        info = core.load_model(LoadSpec(name, model, max_model_len=2048, max_num_seqs=64, quantization=q))
         files_s = time.perf_counter() - t
         _first_token(core, name)
         for _ in range(3):
@@ -50,7 +51,7 @@ def main() -> int:
                 core.step()
             held = any(k.split("|", 1)[0] == name for k in core.warm_tier.models())  # keys: "name|..."
             t = time.perf_counter()
-            core.load_model(name, model, max_model_len=2048, max_num_seqs=64, quantization=q)
+            core.load_model(LoadSpec(name, model, max_model_len=2048, max_num_seqs=64, quantization=q))
             ready = time.perf_counter() - t
             rows.append({"from_warm_tier": held, "ready_s": ready, "first_token_s": _first_token(core, name)})
         res["runs"][name] = {"weight_bytes": info.device_bytes, "load_from_files_s": files_s, "reloads": rows}

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 t_torch = time.perf_counter()
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.options import EngineOptions  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 
 t_imports = time.perf_counter()
 opts = EngineOptions()
@@ -33,7 +34,7 @@ core = EngineCore(device="cuda", max_num_batched_tokens=opts.max_num_batched_tok
 torch.zeros(1, device=core.device)
 torch.cuda.synchronize()
 t_core = time.perf_counter()
-core.load_model("m", sys.argv[1], max_model_len=4096, max_num_seqs=256)
+core.load_model(LoadSpec("m", sys.argv[1], max_model_len=4096, max_num_seqs=256))
 torch.cuda.synchronize()
 t_load = time.perf_counter()
 report = {"import_torch_s": t_torch - t0, "engine_imports_s": t_imports - t_torch, "core_and_context_s": t_core - t_imports,

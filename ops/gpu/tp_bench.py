@@ -34,6 +34,7 @@ if str(REPO) not in sys.path:
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 
 from ops.bench.workload import TokenTimes, percentile  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 
 
 def _drain(core) -> None:
@@ -126,7 +127,7 @@ def run_one(a: argparse.Namespace) -> dict:
         procs = spawn_followers(tp, init, devices, env=env)
         group = init_tp_group(0, tp, init, devices[0])
         core = TPEngineCore(group, **opts)
-    info = core.load_model("bench", a.model_dir, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs)
+    info = core.load_model(LoadSpec("bench", a.model_dir, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs))
     load_s = time.perf_counter() - t_load
     reqs = sharegpt_like(a.num_requests, info.vocab_size, 0)
     for j, n in enumerate((8, min(300, info.max_model_len - 8))):  # warm-up off the clock

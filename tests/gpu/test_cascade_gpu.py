@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.sharp import sharpen
+from engine.load_spec import LoadSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -78,7 +79,7 @@ def test_forks_of_one_prompt_run_through_cascade_graphs(tmp_path_factory):
     for graphs in (True, False):
         core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
                           decode_buckets=(1, 8, 16, 24, 32), cuda_graphs=graphs, mixed_buckets=())
-        core.load_model("m", d, max_model_len=256, max_num_seqs=32)
+        core.load_model(LoadSpec("m", d, max_model_len=256, max_num_seqs=32))
         core.add_request("warm", "m", shared + [1], SamplingParams(temperature=0, max_tokens=1))
         while core.has_unfinished_requests():
             core.step()
@@ -110,7 +111,7 @@ def test_the_warm_up_compiles_every_kernel_a_cascade_variant_launches(tmp_path):
     d = make_model(tmp_path / "m", "llama", "small", seed=0)
     core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
                       decode_buckets=(1, 8, 16, 24, 32, 48, 64), mixed_buckets=())
-    core.load_model("m", d, max_model_len=2048, max_num_seqs=64)
+    core.load_model(LoadSpec("m", d, max_model_len=2048, max_num_seqs=64))
     runner = core.slot("m").runner
     runner.capture_deferred_graphs()
     graphs = runner.graphs

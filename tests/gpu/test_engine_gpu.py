@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from engine.runner.cuda_graphs import MixedGraphs
+from engine.load_spec import LoadSpec
 from tests.graph_stand_in import StandInGraphs
 from tests.sharp import sharpen
 
@@ -53,7 +54,7 @@ def _engine(model_dir, graphs: bool, monkeypatch, mixed: bool = False):
 
     core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
                       decode_buckets=(1, 2, 4, 8, 16), cuda_graphs=graphs, mixed_buckets=None if mixed else ())
-    core.load_model("m", model_dir, max_model_len=256, max_num_seqs=16)
+    core.load_model(LoadSpec("m", model_dir, max_model_len=256, max_num_seqs=16))
     return core
 
 
@@ -250,8 +251,8 @@ def test_programmatic_dependent_launch_changes_no_token(quantization, kv_dtype, 
         monkeypatch.setattr(_launch, "PDL_ON", pdl)
         core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
                           decode_buckets=(1, 2, 4, 8, 16))
-        core.load_model("m", d, max_model_len=256, max_num_seqs=16, quantization=quantization,
-                        kv_cache_dtype=kv_dtype)
+        core.load_model(LoadSpec("m", d, max_model_len=256, max_num_seqs=16, quantization=quantization,
+                                 kv_cache_dtype=kv_dtype))
         got[pdl] = _run(core, PROMPTS, SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=GEN,
                                                       ignore_eos=True, logprobs=3))
         runner = core.slot("m").runner

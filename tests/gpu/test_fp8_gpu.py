@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 from engine.kernels import activation, fp8, norm  # noqa: E402
 from engine.kernels import fp8_format as fmt  # noqa: E402
 from engine.kernels.fp8_triton import fp8_linear_small_m  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 
 DEV = "cuda"
 
@@ -113,7 +114,7 @@ def test_an_fp8_model_loads_quantized_and_tracks_bf16(small_llama):
     logits, cores = {}, {}
     for q in (None, "fp8"):
         core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0)
-        info = core.load_model("m", small_llama, max_model_len=512, max_num_seqs=8, quantization=q)
+        info = core.load_model(LoadSpec("m", small_llama, max_model_len=512, max_num_seqs=8, quantization=q))
         layer = core.slot("m").model.layers[1]
         assert layer.qkv_w.dtype == (fmt.FP8 if q else torch.bfloat16)
         assert core.slot("m").model.nbytes == weight_bytes(core.slot("m").model.cfg, torch.bfloat16, q)
@@ -157,8 +158,8 @@ def test_pre_quantized_checkpoints_load_on_the_gpu(layout, small_llama, tmp_path
     ck = quantize_folder(small_llama, tmp_path / layout, layout)
     prompts = [list(range(3, 60)), list(range(100, 400, 7))]
     core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0)
-    core.load_model("bf16", small_llama, max_model_len=512, max_num_seqs=8)
-    core.load_model("ck", ck, max_model_len=512, max_num_seqs=8)
+    core.load_model(LoadSpec("bf16", small_llama, max_model_len=512, max_num_seqs=8))
+    core.load_model(LoadSpec("ck", ck, max_model_len=512, max_num_seqs=8))
     assert core.slot("ck").model.quantization == "fp8"
     cos = torch.nn.functional.cosine_similarity(prefill_logits(core, "ck", prompts),
                                                 prefill_logits(core, "bf16", prompts), dim=-1)
@@ -182,8 +183,8 @@ def test_a_model_calibrated_on_the_gpu_serves_close_to_bf16(small_llama, tmp_pat
     calibrate(small_llama, tmp_path / "cal", ids, window=256, device="cuda")
     prompts = [list(range(3, 60)), list(range(100, 400, 7))]
     core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0)
-    core.load_model("bf16", small_llama, max_model_len=512, max_num_seqs=8)
-    core.load_model("cal", tmp_path / "cal", max_model_len=512, max_num_seqs=8)
+    core.load_model(LoadSpec("bf16", small_llama, max_model_len=512, max_num_seqs=8))
+    core.load_model(LoadSpec("cal", tmp_path / "cal", max_model_len=512, max_num_seqs=8))
     assert core.slot("cal").model.quantization == "fp8"
     cos = torch.nn.functional.cosine_similarity(prefill_logits(core, "cal", prompts),
                                                 prefill_logits(core, "bf16", prompts), dim=-1)

@@ -11,6 +11,7 @@ import gc
 
 import pytest
 import torch
+from engine.load_spec import LoadSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -63,7 +64,7 @@ def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(s
     try:
         # A pool (256 sequences of 2048 tokens) far larger than the weights, workspace and graphs,
         # so whether a reload took it from the cache or from the driver shows in the reserved bytes.
-        core.load_model("m", small_model, max_model_len=2048, max_num_seqs=256)
+        core.load_model(LoadSpec("m", small_model, max_model_len=2048, max_num_seqs=256))
         first = _serve_one(core, "m")
         core_pool_bytes = core.pool.num_pages * core.pool.page_bytes
         # Live bytes this core added (earlier tests of the process may hold tensors of their own).
@@ -80,7 +81,7 @@ def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(s
         assert reserved - live >= core_pool_bytes, seen
 
         streams = core.streams.created
-        core.load_model("m", small_model, max_model_len=2048, max_num_seqs=256)
+        core.load_model(LoadSpec("m", small_model, max_model_len=2048, max_num_seqs=256))
         assert _serve_one(core, "m") == first
         grew = torch.cuda.memory_reserved() - reserved
         assert grew < core_pool_bytes // 2, (grew, seen)  # the pool came from the cache

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine.load_spec import LoadSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -30,9 +31,9 @@ def _run(dirs, window_ms: str = "0", parked: list | None = None, only: str | Non
     core = EngineCore(device="cuda", dtype="float32", max_num_batched_tokens=256, seed=0,
                       decode_buckets=(1, 2, 4, 8, 16), quiet_window_s=int(window_ms) / 1000)
     if only in (None, "flood"):
-        core.load_model("flood", dirs[0], max_model_len=256, max_num_seqs=16)
+        core.load_model(LoadSpec("flood", dirs[0], max_model_len=256, max_num_seqs=16))
     if only in (None, "quiet"):
-        core.load_model("quiet", dirs[1], max_model_len=256, max_num_seqs=4)
+        core.load_model(LoadSpec("quiet", dirs[1], max_model_len=256, max_num_seqs=4))
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=24, ignore_eos=True)
     if only in (None, "flood"):

@@ -10,6 +10,7 @@ import pytest
 
 from engine.core.engine_core import EngineCore
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 PROMPTS = [list(range(40, 40 + n)) for n in (1, 5, 19, 33, 8, 3)]
 
@@ -17,8 +18,8 @@ PROMPTS = [list(range(40, 40 + n)) for n in (1, 5, 19, 33, 8, 3)]
 def _core(model_dir, async_steps: bool, **kw) -> EngineCore:
     core = EngineCore(device="cpu", max_num_batched_tokens=kw.pop("budget", 64), block_size=kw.pop("block_size", 4),
                       max_prefill_chunk=kw.pop("chunk", 16), seed=99, async_steps=async_steps)
-    core.load_model("m", model_dir, max_model_len=kw.pop("max_model_len", 64), max_num_seqs=kw.pop("max_num_seqs", 8),
-                    num_kv_pages=kw.pop("num_kv_pages", None), prefix_caching=kw.pop("prefix_caching", True))
+    core.load_model(LoadSpec("m", model_dir, max_model_len=kw.pop("max_model_len", 64), max_num_seqs=kw.pop("max_num_seqs", 8),
+                             num_kv_pages=kw.pop("num_kv_pages", None), prefix_caching=kw.pop("prefix_caching", True)))
     assert not kw
     return core
 
@@ -109,7 +110,7 @@ def test_unload_and_load_settle_the_step_in_flight(model_dir, make_tiny_model):
     for _ in range(4):
         outs += core.step()
     assert core.in_flight() is not None
-    core.load_model("q", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4)  # settles first
+    core.load_model(LoadSpec("q", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4))  # settles first
     assert core.in_flight() is None
     core.unload_model("m")
     while core.has_unfinished_requests():

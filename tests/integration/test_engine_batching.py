@@ -12,6 +12,7 @@ import pytest
 from engine.core.engine_core import EngineCore
 from engine.errors import EngineError, RequestError
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 PROMPTS = [list(range(40, 40 + n)) for n in (1, 5, 19, 33, 8)]
 N_NEW = 12
@@ -22,8 +23,8 @@ def make_core(model_dir, *, budget=256, block_size=16, chunk=None, num_kv_pages=
               max_num_seqs=8) -> EngineCore:
     core = EngineCore(device="cpu", max_num_batched_tokens=budget, block_size=block_size, max_prefill_chunk=chunk,
                       seed=1234)
-    core.load_model("m", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                    num_kv_pages=num_kv_pages)
+    core.load_model(LoadSpec("m", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                             num_kv_pages=num_kv_pages))
     return core
 
 
@@ -192,7 +193,7 @@ def test_logprobs_are_returned_and_consistent(model_dir):
         (lambda c: c.add_request("x", "m", [1], SamplingParams(logprobs=21)), "logprobs"),
         (lambda c: c.add_request("x", "m", [1], SamplingParams(max_tokens=0)), "max_tokens"),
         (lambda c: c.add_request("x", "m", [1], {"temperature": 0}), "SamplingParams"),
-        (lambda c: c.load_model("m", "/nonexistent"), "already loaded"),
+        (lambda c: c.load_model(LoadSpec("m", "/nonexistent")), "already loaded"),
         (lambda c: c.unload_model("nope"), "not loaded"),
     ],
 )
@@ -235,7 +236,7 @@ def test_context_length_ends_with_length(model_dir):
 
 def test_two_models_share_the_engine_and_unload_aborts(model_dir, make_tiny_model):
     core = make_core(model_dir)
-    core.load_model("q", make_tiny_model("qwen2"), max_model_len=64, max_num_seqs=4)
+    core.load_model(LoadSpec("q", make_tiny_model("qwen2"), max_model_len=64, max_num_seqs=4))
     core.add_request("a", "m", PROMPTS[1], GREEDY)
     core.add_request("b", "q", PROMPTS[1], GREEDY)
     seen = {"a": 0, "b": 0}
@@ -271,7 +272,7 @@ def test_a_failing_step_aborts_its_batch_and_keeps_the_books(model_dir):
 
 def test_decode_steps_padded_to_graph_buckets_give_the_same_tokens(model_dir, reference):
     core = EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, decode_buckets=(8, 3, 999))
-    core.load_model("m", model_dir, max_model_len=64, max_num_seqs=8)
+    core.load_model(LoadSpec("m", model_dir, max_model_len=64, max_num_seqs=8))
     runner = core.slot("m").runner
     assert runner.decode_buckets == (3, 8)  # sorted; a bucket above max_num_seqs is dropped
     shapes = []

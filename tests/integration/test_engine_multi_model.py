@@ -15,6 +15,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.ledger import LoadRefused
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 MAX_LEN = 64
 SEQS = 4
@@ -31,8 +32,8 @@ def core_for(budget: int | None = None, **kw) -> EngineCore:
     return EngineCore(device="cpu", max_num_batched_tokens=64, memory_budget=budget, seed=3, **kw)
 
 
-def load(core: EngineCore, name: str, d, **kw):
-    return core.load_model(name, d, max_model_len=MAX_LEN, max_num_seqs=SEQS, **kw)
+def load(core: EngineCore, name: str, d, evictable=(), **kw):
+    return core.load_model(LoadSpec(name, d, max_model_len=MAX_LEN, max_num_seqs=SEQS, **kw), evictable)
 
 
 def submit(core: EngineCore, *names: str) -> None:
@@ -55,7 +56,7 @@ def drain(core: EngineCore, toks: dict[str, list[int]]) -> None:
 def needs(dirs):
     """Bytes each load needs, from the plan of an engine with room for everything."""
     core = core_for(1 << 30)
-    return {n: core.check_load(n, d, MAX_LEN, SEQS).needed for n, d in dirs.items()}
+    return {n: core.check_load(LoadSpec(n, d, MAX_LEN, SEQS)).needed for n, d in dirs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_third_load_over_budget_is_refused_with_the_numbers_and_the_plan_names_t
     assert e.value.short == needs["c"] - e.value.free and e.value.evict == ()
     assert str(needs["c"]) in str(e.value)  # exact bytes in the message
     # The caller offers its idle models, least recently used first: the plan evicts just the first.
-    plan = core.check_load("c", dirs["c"], MAX_LEN, SEQS, evictable=["a", "b"])
+    plan = core.check_load(LoadSpec("c", dirs["c"], MAX_LEN, SEQS), evictable=["a", "b"])
     assert plan.evict == ("a",) and plan.needed == needs["c"]
     with pytest.raises(LoadRefused) as e:
         load(core, "c", dirs["c"], evictable=["a", "b"])
@@ -197,8 +198,8 @@ def _ttft(core: EngineCore, rid: str, model: str, flood_steps: list[float]) -> t
 
 def test_trickle_ttft_next_to_a_flood_stays_near_its_solo_ttft(dirs):
     core = EngineCore(device="cpu", max_num_batched_tokens=128, seed=3)
-    core.load_model("flood", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=8)
-    core.load_model("quiet", dirs["b"], max_model_len=MAX_LEN, max_num_seqs=8)
+    core.load_model(LoadSpec("flood", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=8))
+    core.load_model(LoadSpec("quiet", dirs["b"], max_model_len=MAX_LEN, max_num_seqs=8))
     solo_steps, solo_s, flood_steps = [], [], []
     for j in range(5):
         n, s = _ttft(core, f"solo{j}", "quiet", [])
@@ -238,10 +239,10 @@ def test_trickle_ttft_next_to_a_flood_stays_near_its_solo_ttft(dirs):
 def test_load_next_to_a_busy_model_shrinks_the_pool_by_preempting_it(dirs, needs, solo):
     # A budget that holds a and b exactly: a's pool first takes everything beside a's weights,
     # so b's load must shrink it while a's sequences hold pages.
-    need_a = core_for(1 << 30).check_load("a", dirs["a"], MAX_LEN, 64).needed
+    need_a = core_for(1 << 30).check_load(LoadSpec("a", dirs["a"], MAX_LEN, 64)).needed
     budget = need_a + needs["b"]
     core = core_for(budget)
-    core.load_model("a", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=64)
+    core.load_model(LoadSpec("a", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=64))
     before = core.memory()
     assert before["free"] < before["page_bytes"]  # a's pool took the rest of the budget
     submit(core, "a")
@@ -296,8 +297,8 @@ def test_padded_pages_and_a_block_size_that_does_not_fit(dirs, solo):
 
 def test_weights_split_measured_step_time(dirs):
     core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=3)
-    core.load_model("heavy", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=4, weight=3.0)
-    core.load_model("light", dirs["b"], max_model_len=MAX_LEN, max_num_seqs=4, weight=1.0)
+    core.load_model(LoadSpec("heavy", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=4, weight=3.0))
+    core.load_model(LoadSpec("light", dirs["b"], max_model_len=MAX_LEN, max_num_seqs=4, weight=1.0))
     long = SamplingParams(temperature=0, max_tokens=MAX_LEN - 4, ignore_eos=True)
     for name in ("heavy", "light"):
         for i in range(12):  # far more work than the steps below get through

@@ -10,6 +10,7 @@ import pytest
 from engine.core.engine_core import EngineCore
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 PROMPTS = [list(range(30, 30 + n)) for n in (33, 5, 19)]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -43,14 +44,14 @@ def _run(core: EngineCore, model: str, sizes: list[int], beside: str | None = No
 def test_steps_are_capped_while_models_share_the_device(make_tiny_model):
     a, b = make_tiny_model("llama"), make_tiny_model("qwen3")
     alone = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1)
-    alone.load_model("a", a, max_model_len=64, max_num_seqs=4)
+    alone.load_model(LoadSpec("a", a, max_model_len=64, max_num_seqs=4))
     sizes_alone: list[int] = []
     want = _run(alone, "a", sizes_alone)
     assert max(sizes_alone) > 8
 
     core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1, shared_step_tokens=8, quiet_window_s=0)
-    core.load_model("a", a, max_model_len=64, max_num_seqs=4)
-    core.load_model("b", b, max_model_len=64, max_num_seqs=4)
+    core.load_model(LoadSpec("a", a, max_model_len=64, max_num_seqs=4))
+    core.load_model(LoadSpec("b", b, max_model_len=64, max_num_seqs=4))
     sizes: list[int] = []
     assert _run(core, "a", sizes, beside="b") == want
     assert max(sizes) == 8
@@ -65,8 +66,8 @@ def test_steps_are_capped_while_models_share_the_device(make_tiny_model):
 
 def test_the_cap_holds_through_the_quiet_window_after_the_other_model_went_idle(make_tiny_model):
     core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1, shared_step_tokens=8, quiet_window_s=60)
-    core.load_model("a", make_tiny_model("llama"), max_model_len=64, max_num_seqs=4)
-    core.load_model("b", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4)
+    core.load_model(LoadSpec("a", make_tiny_model("llama"), max_model_len=64, max_num_seqs=4))
+    core.load_model(LoadSpec("b", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4))
     core.add_request("b0", "b", [5, 6], SamplingParams(temperature=0, max_tokens=1))
     while core.has_unfinished_requests():
         core.step()

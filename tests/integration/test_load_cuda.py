@@ -13,6 +13,7 @@ import torch
 
 from engine.core.engine_core import EngineCore
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -37,14 +38,14 @@ def test_decoding_beside_a_load_and_a_warm_reload(make_tiny_model):
     da, db = make_tiny_model("llama"), make_tiny_model("llama", seed=1)
     prompts = {f"r{i}": [3 + i, 7, 11 + i, 2] for i in range(6)}
     solo = _core()
-    solo.load_model("b", db, max_model_len=256, max_num_seqs=8)
+    solo.load_model(LoadSpec("b", db, max_model_len=256, max_num_seqs=8))
     ref_b = _run(solo, {k: ("b", p) for k, p in prompts.items()})
     core = _core(warmup=True, warm_tier_bytes=1 << 30)
-    core.load_model("a", da, max_model_len=256, max_num_seqs=8)
+    core.load_model(LoadSpec("a", da, max_model_len=256, max_num_seqs=8))
     ref_a = _run(core, {k: ("a", p) for k, p in prompts.items()})
     for rid, p in prompts.items():
         core.add_request("x" + rid, "a", p, GREEDY)
-    pending = core.begin_load("b", db, max_model_len=256, max_num_seqs=8)
+    pending = core.begin_load(LoadSpec("b", db, max_model_len=256, max_num_seqs=8))
     got_a = {"x" + k: [] for k in prompts}
     while core.has_unfinished_requests() or not pending.done():
         for o in core.step():
@@ -53,7 +54,7 @@ def test_decoding_beside_a_load_and_a_warm_reload(make_tiny_model):
     assert got_a == {"x" + k: v for k, v in ref_a.items()}
     assert _run(core, {k: ("b", p) for k, p in prompts.items()}) == ref_b
     core.unload_model("b")
-    core.load_model("b", db, max_model_len=256, max_num_seqs=8)
+    core.load_model(LoadSpec("b", db, max_model_len=256, max_num_seqs=8))
     t = core.last_load_timings
     assert t["warm"] == 1.0 and t["warmup_skipped"] == 1.0
     assert core.memory()["models"]["b"]["workspace"] > 0

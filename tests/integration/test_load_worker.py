@@ -16,6 +16,7 @@ import pytest
 import uvloop
 
 from agent.worker import client as wc
+from engine.load_spec import LoadSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = '''
@@ -84,9 +85,9 @@ def test_a_model_decodes_while_another_loads_in_the_worker(gated):
     gate, da, slow = gated
 
     async def body(c: wc.WorkerClient) -> None:
-        await c.load("a", str(da), max_model_len=128, max_num_seqs=4)
+        await c.load(LoadSpec("a", str(da), max_model_len=128, max_num_seqs=4))
         ref = await _drain(c.add("warm", "a", [5, 9, 2, 7], SAMPLING))
-        load_b = asyncio.ensure_future(c.load("b", str(slow), max_model_len=128, max_num_seqs=4))
+        load_b = asyncio.ensure_future(c.load(LoadSpec("b", str(slow), max_model_len=128, max_num_seqs=4)))
         await _wait_file(Path(str(gate) + ".entered"))
         assert await _drain(c.add("r1", "a", [5, 9, 2, 7], SAMPLING)) == ref
         assert not load_b.done()  # all 40 tokens of "a" came while "b" was loading
@@ -107,15 +108,15 @@ def test_an_unload_cancels_a_load_in_flight_in_the_worker(gated):
     gate, da, slow = gated
 
     async def body(c: wc.WorkerClient) -> None:
-        await c.load("a", str(da), max_model_len=128, max_num_seqs=4)
-        load_b = asyncio.ensure_future(c.load("b", str(slow), max_model_len=128, max_num_seqs=4))
+        await c.load(LoadSpec("a", str(da), max_model_len=128, max_num_seqs=4))
+        load_b = asyncio.ensure_future(c.load(LoadSpec("b", str(slow), max_model_len=128, max_num_seqs=4)))
         await _wait_file(Path(str(gate) + ".entered"))
         await asyncio.wait_for(c.unload("b"), 60)
         with pytest.raises(wc.WorkerError) as ei:
             await asyncio.wait_for(load_b, 60)
         assert ei.value.code == "cancelled"
         gate.touch()
-        await c.load("b", str(slow), max_model_len=128, max_num_seqs=4)  # the books were released
+        await c.load(LoadSpec("b", str(slow), max_model_len=128, max_num_seqs=4))  # the books were released
         assert len(await _drain(c.add("r", "b", [1, 2, 3], SAMPLING))) == 40
 
     _run(body)

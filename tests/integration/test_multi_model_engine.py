@@ -27,6 +27,7 @@ from engine.kv.layout import ModelPageSource
 from engine.kv.page_pool import PagePool
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.load_spec import LoadSpec
 
 MAX_LEN = 64
 BATCH_TOKENS = 128
@@ -121,7 +122,7 @@ def solo(dirs):
     out = {}
     for name, model_dir in dirs.items():
         core = EngineCore(device="cpu", max_num_batched_tokens=BATCH_TOKENS, seed=1)
-        core.load_model(name, model_dir, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS)
+        core.load_model(LoadSpec(name, model_dir, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS))
         for i, p in enumerate(PROMPTS[name]):
             core.add_request(f"{name}{i}", name, p, GREEDY)
         while core.has_unfinished_requests():

@@ -12,6 +12,7 @@ import pytest
 from engine.core.engine_core import EngineCore
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,8 @@ def _spy(runner, name: str, events: list) -> None:
 def _run(dirs, window_s: float, quiet: bool = True):
     core = EngineCore(device="cpu", max_num_batched_tokens=32, block_size=4, max_prefill_chunk=16, seed=5,
                       async_steps=True, quiet_window_s=window_s)
-    core.load_model("busy", dirs[0], max_model_len=64, max_num_seqs=8)
-    core.load_model("other", dirs[1], max_model_len=64, max_num_seqs=8)
+    core.load_model(LoadSpec("busy", dirs[0], max_model_len=64, max_num_seqs=8))
+    core.load_model(LoadSpec("other", dirs[1], max_model_len=64, max_num_seqs=8))
     events: list[tuple[str, str]] = []  # (model, "launch" | "collect") in order
     for name, slot in core.slots().items():
         _spy(slot.runner, name, events)

@@ -21,6 +21,7 @@ from engine.kv.kv_cache import KVCache, KVSpec
 from engine.models.llama import AttentionMetadata
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
+from engine.load_spec import LoadSpec
 
 ARCHS = ("llama", "qwen2", "qwen3", "llama-v509")  # the last: a vocabulary that does not split evenly
 OPTS = {"max_num_batched_tokens": 32, "block_size": 4, "seed": 0}
@@ -88,7 +89,7 @@ def _rank_main(rank: int, init_method: str, dirs: dict[str, str], out_path: str)
         core = TPEngineCore(group, **OPTS)
         engine_out = {}
         for arch, d in dirs.items():
-            info = core.load_model(arch, d, **LOAD)
+            info = core.load_model(LoadSpec(arch, d, **LOAD))
             engine_out[arch] = {"results": _run(core, arch), "device_bytes": info.device_bytes}
             core.unload_model(arch)
         stats = {"bytes_sent": core.channel.bytes_sent, "messages": core.channel.messages}
@@ -216,11 +217,11 @@ def _cli_rank0(init_method: str, d: str, out_path: str, num_kv_pages: int) -> No
     try:
         core = TPEngineCore(group, **OPTS)
         try:  # a load that fails on every rank leaves the group usable
-            core.load_model("m", d, **{**LOAD, "num_kv_pages": 3})
+            core.load_model(LoadSpec("m", d, **{**LOAD, "num_kv_pages": 3}))
             raise RuntimeError("a 3-page cache should have been refused")
         except TPError:
             pass
-        core.load_model("m", d, **{**LOAD, "num_kv_pages": num_kv_pages})
+        core.load_model(LoadSpec("m", d, **{**LOAD, "num_kv_pages": num_kv_pages}))
         results = _run(core, "m")
         core.close()
     finally:

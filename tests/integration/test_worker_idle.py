@@ -11,6 +11,7 @@ import time
 
 from engine.core.engine_core import EngineCore
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 from engine.worker import protocol as P
 from engine.worker.main import Worker, _Conn
 
@@ -52,7 +53,7 @@ def test_idle_only_while_the_engine_has_nothing_to_do(make_tiny_model):
     try:
         assert worker.idle.wait(5)  # nothing to do yet
         # While a model loads, never idle: sampled all along until Loaded arrives.
-        agent.send(P.Load(model="m", model_dir=str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=4))
+        agent.send(P.Load(spec=LoadSpec("m", str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=4)))
         seen_idle_while_loading = []
         while not any(isinstance(m, P.Loaded) for m in list(agent.got)):
             if core.loading is not None:

@@ -21,6 +21,7 @@ from engine.grammar.compiler import GrammarCompiler, GrammarError  # noqa: E402
 from engine.grammar.matcher import fill_masks  # noqa: E402
 from engine.kernels.sample import apply_token_bitmask  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 from text.tokenizer import Tokenizer, byte_to_unicode  # noqa: E402
 
 
@@ -139,7 +140,7 @@ SCHEMA = {"type": "object",
 
 def _run(model_dir, async_steps: bool, constrained: bool, seeds: range):
     core = EngineCore(device="cpu", async_steps=async_steps)
-    core.load_model("m", model_dir, max_model_len=512, max_num_seqs=16)
+    core.load_model(LoadSpec("m", model_dir, max_model_len=512, max_num_seqs=16))
     tok = Tokenizer.from_dir(model_dir)
     prompt = tok.encode("give me a record")
     grammar = json_grammar(SCHEMA, True, "x")
