@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.core.slot import ModelInfo
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
@@ -47,9 +48,7 @@ class LLM:
                  memory_budget_bytes: int | None = None, seed: int | None = None,
                  quantization: str | None = None, kv_cache_dtype: str | None = None) -> None:
         self.model_dir = Path(model_dir)
-        self.core = EngineCore(device=device, max_num_batched_tokens=max_num_batched_tokens,
-                               memory_budget_bytes=memory_budget_bytes, block_size=block_size,
-                               max_prefill_chunk=max_prefill_chunk, dtype=dtype, seed=seed)
+        self.core = EngineCore(EngineOptions(max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, max_prefill_chunk=max_prefill_chunk, dtype=dtype, seed=seed), device=device, budget=memory_budget_bytes)
         self.info: ModelInfo = self.core.load_model(LoadSpec(
             _MODEL_NAME, self.model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             num_kv_pages=num_kv_pages, quantization=quantization, kv_cache_dtype=kv_cache_dtype))

@@ -30,11 +30,10 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig
 from engine.core.fair_share import FairSharePicker
-from engine.core.ledger import LoadPlan, MemoryLedger
+from engine.core.ledger import LoadPlan
 from engine.core.load_notes import LoadNotes, setting as notes_setting
-from engine.core.loading import DTYPES, ModelLoader, PendingLoad
+from engine.core.loading import ModelLoader, PendingLoad
 from engine.core.memory_plan import make_ledger
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot, RequestOutput
@@ -42,10 +41,8 @@ from engine.core.step_policy import StepPolicy
 from engine.errors import EngineError, RequestError
 from engine.grammar.compiler import GrammarCompiler
 from engine.grammar.matcher import RequestGrammar
-from engine.kv.page_pool import PagePool
 from engine.load_spec import LoadSpec
 from engine.options import EngineOptions
-from engine.runner.cuda_graphs import DEFAULT_BUCKETS
 from engine.runner.step import PendingStep, StepResult
 from engine.runner.streams import StreamPool
 from engine.sampling import SamplingParams, SamplingParamsError
@@ -53,9 +50,6 @@ from engine.sched.scheduler import SchedulerOutput
 from engine.weights.warm_tier import WarmTier
 
 __all__ = ["EngineCore", "InFlight"]
-
-_DEFAULTS = EngineOptions()
-
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
@@ -107,63 +101,28 @@ class InFlight:
 class EngineCore:
     """Loads models and steps their requests. Not thread-safe: one caller drives it.
 
-    Every behaviour switch defaults to :class:`~engine.options.EngineOptions` (the daemon's
-    defaults). ``memory_budget`` (or the older ``memory_budget_bytes``): bytes, or on CUDA a
-    fraction of the device's total; None: 90 % of what CUDA has free now, 4 GiB on CPU.
-    ``page_bytes``: the pool's page size; None: set by the first load to ``block_size`` tokens of
-    that model. ``warmup``: run one largest-batch step at load to measure the workspace (None: on
-    CUDA). ``cuda_graphs``: False captures no graph at all (decode or mixed); ``decode_buckets``:
-    the decode batch sizes padded to (None: the graph buckets on CUDA with graphs, else none);
-    ``mixed_buckets``: the token counts of the mixed-step graphs (None: the runner's default).
-    ``async_steps``: launch step N+1 before collecting step N (None: on CUDA; True forces it on
-    CPU too; see :meth:`step`). ``shared_step_tokens``: while another model is active, no step
-    takes more tokens than this (None: off; :class:`~engine.core.step_policy.StepPolicy`).
-    ``quiet_window_s``: how long a model's request keeps it active (0: off; see ``StepPolicy``).
-    ``prebuild_runner``: on a warm reload that skips the warm-up, build the runner beside the
-    weights (engine/runner/prebuild.py; None: on CUDA; True: on CPU too, for tests).
-    ``load_notes_path``: a file where measured workspaces are kept across processes
-    (engine/core/load_notes.py), so a restart's load skips its warm-up (None: this process only).
+    ``options``: every behaviour switch (:class:`~engine.options.EngineOptions`, whose defaults
+    are the daemon's). ``device``: "auto" (CUDA when there is one), "cpu", "cuda", "cuda:N" or a
+    ``torch.device``. ``budget``: the memory budget, bytes, or on CUDA a fraction of the device's
+    total; None: 90 % of what CUDA has free now, 4 GiB on CPU (``pools.ledger.budget`` is the
+    resolved bytes).
+
+    Its collaborators are reachable for callers that need them: ``pools`` (the
+    :class:`~engine.core.pool_keeper.PoolKeeper`: ``pools.ledger``, ``pools.pool``), ``loader``
+    (the :class:`~engine.core.loading.ModelLoader`: ``loader.pending`` is the load in flight,
+    ``loader.last_load_timings``, ``loader.warm_tier``), ``policy``
+    (:class:`~engine.core.step_policy.StepPolicy`) and ``picker``.
     """
 
-    def __init__(self, device: str = "auto", max_num_batched_tokens: int = _DEFAULTS.max_num_batched_tokens,
-                 memory_budget_bytes: int | None = None, *, block_size: int = 16,
-                 max_prefill_chunk: int | None = None, dtype: str | None = None, seed: int | None = None,
-                 decode_buckets: tuple[int, ...] | None = None, mixed_buckets: tuple[int, ...] | None = None,
-                 memory_budget: int | float | None = None,
-                 page_bytes: int | None = _DEFAULTS.page_bytes, warmup: bool | None = None, warm_tier_bytes: int = 0,
-                 cuda_graphs: bool = _DEFAULTS.cuda_graphs, async_steps: bool | None = None,
-                 shared_step_tokens: int | None = _DEFAULTS.shared_step_tokens,
-                 quiet_window_s: float = _DEFAULTS.quiet_window_s, prebuild_runner: bool | None = None,
-                 load_notes_path: str | Path | None = None) -> None:
+    def __init__(self, options: EngineOptions | None = None, device: str | torch.device = "auto",
+                 budget: int | float | None = None) -> None:
+        self.options = options = options if options is not None else EngineOptions()
         self.device = resolve_device(device)
-        if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
-                or max_num_batched_tokens < 1:
-            raise EngineError("max_num_batched_tokens must be an integer >= 1")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise EngineError("block_size must be an integer >= 1")
-        if dtype is not None and dtype not in DTYPES:
-            raise EngineError(f"dtype must be one of {sorted(DTYPES)}")
-        if memory_budget is not None and memory_budget_bytes is not None:
-            raise EngineError("give memory_budget or memory_budget_bytes, not both")
-        if page_bytes is not None and (isinstance(page_bytes, bool) or not isinstance(page_bytes, int)
-                                       or page_bytes < 1):
-            raise EngineError("page_bytes must be a positive integer")
-        if not isinstance(cuda_graphs, bool):
-            raise EngineError("cuda_graphs must be true or false")
-        if isinstance(warm_tier_bytes, bool) or not isinstance(warm_tier_bytes, int) or warm_tier_bytes < 0:
-            raise EngineError("warm_tier_bytes must be an integer >= 0")
+        self.budget = budget  # as given (None: the default); pools.ledger.budget is the resolved bytes
         cuda = self.device.type == "cuda"
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.block_size = block_size
-        self.max_prefill_chunk = max_prefill_chunk
-        self.cuda_graphs = cuda_graphs
-        if decode_buckets is None:  # the graph buckets where graphs are captured; none on CPU
-            decode_buckets = DEFAULT_BUCKETS if cuda and cuda_graphs else ()
-        self.decode_buckets = tuple(decode_buckets)  # decode batch sizes padded to (graph buckets)
         # Steps overlap with the host's work for the next one (see step()); off on CPU, where a
-        # launch runs to completion anyway.
-        self.async_steps = cuda if async_steps is None else bool(async_steps)
-        self._budget_arg = memory_budget if memory_budget is not None else memory_budget_bytes
+        # launch runs to completion anyway (unless a test asks for it there too).
+        self.async_steps = options.async_steps and (cuda or options.async_on_cpu)
         # Streams the runners borrow and give back (each new stream costs a cuBLAS workspace for good).
         self.streams = StreamPool(self.device) if cuda else None
         self.picker = FairSharePicker()
@@ -173,78 +132,18 @@ class EngineCore:
         self._inflight: InFlight | None = None
         self._parked_at: float | None = None  # when the last step() left a yielding model's step parked
         self._last_done = 0.0
-        self._pools = PoolKeeper(make_ledger(self._budget_arg, self.device), self.device, self._slots,
-                                 max_num_batched_tokens=max_num_batched_tokens, decode_buckets=self.decode_buckets,
-                                 mixed_buckets=mixed_buckets, cuda_graphs=cuda_graphs, streams=self.streams)
+        self.pools = PoolKeeper(make_ledger(budget, self.device), self.device, self._slots, options, self.streams)
         # Host copies of unloaded models' weights, so a reload is one device copy (the loader's).
-        warm_tier = WarmTier(warm_tier_bytes) if warm_tier_bytes else None
-        self._loader = ModelLoader(self._pools, self._slots, self.picker, warm_tier, self._settle,
-                                   device=self.device, dtype=dtype, block_size=block_size,
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   max_prefill_chunk=max_prefill_chunk, page_bytes=page_bytes,
-                                   warmup=cuda if warmup is None else bool(warmup),
-                                   prebuild_runner=prebuild_runner,
-                                   notes=LoadNotes(load_notes_path, notes_setting(self.device))
-                                   if load_notes_path is not None else None)
-        self.policy = StepPolicy(self._slots, quiet_window_s=quiet_window_s, shared_step_tokens=shared_step_tokens,
-                                 cuda=cuda)
+        warm_tier = WarmTier(options.warm_tier_bytes) if options.warm_tier_bytes else None
+        notes = LoadNotes(options.load_notes_path, notes_setting(self.device)) \
+            if options.load_notes_path is not None else None
+        self.loader = ModelLoader(self.pools, self._slots, self.picker, warm_tier, self._settle, options,
+                                  device=self.device, notes=notes)
+        self.policy = StepPolicy(self._slots, options, cuda=cuda)
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.
-        self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
+        self._seed_rng = random.Random(options.seed) if options.seed is not None else random.SystemRandom()
 
     # -- read accessors --------------------------------------------------------------------
-    @property
-    def memory_budget_bytes(self) -> int | float | None:
-        """The budget as given (None: the default); ``memory()["budget"]`` is the resolved bytes."""
-        return self._budget_arg
-
-    @memory_budget_bytes.setter
-    def memory_budget_bytes(self, value: int | float | None) -> None:
-        if self._slots:
-            raise EngineError("the memory budget can only change while no model is loaded")
-        self._pools.ledger = make_ledger(value, self.device)
-        self._budget_arg = value
-
-    @property
-    def ledger(self) -> MemoryLedger:
-        return self._pools.ledger
-
-    @property
-    def pool(self) -> PagePool | None:
-        """The shared KV pool (None until the first load)."""
-        return self._pools.pool
-
-    @property
-    def warmup(self) -> bool:
-        return self._loader.warmup
-
-    @property
-    def warm_tier(self) -> WarmTier | None:
-        """The host-RAM tier of unloaded weights (None: off). Benchmarks swap it out for a while
-        to time a load without it; it is the loader's, so a swap reaches every load and unload."""
-        return self._loader.warm_tier
-
-    @warm_tier.setter
-    def warm_tier(self, tier: WarmTier | None) -> None:
-        self._loader.warm_tier = tier
-
-    @property
-    def quiet_window_s(self) -> float:
-        return self.policy.quiet_window_s
-
-    @property
-    def shared_step_tokens(self) -> int | None:
-        return self.policy.shared_step_tokens
-
-    @property
-    def last_load_timings(self) -> dict[str, float]:
-        """Each phase's seconds of the last finished load."""
-        return self._loader.last_load_timings
-
-    @property
-    def loading(self) -> PendingLoad | None:
-        """The load in flight (between :meth:`begin_load` and its finish or cancel), or None."""
-        return self._loader.pending
-
     def slot(self, name: str) -> ModelSlot:
         """The loaded model ``name`` (its scheduler, runner, counters): for tests and tools."""
         slot = self._slots.get(name)
@@ -260,14 +159,10 @@ class EngineCore:
         """The step launched and not yet collected, if any."""
         return self._inflight
 
-    def dtype_for(self, cfg: ModelConfig) -> torch.dtype:
-        """The dtype a model of ``cfg`` runs in on this engine."""
-        return self._loader.dtype_for(cfg)
-
     # -- models ----------------------------------------------------------------------------
     def check_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:
         """The plan of a load without doing it (:meth:`ModelLoader.check_load`)."""
-        return self._loader.check_load(spec, evictable)
+        return self.loader.check_load(spec, evictable)
 
     def load_model(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> ModelInfo:
         """Book, load weights, give the model its KV pages and make it schedulable
@@ -275,28 +170,28 @@ class EngineCore:
         the device is touched when it does not fit; with ``evictable``, the idle models whose
         unload would make room). ``spec.quantization="fp8"``: FP8 projections;
         ``spec.kv_cache_dtype="fp8"``: an e4m3 KV cache (twice the tokens a page)."""
-        return self._loader.load_model(spec, evictable)
+        return self.loader.load_model(spec, evictable)
 
     def begin_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> PendingLoad:
         """Phase 1 of a load here, phase 2 in a load thread (:meth:`ModelLoader.begin_load`);
         end it with :meth:`finish_load` or :meth:`cancel_load`."""
-        return self._loader.begin_load(spec, evictable)
+        return self.loader.begin_load(spec, evictable)
 
     def finish_load(self, pending: PendingLoad) -> ModelInfo:
         """Phase 3 of a load: install the model (:meth:`ModelLoader.finish_load`)."""
-        return self._loader.finish_load(pending)
+        return self.loader.finish_load(pending)
 
     def cancel_load(self, pending: PendingLoad) -> None:
         """Stop a load begun here and release what it booked (:meth:`ModelLoader.cancel_load`)."""
-        self._loader.cancel_load(pending)
+        self.loader.cancel_load(pending)
 
     def unload_model(self, name: str) -> None:
         """Abort what is left of the model's requests (reported by the next step) and free it:
         every page back to the pool, every byte out of the ledger; the pool is trimmed when idle.
         A model still loading (:meth:`begin_load`) has its load cancelled instead."""
-        pending = self._loader.pending
+        pending = self.loader.pending
         if name not in self._slots and pending is not None and pending.name == name:
-            self._loader.cancel_load(pending)
+            self.loader.cancel_load(pending)
             return
         if name not in self._slots:
             raise EngineError(f"model {name!r} is not loaded")
@@ -305,14 +200,14 @@ class EngineCore:
             self.abort_request(req_id)
         if self._slots[name].grammar is not None:
             self._slots[name].grammar.close()
-        self._loader.unload(name)
+        self.loader.unload(name)
 
     def models(self) -> dict[str, ModelInfo]:
         return {n: s.info for n, s in self._slots.items()}
 
     def memory(self) -> dict[str, Any]:
         """The budget and who holds it (:meth:`PoolKeeper.memory`)."""
-        return self._pools.memory()
+        return self.pools.memory()
 
     # -- requests --------------------------------------------------------------------------
     def compile_grammar(self, model: str, grammar: str) -> Future[RequestGrammar]:

@@ -42,6 +42,7 @@ from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
 from engine.errors import EngineError, LoadOptionError
 from engine.load_spec import LoadSpec
+from engine.options import DTYPE_NAMES, EngineOptions
 from engine.kernels.fp8 import fp8_supported
 from engine.kernels.fp8_format import FP8
 from engine.models.llama import QUANTIZATIONS, LlamaModel
@@ -53,7 +54,7 @@ from engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerConfigEr
 from engine.weights.loader import WeightsReady, load_or_restore, stash_weights, warm_key
 from engine.weights.warm_tier import WarmTier
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 KV_CACHE_DTYPES = ("fp8",)
@@ -149,33 +150,37 @@ class ModelLoader:
     """Loads and unloads the models of one engine (see the module docstring).
 
     ``slots``: the core's name -> ModelSlot table (a model enters it at install, leaves at
-    unload). The keyword arguments are the core's limits every load is built with.
+    unload). ``options``: the engine's; every load is built with its limits (``dtype``,
+    ``block_size``, ``max_num_batched_tokens``, ``max_prefill_chunk``, ``page_bytes``, ``warmup``,
+    ``prebuild_runner``). ``warm_tier``: the host copies of unloaded weights (None: off; a
+    benchmark may swap it). ``notes``: measured workspaces kept across processes (None: this
+    process only).
     """
 
     def __init__(self, pools: PoolKeeper, slots: dict[str, ModelSlot], picker: FairSharePicker,
-                 warm_tier: WarmTier | None, settle: Callable[[], None], *, device: torch.device,
-                 dtype: str | None, block_size: int, max_num_batched_tokens: int, max_prefill_chunk: int | None,
-                 page_bytes: int | None, warmup: bool, prebuild_runner: bool | None,
-                 notes: LoadNotes | None = None) -> None:
+                 warm_tier: WarmTier | None, settle: Callable[[], None], options: EngineOptions, *,
+                 device: torch.device, notes: LoadNotes | None = None) -> None:
         self._pools = pools
         self._slots = slots
         self._picker = picker
         self.warm_tier = warm_tier
         self._settle = settle
         self.device = device
-        self.dtype_override = dtype
-        self.block_size = block_size
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_prefill_chunk = max_prefill_chunk
-        self.page_bytes = page_bytes
-        self.warmup = warmup
-        self.prebuild_runner = prebuild_runner  # None: on CUDA (engine/runner/prebuild.py)
-        self.notes = notes  # measured workspaces kept across processes (None: this process only)
+        self.options = options
+        self.block_size = options.block_size
+        self.max_num_batched_tokens = options.max_num_batched_tokens
+        self.max_prefill_chunk = options.max_prefill_chunk
+        self.page_bytes = options.page_bytes
+        # the measured warm-up at load (None in the options: on CUDA)
+        self.warmup = device.type == "cuda" if options.warmup is None else options.warmup
+        self.prebuild_runner = options.prebuild_runner  # None: on CUDA (engine/runner/prebuild.py)
+        self.notes = notes
         self.pending: PendingLoad | None = None  # the load in flight
         self.last_load_timings: dict[str, float] = {}
 
     def dtype_for(self, cfg: ModelConfig) -> torch.dtype:
-        return dtype_for(cfg, self.dtype_override, self.device)
+        """The dtype a model of ``cfg`` runs in on this engine."""
+        return dtype_for(cfg, self.options.dtype, self.device)
 
     def check_new(self, name: str) -> None:
         """Refuse a load of a model that is loaded or loading here (the spec checked itself)."""

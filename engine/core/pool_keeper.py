@@ -25,6 +25,8 @@ from engine.errors import EngineError
 from engine.kv.kv_cache import KVCache, KVSpec
 from engine.kv.layout import PoolBusyError
 from engine.kv.page_pool import PagePool
+from engine.options import EngineOptions
+from engine.runner.cuda_graphs import DEFAULT_BUCKETS
 from engine.runner.model_runner import ModelRunner
 from engine.runner.streams import StreamPool
 from engine.sampling import SamplingParams
@@ -35,21 +37,25 @@ class PoolKeeper:
     """The ledger and the pool of one engine, and the runners over the pool.
 
     ``slots``: the core's name -> ModelSlot table (read; runners attached to its slots).
-    ``max_num_batched_tokens``, ``decode_buckets``, ``mixed_buckets``, ``cuda_graphs``: what every
-    runner is built with. ``streams``: the core's stream pool its runners borrow from (None off CUDA).
+    ``options``: the engine's; every runner is built with its ``max_num_batched_tokens``,
+    ``cuda_graphs``, ``mixed_buckets`` and the decode buckets (``decode_buckets``: the options',
+    or where they say None the graph buckets on CUDA with graphs, else none). ``streams``: the
+    core's stream pool its runners borrow from (None off CUDA).
     """
 
-    def __init__(self, ledger: MemoryLedger, device: torch.device, slots: dict[str, ModelSlot], *,
-                 max_num_batched_tokens: int, decode_buckets: tuple[int, ...],
-                 mixed_buckets: tuple[int, ...] | None, cuda_graphs: bool, streams: StreamPool | None) -> None:
+    def __init__(self, ledger: MemoryLedger, device: torch.device, slots: dict[str, ModelSlot],
+                 options: EngineOptions, streams: StreamPool | None) -> None:
         self.ledger = ledger
         self.pool: PagePool | None = None  # created by the first load (it knows the page size)
         self.device = device
         self._slots = slots
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.decode_buckets = decode_buckets
-        self.mixed_buckets = mixed_buckets
-        self.cuda_graphs = cuda_graphs
+        self.max_num_batched_tokens = options.max_num_batched_tokens
+        buckets = options.decode_buckets
+        if buckets is None:  # the graph buckets where graphs are captured; none on CPU
+            buckets = DEFAULT_BUCKETS if device.type == "cuda" and options.cuda_graphs else ()
+        self.decode_buckets: tuple[int, ...] = tuple(buckets)
+        self.mixed_buckets = options.mixed_buckets
+        self.cuda_graphs = options.cuda_graphs
         self.streams = streams
 
     def fit(self, new: LoadNeeds | None, kv_after: int | None) -> None:

@@ -210,10 +210,11 @@ def calibrate(model_dir: str | Path, out: str | Path, token_ids: list[int], *, w
 
 def _calibrate(model_dir: str | Path, out: Path, token_ids: list[int], window: int, device: str) -> dict:
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
     from engine.weights.fp8_writer import quantize_folder
 
     t0 = time.perf_counter()
-    core = EngineCore(device=device, dtype="float32", max_num_batched_tokens=window, cuda_graphs=False)
+    core = EngineCore(EngineOptions(dtype="float32", max_num_batched_tokens=window, cuda_graphs=False), device=device)
     core.load_model(LoadSpec("calibrate", model_dir, max_model_len=window + 8, max_num_seqs=2, prefix_caching=False))
     slot = core.slot("calibrate")
     model = slot.model

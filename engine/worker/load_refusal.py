@@ -29,12 +29,13 @@ def _estimate_need(core: Any, spec: LoadSpec) -> int:
     from engine.kv.kv_cache import KVSpec
 
     cfg = load_model_config(spec.model_dir)
-    dtype = core.dtype_for(cfg)
+    dtype = core.loader.dtype_for(cfg)
     weight_bytes = model_weight_bytes(cfg, dtype)
     max_len = usable_len(cfg, spec.max_model_len)
-    workspace = workspace_estimate(cfg, core.max_num_batched_tokens, spec.max_num_seqs)
-    spec = KVSpec(cfg.num_layers, core.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-    return int(weight_bytes + workspace + -(-max_len // core.block_size) * spec.page_bytes)
+    opts = core.options
+    workspace = workspace_estimate(cfg, opts.max_num_batched_tokens, spec.max_num_seqs)
+    kv = KVSpec(cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    return int(weight_bytes + workspace + -(-max_len // opts.block_size) * kv.page_bytes)
 
 
 def accepts_evictable(core: Any) -> bool:
@@ -55,7 +56,7 @@ def refusal_details(core: Any, exc: Exception, spec: LoadSpec, *, offered: list[
     if all(hasattr(exc, a) for a in ("needed", "free", "budget")):
         needed, free, budget = int(exc.needed), int(exc.free), int(exc.budget)
     else:
-        budget = getattr(core, "memory_budget_bytes", None)
+        budget = getattr(core, "budget", None)
         if budget is None:
             return None
         try:

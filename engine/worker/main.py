@@ -238,7 +238,7 @@ class Worker:
     def _loaded(self, msg: P.Load, info: Any, t0: float) -> None:
         self._graphs_left = True  # its runner may defer some to their first use
         heap.freeze()  # the model's objects live until its unload (whose collection thaws them)
-        timings = {str(k): float(v) for k, v in P.plain(self.core.last_load_timings).items()
+        timings = {str(k): float(v) for k, v in P.plain(self.core.loader.last_load_timings).items()
                    if isinstance(v, (int, float)) and v >= 0}  # figures only: the agent refuses the rest
         self.conn.send(P.Loaded(model=msg.model, info=P.info_dict(info), seconds=time.monotonic() - t0,
                                 timings=timings))
@@ -423,15 +423,15 @@ def main(argv: list[str] | None = None) -> int:
     if core is not None:
         confine(options)
         clock.mark("sandbox")
-    budget = int(core.memory_budget_bytes or 0) if core is not None else 0
+    budget = core.pools.ledger.budget if core is not None and core.budget is not None else 0
     conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err, budget_bytes=budget,
                       startup=clock.phases))
     worker = Worker(conn, core)
     heap.freeze()  # torch's, Triton's and the engine's modules: never garbage
-    if core is not None and core.warm_tier is not None and core.device.type == "cuda":
+    if core is not None and core.loader.warm_tier is not None and core.device.type == "cuda":
         # Pin it now (confined, not at the first unload), a piece at a time and only while the
         # engine is idle: the first load after a restart must not wait for 40 GiB of pinning.
-        core.warm_tier.prepin_async(worker.idle.wait)
+        core.loader.warm_tier.prepin_async(worker.idle.wait)
     stop = threading.Event()
     hb = threading.Thread(target=_heartbeat_loop, args=(conn, worker.phase, stop), daemon=True, name="heartbeat")
     hb.start()

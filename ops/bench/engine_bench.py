@@ -228,13 +228,15 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     :data:`BENCH_SCHEMA` (it ends when its JSON does), the grammar compiled over
     ``grammar_tokenizer`` (a tokenizer.json; None: the model's own)."""
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
     from engine.runner.cuda_graphs import DEFAULT_BUCKETS
     from engine.sampling import SamplingParams
 
     if decode_buckets is None:
         decode_buckets = DEFAULT_BUCKETS
-    core = EngineCore(device=device, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed,
-                      decode_buckets=decode_buckets, async_steps=async_steps)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed,
+                                    decode_buckets=decode_buckets, async_steps=async_steps is not False),
+                      device=device)
     if core.device.type == "cuda":
         import torch
 

@@ -243,8 +243,9 @@ def engine_accuracy(model_dir, ids: list[int], window: int, device: str = "auto"
     ``calibrated``: a calibrated checkpoint of the same model (engine/weights/calibrate.py),
     measured the same way under ``"calibrated"`` (with and without the FP8 KV cache)."""
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
 
-    core = EngineCore(device=device, max_num_batched_tokens=max(window, 256), seed=0)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=max(window, 256), seed=0), device=device)
     models = [("ref", model_dir, None, None), ("fp8", model_dir, "fp8", None), ("fp8+kv", model_dir, "fp8", "fp8")]
     if calibrated is not None:
         models += [("cal", calibrated, "fp8", None), ("cal+kv", calibrated, "fp8", "fp8")]

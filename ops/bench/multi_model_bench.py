@@ -110,7 +110,7 @@ def run(a: argparse.Namespace, dirs: dict[str, Path]) -> dict[str, Any]:
     b = Bench(a, dirs, plan)
     res: dict[str, Any] = {"plan": plan.as_json(), "device": str(b.core.device), "gpu": _device_name(b.core),
                            "models": {n: str(d) for n, d in dirs.items()}}
-    res["quiet_window_ms_used"] = round(b.core.quiet_window_s * 1000)  # what the engine ran with
+    res["quiet_window_ms_used"] = b.core.options.quiet_window_ms  # what the engine ran with
     res["warm_tier_prepin_s"] = b.prepin_s  # the tier's RAM pinned once at start (untimed elsewhere)
     res["load"] = {"A": b.load("A"), "B": b.load("B")}
     res["plan"]["kv_tokens_per_big_model"] = plan.kv_pages * b.block["A"]
@@ -132,7 +132,7 @@ def run(a: argparse.Namespace, dirs: dict[str, Path]) -> dict[str, Any]:
     if "swap" in a.phases:
         res["swap"] = b.swaps()
     res["memory"] = b.core.memory()
-    b.core.pool.audit()
+    b.core.pools.pool.audit()
     res["goals"] = goals(res)
     return res
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.core.ledger import LoadRefused
 from engine.load_spec import LoadSpec
 
@@ -62,8 +63,7 @@ class Plan:
 def plan_budget(a: argparse.Namespace, dirs: dict[str, Path]) -> Plan:
     """Page size, KV reserved per big model, and a budget that holds A and B but not C beside them."""
     seqs, max_len = a.max_num_seqs, a.max_model_len
-    probe = EngineCore(device=a.device, max_num_batched_tokens=a.max_num_batched_tokens,
-                       memory_budget=a.probe_budget)
+    probe = EngineCore(EngineOptions(max_num_batched_tokens=a.max_num_batched_tokens), device=a.device, budget=a.probe_budget)
     n0 = _needed(probe, "A", dirs["A"], max_len, seqs)
     n1 = _needed(probe, "A", dirs["A"], max_len, seqs, kv_pages=max_len)  # max_len pages hold a sequence
     n2 = _needed(probe, "A", dirs["A"], max_len, seqs, kv_pages=2 * max_len)
@@ -74,8 +74,7 @@ def plan_budget(a: argparse.Namespace, dirs: dict[str, Path]) -> Plan:
     else:
         kv_pages = seq_pages * seqs  # room for max_num_seqs longest sequences: never short
     # Later models take the pool's page size; an engine with page_bytes set plans as one that has A.
-    probe = EngineCore(device=a.device, max_num_batched_tokens=a.max_num_batched_tokens,
-                       memory_budget=a.probe_budget, page_bytes=page_bytes)
+    probe = EngineCore(EngineOptions(max_num_batched_tokens=a.max_num_batched_tokens, page_bytes=page_bytes), device=a.device, budget=a.probe_budget)
     needs = {n: _needed(probe, n, dirs[n], max_len, seqs, kv_pages=kv_pages) for n in ("A", "B")}
     needs["C"] = _needed(probe, "C", dirs["C"], max_len, seqs)
     del probe

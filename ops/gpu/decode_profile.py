@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.load_spec import LoadSpec
 from ops.bench.engine_bench import _commit, _release_device
 
@@ -54,7 +55,7 @@ def main() -> int:
     ctx = int(sys.argv[3]) if len(sys.argv) > 3 else 400
     res: dict = {"commit": _commit(), "ctx": ctx, "runs": {}}
     for q in (None, "fp8"):
-        core = EngineCore(device="cuda", max_num_batched_tokens=16384, block_size=16, seed=0)
+        core = EngineCore(EngineOptions(max_num_batched_tokens=16384, block_size=16, seed=0), device="cuda")
         core.load_model(LoadSpec("m", model, max_model_len=2048, max_num_seqs=512, quantization=q))
         runner = core.slot("m").runner
         runner.capture_deferred_graphs()

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
 from engine.core.ledger import LoadRefused  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.load_spec import LoadSpec  # noqa: E402
@@ -52,7 +53,7 @@ def main() -> int:
     loads, logits = {}, {}
     for name, q, dtype in (("bf16", None, None), ("fp8", "fp8", None), ("fp32", None, "float32")):
         # no graphs: only prefill logits are read here (and float32 is a test path, not captured)
-        core = EngineCore(device="cuda", max_num_batched_tokens=4096, seed=0, dtype=dtype, cuda_graphs=False)
+        core = EngineCore(EngineOptions(max_num_batched_tokens=4096, seed=0, dtype=dtype, cuda_graphs=False), device="cuda")
         t = time.perf_counter()
         info = core.load_model(LoadSpec(name, model_dir, max_model_len=2048, max_num_seqs=8, quantization=q))
         loads[name] = {"load_s": time.perf_counter() - t, "weight_bytes": core.slot(name).weight_bytes,
@@ -88,7 +89,7 @@ def main() -> int:
 
     room = {}
     for kind, q in (("fp8", "fp8"), ("bf16", None)):
-        core = EngineCore(device="cuda", max_num_batched_tokens=4096, seed=0, memory_budget_bytes=42 * GIB)
+        core = EngineCore(EngineOptions(max_num_batched_tokens=4096, seed=0), device="cuda", budget=42 * GIB)
         names, refused = [], None
         for i in range(4):
             try:

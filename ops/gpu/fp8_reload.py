@@ -13,6 +13,7 @@ import sys
 import time
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from engine.load_spec import LoadSpec
 from ops.bench.engine_bench import _commit
@@ -34,9 +35,9 @@ def _first_token(core, name: str) -> float:
 
 def main() -> int:
     model, out = sys.argv[1], sys.argv[2]
-    core = EngineCore(device="cuda", max_num_batched_tokens=8192, block_size=16, seed=0, warm_tier_bytes=20 * GiB)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=8192, block_size=16, seed=0, warm_tier_bytes=20 * GiB), device="cuda")
     t = time.perf_counter()
-    core.warm_tier.prepin()
+    core.loader.warm_tier.prepin()
     res: dict = {"commit": _commit(), "warm_tier_gib": 20, "prepin_s": time.perf_counter() - t, "runs": {}}
     for q in (None, "fp8"):
         name = q or "bf16"
@@ -49,7 +50,7 @@ def main() -> int:
             core.unload_model(name)
             while core.has_unfinished_requests():
                 core.step()
-            held = any(k.split("|", 1)[0] == name for k in core.warm_tier.models())  # keys: "name|..."
+            held = any(k.split("|", 1)[0] == name for k in core.loader.warm_tier.models())  # keys: "name|..."
             t = time.perf_counter()
             core.load_model(LoadSpec(name, model, max_model_len=2048, max_num_seqs=64, quantization=q))
             ready = time.perf_counter() - t

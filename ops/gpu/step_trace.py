@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.load_spec import LoadSpec  # noqa: E402
 
@@ -66,7 +67,7 @@ def main() -> int:
     batch = int(os.environ.get("TRACE_BATCH", "200"))
     ctx = int(os.environ.get("TRACE_CTX", "300"))
     chunk = int(os.environ.get("TRACE_CHUNK", "216"))
-    core = EngineCore(device="cuda", max_num_batched_tokens=4096, seed=0, cuda_graphs=False)  # eager: every kernel in the trace
+    core = EngineCore(EngineOptions(max_num_batched_tokens=4096, seed=0, cuda_graphs=False), device="cuda")  # eager: every kernel in the trace
     core.load_model(LoadSpec("m", model_dir, max_model_len=4096, max_num_seqs=256))
     rng = random.Random(0)
     p = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)

@@ -96,6 +96,7 @@ def run_one(a: argparse.Namespace) -> dict:
     import torch
 
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
     from engine.runner.cuda_graphs import DEFAULT_BUCKETS
     from ops.bench.workload import sharegpt_like, summary
 
@@ -108,7 +109,7 @@ def run_one(a: argparse.Namespace) -> dict:
     group = None
     t_load = time.perf_counter()
     if tp == 1:
-        core = EngineCore(device="cuda:0" if cuda else "cpu", **opts)
+        core = EngineCore(EngineOptions(**opts), device="cuda:0" if cuda else "cpu")
     else:
         from engine.parallel.engine import TPEngineCore
         from engine.parallel.follower import spawn_followers
@@ -126,7 +127,7 @@ def run_one(a: argparse.Namespace) -> dict:
             env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         procs = spawn_followers(tp, init, devices, env=env)
         group = init_tp_group(0, tp, init, devices[0])
-        core = TPEngineCore(group, **opts)
+        core = TPEngineCore(group, EngineOptions(**opts))
     info = core.load_model(LoadSpec("bench", a.model_dir, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs))
     load_s = time.perf_counter() - t_load
     reqs = sharegpt_like(a.num_requests, info.vocab_size, 0)

@@ -51,9 +51,9 @@ def sharp_model(tmp_path_factory):
 
 def _engine(model_dir, graphs: bool, monkeypatch, mixed: bool = False):
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
 
-    core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
-                      decode_buckets=(1, 2, 4, 8, 16), cuda_graphs=graphs, mixed_buckets=None if mixed else ())
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0, decode_buckets=(1, 2, 4, 8, 16), cuda_graphs=graphs, mixed_buckets=None if mixed else ()), device="cuda")
     core.load_model(LoadSpec("m", model_dir, max_model_len=256, max_num_seqs=16))
     return core
 
@@ -249,8 +249,7 @@ def test_programmatic_dependent_launch_changes_no_token(quantization, kv_dtype, 
     got = {}
     for pdl in (False, True):
         monkeypatch.setattr(_launch, "PDL_ON", pdl)
-        core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
-                          decode_buckets=(1, 2, 4, 8, 16))
+        core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0, decode_buckets=(1, 2, 4, 8, 16)), device="cuda")
         core.load_model(LoadSpec("m", d, max_model_len=256, max_num_seqs=16, quantization=quantization,
                                  kv_cache_dtype=kv_dtype))
         got[pdl] = _run(core, PROMPTS, SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=GEN,

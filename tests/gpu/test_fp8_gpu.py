@@ -106,6 +106,7 @@ def small_llama(tmp_path_factory):
 
 def test_an_fp8_model_loads_quantized_and_tracks_bf16(small_llama):
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
     from engine.core.memory_plan import weight_bytes
     from engine.sampling import SamplingParams
     from ops.bench.fp8_accuracy import prefill_logits
@@ -113,7 +114,7 @@ def test_an_fp8_model_loads_quantized_and_tracks_bf16(small_llama):
     prompts = [list(range(3, 60)), [9, 8, 7, 6, 5], list(range(100, 400, 7))]
     logits, cores = {}, {}
     for q in (None, "fp8"):
-        core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0)
+        core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0), device="cuda")
         info = core.load_model(LoadSpec("m", small_llama, max_model_len=512, max_num_seqs=8, quantization=q))
         layer = core.slot("m").model.layers[1]
         assert layer.qkv_w.dtype == (fmt.FP8 if q else torch.bfloat16)
@@ -157,7 +158,7 @@ def test_pre_quantized_checkpoints_load_on_the_gpu(layout, small_llama, tmp_path
 
     ck = quantize_folder(small_llama, tmp_path / layout, layout)
     prompts = [list(range(3, 60)), list(range(100, 400, 7))]
-    core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0)
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0), device="cuda")
     core.load_model(LoadSpec("bf16", small_llama, max_model_len=512, max_num_seqs=8))
     core.load_model(LoadSpec("ck", ck, max_model_len=512, max_num_seqs=8))
     assert core.slot("ck").model.quantization == "fp8"
@@ -182,7 +183,7 @@ def test_a_model_calibrated_on_the_gpu_serves_close_to_bf16(small_llama, tmp_pat
     ids = torch.randint(3, 400, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
     calibrate(small_llama, tmp_path / "cal", ids, window=256, device="cuda")
     prompts = [list(range(3, 60)), list(range(100, 400, 7))]
-    core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0)
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0), device="cuda")
     core.load_model(LoadSpec("bf16", small_llama, max_model_len=512, max_num_seqs=8))
     core.load_model(LoadSpec("cal", tmp_path / "cal", max_model_len=512, max_num_seqs=8))
     assert core.slot("cal").model.quantization == "fp8"

@@ -26,10 +26,11 @@ def _run(dirs, window_ms: str = "0", parked: list | None = None, only: str | Non
     """The flood (24 requests at once) and the quiet model (3 requests arriving while it runs) in one
     engine; ``only``: that model alone, with the same requests at the same steps."""
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
     from engine.sampling import SamplingParams
 
-    core = EngineCore(device="cuda", dtype="float32", max_num_batched_tokens=256, seed=0,
-                      decode_buckets=(1, 2, 4, 8, 16), quiet_window_s=int(window_ms) / 1000)
+    core = EngineCore(EngineOptions(dtype="float32", max_num_batched_tokens=256, seed=0, decode_buckets=(1, 2, 4, 8, 16),
+                                    quiet_window_ms=int(window_ms)), device="cuda")
     if only in (None, "flood"):
         core.load_model(LoadSpec("flood", dirs[0], max_model_len=256, max_num_seqs=16))
     if only in (None, "quiet"):

@@ -22,6 +22,7 @@ def budget_for_two(model_dir: Path, max_num_batched_tokens: int | None = None) -
     defaults to the daemon's, since the workspace the engine books grows with it."""
     from agent.config import EngineSettings
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
 
     if max_num_batched_tokens is None:
         max_num_batched_tokens = EngineSettings().max_num_batched_tokens
@@ -29,7 +30,7 @@ def budget_for_two(model_dir: Path, max_num_batched_tokens: int | None = None) -
     from engine.worker.load_refusal import _estimate_need
 
     def core(budget: int) -> EngineCore:
-        return EngineCore(device="cpu", max_num_batched_tokens=max_num_batched_tokens, memory_budget_bytes=budget)
+        return EngineCore(EngineOptions(max_num_batched_tokens=max_num_batched_tokens), device="cpu", budget=budget)
 
     probe = core(1 << 34)
     info = probe.load_model(LoadSpec("x", str(model_dir), max_model_len=CTX, max_num_seqs=SEQS))

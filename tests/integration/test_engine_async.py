@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from engine.load_spec import LoadSpec
 
@@ -16,8 +17,7 @@ PROMPTS = [list(range(40, 40 + n)) for n in (1, 5, 19, 33, 8, 3)]
 
 
 def _core(model_dir, async_steps: bool, **kw) -> EngineCore:
-    core = EngineCore(device="cpu", max_num_batched_tokens=kw.pop("budget", 64), block_size=kw.pop("block_size", 4),
-                      max_prefill_chunk=kw.pop("chunk", 16), seed=99, async_steps=async_steps)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=kw.pop("budget", 64), block_size=kw.pop("block_size", 4), max_prefill_chunk=kw.pop("chunk", 16), seed=99, async_steps=async_steps, async_on_cpu=True), device="cpu")
     core.load_model(LoadSpec("m", model_dir, max_model_len=kw.pop("max_model_len", 64), max_num_seqs=kw.pop("max_num_seqs", 8),
                              num_kv_pages=kw.pop("num_kv_pages", None), prefix_caching=kw.pop("prefix_caching", True)))
     assert not kw

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.errors import EngineError, RequestError
 from engine.sampling import SamplingParams
 from engine.load_spec import LoadSpec
@@ -21,8 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
 
 def make_core(model_dir, *, budget=256, block_size=16, chunk=None, num_kv_pages=None, max_model_len=64,
               max_num_seqs=8) -> EngineCore:
-    core = EngineCore(device="cpu", max_num_batched_tokens=budget, block_size=block_size, max_prefill_chunk=chunk,
-                      seed=1234)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=budget, block_size=block_size, max_prefill_chunk=chunk, seed=1234), device="cpu")
     core.load_model(LoadSpec("m", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              num_kv_pages=num_kv_pages))
     return core
@@ -271,7 +271,7 @@ def test_a_failing_step_aborts_its_batch_and_keeps_the_books(model_dir):
 
 
 def test_decode_steps_padded_to_graph_buckets_give_the_same_tokens(model_dir, reference):
-    core = EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, decode_buckets=(8, 3, 999))
+    core = EngineCore(EngineOptions(max_num_batched_tokens=256, block_size=4, decode_buckets=(8, 3, 999)), device="cpu")
     core.load_model(LoadSpec("m", model_dir, max_model_len=64, max_num_seqs=8))
     runner = core.slot("m").runner
     assert runner.decode_buckets == (3, 8)  # sorted; a bucket above max_num_seqs is dropped

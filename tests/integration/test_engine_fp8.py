@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from engine.config import load_model_config
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.core.memory_plan import weight_bytes
 from engine.errors import EngineError
 from engine.kernels import fp8
@@ -81,7 +82,7 @@ def test_the_ledger_books_fp8_bytes_an_8b_takes_at_most_8_6_gib():
 
 
 def test_an_fp8_model_serves_and_tracks_the_unquantized_logits(tiny_llama_dir):
-    core = EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, seed=0)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=256, block_size=4, seed=0), device="cpu")
     used0 = core.memory()["used"]
     ref = core.load_model(LoadSpec("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4))
     info = core.load_model(LoadSpec("fp8", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="fp8"))
@@ -104,7 +105,7 @@ def test_an_fp8_model_serves_and_tracks_the_unquantized_logits(tiny_llama_dir):
 
 
 def test_refused_quantizations_name_the_reason_and_book_nothing(tiny_llama_dir, tmp_path):
-    core = EngineCore(device="cpu", max_num_batched_tokens=256, seed=0)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=256, seed=0), device="cpu")
     before = core.memory()
     with pytest.raises(EngineError, match="'int4' is not supported; supported: fp8"):
         core.load_model(LoadSpec("m", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="int4"))
@@ -188,7 +189,7 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_page_and_serves(tiny_llama_
                     head_dim=cfg.head_dim, dtype="float8_e4m3fn")
     assert lay.tokens_per_page == 32
 
-    core = EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, seed=0)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=256, block_size=4, seed=0), device="cpu")
     core.load_model(LoadSpec("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4))
     core.load_model(LoadSpec("kv8", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="fp8",
                              kv_cache_dtype="fp8"))

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
 from engine.load_spec import LoadSpec
@@ -52,8 +53,7 @@ def hf_model(model_dir):
 
 
 def engine(model_dir, **kw) -> EngineCore:
-    core = EngineCore(device="cpu", max_num_batched_tokens=kw.pop("budget", 256), block_size=kw.pop("block_size", 4),
-                      max_prefill_chunk=kw.pop("chunk", None))
+    core = EngineCore(EngineOptions(max_num_batched_tokens=kw.pop("budget", 256), block_size=kw.pop("block_size", 4), max_prefill_chunk=kw.pop("chunk", None)), device="cpu")
     core.load_model(LoadSpec("m", model_dir, max_model_len=kw.pop("max_model_len", 128), max_num_seqs=8, **kw))
     return core
 

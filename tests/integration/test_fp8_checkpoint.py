@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.errors import ModelConfigError, WeightsError
 from engine.kernels import fp8_format as fmt
 from engine.weights.fp8_writer import LAYOUTS, quantize_folder
@@ -33,7 +34,7 @@ def folders(tiny_llama_dir, tmp_path_factory):
 
 
 def _core() -> EngineCore:
-    return EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, seed=0)
+    return EngineCore(EngineOptions(max_num_batched_tokens=256, block_size=4, seed=0), device="cpu")
 
 
 def _file(d):

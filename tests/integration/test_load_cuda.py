@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from engine.load_spec import LoadSpec
 
@@ -20,8 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def _core(**kw) -> EngineCore:
-    return EngineCore(device="cuda", max_num_batched_tokens=256, memory_budget=2 << 30, seed=0,
-                      decode_buckets=(1, 2, 4, 8), **kw)
+    return EngineCore(EngineOptions(max_num_batched_tokens=256, seed=0, decode_buckets=(1, 2, 4, 8), **kw), device="cuda", budget=2 << 30)
 
 
 def _run(core: EngineCore, reqs: dict[str, tuple[str, list[int]]]) -> dict[str, list[int]]:
@@ -55,7 +55,7 @@ def test_decoding_beside_a_load_and_a_warm_reload(make_tiny_model):
     assert _run(core, {k: ("b", p) for k, p in prompts.items()}) == ref_b
     core.unload_model("b")
     core.load_model(LoadSpec("b", db, max_model_len=256, max_num_seqs=8))
-    t = core.last_load_timings
+    t = core.loader.last_load_timings
     assert t["warm"] == 1.0 and t["warmup_skipped"] == 1.0
     assert core.memory()["models"]["b"]["workspace"] > 0
     assert _run(core, {"y" + k: ("b", p) for k, p in prompts.items()}) == {"y" + k: v for k, v in ref_b.items()}

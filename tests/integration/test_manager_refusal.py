@@ -16,9 +16,10 @@ from tests.integration.manager_helpers import CTX, SEQS, budget_for_two
 def full_core(make_tiny_model):
     """An engine holding two models under a budget that has no room for a third."""
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
 
     src = make_tiny_model("llama")
-    core = EngineCore(device="cpu", max_num_batched_tokens=2048, memory_budget_bytes=budget_for_two(src, 2048))
+    core = EngineCore(EngineOptions(max_num_batched_tokens=2048), device="cpu", budget=budget_for_two(src, 2048))
     for n in ("old", "new"):
         core.load_model(LoadSpec(n, str(src), max_model_len=CTX, max_num_seqs=SEQS))
     return core, str(src)

@@ -17,6 +17,7 @@ import torch
 from engine.sched.block_manager import BlockManager
 from engine.config import load_model_config
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.core.fair_share import FairSharePicker
 from engine.kv.kv_cache import KVCache, KVSpec
 from engine.weights.loader import load_weights
@@ -121,7 +122,7 @@ def solo(dirs):
     """Each model alone in EngineCore, all its prompts at once."""
     out = {}
     for name, model_dir in dirs.items():
-        core = EngineCore(device="cpu", max_num_batched_tokens=BATCH_TOKENS, seed=1)
+        core = EngineCore(EngineOptions(max_num_batched_tokens=BATCH_TOKENS, seed=1), device="cpu")
         core.load_model(LoadSpec(name, model_dir, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS))
         for i, p in enumerate(PROMPTS[name]):
             core.add_request(f"{name}{i}", name, p, GREEDY)

@@ -22,6 +22,7 @@ from engine.models.llama import AttentionMetadata
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
 from engine.load_spec import LoadSpec
+from engine.options import EngineOptions
 
 ARCHS = ("llama", "qwen2", "qwen3", "llama-v509")  # the last: a vocabulary that does not split evenly
 OPTS = {"max_num_batched_tokens": 32, "block_size": 4, "seed": 0}
@@ -86,7 +87,7 @@ def _rank_main(rank: int, init_method: str, dirs: dict[str, str], out_path: str)
         if rank == 1:
             Follower(group).serve()
             return
-        core = TPEngineCore(group, **OPTS)
+        core = TPEngineCore(group, EngineOptions(**OPTS))
         engine_out = {}
         for arch, d in dirs.items():
             info = core.load_model(LoadSpec(arch, d, **LOAD))
@@ -215,7 +216,7 @@ def _cli_rank0(init_method: str, d: str, out_path: str, num_kv_pages: int) -> No
     procs = spawn_followers(2, init_method, ["cpu", "cpu"], timeout_s=120)
     group = init_tp_group(0, 2, init_method, "cpu", timeout_s=120)
     try:
-        core = TPEngineCore(group, **OPTS)
+        core = TPEngineCore(group, EngineOptions(**OPTS))
         try:  # a load that fails on every rank leaves the group usable
             core.load_model(LoadSpec("m", d, **{**LOAD, "num_kv_pages": 3}))
             raise RuntimeError("a 3-page cache should have been refused")

@@ -17,6 +17,7 @@ pytest.importorskip("llguidance")
 
 from agent.http.structured import json_grammar  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
 from engine.grammar.compiler import GrammarCompiler, GrammarError  # noqa: E402
 from engine.grammar.matcher import fill_masks  # noqa: E402
 from engine.kernels.sample import apply_token_bitmask  # noqa: E402
@@ -139,7 +140,7 @@ SCHEMA = {"type": "object",
 
 
 def _run(model_dir, async_steps: bool, constrained: bool, seeds: range):
-    core = EngineCore(device="cpu", async_steps=async_steps)
+    core = EngineCore(EngineOptions(async_steps=async_steps, async_on_cpu=True), device="cpu")
     core.load_model(LoadSpec("m", model_dir, max_model_len=512, max_num_seqs=16))
     tok = Tokenizer.from_dir(model_dir)
     prompt = tok.encode("give me a record")
