@@ -48,7 +48,9 @@ class LLM:
                  memory_budget_bytes: int | None = None, seed: int | None = None,
                  quantization: str | None = None, kv_cache_dtype: str | None = None) -> None:
         self.model_dir = Path(model_dir)
-        self.core = EngineCore(EngineOptions(max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, max_prefill_chunk=max_prefill_chunk, dtype=dtype, seed=seed), device=device, budget=memory_budget_bytes)
+        self.core = EngineCore(EngineOptions(max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                                             max_prefill_chunk=max_prefill_chunk, dtype=dtype, seed=seed),
+                               device=device, budget=memory_budget_bytes)
         self.info: ModelInfo = self.core.load_model(LoadSpec(
             _MODEL_NAME, self.model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             num_kv_pages=num_kv_pages, quantization=quantization, kv_cache_dtype=kv_cache_dtype))

@@ -1,18 +1,23 @@
 """EngineCore: the loaded models, their requests, and the step loop (docs/architecture.md).
 
-Several models share one device under one budget (docs/multi-model.md). EngineCore owns the
-requests (which model each belongs to, the outputs not yet returned), the step in flight and the
-loop; it hands each other concern to one collaborator:
+Several models share one device under one budget (docs/multi-model.md). ``EngineCore(options,
+device, budget)`` is built from one :class:`~engine.options.EngineOptions` and loads what one
+:class:`~engine.load_spec.LoadSpec` describes. It owns the requests (which model each belongs to,
+the outputs not yet returned), the step in flight and the loop; it hands each other concern to
+one collaborator, reachable as an attribute where a caller needs it:
 
-- :class:`~engine.core.pool_keeper.PoolKeeper`: the :class:`~engine.core.ledger.MemoryLedger`
+- ``slots``, a :class:`~engine.core.model_table.ModelTable`: the loaded models;
+- ``pools``, the :class:`~engine.core.pool_keeper.PoolKeeper`: the :class:`~engine.core.ledger.MemoryLedger`
   (every byte booked: weights, workspace, the KV pool), the shared
   :class:`~engine.kv.page_pool.PagePool` (a guaranteed minimum of pages per model, the rest to
   whoever asks), its resizes, and the runners over it;
-- :class:`~engine.core.loading.ModelLoader`: loads (three phases, one in flight) and unloads;
-- :class:`~engine.core.fair_share.FairSharePicker`: which model runs each step (weighted fair
-  share of measured step time);
-- :class:`~engine.core.step_policy.StepPolicy`: the multi-model rules of a step (yield, cap,
-  urgent, hold, overlap).
+- ``loader``, the :class:`~engine.core.loading.ModelLoader`: loads (three phases, one in flight)
+  and unloads; it calls back into the core (``_settle``) to finish the step in flight before
+  pages, pool or slots change, since that step and its outputs are the core's;
+- ``picker``, the :class:`~engine.core.fair_share.FairSharePicker`: which model runs each step
+  (weighted fair share of measured step time);
+- ``policy``, the :class:`~engine.core.step_policy.StepPolicy`: the multi-model rules of a step
+  (yield, cap, urgent, hold, overlap).
 
 Each loaded model is a :class:`~engine.core.slot.ModelSlot` with its own scheduler, block manager
 (over the pool's allocator for it) and runner (over the pool's views). Outputs of aborts and
@@ -35,6 +40,7 @@ from engine.core.ledger import LoadPlan
 from engine.core.load_notes import LoadNotes, setting as notes_setting
 from engine.core.loading import ModelLoader, PendingLoad
 from engine.core.memory_plan import make_ledger
+from engine.core.model_table import ModelTable
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot, RequestOutput
 from engine.core.step_policy import StepPolicy
@@ -126,35 +132,24 @@ class EngineCore:
         # Streams the runners borrow and give back (each new stream costs a cuBLAS workspace for good).
         self.streams = StreamPool(self.device) if cuda else None
         self.picker = FairSharePicker()
-        self._slots: dict[str, ModelSlot] = {}  # the loaded models, shared with the collaborators
+        self.slots = ModelTable()  # the loaded models (the loader adds and removes them)
         self._req_model: dict[str, str] = {}
         self._pending: list[RequestOutput] = []
         self._inflight: InFlight | None = None
         self._parked_at: float | None = None  # when the last step() left a yielding model's step parked
         self._last_done = 0.0
-        self.pools = PoolKeeper(make_ledger(budget, self.device), self.device, self._slots, options, self.streams)
+        self.pools = PoolKeeper(make_ledger(budget, self.device), self.device, self.slots, options, self.streams)
         # Host copies of unloaded models' weights, so a reload is one device copy (the loader's).
         warm_tier = WarmTier(options.warm_tier_bytes) if options.warm_tier_bytes else None
         notes = LoadNotes(options.load_notes_path, notes_setting(self.device)) \
             if options.load_notes_path is not None else None
-        self.loader = ModelLoader(self.pools, self._slots, self.picker, warm_tier, self._settle, options,
+        self.loader = ModelLoader(self.pools, self.slots, self.picker, warm_tier, self._settle, options,
                                   device=self.device, notes=notes)
-        self.policy = StepPolicy(self._slots, options, cuda=cuda)
+        self.policy = StepPolicy(self.slots, options, cuda=cuda)
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.
         self._seed_rng = random.Random(options.seed) if options.seed is not None else random.SystemRandom()
 
     # -- read accessors --------------------------------------------------------------------
-    def slot(self, name: str) -> ModelSlot:
-        """The loaded model ``name`` (its scheduler, runner, counters): for tests and tools."""
-        slot = self._slots.get(name)
-        if slot is None:
-            raise EngineError(f"model {name!r} is not loaded")
-        return slot
-
-    def slots(self) -> dict[str, ModelSlot]:
-        """Every loaded model by name (a copy of the table)."""
-        return dict(self._slots)
-
     def in_flight(self) -> InFlight | None:
         """The step launched and not yet collected, if any."""
         return self._inflight
@@ -190,20 +185,20 @@ class EngineCore:
         every page back to the pool, every byte out of the ledger; the pool is trimmed when idle.
         A model still loading (:meth:`begin_load`) has its load cancelled instead."""
         pending = self.loader.pending
-        if name not in self._slots and pending is not None and pending.name == name:
+        if name not in self.slots and pending is not None and pending.name == name:
             self.loader.cancel_load(pending)
             return
-        if name not in self._slots:
-            raise EngineError(f"model {name!r} is not loaded")
+        slot = self.slots.get(name)
         self._settle()
         for req_id in [r for r, m in self._req_model.items() if m == name]:
             self.abort_request(req_id)
-        if self._slots[name].grammar is not None:
-            self._slots[name].grammar.close()
+        if slot.grammar is not None:
+            slot.grammar.close()
+        del slot
         self.loader.unload(name)
 
     def models(self) -> dict[str, ModelInfo]:
-        return {n: s.info for n, s in self._slots.items()}
+        return {n: s.info for n, s in self.slots.items()}
 
     def memory(self) -> dict[str, Any]:
         """The budget and who holds it (:meth:`PoolKeeper.memory`)."""
@@ -214,7 +209,7 @@ class EngineCore:
         """A matcher of ``grammar`` over ``model``'s vocabulary, compiled on that model's grammar
         thread (engine/grammar/compiler.py), for :meth:`add_request`; the future raises
         ``GrammarError``. Raises :class:`RequestError` when the model is not loaded."""
-        slot = self._slots.get(model)
+        slot = self.slots.find(model)
         if slot is None:
             raise RequestError(f"model {model!r} is not loaded", "model")
         if slot.grammar is None:
@@ -230,7 +225,7 @@ class EngineCore:
             raise RequestError("req_id must be a non-empty string", "req_id")
         if req_id in self._req_model:
             raise RequestError(f"request {req_id!r} is already in flight", "req_id")
-        slot = self._slots.get(model)
+        slot = self.slots.find(model)
         if slot is None:
             raise RequestError(f"model {model!r} is not loaded", "model")
         if not isinstance(params, SamplingParams):
@@ -264,14 +259,14 @@ class EngineCore:
         model = self._req_model.pop(req_id, None)
         if model is None:
             return
-        seq = self._slots[model].scheduler.abort(req_id)
+        seq = self.slots.get(model).scheduler.abort(req_id)
         if seq is not None:
             self._pending.append(RequestOutput(req_id, [], "abort", None, seq.num_prompt_tokens,
                                                seq.num_cached_tokens))
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self._pending) or self._inflight is not None
-                or any(s.scheduler.has_unfinished() for s in self._slots.values()))
+                or any(s.scheduler.has_unfinished() for s in self.slots.values()))
 
     def capture_idle_graph(self) -> bool:
         """While no request is in the engine: capture one CUDA graph a runner still defers to
@@ -279,7 +274,7 @@ class EngineCore:
         failed capture leaves that bucket to run eagerly (it is logged by the caller)."""
         if self.has_unfinished_requests():
             return False
-        for slot in self._slots.values():
+        for slot in self.slots.values():
             if slot.runner is not None and slot.runner.capture_next_deferred():
                 return True
         return False
@@ -365,9 +360,9 @@ class EngineCore:
             self._pending.extend(self._complete(f))
 
     def _pick(self, exclude: ModelSlot | None) -> ModelSlot | None:
-        busy = [n for n, s in self._slots.items() if s.scheduler.has_unfinished() and s is not exclude]
+        busy = [n for n, s in self.slots.items() if s.scheduler.has_unfinished() and s is not exclude]
         name = self.picker.pick(busy)
-        return self._slots[name] if name is not None else None
+        return self.slots.get(name) if name is not None else None
 
     def _schedule(self, exclude: ModelSlot | None) -> tuple[ModelSlot | None, SchedulerOutput | None]:
         """The picked model and its next batch (None when nothing is admissible: no pages for it
@@ -438,7 +433,7 @@ class EngineCore:
         that read a shared prefix once a tile and the steps with a plan; once it had a constrained request, its
         grammar compiles, cache hits, compile seconds, mask-filling seconds, masked rows and steps."""
         out = {}
-        for name, s in self._slots.items():
+        for name, s in self.slots.items():
             blocks = s.scheduler.blocks
             out[name] = {
                 "running": s.scheduler.num_running,
@@ -464,7 +459,6 @@ class EngineCore:
     def drop_prefix_cache(self, name: str) -> int:
         """Forget ``name``'s prefix index (its free cached pages become plain free pages; pages
         of running sequences stay theirs); returns the entries dropped (0: caching is off)."""
-        if name not in self._slots:
-            raise EngineError(f"model {name!r} is not loaded")
+        slot = self.slots.get(name)
         self._settle()  # no step in flight: the next one's admissions see the empty index
-        return self._slots[name].scheduler.blocks.drop_prefix_cache()
+        return slot.scheduler.blocks.drop_prefix_cache()

@@ -1,17 +1,22 @@
 """ModelLoader: validate, book, load (or restore from the warm tier) and unload models.
 
-It owns the load in flight and the models' entries in the core's table of loaded models; the
-bytes are booked through the :class:`~engine.core.pool_keeper.PoolKeeper` (ledger and pool), the
-step share through the :class:`~engine.core.fair_share.FairSharePicker`, and unloaded weights go
-to the :class:`~engine.weights.warm_tier.WarmTier`. ``settle`` (the core's) finishes the step in
-flight before anything a step reads (pages, pool, slots) changes.
+A load is one :class:`~engine.load_spec.LoadSpec` (and, per attempt, the models the caller would
+evict). The loader owns the load in flight (its :class:`PendingLoad`) and adds and removes the
+models of the core's :class:`~engine.core.model_table.ModelTable`; the bytes are booked through
+the :class:`~engine.core.pool_keeper.PoolKeeper`'s verbs (``plan``, ``book``, ``pages_for``,
+``record_workspace``, ``release``, ``trim``), the step share through the
+:class:`~engine.core.fair_share.FairSharePicker`, and unloaded weights go to the
+:class:`~engine.weights.warm_tier.WarmTier`. ``settle`` (the core's) finishes the step in flight
+before anything a step reads (pages, pool, slots) changes: the step and its outputs are the
+core's, and the loader settles at points inside its phases that the core does not see.
 
 A load has three phases, so a caller that keeps stepping other models is not paused by the
 seconds a large model's weights take (:meth:`ModelLoader.begin_load`, then ``finish_load``):
 
-1. on the caller's thread: check the arguments and the config (nothing touched) → the ledger's
-   verdict (a refusal with the numbers, before the device is touched) → fit the pool → book the
-   weights → register the model's pages in the pool (its minimum is held back from then on);
+1. on the caller's thread: check the spec against this engine and the config (nothing touched) →
+   the ledger's verdict (a refusal with the numbers, before the device is touched) → fit the
+   pool → book the weights → register the model's pages in the pool (its minimum is held back
+   from then on): ``PoolKeeper.book``;
 2. in a load thread: build the model, read its weights (or restore them from the warm tier) on
    side streams, the rope cache; an event recorded behind them orders the caller's later use;
 3. back on the caller's thread: scheduler, runner (graph capture), the measured warm-up (skipped
@@ -35,9 +40,10 @@ import torch
 
 from engine.config import ModelConfig, load_model_config, usable_len
 from engine.core.fair_share import FairSharePicker
-from engine.core.ledger import LoadPlan, LoadRefused
+from engine.core.ledger import LoadPlan
 from engine.core.load_notes import LoadNotes
 from engine.core.memory_plan import LoadNeeds, load_needs
+from engine.core.model_table import ModelTable
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
 from engine.errors import EngineError, LoadOptionError
@@ -149,15 +155,15 @@ def drop_result(p: PendingLoad) -> None:
 class ModelLoader:
     """Loads and unloads the models of one engine (see the module docstring).
 
-    ``slots``: the core's name -> ModelSlot table (a model enters it at install, leaves at
-    unload). ``options``: the engine's; every load is built with its limits (``dtype``,
+    ``slots``: the core's :class:`~engine.core.model_table.ModelTable` (a model enters it at
+    install, leaves at unload). ``options``: the engine's; every load is built with its limits (``dtype``,
     ``block_size``, ``max_num_batched_tokens``, ``max_prefill_chunk``, ``page_bytes``, ``warmup``,
     ``prebuild_runner``). ``warm_tier``: the host copies of unloaded weights (None: off; a
     benchmark may swap it). ``notes``: measured workspaces kept across processes (None: this
     process only).
     """
 
-    def __init__(self, pools: PoolKeeper, slots: dict[str, ModelSlot], picker: FairSharePicker,
+    def __init__(self, pools: PoolKeeper, slots: ModelTable, picker: FairSharePicker,
                  warm_tier: WarmTier | None, settle: Callable[[], None], options: EngineOptions, *,
                  device: torch.device, notes: LoadNotes | None = None) -> None:
         self._pools = pools
@@ -202,7 +208,9 @@ class ModelLoader:
         if quantization and self.device.type == "cuda" and dtype != torch.bfloat16:
             # cuBLASLt's row-wise FP8 GEMM writes bf16 (float32 only on some GPUs and cuBLAS versions)
             raise LoadOptionError(f"quantization {quantization!r} runs in bfloat16 on a GPU, not {dtype}")
-        pool_pb = self._pools.pool.page_bytes if self._pools.pool is not None and self._pools.pool.models() else self.page_bytes
+        pool_pb = self._pools.shared_page_bytes()
+        if pool_pb is None:
+            pool_pb = self.page_bytes
         needs = load_needs(cfg, dtype, max_len=max_len, max_num_seqs=spec.max_num_seqs,
                            max_num_batched_tokens=self.max_num_batched_tokens, pool_page_bytes=pool_pb,
                            block_size=spec.block_size or self.block_size,
@@ -212,16 +220,14 @@ class ModelLoader:
 
     def check_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:
         """The plan of a load without doing it: which of ``evictable`` (idle models, least recently
-        used first) must be unloaded first, and the numbers; raises :class:`LoadRefused` (with
+        used first) must be unloaded first, and the numbers; raises :class:`~engine.core.ledger.LoadRefused` (with
         ``needed``/``free``/``evictable``/``budget``/``short``) when even that is not enough."""
-        needs = self._prepare(spec)[4]
-        return self._pools.ledger.check_load(spec.name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
-                                      evictable=list(evictable))
+        return self._pools.plan(spec.name, self._prepare(spec)[4], evictable)
 
     def load_model(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> ModelInfo:
         """Book, load weights, give the model its KV pages and make it schedulable.
 
-        A load that does not fit now raises :class:`LoadRefused` before the device is touched;
+        A load that does not fit now raises :class:`~engine.core.ledger.LoadRefused` before the device is touched;
         with ``evictable`` its ``evict`` names the idle models whose unload would make room.
         The three phases in a row (the weights still read in the load thread).
         """
@@ -242,29 +248,9 @@ class ModelLoader:
             raise EngineError(f"model {self.pending.name!r} is loading; one load at a time")
         t1 = time.perf_counter()
         self._settle()  # no step in flight while pages, pool and slots change
-        try:
-            plan = self._pools.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
-        except LoadRefused as e:
-            raise self._refusal(name, needs, e, evictable) from None
-        t_pool = time.perf_counter()
-        self._pools.fit(needs, plan.kv_pool_bytes_after)
-        t_pool = time.perf_counter() - t_pool
-        try:
-            self._pools.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace_bytes,
-                                        min_kv_bytes=needs.min_kv_bytes)
-        except EngineError:
-            self._pools.fit(None, None)
-            raise
-        try:
-            # Registered now, not after the weights: while they load, other models' bursts must
-            # not take the pages its minimum needs.
-            self._pools.pool.register(name, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                               head_dim=cfg.head_dim, dtype=needs.kv_dtype, min_pages=needs.min_pages,
-                               max_pages=needs.want_pages, tokens_per_page=needs.tokens_per_page)
-        except BaseException:
-            self._pools.ledger.release(name)
-            self._pools.fit(None, None)
-            raise
+        # Its pages registered now, not after the weights: while they load, other models' bursts
+        # must not take the pages its minimum needs.
+        t_pool = self._pools.book(name, cfg, needs, evictable)
         key = warm_key(name, spec.model_dir, quantization)
         shape = self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs.tokens_per_page)
         prebuild = self.warmup and self.prebuild_runner is not False and prebuild_wanted(
@@ -296,7 +282,7 @@ class ModelLoader:
             tb = time.perf_counter()
             build = None
             if p.prebuild:
-                gen = self._pools.pool.generation
+                gen = self._pools.generation
                 build = RunnerBuild(lambda: (gen, *self._pools.new_runner(p.name, p.cfg, model, p.spec.max_num_seqs, p.max_len)),
                                     self.device, p.name, self._pools.streams)
             try:
@@ -336,7 +322,7 @@ class ModelLoader:
             raise
         self.pending = None
         if pending.trim:
-            self._pools.fit(None, None)  # the trim an unload skipped while this load was in flight
+            self._pools.trim()  # the trim an unload skipped while this load was in flight
         pending.timings.update(wait_s=t1 - t0, total_s=time.perf_counter() - pending.started)
         self.last_load_timings = dict(pending.timings)
         return info
@@ -357,40 +343,17 @@ class ModelLoader:
 
     def _undo_load(self, name: str) -> None:
         """Release what a load booked: slot, picker entry, then its books (:meth:`_release_books`)."""
-        self._slots.pop(name, None)
+        self._slots.remove(name)
         if name in self._picker:
             self._picker.remove_model(name)
         self._release_books(name)
 
     def _release_books(self, name: str) -> None:
-        """A model's pages and pool registration, its device memory and its ledger entry, then the
-        pool's trim (left to the end of a load in flight: that model is in the pool but not yet
-        among the slots whose wants size it)."""
-        if self._pools.pool is not None and name in self._pools.pool.models():
-            self._pools.pool.free_all(name)  # the backstop: an unload's aborts freed them already
-            self._pools.pool.unregister(name)
-        if name in self._pools.ledger:
-            self._pools.ledger.release(name)
-        self._pools.return_device_memory()  # before the trim: the pool's segment stays cached
-        if self.pending is None:
-            self._pools.fit(None, None)
-        else:
+        """A model's books (:meth:`PoolKeeper.release`); the pool's trim is left to the end of a
+        load in flight."""
+        self._pools.release(name, trim=self.pending is None)
+        if self.pending is not None:
             self.pending.trim = True
-
-    def _refusal(self, name: str, needs: LoadNeeds, e: LoadRefused, evictable) -> LoadRefused:
-        """The refusal with what evicting the offered models (those loaded here) would do."""
-        offered = tuple(m for m in dict.fromkeys(evictable) if m in self._pools.ledger)  # an offer may be stale
-        if not offered:
-            return e
-        try:
-            plan = self._pools.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
-                                          evictable=list(offered))
-        except LoadRefused as full:
-            return full
-        snap = self._pools.ledger.snapshot()
-        total = sum(snap.weights[m] + snap.workspace[m] + snap.kv_min[m] for m in offered)
-        return LoadRefused(name, needed=e.needed, free=e.free, evictable=total, budget=e.budget,
-                           evictable_models=offered, parts=e.parts, evict=plan.evict)
 
     def _known_workspace(self, key: str, shape: str) -> int | None:
         """The workspace measured for these weights at this shape before: the warm tier's note
@@ -414,7 +377,7 @@ class ModelLoader:
             torch.cuda.current_stream(self.device).wait_event(w.ready)
         t0 = time.perf_counter()
         cfg, needs, spec, name = p.cfg, p.needs, p.spec, p.name
-        pages = self._pools.pool.allocator_for(name)
+        pages = self._pools.pages_for(name)
         try:
             sched = Scheduler(
                 SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -430,12 +393,12 @@ class ModelLoader:
                          ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids), 0, 0, 0),
                          pages=pages, needs=needs, max_num_seqs=spec.max_num_seqs,
                          workspace_bytes=needs.workspace_bytes, warm_key=p.key, model_dir=spec.model_dir)
-        self._slots[name] = slot
+        self._slots.add(slot)
         known = self._known_workspace(p.key, p.shape)
         # A runner built beside the weights serves when nothing is to be measured and the pool's
         # memory is the one it was built on; otherwise it is dropped before the measurement.
         pre, w.runner = w.runner, None
-        if pre is not None and (known is None or pre[0] != self._pools.pool.generation):
+        if pre is not None and (known is None or pre[0] != self._pools.generation):
             pre = None
         before = self._pools.device_allocated()
         t1 = time.perf_counter()
@@ -454,7 +417,7 @@ class ModelLoader:
             # of these weights at this shape); never below the estimate, because the warm-up may
             # not have reached the largest step's peak.
             slot.workspace_bytes = max(measured or 0, known or 0, needs.workspace_bytes)
-            self._pools.ledger.record_workspace(name, slot.workspace_bytes)
+            self._pools.record_workspace(name, slot.workspace_bytes)
         if self.warmup and known is None and self.notes is not None:
             self.notes.put(p.key, p.shape, slot.workspace_bytes)  # the next process books it
         self._picker.add_model(name, float(spec.weight))
@@ -470,7 +433,7 @@ class ModelLoader:
         """Free a loaded model whose requests are aborted and whose step is settled: weights to
         the warm tier (when it keeps them), every page back to the pool, every byte out of the
         ledger; the pool is trimmed when idle."""
-        slot = self._slots[name]
+        slot = self._slots.get(name)
         stashed = slot.warm_key is not None and slot.model is not None and stash_weights(
             self.warm_tier, slot.warm_key, slot.model)
         if stashed and self.warmup and slot.needs is not None:
@@ -479,7 +442,7 @@ class ModelLoader:
             shape = self._workspace_shape(slot.max_num_seqs, slot.scheduler.config.max_model_len,
                                           slot.model.dtype, slot.needs.tokens_per_page)
             self.warm_tier.note(slot.warm_key, shape, slot.workspace_bytes)
-        del self._slots[name]
+        self._slots.remove(name)
         if name in self._picker:
             self._picker.remove_model(name)
         slot.runner = slot.kv = slot.model = None

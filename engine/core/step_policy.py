@@ -6,7 +6,8 @@ new prompt goes out at once: :meth:`EngineCore.parked`), how many tokens a step 
 another model is active (``shared_step_tokens``), which step goes on the high-priority stream
 (*urgent*, engine/runner/streams.py), whether an urgent prefill *holds* the other models' next
 launch, and whether a batch may be launched behind the step in flight (*overlap*). It reads the
-loaded models (the core's name -> ModelSlot table, shared, never changed here) and nothing else.
+loaded models (the core's :class:`~engine.core.model_table.ModelTable`, never changed here) and
+nothing else.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from engine.core.model_table import ModelTable
 from engine.core.slot import ModelSlot
 from engine.options import EngineOptions
 from engine.sched.scheduler import SchedulerOutput
@@ -47,7 +49,7 @@ class StepPolicy:
     asynchronously, so launch order matters (on CPU every batch may overlap).
     """
 
-    def __init__(self, slots: dict[str, ModelSlot], options: EngineOptions, *, cuda: bool) -> None:
+    def __init__(self, slots: ModelTable, options: EngineOptions, *, cuda: bool) -> None:
         self._slots = slots
         self.quiet_window_s = options.quiet_window_s
         self.shared_step_tokens = options.shared_step_tokens

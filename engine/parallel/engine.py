@@ -199,7 +199,7 @@ class TPEngineCore(EngineCore):
                 "decode_buckets": list(self.pools.decode_buckets), "cuda_graphs": self.options.cuda_graphs,
                 "budget": self.budget}
         self.channel.send({"op": "load", "spec": wire})
-        shard = build_shard(self.group, wire, sum(s.device_bytes for s in self._slots.values()))
+        shard = build_shard(self.group, wire, sum(s.device_bytes for s in self.slots.values()))
         try:
             sched = Scheduler(
                 SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=self.options.max_num_batched_tokens,
@@ -213,8 +213,8 @@ class TPEngineCore(EngineCore):
         runner = TPRunner(name, shard.runner, self.channel)
         info = ModelInfo(name, cfg.vocab_size, max_len, list(cfg.eos_token_ids), shard.device_bytes,
                          shard.kv.num_pages, wire["block_size"])
-        self._slots[name] = ModelSlot(name, cfg, shard.model, shard.kv, runner, sched, float(spec.weight),
-                                      shard.weight_bytes, info, max_num_seqs=max_num_seqs)
+        self.slots.add(ModelSlot(name, cfg, shard.model, shard.kv, runner, sched, float(spec.weight),
+                                 shard.weight_bytes, info, max_num_seqs=max_num_seqs))
         self.picker.add_model(name, float(spec.weight))
         return info
 

@@ -134,7 +134,7 @@ def _collect_grams(core, name: str, token_ids: list[int], window: int) -> list[d
     calls) and return the grams."""
     from engine.sampling import SamplingParams
 
-    slot = core.slot(name)
+    slot = core.slots.get(name)
     rec = _GramRecorder(slot.model)
     try:
         for i in range(0, len(token_ids), window):
@@ -216,7 +216,7 @@ def _calibrate(model_dir: str | Path, out: Path, token_ids: list[int], window: i
     t0 = time.perf_counter()
     core = EngineCore(EngineOptions(dtype="float32", max_num_batched_tokens=window, cuda_graphs=False), device=device)
     core.load_model(LoadSpec("calibrate", model_dir, max_model_len=window + 8, max_num_seqs=2, prefix_caching=False))
-    slot = core.slot("calibrate")
+    slot = core.slots.get("calibrate")
     model = slot.model
     grams = _collect_grams(core, "calibrate", token_ids, window)
     t_grams = time.perf_counter() - t0

@@ -168,7 +168,7 @@ def _grammar_setup(core, model_dir, info, tokenizer: str | None) -> tuple[str, d
     grammar = json_grammar(BENCH_SCHEMA, True, "bench")
     check_ms = (time.perf_counter() - t0) * 1e3
     path = Path(tokenizer) if tokenizer else Path(model_dir) / "tokenizer.json"
-    slot = core.slot("bench")
+    slot = core.slots.get("bench")
     slot.grammar = GrammarCompiler(path, info.vocab_size, info.eos_token_ids)
     core.compile_grammar("bench", json_grammar(None, False, "warm")).result()  # builds the tokenizer
     t1 = time.perf_counter()
@@ -246,7 +246,7 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
                                     prefix_caching=prefix_caching, quantization=quantization,
                                     kv_cache_dtype=kv_cache_dtype))
     load_s = time.perf_counter() - t_load
-    runner = core.slot("bench").runner
+    runner = core.slots.get("bench").runner
     # Graphs deferred to their first use are captured now, outside the clock (a server pays
     # this once per load; reported as deferred_capture_s).
     deferred_capture_s = runner.capture_deferred_graphs()

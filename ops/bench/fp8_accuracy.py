@@ -212,7 +212,7 @@ def prefill_logits(core, name: str, prompts: list[list[int]]) -> torch.Tensor:
     from engine.sampling import SamplingParams
     from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
 
-    slot = core.slot(name)
+    slot = core.slots.get(name)
     out = SchedulerOutput()
     for i, p in enumerate(prompts):
         slot.scheduler.blocks.ensure_capacity(i, len(p))
@@ -259,13 +259,13 @@ def engine_accuracy(model_dir, ids: list[int], window: int, device: str = "auto"
                 "top1_agreement": (top == ref_top).float().mean().item()}
 
     fp8, fp8_kv = measured("fp8"), measured("fp8+kv")
-    dtype = str(core.slot("ref").model.dtype).removeprefix("torch.")
+    dtype = str(core.slots.get("ref").model.dtype).removeprefix("torch.")
     res = {"device": str(core.device), "unquantized_dtype": dtype, "positions": len(ref_top),
            "ppl_bf16": math.exp(ref_nll.mean().item()), **fp8, "fp8_kv": fp8_kv,
-           "weight_bytes": {"ref": core.slot("ref").weight_bytes, "fp8": core.slot("fp8").weight_bytes}}
+           "weight_bytes": {"ref": core.slots.get("ref").weight_bytes, "fp8": core.slots.get("fp8").weight_bytes}}
     if calibrated is not None:
         res["calibrated"] = {**measured("cal"), "fp8_kv": measured("cal+kv"),
-                             "weight_bytes": core.slot("cal").weight_bytes}
+                             "weight_bytes": core.slots.get("cal").weight_bytes}
     return res
 
 

@@ -213,7 +213,7 @@ class Bench:
                 n += 1
         self.drain()
         for m in models:  # mixed-step buckets the traffic did not reach: none left to a timed window
-            runner = getattr(self.core.slots().get(m), "runner", None)
+            runner = getattr(self.core.slots.find(m), "runner", None)
             if runner is not None and hasattr(runner, "capture_deferred_graphs"):
                 runner.capture_deferred_graphs()
         left = {m: c["deferred_graphs"] + c["deferred_mixed_graphs"] for m, c in engine_counters(self.core).items()}

@@ -57,7 +57,7 @@ def main() -> int:
     for q in (None, "fp8"):
         core = EngineCore(EngineOptions(max_num_batched_tokens=16384, block_size=16, seed=0), device="cuda")
         core.load_model(LoadSpec("m", model, max_model_len=2048, max_num_seqs=512, quantization=q))
-        runner = core.slot("m").runner
+        runner = core.slots.get("m").runner
         runner.capture_deferred_graphs()
         graphs = runner.graphs
         rows = {}

@@ -92,7 +92,7 @@ def load_once(core: EngineCore, model_dir: str, max_num_seqs: int = 256) -> dict
     while core.has_unfinished_requests():
         core.step()
     t2 = time.perf_counter()
-    g = core.slot("m").runner.graphs
+    g = core.slots.get("m").runner.graphs
     return {"load_s": t1 - t0, "to_first_token_s": t2 - t0, "device_gb": info.device_bytes / 1e9,
             "graph_capture_s": g.capture_seconds if g else None, "graph_warmup_s": g.warmup_seconds if g else None,
             "timings": dict(core.loader.last_load_timings)}
@@ -158,7 +158,8 @@ def main() -> int:
     size = sum(f.stat().st_size for f in files)
     cuda = a.device == "cuda"
     budget = {} if a.max_num_batched_tokens is None else {"max_num_batched_tokens": a.max_num_batched_tokens}
-    core = EngineCore(EngineOptions(decode_buckets=DEFAULT_BUCKETS if cuda else (), warmup=True, warm_tier_bytes=size + (1 << 30), **budget), device=a.device)
+    core = EngineCore(EngineOptions(decode_buckets=DEFAULT_BUCKETS if cuda else (), warmup=True,
+                                    warm_tier_bytes=size + (1 << 30), **budget), device=a.device)
     key = warm_key("m", a.model_dir)
     res: dict = {"model_dir": str(a.model_dir), "file_bytes": size,
                  "gpu": torch.cuda.get_device_name() if cuda else a.device}

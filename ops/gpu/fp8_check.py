@@ -53,11 +53,12 @@ def main() -> int:
     loads, logits = {}, {}
     for name, q, dtype in (("bf16", None, None), ("fp8", "fp8", None), ("fp32", None, "float32")):
         # no graphs: only prefill logits are read here (and float32 is a test path, not captured)
-        core = EngineCore(EngineOptions(max_num_batched_tokens=4096, seed=0, dtype=dtype, cuda_graphs=False), device="cuda")
+        core = EngineCore(EngineOptions(max_num_batched_tokens=4096, seed=0, dtype=dtype, cuda_graphs=False),
+                          device="cuda")
         t = time.perf_counter()
         info = core.load_model(LoadSpec(name, model_dir, max_model_len=2048, max_num_seqs=8, quantization=q))
-        loads[name] = {"load_s": time.perf_counter() - t, "weight_bytes": core.slot(name).weight_bytes,
-                       "weight_gib": core.slot(name).weight_bytes / GIB, "device_bytes": info.device_bytes}
+        loads[name] = {"load_s": time.perf_counter() - t, "weight_bytes": core.slots.get(name).weight_bytes,
+                       "weight_gib": core.slots.get(name).weight_bytes / GIB, "device_bytes": info.device_bytes}
         logits[name] = prefill_logits(core, name, prompts)
         if name == "fp8":
             # the same quantized model through the torch references (engine.kernels.fp8 and the rest):

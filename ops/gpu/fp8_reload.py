@@ -35,7 +35,8 @@ def _first_token(core, name: str) -> float:
 
 def main() -> int:
     model, out = sys.argv[1], sys.argv[2]
-    core = EngineCore(EngineOptions(max_num_batched_tokens=8192, block_size=16, seed=0, warm_tier_bytes=20 * GiB), device="cuda")
+    core = EngineCore(EngineOptions(max_num_batched_tokens=8192, block_size=16, seed=0, warm_tier_bytes=20 * GiB),
+                      device="cuda")
     t = time.perf_counter()
     core.loader.warm_tier.prepin()
     res: dict = {"commit": _commit(), "warm_tier_gib": 20, "prepin_s": time.perf_counter() - t, "runs": {}}

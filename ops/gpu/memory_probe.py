@@ -52,7 +52,8 @@ def main(argv: list[str]) -> int:
     for graphs in (False, True):
         print(f"=== CUDA graphs {int(graphs)}")
         segments("start")
-        core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0, decode_buckets=(1, 2, 4), cuda_graphs=graphs), device="cuda", budget=2 << 30)
+        core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0,
+                                        decode_buckets=(1, 2, 4), cuda_graphs=graphs), device="cuda", budget=2 << 30)
         core.load_model(LoadSpec("m", model, max_model_len=2048, max_num_seqs=256))
         print("pool MiB", core.pools.pool.num_pages * core.pools.pool.page_bytes // MiB, "ledger", core.pools.ledger.snapshot())
         serve(core)

@@ -77,7 +77,8 @@ def torch_alone() -> dict:
 def engine_case(model_dir: str) -> dict:
     files = weight_files(model_dir)
     size = sum(f.stat().st_size for f in files)
-    core = EngineCore(EngineOptions(decode_buckets=DEFAULT_BUCKETS, warmup=True, warm_tier_bytes=size + (1 << 30)), device="cuda")
+    core = EngineCore(EngineOptions(decode_buckets=DEFAULT_BUCKETS, warmup=True, warm_tier_bytes=size + (1 << 30)),
+                      device="cuda")
     out = {}
     core.load_model(LoadSpec("m", model_dir, max_model_len=4096, max_num_seqs=256))
     core.unload_model("m")  # into the tier

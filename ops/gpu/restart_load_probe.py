@@ -29,7 +29,8 @@ from engine.load_spec import LoadSpec  # noqa: E402
 
 t_imports = time.perf_counter()
 opts = EngineOptions()
-core = EngineCore(EngineOptions(max_num_batched_tokens=opts.max_num_batched_tokens, load_notes_path=work / "load-notes.json"), device="cuda")
+core = EngineCore(EngineOptions(max_num_batched_tokens=opts.max_num_batched_tokens,
+                                load_notes_path=work / "load-notes.json"), device="cuda")
 torch.zeros(1, device=core.device)
 torch.cuda.synchronize()
 t_core = time.perf_counter()

@@ -67,13 +67,14 @@ def main() -> int:
     batch = int(os.environ.get("TRACE_BATCH", "200"))
     ctx = int(os.environ.get("TRACE_CTX", "300"))
     chunk = int(os.environ.get("TRACE_CHUNK", "216"))
-    core = EngineCore(EngineOptions(max_num_batched_tokens=4096, seed=0, cuda_graphs=False), device="cuda")  # eager: every kernel in the trace
+    core = EngineCore(EngineOptions(max_num_batched_tokens=4096, seed=0, cuda_graphs=False),
+                      device="cuda")  # eager: every kernel in the trace
     core.load_model(LoadSpec("m", model_dir, max_model_len=4096, max_num_seqs=256))
     rng = random.Random(0)
     p = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
     for i in range(batch):
         core.add_request(f"r{i}", "m", [rng.randrange(100, 100000) for _ in range(ctx)], p)
-    slot = core.slot("m")
+    slot = core.slots.get("m")
     while slot.scheduler.num_waiting or any(not s.is_decoding for s in slot.scheduler.running):
         core.step()
     for _ in range(3):

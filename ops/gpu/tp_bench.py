@@ -143,7 +143,7 @@ def run_one(a: argparse.Namespace) -> dict:
     res.update(_workload(core, reqs))
     res["batch1"] = _batch1(core, info.vocab_size, 256 if cuda else 32)
     res["greedy_probe"] = _greedy_probe(core, info.vocab_size)
-    runner = core.slot("bench").runner
+    runner = core.slots.get("bench").runner
     res["graph_steps"] = getattr(runner, "graph_steps", None)
     if group is not None:
         res["control_bytes"] = core.channel.bytes_sent

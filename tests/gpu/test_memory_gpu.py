@@ -60,7 +60,8 @@ def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(s
     del x
     gc.collect()
     base_live = _live_since(0)
-    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0, decode_buckets=(1, 2, 4), cuda_graphs=graphs), device="cuda", budget=2 << 30)
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0, decode_buckets=(1, 2, 4),
+                                    cuda_graphs=graphs), device="cuda", budget=2 << 30)
     try:
         # A pool (256 sequences of 2048 tokens) far larger than the weights, workspace and graphs,
         # so whether a reload took it from the cache or from the driver shows in the reserved bytes.

@@ -52,8 +52,8 @@ def _run(dirs, window_ms: str = "0", parked: list | None = None, only: str | Non
             parked.append(steps)
             step.wait()  # as the worker's waiter does
         steps += 1
-    urgent = {n: s.runner.streams.urgent_steps for n, s in core.slots().items()}
-    for n in core.slots():
+    urgent = {n: s.runner.streams.urgent_steps for n, s in core.slots.items()}
+    for n in core.slots.names():
         core.unload_model(n)
     return tokens, urgent
 

@@ -34,7 +34,7 @@ def budget_for_two(model_dir: Path, max_num_batched_tokens: int | None = None) -
 
     probe = core(1 << 34)
     info = probe.load_model(LoadSpec("x", str(model_dir), max_model_len=CTX, max_num_seqs=SEQS))
-    full, weights = info.device_bytes, probe.slot("x").weight_bytes
+    full, weights = info.device_bytes, probe.slots.get("x").weight_bytes
     min_kv = -(-CTX // info.block_size) * (full - weights) // info.kv_pages  # one longest sequence
     need = _estimate_need(probe, LoadSpec("x", str(model_dir), max_model_len=CTX, max_num_seqs=SEQS))  # weights + workspace + min_kv
     # Two models as loaded, plus the second's workspace, plus half of what a third needs beyond

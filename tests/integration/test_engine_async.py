@@ -17,7 +17,9 @@ PROMPTS = [list(range(40, 40 + n)) for n in (1, 5, 19, 33, 8, 3)]
 
 
 def _core(model_dir, async_steps: bool, **kw) -> EngineCore:
-    core = EngineCore(EngineOptions(max_num_batched_tokens=kw.pop("budget", 64), block_size=kw.pop("block_size", 4), max_prefill_chunk=kw.pop("chunk", 16), seed=99, async_steps=async_steps, async_on_cpu=True), device="cpu")
+    core = EngineCore(EngineOptions(max_num_batched_tokens=kw.pop("budget", 64), block_size=kw.pop("block_size", 4),
+                                    max_prefill_chunk=kw.pop("chunk", 16), seed=99, async_steps=async_steps,
+                                    async_on_cpu=True), device="cpu")
     core.load_model(LoadSpec("m", model_dir, max_model_len=kw.pop("max_model_len", 64), max_num_seqs=kw.pop("max_num_seqs", 8),
                              num_kv_pages=kw.pop("num_kv_pages", None), prefix_caching=kw.pop("prefix_caching", True)))
     assert not kw
@@ -30,7 +32,7 @@ def _run(core, prompts, params, model="m", abort_at: dict[str, int] | None = Non
     toks = {f"r{i}": [] for i in range(len(prompts))}
     reasons, lps = {}, {}
     steps = placeholders = 0
-    runner = core.slot(model).runner
+    runner = core.slots.get(model).runner
     launch = runner.launch
 
     def spy(out, *rest):
@@ -164,7 +166,7 @@ def test_a_step_left_in_flight_that_must_be_collected_is_collected_before_the_ne
     with pytest.raises(EngineError, match="collect failed"):
         core.step()  # launched "lp"'s prefill (it samples, with logprobs), then failed collecting the step before
     assert core._inflight is not None and core._inflight.collect_now
-    runner, order = core.slot("m").runner, []
+    runner, order = core.slots.get("m").runner, []
     launch, collect = runner.launch, runner.collect
     runner.launch = lambda *a: (order.append("launch"), launch(*a))[1]
     runner.collect = lambda p: (order.append("collect"), collect(p))[1]

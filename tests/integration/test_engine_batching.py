@@ -22,7 +22,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
 
 def make_core(model_dir, *, budget=256, block_size=16, chunk=None, num_kv_pages=None, max_model_len=64,
               max_num_seqs=8) -> EngineCore:
-    core = EngineCore(EngineOptions(max_num_batched_tokens=budget, block_size=block_size, max_prefill_chunk=chunk, seed=1234), device="cpu")
+    core = EngineCore(EngineOptions(max_num_batched_tokens=budget, block_size=block_size, max_prefill_chunk=chunk,
+                                    seed=1234), device="cpu")
     core.load_model(LoadSpec("m", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              num_kv_pages=num_kv_pages))
     return core
@@ -80,7 +81,7 @@ def reference(model_dir):
 def test_variants_match_one_at_a_time(model_dir, reference, variant):
     core = make_core(model_dir, **variant)
     preempted = []
-    sched = core.slot("m").scheduler
+    sched = core.slots.get("m").scheduler
     orig = sched.schedule
 
     def spy():
@@ -107,7 +108,7 @@ def test_abort_frees_every_page_and_spares_the_others(model_dir, reference, when
     for _ in range(n_steps):
         for o in core.step():
             got[o.req_id] += o.new_token_ids
-    seq = core.slot("m").scheduler.get(victim)
+    seq = core.slots.get("m").scheduler.get(victim)
     if when == "mid_prefill":
         assert 0 < seq.num_computed_tokens < seq.num_prompt_tokens
     else:
@@ -256,7 +257,7 @@ def test_a_failing_step_aborts_its_batch_and_keeps_the_books(model_dir):
     core = make_core(model_dir)
     core.add_request("a", "m", PROMPTS[1], GREEDY)
     core.add_request("b", "m", PROMPTS[2], GREEDY)
-    runner = core.slot("m").runner
+    runner = core.slots.get("m").runner
 
     def boom(out):
         raise RuntimeError("device fell over")
@@ -273,7 +274,7 @@ def test_a_failing_step_aborts_its_batch_and_keeps_the_books(model_dir):
 def test_decode_steps_padded_to_graph_buckets_give_the_same_tokens(model_dir, reference):
     core = EngineCore(EngineOptions(max_num_batched_tokens=256, block_size=4, decode_buckets=(8, 3, 999)), device="cpu")
     core.load_model(LoadSpec("m", model_dir, max_model_len=64, max_num_seqs=8))
-    runner = core.slot("m").runner
+    runner = core.slots.get("m").runner
     assert runner.decode_buckets == (3, 8)  # sorted; a bucket above max_num_seqs is dropped
     shapes = []
     orig = runner.prepare

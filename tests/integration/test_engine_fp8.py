@@ -87,7 +87,7 @@ def test_an_fp8_model_serves_and_tracks_the_unquantized_logits(tiny_llama_dir):
     ref = core.load_model(LoadSpec("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4))
     info = core.load_model(LoadSpec("fp8", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="fp8"))
     assert info.device_bytes < ref.device_bytes
-    assert core.slot("fp8").weight_bytes == core.slot("fp8").model.nbytes
+    assert core.slots.get("fp8").weight_bytes == core.slots.get("fp8").model.nbytes
     assert core.memory()["used"] > used0
     prompts = [list(range(3, 40)), [9, 8, 7], list(range(100, 180, 3))]
     a, b = prefill_logits(core, "ref", prompts), prefill_logits(core, "fp8", prompts)
@@ -193,7 +193,7 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_page_and_serves(tiny_llama_
     core.load_model(LoadSpec("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4))
     core.load_model(LoadSpec("kv8", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="fp8",
                              kv_cache_dtype="fp8"))
-    assert core.slot("kv8").kv.k(0).dtype == fmt.FP8
+    assert core.slots.get("kv8").kv.k(0).dtype == fmt.FP8
     prompts = [list(range(3, 40)), list(range(100, 180, 3))]
     cos = torch.nn.functional.cosine_similarity(prefill_logits(core, "ref", prompts),
                                                 prefill_logits(core, "kv8", prompts), dim=-1)

@@ -53,7 +53,8 @@ def hf_model(model_dir):
 
 
 def engine(model_dir, **kw) -> EngineCore:
-    core = EngineCore(EngineOptions(max_num_batched_tokens=kw.pop("budget", 256), block_size=kw.pop("block_size", 4), max_prefill_chunk=kw.pop("chunk", None)), device="cpu")
+    core = EngineCore(EngineOptions(max_num_batched_tokens=kw.pop("budget", 256), block_size=kw.pop("block_size", 4),
+                                    max_prefill_chunk=kw.pop("chunk", None)), device="cpu")
     core.load_model(LoadSpec("m", model_dir, max_model_len=kw.pop("max_model_len", 128), max_num_seqs=8, **kw))
     return core
 
@@ -64,7 +65,7 @@ def test_prefill_logits_at_every_position_match(arch, sharp, oracle_model):
     d = oracle_model(arch, sharp)
     hf = hf_model(d)
     core = engine(d)
-    slot = core.slot("m")
+    slot = core.slots.get("m")
     prompts = PROMPTS[:3]
     # Allocate pages for a hand-made prefill step of three sequences and run the model on it.
     out = SchedulerOutput()
@@ -90,7 +91,7 @@ def test_decode_logits_at_every_step_and_greedy_tokens_match(arch, sharp, oracle
     d = oracle_model(arch, sharp)
     hf = hf_model(d)
     core = engine(d)
-    runner = core.slot("m").runner
+    runner = core.slots.get("m").runner
     captured: list[tuple[list[str], torch.Tensor]] = []
     orig = runner.forward_logits
 

@@ -20,7 +20,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 def _run(core: EngineCore, model: str, sizes: list[int], beside: str | None = None) -> dict[str, list[int]]:
     """Serve PROMPTS on ``model``, recording its step sizes; ``beside``: a model kept busy
     (one long request) the whole time."""
-    slot = core.slot(model)
+    slot = core.slots.get(model)
     schedule = slot.scheduler.schedule
 
     def spy(max_tokens=None):
@@ -50,7 +50,8 @@ def test_steps_are_capped_while_models_share_the_device(make_tiny_model):
     want = _run(alone, "a", sizes_alone)
     assert max(sizes_alone) > 8
 
-    core = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=1, shared_step_tokens=8, quiet_window_ms=0), device="cpu")
+    core = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=1, shared_step_tokens=8, quiet_window_ms=0),
+                      device="cpu")
     core.load_model(LoadSpec("a", a, max_model_len=64, max_num_seqs=4))
     core.load_model(LoadSpec("b", b, max_model_len=64, max_num_seqs=4))
     sizes: list[int] = []
@@ -66,7 +67,8 @@ def test_steps_are_capped_while_models_share_the_device(make_tiny_model):
 
 
 def test_the_cap_holds_through_the_quiet_window_after_the_other_model_went_idle(make_tiny_model):
-    core = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=1, shared_step_tokens=8, quiet_window_ms=60000), device="cpu")
+    core = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=1, shared_step_tokens=8, quiet_window_ms=60000),
+                      device="cpu")
     core.load_model(LoadSpec("a", make_tiny_model("llama"), max_model_len=64, max_num_seqs=4))
     core.load_model(LoadSpec("b", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4))
     core.add_request("b0", "b", [5, 6], SamplingParams(temperature=0, max_tokens=1))

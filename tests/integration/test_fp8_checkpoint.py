@@ -47,7 +47,7 @@ def test_each_layout_loads_as_fp8_and_tracks_the_unquantized_model(layout, folde
     core = _core()
     core.load_model(LoadSpec("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4))
     core.load_model(LoadSpec("ck", folders[layout], max_model_len=128, max_num_seqs=4))  # no quantization asked
-    model = core.slot("ck").model
+    model = core.slots.get("ck").model
     assert model.quantization == "fp8" and model.layers[0].qkv_w.dtype == fmt.FP8
     cos = torch.nn.functional.cosine_similarity(prefill_logits(core, "ref", PROMPTS),
                                                 prefill_logits(core, "ck", PROMPTS), dim=-1)

@@ -21,7 +21,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def _core(**kw) -> EngineCore:
-    return EngineCore(EngineOptions(max_num_batched_tokens=256, seed=0, decode_buckets=(1, 2, 4, 8), **kw), device="cuda", budget=2 << 30)
+    return EngineCore(EngineOptions(max_num_batched_tokens=256, seed=0, decode_buckets=(1, 2, 4, 8), **kw),
+                      device="cuda", budget=2 << 30)
 
 
 def _run(core: EngineCore, reqs: dict[str, tuple[str, list[int]]]) -> dict[str, list[int]]:

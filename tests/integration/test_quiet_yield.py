@@ -37,11 +37,13 @@ def _spy(runner, name: str, events: list) -> None:
 
 
 def _run(dirs, window_s: float, quiet: bool = True):
-    core = EngineCore(EngineOptions(max_num_batched_tokens=32, block_size=4, max_prefill_chunk=16, seed=5, async_steps=True, async_on_cpu=True, quiet_window_ms=round(window_s * 1000)), device="cpu")
+    core = EngineCore(EngineOptions(max_num_batched_tokens=32, block_size=4, max_prefill_chunk=16, seed=5,
+                                    async_steps=True, async_on_cpu=True, quiet_window_ms=round(window_s * 1000)),
+                      device="cpu")
     core.load_model(LoadSpec("busy", dirs[0], max_model_len=64, max_num_seqs=8))
     core.load_model(LoadSpec("other", dirs[1], max_model_len=64, max_num_seqs=8))
     events: list[tuple[str, str]] = []  # (model, "launch" | "collect") in order
-    for name, slot in core.slots().items():
+    for name, slot in core.slots.items():
         _spy(slot.runner, name, events)
     # The busy model's requests outlive the quiet one's: it has 4x its requests all along (QUIET_RATIO).
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -61,9 +63,9 @@ def _run(dirs, window_s: float, quiet: bool = True):
             tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
         steps += 1
         assert steps < 2000
-    for slot in core.slots().values():
+    for slot in core.slots.values():
         del slot.runner.launch, slot.runner.collect  # a spy holds its runner (and the pool's views)
-    for name in core.slots():
+    for name in core.slots.names():
         core.unload_model(name)
     return tokens, events, arrived_at
 

@@ -66,7 +66,7 @@ def test_a_calibrated_checkpoint_is_compressed_tensors_and_serves_close_to_the_u
     core = EngineCore(EngineOptions(max_num_batched_tokens=256, seed=0), device="cpu")
     core.load_model(LoadSpec("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=2))
     core.load_model(LoadSpec("cal", tmp_path / "cal", max_model_len=128, max_num_seqs=2))  # FP8 from its config
-    assert core.slot("cal").model.layers[0].qkv_w.dtype == FP8
+    assert core.slots.get("cal").model.layers[0].qkv_w.dtype == FP8
     prompt = [ids[:100]]
     ref, cal = prefill_logits(core, "ref", prompt), prefill_logits(core, "cal", prompt)
     cos = torch.nn.functional.cosine_similarity(ref, cal, dim=-1)

@@ -157,7 +157,7 @@ def _run(model_dir, async_steps: bool, constrained: bool, seeds: range):
             toks.setdefault(o.req_id, []).extend(o.new_token_ids)
             if o.finish_reason:
                 finish[o.req_id] = o.finish_reason
-    eos = set(core.slot("m").config.eos_token_ids)
+    eos = set(core.slots.get("m").config.eos_token_ids)
     return core, tok, eos, toks, finish
 
 
