@@ -195,7 +195,7 @@ class Loaded(Message):
     model: str
     info: dict[str, Any]
     seconds: float
-    # EngineCore.last_load_timings of this load: each phase's seconds (config_s, weights_s, ...).
+    # The engine loader's last_load_timings of this load: each phase's seconds (config_s, weights_s, ...).
     # Optional within version 1: an older peer sends none.
     timings: dict[str, Any] = field(default_factory=dict)
 
