@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, V
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from agent.units import parse_duration, parse_fraction_or_size, parse_size
+from engine.load_spec import LoadSpec
 from engine.options import EngineOptions
 
 MODEL_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
@@ -155,6 +156,14 @@ class ModelSettings(_Section):
         if not MODEL_NAME_RE.fullmatch(v):
             raise ValueError(f"{v!r} is not a model name (^[a-z0-9][a-z0-9._-]{{0,127}}$)")
         return v
+
+    def load_spec(self, model_dir: str | Path) -> LoadSpec:
+        """The engine's load of this model from ``model_dir`` (its snapshot): built here once and
+        carried whole to the engine's loader (engine/load_spec.py). Raises EngineError for a
+        value the engine refuses whatever it holds (``max_num_seqs`` 1)."""
+        return LoadSpec(self.name, str(model_dir), self.max_model_len, self.max_num_seqs, self.weight,
+                        prefix_caching=self.prefix_caching, quantization=self.quantization,
+                        kv_cache_dtype=self.kv_cache_dtype)
 
 
 class Settings(BaseSettings):

@@ -12,8 +12,10 @@ from typing import Any, Sequence
 
 from engine.core.engine_core import EngineCore
 from engine.model_info import ModelInfo
+from engine.options import EngineOptions
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 _MODEL_NAME = "default"
 # Offline generation keeps its own step size: 2048 tokens, the engine's offline shape before the
@@ -46,12 +48,12 @@ class LLM:
                  memory_budget_bytes: int | None = None, seed: int | None = None,
                  quantization: str | None = None, kv_cache_dtype: str | None = None) -> None:
         self.model_dir = Path(model_dir)
-        self.core = EngineCore(device=device, max_num_batched_tokens=max_num_batched_tokens,
-                               memory_budget_bytes=memory_budget_bytes, block_size=block_size,
-                               max_prefill_chunk=max_prefill_chunk, dtype=dtype, seed=seed)
-        self.info: ModelInfo = self.core.load_model(_MODEL_NAME, self.model_dir, max_model_len=max_model_len,
-                                                    max_num_seqs=max_num_seqs, num_kv_pages=num_kv_pages,
-                                                    quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+        self.core = EngineCore(EngineOptions(max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                                             max_prefill_chunk=max_prefill_chunk, dtype=dtype, seed=seed),
+                               device=device, budget=memory_budget_bytes)
+        self.info: ModelInfo = self.core.load_model(LoadSpec(
+            _MODEL_NAME, self.model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            num_kv_pages=num_kv_pages, quantization=quantization, kv_cache_dtype=kv_cache_dtype))
         self._tokenizer: Any = None
         self._next_id = 0
 

@@ -292,15 +292,12 @@ class ModelManager:
 
     async def _engine_load(self, e: ModelEntry) -> Any:
         """Load ``e`` in the worker under the room lock, evicting what the engine names once."""
-        s = e.settings
+        spec = e.settings.load_spec(e.snapshot)
         async with self._room:
             for attempt in (1, 2):
                 offered = self._planner.evictable(exclude=e.name)
                 try:
-                    return await self.worker.load(e.name, str(e.snapshot), max_model_len=s.max_model_len,
-                                                  max_num_seqs=s.max_num_seqs, weight=s.weight, evictable=offered,
-                                                  prefix_caching=s.prefix_caching, quantization=s.quantization,
-                                                  kv_cache_dtype=s.kv_cache_dtype)
+                    return await self.worker.load(spec, offered)
                 except WorkerError as ex:
                     if ex.code != "no_room":
                         raise

@@ -21,6 +21,7 @@ from agent.log import get_logger
 from agent.worker.mailbox import Mailbox
 from agent.worker.spawn import Spawned, spawn_worker
 from cache.triton_cache import sweep_triton_cache, triton_cache_dir
+from engine.load_spec import LoadSpec
 from engine.sampling import SamplingParams
 from engine.stats import MemoryStats, ModelStats
 from engine.worker import protocol as P
@@ -474,21 +475,13 @@ class WorkerClient:
             if self._pending.get(key) is fut:
                 del self._pending[key]
 
-    async def load(self, model: str, model_dir: str, *, max_model_len: int, max_num_seqs: int,
-                   weight: float = 1.0, evictable: list[str] | None = None,
-                   timeout: float | None = None, prefix_caching: bool = True,
-                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> P.Loaded:
-        """``evictable``: models the caller would unload to make room, least recently used first.
-        The first load of a worker waits for its kernel sweep."""
+    async def load(self, spec: LoadSpec, evictable: list[str] | None = None, *,
+                   timeout: float | None = None) -> P.Loaded:
+        """Load ``spec`` in the worker. ``evictable``: models the caller would unload to make
+        room, least recently used first. The first load of a worker waits for its kernel sweep."""
         if self._swept is not None:
             await asyncio.shield(self._swept)
-        return await self._command(
-            ("load", model),
-            P.Load(model=model, model_dir=model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                   weight=weight, evictable=list(evictable or []), prefix_caching=prefix_caching,
-                   quantization=quantization, kv_cache_dtype=kv_cache_dtype),
-            timeout,
-        )
+        return await self._command(("load", spec.name), P.Load(spec=spec, evictable=list(evictable or [])), timeout)
 
     async def drop_prefix_cache(self, model: str, timeout: float | None = 30.0) -> int:
         """Forget ``model``'s prefix cache in the engine; the entries it had."""

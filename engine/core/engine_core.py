@@ -1,18 +1,23 @@
 """EngineCore: the loaded models, their requests, and the step loop (docs/architecture.md).
 
-Several models share one device under one budget (docs/multi-model.md). EngineCore owns the
-requests (which model each belongs to, the outputs not yet returned), the step in flight and the
-loop; it hands each other concern to one collaborator:
+Several models share one device under one budget (docs/multi-model.md). ``EngineCore(options,
+device, budget)`` is built from one :class:`~engine.options.EngineOptions` and loads what one
+:class:`~engine.load_spec.LoadSpec` describes. It owns the requests (which model each belongs to,
+the outputs not yet returned), the step in flight and the loop; it hands each other concern to
+one collaborator, reachable as an attribute where a caller needs it:
 
-- :class:`~engine.core.pool_keeper.PoolKeeper`: the :class:`~engine.core.ledger.MemoryLedger`
+- ``slots``, a :class:`~engine.core.model_table.ModelTable`: the loaded models;
+- ``pools``, the :class:`~engine.core.pool_keeper.PoolKeeper`: the :class:`~engine.core.ledger.MemoryLedger`
   (every byte booked: weights, workspace, the KV pool), the shared
   :class:`~engine.kv.page_pool.PagePool` (a guaranteed minimum of pages per model, the rest to
   whoever asks), its resizes, and the runners over it;
-- :class:`~engine.core.loading.ModelLoader`: loads (three phases, one in flight) and unloads;
-- :class:`~engine.core.fair_share.FairSharePicker`: which model runs each step (weighted fair
-  share of measured step time);
-- :class:`~engine.core.step_policy.StepPolicy`: the multi-model rules of a step (yield, cap,
-  urgent, hold, overlap).
+- ``loader``, the :class:`~engine.core.loading.ModelLoader`: loads (three phases, one in flight)
+  and unloads; it calls back into the core (``_settle``) to finish the step in flight before
+  pages, pool or slots change, since that step and its outputs are the core's;
+- ``picker``, the :class:`~engine.core.fair_share.FairSharePicker`: which model runs each step
+  (weighted fair share of measured step time);
+- ``policy``, the :class:`~engine.core.step_policy.StepPolicy`: the multi-model rules of a step
+  (yield, cap, urgent, hold, overlap).
 
 Each loaded model is a :class:`~engine.core.slot.ModelSlot` with its own scheduler, block manager
 (over the pool's allocator for it) and runner (over the pool's views). Outputs of aborts and
@@ -30,33 +35,28 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig
 from engine.core.fair_share import FairSharePicker
-from engine.core.ledger import LoadPlan, MemoryLedger
+from engine.core.ledger import LoadPlan
 from engine.core.load_notes import LoadNotes, setting as notes_setting
-from engine.core.loading import DTYPES, ModelLoader
+from engine.core.loading import ModelLoader, PendingLoad
 from engine.core.memory_plan import make_ledger
+from engine.core.model_table import ModelTable
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot, RequestOutput
 from engine.core.step_policy import StepPolicy
 from engine.errors import EngineError, RequestError
 from engine.grammar.compiler import GrammarCompiler
 from engine.grammar.matcher import RequestGrammar
-from engine.kv.page_pool import PagePool
+from engine.load_spec import LoadSpec
 from engine.options import EngineOptions
-from engine.runner.cuda_graphs import DEFAULT_BUCKETS
 from engine.runner.step import PendingStep, StepResult
 from engine.runner.streams import StreamPool
 from engine.sampling import SamplingParams
 from engine.stats import MemoryStats, ModelStats
 from engine.sched.scheduler import SchedulerOutput
-from engine.weights.loader import PendingLoad
 from engine.weights.warm_tier import WarmTier
 
 __all__ = ["EngineCore", "InFlight"]
-
-_DEFAULTS = EngineOptions()
-
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
@@ -108,235 +108,109 @@ class InFlight:
 class EngineCore:
     """Loads models and steps their requests. Not thread-safe: one caller drives it.
 
-    Every behaviour switch defaults to :class:`~engine.options.EngineOptions` (the daemon's
-    defaults). ``memory_budget`` (or the older ``memory_budget_bytes``): bytes, or on CUDA a
-    fraction of the device's total; None: 90 % of what CUDA has free now, 4 GiB on CPU.
-    ``page_bytes``: the pool's page size; None: set by the first load to ``block_size`` tokens of
-    that model. ``warmup``: run one largest-batch step at load to measure the workspace (None: on
-    CUDA). ``cuda_graphs``: False captures no graph at all (decode or mixed); ``decode_buckets``:
-    the decode batch sizes padded to (None: the graph buckets on CUDA with graphs, else none);
-    ``mixed_buckets``: the token counts of the mixed-step graphs (None: the runner's default).
-    ``async_steps``: launch step N+1 before collecting step N (None: on CUDA; True forces it on
-    CPU too; see :meth:`step`). ``shared_step_tokens``: while another model is active, no step
-    takes more tokens than this (None: off; :class:`~engine.core.step_policy.StepPolicy`).
-    ``quiet_window_s``: how long a model's request keeps it active (0: off; see ``StepPolicy``).
-    ``prebuild_runner``: on a warm reload that skips the warm-up, build the runner beside the
-    weights (engine/runner/prebuild.py; None: on CUDA; True: on CPU too, for tests).
-    ``load_notes_path``: a file where measured workspaces are kept across processes
-    (engine/core/load_notes.py), so a restart's load skips its warm-up (None: this process only).
+    ``options``: every behaviour switch (:class:`~engine.options.EngineOptions`, whose defaults
+    are the daemon's). ``device``: "auto" (CUDA when there is one), "cpu", "cuda", "cuda:N" or a
+    ``torch.device``. ``budget``: the memory budget, bytes, or on CUDA a fraction of the device's
+    total; None: 90 % of what CUDA has free now, 4 GiB on CPU (``pools.ledger.budget`` is the
+    resolved bytes).
+
+    Its collaborators are reachable for callers that need them: ``pools`` (the
+    :class:`~engine.core.pool_keeper.PoolKeeper`: ``pools.ledger``, ``pools.pool``), ``loader``
+    (the :class:`~engine.core.loading.ModelLoader`: ``loader.pending`` is the load in flight,
+    ``loader.last_load_timings``, ``loader.warm_tier``), ``policy``
+    (:class:`~engine.core.step_policy.StepPolicy`) and ``picker``.
     """
 
-    def __init__(self, device: str = "auto", max_num_batched_tokens: int = _DEFAULTS.max_num_batched_tokens,
-                 memory_budget_bytes: int | None = None, *, block_size: int = 16,
-                 max_prefill_chunk: int | None = None, dtype: str | None = None, seed: int | None = None,
-                 decode_buckets: tuple[int, ...] | None = None, mixed_buckets: tuple[int, ...] | None = None,
-                 memory_budget: int | float | None = None,
-                 page_bytes: int | None = _DEFAULTS.page_bytes, warmup: bool | None = None, warm_tier_bytes: int = 0,
-                 cuda_graphs: bool = _DEFAULTS.cuda_graphs, async_steps: bool | None = None,
-                 shared_step_tokens: int | None = _DEFAULTS.shared_step_tokens,
-                 quiet_window_s: float = _DEFAULTS.quiet_window_s, prebuild_runner: bool | None = None,
-                 load_notes_path: str | Path | None = None) -> None:
+    def __init__(self, options: EngineOptions | None = None, device: str | torch.device = "auto",
+                 budget: int | float | None = None) -> None:
+        self.options = options = options if options is not None else EngineOptions()
         self.device = resolve_device(device)
-        if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
-                or max_num_batched_tokens < 1:
-            raise EngineError("max_num_batched_tokens must be an integer >= 1")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise EngineError("block_size must be an integer >= 1")
-        if dtype is not None and dtype not in DTYPES:
-            raise EngineError(f"dtype must be one of {sorted(DTYPES)}")
-        if memory_budget is not None and memory_budget_bytes is not None:
-            raise EngineError("give memory_budget or memory_budget_bytes, not both")
-        if page_bytes is not None and (isinstance(page_bytes, bool) or not isinstance(page_bytes, int)
-                                       or page_bytes < 1):
-            raise EngineError("page_bytes must be a positive integer")
-        if not isinstance(cuda_graphs, bool):
-            raise EngineError("cuda_graphs must be true or false")
-        if isinstance(warm_tier_bytes, bool) or not isinstance(warm_tier_bytes, int) or warm_tier_bytes < 0:
-            raise EngineError("warm_tier_bytes must be an integer >= 0")
+        self.budget = budget  # as given (None: the default); pools.ledger.budget is the resolved bytes
         cuda = self.device.type == "cuda"
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.block_size = block_size
-        self.max_prefill_chunk = max_prefill_chunk
-        self.cuda_graphs = cuda_graphs
-        if decode_buckets is None:  # the graph buckets where graphs are captured; none on CPU
-            decode_buckets = DEFAULT_BUCKETS if cuda and cuda_graphs else ()
-        self.decode_buckets = tuple(decode_buckets)  # decode batch sizes padded to (graph buckets)
         # Steps overlap with the host's work for the next one (see step()); off on CPU, where a
-        # launch runs to completion anyway.
-        self.async_steps = cuda if async_steps is None else bool(async_steps)
-        self._budget_arg = memory_budget if memory_budget is not None else memory_budget_bytes
+        # launch runs to completion anyway (unless a test asks for it there too).
+        self.async_steps = options.async_steps and (cuda or options.async_on_cpu)
         # Streams the runners borrow and give back (each new stream costs a cuBLAS workspace for good).
         self.streams = StreamPool(self.device) if cuda else None
         self.picker = FairSharePicker()
-        self._slots: dict[str, ModelSlot] = {}  # the loaded models, shared with the collaborators
+        self.slots = ModelTable()  # the loaded models (the loader adds and removes them)
         self._req_model: dict[str, str] = {}
         self._pending: list[RequestOutput] = []
         self._inflight: InFlight | None = None
         self._yielded_at: float | None = None  # when the last step() returned with a yielding model's step in flight
         self._last_done = 0.0
-        self._pools = PoolKeeper(make_ledger(self._budget_arg, self.device), self.device, self._slots,
-                                 max_num_batched_tokens=max_num_batched_tokens, decode_buckets=self.decode_buckets,
-                                 mixed_buckets=mixed_buckets, cuda_graphs=cuda_graphs, streams=self.streams)
+        self.pools = PoolKeeper(make_ledger(budget, self.device), self.device, self.slots, options, self.streams)
         # Host copies of unloaded models' weights, so a reload is one device copy (the loader's).
-        warm_tier = WarmTier(warm_tier_bytes) if warm_tier_bytes else None
-        self._loader = ModelLoader(self._pools, self._slots, self.picker, warm_tier, self._settle,
-                                   device=self.device, dtype=dtype, block_size=block_size,
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   max_prefill_chunk=max_prefill_chunk, page_bytes=page_bytes,
-                                   warmup=cuda if warmup is None else bool(warmup),
-                                   prebuild_runner=prebuild_runner,
-                                   notes=LoadNotes(load_notes_path, notes_setting(self.device))
-                                   if load_notes_path is not None else None)
-        self.policy = StepPolicy(self._slots, quiet_window_s=quiet_window_s, shared_step_tokens=shared_step_tokens,
-                                 cuda=cuda)
+        warm_tier = WarmTier(options.warm_tier_bytes) if options.warm_tier_bytes else None
+        notes = LoadNotes(options.load_notes_path, notes_setting(self.device)) \
+            if options.load_notes_path is not None else None
+        self.loader = ModelLoader(self.pools, self.slots, self.picker, warm_tier, self._settle, options,
+                                  device=self.device, notes=notes)
+        self.policy = StepPolicy(self.slots, options, cuda=cuda)
         # Seeds for requests that bring none; instance-owned so two engines never share a stream.
-        self._seed_rng = random.Random(seed) if seed is not None else random.SystemRandom()
+        self._seed_rng = random.Random(options.seed) if options.seed is not None else random.SystemRandom()
 
     # -- read accessors --------------------------------------------------------------------
-    @property
-    def memory_budget_bytes(self) -> int | float | None:
-        """The budget as given (None: the default); ``memory()["budget"]`` is the resolved bytes."""
-        return self._budget_arg
-
-    @memory_budget_bytes.setter
-    def memory_budget_bytes(self, value: int | float | None) -> None:
-        if self._slots:
-            raise EngineError("the memory budget can only change while no model is loaded")
-        self._pools.ledger = make_ledger(value, self.device)
-        self._budget_arg = value
-
-    @property
-    def ledger(self) -> MemoryLedger:
-        return self._pools.ledger
-
-    @property
-    def pool(self) -> PagePool | None:
-        """The shared KV pool (None until the first load)."""
-        return self._pools.pool
-
-    @property
-    def warmup(self) -> bool:
-        return self._loader.warmup
-
-    @property
-    def warm_tier(self) -> WarmTier | None:
-        """The host-RAM tier of unloaded weights (None: off). Benchmarks swap it out for a while
-        to time a load without it; it is the loader's, so a swap reaches every load and unload."""
-        return self._loader.warm_tier
-
-    @warm_tier.setter
-    def warm_tier(self, tier: WarmTier | None) -> None:
-        self._loader.warm_tier = tier
-
-    @property
-    def quiet_window_s(self) -> float:
-        return self.policy.quiet_window_s
-
-    @property
-    def shared_step_tokens(self) -> int | None:
-        return self.policy.shared_step_tokens
-
-    @property
-    def last_load_timings(self) -> dict[str, float]:
-        """Each phase's seconds of the last finished load."""
-        return self._loader.last_load_timings
-
-    @property
-    def loading(self) -> PendingLoad | None:
-        """The load in flight (between :meth:`begin_load` and its finish or cancel), or None."""
-        return self._loader.pending
-
-    def slot(self, name: str) -> ModelSlot:
-        """The loaded model ``name`` (its scheduler, runner, counters): for tests and tools."""
-        slot = self._slots.get(name)
-        if slot is None:
-            raise EngineError(f"model {name!r} is not loaded")
-        return slot
-
-    def slots(self) -> dict[str, ModelSlot]:
-        """Every loaded model by name (a copy of the table)."""
-        return dict(self._slots)
-
     def in_flight(self) -> InFlight | None:
         """The step launched and not yet collected, if any."""
         return self._inflight
 
-    def dtype_for(self, cfg: ModelConfig) -> torch.dtype:
-        """The dtype a model of ``cfg`` runs in on this engine."""
-        return self._loader.dtype_for(cfg)
-
     # -- models ----------------------------------------------------------------------------
-    def check_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
-                   *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), quantization: str | None = None,
-                   kv_cache_dtype: str | None = None) -> LoadPlan:
+    def check_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:
         """The plan of a load without doing it (:meth:`ModelLoader.check_load`)."""
-        return self._loader.check_load(name, model_dir, max_model_len, max_num_seqs, num_kv_pages=num_kv_pages,
-                                       block_size=block_size, evictable=evictable, quantization=quantization,
-                                       kv_cache_dtype=kv_cache_dtype)
+        return self.loader.check_load(spec, evictable)
 
-    def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
-                   weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True,
-                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> ModelInfo:
+    def load_model(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> ModelInfo:
         """Book, load weights, give the model its KV pages and make it schedulable
         (:meth:`ModelLoader.load_model`: raises :class:`~engine.core.ledger.LoadRefused` before
-        the device is touched when it does not fit). ``quantization="fp8"``: FP8 projections;
-        ``kv_cache_dtype="fp8"``: an e4m3 KV cache (twice the tokens a page)."""
-        return self._loader.load_model(name, model_dir, max_model_len, max_num_seqs, weight,
-                                       num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable,
-                                       prefix_caching=prefix_caching, quantization=quantization,
-                                       kv_cache_dtype=kv_cache_dtype)
+        the device is touched when it does not fit; with ``evictable``, the idle models whose
+        unload would make room). ``spec.quantization="fp8"``: FP8 projections;
+        ``spec.kv_cache_dtype="fp8"``: an e4m3 KV cache (twice the tokens a page)."""
+        return self.loader.load_model(spec, evictable)
 
-    def begin_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
-                   weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True,
-                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> PendingLoad:
+    def begin_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> PendingLoad:
         """Phase 1 of a load here, phase 2 in a load thread (:meth:`ModelLoader.begin_load`);
         end it with :meth:`finish_load` or :meth:`cancel_load`."""
-        return self._loader.begin_load(name, model_dir, max_model_len, max_num_seqs, weight,
-                                       num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable,
-                                       prefix_caching=prefix_caching, quantization=quantization,
-                                       kv_cache_dtype=kv_cache_dtype)
+        return self.loader.begin_load(spec, evictable)
 
     def finish_load(self, pending: PendingLoad) -> ModelInfo:
         """Phase 3 of a load: install the model (:meth:`ModelLoader.finish_load`)."""
-        return self._loader.finish_load(pending)
+        return self.loader.finish_load(pending)
 
     def cancel_load(self, pending: PendingLoad) -> None:
         """Stop a load begun here and release what it booked (:meth:`ModelLoader.cancel_load`)."""
-        self._loader.cancel_load(pending)
+        self.loader.cancel_load(pending)
 
     def unload_model(self, name: str) -> None:
         """Abort what is left of the model's requests (reported by the next step) and free it:
         every page back to the pool, every byte out of the ledger; the pool is trimmed when idle.
         A model still loading (:meth:`begin_load`) has its load cancelled instead."""
-        pending = self._loader.pending
-        if name not in self._slots and pending is not None and pending.name == name:
-            self._loader.cancel_load(pending)
+        pending = self.loader.pending
+        if name not in self.slots and pending is not None and pending.name == name:
+            self.loader.cancel_load(pending)
             return
-        if name not in self._slots:
-            raise EngineError(f"model {name!r} is not loaded")
+        slot = self.slots.get(name)
         self._settle()
         for req_id in [r for r, m in self._req_model.items() if m == name]:
             self.abort_request(req_id)
-        if self._slots[name].grammar is not None:
-            self._slots[name].grammar.close()
-        self._loader.unload(name)
+        if slot.grammar is not None:
+            slot.grammar.close()
+        del slot
+        self.loader.unload(name)
 
     def models(self) -> dict[str, ModelInfo]:
-        return {n: s.info for n, s in self._slots.items()}
+        return {n: s.info for n, s in self.slots.items()}
 
     def memory(self) -> MemoryStats:
         """The budget and who holds it (:meth:`PoolKeeper.memory`)."""
-        return self._pools.memory()
+        return self.pools.memory()
 
     # -- requests --------------------------------------------------------------------------
     def compile_grammar(self, model: str, grammar: str) -> Future[RequestGrammar]:
         """A matcher of ``grammar`` over ``model``'s vocabulary, compiled on that model's grammar
         thread (engine/grammar/compiler.py), for :meth:`add_request`; the future raises
         ``GrammarError``. Raises :class:`RequestError` when the model is not loaded."""
-        slot = self._slots.get(model)
+        slot = self.slots.find(model)
         if slot is None:
             raise RequestError(f"model {model!r} is not loaded", "model")
         if slot.grammar is None:
@@ -352,7 +226,7 @@ class EngineCore:
             raise RequestError("req_id must be a non-empty string", "req_id")
         if req_id in self._req_model:
             raise RequestError(f"request {req_id!r} is already in flight", "req_id")
-        slot = self._slots.get(model)
+        slot = self.slots.find(model)
         if slot is None:
             raise RequestError(f"model {model!r} is not loaded", "model")
         if not isinstance(params, SamplingParams):  # valid once made (engine/sampling.py)
@@ -379,14 +253,14 @@ class EngineCore:
         model = self._req_model.pop(req_id, None)
         if model is None:
             return
-        seq = self._slots[model].scheduler.abort(req_id)
+        seq = self.slots.get(model).scheduler.abort(req_id)
         if seq is not None:
             self._pending.append(RequestOutput(req_id, [], "abort", None, seq.num_prompt_tokens,
                                                seq.num_cached_tokens))
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self._pending) or self._inflight is not None
-                or any(s.scheduler.has_unfinished() for s in self._slots.values()))
+                or any(s.scheduler.has_unfinished() for s in self.slots.values()))
 
     def capture_idle_graph(self) -> bool:
         """While no request is in the engine: capture one CUDA graph a runner still defers to
@@ -394,7 +268,7 @@ class EngineCore:
         failed capture leaves that bucket to run eagerly (it is logged by the caller)."""
         if self.has_unfinished_requests():
             return False
-        for slot in self._slots.values():
+        for slot in self.slots.values():
             if slot.runner is not None and slot.runner.capture_next_deferred():
                 return True
         return False
@@ -480,9 +354,9 @@ class EngineCore:
             self._pending.extend(self._complete(f))
 
     def _pick(self, exclude: ModelSlot | None) -> ModelSlot | None:
-        busy = [n for n, s in self._slots.items() if s.scheduler.has_unfinished() and s is not exclude]
+        busy = [n for n, s in self.slots.items() if s.scheduler.has_unfinished() and s is not exclude]
         name = self.picker.pick(busy)
-        return self._slots[name] if name is not None else None
+        return self.slots.get(name) if name is not None else None
 
     def _schedule(self, exclude: ModelSlot | None) -> tuple[ModelSlot | None, SchedulerOutput | None]:
         """The picked model and its next batch (None when nothing is admissible: no pages for it
@@ -551,7 +425,7 @@ class EngineCore:
         compiles, cache hits and seconds, mask-filling seconds, masked rows and steps (engine/stats.py:
         the figures of a feature a model does not use are 0, and its flag says so)."""
         out = {}
-        for name, s in self._slots.items():
+        for name, s in self.slots.items():
             blocks, runner, grammar = s.scheduler.blocks, s.runner, s.grammar
             prefix = blocks.prefix
             cascade = runner is not None and bool(runner.bufs.cascade_rows)  # cascade plans (Triton kernels)
@@ -580,7 +454,6 @@ class EngineCore:
     def drop_prefix_cache(self, name: str) -> int:
         """Forget ``name``'s prefix index (its free cached pages become plain free pages; pages
         of running sequences stay theirs); returns the entries dropped (0: caching is off)."""
-        if name not in self._slots:
-            raise EngineError(f"model {name!r} is not loaded")
+        slot = self.slots.get(name)
         self._settle()  # no step in flight: the next one's admissions see the empty index
-        return self._slots[name].scheduler.blocks.drop_prefix_cache()
+        return slot.scheduler.blocks.drop_prefix_cache()

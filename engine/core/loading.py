@@ -1,17 +1,22 @@
 """ModelLoader: validate, book, load (or restore from the warm tier) and unload models.
 
-It owns the load in flight and the models' entries in the core's table of loaded models; the
-bytes are booked through the :class:`~engine.core.pool_keeper.PoolKeeper` (ledger and pool), the
-step share through the :class:`~engine.core.fair_share.FairSharePicker`, and unloaded weights go
-to the :class:`~engine.weights.warm_tier.WarmTier`. ``settle`` (the core's) finishes the step in
-flight before anything a step reads (pages, pool, slots) changes.
+A load is one :class:`~engine.load_spec.LoadSpec` (and, per attempt, the models the caller would
+evict). The loader owns the load in flight (its :class:`PendingLoad`) and adds and removes the
+models of the core's :class:`~engine.core.model_table.ModelTable`; the bytes are booked through
+the :class:`~engine.core.pool_keeper.PoolKeeper`'s verbs (``plan``, ``book``, ``pages_for``,
+``record_workspace``, ``release``, ``trim``), the step share through the
+:class:`~engine.core.fair_share.FairSharePicker`, and unloaded weights go to the
+:class:`~engine.weights.warm_tier.WarmTier`. ``settle`` (the core's) finishes the step in flight
+before anything a step reads (pages, pool, slots) changes: the step and its outputs are the
+core's, and the loader settles at points inside its phases that the core does not see.
 
 A load has three phases, so a caller that keeps stepping other models is not paused by the
 seconds a large model's weights take (:meth:`ModelLoader.begin_load`, then ``finish_load``):
 
-1. on the caller's thread: check the arguments and the config (nothing touched) → the ledger's
-   verdict (a refusal with the numbers, before the device is touched) → fit the pool → book the
-   weights → register the model's pages in the pool (its minimum is held back from then on);
+1. on the caller's thread: check the spec against this engine and the config (nothing touched) →
+   the ledger's verdict (a refusal with the numbers, before the device is touched) → fit the
+   pool → book the weights → register the model's pages in the pool (its minimum is held back
+   from then on): ``PoolKeeper.book``;
 2. in a load thread: build the model, read its weights (or restore them from the warm tier) on
    side streams, the rope cache; an event recorded behind them orders the caller's later use;
 3. back on the caller's thread: scheduler, runner (graph capture), the measured warm-up (skipped
@@ -28,18 +33,22 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import ModelConfig, load_model_config, usable_len
 from engine.core.fair_share import FairSharePicker
-from engine.core.ledger import LoadPlan, LoadRefused
+from engine.core.ledger import LoadPlan
 from engine.core.load_notes import LoadNotes
 from engine.core.memory_plan import LoadNeeds, load_needs
+from engine.core.model_table import ModelTable
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
 from engine.errors import EngineError, LoadOptionError
+from engine.load_spec import LoadSpec
+from engine.options import DTYPE_NAMES, EngineOptions
 from engine.kernels.fp8 import fp8_supported
 from engine.kernels.fp8_format import FP8
 from engine.models.llama import QUANTIZATIONS, LlamaModel
@@ -48,10 +57,10 @@ from engine.runner.prebuild import RunnerBuild, prebuild_wanted
 from engine.sched.block_manager import BlockManager
 from engine.sched.prefix_index import PrefixIndex
 from engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError
-from engine.weights.loader import PendingLoad, WeightsReady, drop_result, load_or_restore, stash_weights, warm_key
+from engine.weights.loader import WeightsReady, load_or_restore, stash_weights, warm_key
 from engine.weights.warm_tier import WarmTier
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 KV_CACHE_DTYPES = ("fp8",)
@@ -103,110 +112,128 @@ def dtype_for(cfg: ModelConfig, override: str | None, device: torch.device) -> t
     return torch.bfloat16 if cfg.dtype == "float32" else DTYPES[cfg.dtype]
 
 
+@dataclass
+class PendingLoad:
+    """A load between its phases: booked in the ledger and the pool, its weights being read in a
+    load thread. Everything it is loaded with is decided before it is made (``begin_load``);
+    what changes afterwards is the load's progress: ``timings`` (each phase's seconds), the
+    thread's ``future`` (takes a done callback, run on the load thread), ``cancel``, and ``trim``
+    (an unload meanwhile left the pool to be trimmed when this load ends). ``done()`` is true
+    once ``finish_load`` would not block."""
+
+    spec: LoadSpec
+    cfg: ModelConfig
+    max_len: int  # spec.max_model_len capped by the model's context
+    dtype: torch.dtype
+    needs: LoadNeeds
+    quantization: str | None  # what the load runs with (a pre-quantized checkpoint is "fp8")
+    key: str  # the weights' warm-tier key (warm_key)
+    shape: str  # what its measured workspace depends on besides the weights (the load's shape)
+    prebuild: bool  # build the runner beside the weights (engine.runner.prebuild)
+    started: float
+    timings: dict[str, float] = field(default_factory=dict)
+    future: Future = field(default_factory=Future)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    trim: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+def drop_result(p: PendingLoad) -> None:
+    """Forget a finished load thread's model, so its device memory goes with the undo."""
+    f = p.future
+    if f.done() and not f.cancelled() and f.exception() is None:
+        p.future = Future()
+        p.future.cancel()
+
+
 class ModelLoader:
     """Loads and unloads the models of one engine (see the module docstring).
 
-    ``slots``: the core's name -> ModelSlot table (a model enters it at install, leaves at
-    unload). The keyword arguments are the core's limits every load is built with.
+    ``slots``: the core's :class:`~engine.core.model_table.ModelTable` (a model enters it at
+    install, leaves at unload). ``options``: the engine's; every load is built with its limits (``dtype``,
+    ``block_size``, ``max_num_batched_tokens``, ``max_prefill_chunk``, ``page_bytes``, ``warmup``,
+    ``prebuild_runner``). ``warm_tier``: the host copies of unloaded weights (None: off; a
+    benchmark may swap it). ``notes``: measured workspaces kept across processes (None: this
+    process only).
     """
 
-    def __init__(self, pools: PoolKeeper, slots: dict[str, ModelSlot], picker: FairSharePicker,
-                 warm_tier: WarmTier | None, settle: Callable[[], None], *, device: torch.device,
-                 dtype: str | None, block_size: int, max_num_batched_tokens: int, max_prefill_chunk: int | None,
-                 page_bytes: int | None, warmup: bool, prebuild_runner: bool | None,
-                 notes: LoadNotes | None = None) -> None:
+    def __init__(self, pools: PoolKeeper, slots: ModelTable, picker: FairSharePicker,
+                 warm_tier: WarmTier | None, settle: Callable[[], None], options: EngineOptions, *,
+                 device: torch.device, notes: LoadNotes | None = None) -> None:
         self._pools = pools
         self._slots = slots
         self._picker = picker
         self.warm_tier = warm_tier
         self._settle = settle
         self.device = device
-        self.dtype_override = dtype
-        self.block_size = block_size
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_prefill_chunk = max_prefill_chunk
-        self.page_bytes = page_bytes
-        self.warmup = warmup
-        self.prebuild_runner = prebuild_runner  # None: on CUDA (engine/runner/prebuild.py)
-        self.notes = notes  # measured workspaces kept across processes (None: this process only)
+        self.options = options
+        self.block_size = options.block_size
+        self.max_num_batched_tokens = options.max_num_batched_tokens
+        self.max_prefill_chunk = options.max_prefill_chunk
+        self.page_bytes = options.page_bytes
+        # the measured warm-up at load (None in the options: on CUDA)
+        self.warmup = device.type == "cuda" if options.warmup is None else options.warmup
+        self.prebuild_runner = options.prebuild_runner  # None: on CUDA (engine/runner/prebuild.py)
+        self.notes = notes
         self.pending: PendingLoad | None = None  # the load in flight
         self.last_load_timings: dict[str, float] = {}
 
     def dtype_for(self, cfg: ModelConfig) -> torch.dtype:
-        return dtype_for(cfg, self.dtype_override, self.device)
+        """The dtype a model of ``cfg`` runs in on this engine."""
+        return dtype_for(cfg, self.options.dtype, self.device)
 
-    def check_load_args(self, name: str, weight: float, max_model_len: int, max_num_seqs: int) -> None:
-        """The arguments every load takes, checked before any file is read."""
-        if not isinstance(name, str) or not name:
-            raise EngineError("model name must be a non-empty string")
+    def check_new(self, name: str) -> None:
+        """Refuse a load of a model that is loaded or loading here (the spec checked itself)."""
         if name in self._slots:
             raise EngineError(f"model {name!r} is already loaded")
         if self.pending is not None and self.pending.name == name:
             raise EngineError(f"model {name!r} is already loading")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise EngineError("weight must be a positive number")
-        for key, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 2:
-                raise EngineError(f"{key} must be an integer >= 2, got {v!r}")
 
-    def _prepare(self, name: str, model_dir: str | Path, max_model_len: int, max_num_seqs: int,
-                 weight: float, num_kv_pages: int | None, block_size: int | None,
-                 quantization: str | None = None,
-                 kv_cache_dtype: str | None = None) -> tuple[ModelConfig, int, torch.dtype, LoadNeeds]:
-        """Validate a load and compute what it needs; touches nothing."""
-        self.check_load_args(name, weight, max_model_len, max_num_seqs)
-        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
-                                       or block_size < 1):
-            raise EngineError("block_size must be an integer >= 1")
-        cfg = load_model_config(model_dir)
-        quantization = load_quantization(cfg, quantization)
+    def _prepare(self, spec: LoadSpec) -> tuple[ModelConfig, str | None, int, torch.dtype, LoadNeeds]:
+        """Validate a load here and compute what it needs (config, quantization, usable length,
+        dtype, needs); touches nothing."""
+        self.check_new(spec.name)
+        cfg = load_model_config(spec.model_dir)
+        quantization = load_quantization(cfg, spec.quantization)
         check_quantization(quantization, cfg, self.device)
-        kv_dtype = kv_dtype_for(kv_cache_dtype, self.device)
-        max_len = usable_len(cfg, max_model_len)
+        kv_dtype = kv_dtype_for(spec.kv_cache_dtype, self.device)
+        max_len = usable_len(cfg, spec.max_model_len)
         dtype = self.dtype_for(cfg)
         if quantization and self.device.type == "cuda" and dtype != torch.bfloat16:
             # cuBLASLt's row-wise FP8 GEMM writes bf16 (float32 only on some GPUs and cuBLAS versions)
             raise LoadOptionError(f"quantization {quantization!r} runs in bfloat16 on a GPU, not {dtype}")
-        pool_pb = self._pools.pool.page_bytes if self._pools.pool is not None and self._pools.pool.models() else self.page_bytes
-        needs = load_needs(cfg, dtype, max_len=max_len, max_num_seqs=max_num_seqs,
+        pool_pb = self._pools.shared_page_bytes()
+        if pool_pb is None:
+            pool_pb = self.page_bytes
+        needs = load_needs(cfg, dtype, max_len=max_len, max_num_seqs=spec.max_num_seqs,
                            max_num_batched_tokens=self.max_num_batched_tokens, pool_page_bytes=pool_pb,
-                           block_size=block_size or self.block_size,
-                           explicit_block_size=block_size is not None, num_kv_pages=num_kv_pages,
+                           block_size=spec.block_size or self.block_size,
+                           explicit_block_size=spec.block_size is not None, num_kv_pages=spec.num_kv_pages,
                            quantization=quantization, kv_dtype=kv_dtype)
-        return cfg, max_len, dtype, needs
+        return cfg, quantization, max_len, dtype, needs
 
-    def check_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
-                   *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), quantization: str | None = None,
-                   kv_cache_dtype: str | None = None) -> LoadPlan:
+    def check_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:
         """The plan of a load without doing it: which of ``evictable`` (idle models, least recently
-        used first) must be unloaded first, and the numbers; raises :class:`LoadRefused` (with
+        used first) must be unloaded first, and the numbers; raises :class:`~engine.core.ledger.LoadRefused` (with
         ``needed``/``free``/``evictable``/``budget``/``short``) when even that is not enough."""
-        _, _, _, needs = self._prepare(name, model_dir, max_model_len, max_num_seqs, 1.0, num_kv_pages, block_size,
-                                       quantization, kv_cache_dtype)
-        return self._pools.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
-                                      evictable=list(evictable))
+        return self._pools.plan(spec.name, self._prepare(spec)[4], evictable)
 
-    def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
-                   weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True,
-                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> ModelInfo:
+    def load_model(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> ModelInfo:
         """Book, load weights, give the model its KV pages and make it schedulable.
 
-        A load that does not fit now raises :class:`LoadRefused` before the device is touched;
+        A load that does not fit now raises :class:`~engine.core.ledger.LoadRefused` before the device is touched;
         with ``evictable`` its ``evict`` names the idle models whose unload would make room.
         The three phases in a row (the weights still read in the load thread).
         """
-        pending = self.begin_load(name, model_dir, max_model_len, max_num_seqs, weight,
-                                  num_kv_pages=num_kv_pages, block_size=block_size, evictable=evictable,
-                                  prefix_caching=prefix_caching, quantization=quantization,
-                                  kv_cache_dtype=kv_cache_dtype)
-        return self.finish_load(pending)
+        return self.finish_load(self.begin_load(spec, evictable))
 
-    def begin_load(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
-                   weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None,
-                   evictable: tuple[str, ...] | list[str] = (), prefix_caching: bool = True,
-                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> PendingLoad:
+    def begin_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> PendingLoad:
         """Phase 1 of a load on this thread (validate, the ledger's verdict, fit the pool, book the
         weights, register the pages), then start phase 2 (the weights) in a load thread.
 
@@ -215,44 +242,21 @@ class ModelLoader:
         by :meth:`finish_load` or :meth:`cancel_load`: until then its books stay taken.
         """
         t0 = time.perf_counter()
-        cfg, max_len, dtype, needs = self._prepare(name, model_dir, max_model_len, max_num_seqs, weight,
-                                                   num_kv_pages, block_size, quantization, kv_cache_dtype)
+        name = spec.name
+        cfg, quantization, max_len, dtype, needs = self._prepare(spec)
         if self.pending is not None:
             raise EngineError(f"model {self.pending.name!r} is loading; one load at a time")
         t1 = time.perf_counter()
         self._settle()  # no step in flight while pages, pool and slots change
-        try:
-            plan = self._pools.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
-        except LoadRefused as e:
-            raise self._refusal(name, needs, e, evictable) from None
-        t_pool = time.perf_counter()
-        self._pools.fit(needs, plan.kv_pool_bytes_after)
-        t_pool = time.perf_counter() - t_pool
-        try:
-            self._pools.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace_bytes,
-                                        min_kv_bytes=needs.min_kv_bytes)
-        except EngineError:
-            self._pools.fit(None, None)
-            raise
-        try:
-            # Registered now, not after the weights: while they load, other models' bursts must
-            # not take the pages its minimum needs.
-            self._pools.pool.register(name, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                               head_dim=cfg.head_dim, dtype=needs.kv_dtype, min_pages=needs.min_pages,
-                               max_pages=needs.want_pages, tokens_per_page=needs.tokens_per_page)
-        except BaseException:
-            self._pools.ledger.release(name)
-            self._pools.fit(None, None)
-            raise
-        pending = PendingLoad(name, str(model_dir), cfg, max_len, dtype, needs, max_num_seqs, float(weight), t0)
-        pending.quantization = load_quantization(cfg, quantization)
-        pending.kv_cache_dtype = kv_cache_dtype
-        pending.key = warm_key(name, model_dir, pending.quantization)
-        pending.prefix_caching = bool(prefix_caching)
-        pending.shape = self._workspace_shape(max_num_seqs, max_len, dtype, needs.tokens_per_page)
-        pending.prebuild = self.warmup and self.prebuild_runner is not False and prebuild_wanted(
-            self.device, self._known_workspace(pending.key, pending.shape), allow_cpu=bool(self.prebuild_runner))
-        pending.timings.update(config_s=t1 - t0, book_s=time.perf_counter() - t1, pool_s=t_pool)
+        # Its pages registered now, not after the weights: while they load, other models' bursts
+        # must not take the pages its minimum needs.
+        t_pool = self._pools.book(name, cfg, needs, evictable)
+        key = warm_key(name, spec.model_dir, quantization)
+        shape = self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs.tokens_per_page)
+        prebuild = self.warmup and self.prebuild_runner is not False and prebuild_wanted(
+            self.device, self._known_workspace(key, shape), allow_cpu=bool(self.prebuild_runner))
+        pending = PendingLoad(spec, cfg, max_len, dtype, needs, quantization, key, shape, prebuild, t0,
+                              timings={"config_s": t1 - t0, "book_s": time.perf_counter() - t1, "pool_s": t_pool})
         self.pending = pending
         threading.Thread(target=self._load_thread, args=(pending,), name=f"engine-load-{name}",
                          daemon=True).start()
@@ -278,11 +282,11 @@ class ModelLoader:
             tb = time.perf_counter()
             build = None
             if p.prebuild:
-                gen = self._pools.pool.generation
-                build = RunnerBuild(lambda: (gen, *self._pools.new_runner(p.name, p.cfg, model, p.max_num_seqs, p.max_len)),
+                gen = self._pools.generation
+                build = RunnerBuild(lambda: (gen, *self._pools.new_runner(p.name, p.cfg, model, p.spec.max_num_seqs, p.max_len)),
                                     self.device, p.name, self._pools.streams)
             try:
-                nbytes, source = load_or_restore(model, p.model_dir, self.warm_tier, p.key, cancel=p.cancel)
+                nbytes, source = load_or_restore(model, p.spec.model_dir, self.warm_tier, p.key, cancel=p.cancel)
             finally:
                 runner = build.result() if build is not None else None  # never left using the model
             ready = None
@@ -318,7 +322,7 @@ class ModelLoader:
             raise
         self.pending = None
         if pending.trim:
-            self._pools.fit(None, None)  # the trim an unload skipped while this load was in flight
+            self._pools.trim()  # the trim an unload skipped while this load was in flight
         pending.timings.update(wait_s=t1 - t0, total_s=time.perf_counter() - pending.started)
         self.last_load_timings = dict(pending.timings)
         return info
@@ -339,40 +343,17 @@ class ModelLoader:
 
     def _undo_load(self, name: str) -> None:
         """Release what a load booked: slot, picker entry, then its books (:meth:`_release_books`)."""
-        self._slots.pop(name, None)
+        self._slots.remove(name)
         if name in self._picker:
             self._picker.remove_model(name)
         self._release_books(name)
 
     def _release_books(self, name: str) -> None:
-        """A model's pages and pool registration, its device memory and its ledger entry, then the
-        pool's trim (left to the end of a load in flight: that model is in the pool but not yet
-        among the slots whose wants size it)."""
-        if self._pools.pool is not None and name in self._pools.pool.models():
-            self._pools.pool.free_all(name)  # the backstop: an unload's aborts freed them already
-            self._pools.pool.unregister(name)
-        if name in self._pools.ledger:
-            self._pools.ledger.release(name)
-        self._pools.return_device_memory()  # before the trim: the pool's segment stays cached
-        if self.pending is None:
-            self._pools.fit(None, None)
-        else:
+        """A model's books (:meth:`PoolKeeper.release`); the pool's trim is left to the end of a
+        load in flight."""
+        self._pools.release(name, trim=self.pending is None)
+        if self.pending is not None:
             self.pending.trim = True
-
-    def _refusal(self, name: str, needs: LoadNeeds, e: LoadRefused, evictable) -> LoadRefused:
-        """The refusal with what evicting the offered models (those loaded here) would do."""
-        offered = tuple(m for m in dict.fromkeys(evictable) if m in self._pools.ledger)  # an offer may be stale
-        if not offered:
-            return e
-        try:
-            plan = self._pools.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
-                                          evictable=list(offered))
-        except LoadRefused as full:
-            return full
-        snap = self._pools.ledger.snapshot()
-        total = sum(snap.weights[m] + snap.workspace[m] + snap.kv_min[m] for m in offered)
-        return LoadRefused(name, needed=e.needed, free=e.free, evictable=total, budget=e.budget,
-                           evictable_models=offered, parts=e.parts, evict=plan.evict)
 
     def _known_workspace(self, key: str, shape: str) -> int | None:
         """The workspace measured for these weights at this shape before: the warm tier's note
@@ -395,29 +376,29 @@ class ModelLoader:
         if w.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(w.ready)
         t0 = time.perf_counter()
-        cfg, needs, name = p.cfg, p.needs, p.name
-        pages = self._pools.pool.allocator_for(name)
+        cfg, needs, spec, name = p.cfg, p.needs, p.spec, p.name
+        pages = self._pools.pages_for(name)
         try:
             sched = Scheduler(
-                SchedulerConfig(max_num_seqs=p.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=p.max_len, max_prefill_chunk=self.max_prefill_chunk,
                                 eos_token_ids=cfg.eos_token_ids),
                 # The index's salt: what else decides the K/V of a token at a position.
                 BlockManager(needs.tokens_per_page, pages,
-                             PrefixIndex(f"{p.key}|{p.dtype}|kv={p.kv_cache_dtype}") if p.prefix_caching else None),
+                             PrefixIndex(f"{p.key}|{p.dtype}|kv={spec.kv_cache_dtype}") if spec.prefix_caching else None),
             )
         except SchedulerConfigError as e:
             raise EngineError(str(e)) from None
-        slot = ModelSlot(name, cfg, w.model, None, None, sched, p.weight, w.nbytes,
+        slot = ModelSlot(name, cfg, w.model, None, None, sched, float(spec.weight), w.nbytes,
                          ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids), 0, 0, 0),
-                         pages=pages, needs=needs, max_num_seqs=p.max_num_seqs,
-                         workspace_bytes=needs.workspace_bytes, warm_key=p.key, model_dir=p.model_dir)
-        self._slots[name] = slot
+                         pages=pages, needs=needs, max_num_seqs=spec.max_num_seqs,
+                         workspace_bytes=needs.workspace_bytes, warm_key=p.key, model_dir=spec.model_dir)
+        self._slots.add(slot)
         known = self._known_workspace(p.key, p.shape)
         # A runner built beside the weights serves when nothing is to be measured and the pool's
         # memory is the one it was built on; otherwise it is dropped before the measurement.
         pre, w.runner = w.runner, None
-        if pre is not None and (known is None or pre[0] != self._pools.pool.generation):
+        if pre is not None and (known is None or pre[0] != self._pools.generation):
             pre = None
         before = self._pools.device_allocated()
         t1 = time.perf_counter()
@@ -436,13 +417,13 @@ class ModelLoader:
             # of these weights at this shape); never below the estimate, because the warm-up may
             # not have reached the largest step's peak.
             slot.workspace_bytes = max(measured or 0, known or 0, needs.workspace_bytes)
-            self._pools.ledger.record_workspace(name, slot.workspace_bytes)
+            self._pools.record_workspace(name, slot.workspace_bytes)
         if self.warmup and known is None and self.notes is not None:
             self.notes.put(p.key, p.shape, slot.workspace_bytes)  # the next process books it
-        self._picker.add_model(name, p.weight)
+        self._picker.add_model(name, float(spec.weight))
         slot.info = ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids),
                               w.nbytes + slot.workspace_bytes + needs.min_kv_bytes, pages.num_total,
-                              needs.tokens_per_page, quantization=p.quantization, kv_cache_dtype=p.kv_cache_dtype)
+                              needs.tokens_per_page, quantization=p.quantization, kv_cache_dtype=spec.kv_cache_dtype)
         p.timings.update(install_s=t1 - t0, runner_s=t2 - t1, warmup_s=t3 - t2,
                          warmup_skipped=1.0 if self.warmup and known is not None else 0.0,
                          measure_s=time.perf_counter() - t3)
@@ -452,7 +433,7 @@ class ModelLoader:
         """Free a loaded model whose requests are aborted and whose step is settled: weights to
         the warm tier (when it keeps them), every page back to the pool, every byte out of the
         ledger; the pool is trimmed when idle."""
-        slot = self._slots[name]
+        slot = self._slots.get(name)
         stashed = slot.warm_key is not None and slot.model is not None and stash_weights(
             self.warm_tier, slot.warm_key, slot.model)
         if stashed and self.warmup and slot.needs is not None:
@@ -461,7 +442,7 @@ class ModelLoader:
             shape = self._workspace_shape(slot.max_num_seqs, slot.scheduler.config.max_model_len,
                                           slot.model.dtype, slot.needs.tokens_per_page)
             self.warm_tier.note(slot.warm_key, shape, slot.workspace_bytes)
-        del self._slots[name]
+        self._slots.remove(name)
         if name in self._picker:
             self._picker.remove_model(name)
         slot.runner = slot.kv = slot.model = None

@@ -3,7 +3,10 @@
 It owns the :class:`~engine.core.ledger.MemoryLedger` (every byte booked) and the
 :class:`~engine.kv.page_pool.PagePool` (every model's KV pages), and builds each model's KV views
 and :class:`~engine.runner.model_runner.ModelRunner` over the pool (rebuilt when the pool is
-re-created). It reads the core's table of loaded models, and changes only their ``kv``/``runner``.
+re-created). It reads the core's :class:`~engine.core.model_table.ModelTable`, and changes only
+its slots' ``kv``/``runner``. The loader books and releases a load through its verbs (``plan``,
+``book``, ``pages_for``, ``record_workspace``, ``release``, ``trim``), never through the ledger
+or the pool directly.
 
 Policy (docs/multi-model.md): the pool is re-created only when no sequence holds a page, so a
 resize never copies KV data; a load that must shrink it (its weights need the room) or grow it
@@ -13,18 +16,23 @@ recompute, token-identical); any other resize waits for an idle pool.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from engine.core import heap
-from engine.core.ledger import LedgerError, MemoryLedger
+from engine.core.ledger import LedgerError, LoadPlan, LoadRefused, MemoryLedger
 from engine.core.memory_plan import LoadNeeds, pool_target
+from engine.core.model_table import ModelTable
+from engine.config import ModelConfig
 from engine.core.slot import ModelSlot
 from engine.errors import EngineError
 from engine.kv.kv_cache import KVCache, KVSpec
-from engine.kv.layout import PoolBusyError
+from engine.kv.layout import ModelPageSource, PoolBusyError
 from engine.kv.page_pool import PagePool
+from engine.options import EngineOptions
+from engine.runner.cuda_graphs import DEFAULT_BUCKETS
 from engine.runner.model_runner import ModelRunner
 from engine.runner.streams import StreamPool
 from engine.stats import MemoryStats, ModelMemory
@@ -35,23 +43,112 @@ from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
 class PoolKeeper:
     """The ledger and the pool of one engine, and the runners over the pool.
 
-    ``slots``: the core's name -> ModelSlot table (read; runners attached to its slots).
-    ``max_num_batched_tokens``, ``decode_buckets``, ``mixed_buckets``, ``cuda_graphs``: what every
-    runner is built with. ``streams``: the core's stream pool its runners borrow from (None off CUDA).
+    ``slots``: the core's :class:`~engine.core.model_table.ModelTable` (read; runners attached to
+    its slots).
+    ``options``: the engine's; every runner is built with its ``max_num_batched_tokens``,
+    ``cuda_graphs``, ``mixed_buckets`` and the decode buckets (``decode_buckets``: the options',
+    or where they say None the graph buckets on CUDA with graphs, else none). ``streams``: the
+    core's stream pool its runners borrow from (None off CUDA).
     """
 
-    def __init__(self, ledger: MemoryLedger, device: torch.device, slots: dict[str, ModelSlot], *,
-                 max_num_batched_tokens: int, decode_buckets: tuple[int, ...],
-                 mixed_buckets: tuple[int, ...] | None, cuda_graphs: bool, streams: StreamPool | None) -> None:
+    def __init__(self, ledger: MemoryLedger, device: torch.device, slots: ModelTable,
+                 options: EngineOptions, streams: StreamPool | None) -> None:
         self.ledger = ledger
         self.pool: PagePool | None = None  # created by the first load (it knows the page size)
         self.device = device
         self._slots = slots
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.decode_buckets = decode_buckets
-        self.mixed_buckets = mixed_buckets
-        self.cuda_graphs = cuda_graphs
+        self.max_num_batched_tokens = options.max_num_batched_tokens
+        buckets = options.decode_buckets
+        if buckets is None:  # the graph buckets where graphs are captured; none on CPU
+            buckets = DEFAULT_BUCKETS if device.type == "cuda" and options.cuda_graphs else ()
+        self.decode_buckets: tuple[int, ...] = tuple(buckets)
+        self.mixed_buckets = options.mixed_buckets
+        self.cuda_graphs = options.cuda_graphs
         self.streams = streams
+
+    # -- a load's books: what the loader asks for -------------------------------------------------
+    def shared_page_bytes(self) -> int | None:
+        """The pool's page size while a model is on it (a load takes its pages as they are), else None."""
+        return self.pool.page_bytes if self.pool is not None and self.pool.models() else None
+
+    def plan(self, name: str, needs: LoadNeeds, evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:
+        """The ledger's plan of a load (which of ``evictable`` to unload first); raises
+        :class:`LoadRefused` when even that is not enough. Books nothing."""
+        return self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
+                                      evictable=list(evictable))
+
+    def book(self, name: str, cfg: ModelConfig, needs: LoadNeeds, evictable: tuple[str, ...] | list[str] = ()) -> float:
+        """Book a load, all or nothing: the ledger's verdict (a refusal says what evicting the
+        offered ``evictable`` models would do), the pool fitted to it, the weights booked, the
+        model's pages registered (its minimum held back from then on). Returns the seconds the
+        pool's fit took."""
+        try:
+            plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
+        except LoadRefused as e:
+            raise self._refusal(name, needs, e, evictable) from None
+        t = time.perf_counter()
+        self.fit(needs, plan.kv_pool_bytes_after)
+        t = time.perf_counter() - t
+        try:
+            self.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace_bytes,
+                                        min_kv_bytes=needs.min_kv_bytes)
+        except EngineError:
+            self.trim()
+            raise
+        try:
+            self.pool.register(name, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                               head_dim=cfg.head_dim, dtype=needs.kv_dtype, min_pages=needs.min_pages,
+                               max_pages=needs.want_pages, tokens_per_page=needs.tokens_per_page)
+        except BaseException:
+            self.ledger.release(name)
+            self.trim()
+            raise
+        return t
+
+    def _refusal(self, name: str, needs: LoadNeeds, e: LoadRefused, evictable) -> LoadRefused:
+        """The refusal with what evicting the offered models (those booked here) would do."""
+        offered = tuple(m for m in dict.fromkeys(evictable) if m in self.ledger)  # an offer may be stale
+        if not offered:
+            return e
+        try:
+            plan = self.plan(name, needs, offered)
+        except LoadRefused as full:
+            return full
+        snap = self.ledger.snapshot()
+        total = sum(snap.weights[m] + snap.workspace[m] + snap.kv_min[m] for m in offered)
+        return LoadRefused(name, needed=e.needed, free=e.free, evictable=total, budget=e.budget,
+                           evictable_models=offered, parts=e.parts, evict=plan.evict)
+
+    def pages_for(self, name: str) -> ModelPageSource:
+        """The page source of a model booked here (its block manager allocates through it)."""
+        return self.pool.allocator_for(name)
+
+    @property
+    def generation(self) -> int:
+        """The pool memory's generation (a resize makes a new one): a runner built on an older
+        one is stale."""
+        return self.pool.generation
+
+    def record_workspace(self, name: str, nbytes: int) -> None:
+        """The workspace measured (or carried over) for a loaded model, booked in place of its estimate."""
+        self.ledger.record_workspace(name, nbytes)
+
+    def release(self, name: str, *, trim: bool = True) -> None:
+        """Everything booked for ``name``: its pages and pool registration, its ledger entry,
+        then its device memory; the pool is trimmed when ``trim`` (a load in flight leaves that
+        to its end: that model is in the pool but not yet among the slots whose wants size it)."""
+        if self.pool is not None and name in self.pool.models():
+            self.pool.free_all(name)  # the backstop: an unload's aborts freed them already
+            self.pool.unregister(name)
+        if name in self.ledger:
+            self.ledger.release(name)
+        self.return_device_memory()  # before the trim: the pool's segment stays cached
+        if trim:
+            self.trim()
+
+    def trim(self) -> None:
+        """Fit the pool to the loaded models when that is cheap (:meth:`fit` with no new load)."""
+        self.fit(None, None)
 
     def fit(self, new: LoadNeeds | None, kv_after: int | None) -> None:
         """Resize the pool to its target when that is cheap (no live page) or required by a load

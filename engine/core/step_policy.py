@@ -6,7 +6,8 @@ new prompt goes out at once: :meth:`EngineCore.yielded`), how many tokens a step
 another model is active (``shared_step_tokens``), which step goes on the high-priority stream
 (*urgent*, engine/runner/streams.py), whether an urgent prefill *holds* the other models' next
 launch, and whether a batch may be launched behind the step in flight (*overlap*). It reads the
-loaded models (the core's name -> ModelSlot table, shared, never changed here) and nothing else.
+loaded models (the core's :class:`~engine.core.model_table.ModelTable`, never changed here) and
+nothing else.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from engine.core.model_table import ModelTable
 from engine.core.slot import ModelSlot
-from engine.errors import EngineError
+from engine.options import EngineOptions
 from engine.sched.scheduler import SchedulerOutput
 
 # A model yields to another only when it has at least this many times that one's requests: two
@@ -40,23 +42,17 @@ class LaunchPlan:
 class StepPolicy:
     """The rules over ``slots`` (the core's table of loaded models).
 
-    ``quiet_window_s``: how long a model's request keeps it "active" (0: no yielding; the cap
-    then holds only while another model has requests). ``shared_step_tokens``: the step cap
-    while another model is active (None: no cap). ``cuda``: the device runs steps
+    From ``options`` (:class:`~engine.options.EngineOptions`, which checks them):
+    ``quiet_window_s``, how long a model's request keeps it "active" (0: no yielding; the cap
+    then holds only while another model has requests); ``shared_step_tokens``, the step cap
+    while another model is active (0: no cap). ``cuda``: the device runs steps
     asynchronously, so launch order matters (on CPU every batch may overlap).
     """
 
-    def __init__(self, slots: dict[str, ModelSlot], *, quiet_window_s: float, shared_step_tokens: int | None,
-                 cuda: bool) -> None:
-        if isinstance(quiet_window_s, bool) or not isinstance(quiet_window_s, (int, float)) \
-                or not 0 <= quiet_window_s <= 60:
-            raise EngineError("quiet_window_s must be a number of seconds between 0 and 60")
-        if shared_step_tokens is not None and (isinstance(shared_step_tokens, bool)
-                                               or not isinstance(shared_step_tokens, int) or shared_step_tokens < 1):
-            raise EngineError("shared_step_tokens must be None or an integer >= 1")
+    def __init__(self, slots: ModelTable, options: EngineOptions, *, cuda: bool) -> None:
         self._slots = slots
-        self.quiet_window_s = float(quiet_window_s)
-        self.shared_step_tokens = shared_step_tokens
+        self.quiet_window_s = options.quiet_window_s
+        self.shared_step_tokens = options.shared_step_tokens
         self._cuda = cuda
 
     def step_tokens(self, slot: ModelSlot) -> int | None:

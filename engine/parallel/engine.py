@@ -15,6 +15,7 @@ minimum that fits on every GPU — so the block tables of rank 0 are valid on ev
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,15 @@ import torch
 from engine.sched.block_manager import BlockManager, PageAllocator
 from engine.config import ModelConfig, load_model_config, usable_len
 from engine.core.engine_core import EngineCore
+from engine.core.ledger import LoadPlan
 from engine.core.loading import DTYPES
 from engine.core.memory_plan import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, workspace_estimate
 from engine.core.slot import ModelSlot
 from engine.model_info import ModelInfo
 from engine.errors import EngineError, RequestError
 from engine.kv.kv_cache import KVCache, KVSpec
+from engine.load_spec import LoadSpec
+from engine.options import EngineOptions
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step import StepResult
 from engine.runner.streams import StreamPool
@@ -143,18 +147,19 @@ class TPEngineCore(EngineCore):
     Same API as :class:`EngineCore`; ``device_bytes`` of a model is per GPU (this rank's shard
     and KV pages; the others hold the same amount). A TP slot owns its KV cache (sized at load,
     the minimum over the ranks) and is not booked in the one-GPU ledger or PagePool, so a TP
-    worker holds TP slots only. Call :meth:`close` to release the followers.
+    worker holds TP slots only. Call :meth:`close` to release the followers. Its device is the
+    group's; its steps are synchronous whatever ``options.async_steps`` says (a follower's
+    placeholder tokens would come from its own greedy ids).
     """
 
-    def __init__(self, group: TPGroup, **options: Any) -> None:
+    def __init__(self, group: TPGroup, options: EngineOptions | None = None,
+                 budget: int | float | None = None) -> None:
         if group.rank != 0:
             raise TPError("TPEngineCore runs on rank 0; other ranks run Follower.serve()")
-        if "device" in options:
-            raise TPError("the device of a TP engine is its group's device")
-        if options.get("async_steps"):
+        if options is not None and options.async_on_cpu:
             raise TPError("asynchronous steps are not supported by the TP engine (followers sample nothing)")
-        options["async_steps"] = False  # a follower's placeholder tokens would come from its own greedy ids
-        super().__init__(device=str(group.device), **options)
+        options = dataclasses.replace(options or EngineOptions(), async_steps=False)
+        super().__init__(options, device=group.device, budget=budget)
         self.group = group
         self.channel = ControlChannel(group)
         self._closed = False
@@ -165,40 +170,53 @@ class TPEngineCore(EngineCore):
         raise RequestError("structured outputs and forced tool calls are not supported for tensor-parallel models",
                            "response_format")
 
-    def load_model(self, name: str, model_dir: str | Path, max_model_len: int = 4096, max_num_seqs: int = 256,
-                   weight: float = 1.0, *, num_kv_pages: int | None = None, block_size: int | None = None) -> ModelInfo:
+    def check_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:
+        """Refused: a TP model is not booked in the one-GPU ledger (its KV pages are agreed by
+        the ranks at :meth:`load_model`)."""
+        raise TPError("a tensor-parallel engine has no load plan; load_model sizes the model on every rank")
+
+    def begin_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> Any:
+        """Refused: a TP load is a collective of every rank, run in one call (:meth:`load_model`)."""
+        raise TPError("a tensor-parallel load runs in one call: load_model")
+
+    def load_model(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> ModelInfo:
+        """Load ``spec`` sharded over the group (a collective). ``evictable`` is not used: TP
+        slots are not booked in the ledger."""
         if self._closed:
             raise TPError("the TP engine is closed")
-        self._loader.check_load_args(name, weight, max_model_len, max_num_seqs)
+        name, max_num_seqs = spec.name, spec.max_num_seqs
+        self.loader.check_new(name)
+        num_kv_pages = spec.num_kv_pages
         if num_kv_pages is not None and (isinstance(num_kv_pages, bool) or not isinstance(num_kv_pages, int)):
             raise EngineError("num_kv_pages must be an integer")
-        cfg = load_model_config(model_dir)
+        cfg = load_model_config(spec.model_dir)
         plan_shards(cfg, 0, self.group.world_size)  # refuse an unsplittable model before any rank loads
-        max_len = usable_len(cfg, max_model_len)
-        dtype = self.dtype_for(cfg)
-        spec = {"name": name, "model_dir": str(Path(model_dir).resolve()), "max_len": max_len,
-                "max_num_seqs": max_num_seqs, "block_size": block_size or self.block_size,
+        max_len = usable_len(cfg, spec.max_model_len)
+        dtype = self.loader.dtype_for(cfg)
+        wire = {"name": name, "model_dir": str(Path(spec.model_dir).resolve()), "max_len": max_len,
+                "max_num_seqs": max_num_seqs, "block_size": spec.block_size or self.options.block_size,
                 "dtype": next(k for k, v in DTYPES.items() if v == dtype), "num_kv_pages": num_kv_pages,
-                "max_num_batched_tokens": self.max_num_batched_tokens, "decode_buckets": list(self.decode_buckets),
-                "cuda_graphs": self.cuda_graphs, "budget": self.memory_budget_bytes}
-        self.channel.send({"op": "load", "spec": spec})
-        shard = build_shard(self.group, spec, sum(s.device_bytes for s in self._slots.values()))
+                "max_num_batched_tokens": self.options.max_num_batched_tokens,
+                "decode_buckets": list(self.pools.decode_buckets), "cuda_graphs": self.options.cuda_graphs,
+                "budget": self.budget}
+        self.channel.send({"op": "load", "spec": wire})
+        shard = build_shard(self.group, wire, sum(s.device_bytes for s in self.slots.values()))
         try:
             sched = Scheduler(
-                SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                                max_model_len=max_len, max_prefill_chunk=self.max_prefill_chunk,
+                SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=self.options.max_num_batched_tokens,
+                                max_model_len=max_len, max_prefill_chunk=self.options.max_prefill_chunk,
                                 eos_token_ids=cfg.eos_token_ids),
-                BlockManager(spec["block_size"], PageAllocator(shard.kv.num_pages)),
+                BlockManager(wire["block_size"], PageAllocator(shard.kv.num_pages)),
             )
         except SchedulerConfigError as e:
             self.channel.send({"op": "unload", "model": name})
             raise EngineError(str(e)) from None
         runner = TPRunner(name, shard.runner, self.channel)
         info = ModelInfo(name, cfg.vocab_size, max_len, list(cfg.eos_token_ids), shard.device_bytes,
-                         shard.kv.num_pages, spec["block_size"])
-        self._slots[name] = ModelSlot(name, cfg, shard.model, shard.kv, runner, sched, float(weight),
-                                      shard.weight_bytes, info, max_num_seqs=max_num_seqs)
-        self.picker.add_model(name, float(weight))
+                         shard.kv.num_pages, wire["block_size"])
+        self.slots.add(ModelSlot(name, cfg, shard.model, shard.kv, runner, sched, float(spec.weight),
+                                 shard.weight_bytes, info, max_num_seqs=max_num_seqs))
+        self.picker.add_model(name, float(spec.weight))
         return info
 
     def unload_model(self, name: str) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from engine.errors import EngineError
 from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE
+from engine.load_spec import LoadSpec
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def _collect_grams(core, name: str, token_ids: list[int], window: int) -> list[d
     calls) and return the grams."""
     from engine.sampling import SamplingParams
 
-    slot = core.slot(name)
+    slot = core.slots.get(name)
     rec = _GramRecorder(slot.model)
     try:
         for i in range(0, len(token_ids), window):
@@ -209,12 +210,13 @@ def calibrate(model_dir: str | Path, out: str | Path, token_ids: list[int], *, w
 
 def _calibrate(model_dir: str | Path, out: Path, token_ids: list[int], window: int, device: str) -> dict:
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
     from engine.weights.fp8_writer import quantize_folder
 
     t0 = time.perf_counter()
-    core = EngineCore(device=device, dtype="float32", max_num_batched_tokens=window, cuda_graphs=False)
-    core.load_model("calibrate", model_dir, max_model_len=window + 8, max_num_seqs=2, prefix_caching=False)
-    slot = core.slot("calibrate")
+    core = EngineCore(EngineOptions(dtype="float32", max_num_batched_tokens=window, cuda_graphs=False), device=device)
+    core.load_model(LoadSpec("calibrate", model_dir, max_model_len=window + 8, max_num_seqs=2, prefix_caching=False))
+    slot = core.slots.get("calibrate")
     model = slot.model
     grams = _collect_grams(core, "calibrate", token_ids, window)
     t_grams = time.perf_counter() - t0

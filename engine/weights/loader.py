@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,44 +46,6 @@ class WeightsReady:
     source: str  # "warm" | "disk"
     ready: Any  # torch.cuda.Event recorded behind the copies and the rope cache (None on CPU)
     runner: Any = None  # (pool generation, kv, runner) built beside the copies, or None
-
-
-@dataclass
-class PendingLoad:
-    """An EngineCore load between its phases (``engine.core.loading``): booked in the ledger and
-    the pool, its weights being read in a load thread. ``done()`` is true once ``finish_load``
-    would not block; ``future`` takes a done callback (it runs on the load thread)."""
-
-    name: str
-    model_dir: str
-    cfg: Any  # engine.config.ModelConfig
-    max_len: int
-    dtype: torch.dtype
-    needs: Any  # engine.core.memory_plan.LoadNeeds
-    max_num_seqs: int
-    weight: float
-    started: float
-    timings: dict[str, float] = field(default_factory=dict)
-    future: Future = field(default_factory=Future)
-    cancel: threading.Event = field(default_factory=threading.Event)
-    trim: bool = False  # an unload meanwhile left the pool to be trimmed when this load ends
-    prebuild: bool = False  # build the runner beside the weights (engine.runner.prebuild)
-    key: str = ""  # the weights' warm-tier key (warm_key), taken once at begin
-    shape: str = ""  # what its measured workspace depends on besides the weights (the load's shape)
-    prefix_caching: bool = True  # the model's full KV pages are shared by prefix (engine.sched.prefix_index)
-    quantization: str | None = None  # None or "fp8" (engine.models.llama)
-    kv_cache_dtype: str | None = None  # None (the model's dtype) or "fp8" (engine.core.loading.kv_dtype_for)
-
-    def done(self) -> bool:
-        return self.future.done()
-
-
-def drop_result(p: PendingLoad) -> None:
-    """Forget a finished load thread's model, so its device memory goes with the undo."""
-    f = p.future
-    if f.done() and not f.cancelled() and f.exception() is None:
-        p.future = Future()
-        p.future.cancel()
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

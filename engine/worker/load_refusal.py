@@ -19,21 +19,23 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import LoadOptionError, ModelConfigError, WeightsError
+from engine.load_spec import LoadSpec
 
 
-def _estimate_need(core: Any, model_dir: str, max_model_len: int, max_num_seqs: int) -> int:
+def _estimate_need(core: Any, spec: LoadSpec) -> int:
     from engine.config import load_model_config, usable_len
     from engine.core.memory_plan import weight_bytes as model_weight_bytes
     from engine.core.memory_plan import workspace_estimate
     from engine.kv.kv_cache import KVSpec
 
-    cfg = load_model_config(model_dir)
-    dtype = core.dtype_for(cfg)
+    cfg = load_model_config(spec.model_dir)
+    dtype = core.loader.dtype_for(cfg)
     weight_bytes = model_weight_bytes(cfg, dtype)
-    max_len = usable_len(cfg, max_model_len)
-    workspace = workspace_estimate(cfg, core.max_num_batched_tokens, max_num_seqs)
-    spec = KVSpec(cfg.num_layers, core.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-    return int(weight_bytes + workspace + -(-max_len // core.block_size) * spec.page_bytes)
+    max_len = usable_len(cfg, spec.max_model_len)
+    opts = core.options
+    workspace = workspace_estimate(cfg, opts.max_num_batched_tokens, spec.max_num_seqs)
+    kv = KVSpec(cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    return int(weight_bytes + workspace + -(-max_len // opts.block_size) * kv.page_bytes)
 
 
 def accepts_evictable(core: Any) -> bool:
@@ -46,8 +48,7 @@ def accepts_evictable(core: Any) -> bool:
         return False
 
 
-def refusal_details(core: Any, exc: Exception, *, model_dir: str, max_model_len: int, max_num_seqs: int,
-                    offered: list[str]) -> dict[str, Any] | None:
+def refusal_details(core: Any, exc: Exception, spec: LoadSpec, *, offered: list[str]) -> dict[str, Any] | None:
     """The refusal's numbers, or None when ``exc`` is not a refusal for lack of room."""
     if isinstance(exc, (ModelConfigError, WeightsError, LoadOptionError)):
         return None
@@ -55,11 +56,11 @@ def refusal_details(core: Any, exc: Exception, *, model_dir: str, max_model_len:
     if all(hasattr(exc, a) for a in ("needed", "free", "budget")):
         needed, free, budget = int(exc.needed), int(exc.free), int(exc.budget)
     else:
-        budget = getattr(core, "memory_budget_bytes", None)
+        budget = getattr(core, "budget", None)
         if budget is None:
             return None
         try:
-            needed = _estimate_need(core, model_dir, max_model_len, max_num_seqs)
+            needed = _estimate_need(core, spec)
         except Exception:  # config or weights unreadable: the load failed for that, not for room
             return None
         free = int(budget) - sum(sizes.values())

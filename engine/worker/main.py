@@ -198,8 +198,7 @@ class Worker:
     def _load_failed(self, msg: P.Load, e: Exception) -> None:
         from engine.worker.load_refusal import refusal_details
 
-        details = refusal_details(self.core, e, model_dir=msg.model_dir, max_model_len=msg.max_model_len,
-                                  max_num_seqs=msg.max_num_seqs, offered=list(msg.evictable))
+        details = refusal_details(self.core, e, msg.spec, offered=list(msg.evictable))
         code = "no_room" if details is not None else type(e).__name__
         self.conn.send(P.Error(op="load", message=f"{type(e).__name__}: {e}", code=code, model=msg.model,
                                details=P.plain(details or {})))
@@ -210,10 +209,7 @@ class Worker:
             msg = self._queued.popleft()
             t0 = time.monotonic()
             try:
-                pending = self.core.begin_load(msg.model, msg.model_dir, max_model_len=msg.max_model_len,
-                                               max_num_seqs=msg.max_num_seqs, weight=msg.weight,
-                                               evictable=list(msg.evictable), prefix_caching=msg.prefix_caching,
-                                               quantization=msg.quantization, kv_cache_dtype=msg.kv_cache_dtype)
+                pending = self.core.begin_load(msg.spec, list(msg.evictable))
             except Exception as e:
                 self._load_failed(msg, e)
                 continue
@@ -239,7 +235,7 @@ class Worker:
     def _loaded(self, msg: P.Load, info: ModelInfo, t0: float) -> None:
         self._graphs_left = True  # its runner may defer some to their first use
         heap.freeze()  # the model's objects live until its unload (whose collection thaws them)
-        timings = {str(k): float(v) for k, v in P.plain(self.core.last_load_timings).items()
+        timings = {str(k): float(v) for k, v in P.plain(self.core.loader.last_load_timings).items()
                    if isinstance(v, (int, float)) and v >= 0}  # figures only: the agent refuses the rest
         self.conn.send(P.Loaded(model=msg.model, info=info, seconds=time.monotonic() - t0,
                                 timings=timings))
@@ -424,18 +420,18 @@ def main(argv: list[str] | None = None) -> int:
     if core is not None:
         confine(options)
         clock.mark("sandbox")
-    budget = int(core.memory_budget_bytes or 0) if core is not None else 0
+    budget = core.pools.ledger.budget if core is not None and core.budget is not None else 0
     conn.send(P.Hello(pid=os.getpid(), device=device, engine_error=err, budget_bytes=budget,
                       startup=clock.phases))
     worker = Worker(conn, core)
     heap.freeze()  # torch's, Triton's and the engine's modules: never garbage
-    if core is not None and core.warm_tier is not None and core.device.type == "cuda":
+    if core is not None and core.loader.warm_tier is not None and core.device.type == "cuda":
         # Pin it now (confined, not at the first unload), a piece at a time while the engine is
         # idle: the first load after a restart must not wait for 40 GiB of pinning. Under
         # traffic that never pauses, one piece every PIN_PACE_S still goes (64 MiB, ~30 ms on
         # the H200: ~3 % of the time), so the tier is pinned before evictions need it instead
         # of never (an unpinned tier stores pageable copies, restored at a seventh of the speed).
-        core.warm_tier.prepin_async(lambda: worker.idle.wait(PIN_PACE_S))
+        core.loader.warm_tier.prepin_async(lambda: worker.idle.wait(PIN_PACE_S))
     stop = threading.Event()
     hb = threading.Thread(target=_heartbeat_loop, args=(conn, worker.phase, stop), daemon=True, name="heartbeat")
     hb.start()

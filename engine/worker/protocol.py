@@ -36,6 +36,8 @@ from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import msgpack
 
+from engine.errors import EngineError
+from engine.load_spec import LoadSpec
 from engine.model_info import ModelInfo
 from engine.sampling import SamplingParams
 from engine.stats import MemoryStats, ModelStats
@@ -115,20 +117,18 @@ def _register(cls: type[Message]) -> type[Message]:
 @_register
 @dataclass(frozen=True)
 class Load(Message):
-    """Load a model from a local snapshot folder. Answered by Loaded or Error(op="load")."""
+    """Load a model from a local snapshot folder, as ``spec`` says (a record: every load
+    parameter in one value, engine/load_spec.py). Answered by Loaded or Error(op="load")."""
 
     TAG: ClassVar[str] = "load"
-    model: str
-    model_dir: str
-    max_model_len: int = 4096
-    max_num_seqs: int = 256
-    weight: float = 1.0
+    spec: LoadSpec
     # Loaded models the agent would evict for this load, least recently used first (idle,
     # unpinned). A refusal names the shortest prefix that makes room in Error.details["evict"].
     evictable: list[str] = field(default_factory=list)
-    prefix_caching: bool = True  # share the model's full KV pages by prefix
-    quantization: str | None = None  # None: the checkpoint's dtype; "fp8": FP8 projections (engine.kernels.fp8)
-    kv_cache_dtype: str | None = None  # None: the model's dtype; "fp8": an e4m3 KV cache
+
+    @property
+    def model(self) -> str:
+        return self.spec.name
 
 
 @_register
@@ -199,7 +199,7 @@ class Loaded(Message):
     model: str
     info: ModelInfo
     seconds: float
-    # EngineCore.last_load_timings of this load: each phase's seconds (config_s, weights_s, ...).
+    # The engine loader's last_load_timings of this load: each phase's seconds (config_s, weights_s, ...).
     # Optional within version 1: an older peer sends none.
     timings: dict[str, Any] = field(default_factory=dict)
 
@@ -472,7 +472,7 @@ def _build(cls: type, obj: dict[str, Any], where: str) -> Any:
             raise ProtocolError(f"{where}: missing field {name!r}")
     try:
         return cls(**kwargs)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, EngineError) as e:
         raise ProtocolError(f"{where}: {e}") from None
 
 

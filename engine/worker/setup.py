@@ -3,8 +3,8 @@ options (the CUDA context made, the budget fixed), then the sandbox around it (e
 ``main`` calls both before its loop).
 
 The options are the agent's ``worker_options`` (agent/worker/options.py): the engine's switches
-(:class:`engine.options.EngineOptions`, checked strictly here) plus the device, the budget, the
-warm tier and the sandbox's options."""
+(:class:`engine.options.EngineOptions`, in the engine's units, checked strictly and passed on
+unchanged) plus the device, the budget and the sandbox's options."""
 
 from __future__ import annotations
 
@@ -39,32 +39,27 @@ def make_core(options: dict[str, Any], mark: Callable[[str], None] = lambda _nam
             # first load: agent/worker/client.py), and so do measured workspaces.
             set_triton_cache_dir(cache_dir)
             notes = Path(cache_dir) / "engine" / "load-notes.json"
-        from engine.core.engine_core import EngineCore
+        from engine.core.engine_core import EngineCore, resolve_device
         from engine.options import EngineOptions
 
         mark("engine_imports")
-        opts = EngineOptions.from_dict(options)
+        opts = EngineOptions.from_dict({**options, "load_notes_path": str(notes) if notes else None})
         early.opened.wait()
-        core = EngineCore(
-            device=options.get("device", "auto"), max_num_batched_tokens=opts.max_num_batched_tokens,
-            memory_budget_bytes=options.get("memory_budget_bytes"), page_bytes=opts.page_bytes,
-            cuda_graphs=opts.cuda_graphs,
-            async_steps=None if opts.async_steps else False,  # on: where steps run asynchronously (CUDA)
-            shared_step_tokens=opts.shared_step_tokens or None, quiet_window_s=opts.quiet_window_s,
-            warm_tier_bytes=int(options.get("warm_tier_bytes", 0)), load_notes_path=notes,
-        )
+        device = resolve_device(str(options.get("device", "auto")))
+        budget = options.get("memory_budget_bytes")
+        if budget is None and device.type == "cuda":
+            # "90%" means of the whole device (the ledger resolves a fraction against its total),
+            # fixed at start, not of whatever is free at each load.
+            budget = options.get("memory_budget_fraction") or None
+        elif budget is None and device.type == "cpu" and options.get("cpu_memory_budget_bytes"):
+            budget = int(options["cpu_memory_budget_bytes"])
+        core = EngineCore(opts, device=device, budget=budget)
         mark("engine_core")
-        fraction = options.get("memory_budget_fraction")
         if core.device.type == "cuda":
             # CUDA context now (the sandbox follows); one torch thread: idle OpenMP workers spin.
             torch.set_num_threads(1)
             torch.zeros(1, device=core.device)
             torch.cuda.synchronize(core.device)
-        if core.memory_budget_bytes is None and fraction and core.device.type == "cuda":
-            # "90%" means of the whole device, fixed at start, not of whatever is free at each load.
-            core.memory_budget_bytes = int(float(fraction) * torch.cuda.mem_get_info(core.device)[1])
-        elif core.memory_budget_bytes is None and core.device.type == "cpu" and options.get("cpu_memory_budget_bytes"):
-            core.memory_budget_bytes = int(options["cpu_memory_budget_bytes"])
     except Exception as e:  # report, do not crash-loop: the agent shows it in status
         return None, "none", f"{type(e).__name__}: {e}"
     return core, str(core.device), ""

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from ops.bench.workload import (MULTI_TURN, NAME as WORKLOAD, SHARED_SYSTEM, BenchRequest, TokenTimes, multi_turn,
                                 percentile, sharegpt_like, shared_system, summary)
+from engine.load_spec import LoadSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,7 +168,7 @@ def _grammar_setup(core, model_dir, info, tokenizer: str | None) -> tuple[str, d
     grammar = json_grammar(BENCH_SCHEMA, True, "bench")
     check_ms = (time.perf_counter() - t0) * 1e3
     path = Path(tokenizer) if tokenizer else Path(model_dir) / "tokenizer.json"
-    slot = core.slot("bench")
+    slot = core.slots.get("bench")
     slot.grammar = GrammarCompiler(path, info.vocab_size, info.eos_token_ids)
     core.compile_grammar("bench", json_grammar(None, False, "warm")).result()  # builds the tokenizer
     t1 = time.perf_counter()
@@ -227,22 +228,25 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     :data:`BENCH_SCHEMA` (it ends when its JSON does), the grammar compiled over
     ``grammar_tokenizer`` (a tokenizer.json; None: the model's own)."""
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
     from engine.runner.cuda_graphs import DEFAULT_BUCKETS
     from engine.sampling import SamplingParams
 
     if decode_buckets is None:
         decode_buckets = DEFAULT_BUCKETS
-    core = EngineCore(device=device, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed,
-                      decode_buckets=decode_buckets, async_steps=async_steps)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, seed=seed,
+                                    decode_buckets=decode_buckets, async_steps=async_steps is not False),
+                      device=device)
     if core.device.type == "cuda":
         import torch
 
         torch.set_num_threads(1)  # as the worker: a step's host tensors are tiny
     t_load = time.perf_counter()
-    info = core.load_model("bench", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                           prefix_caching=prefix_caching, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    info = core.load_model(LoadSpec("bench", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                    prefix_caching=prefix_caching, quantization=quantization,
+                                    kv_cache_dtype=kv_cache_dtype))
     load_s = time.perf_counter() - t_load
-    runner = core.slot("bench").runner
+    runner = core.slots.get("bench").runner
     # Graphs deferred to their first use are captured now, outside the clock (a server pays
     # this once per load; reported as deferred_capture_s).
     deferred_capture_s = runner.capture_deferred_graphs()

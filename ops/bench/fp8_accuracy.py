@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from engine.weights.calibrate import gptq_e4m3
+from engine.load_spec import LoadSpec
 
 REPO = Path(__file__).resolve().parents[2]
 E4M3_MAX = 448.0
@@ -211,7 +212,7 @@ def prefill_logits(core, name: str, prompts: list[list[int]]) -> torch.Tensor:
     from engine.sampling import SamplingParams
     from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
 
-    slot = core.slot(name)
+    slot = core.slots.get(name)
     out = SchedulerOutput()
     for i, p in enumerate(prompts):
         slot.scheduler.blocks.ensure_capacity(i, len(p))
@@ -242,13 +243,14 @@ def engine_accuracy(model_dir, ids: list[int], window: int, device: str = "auto"
     ``calibrated``: a calibrated checkpoint of the same model (engine/weights/calibrate.py),
     measured the same way under ``"calibrated"`` (with and without the FP8 KV cache)."""
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
 
-    core = EngineCore(device=device, max_num_batched_tokens=max(window, 256), seed=0)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=max(window, 256), seed=0), device=device)
     models = [("ref", model_dir, None, None), ("fp8", model_dir, "fp8", None), ("fp8+kv", model_dir, "fp8", "fp8")]
     if calibrated is not None:
         models += [("cal", calibrated, "fp8", None), ("cal+kv", calibrated, "fp8", "fp8")]
     for name, d, q, kv in models:
-        core.load_model(name, d, max_model_len=window + 16, max_num_seqs=2, quantization=q, kv_cache_dtype=kv)
+        core.load_model(LoadSpec(name, d, max_model_len=window + 16, max_num_seqs=2, quantization=q, kv_cache_dtype=kv))
     ref_nll, ref_top = engine_eval(core, "ref", ids, window)
 
     def measured(name: str) -> dict:
@@ -257,13 +259,13 @@ def engine_accuracy(model_dir, ids: list[int], window: int, device: str = "auto"
                 "top1_agreement": (top == ref_top).float().mean().item()}
 
     fp8, fp8_kv = measured("fp8"), measured("fp8+kv")
-    dtype = str(core.slot("ref").model.dtype).removeprefix("torch.")
+    dtype = str(core.slots.get("ref").model.dtype).removeprefix("torch.")
     res = {"device": str(core.device), "unquantized_dtype": dtype, "positions": len(ref_top),
            "ppl_bf16": math.exp(ref_nll.mean().item()), **fp8, "fp8_kv": fp8_kv,
-           "weight_bytes": {"ref": core.slot("ref").weight_bytes, "fp8": core.slot("fp8").weight_bytes}}
+           "weight_bytes": {"ref": core.slots.get("ref").weight_bytes, "fp8": core.slots.get("fp8").weight_bytes}}
     if calibrated is not None:
         res["calibrated"] = {**measured("cal"), "fp8_kv": measured("cal+kv"),
-                             "weight_bytes": core.slot("cal").weight_bytes}
+                             "weight_bytes": core.slots.get("cal").weight_bytes}
     return res
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.ledger import LoadRefused
+from engine.load_spec import LoadSpec
 from ops.bench.engine_bench import _commit, _device_name
 from ops.bench.multi_model_phases import Bench, light_ratios
 from ops.bench.multi_model_setup import make_models, plan_budget, ratio
@@ -110,16 +111,16 @@ def run(a: argparse.Namespace, dirs: dict[str, Path]) -> dict[str, Any]:
     b = Bench(a, dirs, plan)
     res: dict[str, Any] = {"plan": plan.as_json(), "device": str(b.core.device), "gpu": _device_name(b.core),
                            "models": {n: str(d) for n, d in dirs.items()}}
-    res["quiet_window_ms_used"] = round(b.core.quiet_window_s * 1000)  # what the engine ran with
+    res["quiet_window_ms_used"] = b.core.options.quiet_window_ms  # what the engine ran with
     res["warm_tier_prepin_s"] = b.prepin_s  # the tier's RAM pinned once at start (untimed elsewhere)
     res["load"] = {"A": b.load("A"), "B": b.load("B")}
     res["plan"]["kv_tokens_per_big_model"] = plan.kv_pages * b.block["A"]
     try:
-        b.core.load_model("C", dirs["C"], max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs)
+        b.core.load_model(LoadSpec("C", dirs["C"], max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs))
         res["refusal"] = {"refused": False}
         b.unload("C")
     except LoadRefused as e:
-        plan_c = b.core.check_load("C", dirs["C"], a.max_model_len, a.max_num_seqs, evictable=["A", "B"])
+        plan_c = b.core.check_load(LoadSpec("C", dirs["C"], a.max_model_len, a.max_num_seqs), evictable=["A", "B"])
         res["refusal"] = {"refused": True, "needed": e.needed, "free": e.free, "short": e.short,
                           "plan_evict": list(plan_c.evict), "message": str(e)}
     res["warm_up"] = b.warm_up(["A", "B"])
@@ -132,7 +133,7 @@ def run(a: argparse.Namespace, dirs: dict[str, Path]) -> dict[str, Any]:
     if "swap" in a.phases:
         res["swap"] = b.swaps()
     res["memory"] = dataclasses.asdict(b.core.memory())
-    b.core.pool.audit()
+    b.core.pools.pool.audit()
     res["goals"] = goals(res)
     return res
 

@@ -20,6 +20,7 @@ from typing import Any
 from engine.core.engine_core import EngineCore
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 from ops.bench.multi_model_setup import Plan, counter_delta, engine_counters, ratio
 from ops.bench.workload import percentile as pct
 from ops.bench.workload import BenchRequest, sharegpt_like
@@ -27,10 +28,10 @@ from ops.bench.workload import BenchRequest, sharegpt_like
 INF = float("inf")
 
 
-def _quiet_window_s(a: argparse.Namespace) -> float:
+def _quiet_window_ms(a: argparse.Namespace) -> int:
     """``--quiet-window-ms``; unset: the engine's default (the daemon's)."""
     ms = getattr(a, "quiet_window_ms", None)
-    return EngineOptions().quiet_window_s if ms is None else ms / 1000
+    return EngineOptions().quiet_window_ms if ms is None else int(ms)
 
 
 class Tracker:
@@ -103,14 +104,14 @@ class Bench:
     def __init__(self, a: argparse.Namespace, dirs: dict[str, Path], plan: Plan) -> None:
         self.a, self.dirs, self.plan = a, dirs, plan
         buckets = None if a.decode_buckets is None else tuple(a.decode_buckets)
-        self.core = EngineCore(device=a.device, max_num_batched_tokens=a.max_num_batched_tokens,
-                               memory_budget=plan.budget, decode_buckets=buckets, seed=a.seed,
-                               warm_tier_bytes=a.warm_tier_bytes,
-                               shared_step_tokens=getattr(a, "shared_step_tokens", None) or None,
-                               quiet_window_s=_quiet_window_s(a))
+        self.core = EngineCore(EngineOptions(max_num_batched_tokens=a.max_num_batched_tokens, decode_buckets=buckets,
+                                             seed=a.seed, warm_tier_bytes=a.warm_tier_bytes,
+                                             shared_step_tokens=getattr(a, "shared_step_tokens", None) or 0,
+                                             quiet_window_ms=_quiet_window_ms(a)),
+                               device=a.device, budget=plan.budget)
         # As the worker does at start (untimed): the tier's RAM pinned once, not at the first unload.
         t = time.perf_counter()
-        pinned = self.core.warm_tier is not None and self.core.warm_tier.prepin()
+        pinned = self.core.loader.warm_tier is not None and self.core.loader.warm_tier.prepin()
         self.prepin_s = time.perf_counter() - t if pinned else None
         self.rng = random.Random(a.seed)
         self.vocab: dict[str, int] = {}
@@ -120,12 +121,12 @@ class Bench:
 
     # -- models ----------------------------------------------------------------------------
     def load(self, name: str) -> dict[str, Any]:
-        tier = self.core.warm_tier
+        tier = self.core.loader.warm_tier
         held = tier is not None and any(k.split("|", 1)[0] == name for k in tier.models())
         kv = self.plan.kv_pages if name in ("A", "B") else None
         t0 = time.perf_counter()
-        info = self.core.load_model(name, self.dirs[name], max_model_len=self.a.max_model_len,
-                                    max_num_seqs=self.a.max_num_seqs, num_kv_pages=kv)
+        info = self.core.load_model(LoadSpec(name, self.dirs[name], max_model_len=self.a.max_model_len,
+                                             max_num_seqs=self.a.max_num_seqs, num_kv_pages=kv))
         s = time.perf_counter() - t0
         self.vocab[name], self.block[name] = info.vocab_size, info.block_size
         booked = self.core.memory().models.get(name)
@@ -190,7 +191,7 @@ class Bench:
 
     def buckets(self) -> list[int]:
         lim = min(self.a.max_num_seqs, self.a.max_num_batched_tokens)
-        return sorted(b for b in self.core.decode_buckets if 0 < b <= lim)
+        return sorted(b for b in self.core.pools.decode_buckets if 0 < b <= lim)
 
     # -- phases ----------------------------------------------------------------------------
     def warm_up(self, models: list[str]) -> dict[str, Any]:
@@ -212,7 +213,7 @@ class Bench:
                 n += 1
         self.drain()
         for m in models:  # mixed-step buckets the traffic did not reach: none left to a timed window
-            runner = getattr(self.core.slots().get(m), "runner", None)
+            runner = getattr(self.core.slots.find(m), "runner", None)
             if runner is not None and hasattr(runner, "capture_deferred_graphs"):
                 runner.capture_deferred_graphs()
         left = {m: c["deferred_graphs"] + c["deferred_mixed_graphs"] for m, c in engine_counters(self.core).items()}
@@ -363,7 +364,7 @@ class Bench:
         to_small = {"unload_A_s": self.unload("A"), "load_C": self.load("C")}
         back = {"unload_C_s": self.unload("C"), "load_A": self.load("A")}
         back["total_s"] = back["unload_C_s"] + back["load_A"]["s"]
-        tier, self.core.warm_tier = self.core.warm_tier, None
+        tier, self.core.loader.warm_tier = self.core.loader.warm_tier, None
         try:
             unload_s = self.unload("A")
             for key in tier.models() if tier is not None else []:
@@ -371,7 +372,7 @@ class Bench:
                     tier.discard(key)
             page = {"unload_A_s": unload_s, "load_A": self.load("A")}
         finally:
-            self.core.warm_tier = tier
+            self.core.loader.warm_tier = tier
         page["total_s"] = page["unload_A_s"] + page["load_A"]["s"]
         return {"to_small": to_small, "warm_tier": back, "page_cache": page,
                 "warm_tier_bytes": self.a.warm_tier_bytes}

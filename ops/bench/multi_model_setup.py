@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.core.ledger import LoadRefused
+from engine.load_spec import LoadSpec
 
 GIB = 1 << 30
 
@@ -37,7 +39,7 @@ def make_models(work: Path, arch: str, preset: str, small_arch: str, small_prese
 def _needed(core: EngineCore, name: str, d: Path, max_len: int, seqs: int, kv_pages: int | None = None) -> int:
     """Bytes a load needs (weights + workspace estimate + guaranteed KV), whether or not it fits."""
     try:
-        return core.check_load(name, d, max_len, seqs, num_kv_pages=kv_pages).needed
+        return core.check_load(LoadSpec(name, d, max_len, seqs, num_kv_pages=kv_pages)).needed
     except LoadRefused as e:
         return e.needed
 
@@ -61,8 +63,8 @@ class Plan:
 def plan_budget(a: argparse.Namespace, dirs: dict[str, Path]) -> Plan:
     """Page size, KV reserved per big model, and a budget that holds A and B but not C beside them."""
     seqs, max_len = a.max_num_seqs, a.max_model_len
-    probe = EngineCore(device=a.device, max_num_batched_tokens=a.max_num_batched_tokens,
-                       memory_budget=a.probe_budget)
+    probe = EngineCore(EngineOptions(max_num_batched_tokens=a.max_num_batched_tokens),
+                       device=a.device, budget=a.probe_budget)
     n0 = _needed(probe, "A", dirs["A"], max_len, seqs)
     n1 = _needed(probe, "A", dirs["A"], max_len, seqs, kv_pages=max_len)  # max_len pages hold a sequence
     n2 = _needed(probe, "A", dirs["A"], max_len, seqs, kv_pages=2 * max_len)
@@ -73,8 +75,8 @@ def plan_budget(a: argparse.Namespace, dirs: dict[str, Path]) -> Plan:
     else:
         kv_pages = seq_pages * seqs  # room for max_num_seqs longest sequences: never short
     # Later models take the pool's page size; an engine with page_bytes set plans as one that has A.
-    probe = EngineCore(device=a.device, max_num_batched_tokens=a.max_num_batched_tokens,
-                       memory_budget=a.probe_budget, page_bytes=page_bytes)
+    probe = EngineCore(EngineOptions(max_num_batched_tokens=a.max_num_batched_tokens, page_bytes=page_bytes),
+                       device=a.device, budget=a.probe_budget)
     needs = {n: _needed(probe, n, dirs[n], max_len, seqs, kv_pages=kv_pages) for n in ("A", "B")}
     needs["C"] = _needed(probe, "C", dirs["C"], max_len, seqs)
     del probe
@@ -89,7 +91,7 @@ def engine_counters(core: EngineCore) -> dict[str, dict[str, Any]]:
     """Per model: engine steps, graph-replayed steps, runner host/wait seconds, decode buckets not
     yet captured. Diagnostics read from the engine's internals, defensively: {} when absent."""
     out: dict[str, dict[str, Any]] = {}
-    for name, slot in core.slots().items():
+    for name, slot in core.slots.items():
         r = getattr(slot, "runner", None)
         g = getattr(r, "graphs", None)
         mixed = getattr(r, "mixed", None)

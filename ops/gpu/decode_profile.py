@@ -18,6 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
+from engine.load_spec import LoadSpec
 from ops.bench.engine_bench import _commit, _release_device
 
 BUCKETS = (1, 8, 32, 64, 128, 256, 512)
@@ -53,9 +55,9 @@ def main() -> int:
     ctx = int(sys.argv[3]) if len(sys.argv) > 3 else 400
     res: dict = {"commit": _commit(), "ctx": ctx, "runs": {}}
     for q in (None, "fp8"):
-        core = EngineCore(device="cuda", max_num_batched_tokens=16384, block_size=16, seed=0)
-        core.load_model("m", model, max_model_len=2048, max_num_seqs=512, quantization=q)
-        runner = core.slot("m").runner
+        core = EngineCore(EngineOptions(max_num_batched_tokens=16384, block_size=16, seed=0), device="cuda")
+        core.load_model(LoadSpec("m", model, max_model_len=2048, max_num_seqs=512, quantization=q))
+        runner = core.slots.get("m").runner
         runner.capture_deferred_graphs()
         graphs = runner.graphs
         rows = {}

@@ -34,9 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
 from engine.runner.cuda_graphs import DEFAULT_BUCKETS  # noqa: E402
 from engine.weights.loader import warm_key, weight_files  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 
 PHASES = ("config_s", "book_s", "alloc_s", "weights_s", "rope_s", "wait_s", "install_s", "runner_s",
           "warmup_s", "measure_s", "total_s")
@@ -83,17 +85,17 @@ def dd_rate(path: Path, files: list[Path]) -> dict:
 def load_once(core: EngineCore, model_dir: str, max_num_seqs: int = 256) -> dict:
     sync(core)
     t0 = time.perf_counter()
-    info = core.load_model("m", model_dir, max_model_len=4096, max_num_seqs=max_num_seqs)
+    info = core.load_model(LoadSpec("m", model_dir, max_model_len=4096, max_num_seqs=max_num_seqs))
     sync(core)
     t1 = time.perf_counter()
     core.add_request("q", "m", list(range(100, 116)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     while core.has_unfinished_requests():
         core.step()
     t2 = time.perf_counter()
-    g = core.slot("m").runner.graphs
+    g = core.slots.get("m").runner.graphs
     return {"load_s": t1 - t0, "to_first_token_s": t2 - t0, "device_gb": info.device_bytes / 1e9,
             "graph_capture_s": g.capture_seconds if g else None, "graph_warmup_s": g.warmup_seconds if g else None,
-            "timings": dict(core.last_load_timings)}
+            "timings": dict(core.loader.last_load_timings)}
 
 
 def unload(core: EngineCore, res: dict, key: str) -> None:
@@ -104,7 +106,7 @@ def unload(core: EngineCore, res: dict, key: str) -> None:
 
 def overlap(core: EngineCore, model_dir: str, files: list[Path]) -> dict:
     """Model "a" decodes while "b" loads beside it (what the worker's loop does)."""
-    core.load_model("a", model_dir, max_model_len=4096, max_num_seqs=32)
+    core.load_model(LoadSpec("a", model_dir, max_model_len=4096, max_num_seqs=32))
     params = SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True)
     for i in range(32):
         core.add_request(f"a{i}", "a", list(range(100 + i, 164 + i)), params)
@@ -121,7 +123,7 @@ def overlap(core: EngineCore, model_dir: str, files: list[Path]) -> dict:
     alone = steps(50)
     warm(files)
     t0 = time.perf_counter()
-    pending = core.begin_load("b", model_dir, max_model_len=4096, max_num_seqs=32)
+    pending = core.begin_load(LoadSpec("b", model_dir, max_model_len=4096, max_num_seqs=32))
     begin_s = time.perf_counter() - t0
     during: list[float] = []
     while not pending.done():
@@ -139,7 +141,7 @@ def overlap(core: EngineCore, model_dir: str, files: list[Path]) -> dict:
     return {"begin_s": begin_s, "finish_s": finish_s, "load_s": total, "steps_during": len(during),
             "step_ms_alone_p50": med(alone) * 1e3, "step_ms_during_p50": med(during) * 1e3 if during else None,
             "step_ms_during_max": max(during) * 1e3 if during else None,
-            "a_tokens_during": 32 * len(during), "timings": dict(core.last_load_timings)}
+            "a_tokens_during": 32 * len(during), "timings": dict(core.loader.last_load_timings)}
 
 
 def main() -> int:
@@ -156,18 +158,18 @@ def main() -> int:
     size = sum(f.stat().st_size for f in files)
     cuda = a.device == "cuda"
     budget = {} if a.max_num_batched_tokens is None else {"max_num_batched_tokens": a.max_num_batched_tokens}
-    core = EngineCore(device=a.device, decode_buckets=DEFAULT_BUCKETS if cuda else (), warmup=True,
-                      warm_tier_bytes=size + (1 << 30), **budget)
+    core = EngineCore(EngineOptions(decode_buckets=DEFAULT_BUCKETS if cuda else (), warmup=True,
+                                    warm_tier_bytes=size + (1 << 30), **budget), device=a.device)
     key = warm_key("m", a.model_dir)
     res: dict = {"model_dir": str(a.model_dir), "file_bytes": size,
                  "gpu": torch.cuda.get_device_name() if cuda else a.device}
     if not a.skip_dropped:
         res["dd"] = dd_rate(max(files, key=lambda f: f.stat().st_size), files)
     warm(files)
-    tier, core.warm_tier = core.warm_tier, None  # no stash (seconds of copying) where none is used
+    tier, core.loader.warm_tier = core.loader.warm_tier, None  # no stash (seconds of copying) where none is used
     res["first_load"] = load_once(core, a.model_dir)  # Triton compiles land in the cache
     unload(core, res, "first_unload_s")
-    core.warm_tier = tier
+    core.loader.warm_tier = tier
     warm(files)
     res["page_cache_warm"] = load_once(core, a.model_dir)
     unload(core, res, "warm_tier_put_s")
@@ -175,7 +177,7 @@ def main() -> int:
     res["warm_tier"] = load_once(core, a.model_dir)
     unload(core, res, "warm_tier_keep_s")  # the stored copy is kept, not copied again
     res["warm_tier_new_shape"] = load_once(core, a.model_dir, max_num_seqs=128)
-    core.warm_tier = None
+    core.loader.warm_tier = None
     unload(core, res, "unload_s")
     tier.discard(key)
     if not a.skip_dropped:

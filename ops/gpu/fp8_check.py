@@ -22,8 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
 from engine.core.ledger import LoadRefused  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 from ops.bench.fp8_accuracy import prefill_logits  # noqa: E402
 
 GIB = 1 << 30
@@ -51,11 +53,12 @@ def main() -> int:
     loads, logits = {}, {}
     for name, q, dtype in (("bf16", None, None), ("fp8", "fp8", None), ("fp32", None, "float32")):
         # no graphs: only prefill logits are read here (and float32 is a test path, not captured)
-        core = EngineCore(device="cuda", max_num_batched_tokens=4096, seed=0, dtype=dtype, cuda_graphs=False)
+        core = EngineCore(EngineOptions(max_num_batched_tokens=4096, seed=0, dtype=dtype, cuda_graphs=False),
+                          device="cuda")
         t = time.perf_counter()
-        info = core.load_model(name, model_dir, max_model_len=2048, max_num_seqs=8, quantization=q)
-        loads[name] = {"load_s": time.perf_counter() - t, "weight_bytes": core.slot(name).weight_bytes,
-                       "weight_gib": core.slot(name).weight_bytes / GIB, "device_bytes": info.device_bytes}
+        info = core.load_model(LoadSpec(name, model_dir, max_model_len=2048, max_num_seqs=8, quantization=q))
+        loads[name] = {"load_s": time.perf_counter() - t, "weight_bytes": core.slots.get(name).weight_bytes,
+                       "weight_gib": core.slots.get(name).weight_bytes / GIB, "device_bytes": info.device_bytes}
         logits[name] = prefill_logits(core, name, prompts)
         if name == "fp8":
             # the same quantized model through the torch references (engine.kernels.fp8 and the rest):
@@ -87,11 +90,11 @@ def main() -> int:
 
     room = {}
     for kind, q in (("fp8", "fp8"), ("bf16", None)):
-        core = EngineCore(device="cuda", max_num_batched_tokens=4096, seed=0, memory_budget_bytes=42 * GIB)
+        core = EngineCore(EngineOptions(max_num_batched_tokens=4096, seed=0), device="cuda", budget=42 * GIB)
         names, refused = [], None
         for i in range(4):
             try:
-                core.load_model(f"{kind}{i}", model_dir, max_model_len=4096, max_num_seqs=64, quantization=q)
+                core.load_model(LoadSpec(f"{kind}{i}", model_dir, max_model_len=4096, max_num_seqs=64, quantization=q))
                 names.append(f"{kind}{i}")
             except LoadRefused as e:
                 refused = str(e)[:300]

@@ -13,7 +13,9 @@ import sys
 import time
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 from ops.bench.engine_bench import _commit
 
 GiB = 1 << 30
@@ -33,24 +35,25 @@ def _first_token(core, name: str) -> float:
 
 def main() -> int:
     model, out = sys.argv[1], sys.argv[2]
-    core = EngineCore(device="cuda", max_num_batched_tokens=8192, block_size=16, seed=0, warm_tier_bytes=20 * GiB)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=8192, block_size=16, seed=0, warm_tier_bytes=20 * GiB),
+                      device="cuda")
     t = time.perf_counter()
-    core.warm_tier.prepin()
+    core.loader.warm_tier.prepin()
     res: dict = {"commit": _commit(), "warm_tier_gib": 20, "prepin_s": time.perf_counter() - t, "runs": {}}
     for q in (None, "fp8"):
         name = q or "bf16"
         rows = []
         t = time.perf_counter()
-        info = core.load_model(name, model, max_model_len=2048, max_num_seqs=64, quantization=q)
+        info = core.load_model(LoadSpec(name, model, max_model_len=2048, max_num_seqs=64, quantization=q))
         files_s = time.perf_counter() - t
         _first_token(core, name)
         for _ in range(3):
             core.unload_model(name)
             while core.has_unfinished_requests():
                 core.step()
-            held = any(k.split("|", 1)[0] == name for k in core.warm_tier.models())  # keys: "name|..."
+            held = any(k.split("|", 1)[0] == name for k in core.loader.warm_tier.models())  # keys: "name|..."
             t = time.perf_counter()
-            core.load_model(name, model, max_model_len=2048, max_num_seqs=64, quantization=q)
+            core.load_model(LoadSpec(name, model, max_model_len=2048, max_num_seqs=64, quantization=q))
             ready = time.perf_counter() - t
             rows.append({"from_warm_tier": held, "ready_s": ready, "first_token_s": _first_token(core, name)})
         res["runs"][name] = {"weight_bytes": info.device_bytes, "load_from_files_s": files_s, "reloads": rows}

@@ -18,8 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
 from modelgen.make import make_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 
 MiB = 1 << 20
 
@@ -50,16 +52,16 @@ def main(argv: list[str]) -> int:
     for graphs in (False, True):
         print(f"=== CUDA graphs {int(graphs)}")
         segments("start")
-        core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0,
-                          memory_budget_bytes=2 << 30, decode_buckets=(1, 2, 4), cuda_graphs=graphs)
-        core.load_model("m", model, max_model_len=2048, max_num_seqs=256)
-        print("pool MiB", core.pool.num_pages * core.pool.page_bytes // MiB, "ledger", core.ledger.snapshot())
+        core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0,
+                                        decode_buckets=(1, 2, 4), cuda_graphs=graphs), device="cuda", budget=2 << 30)
+        core.load_model(LoadSpec("m", model, max_model_len=2048, max_num_seqs=256))
+        print("pool MiB", core.pools.pool.num_pages * core.pools.pool.page_bytes // MiB, "ledger", core.pools.ledger.snapshot())
         serve(core)
         segments("loaded")
         core.unload_model("m")
         segments("unloaded")
         live_tensors("unloaded")
-        core.load_model("m", model, max_model_len=2048, max_num_seqs=256)
+        core.load_model(LoadSpec("m", model, max_model_len=2048, max_num_seqs=256))
         serve(core)
         segments("reloaded")
         core.unload_model("m")

@@ -25,8 +25,10 @@ import torch
 
 from engine.kv import page_memory
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.runner.cuda_graphs import DEFAULT_BUCKETS
 from engine.weights.loader import weight_files
+from engine.load_spec import LoadSpec
 
 TIMES: dict[str, list[float]] = defaultdict(list)
 
@@ -75,9 +77,10 @@ def torch_alone() -> dict:
 def engine_case(model_dir: str) -> dict:
     files = weight_files(model_dir)
     size = sum(f.stat().st_size for f in files)
-    core = EngineCore(device="cuda", decode_buckets=DEFAULT_BUCKETS, warmup=True, warm_tier_bytes=size + (1 << 30))
+    core = EngineCore(EngineOptions(decode_buckets=DEFAULT_BUCKETS, warmup=True, warm_tier_bytes=size + (1 << 30)),
+                      device="cuda")
     out = {}
-    core.load_model("m", model_dir, max_model_len=4096, max_num_seqs=256)
+    core.load_model(LoadSpec("m", model_dir, max_model_len=4096, max_num_seqs=256))
     core.unload_model("m")  # into the tier
     timed(gc, "collect", "gc.collect")
     timed(torch.cuda, "empty_cache", "empty_cache")
@@ -86,9 +89,9 @@ def engine_case(model_dir: str) -> dict:
     timed(type(core), "_fit_pool", "_fit_pool")
     for case in ("warm_tier_1", "warm_tier_2"):
         TIMES.clear()
-        core.load_model("m", model_dir, max_model_len=4096, max_num_seqs=256)
-        out[case] = {"timings": dict(core.last_load_timings), "pieces": {k: v for k, v in TIMES.items()},
-                     "pool_pages": core.pool.num_pages, "page_bytes": core.pool.page_bytes}
+        core.load_model(LoadSpec("m", model_dir, max_model_len=4096, max_num_seqs=256))
+        out[case] = {"timings": dict(core.loader.last_load_timings), "pieces": {k: v for k, v in TIMES.items()},
+                     "pool_pages": core.pools.pool.num_pages, "page_bytes": core.pools.pool.page_bytes}
         TIMES.clear()
         core.unload_model("m")
         out[case + "_unload_pieces"] = {k: v for k, v in TIMES.items()}

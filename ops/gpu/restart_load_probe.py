@@ -25,18 +25,19 @@ import torch  # noqa: E402
 t_torch = time.perf_counter()
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.options import EngineOptions  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 
 t_imports = time.perf_counter()
 opts = EngineOptions()
-core = EngineCore(device="cuda", max_num_batched_tokens=opts.max_num_batched_tokens,
-                  load_notes_path=work / "load-notes.json")
+core = EngineCore(EngineOptions(max_num_batched_tokens=opts.max_num_batched_tokens,
+                                load_notes_path=work / "load-notes.json"), device="cuda")
 torch.zeros(1, device=core.device)
 torch.cuda.synchronize()
 t_core = time.perf_counter()
-core.load_model("m", sys.argv[1], max_model_len=4096, max_num_seqs=256)
+core.load_model(LoadSpec("m", sys.argv[1], max_model_len=4096, max_num_seqs=256))
 torch.cuda.synchronize()
 t_load = time.perf_counter()
 report = {"import_torch_s": t_torch - t0, "engine_imports_s": t_imports - t_torch, "core_and_context_s": t_core - t_imports,
-          "load_s": t_load - t_core, "load_timings": core.last_load_timings}
+          "load_s": t_load - t_core, "load_timings": core.loader.last_load_timings}
 Path(sys.argv[3]).write_text(json.dumps(report, indent=2))
 print(json.dumps(report))

@@ -18,7 +18,9 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 
 
 def _attention_alone(slot, batch: int, ctx: int, chunk: int) -> str:
@@ -65,13 +67,14 @@ def main() -> int:
     batch = int(os.environ.get("TRACE_BATCH", "200"))
     ctx = int(os.environ.get("TRACE_CTX", "300"))
     chunk = int(os.environ.get("TRACE_CHUNK", "216"))
-    core = EngineCore(device="cuda", max_num_batched_tokens=4096, seed=0, cuda_graphs=False)  # eager: every kernel in the trace
-    core.load_model("m", model_dir, max_model_len=4096, max_num_seqs=256)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=4096, seed=0, cuda_graphs=False),
+                      device="cuda")  # eager: every kernel in the trace
+    core.load_model(LoadSpec("m", model_dir, max_model_len=4096, max_num_seqs=256))
     rng = random.Random(0)
     p = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
     for i in range(batch):
         core.add_request(f"r{i}", "m", [rng.randrange(100, 100000) for _ in range(ctx)], p)
-    slot = core.slot("m")
+    slot = core.slots.get("m")
     while slot.scheduler.num_waiting or any(not s.is_decoding for s in slot.scheduler.running):
         core.step()
     for _ in range(3):

@@ -34,6 +34,7 @@ if str(REPO) not in sys.path:
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 
 from ops.bench.workload import TokenTimes, percentile  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 
 
 def _drain(core) -> None:
@@ -95,6 +96,7 @@ def run_one(a: argparse.Namespace) -> dict:
     import torch
 
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
     from engine.runner.cuda_graphs import DEFAULT_BUCKETS
     from ops.bench.workload import sharegpt_like, summary
 
@@ -107,7 +109,7 @@ def run_one(a: argparse.Namespace) -> dict:
     group = None
     t_load = time.perf_counter()
     if tp == 1:
-        core = EngineCore(device="cuda:0" if cuda else "cpu", **opts)
+        core = EngineCore(EngineOptions(**opts), device="cuda:0" if cuda else "cpu")
     else:
         from engine.parallel.engine import TPEngineCore
         from engine.parallel.follower import spawn_followers
@@ -125,8 +127,8 @@ def run_one(a: argparse.Namespace) -> dict:
             env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         procs = spawn_followers(tp, init, devices, env=env)
         group = init_tp_group(0, tp, init, devices[0])
-        core = TPEngineCore(group, **opts)
-    info = core.load_model("bench", a.model_dir, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs)
+        core = TPEngineCore(group, EngineOptions(**opts))
+    info = core.load_model(LoadSpec("bench", a.model_dir, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs))
     load_s = time.perf_counter() - t_load
     reqs = sharegpt_like(a.num_requests, info.vocab_size, 0)
     for j, n in enumerate((8, min(300, info.max_model_len - 8))):  # warm-up off the clock
@@ -141,7 +143,7 @@ def run_one(a: argparse.Namespace) -> dict:
     res.update(_workload(core, reqs))
     res["batch1"] = _batch1(core, info.vocab_size, 256 if cuda else 32)
     res["greedy_probe"] = _greedy_probe(core, info.vocab_size)
-    runner = core.slot("bench").runner
+    runner = core.slots.get("bench").runner
     res["graph_steps"] = getattr(runner, "graph_steps", None)
     if group is not None:
         res["control_bytes"] = core.channel.bytes_sent

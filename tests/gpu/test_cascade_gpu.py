@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.sharp import sharpen
+from engine.load_spec import LoadSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -67,6 +68,7 @@ def test_forks_of_one_prompt_run_through_cascade_graphs(tmp_path_factory):
     graphs of buckets >= 16 launch the cascade kernel over the step's plan; replayed graphs give
     the tokens eager steps give (same plans, same kernels), and the plan was used in both."""
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
     from engine.sampling import SamplingParams
     from modelgen.make import make_model
 
@@ -76,9 +78,10 @@ def test_forks_of_one_prompt_run_through_cascade_graphs(tmp_path_factory):
     prompts = [shared + [410 + i, 420 + i % 3] for i in range(20)]
     got, planned = {}, {}
     for graphs in (True, False):
-        core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
-                          decode_buckets=(1, 8, 16, 24, 32), cuda_graphs=graphs, mixed_buckets=())
-        core.load_model("m", d, max_model_len=256, max_num_seqs=32)
+        core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
+                                        decode_buckets=(1, 8, 16, 24, 32), cuda_graphs=graphs, mixed_buckets=()),
+                          device="cuda")
+        core.load_model(LoadSpec("m", d, max_model_len=256, max_num_seqs=32))
         core.add_request("warm", "m", shared + [1], SamplingParams(temperature=0, max_tokens=1))
         while core.has_unfinished_requests():
             core.step()
@@ -88,7 +91,7 @@ def test_forks_of_one_prompt_run_through_cascade_graphs(tmp_path_factory):
         while core.has_unfinished_requests():
             for o in core.step():
                 toks[int(o.req_id[1:])].extend(o.new_token_ids)
-        runner = core.slot("m").runner
+        runner = core.slots.get("m").runner
         assert (runner.graph_steps > 0) == graphs
         assert bool(graphs and runner.graphs.cascade_graphs) == graphs  # buckets 16-32: both variants
         # 15 decode steps (16 tokens, the first from the prefill), every one replayed: the first
@@ -108,10 +111,10 @@ def test_the_warm_up_compiles_every_kernel_a_cascade_variant_launches(tmp_path):
     from modelgen.make import make_model
 
     d = make_model(tmp_path / "m", "llama", "small", seed=0)
-    core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
-                      decode_buckets=(1, 8, 16, 24, 32, 48, 64), mixed_buckets=())
-    core.load_model("m", d, max_model_len=2048, max_num_seqs=64)
-    runner = core.slot("m").runner
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
+                                    decode_buckets=(1, 8, 16, 24, 32, 48, 64), mixed_buckets=()), device="cuda")
+    core.load_model(LoadSpec("m", d, max_model_len=2048, max_num_seqs=64))
+    runner = core.slots.get("m").runner
     runner.capture_deferred_graphs()
     graphs = runner.graphs
     planned = [b for b in sorted(graphs.graphs) if graphs.bufs.cascade_tiles_for(b) > 0]

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from engine.runner.cuda_graphs import MixedGraphs
+from engine.load_spec import LoadSpec
 from tests.graph_stand_in import StandInGraphs
 from tests.sharp import sharpen
 
@@ -50,10 +51,12 @@ def sharp_model(tmp_path_factory):
 
 def _engine(model_dir, graphs: bool, monkeypatch, mixed: bool = False):
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
 
-    core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
-                      decode_buckets=(1, 2, 4, 8, 16), cuda_graphs=graphs, mixed_buckets=None if mixed else ())
-    core.load_model("m", model_dir, max_model_len=256, max_num_seqs=16)
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
+                                    decode_buckets=(1, 2, 4, 8, 16), cuda_graphs=graphs,
+                                    mixed_buckets=None if mixed else ()), device="cuda")
+    core.load_model(LoadSpec("m", model_dir, max_model_len=256, max_num_seqs=16))
     return core
 
 
@@ -82,7 +85,7 @@ def test_engine_bf16_matches_transformers(arch, sharp_model, monkeypatch):
 
     d = sharp_model(arch)
     core = _engine(d, True, monkeypatch)
-    runner = core.slot("m").runner
+    runner = core.slots.get("m").runner
     assert runner.graphs is not None and runner.graphs.graphs
     toks, lps = _run(core, PROMPTS, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True, logprobs=5))
     assert runner.graph_steps > 0
@@ -124,7 +127,7 @@ def test_cuda_graph_decode_matches_eager(arch, sharp_model, monkeypatch):
         for graphs in (True, False):
             core = _engine(d, graphs, monkeypatch)
             got[graphs], _ = _run(core, PROMPTS, params)
-            runner = core.slot("m").runner
+            runner = core.slots.get("m").runner
             assert (runner.graph_steps > 0) == graphs
             del core
         assert got[True] == got[False]
@@ -133,7 +136,7 @@ def test_cuda_graph_decode_matches_eager(arch, sharp_model, monkeypatch):
 def test_capture_is_fast_and_leaves_the_cache_untouched(sharp_model, monkeypatch):
     d = sharp_model("llama")
     core = _engine(d, True, monkeypatch)
-    slot = core.slot("m")
+    slot = core.slots.get("m")
     g = slot.runner.graphs
     assert sorted(g.graphs) == [1, 2, 4, 8, 16]
     assert g.capture_seconds < 1.0, g.capture_seconds
@@ -157,7 +160,7 @@ def test_deferred_graphs_match_eager_and_launches_are_cached(sharp_model, monkey
     params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     monkeypatch.setattr("engine.runner.model_runner.GRAPHS_AT_LOAD_MAX", 1)
     core = _engine(d, True, monkeypatch)
-    g = core.slot("m").runner.graphs
+    g = core.slots.get("m").runner.graphs
     assert sorted(g.graphs) == [1, 16] and g.deferred == {2, 4, 8}
     got, _ = _run(core, PROMPTS, params)
     assert 8 in g.graphs and 8 not in g.deferred and g.deferred_capture_seconds > 0
@@ -178,7 +181,7 @@ def test_idle_engine_captures_the_deferred_graphs_and_they_match_eager(sharp_mod
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=GEN, ignore_eos=True)
     monkeypatch.setattr("engine.runner.model_runner.GRAPHS_AT_LOAD_MAX", 1)
     core = _engine(d, True, monkeypatch)
-    g = core.slot("m").runner.graphs
+    g = core.slots.get("m").runner.graphs
     assert g.deferred == {2, 4, 8}
     order, before = [], set(g.graphs)
     while core.capture_idle_graph():
@@ -186,7 +189,7 @@ def test_idle_engine_captures_the_deferred_graphs_and_they_match_eager(sharp_mod
         before = set(g.graphs)
     assert order == [8, 4, 2] and not g.deferred and sorted(g.graphs) == [1, 2, 4, 8, 16]
     spent = g.deferred_capture_seconds
-    runner = core.slot("m").runner
+    runner = core.slots.get("m").runner
     waited = runner.bufs.inputs.waits, runner.bufs.sampling.waits  # the load's warm-up may have
     got, _ = _run(core, PROMPTS, params)
     assert g.deferred_capture_seconds == spent and runner.graph_steps > 0
@@ -207,13 +210,13 @@ def test_mixed_step_graphs_match_their_eager_forward(arch, sharp_model, monkeypa
     d = sharp_model(arch)
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=GEN, ignore_eos=True)
     core = _engine(d, True, monkeypatch, mixed=True)
-    runner = core.slot("m").runner
+    runner = core.slots.get("m").runner
     assert runner.mixed is not None and max(runner.mixed_buckets) in runner.mixed.graphs
     got, _ = _run(core, PROMPTS, params)
     assert runner.mixed_graph_steps > 0 and runner.graph_steps > 0
     del core, runner
     core = _engine(d, True, monkeypatch, mixed=True)
-    runner = core.slot("m").runner
+    runner = core.slots.get("m").runner
     runner.mixed = StandInGraphs(runner, MixedGraphs, runner.mixed_buckets)  # each graph's forward, eagerly
     want, _ = _run(core, PROMPTS, params)
     assert runner.mixed.replayed
@@ -221,7 +224,7 @@ def test_mixed_step_graphs_match_their_eager_forward(arch, sharp_model, monkeypa
     del core, runner
     # replaying every captured bucket on all-padding inputs writes no K/V
     core = _engine(d, True, monkeypatch, mixed=True)
-    slot = core.slot("m")
+    slot = core.slots.get("m")
     slot.kv.buffer.zero_()
     g = slot.runner.mixed
     for b in sorted(g.graphs):
@@ -248,13 +251,13 @@ def test_programmatic_dependent_launch_changes_no_token(quantization, kv_dtype, 
     got = {}
     for pdl in (False, True):
         monkeypatch.setattr(_launch, "PDL_ON", pdl)
-        core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
-                          decode_buckets=(1, 2, 4, 8, 16))
-        core.load_model("m", d, max_model_len=256, max_num_seqs=16, quantization=quantization,
-                        kv_cache_dtype=kv_dtype)
+        core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
+                                        decode_buckets=(1, 2, 4, 8, 16)), device="cuda")
+        core.load_model(LoadSpec("m", d, max_model_len=256, max_num_seqs=16, quantization=quantization,
+                                 kv_cache_dtype=kv_dtype))
         got[pdl] = _run(core, PROMPTS, SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=GEN,
                                                       ignore_eos=True, logprobs=3))
-        runner = core.slot("m").runner
+        runner = core.slots.get("m").runner
         assert runner.graph_steps > 0
         # the launches really were (or were not) programmatic: the compiled launchers say so
         for lau in (_DECODE_LAUNCH, _RMS_NORM_LAUNCH):

@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 from engine.kernels import activation, fp8, norm  # noqa: E402
 from engine.kernels import fp8_format as fmt  # noqa: E402
 from engine.kernels.fp8_triton import fp8_linear_small_m  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 
 DEV = "cuda"
 
@@ -105,6 +106,7 @@ def small_llama(tmp_path_factory):
 
 def test_an_fp8_model_loads_quantized_and_tracks_bf16(small_llama):
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
     from engine.core.memory_plan import weight_bytes
     from engine.sampling import SamplingParams
     from ops.bench.fp8_accuracy import prefill_logits
@@ -112,20 +114,20 @@ def test_an_fp8_model_loads_quantized_and_tracks_bf16(small_llama):
     prompts = [list(range(3, 60)), [9, 8, 7, 6, 5], list(range(100, 400, 7))]
     logits, cores = {}, {}
     for q in (None, "fp8"):
-        core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0)
-        info = core.load_model("m", small_llama, max_model_len=512, max_num_seqs=8, quantization=q)
-        layer = core.slot("m").model.layers[1]
+        core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0), device="cuda")
+        info = core.load_model(LoadSpec("m", small_llama, max_model_len=512, max_num_seqs=8, quantization=q))
+        layer = core.slots.get("m").model.layers[1]
         assert layer.qkv_w.dtype == (fmt.FP8 if q else torch.bfloat16)
-        assert core.slot("m").model.nbytes == weight_bytes(core.slot("m").model.cfg, torch.bfloat16, q)
+        assert core.slots.get("m").model.nbytes == weight_bytes(core.slots.get("m").model.cfg, torch.bfloat16, q)
         logits[q] = prefill_logits(core, "m", prompts)
         cores[q] = (core, info)
-    assert cores["fp8"][0].slot("m").weight_bytes < 0.75 * cores[None][0].slot("m").weight_bytes
+    assert cores["fp8"][0].slots.get("m").weight_bytes < 0.75 * cores[None][0].slots.get("m").weight_bytes
     cos = torch.nn.functional.cosine_similarity(logits["fp8"].float(), logits[None].float(), dim=-1)
     assert cos.min().item() >= 0.99, cos.min().item()
     # the loaded weights are exactly what quantize_weight makes of the checkpoint's rows
     from safetensors import safe_open
 
-    model = cores["fp8"][0].slot("m").model
+    model = cores["fp8"][0].slots.get("m").model
     with safe_open(str(next(small_llama.glob("*.safetensors"))), "pt", device="cuda") as f:
         name = "model.layers.1.mlp.up_proj.weight"
         if name in f.keys():
@@ -141,7 +143,7 @@ def test_an_fp8_model_loads_quantized_and_tracks_bf16(small_llama):
     n = 0
     while core.has_unfinished_requests():
         n += sum(len(o.new_token_ids) for o in core.step())
-    assert n == 16 * len(prompts) and core.slot("m").runner.graph_steps > 0
+    assert n == 16 * len(prompts) and core.slots.get("m").runner.graph_steps > 0
 
 
 @pytest.mark.parametrize("layout", ["channel", "tensor", "block128"])
@@ -156,17 +158,17 @@ def test_pre_quantized_checkpoints_load_on_the_gpu(layout, small_llama, tmp_path
 
     ck = quantize_folder(small_llama, tmp_path / layout, layout)
     prompts = [list(range(3, 60)), list(range(100, 400, 7))]
-    core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0)
-    core.load_model("bf16", small_llama, max_model_len=512, max_num_seqs=8)
-    core.load_model("ck", ck, max_model_len=512, max_num_seqs=8)
-    assert core.slot("ck").model.quantization == "fp8"
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0), device="cuda")
+    core.load_model(LoadSpec("bf16", small_llama, max_model_len=512, max_num_seqs=8))
+    core.load_model(LoadSpec("ck", ck, max_model_len=512, max_num_seqs=8))
+    assert core.slots.get("ck").model.quantization == "fp8"
     cos = torch.nn.functional.cosine_similarity(prefill_logits(core, "ck", prompts),
                                                 prefill_logits(core, "bf16", prompts), dim=-1)
     assert cos.min().item() >= 0.99, cos.min().item()
     if layout != "block128":
         (f,) = ck.glob("*.safetensors")
         q = load_file(str(f))["model.layers.1.mlp.down_proj.weight"]
-        got = core.slot("ck").model.layers[1].down_w
+        got = core.slots.get("ck").model.layers[1].down_w
         assert torch.equal(got.view(torch.uint8).cpu(), q.view(torch.uint8))
 
 
@@ -181,10 +183,10 @@ def test_a_model_calibrated_on_the_gpu_serves_close_to_bf16(small_llama, tmp_pat
     ids = torch.randint(3, 400, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
     calibrate(small_llama, tmp_path / "cal", ids, window=256, device="cuda")
     prompts = [list(range(3, 60)), list(range(100, 400, 7))]
-    core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0)
-    core.load_model("bf16", small_llama, max_model_len=512, max_num_seqs=8)
-    core.load_model("cal", tmp_path / "cal", max_model_len=512, max_num_seqs=8)
-    assert core.slot("cal").model.quantization == "fp8"
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0), device="cuda")
+    core.load_model(LoadSpec("bf16", small_llama, max_model_len=512, max_num_seqs=8))
+    core.load_model(LoadSpec("cal", tmp_path / "cal", max_model_len=512, max_num_seqs=8))
+    assert core.slots.get("cal").model.quantization == "fp8"
     cos = torch.nn.functional.cosine_similarity(prefill_logits(core, "cal", prompts),
                                                 prefill_logits(core, "bf16", prompts), dim=-1)
     assert cos.min().item() >= 0.99, cos.min().item()

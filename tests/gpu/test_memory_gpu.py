@@ -11,6 +11,7 @@ import gc
 
 import pytest
 import torch
+from engine.load_spec import LoadSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -51,6 +52,7 @@ def _live_tensors() -> list[tuple]:
 @pytest.mark.parametrize("graphs", [False, True])
 def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(small_model, monkeypatch, graphs):
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
 
     # cuBLAS's workspace (32 MiB on Hopper) is made by the first matmul of the process and kept.
     x = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
@@ -58,21 +60,21 @@ def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(s
     del x
     gc.collect()
     base_live = _live_since(0)
-    core = EngineCore(device="cuda", dtype="bfloat16", max_num_batched_tokens=512, seed=0,
-                      memory_budget_bytes=2 << 30, decode_buckets=(1, 2, 4), cuda_graphs=graphs)
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0, decode_buckets=(1, 2, 4),
+                                    cuda_graphs=graphs), device="cuda", budget=2 << 30)
     try:
         # A pool (256 sequences of 2048 tokens) far larger than the weights, workspace and graphs,
         # so whether a reload took it from the cache or from the driver shows in the reserved bytes.
-        core.load_model("m", small_model, max_model_len=2048, max_num_seqs=256)
+        core.load_model(LoadSpec("m", small_model, max_model_len=2048, max_num_seqs=256))
         first = _serve_one(core, "m")
-        core_pool_bytes = core.pool.num_pages * core.pool.page_bytes
+        core_pool_bytes = core.pools.pool.num_pages * core.pools.pool.page_bytes
         # Live bytes this core added (earlier tests of the process may hold tensors of their own).
-        check = core.ledger.verify_against_allocator(tolerance=64 * MiB, reserved_bytes=_live_since(base_live))
+        check = core.pools.ledger.verify_against_allocator(tolerance=64 * MiB, reserved_bytes=_live_since(base_live))
         assert check.ok, check  # every live byte the core added is in the books
         assert check.allocator_reserved > core_pool_bytes, (check, core_pool_bytes)  # pool + weights
 
         core.unload_model("m")
-        assert core.ledger.snapshot().used == 0, core.ledger.snapshot()
+        assert core.pools.ledger.snapshot().used == 0, core.pools.ledger.snapshot()
         live, reserved = _live_since(0), torch.cuda.memory_reserved()
         seen = dict(base_live=base_live, live=live, reserved=reserved, pool=core_pool_bytes)
         assert live - base_live <= 32 * MiB, (seen, _live_tensors())  # Triton/torch scratch at most
@@ -80,11 +82,11 @@ def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(s
         assert reserved - live >= core_pool_bytes, seen
 
         streams = core.streams.created
-        core.load_model("m", small_model, max_model_len=2048, max_num_seqs=256)
+        core.load_model(LoadSpec("m", small_model, max_model_len=2048, max_num_seqs=256))
         assert _serve_one(core, "m") == first
         grew = torch.cuda.memory_reserved() - reserved
         assert grew < core_pool_bytes // 2, (grew, seen)  # the pool came from the cache
-        check = core.ledger.verify_against_allocator(tolerance=64 * MiB, reserved_bytes=_live_since(base_live))
+        check = core.pools.ledger.verify_against_allocator(tolerance=64 * MiB, reserved_bytes=_live_since(base_live))
         assert check.ok, check
         # The reload borrowed the streams the first load gave back: cuBLAS keeps a workspace per
         # stream for good, so a new stream per load would leave 32 MiB or more behind each cycle.

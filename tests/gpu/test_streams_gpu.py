@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine.load_spec import LoadSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -25,14 +26,15 @@ def _run(dirs, window_ms: str = "0", yielded: list | None = None, only: str | No
     """The flood (24 requests at once) and the quiet model (3 requests arriving while it runs) in one
     engine; ``only``: that model alone, with the same requests at the same steps."""
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
     from engine.sampling import SamplingParams
 
-    core = EngineCore(device="cuda", dtype="float32", max_num_batched_tokens=256, seed=0,
-                      decode_buckets=(1, 2, 4, 8, 16), quiet_window_s=int(window_ms) / 1000)
+    core = EngineCore(EngineOptions(dtype="float32", max_num_batched_tokens=256, seed=0, decode_buckets=(1, 2, 4, 8, 16),
+                                    quiet_window_ms=int(window_ms)), device="cuda")
     if only in (None, "flood"):
-        core.load_model("flood", dirs[0], max_model_len=256, max_num_seqs=16)
+        core.load_model(LoadSpec("flood", dirs[0], max_model_len=256, max_num_seqs=16))
     if only in (None, "quiet"):
-        core.load_model("quiet", dirs[1], max_model_len=256, max_num_seqs=4)
+        core.load_model(LoadSpec("quiet", dirs[1], max_model_len=256, max_num_seqs=4))
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=24, ignore_eos=True)
     if only in (None, "flood"):
@@ -50,8 +52,8 @@ def _run(dirs, window_ms: str = "0", yielded: list | None = None, only: str | No
             yielded.append(steps)
             step.wait()  # as the worker's waiter does
         steps += 1
-    urgent = {n: s.runner.streams.urgent_steps for n, s in core.slots().items()}
-    for n in core.slots():
+    urgent = {n: s.runner.streams.urgent_steps for n, s in core.slots.items()}
+    for n in core.slots.names():
         core.unload_model(n)
     return tokens, urgent
 

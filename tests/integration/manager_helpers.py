@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.integration.agent_harness import Daemon
+from engine.load_spec import LoadSpec
 
 TOKEN = {"Authorization": "Bearer test-admin-token"}
 CTX, SEQS = 256, 4
@@ -21,6 +22,7 @@ def budget_for_two(model_dir: Path, max_num_batched_tokens: int | None = None) -
     defaults to the daemon's, since the workspace the engine books grows with it."""
     from agent.config import EngineSettings
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
 
     if max_num_batched_tokens is None:
         max_num_batched_tokens = EngineSettings().max_num_batched_tokens
@@ -28,29 +30,29 @@ def budget_for_two(model_dir: Path, max_num_batched_tokens: int | None = None) -
     from engine.worker.load_refusal import _estimate_need
 
     def core(budget: int) -> EngineCore:
-        return EngineCore(device="cpu", max_num_batched_tokens=max_num_batched_tokens, memory_budget_bytes=budget)
+        return EngineCore(EngineOptions(max_num_batched_tokens=max_num_batched_tokens), device="cpu", budget=budget)
 
     probe = core(1 << 34)
-    info = probe.load_model("x", str(model_dir), max_model_len=CTX, max_num_seqs=SEQS)
-    full, weights = info.device_bytes, probe.slot("x").weight_bytes
+    info = probe.load_model(LoadSpec("x", str(model_dir), max_model_len=CTX, max_num_seqs=SEQS))
+    full, weights = info.device_bytes, probe.slots.get("x").weight_bytes
     min_kv = -(-CTX // info.block_size) * (full - weights) // info.kv_pages  # one longest sequence
-    need = _estimate_need(probe, str(model_dir), CTX, SEQS)  # weights + workspace + min_kv
+    need = _estimate_need(probe, LoadSpec("x", str(model_dir), max_model_len=CTX, max_num_seqs=SEQS))  # weights + workspace + min_kv
     # Two models as loaded, plus the second's workspace, plus half of what a third needs beyond
     # its workspace: two fit, a third does not. The engine's own loads below are the proof,
     # whichever way it books memory (per-model caches or the ledger with a shared pool).
     budget = 2 * full + need - (weights + min_kv) + (weights + min_kv) // 2
     c = core(budget)
-    infos = [c.load_model(n, str(model_dir), max_model_len=CTX, max_num_seqs=SEQS) for n in ("a", "b")]
+    infos = [c.load_model(LoadSpec(n, str(model_dir), max_model_len=CTX, max_num_seqs=SEQS)) for n in ("a", "b")]
     if any(i.device_bytes != full for i in infos):
         raise RuntimeError(f"budget {budget}: two models do not get their full KV cache")
     try:
-        c.load_model("c", str(model_dir), max_model_len=CTX, max_num_seqs=SEQS)
+        c.load_model(LoadSpec("c", str(model_dir), max_model_len=CTX, max_num_seqs=SEQS))
     except EngineError:
         pass
     else:
         raise RuntimeError(f"budget {budget}: a third model fits")
     c.unload_model("a")
-    c.load_model("c", str(model_dir), max_model_len=CTX, max_num_seqs=SEQS)
+    c.load_model(LoadSpec("c", str(model_dir), max_model_len=CTX, max_num_seqs=SEQS))
     return budget
 
 

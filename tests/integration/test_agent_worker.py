@@ -15,6 +15,7 @@ import uvloop
 
 from agent.worker import client as wc
 from agent.worker import spawn as ws
+from engine.load_spec import LoadSpec
 from engine.model_info import ModelInfo
 from engine.sampling import SamplingParams
 from engine.worker import protocol as P
@@ -64,7 +65,7 @@ def test_hello_heartbeat_and_refusals() -> None:
         await _wait_for(lambda: client.state.last_frame > t, 3)  # heartbeats keep coming
         assert client.heartbeat_fresh() and client.progressing()
         with pytest.raises(wc.WorkerError, match="without an engine") as ei:
-            await client.load("m", "/nonexistent", max_model_len=64, max_num_seqs=1)
+            await client.load(LoadSpec("m", "/nonexistent", max_model_len=64, max_num_seqs=2))
         assert ei.value.code == "no_engine"
         req = client.add("r1", "m", [1, 2], SamplingParams(max_tokens=2))
         err = await asyncio.wait_for(req.queue.get(), 5)
@@ -252,7 +253,8 @@ def test_damaged_kernels_are_swept_before_the_workers_first_load(tmp_path, monke
         c = wc.WorkerClient(options, engine="none")
         await asyncio.wait_for(c.start(), 30)
         try:
-            load = asyncio.ensure_future(c.load("m", str(tmp_path), max_model_len=64, max_num_seqs=1, timeout=10))
+            load = asyncio.ensure_future(c.load(LoadSpec("m", str(tmp_path), max_model_len=64, max_num_seqs=2),
+                                                timeout=10))
             await asyncio.sleep(0.3)
             assert not load.done() and not c._pending  # not sent: the sweep still runs
             released.set()

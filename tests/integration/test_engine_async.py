@@ -9,16 +9,19 @@ from __future__ import annotations
 import pytest
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 PROMPTS = [list(range(40, 40 + n)) for n in (1, 5, 19, 33, 8, 3)]
 
 
 def _core(model_dir, async_steps: bool, **kw) -> EngineCore:
-    core = EngineCore(device="cpu", max_num_batched_tokens=kw.pop("budget", 64), block_size=kw.pop("block_size", 4),
-                      max_prefill_chunk=kw.pop("chunk", 16), seed=99, async_steps=async_steps)
-    core.load_model("m", model_dir, max_model_len=kw.pop("max_model_len", 64), max_num_seqs=kw.pop("max_num_seqs", 8),
-                    num_kv_pages=kw.pop("num_kv_pages", None), prefix_caching=kw.pop("prefix_caching", True))
+    core = EngineCore(EngineOptions(max_num_batched_tokens=kw.pop("budget", 64), block_size=kw.pop("block_size", 4),
+                                    max_prefill_chunk=kw.pop("chunk", 16), seed=99, async_steps=async_steps,
+                                    async_on_cpu=True), device="cpu")
+    core.load_model(LoadSpec("m", model_dir, max_model_len=kw.pop("max_model_len", 64), max_num_seqs=kw.pop("max_num_seqs", 8),
+                             num_kv_pages=kw.pop("num_kv_pages", None), prefix_caching=kw.pop("prefix_caching", True)))
     assert not kw
     return core
 
@@ -29,7 +32,7 @@ def _run(core, prompts, params, model="m", abort_at: dict[str, int] | None = Non
     toks = {f"r{i}": [] for i in range(len(prompts))}
     reasons, lps = {}, {}
     steps = placeholders = 0
-    runner = core.slot(model).runner
+    runner = core.slots.get(model).runner
     launch = runner.launch
 
     def spy(out, *rest):
@@ -109,7 +112,7 @@ def test_unload_and_load_settle_the_step_in_flight(model_dir, make_tiny_model):
     for _ in range(4):
         outs += core.step()
     assert core.in_flight() is not None
-    core.load_model("q", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4)  # settles first
+    core.load_model(LoadSpec("q", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4))  # settles first
     assert core.in_flight() is None
     core.unload_model("m")
     while core.has_unfinished_requests():
@@ -164,7 +167,7 @@ def test_a_step_left_in_flight_that_must_be_collected_is_collected_before_the_ne
     with pytest.raises(EngineError, match="collect failed"):
         core.step()  # launched "lp"'s prefill (it samples, with logprobs), then failed collecting the step before
     assert core._inflight is not None and core._inflight.collect_now
-    runner, order = core.slot("m").runner, []
+    runner, order = core.slots.get("m").runner, []
     launch, collect = runner.launch, runner.collect
     runner.launch = lambda *a: (order.append("launch"), launch(*a))[1]
     runner.collect = lambda p: (order.append("collect"), collect(p))[1]

@@ -12,8 +12,10 @@ import dataclasses
 import pytest
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.errors import EngineError, RequestError
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 from engine.stats import ModelStats
 
 PROMPTS = [list(range(40, 40 + n)) for n in (1, 5, 19, 33, 8)]
@@ -23,10 +25,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
 
 def make_core(model_dir, *, budget=256, block_size=16, chunk=None, num_kv_pages=None, max_model_len=64,
               max_num_seqs=8) -> EngineCore:
-    core = EngineCore(device="cpu", max_num_batched_tokens=budget, block_size=block_size, max_prefill_chunk=chunk,
-                      seed=1234)
-    core.load_model("m", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                    num_kv_pages=num_kv_pages)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=budget, block_size=block_size, max_prefill_chunk=chunk,
+                                    seed=1234), device="cpu")
+    core.load_model(LoadSpec("m", model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                             num_kv_pages=num_kv_pages))
     return core
 
 
@@ -82,7 +84,7 @@ def reference(model_dir):
 def test_variants_match_one_at_a_time(model_dir, reference, variant):
     core = make_core(model_dir, **variant)
     preempted = []
-    sched = core.slot("m").scheduler
+    sched = core.slots.get("m").scheduler
     orig = sched.schedule
 
     def spy():
@@ -109,7 +111,7 @@ def test_abort_frees_every_page_and_spares_the_others(model_dir, reference, when
     for _ in range(n_steps):
         for o in core.step():
             got[o.req_id] += o.new_token_ids
-    seq = core.slot("m").scheduler.get(victim)
+    seq = core.slots.get("m").scheduler.get(victim)
     if when == "mid_prefill":
         assert 0 < seq.num_computed_tokens < seq.num_prompt_tokens
     else:
@@ -191,7 +193,7 @@ def test_logprobs_are_returned_and_consistent(model_dir):
         (lambda c: c.add_request("x", "m", list(range(1, 65)), GREEDY), "max_model_len"),
         (lambda c: c.add_request("", "m", [1], GREEDY), "req_id"),
         (lambda c: c.add_request("x", "m", [1], {"temperature": 0}), "SamplingParams"),
-        (lambda c: c.load_model("m", "/nonexistent"), "already loaded"),
+        (lambda c: c.load_model(LoadSpec("m", "/nonexistent")), "already loaded"),
         (lambda c: c.unload_model("nope"), "not loaded"),
     ],
 )
@@ -235,7 +237,7 @@ def test_context_length_ends_with_length(model_dir):
 
 def test_two_models_share_the_engine_and_unload_aborts(model_dir, make_tiny_model):
     core = make_core(model_dir)
-    core.load_model("q", make_tiny_model("qwen2"), max_model_len=64, max_num_seqs=4)
+    core.load_model(LoadSpec("q", make_tiny_model("qwen2"), max_model_len=64, max_num_seqs=4))
     core.add_request("a", "m", PROMPTS[1], GREEDY)
     core.add_request("b", "q", PROMPTS[1], GREEDY)
     seen = {"a": 0, "b": 0}
@@ -255,7 +257,7 @@ def test_a_failing_step_aborts_its_batch_and_keeps_the_books(model_dir):
     core = make_core(model_dir)
     core.add_request("a", "m", PROMPTS[1], GREEDY)
     core.add_request("b", "m", PROMPTS[2], GREEDY)
-    runner = core.slot("m").runner
+    runner = core.slots.get("m").runner
 
     def boom(out):
         raise RuntimeError("device fell over")
@@ -270,9 +272,9 @@ def test_a_failing_step_aborts_its_batch_and_keeps_the_books(model_dir):
 
 
 def test_decode_steps_padded_to_graph_buckets_give_the_same_tokens(model_dir, reference):
-    core = EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, decode_buckets=(8, 3, 999))
-    core.load_model("m", model_dir, max_model_len=64, max_num_seqs=8)
-    runner = core.slot("m").runner
+    core = EngineCore(EngineOptions(max_num_batched_tokens=256, block_size=4, decode_buckets=(8, 3, 999)), device="cpu")
+    core.load_model(LoadSpec("m", model_dir, max_model_len=64, max_num_seqs=8))
+    runner = core.slots.get("m").runner
     assert runner.decode_buckets == (3, 8)  # sorted; a bucket above max_num_seqs is dropped
     shapes = []
     orig = runner.prepare

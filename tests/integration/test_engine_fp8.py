@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from engine.config import load_model_config
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.core.memory_plan import weight_bytes
 from engine.errors import EngineError
 from engine.kernels import fp8
@@ -22,6 +23,7 @@ from engine.models.llama import LlamaModel
 from engine.sampling import SamplingParams
 from engine.weights.loader import load_or_restore, load_weights, model_tensors, stash_weights, warm_key
 from engine.weights.warm_tier import WarmTier
+from engine.load_spec import LoadSpec
 from modelgen.make import model_config
 from ops.bench.fp8_accuracy import engine_accuracy, prefill_logits
 
@@ -80,12 +82,12 @@ def test_the_ledger_books_fp8_bytes_an_8b_takes_at_most_8_6_gib():
 
 
 def test_an_fp8_model_serves_and_tracks_the_unquantized_logits(tiny_llama_dir):
-    core = EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, seed=0)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=256, block_size=4, seed=0), device="cpu")
     used0 = core.memory().used
-    ref = core.load_model("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4)
-    info = core.load_model("fp8", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="fp8")
+    ref = core.load_model(LoadSpec("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4))
+    info = core.load_model(LoadSpec("fp8", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="fp8"))
     assert info.device_bytes < ref.device_bytes
-    assert core.slot("fp8").weight_bytes == core.slot("fp8").model.nbytes
+    assert core.slots.get("fp8").weight_bytes == core.slots.get("fp8").model.nbytes
     assert core.memory().used > used0
     prompts = [list(range(3, 40)), [9, 8, 7], list(range(100, 180, 3))]
     a, b = prefill_logits(core, "ref", prompts), prefill_logits(core, "fp8", prompts)
@@ -103,17 +105,17 @@ def test_an_fp8_model_serves_and_tracks_the_unquantized_logits(tiny_llama_dir):
 
 
 def test_refused_quantizations_name_the_reason_and_book_nothing(tiny_llama_dir, tmp_path):
-    core = EngineCore(device="cpu", max_num_batched_tokens=256, seed=0)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=256, seed=0), device="cpu")
     before = core.memory()
     with pytest.raises(EngineError, match="'int4' is not supported; supported: fp8"):
-        core.load_model("m", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="int4")
+        core.load_model(LoadSpec("m", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="int4"))
     odd = tmp_path / "odd"
     shutil.copytree(tiny_llama_dir, odd)
     cfg = json.loads((odd / "config.json").read_text())
     cfg["intermediate_size"] += 8  # no longer a multiple of 16
     (odd / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(EngineError, match="intermediate_size = .* not a multiple of 16"):
-        core.load_model("m", odd, max_model_len=128, max_num_seqs=4, quantization="fp8")
+        core.load_model(LoadSpec("m", odd, max_model_len=128, max_num_seqs=4, quantization="fp8"))
     assert core.memory() == before and not core.models()
 
 
@@ -187,11 +189,11 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_page_and_serves(tiny_llama_
                     head_dim=cfg.head_dim, dtype="float8_e4m3fn")
     assert lay.tokens_per_page == 32
 
-    core = EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, seed=0)
-    core.load_model("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4)
-    core.load_model("kv8", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="fp8",
-                    kv_cache_dtype="fp8")
-    assert core.slot("kv8").kv.k(0).dtype == fmt.FP8
+    core = EngineCore(EngineOptions(max_num_batched_tokens=256, block_size=4, seed=0), device="cpu")
+    core.load_model(LoadSpec("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4))
+    core.load_model(LoadSpec("kv8", tiny_llama_dir, max_model_len=128, max_num_seqs=4, quantization="fp8",
+                             kv_cache_dtype="fp8"))
+    assert core.slots.get("kv8").kv.k(0).dtype == fmt.FP8
     prompts = [list(range(3, 40)), list(range(100, 180, 3))]
     cos = torch.nn.functional.cosine_similarity(prefill_logits(core, "ref", prompts),
                                                 prefill_logits(core, "kv8", prompts), dim=-1)
@@ -203,4 +205,4 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_page_and_serves(tiny_llama_
         n += sum(len(o.new_token_ids) for o in core.step())
     assert n == 40
     with pytest.raises(EngineError, match="kv_cache_dtype 'int8' is not supported"):
-        core.load_model("bad", tiny_llama_dir, max_model_len=128, max_num_seqs=4, kv_cache_dtype="int8")
+        core.load_model(LoadSpec("bad", tiny_llama_dir, max_model_len=128, max_num_seqs=4, kv_cache_dtype="int8"))

@@ -12,9 +12,11 @@ import time
 import pytest
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.core.ledger import LoadRefused
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 MAX_LEN = 64
 SEQS = 4
@@ -28,11 +30,11 @@ def dirs(make_tiny_model):
 
 
 def core_for(budget: int | None = None, **kw) -> EngineCore:
-    return EngineCore(device="cpu", max_num_batched_tokens=64, memory_budget=budget, seed=3, **kw)
+    return EngineCore(EngineOptions(max_num_batched_tokens=64, seed=3, **kw), device="cpu", budget=budget)
 
 
-def load(core: EngineCore, name: str, d, **kw):
-    return core.load_model(name, d, max_model_len=MAX_LEN, max_num_seqs=SEQS, **kw)
+def load(core: EngineCore, name: str, d, evictable=(), **kw):
+    return core.load_model(LoadSpec(name, d, max_model_len=MAX_LEN, max_num_seqs=SEQS, **kw), evictable)
 
 
 def submit(core: EngineCore, *names: str) -> None:
@@ -55,7 +57,7 @@ def drain(core: EngineCore, toks: dict[str, list[int]]) -> None:
 def needs(dirs):
     """Bytes each load needs, from the plan of an engine with room for everything."""
     core = core_for(1 << 30)
-    return {n: core.check_load(n, d, MAX_LEN, SEQS).needed for n, d in dirs.items()}
+    return {n: core.check_load(LoadSpec(n, d, MAX_LEN, SEQS)).needed for n, d in dirs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_third_load_over_budget_is_refused_with_the_numbers_and_the_plan_names_t
     budget = needs["a"] + needs["b"] + needs["c"] // 2
     assert needs["a"] >= needs["c"] // 2  # evicting one model is enough
     core = core_for(budget)
-    start = core.ledger.snapshot()
+    start = core.pools.ledger.snapshot()
     load(core, "a", dirs["a"])
     load(core, "b", dirs["b"])
     with pytest.raises(LoadRefused) as e:
@@ -83,7 +85,7 @@ def test_third_load_over_budget_is_refused_with_the_numbers_and_the_plan_names_t
     assert e.value.short == needs["c"] - e.value.free and e.value.evict == ()
     assert str(needs["c"]) in str(e.value)  # exact bytes in the message
     # The caller offers its idle models, least recently used first: the plan evicts just the first.
-    plan = core.check_load("c", dirs["c"], MAX_LEN, SEQS, evictable=["a", "b"])
+    plan = core.check_load(LoadSpec("c", dirs["c"], MAX_LEN, SEQS), evictable=["a", "b"])
     assert plan.evict == ("a",) and plan.needed == needs["c"]
     with pytest.raises(LoadRefused) as e:
         load(core, "c", dirs["c"], evictable=["a", "b"])
@@ -96,18 +98,18 @@ def test_third_load_over_budget_is_refused_with_the_numbers_and_the_plan_names_t
     submit(core, "b", "c")
     drain(core, toks)
     assert toks == {k: v for k, v in solo.items() if k[0] in "bc"}
-    core.pool.audit()
+    core.pools.pool.audit()
     for name in ("b", "c"):
         core.unload_model(name)
-    assert core.ledger.snapshot() == start and core.memory().kv_pages == 0
+    assert core.pools.ledger.snapshot() == start and core.memory().kv_pages == 0
 
 
 @pytest.mark.parametrize("other_busy", [False, True], ids=["other_idle", "other_decoding"])
 def test_unload_during_decode_frees_every_page_and_byte(dirs, solo, other_busy):
     core = core_for()
-    start = core.ledger.snapshot()
+    start = core.pools.ledger.snapshot()
     load(core, "a", dirs["a"])
-    after_a = core.ledger.snapshot()
+    after_a = core.pools.ledger.snapshot()
     load(core, "b", dirs["b"])
     if other_busy:
         submit(core, "a")
@@ -118,10 +120,10 @@ def test_unload_during_decode_frees_every_page_and_byte(dirs, solo, other_busy):
             toks.setdefault(o.req_id, []).extend(o.new_token_ids)
     assert core.stats()["b"].kv_pages_used > 0
     core.unload_model("b")
-    assert "b" not in core.pool.models() and "b" not in core.memory().models
-    snap = core.ledger.snapshot()
+    assert "b" not in core.pools.pool.models() and "b" not in core.memory().models
+    snap = core.pools.ledger.snapshot()
     assert "b" not in snap.weights and "b" not in snap.workspace and "b" not in snap.kv_min
-    core.pool.audit()
+    core.pools.pool.audit()
     if not other_busy:  # the pool was idle: trimmed at once, the books are as before b
         assert snap == after_a
     reasons = {}
@@ -137,7 +139,7 @@ def test_unload_during_decode_frees_every_page_and_byte(dirs, solo, other_busy):
     mem = core.memory()
     assert mem.kv_used == 0 and mem.models["a"].kv_pages_used == 0
     core.unload_model("a")
-    assert core.ledger.snapshot() == start
+    assert core.pools.ledger.snapshot() == start
     assert core.memory().used == 0 and core.memory().kv_pages == 0
 
 
@@ -153,21 +155,14 @@ def test_memory_snapshot_and_stats_add_up(dirs):
     b = mem.models["b"]
     assert b.kv_pages_used == core.stats()["b"].kv_pages_used > 0
     assert core.stats()["b"].device_bytes == b.weights + b.workspace + b.kv_used
-    assert b.kv_min == -(-MAX_LEN // core.pool.layout("b").tokens_per_page) * mem.page_bytes
+    assert b.kv_min == -(-MAX_LEN // core.pools.pool.layout("b").tokens_per_page) * mem.page_bytes
 
 
 def test_budget_arguments(dirs):
     with pytest.raises(EngineError, match="fraction"):
-        EngineCore(device="cpu", memory_budget=0.5)
-    with pytest.raises(EngineError, match="not both"):
-        EngineCore(device="cpu", memory_budget=1 << 30, memory_budget_bytes=1 << 30)
-    core = EngineCore(device="cpu", memory_budget_bytes=1 << 30)
-    assert core.memory_budget_bytes == 1 << 30 and core.memory().budget == 1 << 30
-    core.memory_budget_bytes = 2 << 30  # the worker sets it after construction
-    assert core.memory().budget == 2 << 30
-    load(core, "a", dirs["a"])
-    with pytest.raises(EngineError, match="no model is loaded"):
-        core.memory_budget_bytes = 1 << 30
+        EngineCore(device="cpu", budget=0.5)
+    core = EngineCore(device="cpu", budget=1 << 30)
+    assert core.budget == 1 << 30 and core.memory().budget == 1 << 30
 
 
 def test_warm_up_at_load_leaves_no_trace(dirs, solo):
@@ -196,9 +191,9 @@ def _ttft(core: EngineCore, rid: str, model: str, flood_steps: list[float]) -> t
 
 
 def test_trickle_ttft_next_to_a_flood_stays_near_its_solo_ttft(dirs):
-    core = EngineCore(device="cpu", max_num_batched_tokens=128, seed=3)
-    core.load_model("flood", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=8)
-    core.load_model("quiet", dirs["b"], max_model_len=MAX_LEN, max_num_seqs=8)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=128, seed=3), device="cpu")
+    core.load_model(LoadSpec("flood", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=8))
+    core.load_model(LoadSpec("quiet", dirs["b"], max_model_len=MAX_LEN, max_num_seqs=8))
     solo_steps, solo_s, flood_steps = [], [], []
     for j in range(5):
         n, s = _ttft(core, f"solo{j}", "quiet", [])
@@ -238,10 +233,10 @@ def test_trickle_ttft_next_to_a_flood_stays_near_its_solo_ttft(dirs):
 def test_load_next_to_a_busy_model_shrinks_the_pool_by_preempting_it(dirs, needs, solo):
     # A budget that holds a and b exactly: a's pool first takes everything beside a's weights,
     # so b's load must shrink it while a's sequences hold pages.
-    need_a = core_for(1 << 30).check_load("a", dirs["a"], MAX_LEN, 64).needed
+    need_a = core_for(1 << 30).check_load(LoadSpec("a", dirs["a"], MAX_LEN, 64)).needed
     budget = need_a + needs["b"]
     core = core_for(budget)
-    core.load_model("a", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=64)
+    core.load_model(LoadSpec("a", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=64))
     before = core.memory()
     assert before.free < before.page_bytes  # a's pool took the rest of the budget
     submit(core, "a")
@@ -250,14 +245,14 @@ def test_load_next_to_a_busy_model_shrinks_the_pool_by_preempting_it(dirs, needs
         for o in core.step():
             toks.setdefault(o.req_id, []).extend(o.new_token_ids)
     assert core.stats()["a"].kv_pages_used > 0
-    generation = core.pool.generation
+    generation = core.pools.pool.generation
     load(core, "b", dirs["b"])
-    assert core.pool.generation == generation + 1 and core.memory().kv < before.kv
+    assert core.pools.pool.generation == generation + 1 and core.memory().kv < before.kv
     assert core.memory().used <= budget
     submit(core, "b")
     drain(core, toks)
     assert toks == {k: v for k, v in solo.items() if k[0] in "ab"}  # the preempted ones recomputed
-    core.pool.audit()
+    core.pools.pool.audit()
 
 
 def test_a_load_that_fails_after_booking_leaves_the_books_as_they_were(dirs, tmp_path):
@@ -268,23 +263,23 @@ def test_a_load_that_fails_after_booking_leaves_the_books_as_they_were(dirs, tmp
     for f in broken.glob("*.safetensors"):
         f.write_bytes(b"not safetensors")
     core = core_for()
-    start = core.ledger.snapshot()
+    start = core.pools.ledger.snapshot()
     with pytest.raises(EngineError):
         load(core, "x", broken)
-    assert core.ledger.snapshot() == start and core.memory().kv_pages == 0
+    assert core.pools.ledger.snapshot() == start and core.memory().kv_pages == 0
     load(core, "a", dirs["a"])
-    after_a = core.ledger.snapshot()
+    after_a = core.pools.ledger.snapshot()
     with pytest.raises(EngineError):
         load(core, "x", broken)
-    assert core.ledger.snapshot() == after_a and core.pool.models() == ["a"]
-    core.pool.audit()
+    assert core.pools.ledger.snapshot() == after_a and core.pools.pool.models() == ["a"]
+    core.pools.pool.audit()
 
 
 def test_padded_pages_and_a_block_size_that_does_not_fit(dirs, solo):
     core = core_for(page_bytes=8192 + 256)  # neither model fills a page exactly: per-layer views
     load(core, "a", dirs["a"])
     load(core, "b", dirs["b"])
-    assert core.pool.layout("a").tokens_per_page == 16 and core.pool.layout("b").tokens_per_page == 8
+    assert core.pools.pool.layout("a").tokens_per_page == 16 and core.pools.pool.layout("b").tokens_per_page == 8
     toks: dict[str, list[int]] = {}
     submit(core, "a", "b")
     drain(core, toks)
@@ -295,9 +290,9 @@ def test_padded_pages_and_a_block_size_that_does_not_fit(dirs, solo):
 
 
 def test_weights_split_measured_step_time(dirs):
-    core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=3)
-    core.load_model("heavy", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=4, weight=3.0)
-    core.load_model("light", dirs["b"], max_model_len=MAX_LEN, max_num_seqs=4, weight=1.0)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=3), device="cpu")
+    core.load_model(LoadSpec("heavy", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=4, weight=3.0))
+    core.load_model(LoadSpec("light", dirs["b"], max_model_len=MAX_LEN, max_num_seqs=4, weight=1.0))
     long = SamplingParams(temperature=0, max_tokens=MAX_LEN - 4, ignore_eos=True)
     for name in ("heavy", "light"):
         for i in range(12):  # far more work than the steps below get through
@@ -335,4 +330,4 @@ def test_every_runner_is_built_with_the_cores_cuda_graphs(dirs, monkeypatch, gra
     load(core, "a", dirs["a"])
     load(core, "b", dirs["b"])  # the pool grows: a's runner is rebuilt on the new memory
     assert len(seen) >= 3 and set(seen) == {graphs}
-    assert core.decode_buckets == ()  # no graph buckets on CPU either way
+    assert core.pools.decode_buckets == ()  # no graph buckets on CPU either way

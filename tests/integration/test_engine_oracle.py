@@ -19,8 +19,10 @@ import pytest
 import torch
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
+from engine.load_spec import LoadSpec
 from tests.sharp import sharpen
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
@@ -51,9 +53,9 @@ def hf_model(model_dir):
 
 
 def engine(model_dir, **kw) -> EngineCore:
-    core = EngineCore(device="cpu", max_num_batched_tokens=kw.pop("budget", 256), block_size=kw.pop("block_size", 4),
-                      max_prefill_chunk=kw.pop("chunk", None))
-    core.load_model("m", model_dir, max_model_len=kw.pop("max_model_len", 128), max_num_seqs=8, **kw)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=kw.pop("budget", 256), block_size=kw.pop("block_size", 4),
+                                    max_prefill_chunk=kw.pop("chunk", None)), device="cpu")
+    core.load_model(LoadSpec("m", model_dir, max_model_len=kw.pop("max_model_len", 128), max_num_seqs=8, **kw))
     return core
 
 
@@ -63,7 +65,7 @@ def test_prefill_logits_at_every_position_match(arch, sharp, oracle_model):
     d = oracle_model(arch, sharp)
     hf = hf_model(d)
     core = engine(d)
-    slot = core.slot("m")
+    slot = core.slots.get("m")
     prompts = PROMPTS[:3]
     # Allocate pages for a hand-made prefill step of three sequences and run the model on it.
     out = SchedulerOutput()
@@ -89,7 +91,7 @@ def test_decode_logits_at_every_step_and_greedy_tokens_match(arch, sharp, oracle
     d = oracle_model(arch, sharp)
     hf = hf_model(d)
     core = engine(d)
-    runner = core.slot("m").runner
+    runner = core.slots.get("m").runner
     captured: list[tuple[list[str], torch.Tensor]] = []
     orig = runner.forward_logits
 
@@ -208,6 +210,6 @@ def test_an_unloaded_models_prefix_cache_goes_with_it(oracle_model):
     _, cached = _run_all(core, {"b": prompt}, 2)
     assert cached["b"] == 28
     core.unload_model("m")
-    core.load_model("m", d, max_model_len=128, max_num_seqs=8)
+    core.load_model(LoadSpec("m", d, max_model_len=128, max_num_seqs=8))
     _, cached = _run_all(core, {"c": prompt}, 2)
     assert cached["c"] == 0 and core.stats()["m"].prefix_hit_tokens == 0

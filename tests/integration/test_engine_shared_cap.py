@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 PROMPTS = [list(range(30, 30 + n)) for n in (33, 5, 19)]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -18,7 +20,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 def _run(core: EngineCore, model: str, sizes: list[int], beside: str | None = None) -> dict[str, list[int]]:
     """Serve PROMPTS on ``model``, recording its step sizes; ``beside``: a model kept busy
     (one long request) the whole time."""
-    slot = core.slot(model)
+    slot = core.slots.get(model)
     schedule = slot.scheduler.schedule
 
     def spy(token_cap=None):
@@ -42,15 +44,16 @@ def _run(core: EngineCore, model: str, sizes: list[int], beside: str | None = No
 
 def test_steps_are_capped_while_models_share_the_device(make_tiny_model):
     a, b = make_tiny_model("llama"), make_tiny_model("qwen3")
-    alone = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1)
-    alone.load_model("a", a, max_model_len=64, max_num_seqs=4)
+    alone = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=1), device="cpu")
+    alone.load_model(LoadSpec("a", a, max_model_len=64, max_num_seqs=4))
     sizes_alone: list[int] = []
     want = _run(alone, "a", sizes_alone)
     assert max(sizes_alone) > 8
 
-    core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1, shared_step_tokens=8, quiet_window_s=0)
-    core.load_model("a", a, max_model_len=64, max_num_seqs=4)
-    core.load_model("b", b, max_model_len=64, max_num_seqs=4)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=1, shared_step_tokens=8, quiet_window_ms=0),
+                      device="cpu")
+    core.load_model(LoadSpec("a", a, max_model_len=64, max_num_seqs=4))
+    core.load_model(LoadSpec("b", b, max_model_len=64, max_num_seqs=4))
     sizes: list[int] = []
     assert _run(core, "a", sizes, beside="b") == want
     assert max(sizes) == 8
@@ -64,9 +67,10 @@ def test_steps_are_capped_while_models_share_the_device(make_tiny_model):
 
 
 def test_the_cap_holds_through_the_quiet_window_after_the_other_model_went_idle(make_tiny_model):
-    core = EngineCore(device="cpu", max_num_batched_tokens=64, seed=1, shared_step_tokens=8, quiet_window_s=60)
-    core.load_model("a", make_tiny_model("llama"), max_model_len=64, max_num_seqs=4)
-    core.load_model("b", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=1, shared_step_tokens=8, quiet_window_ms=60000),
+                      device="cpu")
+    core.load_model(LoadSpec("a", make_tiny_model("llama"), max_model_len=64, max_num_seqs=4))
+    core.load_model(LoadSpec("b", make_tiny_model("qwen3"), max_model_len=64, max_num_seqs=4))
     core.add_request("b0", "b", [5, 6], SamplingParams(temperature=0, max_tokens=1))
     while core.has_unfinished_requests():
         core.step()
@@ -75,12 +79,13 @@ def test_the_cap_holds_through_the_quiet_window_after_the_other_model_went_idle(
     assert max(sizes) == 8
 
 
-@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
+@pytest.mark.parametrize("bad", [-3, True, 2.5, "8", None])
 def test_a_bad_cap_is_refused(bad):
     with pytest.raises(EngineError, match="shared_step_tokens"):
-        EngineCore(device="cpu", shared_step_tokens=bad)
+        EngineCore(EngineOptions(shared_step_tokens=bad), device="cpu")
 
 
 def test_the_defaults_are_the_daemons():
     core = EngineCore(device="cpu")
-    assert core.shared_step_tokens == 512 and core.quiet_window_s == 1.0 and core.max_num_batched_tokens == 4096
+    assert core.policy.shared_step_tokens == 512 and core.policy.quiet_window_s == 1.0
+    assert core.options.max_num_batched_tokens == 4096

@@ -14,9 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.errors import ModelConfigError, WeightsError
 from engine.kernels import fp8_format as fmt
 from engine.weights.fp8_writer import LAYOUTS, quantize_folder
+from engine.load_spec import LoadSpec
 from ops.bench.fp8_accuracy import prefill_logits
 from tests.integration.agent_harness import REPO
 
@@ -32,7 +34,7 @@ def folders(tiny_llama_dir, tmp_path_factory):
 
 
 def _core() -> EngineCore:
-    return EngineCore(device="cpu", max_num_batched_tokens=256, block_size=4, seed=0)
+    return EngineCore(EngineOptions(max_num_batched_tokens=256, block_size=4, seed=0), device="cpu")
 
 
 def _file(d):
@@ -43,9 +45,9 @@ def _file(d):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_layout_loads_as_fp8_and_tracks_the_unquantized_model(layout, folders, tiny_llama_dir):
     core = _core()
-    core.load_model("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4)
-    core.load_model("ck", folders[layout], max_model_len=128, max_num_seqs=4)  # no quantization asked
-    model = core.slot("ck").model
+    core.load_model(LoadSpec("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=4))
+    core.load_model(LoadSpec("ck", folders[layout], max_model_len=128, max_num_seqs=4))  # no quantization asked
+    model = core.slots.get("ck").model
     assert model.quantization == "fp8" and model.layers[0].qkv_w.dtype == fmt.FP8
     cos = torch.nn.functional.cosine_similarity(prefill_logits(core, "ref", PROMPTS),
                                                 prefill_logits(core, "ck", PROMPTS), dim=-1)
@@ -118,10 +120,10 @@ def test_a_malformed_checkpoint_is_refused_naming_the_tensor_and_books_nothing(l
                                                                              tmp_path, tiny_llama_dir):
     bad = _broken(folders, tmp_path, layout, mutate)
     core = _core()
-    core.load_model("ok", tiny_llama_dir, max_model_len=128, max_num_seqs=4)
+    core.load_model(LoadSpec("ok", tiny_llama_dir, max_model_len=128, max_num_seqs=4))
     before = core.memory()
     with pytest.raises(WeightsError, match=match):
-        core.load_model("bad", bad, max_model_len=128, max_num_seqs=4)
+        core.load_model(LoadSpec("bad", bad, max_model_len=128, max_num_seqs=4))
     assert set(core.models()) == {"ok"} and core.memory() == before
 
 
@@ -129,7 +131,7 @@ def test_e4m3_weights_need_a_quantization_config_and_the_config_a_known_scheme(f
     bad = _broken(folders, tmp_path, "channel", lambda t: None, config=lambda c: c.pop("quantization_config"))
     core = _core()
     with pytest.raises(WeightsError, match="declares no FP8 quantization_config"):
-        core.load_model("bad", bad, max_model_len=128, max_num_seqs=4, quantization="fp8")
+        core.load_model(LoadSpec("bad", bad, max_model_len=128, max_num_seqs=4, quantization="fp8"))
     other = tmp_path / "int8"
     other.mkdir()
     for f in folders["channel"].iterdir():
@@ -138,14 +140,14 @@ def test_e4m3_weights_need_a_quantization_config_and_the_config_a_known_scheme(f
     cfg["quantization_config"]["config_groups"]["group_0"]["weights"].update(type="int", strategy="channel")
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelConfigError, match="compressed-tensors, format float-quantized\\) is not supported"):
-        core.load_model("int8", other, max_model_len=128, max_num_seqs=4)
+        core.load_model(LoadSpec("int8", other, max_model_len=128, max_num_seqs=4))
     for change, match in ((lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
                           (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), "not supported")):
         cfg = json.loads((folders["channel"] / "config.json").read_text())
         change(cfg["quantization_config"])
         (other / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ModelConfigError, match=match):
-            core.load_model("odd", other, max_model_len=128, max_num_seqs=4)
+            core.load_model(LoadSpec("odd", other, max_model_len=128, max_num_seqs=4))
     assert not core.models()
 
 

@@ -13,9 +13,11 @@ import pytest
 
 from engine.core import loading as core_load
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.core.pool_keeper import PoolKeeper
 from engine.errors import EngineError, WeightsError
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPT = [5, 9, 2, 7, 11, 3]
@@ -38,7 +40,7 @@ class Gate:
 
 
 def _core(**kw) -> EngineCore:
-    return EngineCore(device="cpu", max_num_batched_tokens=64, memory_budget=64 << 20, seed=0, **kw)
+    return EngineCore(EngineOptions(max_num_batched_tokens=64, seed=0, **kw), device="cpu", budget=64 << 20)
 
 
 def _generate(core: EngineCore, model: str, req: str = "r", prompt=PROMPT) -> list[int]:
@@ -51,31 +53,31 @@ def _generate(core: EngineCore, model: str, req: str = "r", prompt=PROMPT) -> li
 
 
 def _books(core: EngineCore):
-    snap = core.ledger.snapshot()
+    snap = core.pools.ledger.snapshot()
     return (snap.used, dict(snap.weights), dict(snap.workspace), dict(snap.kv_min), snap.kv_pool_bytes,
-            core.pool.num_pages if core.pool is not None else None,
-            sorted(core.pool.models()) if core.pool is not None else None, sorted(core.models()))
+            core.pools.pool.num_pages if core.pools.pool is not None else None,
+            sorted(core.pools.pool.models()) if core.pools.pool is not None else None, sorted(core.models()))
 
 
 def test_timings_and_a_warm_reload_skip_the_warm_up_at_the_same_shape(make_tiny_model):
     d = make_tiny_model("llama")
     core = _core(warmup=True, warm_tier_bytes=1 << 30)
-    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
-    first = core.last_load_timings
+    core.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=4))
+    first = core.loader.last_load_timings
     for k in ("config_s", "book_s", "alloc_s", "weights_s", "rope_s", "install_s", "runner_s", "warmup_s", "total_s"):
         assert first[k] >= 0.0, k
     assert first["warm"] == 0.0 and first["warmup_skipped"] == 0.0
     ref = _generate(core, "a")
     core.unload_model("a")
-    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
-    again = core.last_load_timings
+    core.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=4))
+    again = core.loader.last_load_timings
     assert again["warm"] == 1.0 and again["warmup_skipped"] == 1.0
     assert _generate(core, "a", "r2") == ref
     ws = core.memory().models["a"].workspace
     core.unload_model("a")
     # Another max_num_seqs shapes another workspace: measured again, not carried over.
-    core.load_model("a", d, max_model_len=128, max_num_seqs=2)
-    other = core.last_load_timings
+    core.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=2))
+    other = core.loader.last_load_timings
     assert other["warm"] == 1.0 and other["warmup_skipped"] == 0.0
     assert core.memory().models["a"].workspace != ws
     assert _generate(core, "a", "r3") == ref
@@ -87,45 +89,45 @@ def test_a_warm_reload_builds_its_runner_beside_the_weights(make_tiny_model, mon
     restored (``prebuild_runner``; on by default on CUDA): same tokens, same books."""
     d = make_tiny_model("llama")
     core = _core(warmup=True, warm_tier_bytes=1 << 30, prebuild_runner=prebuild == "1")
-    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
-    assert core.last_load_timings["prebuilt_runner_s"] == 0.0  # nothing in the tier yet
+    core.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=4))
+    assert core.loader.last_load_timings["prebuilt_runner_s"] == 0.0  # nothing in the tier yet
     ref = _generate(core, "a")
     books = _books(core)
     core.unload_model("a")
-    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
-    t = core.last_load_timings
+    core.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=4))
+    t = core.loader.last_load_timings
     assert t["warmup_skipped"] == 1.0
     assert (t["prebuilt_runner_s"] > 0.0) == (prebuild == "1")
     assert _books(core) == books
     assert _generate(core, "a", "r2") == ref
     core.unload_model("a")
     # At another shape the warm-up runs (a measurement must see the runner): built after.
-    core.load_model("a", d, max_model_len=128, max_num_seqs=2)
-    assert core.last_load_timings["prebuilt_runner_s"] == 0.0
+    core.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=2))
+    assert core.loader.last_load_timings["prebuilt_runner_s"] == 0.0
     assert _generate(core, "a", "r3") == ref
 
 
 def test_without_warm_up_nothing_is_skipped(make_tiny_model):
     d = make_tiny_model("llama")
     core = _core(warmup=False, warm_tier_bytes=1 << 30)
-    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
+    core.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=4))
     core.unload_model("a")
-    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
-    assert core.last_load_timings["warm"] == 1.0 and core.last_load_timings["warmup_skipped"] == 0.0
+    core.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=4))
+    assert core.loader.last_load_timings["warm"] == 1.0 and core.loader.last_load_timings["warmup_skipped"] == 0.0
 
 
 def test_a_model_keeps_decoding_while_another_loads(make_tiny_model, monkeypatch):
     da, db = make_tiny_model("llama"), make_tiny_model("llama", seed=1)
     solo = _core()
-    solo.load_model("b", db, max_model_len=128, max_num_seqs=4)
+    solo.load_model(LoadSpec("b", db, max_model_len=128, max_num_seqs=4))
     ref_b = _generate(solo, "b")
     core = _core()
-    core.load_model("a", da, max_model_len=128, max_num_seqs=4)
+    core.load_model(LoadSpec("a", da, max_model_len=128, max_num_seqs=4))
     ref_a = _generate(core, "a", "warm-a")
     gate = Gate()
     monkeypatch.setattr(core_load, "load_or_restore", gate)
     core.add_request("ra", "a", PROMPT, GREEDY)
-    pending = core.begin_load("b", db, max_model_len=128, max_num_seqs=4)
+    pending = core.begin_load(LoadSpec("b", db, max_model_len=128, max_num_seqs=4))
     assert gate.entered.wait(30)
     toks: list[int] = []
     while core.has_unfinished_requests():
@@ -133,9 +135,9 @@ def test_a_model_keeps_decoding_while_another_loads(make_tiny_model, monkeypatch
             toks += o.new_token_ids
     assert toks == ref_a and not pending.done()  # every token of A arrived while B was loading
     with pytest.raises(EngineError, match="one load at a time"):
-        core.begin_load("c", da, max_model_len=128, max_num_seqs=4)
+        core.begin_load(LoadSpec("c", da, max_model_len=128, max_num_seqs=4))
     with pytest.raises(EngineError, match="already loading"):
-        core.load_model("b", db, max_model_len=128, max_num_seqs=4)
+        core.load_model(LoadSpec("b", db, max_model_len=128, max_num_seqs=4))
     gate.open.set()
     core.finish_load(pending)
     assert sorted(core.models()) == ["a", "b"]
@@ -150,66 +152,66 @@ def test_a_failed_weight_read_leaves_the_books_as_they_were(make_tiny_model, tmp
     for f in bad.glob("*.safetensors"):
         f.write_bytes(f.read_bytes()[:-4096])  # the header still parses; the last tensor is short
     core = _core()
-    core.load_model("a", da, max_model_len=128, max_num_seqs=4)
+    core.load_model(LoadSpec("a", da, max_model_len=128, max_num_seqs=4))
     core.add_request("ra", "a", PROMPT, GREEDY)
     core.step()  # a's sequence holds pages
     before = _books(core)
     with pytest.raises(WeightsError):
-        core.load_model("b", bad, max_model_len=128, max_num_seqs=4)
+        core.load_model(LoadSpec("b", bad, max_model_len=128, max_num_seqs=4))
     assert _books(core) == before
-    pending = core.begin_load("b", bad, max_model_len=128, max_num_seqs=4)
+    pending = core.begin_load(LoadSpec("b", bad, max_model_len=128, max_num_seqs=4))
     assert _books(core) != before  # booked while its weights are read
     with pytest.raises(WeightsError):
         core.finish_load(pending)
-    assert _books(core) == before and core.loading is None
+    assert _books(core) == before and core.loader.pending is None
     while core.has_unfinished_requests():
         core.step()
-    core.load_model("b", make_tiny_model("llama", seed=1), max_model_len=128, max_num_seqs=4)
+    core.load_model(LoadSpec("b", make_tiny_model("llama", seed=1), max_model_len=128, max_num_seqs=4))
 
 
 def test_unloading_a_model_that_is_loading_cancels_it(make_tiny_model, monkeypatch):
     da, db = make_tiny_model("llama"), make_tiny_model("llama", seed=1)
     core = _core()
-    core.load_model("a", da, max_model_len=128, max_num_seqs=4)
+    core.load_model(LoadSpec("a", da, max_model_len=128, max_num_seqs=4))
     before = _books(core)
     gate = Gate()
     monkeypatch.setattr(core_load, "load_or_restore", gate)
-    pending = core.begin_load("b", db, max_model_len=128, max_num_seqs=4)
+    pending = core.begin_load(LoadSpec("b", db, max_model_len=128, max_num_seqs=4))
     assert gate.entered.wait(30)
     core.unload_model("b")  # cancels: the read stops at its first chunk
     assert pending.done() and isinstance(pending.future.exception(), WeightsError)
-    assert _books(core) == before and core.loading is None
+    assert _books(core) == before and core.loader.pending is None
     gate.open.set()
-    core.load_model("b", db, max_model_len=128, max_num_seqs=4)
+    core.load_model(LoadSpec("b", db, max_model_len=128, max_num_seqs=4))
     assert sorted(core.models()) == ["a", "b"]
 
 
 def test_an_unload_during_a_load_defers_the_pool_trim(make_tiny_model, monkeypatch):
     da, db, dc = (make_tiny_model("llama", seed=s) for s in (0, 1, 2))
     core = _core()
-    core.load_model("a", da, max_model_len=128, max_num_seqs=4)
-    core.load_model("c", dc, max_model_len=128, max_num_seqs=4)
+    core.load_model(LoadSpec("a", da, max_model_len=128, max_num_seqs=4))
+    core.load_model(LoadSpec("c", dc, max_model_len=128, max_num_seqs=4))
     gate = Gate()
     monkeypatch.setattr(core_load, "load_or_restore", gate)
-    pending = core.begin_load("b", db, max_model_len=128, max_num_seqs=4)
+    pending = core.begin_load(LoadSpec("b", db, max_model_len=128, max_num_seqs=4))
     core.unload_model("c")
-    assert "b" in core.pool.models()  # its minimum stays held
+    assert "b" in core.pools.pool.models()  # its minimum stays held
     gate.open.set()
     core.finish_load(pending)
     ref = _core()
-    ref.load_model("b", db, max_model_len=128, max_num_seqs=4)
+    ref.load_model(LoadSpec("b", db, max_model_len=128, max_num_seqs=4))
     assert _generate(core, "b") == _generate(ref, "b")
     core.unload_model("a")
     core.unload_model("b")
-    assert core.ledger.snapshot().used == 0
+    assert core.pools.ledger.snapshot().used == 0
 
 
 def test_a_load_ended_after_its_weights_are_in_releases_everything(make_tiny_model, monkeypatch):
     da, db = make_tiny_model("llama"), make_tiny_model("llama", seed=1)
     core = _core()
-    core.load_model("a", da, max_model_len=128, max_num_seqs=4)
+    core.load_model(LoadSpec("a", da, max_model_len=128, max_num_seqs=4))
     before = _books(core)
-    pending = core.begin_load("b", db, max_model_len=128, max_num_seqs=4)
+    pending = core.begin_load(LoadSpec("b", db, max_model_len=128, max_num_seqs=4))
     pending.future.result(30)
     core.unload_model("b")  # cancelled with its weights already read
     assert _books(core) == before and pending.done()
@@ -223,14 +225,14 @@ def test_a_load_ended_after_its_weights_are_in_releases_everything(make_tiny_mod
 
     monkeypatch.setattr(PoolKeeper, "new_runner", broken)
     with pytest.raises(RuntimeError, match="capture failed"):
-        core.load_model("b", db, max_model_len=128, max_num_seqs=4)  # fails while installing
-    assert _books(core) == before and core.loading is None
+        core.load_model(LoadSpec("b", db, max_model_len=128, max_num_seqs=4))  # fails while installing
+    assert _books(core) == before and core.loader.pending is None
     assert _generate(core, "a") == _generate(_ref_core(da), "a")
 
 
 def _ref_core(d) -> EngineCore:
     core = _core()
-    core.load_model("a", d, max_model_len=128, max_num_seqs=4)
+    core.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=4))
     return core
 
 
@@ -243,20 +245,20 @@ def test_a_restart_books_the_workspace_measured_by_the_process_before(make_tiny_
     d = make_tiny_model("llama")
     path = tmp_path / "engine" / "load-notes.json"
     first = _core(warmup=True, load_notes_path=path, prebuild_runner=prebuild)
-    first.load_model("a", d, max_model_len=128, max_num_seqs=4)
-    assert first.last_load_timings["warmup_skipped"] == 0.0 and path.exists()
+    first.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=4))
+    assert first.loader.last_load_timings["warmup_skipped"] == 0.0 and path.exists()
     ref, books = _generate(first, "a"), _books(first)
     del first
     second = _core(warmup=True, load_notes_path=path, prebuild_runner=prebuild)  # "after the restart"
-    second.load_model("a", d, max_model_len=128, max_num_seqs=4)
-    t = second.last_load_timings
+    second.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=4))
+    t = second.loader.last_load_timings
     assert t["warm"] == 0.0 and t["warmup_skipped"] == 1.0
     assert (t["prebuilt_runner_s"] > 0.0) == prebuild
     assert _books(second) == books
     assert _generate(second, "a") == ref
     second.unload_model("a")
-    second.load_model("a", d, max_model_len=128, max_num_seqs=2)
-    assert second.last_load_timings["warmup_skipped"] == 0.0
+    second.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=2))
+    assert second.loader.last_load_timings["warmup_skipped"] == 0.0
     third = _core(warmup=True, load_notes_path=path)
-    third.load_model("a", make_tiny_model("llama", seed=1), max_model_len=128, max_num_seqs=4)
-    assert third.last_load_timings["warmup_skipped"] == 0.0  # other weights: their own measurement
+    third.load_model(LoadSpec("a", make_tiny_model("llama", seed=1), max_model_len=128, max_num_seqs=4))
+    assert third.loader.last_load_timings["warmup_skipped"] == 0.0  # other weights: their own measurement

@@ -16,6 +16,7 @@ import pytest
 import uvloop
 
 from agent.worker import client as wc
+from engine.load_spec import LoadSpec
 from engine.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,9 +86,9 @@ def test_a_model_decodes_while_another_loads_in_the_worker(gated):
     gate, da, slow = gated
 
     async def body(c: wc.WorkerClient) -> None:
-        await c.load("a", str(da), max_model_len=128, max_num_seqs=4)
+        await c.load(LoadSpec("a", str(da), max_model_len=128, max_num_seqs=4))
         ref = await _drain(c.add("warm", "a", [5, 9, 2, 7], SAMPLING))
-        load_b = asyncio.ensure_future(c.load("b", str(slow), max_model_len=128, max_num_seqs=4))
+        load_b = asyncio.ensure_future(c.load(LoadSpec("b", str(slow), max_model_len=128, max_num_seqs=4)))
         await _wait_file(Path(str(gate) + ".entered"))
         assert await _drain(c.add("r1", "a", [5, 9, 2, 7], SAMPLING)) == ref
         assert not load_b.done()  # all 40 tokens of "a" came while "b" was loading
@@ -96,10 +97,10 @@ def test_a_model_decodes_while_another_loads_in_the_worker(gated):
         assert loaded.model == "b" and loaded.info.kv_pages > 0
         assert len(await _drain(c.add("r2", "b", [5, 9, 2, 7], SAMPLING))) == 40
         deadline = time.monotonic() + 10  # the next Status carries the engine's memory split
-        while set(c.state.memory.get("models", {})) != {"a", "b"}:
+        while c.state.memory is None or set(c.state.memory.models) != {"a", "b"}:
             assert time.monotonic() < deadline, c.state.memory
             await asyncio.sleep(0.05)
-        assert c.state.memory["weights"] == sum(m["weights"] for m in c.state.memory["models"].values())
+        assert c.state.memory.weights == sum(m.weights for m in c.state.memory.models.values())
 
     _run(body)
 
@@ -108,15 +109,15 @@ def test_an_unload_cancels_a_load_in_flight_in_the_worker(gated):
     gate, da, slow = gated
 
     async def body(c: wc.WorkerClient) -> None:
-        await c.load("a", str(da), max_model_len=128, max_num_seqs=4)
-        load_b = asyncio.ensure_future(c.load("b", str(slow), max_model_len=128, max_num_seqs=4))
+        await c.load(LoadSpec("a", str(da), max_model_len=128, max_num_seqs=4))
+        load_b = asyncio.ensure_future(c.load(LoadSpec("b", str(slow), max_model_len=128, max_num_seqs=4)))
         await _wait_file(Path(str(gate) + ".entered"))
         await asyncio.wait_for(c.unload("b"), 60)
         with pytest.raises(wc.WorkerError) as ei:
             await asyncio.wait_for(load_b, 60)
         assert ei.value.code == "cancelled"
         gate.touch()
-        await c.load("b", str(slow), max_model_len=128, max_num_seqs=4)  # the books were released
+        await c.load(LoadSpec("b", str(slow), max_model_len=128, max_num_seqs=4))  # the books were released
         assert len(await _drain(c.add("r", "b", [1, 2, 3], SAMPLING))) == 40
 
     _run(body)

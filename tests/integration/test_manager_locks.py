@@ -17,6 +17,7 @@ from agent.manager.entries import ManagerError, ModelNotReady, State
 from agent.manager.manager import ModelManager
 from agent.metrics import Metrics
 from agent.worker.client import WorkerError
+from engine.load_spec import LoadSpec
 from engine.model_info import ModelInfo
 
 
@@ -31,9 +32,7 @@ class FakeWorker:
         self.offers: list[list[str]] = []
         self.active = self.max_active = 0
 
-    async def load(self, name: str, model_dir: str, *, max_model_len: int, max_num_seqs: int,
-                   weight: float = 1.0, evictable: list[str] | None = None, prefix_caching: bool = True,
-                   quantization: str | None = None, kv_cache_dtype: str | None = None) -> Any:
+    async def load(self, spec: LoadSpec, evictable: list[str] | None = None) -> Any:
         self.offers.append(list(evictable or []))
         self.active += 1
         self.max_active = max(self.max_active, self.active)
@@ -44,8 +43,8 @@ class FakeWorker:
                 evict = list(evictable or [])[:short] if len(evictable or []) >= short else []
                 raise WorkerError("no room", "no_room", {"needed": 10, "free": 4, "budget": 20, "short": 6,
                                                          "evictable": 6 * len(evictable or []), "evict": evict})
-            self.loaded.append(name)
-            return SimpleNamespace(info=ModelInfo(name, 8, max_model_len, [2], 0, 0, 16))
+            self.loaded.append(spec.name)
+            return SimpleNamespace(info=ModelInfo(spec.name, 8, spec.max_model_len, [2], 0, 0, 16))
         finally:
             self.active -= 1
 
@@ -212,11 +211,11 @@ class _HangingWorker(FakeWorker):
         super().__init__()
         self.hang, self.order = hang, []
 
-    async def load(self, name: str, model_dir: str, **kw: Any) -> Any:
-        self.order.append(name)
-        if name == self.hang:
+    async def load(self, spec: LoadSpec, evictable: list[str] | None = None) -> Any:
+        self.order.append(spec.name)
+        if spec.name == self.hang:
             await asyncio.Event().wait()
-        return await super().load(name, model_dir, **kw)
+        return await super().load(spec, evictable)
 
 
 async def _restart(mgr: ModelManager, w: FakeWorker) -> None:

@@ -8,6 +8,7 @@ import pytest
 from engine.worker import protocol as P
 from engine.errors import EngineError
 from engine.worker.load_refusal import accepts_evictable, refusal_details
+from engine.load_spec import LoadSpec
 from tests.integration.manager_helpers import CTX, SEQS, budget_for_two
 
 
@@ -15,19 +16,20 @@ from tests.integration.manager_helpers import CTX, SEQS, budget_for_two
 def full_core(make_tiny_model):
     """An engine holding two models under a budget that has no room for a third."""
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
 
     src = make_tiny_model("llama")
-    core = EngineCore(device="cpu", max_num_batched_tokens=2048, memory_budget_bytes=budget_for_two(src, 2048))
+    core = EngineCore(EngineOptions(max_num_batched_tokens=2048), device="cpu", budget=budget_for_two(src, 2048))
     for n in ("old", "new"):
-        core.load_model(n, str(src), max_model_len=CTX, max_num_seqs=SEQS)
+        core.load_model(LoadSpec(n, str(src), max_model_len=CTX, max_num_seqs=SEQS))
     return core, str(src)
 
 
 def _refuse(core, src: str, offered: list[str]) -> dict:
     kw = {"evictable": offered} if offered and accepts_evictable(core) else {}
     with pytest.raises(EngineError) as ex:
-        core.load_model("third", src, max_model_len=CTX, max_num_seqs=SEQS, **kw)
-    d = refusal_details(core, ex.value, model_dir=src, max_model_len=CTX, max_num_seqs=SEQS, offered=offered)
+        core.load_model(LoadSpec("third", src, max_model_len=CTX, max_num_seqs=SEQS), **kw)
+    d = refusal_details(core, ex.value, LoadSpec("third", src, max_model_len=CTX, max_num_seqs=SEQS), offered=offered)
     assert d is not None, ex.value
     return d
 
@@ -50,8 +52,8 @@ def test_refusal_without_an_offer_has_the_numbers_and_no_cure(full_core) -> None
 def test_other_failures_are_not_room_refusals(full_core, tmp_path) -> None:
     core, _ = full_core
     with pytest.raises(EngineError) as ex:
-        core.load_model("broken", str(tmp_path), max_model_len=CTX, max_num_seqs=SEQS)
-    assert refusal_details(core, ex.value, model_dir=str(tmp_path), max_model_len=CTX, max_num_seqs=SEQS,
+        core.load_model(LoadSpec("broken", str(tmp_path), max_model_len=CTX, max_num_seqs=SEQS))
+    assert refusal_details(core, ex.value, LoadSpec("broken", str(tmp_path), max_model_len=CTX, max_num_seqs=SEQS),
                            offered=["old"]) is None
 
 
@@ -61,20 +63,20 @@ def test_an_unrunnable_load_option_is_not_a_room_refusal(full_core) -> None:
     core, src = full_core
     for kw in ({"quantization": "int4"}, {"kv_cache_dtype": "int8"}):
         with pytest.raises(EngineError) as ex:
-            core.load_model("third", src, max_model_len=CTX, max_num_seqs=SEQS, evictable=["old"], **kw)
+            core.load_model(LoadSpec("third", src, max_model_len=CTX, max_num_seqs=SEQS, **kw), evictable=["old"])
         assert "is not supported" in str(ex.value)
-        assert refusal_details(core, ex.value, model_dir=src, max_model_len=CTX, max_num_seqs=SEQS,
+        assert refusal_details(core, ex.value, LoadSpec("third", src, max_model_len=CTX, max_num_seqs=SEQS),
                                offered=["old"]) is None, kw
     assert set(core.stats()) == {"old", "new"}
 
 
 def test_wire_fields_round_trip_and_default_for_older_peers() -> None:
-    load = P.Load(model="m", model_dir="/x", evictable=["a", "b"])
+    load = P.Load(spec=LoadSpec("m", "/x"), evictable=["a", "b"])
     assert P.decode(P.encode(load)[P.HEADER_BYTES:]) == load
     err = P.Error(op="load", message="no room", code="no_room", model="m",
                   details={"needed": 5, "free": 1, "evictable": 3, "budget": 9, "short": 1, "evict": ["a"]})
     assert P.decode(P.encode(err)[P.HEADER_BYTES:]) == err
-    old = {"v": P.PROTOCOL_VERSION, "t": "load", "model": "m", "model_dir": "/x"}  # a peer without the field
+    old = {"v": P.PROTOCOL_VERSION, "t": "load", "spec": {"name": "m", "model_dir": "/x"}}  # a peer without the field
     import msgpack
 
     assert P.decode(msgpack.packb(old)).evictable == []

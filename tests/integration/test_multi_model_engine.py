@@ -17,6 +17,7 @@ import torch
 from engine.sched.block_manager import BlockManager
 from engine.config import load_model_config
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.core.fair_share import FairSharePicker
 from engine.kv.kv_cache import KVCache, KVSpec
 from engine.weights.loader import load_weights
@@ -27,6 +28,7 @@ from engine.kv.layout import ModelPageSource
 from engine.kv.page_pool import PagePool
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.load_spec import LoadSpec
 
 MAX_LEN = 64
 BATCH_TOKENS = 128
@@ -120,8 +122,8 @@ def solo(dirs):
     """Each model alone in EngineCore, all its prompts at once."""
     out = {}
     for name, model_dir in dirs.items():
-        core = EngineCore(device="cpu", max_num_batched_tokens=BATCH_TOKENS, seed=1)
-        core.load_model(name, model_dir, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS)
+        core = EngineCore(EngineOptions(max_num_batched_tokens=BATCH_TOKENS, seed=1), device="cpu")
+        core.load_model(LoadSpec(name, model_dir, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS))
         for i, p in enumerate(PROMPTS[name]):
             core.add_request(f"{name}{i}", name, p, GREEDY)
         while core.has_unfinished_requests():

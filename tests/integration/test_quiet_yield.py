@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +37,13 @@ def _spy(runner, name: str, events: list) -> None:
 
 
 def _run(dirs, window_s: float, quiet: bool = True):
-    core = EngineCore(device="cpu", max_num_batched_tokens=32, block_size=4, max_prefill_chunk=16, seed=5,
-                      async_steps=True, quiet_window_s=window_s)
-    core.load_model("busy", dirs[0], max_model_len=64, max_num_seqs=8)
-    core.load_model("other", dirs[1], max_model_len=64, max_num_seqs=8)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=32, block_size=4, max_prefill_chunk=16, seed=5,
+                                    async_steps=True, async_on_cpu=True, quiet_window_ms=round(window_s * 1000)),
+                      device="cpu")
+    core.load_model(LoadSpec("busy", dirs[0], max_model_len=64, max_num_seqs=8))
+    core.load_model(LoadSpec("other", dirs[1], max_model_len=64, max_num_seqs=8))
     events: list[tuple[str, str]] = []  # (model, "launch" | "collect") in order
-    for name, slot in core.slots().items():
+    for name, slot in core.slots.items():
         _spy(slot.runner, name, events)
     # The busy model's requests outlive the quiet one's: it has 4x its requests all along (QUIET_RATIO).
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -60,9 +63,9 @@ def _run(dirs, window_s: float, quiet: bool = True):
             tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
         steps += 1
         assert steps < 2000
-    for slot in core.slots().values():
+    for slot in core.slots.values():
         del slot.runner.launch, slot.runner.collect  # a spy holds its runner (and the pool's views)
-    for name in core.slots():
+    for name in core.slots.names():
         core.unload_model(name)
     return tokens, events, arrived_at
 
@@ -101,13 +104,13 @@ def test_two_equally_busy_models_keep_launching_ahead(dirs):
     assert _launches_behind(events, "busy", by="busy") > 0
 
 
-@pytest.mark.parametrize("bad", [-0.1, 61, True, "1"])
+@pytest.mark.parametrize("bad", [-100, 61_000, True, "1000", 0.5])
 def test_a_bad_window_argument_is_refused(bad):
-    with pytest.raises(EngineError, match="quiet_window_s"):
-        EngineCore(device="cpu", quiet_window_s=bad)
+    with pytest.raises(EngineError, match="quiet_window_ms"):
+        EngineCore(EngineOptions(quiet_window_ms=bad), device="cpu")
 
 
 def test_the_window_is_the_argument_alone(monkeypatch):
     monkeypatch.setenv("INFIRE_QUIET_WINDOW_MS", "250")  # no longer read
-    assert EngineCore(device="cpu").quiet_window_s == 1.0
-    assert EngineCore(device="cpu", quiet_window_s=2).quiet_window_s == 2.0
+    assert EngineCore(device="cpu").policy.quiet_window_s == 1.0
+    assert EngineCore(EngineOptions(quiet_window_ms=2000), device="cpu").policy.quiet_window_s == 2.0

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,8 +54,8 @@ def _chat(tok, messages) -> list[int]:
 
 
 def _engine(model_dir, prefix_caching=True) -> EngineCore:
-    core = EngineCore(device="cpu", max_num_batched_tokens=256)
-    core.load_model("m", model_dir, max_model_len=1024, max_num_seqs=4, prefix_caching=prefix_caching)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=256), device="cpu")
+    core.load_model(LoadSpec("m", model_dir, max_model_len=1024, max_num_seqs=4, prefix_caching=prefix_caching))
     return core
 
 

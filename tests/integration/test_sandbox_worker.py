@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from engine.load_spec import LoadSpec
 from engine.worker import protocol as P
 from engine.sampling import SamplingParams
 from tests.integration.sandbox_helpers import REPO, landlock_abi, seccomp_filter_supported
@@ -67,7 +68,7 @@ class WorkerProc:
             self.pending.extend(m for m in self.decoder.feed(data) if not isinstance(m, (P.Heartbeat, P.Status)))
 
     def load(self, name: str, model_dir: Path) -> P.Message:
-        self.send(P.Load(model=name, model_dir=str(model_dir), max_model_len=256, max_num_seqs=4))
+        self.send(P.Load(spec=LoadSpec(name, str(model_dir), max_model_len=256, max_num_seqs=4)))
         return self.wait_for(lambda m: isinstance(m, (P.Loaded, P.Error)) and getattr(m, "model", None) == name)
 
     def generate(self, name: str, prompt: list[int], n: int) -> list[int]:

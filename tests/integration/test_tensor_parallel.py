@@ -21,6 +21,8 @@ from engine.kv.kv_cache import KVCache, KVSpec
 from engine.models.llama import AttentionMetadata
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
+from engine.load_spec import LoadSpec
+from engine.options import EngineOptions
 
 ARCHS = ("llama", "qwen2", "qwen3", "llama-v509")  # the last: a vocabulary that does not split evenly
 OPTS = {"max_num_batched_tokens": 32, "block_size": 4, "seed": 0}
@@ -85,10 +87,10 @@ def _rank_main(rank: int, init_method: str, dirs: dict[str, str], out_path: str)
         if rank == 1:
             Follower(group).serve()
             return
-        core = TPEngineCore(group, **OPTS)
+        core = TPEngineCore(group, EngineOptions(**OPTS))
         engine_out = {}
         for arch, d in dirs.items():
-            info = core.load_model(arch, d, **LOAD)
+            info = core.load_model(LoadSpec(arch, d, **LOAD))
             engine_out[arch] = {"results": _run(core, arch), "device_bytes": info.device_bytes}
             core.unload_model(arch)
         stats = {"bytes_sent": core.channel.bytes_sent, "messages": core.channel.messages}
@@ -214,13 +216,13 @@ def _cli_rank0(init_method: str, d: str, out_path: str, num_kv_pages: int) -> No
     procs = spawn_followers(2, init_method, ["cpu", "cpu"], timeout_s=120)
     group = init_tp_group(0, 2, init_method, "cpu", timeout_s=120)
     try:
-        core = TPEngineCore(group, **OPTS)
+        core = TPEngineCore(group, EngineOptions(**OPTS))
         try:  # a load that fails on every rank leaves the group usable
-            core.load_model("m", d, **{**LOAD, "num_kv_pages": 3})
+            core.load_model(LoadSpec("m", d, **{**LOAD, "num_kv_pages": 3}))
             raise RuntimeError("a 3-page cache should have been refused")
         except TPError:
             pass
-        core.load_model("m", d, **{**LOAD, "num_kv_pages": num_kv_pages})
+        core.load_model(LoadSpec("m", d, **{**LOAD, "num_kv_pages": num_kv_pages}))
         results = _run(core, "m")
         core.close()
     finally:

@@ -10,7 +10,9 @@ import threading
 import time
 
 from engine.core.engine_core import EngineCore
+from engine.options import EngineOptions
 from engine.sampling import SamplingParams
+from engine.load_spec import LoadSpec
 from engine.worker import protocol as P
 from engine.worker.main import Worker, _Conn
 
@@ -44,7 +46,7 @@ class Agent:
 
 def test_idle_only_while_the_engine_has_nothing_to_do(make_tiny_model):
     ours, theirs = socket.socketpair()
-    core = EngineCore(device="cpu", max_num_batched_tokens=64, memory_budget=64 << 20, seed=0)
+    core = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=0), device="cpu", budget=64 << 20)
     worker = Worker(_Conn(theirs), core)
     loop = threading.Thread(target=worker.run, daemon=True)
     loop.start()
@@ -52,10 +54,10 @@ def test_idle_only_while_the_engine_has_nothing_to_do(make_tiny_model):
     try:
         assert worker.idle.wait(5)  # nothing to do yet
         # While a model loads, never idle: sampled all along until Loaded arrives.
-        agent.send(P.Load(model="m", model_dir=str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=4))
+        agent.send(P.Load(spec=LoadSpec("m", str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=4)))
         seen_idle_while_loading = []
         while not any(isinstance(m, P.Loaded) for m in list(agent.got)):
-            if core.loading is not None:
+            if core.loader.pending is not None:
                 seen_idle_while_loading.append(worker.idle.is_set())
             time.sleep(0.001)
         assert seen_idle_while_loading and not any(seen_idle_while_loading)

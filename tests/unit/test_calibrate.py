@@ -12,6 +12,7 @@ import torch
 
 from engine.kernels.fp8_format import E4M3_MAX, FP8
 from engine.weights.calibrate import CalibrationError, calibrate, gptq_e4m3
+from engine.load_spec import LoadSpec
 
 
 def _correlated(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -52,6 +53,7 @@ def test_a_calibrated_checkpoint_is_compressed_tensors_and_serves_close_to_the_u
     """Each family's slices (qwen2: q/k/v biases; qwen3: q/k norms, a head dim apart from the
     hidden size, tied embeddings) land where the loader reads them."""
     from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
     from ops.bench.fp8_accuracy import prefill_logits
 
     tiny_llama_dir = make_tiny_model(arch)
@@ -61,10 +63,10 @@ def test_a_calibrated_checkpoint_is_compressed_tensors_and_serves_close_to_the_u
     cfg = json.loads((tmp_path / "cal" / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors"
     assert cfg["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
-    core = EngineCore(device="cpu", max_num_batched_tokens=256, seed=0)
-    core.load_model("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=2)
-    core.load_model("cal", tmp_path / "cal", max_model_len=128, max_num_seqs=2)  # FP8 from its config
-    assert core.slot("cal").model.layers[0].qkv_w.dtype == FP8
+    core = EngineCore(EngineOptions(max_num_batched_tokens=256, seed=0), device="cpu")
+    core.load_model(LoadSpec("ref", tiny_llama_dir, max_model_len=128, max_num_seqs=2))
+    core.load_model(LoadSpec("cal", tmp_path / "cal", max_model_len=128, max_num_seqs=2))  # FP8 from its config
+    assert core.slots.get("cal").model.layers[0].qkv_w.dtype == FP8
     prompt = [ids[:100]]
     ref, cal = prefill_logits(core, "ref", prompt), prefill_logits(core, "cal", prompt)
     cos = torch.nn.functional.cosine_similarity(ref, cal, dim=-1)

@@ -30,7 +30,7 @@ def _run(model_dir, monkeypatch, mode: str, stand_in: bool):
     monkeypatch.setenv("INFIRE_KERNELS", mode)
     monkeypatch.setattr(_dispatch, "_forced", None)  # read again at the next kernel call
     llm = LLM(model_dir, device="cpu", max_model_len=128, block_size=4, dtype="float32", max_num_seqs=32)
-    runner = next(iter(llm.core._slots.values())).runner
+    runner = next(iter(llm.core.slots.values())).runner
     fake = None
     if stand_in:
         runner.decode_buckets = (1, 8, 16, 24, 32)
@@ -74,7 +74,7 @@ def test_mixed_steps_with_a_plan_capture_their_variant_and_replay_it(make_tiny_m
         monkeypatch.setattr(_dispatch, "_forced", None)
         llm = LLM(model_dir, device="cpu", max_model_len=128, block_size=4, dtype="float32", max_num_seqs=16,
                   max_num_batched_tokens=24)
-        runner = next(iter(llm.core._slots.values())).runner
+        runner = next(iter(llm.core.slots.values())).runner
         if mode == "triton":
             runner.mixed_buckets = (8, 16, 24, 32)
             fake = runner.mixed = StandInGraphs(runner, MixedGraphs, runner.mixed_buckets)
@@ -123,7 +123,7 @@ def test_the_decode_warm_up_picks_one_bucket_per_decode_form(make_tiny_model, mo
 
     llm = LLM(make_tiny_model("llama"), device="cpu", max_model_len=2048, block_size=16, dtype="bfloat16",
               max_num_seqs=64)
-    runner = next(iter(llm.core._slots.values())).runner
+    runner = next(iter(llm.core.slots.values())).runner
     from engine.runner.step_buffers import StepBuffers
 
     # buffers with cascade regions (a CPU runner plans none), 16 rows a tile

@@ -145,7 +145,7 @@ def test_the_worker_refuses_a_mistyped_engine_option_with_its_name():
     core, device, err = make_core({"engine": "core", "device": "cpu", "cuda_graphs": False, "quiet_window_ms": 0,
                                    "shared_step_tokens": 0, "page_bytes": None})
     assert err == "" and device == "cpu"
-    assert not core.cuda_graphs and core.quiet_window_s == 0 and core.shared_step_tokens is None
+    assert not core.options.cuda_graphs and core.policy.quiet_window_s == 0 and core.policy.shared_step_tokens == 0
 
 
 def test_the_early_cuda_context_is_only_for_a_cuda_device() -> None:

@@ -17,10 +17,12 @@ pytest.importorskip("llguidance")
 
 from agent.http.structured import json_grammar  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
 from engine.grammar.compiler import GrammarCompiler, GrammarError  # noqa: E402
 from engine.grammar.matcher import fill_masks  # noqa: E402
 from engine.kernels.sample import apply_token_bitmask  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.load_spec import LoadSpec  # noqa: E402
 from text.tokenizer import Tokenizer, byte_to_unicode  # noqa: E402
 
 
@@ -138,8 +140,8 @@ SCHEMA = {"type": "object",
 
 
 def _run(model_dir, async_steps: bool, constrained: bool, seeds: range):
-    core = EngineCore(device="cpu", async_steps=async_steps)
-    core.load_model("m", model_dir, max_model_len=512, max_num_seqs=16)
+    core = EngineCore(EngineOptions(async_steps=async_steps, async_on_cpu=True), device="cpu")
+    core.load_model(LoadSpec("m", model_dir, max_model_len=512, max_num_seqs=16))
     tok = Tokenizer.from_dir(model_dir)
     prompt = tok.encode("give me a record")
     grammar = json_grammar(SCHEMA, True, "x")
@@ -155,7 +157,7 @@ def _run(model_dir, async_steps: bool, constrained: bool, seeds: range):
             toks.setdefault(o.req_id, []).extend(o.new_token_ids)
             if o.finish_reason:
                 finish[o.req_id] = o.finish_reason
-    eos = set(core.slot("m").config.eos_token_ids)
+    eos = set(core.slots.get("m").config.eos_token_ids)
     return core, tok, eos, toks, finish
 
 

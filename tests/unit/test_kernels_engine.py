@@ -58,7 +58,7 @@ def test_cascade_attention_keeps_every_token(make_tiny_model, monkeypatch):
         llm = LLM(model_dir, device="cpu", max_model_len=128, block_size=4, dtype="float32", max_num_seqs=32)
         llm.generate([shared + [1]], SamplingParams(temperature=0, max_tokens=1))  # indexes the shared pages
         got[mode] = [o.token_ids for o in llm.generate(prompts, params)]
-        planned[mode] = next(iter(llm.core._slots.values())).runner.cascade_rows
+        planned[mode] = next(iter(llm.core.slots.values())).runner.cascade_rows
         stats = next(iter(llm.core.stats().values()))  # what status and Prometheus report
         assert stats.cascade == (mode == "triton") and stats.cascade_rows == planned[mode]
     assert planned["torch"] == 0  # the reference reads every row's context: no plan is made

@@ -306,3 +306,61 @@ def test_protocol_messages_carry_typed_values() -> None:
     loose = sorted(f"{c.name}.{f}" for c in messages + list(records.values())
                    for f, ann in _fields(c).items() if _loose(ann))
     assert loose == sorted(LOOSE_FIELDS)
+
+
+def _tree(rel: str) -> ast.Module:
+    return ast.parse((ROOT / rel).read_text(encoding="utf-8"))
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef:
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _field_hints(cls: ast.ClassDef) -> dict[str, str]:
+    return {n.target.id: ast.unparse(n.annotation) for n in cls.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def test_a_load_crosses_the_worker_protocol_as_one_record() -> None:
+    """``protocol.Load`` carries the load as a LoadSpec (engine/load_spec.py), never a loose map
+    or the parameters one by one."""
+    fields = _field_hints(_class(_tree("engine/worker/protocol.py"), "Load"))
+    assert fields.get("spec") == "LoadSpec", fields
+    assert not [f for f, hint in fields.items() if hint.startswith("dict")], fields
+    assert not {"model_dir", "max_model_len", "prefix_caching"} & set(fields), fields
+
+
+def test_no_function_takes_the_load_parameters_one_by_one() -> None:
+    """Outside engine/load_spec.py no function or method of engine/ or agent/ takes
+    ``max_model_len`` and ``prefix_caching`` as separate parameters: they travel as one LoadSpec."""
+    found = []
+    for pkg in ("engine", "agent"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            if path == ROOT / "engine" / "load_spec.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    a = node.args
+                    names = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+                    if {"max_model_len", "prefix_caching"} <= names:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert found == []
+
+
+def test_the_engine_is_built_from_its_options() -> None:
+    """``EngineCore(options, device, budget)``: every switch is an EngineOptions field."""
+    init = next(n for n in _class(_tree("engine/core/engine_core.py"), "EngineCore").body
+                if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    a = init.args
+    assert [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs] == ["self", "options", "device", "budget"]
+    assert a.vararg is None and a.kwarg is None
+
+
+def test_the_loader_books_through_the_pool_keepers_verbs() -> None:
+    """engine/core/loading.py never reaches into the PoolKeeper's ledger or pool; its PendingLoad
+    is typed (no ``Any``)."""
+    tree = _tree("engine/core/loading.py")
+    reach = sorted({ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                    and n.attr in ("pool", "ledger") and ast.unparse(n.value).endswith("_pools")})
+    assert reach == []
+    assert not [f for f, hint in _field_hints(_class(tree, "PendingLoad")).items() if "Any" in hint]

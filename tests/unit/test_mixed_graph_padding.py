@@ -41,7 +41,7 @@ def _generate(model_dir, padded: bool, missing: int | None = None):
     without its graph, as a failed capture leaves it)."""
     llm = LLM(model_dir, device="cpu", max_model_len=128, block_size=4, max_prefill_chunk=16, dtype="float32",
               max_num_seqs=4)
-    runner = next(iter(llm.core._slots.values())).runner
+    runner = next(iter(llm.core.slots.values())).runner
     fake = None
     if padded:
         runner.mixed_buckets = (8, 16, 24, 32, 64)
@@ -87,7 +87,7 @@ def test_prepare_pads_tokens_and_fills_every_sequence_slot(make_tiny_model):
     llm = LLM(make_tiny_model("llama"), device="cpu", max_model_len=64, block_size=4, dtype="float32",
               max_num_seqs=4)
     core = llm.core
-    slot = next(iter(core._slots.values()))
+    slot = next(iter(core.slots.values()))
     core.add_request("a", slot.name, [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     out = slot.scheduler.schedule()
     step = slot.runner.prepare(out, pad_tokens=8)
@@ -132,7 +132,7 @@ def test_cuda_graphs_off_captures_neither_decode_nor_mixed_graphs(make_tiny_mode
     assert graph_buckets(torch.device("cpu"), True, (1, 2, 4), (16, 32)) == ((), ())
     llm = LLM(make_tiny_model("llama"), device="cpu", max_model_len=64, block_size=4, dtype="float32",
               max_num_seqs=4)
-    base = next(iter(llm.core._slots.values())).runner
+    base = next(iter(llm.core.slots.values())).runner
     monkeypatch.setattr(model_runner, "graph_buckets", lambda dev, *a: graph_buckets(cuda, *a))
     monkeypatch.setattr(model_runner, "DecodeGraphs", _Decode)
     monkeypatch.setattr(model_runner, "MixedGraphs", _Mixed)

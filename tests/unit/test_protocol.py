@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import msgpack
 import pytest
 
+from engine.load_spec import LoadSpec
 from engine.model_info import ModelInfo
 from engine.sampling import SamplingParams
 from engine.worker import protocol as P
@@ -25,7 +26,7 @@ def _body(obj: object) -> bytes:
     [
         P.Add(req_id="r1", model="m", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(temperature=0.0, seed=7)),
         P.Abort(req_ids=["a", "b"]),
-        P.Load(model="m", model_dir="/x", max_model_len=128, max_num_seqs=4, weight=2.0),
+        P.Load(spec=LoadSpec("m", "/x", max_model_len=128, max_num_seqs=4, weight=2.0)),
         P.Unload(model="m"),
         P.Shutdown(),
         P.Hello(pid=12, device="cpu"),
