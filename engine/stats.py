@@ -55,7 +55,7 @@ class ModelMemory:
 @dataclass(frozen=True)
 class MemoryStats:
     """The budget and who holds it, in bytes: ``used`` is weights + workspace + the whole KV pool
-    (``kv``), of which the models' pages hold ``kv_used``. ``models``: the models on the shared
+    (``kv``), of which the models' pages hold ``kv_used``, + ``untracked``. ``models``: the models on the shared
     pool (a tensor-parallel model, which owns its cache, has no row)."""
 
     budget: int
@@ -68,6 +68,7 @@ class MemoryStats:
     page_bytes: int
     kv_pages: int
     kv_pages_free: int
+    untracked: int  # what the device holds beyond the books (MemoryLedger.reconcile), in ``used``
     models: dict[str, ModelMemory]
     models_omitted: int  # rows left out of ``models`` (:meth:`largest`)
 

@@ -191,8 +191,7 @@ class EngineCore:
             return
         slot = self.slots.get(name)
         self._settle()
-        for req_id in [r for r, m in self._req_model.items() if m == name]:
-            self.abort_request(req_id)
+        self._abort_model(name)
         if slot.grammar is not None:
             slot.grammar.close()
         del slot
@@ -229,6 +228,8 @@ class EngineCore:
         slot = self.slots.find(model)
         if slot is None:
             raise RequestError(f"model {model!r} is not loaded", "model")
+        if slot.broken:
+            raise EngineError(f"model {model!r} cannot run: {slot.broken}")
         if not isinstance(params, SamplingParams):  # valid once made (engine/sampling.py)
             raise RequestError("params must be a SamplingParams", "sampling")
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
@@ -257,6 +258,25 @@ class EngineCore:
         if seq is not None:
             self._pending.append(RequestOutput(req_id, [], "abort", None, seq.num_prompt_tokens,
                                                seq.num_cached_tokens))
+
+    def _abort_model(self, name: str) -> None:
+        """Abort every request of ``name`` (outputs from the next step)."""
+        for req_id in [r for r, m in self._req_model.items() if m == name]:
+            self.abort_request(req_id)
+
+    def device_usable(self) -> bool:
+        """Whether the device still runs work after a failed step: an out-of-memory or a bad input
+        leaves it usable (the failure was one model's), a sticky CUDA error (an illegal address)
+        does not (every later launch fails: the process must go)."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.empty(1, device=self.device).add_(1)
+            torch.cuda.synchronize(self.device)
+        except RuntimeError:
+            return False
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self._pending) or self._inflight is not None
@@ -354,7 +374,14 @@ class EngineCore:
             self._pending.extend(self._complete(f))
 
     def _pick(self, exclude: ModelSlot | None) -> ModelSlot | None:
-        busy = [n for n, s in self.slots.items() if s.scheduler.has_unfinished() and s is not exclude]
+        busy = []
+        for n, s in self.slots.items():
+            if s is exclude or not s.scheduler.has_unfinished():
+                continue
+            if s.runner is None:  # broken (PoolKeeper.reattach_runner): its requests end, it is never stepped
+                self._abort_model(n)
+                continue
+            busy.append(n)
         name = self.picker.pick(busy)
         return self.slots.get(name) if name is not None else None
 

@@ -16,6 +16,7 @@ recompute, token-identical); any other resize waits for an idle pool.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -38,6 +39,30 @@ from engine.runner.streams import StreamPool
 from engine.stats import MemoryStats, ModelMemory
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+def device_held_bytes(device: torch.device) -> int:
+    """Bytes in use on the whole device now, as the driver counts them (what an out-of-memory
+    is decided against)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free)
+
+
+def reclaimable_bytes(device: torch.device) -> int:
+    """Cached segments of the caching allocator's default pool that hold no live block: the
+    allocator frees them itself before an allocation fails, so they are not the engine's. Graph
+    pools' segments are not counted (a captured graph keeps them whatever they hold now)."""
+    return free_default_segments(torch.cuda.memory_snapshot(), device.index or 0)
+
+
+def free_default_segments(segments: list[dict[str, Any]], device_index: int) -> int:
+    """The bytes of ``torch.cuda.memory_snapshot()`` segments on ``device_index`` that lie in
+    the default pool (pool id (0, 0)) with no allocated byte."""
+    return sum(int(seg["total_size"]) for seg in segments
+               if seg.get("device", device_index) == device_index and int(seg.get("allocated_size", 0)) == 0
+               and tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0))
 
 
 class PoolKeeper:
@@ -65,6 +90,20 @@ class PoolKeeper:
         self.mixed_buckets = options.mixed_buckets
         self.cuda_graphs = options.cuda_graphs
         self.streams = streams
+        # What the device held before this engine put anything on it (the CUDA context, other
+        # processes): the fixed slack beside the budget; reconcile() counts only what comes after.
+        self._device_baseline = device_held_bytes(device) if device.type == "cuda" else 0
+
+    def reconcile(self) -> int:
+        """Before a load is decided: the ledger takes the device's own figure of what this engine
+        holds (everything on the device since it started, less cached free segments the allocator
+        hands back on demand) and charges what no booking explains as ``untracked`` (library
+        scratch, graph pools captured after the load's measurement, fragmentation). Returns the
+        untracked bytes; 0 off CUDA, where the books are the truth."""
+        if self.device.type != "cuda":
+            return 0
+        held = device_held_bytes(self.device) - self._device_baseline - reclaimable_bytes(self.device)
+        return self.ledger.reconcile(max(0, held))
 
     # -- a load's books: what the loader asks for -------------------------------------------------
     def shared_page_bytes(self) -> int | None:
@@ -72,8 +111,10 @@ class PoolKeeper:
         return self.pool.page_bytes if self.pool is not None and self.pool.models() else None
 
     def plan(self, name: str, needs: LoadNeeds, evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:
-        """The ledger's plan of a load (which of ``evictable`` to unload first); raises
-        :class:`LoadRefused` when even that is not enough. Books nothing."""
+        """The ledger's plan of a load (which of ``evictable`` to unload first), against the
+        device's figure (:meth:`reconcile`); raises :class:`LoadRefused` when even that is not
+        enough. Books nothing."""
+        self.reconcile()
         return self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
                                       evictable=list(evictable))
 
@@ -82,6 +123,7 @@ class PoolKeeper:
         offered ``evictable`` models would do), the pool fitted to it, the weights booked, the
         model's pages registered (its minimum held back from then on). Returns the seconds the
         pool's fit took."""
+        self.reconcile()
         try:
             plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
         except LoadRefused as e:
@@ -212,24 +254,52 @@ class PoolKeeper:
             raise EngineError(f"KV pool resize {old} -> {target} pages failed: {e}") from e
         finally:
             for s in pooled:
-                self.attach_runner(s)
+                self.reattach_runner(s)
 
     def attach_runner(self, slot: ModelSlot) -> None:
         """KV views over the pool and a runner on them (on CUDA: its decode graphs captured)."""
         slot.kv, slot.runner = self.new_runner(slot.name, slot.config, slot.model, slot.max_num_seqs,
                                                 slot.scheduler.config.max_model_len)
 
-    def new_runner(self, name: str, cfg, model, max_num_seqs: int, max_model_len: int) -> tuple[KVCache, ModelRunner]:
+    def reattach_runner(self, slot: ModelSlot) -> None:
+        """A loaded model's runner rebuilt over the pool's new memory, whatever else failed: a
+        model that served before a resize must serve after it. When its graphs cannot be captured
+        (out of memory: another load's failure left the device tight), it runs eagerly instead
+        (no graph pool); only when even that fails is it left without a runner, which the core
+        never steps (its requests are aborted; ``slot.broken`` says why) until the next resize
+        rebuilds it. Never raises: one model's runner must not leave the others' unbuilt."""
+        slot.broken = ""
+        try:
+            self.attach_runner(slot)
+            return
+        except Exception as e:  # noqa: BLE001 - any failure here is one model's, kept to it
+            first = f"{type(e).__name__}: {e}"
+        slot.runner = slot.kv = None
+        self.return_device_memory()  # what the failed capture took
+        try:
+            slot.kv, slot.runner = self.new_runner(slot.name, slot.config, slot.model, slot.max_num_seqs,
+                                                    slot.scheduler.config.max_model_len, cuda_graphs=False)
+            slot.broken = ""
+            log.warning("model %s: runner rebuilt without CUDA graphs after: %s", slot.name, first)
+        except Exception as e:  # noqa: BLE001
+            slot.runner = slot.kv = None
+            slot.broken = f"its runner could not be rebuilt after a KV pool resize: {first}; eagerly: {type(e).__name__}: {e}"
+            log.error("model %s: %s", slot.name, slot.broken)
+
+    def new_runner(self, name: str, cfg, model, max_num_seqs: int, max_model_len: int,
+                   cuda_graphs: bool | None = None) -> tuple[KVCache, ModelRunner]:
         """The KV cache over model ``name``'s pages of the pool and a runner on it; touches no slot
-        (the load thread's :class:`engine.runner.prebuild.RunnerBuild` calls it too)."""
+        (the load thread's :class:`engine.runner.prebuild.RunnerBuild` calls it too).
+        ``cuda_graphs``: False builds an eager runner (None: the engine's setting)."""
         lay = self.pool.layout(name)
         spec = KVSpec(cfg.num_layers, lay.tokens_per_page, cfg.num_kv_heads, cfg.head_dim, getattr(torch, lay.dtype))
         if lay.tokens_per_page * lay.bytes_per_token == self.pool.page_bytes:
             kv = KVCache.from_buffer(spec, self.pool.flat_buffer(name))
         else:  # padded pages: per-layer views whose page stride is the whole page
             kv = KVCache.from_views(spec, self.pool.kv_views(name))
+        graphs = self.cuda_graphs if cuda_graphs is None else cuda_graphs
         return kv, ModelRunner(model, kv, self.max_num_batched_tokens, max_num_seqs, max_model_len,
-                               decode_buckets=self.decode_buckets, cuda_graphs=self.cuda_graphs,
+                               decode_buckets=self.decode_buckets if graphs else (), cuda_graphs=graphs,
                                mixed_buckets=self.mixed_buckets, stream_pool=self.streams)
 
     def warm_up(self, slot: ModelSlot) -> None:
@@ -304,4 +374,5 @@ class PoolKeeper:
                            weights=sum(snap.weights.values()), workspace=sum(snap.workspace.values()),
                            kv=snap.kv_pool_bytes, kv_used=sum(m.kv_used for m in models.values()),
                            page_bytes=pb, kv_pages=pool.num_pages if pool is not None else 0,
-                           kv_pages_free=pool.num_free if pool is not None else 0, models=models, models_omitted=0)
+                           kv_pages_free=pool.num_free if pool is not None else 0, untracked=snap.untracked,
+                           models=models, models_omitted=0)

@@ -48,6 +48,7 @@ class ModelSlot:
     workspace_bytes: int = 0
     warm_key: str | None = None  # identity of the weight files, for the warm tier
     last_request_t: float = float("-inf")  # perf_counter of its newest request (StepPolicy)
+    broken: str = ""  # why it has no runner (a rebuild after a pool resize failed): never stepped then
     yield_waits: int = 0  # times step() returned with this model's step in flight (EngineCore.yielded)
     yield_wait_s: float = 0.0  # the caller's time from those returns to its next step() call
     model_dir: str = ""  # where its files are (the grammar compiler reads tokenizer.json there)

@@ -32,6 +32,7 @@ from collections import deque
 from typing import Any
 
 from engine.core import heap
+from engine.errors import EngineError
 from engine.model_info import ModelInfo
 from engine.worker import protocol as P
 from engine.worker.step_waiter import StepWaiter
@@ -39,6 +40,7 @@ from engine.worker.setup import confine, make_core
 
 STATUS_INTERVAL_S = 0.25
 HEARTBEAT_INTERVAL_S = 0.5
+MAX_FAILED_STEPS = 16  # consecutive failed steps after which the worker exits (a restart is the cure)
 PIN_PACE_S = 1.0  # the warm tier pins one piece at least this often while the engine is busy
 RECV_BYTES = 1 << 20
 
@@ -129,6 +131,7 @@ class Worker:
         # rather than declare the engine idle (the pinning would start under the first load:
         # on the H200 that made a warm-tier restart's load 2.7-4.1 s instead of 1.3).
         self._graphs_left = False
+        self._failed_steps = 0  # consecutive steps that raised (MAX_FAILED_STEPS: the device is not well)
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -290,7 +293,13 @@ class Worker:
 
     def _step(self) -> None:
         self.phase.set("stepping")
-        outs = self.core.step()
+        try:
+            outs = self.core.step()
+        except EngineError as e:
+            self._step_failed(e)
+            return
+        if any(o.new_token_ids for o in outs):
+            self._failed_steps = 0  # a step that produced tokens: the device works
         self.steps += 1
         if outs:
             packed = [
@@ -299,6 +308,16 @@ class Worker:
                 for o in outs
             ]
             self.conn.send(P.Tokens(step=self.steps, outputs=packed))
+
+    def _step_failed(self, e: EngineError) -> None:
+        """One model's step failed (an out-of-memory in a capture, a kernel's refusal): the core
+        aborted that batch's requests (their outputs come with the next step) and every other
+        model goes on. Only a device that no longer runs anything (a sticky CUDA error), or steps
+        that keep failing, end the process (the agent restarts it)."""
+        self._failed_steps += 1
+        print(f"engine.worker: {e}", file=sys.stderr, flush=True)
+        if self._failed_steps >= MAX_FAILED_STEPS or not self.core.device_usable():
+            raise e
 
     def _busy(self) -> bool:
         return self.core is not None and self.core.has_unfinished_requests()

@@ -98,3 +98,27 @@ def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(s
     finally:
         for name in list(core.models()):  # a failure must not leave a model on the device for the next test
             core.unload_model(name)
+
+
+def test_a_load_is_decided_against_what_the_device_holds_not_only_the_books(small_model):
+    """Device memory no booking explains (here 2 GiB a library might take; in serving, scratch
+    and graph pools captured after a load's measurement) is charged before the next load is
+    decided, so the books never promise memory the device does not have."""
+    from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
+
+    core = EngineCore(EngineOptions(dtype="bfloat16"), device="cuda", budget=20 << 30)
+    core.load_model(LoadSpec("a", small_model, max_model_len=512, max_num_seqs=8))
+    assert _serve_one(core, "a")
+    spec_b = LoadSpec("b", small_model, max_model_len=512, max_num_seqs=8)
+    before = core.check_load(spec_b)
+    untracked0 = core.memory().untracked
+    hidden = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # outside every booking
+    after = core.check_load(spec_b)
+    grew = core.memory().untracked - untracked0
+    assert 2 << 30 <= grew < (2 << 30) + 256 * MiB, grew
+    assert before.free - after.free == grew
+    del hidden
+    torch.cuda.empty_cache()
+    core.check_load(spec_b)
+    assert core.memory().untracked <= untracked0 + 64 * MiB  # given back: charged no more

@@ -236,3 +236,13 @@ def test_what_the_device_holds_beyond_the_books_is_charged_until_the_next_reconc
     assert led.snapshot().untracked == 0 and led.snapshot().free == 100 * GiB - 32 * GiB
     with pytest.raises(EngineError):
         led.reconcile(-1)
+
+
+def test_cached_free_segments_of_the_default_pool_are_not_the_engines():
+    from engine.core.pool_keeper import free_default_segments
+
+    segs = [{"device": 0, "total_size": 100, "allocated_size": 0, "segment_pool_id": (0, 0)},  # reclaimable
+            {"device": 0, "total_size": 50, "allocated_size": 10, "segment_pool_id": (0, 0)},  # partly live
+            {"device": 0, "total_size": 70, "allocated_size": 0, "segment_pool_id": (1, 3)},  # a graph's pool
+            {"device": 1, "total_size": 30, "allocated_size": 0, "segment_pool_id": (0, 0)}]  # another device
+    assert free_default_segments(segs, 0) == 100 and free_default_segments(segs, 1) == 30
