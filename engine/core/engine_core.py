@@ -270,10 +270,11 @@ class EngineCore:
         does not (every later launch fails: the process must go)."""
         if self.device.type != "cuda":
             return True
-        try:
-            torch.cuda.synchronize(self.device)
+        try:  # this thread's stream only: a load thread may be capturing (engine/runner/cuda_graphs.py)
+            stream = torch.cuda.current_stream(self.device)
+            stream.synchronize()
             torch.empty(1, device=self.device).add_(1)
-            torch.cuda.synchronize(self.device)
+            stream.synchronize()
         except RuntimeError:
             return False
         return True

@@ -173,7 +173,12 @@ class GraphSet:
         threads' CUDA calls (a load thread's copies, NCCL's watchdog polling its events under
         tensor parallelism) must neither fail nor abort the capture; only this thread's work is
         recorded in either mode. ``staged``: a step's inputs are in the buffers, left as they are
-        (nothing runs during a capture); otherwise padding is written first."""
+        (nothing runs during a capture); otherwise padding is written first.
+
+        Captures run on two threads (the loop's deferred ones, a load thread's runner build beside
+        its weights), so no code that may run beside one synchronizes the whole device: a device
+        synchronize waits on the other thread's capturing stream, which fails it ("operation not
+        permitted when stream is capturing"). Graph code waits on its own streams only."""
         if not staged:
             self._fill_padding(self.bufs, b)
         g = torch.cuda.CUDAGraph()
@@ -204,7 +209,7 @@ class GraphSet:
         for b, cascade in runs:
             self._fill_padding(self.bufs, b)
             self.run_eager(b, cascade)
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()  # never device-wide: see _capture_one
 
     def ready(self, bucket: int, cascade: bool = False) -> bool:
         """Whether a step of ``bucket`` can replay its graph (the cascade variant when the step
@@ -322,7 +327,7 @@ class DecodeGraphs(GraphSet):
         try:
             for b in now:
                 self._capture_one(b)
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()  # never device-wide: see _capture_one
         except RuntimeError as e:
             self.graphs.clear()
             self.cascade_graphs.clear()
@@ -375,7 +380,7 @@ class MixedGraphs(GraphSet):
         self._warm(order)
         try:
             self._capture_one(order[0])
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()  # never device-wide: see _capture_one
         except RuntimeError as e:
             self.graphs.clear()
             self.cascade_graphs.clear()

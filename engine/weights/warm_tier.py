@@ -302,8 +302,8 @@ class WarmTier:
                 s, src = slots[n], _bytes_of(t)
                 for a, b in self._pieces(off, s):
                     buf[s.offset + a:s.offset + b].copy_(src[a:b], non_blocking=t.is_cuda)
-            if any(t.is_cuda for t in tensors.values()):
-                torch.cuda.synchronize()
+            if any(t.is_cuda for t in tensors.values()):  # the copies' stream, not the device (a capture may run)
+                torch.cuda.current_stream().synchronize()
             # Where an unload's stash goes: the host buffer (allocation + page-locking) vs the copy.
             self.last_put_seconds = {"buffer_s": t1 - t0, "copy_s": time.perf_counter() - t1}
         except BaseException:

@@ -1,0 +1,67 @@
+"""Loads beside serving on the GPU: a model's weights stream and its runner is built (graphs
+captured) in a load thread while another model serves and captures its deferred graphs on the
+loop's thread, cycle after cycle. Nothing may invalidate a capture or fail a step (issue 35,
+concurrency). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.load_spec import LoadSpec
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from modelgen.make import make_model
+
+    return make_model(tmp_path_factory.mktemp("m") / "small", "llama", "small", seed=0)
+
+
+def test_loads_beside_deferred_captures_never_break_a_step(small_model):
+    from engine.core.engine_core import EngineCore
+    from engine.options import EngineOptions
+    from engine.sampling import SamplingParams
+
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=1024, seed=0,
+                                    decode_buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64), warm_tier_bytes=4 << 30),
+                      device="cuda", budget=40 << 30)
+    spec = {n: LoadSpec(n, small_model, max_model_len=1024, max_num_seqs=64) for n in "ab"}
+    core.load_model(spec["a"])
+    core.load_model(spec["b"])  # first loads: measured, so later ones build their runner beside the weights
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    done: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    rid = 0
+    prebuilt = 0
+    for cycle in range(4):
+        core.unload_model("b")
+        core.unload_model("a")
+        core.load_model(spec["a"])  # from the warm tier: its small buckets deferred to their first use
+        pending = core.begin_load(spec["b"])  # weights and runner (graph captures) in a load thread
+        wave = 0
+        while not pending.done() or core.has_unfinished_requests():
+            if not pending.done() and wave < 40:  # waves of every size: a new bucket, a deferred capture
+                for _ in range(1 + (wave * 7) % 40):
+                    rid += 1
+                    core.add_request(f"r{rid}", "a", list(range(10, 10 + 5 + rid % 50)), params)
+                wave += 1
+            for out in core.step():  # a failed step raises here
+                counts[out.req_id] = counts.get(out.req_id, 0) + len(out.new_token_ids)
+                if out.finish_reason:
+                    done[out.req_id] = out.finish_reason
+        core.finish_load(pending)
+        prebuilt += core.loader.last_load_timings.get("prebuilt_runner_s", 0.0) > 0
+        core.add_request(f"b{cycle}", "b", [5, 6, 7, 8], params)
+        while core.has_unfinished_requests():
+            for out in core.step():
+                counts[out.req_id] = counts.get(out.req_id, 0) + len(out.new_token_ids)
+                if out.finish_reason:
+                    done[out.req_id] = out.finish_reason
+        graphs = core.slots.get("a").runner.graphs
+        assert not graphs.cascade_failed, graphs.cascade_failed
+    assert rid > 100 and prebuilt >= 3, (rid, prebuilt)
+    assert set(done.values()) == {"length"} and all(n == 24 for n in counts.values()), (
+        {r: f for r, f in done.items() if f != "length"})
