@@ -3,11 +3,10 @@
 # process (engine_bench --prefix-caching both): shared system prompt at c200 (with a control: caching
 # off at c150) and offline, multi-turn chat replay at 5 and 8 turns, the plain sharegpt-like workload
 # (caching must cost it < 2%); with OLD=<tree>, the caching-on runs of shared and plain on that
-# tree too, in the same call (an A/B of a change); one layer's decode attention with and without a
-# cascade plan (cascade_probe.py); the scheduler's host cost with and without the index. Results
-# are archived to $OUT/all.tgz after each part.
+# tree too, in the same call (an A/B of a change); the scheduler's host cost with and without the
+# index. Results are archived to $OUT/all.tgz after each part.
 # Usage (repo root, on the GPU machine):  . ops/gpu/env.sh; [OLD=.old/C] [CONTROL=] bash ops/gpu/prefix_cache.sh [parts...]
-#   parts: tests shared old offline multiturn multiturn8 plain oldplain probe sched
+#   parts: tests shared old offline multiturn multiturn8 plain oldplain sched
 #   (default: tests shared offline multiturn plain sched)
 set -u
 FINAL=${OUT:-./gpu_out}; mkdir -p "$FINAL"
@@ -41,8 +40,8 @@ for part in ${*:-tests shared offline multiturn plain sched}; do
     multiturn8) bench multiturn8 300 . both --workload multi-turn --num-requests 200 --turns 8 "${SERVE[@]}" ;;
     plain) bench plain_c200 240 . both --num-requests 1000 "${SERVE[@]}" ;;
     oldplain) bench plain_c200_old 120 "${OLD:-}" on --num-requests 1000 "${SERVE[@]}" ;;  # what the change costs with nothing shared
-    probe) timeout 120 python3 ops/gpu/cascade_probe.py "$OUT/cascade_probe.json" > "$OUT/cascade_probe.txt" 2>&1 || status=1 ;;
     sched) python3 -m ops.bench.sched_bench --running 512 --steps 200 > "$OUT/sched_bench.txt" 2>&1 || status=1 ;;
+    *) echo "unknown part: $part" >&2; status=1 ;;
   esac
   tar -czf "$FINAL/all.tgz" -C "$OUT" .
 done

@@ -2,7 +2,7 @@
 # Issue 18's figures in ONE device run: restart to ready (defaults, and a 40 GiB warm tier), the
 # daemon at c200 (req/s, the process tree's CPU; a py-spy profile of agent and worker), c1 TPOT.
 # Usage (repo root, on the GPU machine):
-#   . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/startup_cpu.sh [startup] [serve] [profile] [load] [probe] [pin] [diag] [c1]
+#   . ops/gpu/env.sh; [OLD=.old/C] bash ops/gpu/startup_cpu.sh [startup] [serve] [profile] [load] [diag] [c1]
 # With OLD, the startup and serve parts run for the old tree too (alternating), for a same-run A/B.
 set -u
 # Results gather in a work folder; after each part they are archived to $OUT/all.tgz, the one file
@@ -51,20 +51,6 @@ for part in $parts; do
       load)
         [ "$name" = new ] || continue
         in_tree "$dir" 240 python3 ops/gpu/load_bench.py "${LOAD_GIB:-2}" "$OUT/load_bench.json" > "$OUT/load_bench.txt" 2>&1 || status=1 ;;
-      probe)  # a restart's engine side alone (ops/gpu/restart_load_probe.py), the third run under py-spy
-        [ "$name" = new ] || continue
-        command -v py-spy >/dev/null || export PATH=$site/bin:$PATH
-        W=$(mktemp -d /tmp/probe.XXXX)
-        for run in first restart; do
-          in_tree "$dir" 150 env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX="$W/pyc" python3 ops/gpu/restart_load_probe.py \
-            "$M" "$W" "$OUT/probe_$run.json" > "$OUT/probe_$run.txt" 2>&1 || status=1
-        done
-        in_tree "$dir" 150 env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX="$W/pyc" py-spy record --threads --idle --rate 500 -f raw \
-          -o "$OUT/probe_spied.folded" -- python3 ops/gpu/restart_load_probe.py "$M" "$W" "$OUT/probe_spied.json" \
-          > "$OUT/probe_spied.txt" 2>&1 || status=1 ;;
-      pin)
-        [ "$name" = new ] || continue
-        in_tree "$dir" 120 python3 ops/gpu/warm_tier_probe.py "$OUT/warm_tier_probe.json" > "$OUT/warm_tier_probe.txt" 2>&1 || status=1 ;;
       diag)
         [ "$name" = new ] || continue
         { echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"
@@ -83,6 +69,7 @@ print(f'in one process: import torch {t1 - t0:.3f} s, torch.cuda.init {t2 - t1:.
         in_tree "$dir" 150 python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 1 \
           --num-requests "${C1_REQUESTS:-24}" --max-model-len 4096 --max-num-seqs 256 \
           --out "$OUT/serve_c1_$name.json" > "$OUT/serve_c1_$name.txt" 2>&1 || status=1; settle ;;
+      *) echo "unknown part: $part" >&2; status=1 ;;
     esac
     tar -czf "$FINAL/all.tgz" -C "$OUT" .
   done

@@ -1,5 +1,6 @@
 """Alert rules, dashboard and installer: they parse, use only metrics the agent exports, cover
-what operators are promised, and the installer lays out a root correctly and idempotently."""
+what operators are promised, and the installer lays out a root correctly and idempotently; ops/README.md
+names every bench and device script, and every script a wrapper runs exists."""
 
 from __future__ import annotations
 
@@ -125,3 +126,14 @@ def test_install_refuses_bad_arguments(tmp_path: Path, args: tuple[str, ...], me
     proc = _install(tmp_path / "root", *args)
     assert proc.returncode != 0 and message in proc.stderr
     assert not (tmp_path / "root" / "etc").exists()
+
+
+def test_ops_readme_names_every_script_and_wrappers_run_only_present_ones() -> None:
+    readme = (REPO / "ops" / "README.md").read_text()
+    scripts = [p for p in (REPO / "ops" / "gpu").iterdir() if p.suffix in (".py", ".sh")]
+    scripts += [p for p in (REPO / "ops" / "bench").glob("*.py") if p.name != "__init__.py"]
+    named = {p.name for p in scripts if f"`{p.name}" in readme or f"`{p.stem}`" in readme}
+    assert {p.name for p in scripts} - named == set()
+    for wrapper in (REPO / "ops" / "gpu").glob("*.sh"):
+        for used in re.findall(r"ops/gpu/([A-Za-z0-9_]+\.(?:py|sh))", wrapper.read_text()):
+            assert (REPO / "ops" / "gpu" / used).exists(), f"{wrapper.name} runs a missing ops/gpu/{used}"
