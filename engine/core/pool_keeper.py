@@ -344,7 +344,7 @@ class PoolKeeper:
 
         Memory handed back must be scrubbed by the driver before it is handed out again, which a
         reload right after an unload waits for: a 90 GB allocation takes 0.04 s fresh and 0.28 s
-        right after a free (H200, ``ops/gpu/pool_fit_probe.py``), while a cached segment of the
+        right after a free (H200, docs/perf.md: the pool fit probe row), while a cached segment of the
         same or a larger size is taken back at once. The weights and the graphs' private pools
         are released (a reload of 16 GB of weights waits little, and stale graph pools would
         otherwise pile up until an allocation fails). The cycle collector runs first: a reference

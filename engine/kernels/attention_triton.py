@@ -54,7 +54,7 @@ def _dot_dtype_q(q, kc_ptr):
     """q in the dtype the dots run in: its own, or float16 for bf16 q over an e4m3 cache. e4m3
     widens to float16 exactly in one instruction a pair, to bfloat16 only by way of float32: with
     bf16 dots the e4m3 decode kernel spent its time converting and read 1.5 TB/s, slower than
-    over a bf16 cache of twice the bytes (docs/perf.md, attn_sweep). bf16 q loses nothing in
+    over a bf16 cache of twice the bytes (docs/perf.md, the attention sweep row). bf16 q loses nothing in
     float16 but range (clamped to its 65504; q entries that large do not occur in practice)."""
     if kc_ptr.dtype.element_ty == tl.float8e4nv:
         if q.dtype == tl.bfloat16:
@@ -438,7 +438,7 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
         HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
         SINGLE=splits == 1, DOT_PREC=dot_prec, ASM_V=asm_v, CS=CASCADE_SPLITS, num_warps=cfg.get("num_warps", 4),
         # two stages: ahead of three at every batch from 64 rows, bf16 (5 %) and e4m3 (18 %) caches
-        # alike (H200, ops/gpu/attn_sweep.py)
+        # alike (H200, docs/perf.md: the attention sweep row)
         num_stages=cfg.get("num_stages", 2),
     )
     if splits > 1:

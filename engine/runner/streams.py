@@ -34,7 +34,7 @@ class StreamPool:
     cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it has run a matmul on, for the
     life of the process, outside anything a model owns. With a fresh stream per load (the step
     streams, each graph set's capture stream, the load thread's) every load/unload cycle left
-    32-96 MiB of device memory behind (ops/gpu/memory_probe.py). A lent stream goes back to the
+    32-96 MiB of device memory behind (docs/perf.md, the memory probe row). A lent stream goes back to the
     pool when the object that borrowed it is collected, and the next runner reuses it, workspace
     included, so the workspaces stop at the number of models loaded at once.
     """
