@@ -225,7 +225,14 @@ class PoolKeeper:
                     s.scheduler.preempt(seq.req_id)
             if any(pool.num_used(n) for n in pool.models()):
                 raise EngineError("KV pages are still held after preempting every running sequence")
-        self._resize(target)
+        try:
+            self._resize(target)
+        except EngineError as e:
+            if new is not None:
+                raise  # a load needs this resize: it fails, contained (the runners are rebuilt)
+            # A trim only gives room back early: when the old memory cannot be let go of yet (a
+            # view of it still referenced), the pool keeps its size and every model serves on.
+            log.warning("KV pool trim %d -> %d pages skipped: %s", cur, target, e)
 
     def _resize(self, target: int) -> None:
         """Re-create the (idle) pool with ``target`` pages; runners are rebuilt on the new memory.

@@ -11,6 +11,7 @@ import torch
 
 from tests.sharp import sharpen
 from engine.load_spec import LoadSpec
+from engine.options import EngineOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.load_spec import LoadSpec
+from engine.options import EngineOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -25,6 +25,7 @@ from engine.runner.cuda_graphs import MixedGraphs
 from engine.load_spec import LoadSpec
 from tests.graph_stand_in import StandInGraphs
 from tests.sharp import sharpen
+from engine.options import EngineOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

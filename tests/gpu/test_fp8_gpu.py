@@ -20,6 +20,7 @@ from engine.kernels import activation, fp8, norm  # noqa: E402
 from engine.kernels import fp8_format as fmt  # noqa: E402
 from engine.kernels.fp8_triton import fp8_linear_small_m  # noqa: E402
 from engine.load_spec import LoadSpec  # noqa: E402
+from engine.options import EngineOptions
 
 DEV = "cuda"
 

@@ -12,6 +12,7 @@ import gc
 import pytest
 import torch
 from engine.load_spec import LoadSpec
+from engine.options import EngineOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -116,7 +117,8 @@ def test_a_load_is_decided_against_what_the_device_holds_not_only_the_books(smal
     hidden = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # outside every booking
     after = core.check_load(spec_b)
     grew = core.memory().untracked - untracked0
-    assert 2 << 30 <= grew < (2 << 30) + 256 * MiB, grew
+    # (the allocator may place a little of it in a segment it already held: up to 64 MiB less)
+    assert (2 << 30) - 64 * MiB <= grew < (2 << 30) + 256 * MiB, grew
     assert before.free - after.free == grew
     del hidden
     torch.cuda.empty_cache()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine.load_spec import LoadSpec
+from engine.options import EngineOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
