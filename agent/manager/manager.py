@@ -39,7 +39,6 @@ from agent.log import get_logger
 from agent.manager.entries import (
     BYTES_SUSPECT_CODES,
     CRASH_LOOP_LOADS,
-    NEXT_STATES,
     Admission,
     CacheBusy,
     ManagerError,
@@ -93,10 +92,9 @@ class ModelManager:
             return e
         if not create or not isinstance(name, str) or not MODEL_NAME_RE.fullmatch(name):
             raise UnknownModel(f"the model {name!r} does not exist")
-        e = ModelEntry(name=name, settings=self.settings.model(name) or ModelSettings(name=name))
         snap = self.source.snapshot(name) if self.source is not None else None
-        if snap is not None:
-            e.state, e.snapshot = State.CACHED, snap
+        e = ModelEntry(name=name, settings=self.settings.model(name) or ModelSettings(name=name),
+                       state=State.ABSENT if snap is None else State.CACHED, snapshot=snap, observer=self._observe)
         self.models[name] = e
         self.metrics.set_model_state(name, e.state.value)
         return e
@@ -108,15 +106,20 @@ class ModelManager:
             raise UnknownModel(f"the model {name!r} does not exist")
         return e
 
-    def _set(self, e: ModelEntry, state: State, reason: str = "", failure: ManagerError | None = None) -> None:
-        if state != e.state and state not in NEXT_STATES[e.state]:
-            raise ManagerError(f"{e.name}: cannot go from {e.state.value} to {state.value}")
-        if state != e.state:
-            self._log.info("model_state", model=e.name, state=state.value, previous=e.state.value, reason=reason or None)
-        e.state, e.reason, e.failure = state, reason, failure if state is State.FAILED else None
-        e.been_ready |= state is State.READY
+    def _observe(self, e: ModelEntry, previous: State) -> None:
+        """Every entry's transitions: logged, and mirrored in ``infire_model_state``."""
+        if e.state is not previous:
+            self._log.info("model_state", model=e.name, state=e.state.value, previous=previous.value,
+                           reason=e.reason or None)
         if self.models.get(e.name) is e:  # a dropped entry leaves no series behind
-            self.metrics.set_model_state(e.name, state.value)
+            self.metrics.set_model_state(e.name, e.state.value)
+
+    def _forget_load(self, e: ModelEntry) -> None:
+        """What a load gave a model, given back once it is out of the engine (unloaded, failed, or
+        gone with the worker): its tokenizer and engine info, its cache pin, its engine series."""
+        e.tokenizer, e.info = None, None
+        self._unpin(e)
+        self.metrics.forget_model(e.name)
 
     def _drop(self, e: ModelEntry) -> None:
         """Forget a name the store does not know (and nothing configures or caches): no entry,
@@ -158,7 +161,7 @@ class ModelManager:
         if e.state is State.PULLING:
             raise ManagerError(f"{name} is being pulled", retry_after=1.0)
         task = self._start(e, self._pull_op(e, verify))
-        self._set(e, State.PULLING)  # visible to the caller before the task first runs
+        e.move(State.PULLING)  # visible to the caller before the task first runs
         return task
 
     async def _pull_op(self, e: ModelEntry, verify: bool) -> None:
@@ -168,24 +171,24 @@ class ModelManager:
     async def _pull(self, e: ModelEntry, verify: bool = False) -> None:
         """Pull (verifying every sha256 with ``verify`` or after a failed load) and repair."""
         if self.source is None:
-            self._set(e, State.FAILED, "no model store is configured")
+            e.move(State.FAILED, "no model store is configured")
             return
-        self._set(e, State.PULLING)
+        e.move(State.PULLING)
         t0 = time.monotonic()
         try:
             e.snapshot = await self.source.pull(e.name, verify=verify or e.needs_repair)
         except ModelNotInStore as ex:
-            self._set(e, State.FAILED, f"pull failed: {ex}", UnknownModel(str(ex)))
+            e.move(State.FAILED, f"pull failed: {ex}", UnknownModel(str(ex)))
             if self.settings.model(e.name) is None and (e.snapshot is None or not e.snapshot.exists()):
                 self._drop(e)
             return
         except Exception as ex:
             self.metrics.pull_failures.labels(model=e.name).inc()
-            self._set(e, State.FAILED, f"pull failed: {type(ex).__name__}: {ex}")
+            e.move(State.FAILED, f"pull failed: {type(ex).__name__}: {ex}")
             return
         e.needs_repair = False
         self.metrics.pull_seconds.labels(model=e.name).observe(time.monotonic() - t0)
-        self._set(e, State.CACHED)
+        e.move(State.CACHED)
 
     def load(self, name: str, *, quantization: str | None | EllipsisType = ...,
              kv_cache_dtype: str | None | EllipsisType = ...) -> asyncio.Task[None] | None:
@@ -212,7 +215,7 @@ class ModelManager:
         task = self._start(e, self._load(e))
         e.crashed_loads = 0  # asked for again (an operator, a preload, a request): a fresh count
         files_ok = e.snapshot is not None and e.snapshot.exists() and not e.needs_repair
-        self._set(e, State.LOADING if files_ok else State.PULLING)
+        e.move(State.LOADING if files_ok else State.PULLING)
         return task
 
     async def _load(self, e: ModelEntry) -> None:
@@ -225,8 +228,8 @@ class ModelManager:
                 self._log.exception("load_error", model=e.name)
                 if e.state is not State.FAILED:
                     e.want_loaded = False
-                    self._unpin(e)
-                    self._set(e, State.FAILED, f"load failed: {type(ex).__name__}: {ex}")
+                    self._forget_load(e)
+                    e.move(State.FAILED, f"load failed: {type(ex).__name__}: {ex}")
 
     async def _load_locked(self, e: ModelEntry) -> None:
         e.phases = {}
@@ -236,7 +239,7 @@ class ModelManager:
             e.phases["pull"] = (t, time.monotonic())
             if e.state is not State.CACHED:
                 return
-        self._set(e, State.LOADING)
+        e.move(State.LOADING)
         e.want_loaded, e.refusal = True, {}
         in_engine = False
         try:
@@ -274,15 +277,14 @@ class ModelManager:
                     await self.worker.unload(e.name)  # do not leave a half-good model holding memory
                 except WorkerError:
                     pass
-            e.tokenizer = None
-            self._unpin(e)
+            self._forget_load(e)
             failure = ex if isinstance(ex, ManagerError) else None
-            self._set(e, State.FAILED, str(ex) if failure is not None else f"load failed: {ex}", failure)
+            e.move(State.FAILED, str(ex) if failure is not None else f"load failed: {ex}", failure)
             return
         self.metrics.load_seconds.labels(model=e.name).observe(e.load_seconds)
         e.touch()  # keep_alive and LRU count from the load, not from an older use
         e.crashed_loads = 0
-        self._set(e, State.READY)
+        e.move(State.READY)
 
     def _tokenizer(self, e: ModelEntry) -> Any:
         t = time.monotonic()
@@ -316,7 +318,7 @@ class ModelManager:
             return  # it changed since the offer: the retry will be refused if room is still short
         self._log.info("evict", model=v.name, reason=why)
         v.task = asyncio.create_task(self._unload(v, reason=why), name=f"evict-{v.name}")
-        self._set(v, State.DRAINING, why)  # before any await: no request is admitted past this
+        v.move(State.DRAINING, why)  # before any await: no request is admitted past this
         await asyncio.shield(v.task)
 
     async def _pin(self, e: ModelEntry) -> None:
@@ -388,14 +390,14 @@ class ModelManager:
         if e.state is State.FAILED and not e.want_loaded and (e.task is None or e.task.done()):
             # Nothing of it is in the engine: unloading clears the failure.
             e.refusal = {}
-            self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT, "unloaded after a failure")
+            e.move(e.at_rest, "unloaded after a failure")
             return None
         if e.state in (State.CACHED, State.ABSENT):
             return None
         if e.state is not State.READY:
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
         task = self._start(e, self._unload(e, drain_s))
-        self._set(e, State.DRAINING)
+        e.move(State.DRAINING)
         return task
 
     async def _unload(self, e: ModelEntry, drain_s: float | None = None, reason: str = "") -> None:
@@ -403,23 +405,21 @@ class ModelManager:
             await self._unload_locked(e, drain_s, reason)
 
     async def _unload_locked(self, e: ModelEntry, drain_s: float | None, reason: str) -> None:
-        self._set(e, State.DRAINING, reason)
+        e.move(State.DRAINING, reason)
         e.want_loaded = False
         deadline = time.monotonic() + (self.settings.server.drain_timeout if drain_s is None else drain_s)
         while e.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if e.in_flight:
             self._log.warning("drain_timeout", model=e.name, in_flight=e.in_flight)
-        self._set(e, State.UNLOADING, reason)
+        e.move(State.UNLOADING, reason)
         try:
             if self.worker.alive:
                 await self.worker.unload(e.name)  # aborts whatever did not drain in time
         except WorkerError as ex:
             self._log.warning("unload_error", model=e.name, error=str(ex))
-        e.tokenizer, e.info = None, None
-        self._unpin(e)
-        self.metrics.forget_model(e.name)
-        self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT, reason)
+        self._forget_load(e)
+        e.move(e.at_rest, reason)
 
     def set_pin(self, name: str, pinned: bool | None) -> ModelEntry:
         """Pin (never evicted, never unloaded when idle) or unpin; None goes back to the config."""
@@ -454,7 +454,7 @@ class ModelManager:
                 self._log.info("keep_alive_unload", model=e.name, idle_s=round(e.idle_for(time.monotonic()), 3),
                                keep_alive_s=e.settings.keep_alive)
                 e.task = asyncio.create_task(self._unload(e, reason="idle past keep_alive"), name=f"idle-{e.name}")
-                self._set(e, State.DRAINING, "idle past keep_alive")
+                e.move(State.DRAINING, "idle past keep_alive")
 
     async def preload(self) -> None:
         """Load every ``preload`` model; returns when each is ready or failed."""
@@ -487,18 +487,15 @@ class ModelManager:
                     e.crashed_loads += 1
                 if e.want_loaded and e.crashed_loads >= CRASH_LOOP_LOADS:
                     e.want_loaded = False
-                    self._unpin(e)
-                    e.tokenizer, e.info = None, {}
-                    self._set(e, State.FAILED, f"the engine worker died during {e.crashed_loads} of its loads; "
+                    self._forget_load(e)
+                    e.move(State.FAILED, f"the engine worker died during {e.crashed_loads} of its loads; "
                                                "not reloaded automatically (load it to try again)")
                 elif e.want_loaded:
-                    self._set(e, State.LOADING, "the engine worker restarted; reloading")
+                    e.move(State.LOADING, "the engine worker restarted; reloading")
                 else:  # it was on its way out anyway: finish the unload's bookkeeping
-                    self._set(e, State.UNLOADING, "the engine worker exited")
-                    e.tokenizer, e.info = None, None
-                    self._unpin(e)
-                    self.metrics.forget_model(e.name)
-                    self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT)
+                    e.move(State.UNLOADING, "the engine worker exited")
+                    self._forget_load(e)
+                    e.move(e.at_rest)
 
     async def on_worker_up(self) -> None:
         """Reload what was loaded when the worker died, one model at a time in priority order

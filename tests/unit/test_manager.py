@@ -29,11 +29,11 @@ def test_configured_models_start_absent(mgr: ModelManager) -> None:
 def test_illegal_transitions_are_refused(mgr: ModelManager) -> None:
     e = mgr.get("m")
     with pytest.raises(ManagerError, match="cannot go from absent to ready"):
-        mgr._set(e, State.READY)
-    mgr._set(e, State.PULLING)
-    mgr._set(e, State.CACHED)
+        e.move(State.READY)
+    e.move(State.PULLING)
+    e.move(State.CACHED)
     with pytest.raises(ManagerError):
-        mgr._set(e, State.DRAINING)
+        e.move(State.DRAINING)
     assert b'infire_model_state{model="m",state="cached"} 1.0' in mgr.metrics.render()
 
 
