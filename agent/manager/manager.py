@@ -144,11 +144,24 @@ class ModelManager:
 
     # --- background operations --------------------------------------------------------------
 
-    def _start(self, e: ModelEntry, coro: Any) -> asyncio.Task[None]:
-        if e.task is not None and not e.task.done():
-            coro.close()
+    def _run(self, e: ModelEntry, kind: str, op: Callable[..., Awaitable[None]], *args: Any,
+             state: State | None = None, reason: str = "") -> asyncio.Task[None]:
+        """Start ``op(*args)`` as ``e``'s one operation (``e.task``), run under ``e.lock``.
+
+        Refused with ManagerError (retry_after) while another operation runs on ``e``. ``state``
+        is entered now, before the task first runs: what callers and requests see at once (a
+        draining model admits nothing more). The entry signals a change when the task ends."""
+        if e.busy:
             raise ManagerError(f"{e.name} is {e.state.value}; try again when that finishes", retry_after=1.0)
-        e.task = asyncio.create_task(coro, name=f"model-{e.name}")
+        if state is not None:
+            e.move(state, reason)
+
+        async def locked() -> None:
+            async with e.lock:
+                await op(*args)
+
+        e.task = asyncio.create_task(locked(), name=f"{kind}-{e.name}")
+        e.task.add_done_callback(lambda _: e.signal_change())
         return e.task
 
     def pull(self, name: str, verify: bool = False) -> asyncio.Task[None] | None:
@@ -160,13 +173,7 @@ class ModelManager:
             return None
         if e.state is State.PULLING:
             raise ManagerError(f"{name} is being pulled", retry_after=1.0)
-        task = self._start(e, self._pull_op(e, verify))
-        e.move(State.PULLING)  # visible to the caller before the task first runs
-        return task
-
-    async def _pull_op(self, e: ModelEntry, verify: bool) -> None:
-        async with e.lock:
-            await self._pull(e, verify)
+        return self._run(e, "pull", self._pull, e, verify, state=State.PULLING)
 
     async def _pull(self, e: ModelEntry, verify: bool = False) -> None:
         """Pull (verifying every sha256 with ``verify`` or after a failed load) and repair."""
@@ -212,26 +219,24 @@ class ModelManager:
             e.settings = e.settings.model_copy(update=asked)
         if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
-        task = self._start(e, self._load(e))
-        e.crashed_loads = 0  # asked for again (an operator, a preload, a request): a fresh count
         files_ok = e.snapshot is not None and e.snapshot.exists() and not e.needs_repair
-        e.move(State.LOADING if files_ok else State.PULLING)
+        task = self._run(e, "load", self._load, e, state=State.LOADING if files_ok else State.PULLING)
+        e.crashed_loads = 0  # asked for again (an operator, a preload, a request): a fresh count
         return task
 
     async def _load(self, e: ModelEntry) -> None:
-        async with e.lock:
-            try:
-                await self._load_locked(e)
-            except asyncio.CancelledError:
-                raise
-            except Exception as ex:  # unforeseen: the model still ends in a state with its reason
-                self._log.exception("load_error", model=e.name)
-                if e.state is not State.FAILED:
-                    e.want_loaded = False
-                    self._forget_load(e)
-                    e.move(State.FAILED, f"load failed: {type(ex).__name__}: {ex}")
+        try:
+            await self._load_steps(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as ex:  # unforeseen: the model still ends in a state with its reason
+            self._log.exception("load_error", model=e.name)
+            if e.state is not State.FAILED:
+                e.want_loaded = False
+                self._forget_load(e)
+                e.move(State.FAILED, f"load failed: {type(ex).__name__}: {ex}")
 
-    async def _load_locked(self, e: ModelEntry) -> None:
+    async def _load_steps(self, e: ModelEntry) -> None:
         e.phases = {}
         if e.snapshot is None or not e.snapshot.exists() or e.needs_repair:
             t = time.monotonic()
@@ -314,12 +319,12 @@ class ModelManager:
 
     async def _evict(self, v: ModelEntry, why: str) -> None:
         """Unload an idle model as its own operation (so the admin API sees it busy)."""
-        if v.state is not State.READY or v.in_flight or (v.task is not None and not v.task.done()):
+        if v.state is not State.READY or v.in_flight or v.busy:
             return  # it changed since the offer: the retry will be refused if room is still short
         self._log.info("evict", model=v.name, reason=why)
-        v.task = asyncio.create_task(self._unload(v, reason=why), name=f"evict-{v.name}")
-        v.move(State.DRAINING, why)  # before any await: no request is admitted past this
-        await asyncio.shield(v.task)
+        # draining before any await: no request is admitted past this
+        task = self._run(v, "evict", self._unload, v, None, why, state=State.DRAINING, reason=why)
+        await asyncio.shield(task)
 
     async def _pin(self, e: ModelEntry) -> None:
         """Keep the cache from evicting a model that is loaded or loading (idempotent). The
@@ -358,23 +363,22 @@ class ModelManager:
         e = self.get(name)
         if e.state not in (State.CACHED, State.FAILED, State.ABSENT, State.READY):
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
-        return self._start(e, self._verify_files(e))
+        return self._run(e, "verify", self._verify_files, e)
 
     async def _verify_files(self, e: ModelEntry) -> None:
-        async with e.lock:
-            cached = e.snapshot is not None and e.snapshot.exists()
-            try:
-                problems = await self.source.check(e.name, rehash=True) if cached else ["not cached"]
-            except CacheError as ex:
-                problems = [str(ex)]
-            repaired = False
-            if problems and e.state is State.READY:
-                e.needs_repair = True  # in use: repaired by the next load
-            elif problems or e.needs_repair:
-                await self._pull(e, verify=True)
-                repaired = e.state is State.CACHED
-            e.last_verify = {"ok": not problems, "problems": problems, "repaired": repaired}
-            self._log.info("model_verify", model=e.name, **e.last_verify)
+        cached = e.snapshot is not None and e.snapshot.exists()
+        try:
+            problems = await self.source.check(e.name, rehash=True) if cached else ["not cached"]
+        except CacheError as ex:
+            problems = [str(ex)]
+        repaired = False
+        if problems and e.state is State.READY:
+            e.needs_repair = True  # in use: repaired by the next load
+        elif problems or e.needs_repair:
+            await self._pull(e, verify=True)
+            repaired = e.state is State.CACHED
+        e.last_verify = {"ok": not problems, "problems": problems, "repaired": repaired}
+        self._log.info("model_verify", model=e.name, **e.last_verify)
 
     async def _wait_worker(self) -> None:
         # Woken by the worker's Hello (a load sent then starts at once, not at the next poll).
@@ -387,7 +391,7 @@ class ModelManager:
         """Start draining (up to ``drain_s``, default ``server.drain_timeout``; then what is left
         is aborted) and unloading; None when it is not loaded."""
         e = self.get(name)
-        if e.state is State.FAILED and not e.want_loaded and (e.task is None or e.task.done()):
+        if e.state is State.FAILED and not e.want_loaded and not e.busy:
             # Nothing of it is in the engine: unloading clears the failure.
             e.refusal = {}
             e.move(e.at_rest, "unloaded after a failure")
@@ -396,15 +400,10 @@ class ModelManager:
             return None
         if e.state is not State.READY:
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
-        task = self._start(e, self._unload(e, drain_s))
-        e.move(State.DRAINING)
-        return task
+        return self._run(e, "unload", self._unload, e, drain_s, "", state=State.DRAINING)
 
-    async def _unload(self, e: ModelEntry, drain_s: float | None = None, reason: str = "") -> None:
-        async with e.lock:
-            await self._unload_locked(e, drain_s, reason)
-
-    async def _unload_locked(self, e: ModelEntry, drain_s: float | None, reason: str) -> None:
+    async def _unload(self, e: ModelEntry, drain_s: float | None, reason: str) -> None:
+        """Drain (up to ``drain_s``), unload from the engine, give back what the load gave."""
         e.move(State.DRAINING, reason)
         e.want_loaded = False
         deadline = time.monotonic() + (self.settings.server.drain_timeout if drain_s is None else drain_s)
@@ -453,8 +452,8 @@ class ModelManager:
             for e in self._planner.idle_expired(time.monotonic()):
                 self._log.info("keep_alive_unload", model=e.name, idle_s=round(e.idle_for(time.monotonic()), 3),
                                keep_alive_s=e.settings.keep_alive)
-                e.task = asyncio.create_task(self._unload(e, reason="idle past keep_alive"), name=f"idle-{e.name}")
-                e.move(State.DRAINING, "idle past keep_alive")
+                why = "idle past keep_alive"
+                self._run(e, "idle", self._unload, e, None, why, state=State.DRAINING, reason=why)
 
     async def preload(self) -> None:
         """Load every ``preload`` model; returns when each is ready or failed."""
@@ -481,7 +480,7 @@ class ModelManager:
             if e.state in (State.READY, State.DRAINING, State.UNLOADING) or (e.state is State.LOADING and e.want_loaded):
                 # its load (or the canary's first decode) was in the worker when it died
                 in_engine_load = e.state is State.LOADING and "verify" in e.phases and "canary" not in e.phases
-                if e.task is not None and not e.task.done():
+                if e.busy:
                     e.task.cancel()
                 if in_engine_load:
                     e.crashed_loads += 1
@@ -501,22 +500,21 @@ class ModelManager:
         """Reload what was loaded when the worker died, one model at a time in priority order
         (pinned, then preload, then the most recently used), so the first back serve first and
         a model that cannot come back does not hold the others behind a shared failure."""
-        order = self.reload_order([e for e in self.models.values()
-                                   if e.state is State.LOADING and e.want_loaded and (e.task is None or e.task.done())])
-        if order:
-            chain = asyncio.create_task(self._reload_in_order(order), name="reload-after-restart")
-            for e in order:
-                e.task = chain
+        before: asyncio.Task[None] | None = None
+        for e in self.reload_order([e for e in self.models.values()
+                                    if e.state is State.LOADING and e.want_loaded and not e.busy]):
+            before = self._run(e, "reload", self._reload_after, e, before)
 
     @staticmethod
     def reload_order(entries: list[ModelEntry]) -> list[ModelEntry]:
         """Pinned first, then preload, then by last use (most recent first)."""
         return sorted(entries, key=lambda e: (not e.pin, not e.settings.preload, -e.last_used_mono))
 
-    async def _reload_in_order(self, order: list[ModelEntry]) -> None:
-        for e in order:
-            if e.state is not State.LOADING or not e.want_loaded:
-                continue  # unloaded or failed meanwhile
+    async def _reload_after(self, e: ModelEntry, before: asyncio.Task[None] | None) -> None:
+        """Reload ``e`` once the reload ahead of it (``before``) has ended, however it ended."""
+        if before is not None:
+            await asyncio.wait([before])  # never cancels ``before``, unlike awaiting it
+        if e.state is State.LOADING and e.want_loaded:  # not failed or unloaded meanwhile
             await self._load(e)
 
     # --- admission --------------------------------------------------------------------------
@@ -557,7 +555,7 @@ class ModelManager:
         while e.state is not State.READY:
             if e.state is State.FAILED and e.crashed_loads >= CRASH_LOOP_LOADS:
                 return self.admit(name)  # refused with its reason
-            if e.task is None or e.task.done():
+            if not e.busy:
                 startable = e.state is State.CACHED or (e.state in (State.ABSENT, State.FAILED) and (
                     self.source is not None or (e.snapshot is not None and e.state is State.FAILED)))
                 if not startable and e.state in (State.ABSENT, State.FAILED):
@@ -583,7 +581,7 @@ class ModelManager:
             self._keep_alive.cancel()
             await asyncio.gather(self._keep_alive, return_exceptions=True)
         for e in self.models.values():
-            if e.task is not None and not e.task.done():
+            if e.busy:
                 e.task.cancel()
         await asyncio.gather(*(e.task for e in self.models.values() if e.task is not None), return_exceptions=True)
 

@@ -237,7 +237,7 @@ async def test_after_a_restart_models_come_back_one_at_a_time_in_priority_order(
     w.order = []
     await _restart(mgr, w)
     assert {mgr.get(n).state for n in ("pinned", "pre", "old", "new")} == {State.LOADING}
-    await mgr.get("pinned").task
+    await mgr.get("old").task  # the last in line
     assert w.order == ["pinned", "pre", "new", "old"] and w.max_active == 1
     assert {mgr.get(n).state for n in ("pinned", "pre", "old", "new")} == {State.READY}
 
