@@ -177,8 +177,8 @@ class ModelEntry:
         return getattr(self.settings, key)
 
     def signal_change(self) -> None:
-        """Wake every ``wait_change``: a transition, or an operation that ended (its state may not
-        have moved, e.g. a pull that leaves it cached)."""
+        """Wake every ``wait_change``: a transition, an operation that ended (its state may not
+        have moved, e.g. a pull that leaves it cached), the last request in flight that ended."""
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
@@ -224,3 +224,5 @@ class Admission:
     def __exit__(self, *exc: Any) -> None:
         self.entry.in_flight -= 1
         self.entry.touch()
+        if self.entry.in_flight == 0:
+            self.entry.signal_change()  # a drain waits for the last one out

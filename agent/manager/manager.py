@@ -407,8 +407,8 @@ class ModelManager:
         e.move(State.DRAINING, reason)
         e.want_loaded = False
         deadline = time.monotonic() + (self.settings.server.drain_timeout if drain_s is None else drain_s)
-        while e.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        while e.in_flight and (left := deadline - time.monotonic()) > 0:
+            await e.wait_change(left)  # the last request out signals
         if e.in_flight:
             self._log.warning("drain_timeout", model=e.name, in_flight=e.in_flight)
         e.move(State.UNLOADING, reason)
@@ -567,11 +567,7 @@ class ModelManager:
                 why = f" ({e.reason})" if e.reason else ""
                 raise ModelNotReady(f"the model {name!r} did not become ready within {limit:g} s "
                                     f"(it is {e.state.value}){why}", retry_after=max(1.0, limit / 4))
-            task = e.task
-            if task is not None and not task.done():
-                await asyncio.wait([asyncio.ensure_future(asyncio.shield(task))], timeout=min(left, 0.5))
-            else:
-                await asyncio.sleep(min(left, 0.05))
+            await e.wait_change(left)  # a transition, or the operation's end (it may leave no trace)
             if e.state is State.FAILED:
                 raise ModelNotReady(f"the model {name!r} could not be loaded: {e.reason}", retry_after=max(1.0, limit / 4))
         return self.admit(name)

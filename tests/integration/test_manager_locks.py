@@ -263,3 +263,17 @@ async def test_a_model_whose_load_took_the_worker_down_twice_is_failed_not_retri
     w.hang = ""
     await mgr.load("bad")  # an operator's load does
     assert mgr.get("bad").state is State.READY and mgr.get("bad").crashed_loads == 0
+
+
+async def test_an_unload_drains_until_the_last_request_ends(monkeypatch, tmp_path) -> None:
+    mgr = _manager(monkeypatch, tmp_path, FakeWorker(), '[{"name": "d"}]', ["d"])
+    await mgr.load("d")
+    admission = mgr.admit("d")
+    admission.__enter__()
+    unloading = mgr.unload("d", drain_s=30.0)
+    await asyncio.sleep(0.1)
+    assert mgr.get("d").state is State.DRAINING
+    t0 = time.monotonic()
+    admission.__exit__(None, None, None)  # the last one out wakes the drain
+    await asyncio.wait_for(unloading, 5.0)
+    assert mgr.get("d").state is State.CACHED and time.monotonic() - t0 < 5.0
