@@ -6,12 +6,15 @@ Each model has one state::
                   ↘         ↘          ↘                         ↘
                    failed (with a reason; a later pull or load starts over)
 
-Every transition is logged (``model_state``) and mirrored in ``infire_model_state``. Pulls go
-through the disk cache (:class:`ModelSource`), loads and unloads through the engine worker.
-Long operations run as background tasks owned by the manager, one per model at a time (and
-under the model's lock), so a slow load never blocks another model's traffic; callers either
-poll the state or await the task. When the worker dies, models that were ready go back to
-loading and are loaded again once a new worker says hello.
+An entry makes its own transitions (``ModelEntry.move``); the manager logs each one
+(``model_state``) and mirrors it in ``infire_model_state``. Pulls go through the disk cache
+(:class:`ModelSource`), loads and unloads through the engine worker. Every operation on a model
+(pull, load, unload, eviction, keep-alive unload, verify, reload after a restart) is started by
+one helper, ``_run``: a background task owned by the manager, one per model at a time and under
+the model's lock, so a slow load never blocks another model's traffic; a second operation is
+refused (retry_after) while one runs. Callers await the task, or wait on the entry's change
+signal (``admit_wait``, a drain). When the worker dies, models that were ready go back to
+loading and are loaded again, one at a time, once a new worker says hello.
 
 Room for a load: one global ``asyncio.Lock`` (the room lock) covers "plan → evict → load" so two
 loads never plan on the same free bytes; pulls, tokenizer loads and the post-load check stay
@@ -22,7 +25,8 @@ is tried once more; a second refusal, or one that eviction cannot cure, fails th
 engine's numbers. Idle models are unloaded once their keep_alive has passed; with autoload on,
 a request for a cached model that is not loaded loads it first.
 
-The states, errors and the per-model entry are in ``agent.manager.entries``.
+The states, errors and the per-model entry are in ``agent.manager.entries``; what the admin API
+shows of a model is built from the entry in ``agent.http.admin_view`` (the manager keeps no view).
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ Verifier = Callable[[ModelEntry], Awaitable[bool]]
 
 
 class ModelManager:
+    """The models' registry and their operations: start them (``pull``, ``load``, ``unload``,
+    ``verify_files``: each returns the operation's task), admit requests (``admit``,
+    ``admit_wait``), react to the worker (``on_worker_down``, ``on_worker_up``)."""
+
     def __init__(self, settings: Settings, worker: WorkerClient, source: ModelSource | None,
                  metrics: Metrics, load_tokenizer: TokenizerLoader, verify: Verifier | None = None) -> None:
         self.settings = settings
@@ -207,9 +215,9 @@ class ModelManager:
         e = self._entry(name, create=self.source is not None)
         if e.state is State.READY:
             # against what the load runs with (a pre-quantized checkpoint is FP8 whatever was asked)
-            differ = [f"{k} {self._format(e, k) or 'none'}" for k, v in
+            differ = [f"{k} {e.effective(k) or 'none'}" for k, v in
                       (("quantization", quantization), ("kv_cache_dtype", kv_cache_dtype))
-                      if v is not ... and v != self._format(e, k)]
+                      if v is not ... and v != e.effective(k)]
             if differ:
                 raise ManagerError(f"{name} is loaded with {', '.join(differ)}; unload it first")
             return None
@@ -580,48 +588,3 @@ class ModelManager:
             if e.busy:
                 e.task.cancel()
         await asyncio.gather(*(e.task for e in self.models.values() if e.task is not None), return_exceptions=True)
-
-    # --- views ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _format(e: ModelEntry, key: str) -> str | None:
-        """``quantization`` / ``kv_cache_dtype`` of a model: what its load runs with once ready
-        (the engine decides for a pre-quantized checkpoint), its settings' until then."""
-        if e.state is State.READY and e.info is not None:
-            return getattr(e.info, key)
-        return getattr(e.settings, key)
-
-    def describe(self, e: ModelEntry) -> dict[str, Any]:
-        st = self.worker.state
-        # The engine's row of a ready model: none before it is ready, nor while the last Status
-        # describes its load before (its Loaded info has the bytes and pages then).
-        s = st.models.get(e.name) if e.state is State.READY and e.name not in st.stale_models else None
-        info = e.info
-        if s is not None:
-            device_bytes, pages_total = s.device_bytes, s.kv_pages_total
-        elif info is not None:
-            device_bytes, pages_total = info.device_bytes, info.kv_pages
-        else:
-            device_bytes, pages_total = 0, 0
-        live = s is not None
-        return {
-            "name": e.name, "state": e.state.value, "reason": e.reason or None,
-            "device_bytes": device_bytes,
-            "kv_pages": {"used": s.kv_pages_used if live else 0, "total": pages_total,
-                         "prefix_cached": s.prefix_cached_pages if live else 0},
-            "prefix_cache": ({"enabled": True, "queried_tokens": s.prefix_queried_tokens if live else 0,
-                              "hit_tokens": s.prefix_hit_tokens if live else 0,
-                              "cascade_rows": s.cascade_rows if live else 0}
-                             if e.settings.prefix_caching else {"enabled": False}),
-            "running": s.running if live else 0, "waiting": s.waiting if live else 0,
-            "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
-            "max_model_len": info.max_model_len if info is not None else e.settings.max_model_len,
-            "quantization": self._format(e, "quantization"), "kv_cache_dtype": self._format(e, "kv_cache_dtype"),
-            "vocab_size": info.vocab_size if info is not None else None,
-            "preload": e.settings.preload, "queue_limit": e.queue_limit, "pinned": e.pin,
-            "autoload": self.autoload_enabled(e), "keep_alive_s": e.settings.keep_alive,
-            "idle_s": round(e.idle_for(time.monotonic()), 3) if e.state is State.READY else None,
-            "refusal": e.refusal or None,
-            "snapshot": str(e.snapshot) if e.snapshot is not None else None,
-            "pull": self.source.pull_progress(e.name) if e.state is State.PULLING and self.source else None,
-        }

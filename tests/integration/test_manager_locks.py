@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from agent.config import load_settings
+from agent.http.admin_view import model_view
 from agent.manager.entries import ManagerError, ModelNotReady, State
 from agent.manager.manager import ModelManager
 from agent.metrics import Metrics
@@ -186,7 +187,7 @@ async def test_max_queue_bounds_requests_in_flight(monkeypatch, tmp_path) -> Non
     with pytest.raises(QueueFull) as ex:
         mgr.admit("q")
     assert ex.value.status == 503 and ex.value.retry_after
-    assert len(held) == 3 and mgr.describe(mgr.get("q"))["queue_limit"] == 3
+    assert len(held) == 3 and model_view(mgr, mgr.get("q"))["queue_limit"] == 3
 
 
 async def test_autoload_pulls_a_configured_model_that_is_only_in_the_store(monkeypatch, tmp_path) -> None:

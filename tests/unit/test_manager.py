@@ -1,10 +1,11 @@
-"""ModelManager bookkeeping that needs no worker process: states, admission, views."""
+"""ModelManager bookkeeping that needs no worker process: states, admission, a model's admin view."""
 
 from __future__ import annotations
 
 import pytest
 
 from agent.config import load_settings
+from agent.http.admin_view import model_view
 from agent.manager.entries import ManagerError, ModelNotReady, QueueFull, State, UnknownModel
 from agent.manager.manager import ModelManager
 from agent.metrics import Metrics
@@ -63,5 +64,5 @@ def test_without_a_store_pulls_and_unknown_loads_are_refused(mgr: ModelManager) 
         mgr.pull("m")
     with pytest.raises(UnknownModel):
         mgr.load("not-configured")
-    d = mgr.describe(mgr.get("m"))
+    d = model_view(mgr, mgr.get("m"))
     assert {"name", "state", "device_bytes", "kv_pages", "in_flight", "last_used"} <= set(d)
