@@ -496,7 +496,7 @@ class ModelManager:
                     e.want_loaded = False
                     self._forget_load(e)
                     e.move(State.FAILED, f"the engine worker died during {e.crashed_loads} of its loads; "
-                                               "not reloaded automatically (load it to try again)")
+                                         "not reloaded automatically (load it to try again)")
                 elif e.want_loaded:
                     e.move(State.LOADING, "the engine worker restarted; reloading")
                 else:  # it was on its way out anyway: finish the unload's bookkeeping
@@ -507,7 +507,8 @@ class ModelManager:
     async def on_worker_up(self) -> None:
         """Reload what was loaded when the worker died, one model at a time in priority order
         (pinned, then preload, then the most recently used), so the first back serve first and
-        a model that cannot come back does not hold the others behind a shared failure."""
+        a model that cannot come back does not hold the others behind a shared failure. Each
+        reload is its model's own operation (busy to the admin API), queued behind the one ahead."""
         before: asyncio.Task[None] | None = None
         for e in self.reload_order([e for e in self.models.values()
                                     if e.state is State.LOADING and e.want_loaded and not e.busy]):
