@@ -4,28 +4,24 @@ Served on the TCP listener behind a bearer token (``server.admin_token``, compar
 time; with no token configured, admin over TCP is refused) and on the admin unix socket without
 one: the socket's file mode (0660) is the access control there. Load, unload and pull run in the
 background: the answer is 202 with the model's state to poll, or, with ``?wait=true``, the final
-state once the operation has finished.
+state once the operation has finished. The JSON shapes are agent/http/admin_view.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import math
-import os
 import socket
-import time
 from typing import Any
 
 from aiohttp import web
 
-import agent
 from agent.config import MODEL_NAME_RE
 from agent.context import AgentContext
+from agent.http.admin_view import model_view, models_view, status_view
 from agent.http.health import Health
 from agent.manager.entries import ManagerError, State
-from engine.stats import ModelStats
 
 MAX_WAIT_S = 3600.0
 
@@ -35,24 +31,6 @@ def _error(status: int, message: str, code: str, retry_after: float | None = Non
     kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": code}},
                              status=status, headers=headers)
-
-
-def engine_row(s: ModelStats) -> dict[str, Any]:
-    """A model's engine figures in the status view: the prefix, cascade and grammar ones only for
-    a model that uses the feature (its flag; the figures are 0 otherwise)."""
-    row: dict[str, Any] = {"running": s.running, "waiting": s.waiting, "kv_pages_used": s.kv_pages_used,
-                           "kv_pages_total": s.kv_pages_total, "device_bytes": s.device_bytes, "parked": s.yield_waits,
-                           "parked_s": s.yield_wait_s}
-    if s.prefix_caching:
-        row.update(prefix_cached_pages=s.prefix_cached_pages, prefix_queried_tokens=s.prefix_queried_tokens,
-                   prefix_hit_tokens=s.prefix_hit_tokens)
-    if s.cascade:
-        row.update(cascade_rows=s.cascade_rows, cascade_steps=s.cascade_steps)
-    if s.constrained:
-        row.update(grammar_compiles=s.grammar_compiles, grammar_cache_hits=s.grammar_cache_hits,
-                   grammar_compile_s=s.grammar_compile_s, grammar_mask_s=s.grammar_mask_s,
-                   grammar_masked_rows=s.grammar_masked_rows, grammar_masked_steps=s.grammar_masked_steps)
-    return row
 
 
 def is_unix_peer(request: web.Request) -> bool:
@@ -106,51 +84,18 @@ class AdminApi:
 
     # --- views ------------------------------------------------------------------------------
 
-    def status_dict(self) -> dict[str, Any]:
-        ctx = self.ctx
-        w = ctx.worker.state
-        now = time.monotonic()
-        models = [ctx.manager.describe(e) for e in sorted(ctx.manager.models.values(), key=lambda e: e.name)]
-        cache = ctx.manager.source.stats() if ctx.manager.source is not None else {}
-        return {
-            "version": agent.__version__,
-            "pid": os.getpid(),
-            "uptime_s": round(now - ctx.started, 3),
-            "ready": self.health.ready()[0],
-            "draining": ctx.draining,
-            "worker": {
-                "pid": ctx.worker.pid, "alive": w.alive, "device": w.device, "engine_error": w.engine_error or None,
-                "restarts": w.restarts, "last_exit": w.last_exit or None, "steps": w.steps, "phase": w.phase,
-                "heartbeat_age_s": round(now - w.last_frame, 3) if w.alive else None,
-            },
-            "budget": ctx.budget(),
-            "cache": {"max_bytes": int(cache.get("max_bytes", ctx.settings.cache.max_bytes)),
-                      "used_bytes": int(cache.get("used_bytes", 0)), "dir": str(ctx.settings.cache.dir)},
-            # Where this agent pulls from: `infire-agent publish` with no store set publishes here.
-            "store": ctx.settings.store.model_dump(),
-            "models": models,
-            # The worker's last EngineCore.stats(): what the engine itself holds, per model.
-            "engine": {"models": {name: engine_row(s) for name, s in w.models.items()},
-                       "kv_pages_used": sum(s.kv_pages_used for s in w.models.values()),
-                       # the ledger's split in bytes (Status.memory)
-                       "memory": dataclasses.asdict(w.memory) if w.memory is not None else None},
-            # The start from exec to ready by phase, seconds since the agent's exec (agent/startup.py).
-            "startup": ctx.startup_record(),
-        }
-
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.status_dict())
+        return web.json_response(status_view(self.ctx, self.health.ready()[0]))
 
     async def list_models(self, request: web.Request) -> web.Response:
-        m = self.ctx.manager
-        return web.json_response({"models": [m.describe(e) for e in sorted(m.models.values(), key=lambda e: e.name)]})
+        return web.json_response({"models": models_view(self.ctx.manager)})
 
     async def get_model(self, request: web.Request) -> web.Response:
         try:
             e = self.ctx.manager.get(request.match_info["name"])
         except ManagerError as ex:
             return _error(ex.status, str(ex), ex.code)
-        return web.json_response({"model": self.ctx.manager.describe(e)})
+        return web.json_response({"model": model_view(self.ctx.manager, e)})
 
     # --- operations -------------------------------------------------------------------------
 
@@ -190,7 +135,7 @@ class AdminApi:
             # Not in the store (nor configured or cached): forgotten, nothing left of it.
             why = (e.reason if e is not None else "") or f"the model {name!r} does not exist"
             return _error(404, why, "model_not_found")
-        body: dict[str, Any] = {"model": mgr.describe(e)}
+        body: dict[str, Any] = {"model": model_view(mgr, e)}
         if op == "verify" and (e.state is not State.FAILED or (e.last_verify or {}).get("ok")):
             # 200: nothing wrong, or repaired; 409: wrong, but loaded (repaired by its next load).
             v = e.last_verify or {}
@@ -222,7 +167,7 @@ class AdminApi:
             e = self.ctx.manager.set_pin(request.match_info["name"], pinned)
         except ManagerError as ex:
             return _error(ex.status, str(ex), ex.code)
-        return web.json_response({"model": self.ctx.manager.describe(e)})
+        return web.json_response({"model": model_view(self.ctx.manager, e)})
 
     async def pin(self, request: web.Request) -> web.Response:
         """Never evict this model for another's load, never unload it when idle."""

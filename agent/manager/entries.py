@@ -1,17 +1,20 @@
 """The ModelManager's vocabulary: states, legal transitions, errors, the per-model entry.
 
 The manager (``agent.manager.manager``), its room planner (``agent.manager.room``) and the APIs
-import these from here.
+import these from here. An entry owns its state: :meth:`ModelEntry.move` is the only transition,
+checked against ``NEXT_STATES``; it tells the entry's observer (the manager logs it and mirrors
+it in the metrics) and wakes whoever waits on the entry (:meth:`ModelEntry.wait_change`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from agent.config import ModelSettings
 from engine.model_info import ModelInfo
@@ -107,6 +110,10 @@ class ModelSource(Protocol):
     def stats(self) -> dict[str, int]: ...
 
 
+# Told of every transition an entry makes: (entry, its previous state).
+StateObserver = Callable[["ModelEntry", "State"], None]
+
+
 @dataclass
 class ModelEntry:
     name: str
@@ -136,6 +143,53 @@ class ModelEntry:
     phases: dict[str, tuple[float, float]] = field(default_factory=dict)
     # Held for the whole of a load or an unload: two operations on one model never interleave.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    observer: StateObserver | None = field(default=None, repr=False)
+    # Set (and replaced) on every change a waiter may care about: a transition, an operation's end.
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+
+    def move(self, state: State, reason: str = "", failure: ManagerError | None = None) -> None:
+        """Go to ``state`` (ManagerError if ``NEXT_STATES`` has no such step), recording why and,
+        when failed, the typed failure the APIs answer with. Staying in a state updates the reason."""
+        if state != self.state and state not in NEXT_STATES[self.state]:
+            raise ManagerError(f"{self.name}: cannot go from {self.state.value} to {state.value}")
+        previous = self.state
+        self.state, self.reason, self.failure = state, reason, failure if state is State.FAILED else None
+        self.been_ready |= state is State.READY
+        if self.observer is not None:
+            self.observer(self, previous)
+        self.signal_change()
+
+    @property
+    def at_rest(self) -> State:
+        """Where an unload leaves it: cached when its files are on disk, else absent."""
+        return State.CACHED if self.snapshot is not None else State.ABSENT
+
+    @property
+    def busy(self) -> bool:
+        """An operation (pull, load, unload, verify) is running on it."""
+        return self.task is not None and not self.task.done()
+
+    def effective(self, key: Literal["quantization", "kv_cache_dtype"]) -> str | None:
+        """What its load runs with once ready (the engine decides for a pre-quantized checkpoint),
+        its settings' until then."""
+        if self.state is State.READY and self.info is not None:
+            return getattr(self.info, key)
+        return getattr(self.settings, key)
+
+    def signal_change(self) -> None:
+        """Wake every ``wait_change``: a transition, an operation that ended (its state may not
+        have moved, e.g. a pull that leaves it cached), the last request in flight that ended."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait_change(self, timeout: float) -> bool:
+        """Until the next ``signal_change`` (True) or ``timeout`` seconds (False). Read the state
+        before calling, with no await in between, and no change is missed."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     @property
     def queue_limit(self) -> int:
@@ -170,3 +224,5 @@ class Admission:
     def __exit__(self, *exc: Any) -> None:
         self.entry.in_flight -= 1
         self.entry.touch()
+        if self.entry.in_flight == 0:
+            self.entry.signal_change()  # a drain waits for the last one out

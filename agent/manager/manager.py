@@ -6,12 +6,15 @@ Each model has one state::
                   ↘         ↘          ↘                         ↘
                    failed (with a reason; a later pull or load starts over)
 
-Every transition is logged (``model_state``) and mirrored in ``infire_model_state``. Pulls go
-through the disk cache (:class:`ModelSource`), loads and unloads through the engine worker.
-Long operations run as background tasks owned by the manager, one per model at a time (and
-under the model's lock), so a slow load never blocks another model's traffic; callers either
-poll the state or await the task. When the worker dies, models that were ready go back to
-loading and are loaded again once a new worker says hello.
+An entry makes its own transitions (``ModelEntry.move``); the manager logs each one
+(``model_state``) and mirrors it in ``infire_model_state``. Pulls go through the disk cache
+(:class:`ModelSource`), loads and unloads through the engine worker. Every operation on a model
+(pull, load, unload, eviction, keep-alive unload, verify, reload after a restart) is started by
+one helper, ``_run``: a background task owned by the manager, one per model at a time and under
+the model's lock, so a slow load never blocks another model's traffic; a second operation is
+refused (retry_after) while one runs. Callers await the task, or wait on the entry's change
+signal (``admit_wait``, a drain). When the worker dies, models that were ready go back to
+loading and are loaded again, one at a time, once a new worker says hello.
 
 Room for a load: one global ``asyncio.Lock`` (the room lock) covers "plan → evict → load" so two
 loads never plan on the same free bytes; pulls, tokenizer loads and the post-load check stay
@@ -22,7 +25,8 @@ is tried once more; a second refusal, or one that eviction cannot cure, fails th
 engine's numbers. Idle models are unloaded once their keep_alive has passed; with autoload on,
 a request for a cached model that is not loaded loads it first.
 
-The states, errors and the per-model entry are in ``agent.manager.entries``.
+The states, errors and the per-model entry are in ``agent.manager.entries``; what the admin API
+shows of a model is built from the entry in ``agent.http.admin_view`` (the manager keeps no view).
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ from agent.log import get_logger
 from agent.manager.entries import (
     BYTES_SUSPECT_CODES,
     CRASH_LOOP_LOADS,
-    NEXT_STATES,
     Admission,
     CacheBusy,
     ManagerError,
@@ -66,6 +69,10 @@ Verifier = Callable[[ModelEntry], Awaitable[bool]]
 
 
 class ModelManager:
+    """The models' registry and their operations: start them (``pull``, ``load``, ``unload``,
+    ``verify_files``: each returns the operation's task), admit requests (``admit``,
+    ``admit_wait``), react to the worker (``on_worker_down``, ``on_worker_up``)."""
+
     def __init__(self, settings: Settings, worker: WorkerClient, source: ModelSource | None,
                  metrics: Metrics, load_tokenizer: TokenizerLoader, verify: Verifier | None = None) -> None:
         self.settings = settings
@@ -93,10 +100,9 @@ class ModelManager:
             return e
         if not create or not isinstance(name, str) or not MODEL_NAME_RE.fullmatch(name):
             raise UnknownModel(f"the model {name!r} does not exist")
-        e = ModelEntry(name=name, settings=self.settings.model(name) or ModelSettings(name=name))
         snap = self.source.snapshot(name) if self.source is not None else None
-        if snap is not None:
-            e.state, e.snapshot = State.CACHED, snap
+        e = ModelEntry(name=name, settings=self.settings.model(name) or ModelSettings(name=name),
+                       state=State.ABSENT if snap is None else State.CACHED, snapshot=snap, observer=self._observe)
         self.models[name] = e
         self.metrics.set_model_state(name, e.state.value)
         return e
@@ -108,15 +114,20 @@ class ModelManager:
             raise UnknownModel(f"the model {name!r} does not exist")
         return e
 
-    def _set(self, e: ModelEntry, state: State, reason: str = "", failure: ManagerError | None = None) -> None:
-        if state != e.state and state not in NEXT_STATES[e.state]:
-            raise ManagerError(f"{e.name}: cannot go from {e.state.value} to {state.value}")
-        if state != e.state:
-            self._log.info("model_state", model=e.name, state=state.value, previous=e.state.value, reason=reason or None)
-        e.state, e.reason, e.failure = state, reason, failure if state is State.FAILED else None
-        e.been_ready |= state is State.READY
+    def _observe(self, e: ModelEntry, previous: State) -> None:
+        """Every entry's transitions: logged, and mirrored in ``infire_model_state``."""
+        if e.state is not previous:
+            self._log.info("model_state", model=e.name, state=e.state.value, previous=previous.value,
+                           reason=e.reason or None)
         if self.models.get(e.name) is e:  # a dropped entry leaves no series behind
-            self.metrics.set_model_state(e.name, state.value)
+            self.metrics.set_model_state(e.name, e.state.value)
+
+    def _forget_load(self, e: ModelEntry) -> None:
+        """What a load gave a model, given back once it is out of the engine (unloaded, failed, or
+        gone with the worker): its tokenizer and engine info, its cache pin, its engine series."""
+        e.tokenizer, e.info = None, None
+        self._unpin(e)
+        self.metrics.forget_model(e.name)
 
     def _drop(self, e: ModelEntry) -> None:
         """Forget a name the store does not know (and nothing configures or caches): no entry,
@@ -141,11 +152,24 @@ class ModelManager:
 
     # --- background operations --------------------------------------------------------------
 
-    def _start(self, e: ModelEntry, coro: Any) -> asyncio.Task[None]:
-        if e.task is not None and not e.task.done():
-            coro.close()
+    def _run(self, e: ModelEntry, kind: str, op: Callable[..., Awaitable[None]], *args: Any,
+             state: State | None = None, reason: str = "") -> asyncio.Task[None]:
+        """Start ``op(*args)`` as ``e``'s one operation (``e.task``), run under ``e.lock``.
+
+        Refused with ManagerError (retry_after) while another operation runs on ``e``. ``state``
+        is entered now, before the task first runs: what callers and requests see at once (a
+        draining model admits nothing more). The entry signals a change when the task ends."""
+        if e.busy:
             raise ManagerError(f"{e.name} is {e.state.value}; try again when that finishes", retry_after=1.0)
-        e.task = asyncio.create_task(coro, name=f"model-{e.name}")
+        if state is not None:
+            e.move(state, reason)
+
+        async def locked() -> None:
+            async with e.lock:
+                await op(*args)
+
+        e.task = asyncio.create_task(locked(), name=f"{kind}-{e.name}")
+        e.task.add_done_callback(lambda _: e.signal_change())
         return e.task
 
     def pull(self, name: str, verify: bool = False) -> asyncio.Task[None] | None:
@@ -157,35 +181,29 @@ class ModelManager:
             return None
         if e.state is State.PULLING:
             raise ManagerError(f"{name} is being pulled", retry_after=1.0)
-        task = self._start(e, self._pull_op(e, verify))
-        self._set(e, State.PULLING)  # visible to the caller before the task first runs
-        return task
-
-    async def _pull_op(self, e: ModelEntry, verify: bool) -> None:
-        async with e.lock:
-            await self._pull(e, verify)
+        return self._run(e, "pull", self._pull, e, verify, state=State.PULLING)
 
     async def _pull(self, e: ModelEntry, verify: bool = False) -> None:
         """Pull (verifying every sha256 with ``verify`` or after a failed load) and repair."""
         if self.source is None:
-            self._set(e, State.FAILED, "no model store is configured")
+            e.move(State.FAILED, "no model store is configured")
             return
-        self._set(e, State.PULLING)
+        e.move(State.PULLING)
         t0 = time.monotonic()
         try:
             e.snapshot = await self.source.pull(e.name, verify=verify or e.needs_repair)
         except ModelNotInStore as ex:
-            self._set(e, State.FAILED, f"pull failed: {ex}", UnknownModel(str(ex)))
+            e.move(State.FAILED, f"pull failed: {ex}", UnknownModel(str(ex)))
             if self.settings.model(e.name) is None and (e.snapshot is None or not e.snapshot.exists()):
                 self._drop(e)
             return
         except Exception as ex:
             self.metrics.pull_failures.labels(model=e.name).inc()
-            self._set(e, State.FAILED, f"pull failed: {type(ex).__name__}: {ex}")
+            e.move(State.FAILED, f"pull failed: {type(ex).__name__}: {ex}")
             return
         e.needs_repair = False
         self.metrics.pull_seconds.labels(model=e.name).observe(time.monotonic() - t0)
-        self._set(e, State.CACHED)
+        e.move(State.CACHED)
 
     def load(self, name: str, *, quantization: str | None | EllipsisType = ...,
              kv_cache_dtype: str | None | EllipsisType = ...) -> asyncio.Task[None] | None:
@@ -197,9 +215,9 @@ class ModelManager:
         e = self._entry(name, create=self.source is not None)
         if e.state is State.READY:
             # against what the load runs with (a pre-quantized checkpoint is FP8 whatever was asked)
-            differ = [f"{k} {self._format(e, k) or 'none'}" for k, v in
+            differ = [f"{k} {e.effective(k) or 'none'}" for k, v in
                       (("quantization", quantization), ("kv_cache_dtype", kv_cache_dtype))
-                      if v is not ... and v != self._format(e, k)]
+                      if v is not ... and v != e.effective(k)]
             if differ:
                 raise ManagerError(f"{name} is loaded with {', '.join(differ)}; unload it first")
             return None
@@ -209,26 +227,24 @@ class ModelManager:
             e.settings = e.settings.model_copy(update=asked)
         if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
-        task = self._start(e, self._load(e))
-        e.crashed_loads = 0  # asked for again (an operator, a preload, a request): a fresh count
         files_ok = e.snapshot is not None and e.snapshot.exists() and not e.needs_repair
-        self._set(e, State.LOADING if files_ok else State.PULLING)
+        task = self._run(e, "load", self._load, e, state=State.LOADING if files_ok else State.PULLING)
+        e.crashed_loads = 0  # asked for again (an operator, a preload, a request): a fresh count
         return task
 
     async def _load(self, e: ModelEntry) -> None:
-        async with e.lock:
-            try:
-                await self._load_locked(e)
-            except asyncio.CancelledError:
-                raise
-            except Exception as ex:  # unforeseen: the model still ends in a state with its reason
-                self._log.exception("load_error", model=e.name)
-                if e.state is not State.FAILED:
-                    e.want_loaded = False
-                    self._unpin(e)
-                    self._set(e, State.FAILED, f"load failed: {type(ex).__name__}: {ex}")
+        try:
+            await self._load_steps(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as ex:  # unforeseen: the model still ends in a state with its reason
+            self._log.exception("load_error", model=e.name)
+            if e.state is not State.FAILED:
+                e.want_loaded = False
+                self._forget_load(e)
+                e.move(State.FAILED, f"load failed: {type(ex).__name__}: {ex}")
 
-    async def _load_locked(self, e: ModelEntry) -> None:
+    async def _load_steps(self, e: ModelEntry) -> None:
         e.phases = {}
         if e.snapshot is None or not e.snapshot.exists() or e.needs_repair:
             t = time.monotonic()
@@ -236,7 +252,7 @@ class ModelManager:
             e.phases["pull"] = (t, time.monotonic())
             if e.state is not State.CACHED:
                 return
-        self._set(e, State.LOADING)
+        e.move(State.LOADING)
         e.want_loaded, e.refusal = True, {}
         in_engine = False
         try:
@@ -274,15 +290,14 @@ class ModelManager:
                     await self.worker.unload(e.name)  # do not leave a half-good model holding memory
                 except WorkerError:
                     pass
-            e.tokenizer = None
-            self._unpin(e)
+            self._forget_load(e)
             failure = ex if isinstance(ex, ManagerError) else None
-            self._set(e, State.FAILED, str(ex) if failure is not None else f"load failed: {ex}", failure)
+            e.move(State.FAILED, str(ex) if failure is not None else f"load failed: {ex}", failure)
             return
         self.metrics.load_seconds.labels(model=e.name).observe(e.load_seconds)
         e.touch()  # keep_alive and LRU count from the load, not from an older use
         e.crashed_loads = 0
-        self._set(e, State.READY)
+        e.move(State.READY)
 
     def _tokenizer(self, e: ModelEntry) -> Any:
         t = time.monotonic()
@@ -312,12 +327,12 @@ class ModelManager:
 
     async def _evict(self, v: ModelEntry, why: str) -> None:
         """Unload an idle model as its own operation (so the admin API sees it busy)."""
-        if v.state is not State.READY or v.in_flight or (v.task is not None and not v.task.done()):
+        if v.state is not State.READY or v.in_flight or v.busy:
             return  # it changed since the offer: the retry will be refused if room is still short
         self._log.info("evict", model=v.name, reason=why)
-        v.task = asyncio.create_task(self._unload(v, reason=why), name=f"evict-{v.name}")
-        self._set(v, State.DRAINING, why)  # before any await: no request is admitted past this
-        await asyncio.shield(v.task)
+        # draining before any await: no request is admitted past this
+        task = self._run(v, "evict", self._unload, v, None, why, state=State.DRAINING, reason=why)
+        await asyncio.shield(task)
 
     async def _pin(self, e: ModelEntry) -> None:
         """Keep the cache from evicting a model that is loaded or loading (idempotent). The
@@ -356,23 +371,22 @@ class ModelManager:
         e = self.get(name)
         if e.state not in (State.CACHED, State.FAILED, State.ABSENT, State.READY):
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
-        return self._start(e, self._verify_files(e))
+        return self._run(e, "verify", self._verify_files, e)
 
     async def _verify_files(self, e: ModelEntry) -> None:
-        async with e.lock:
-            cached = e.snapshot is not None and e.snapshot.exists()
-            try:
-                problems = await self.source.check(e.name, rehash=True) if cached else ["not cached"]
-            except CacheError as ex:
-                problems = [str(ex)]
-            repaired = False
-            if problems and e.state is State.READY:
-                e.needs_repair = True  # in use: repaired by the next load
-            elif problems or e.needs_repair:
-                await self._pull(e, verify=True)
-                repaired = e.state is State.CACHED
-            e.last_verify = {"ok": not problems, "problems": problems, "repaired": repaired}
-            self._log.info("model_verify", model=e.name, **e.last_verify)
+        cached = e.snapshot is not None and e.snapshot.exists()
+        try:
+            problems = await self.source.check(e.name, rehash=True) if cached else ["not cached"]
+        except CacheError as ex:
+            problems = [str(ex)]
+        repaired = False
+        if problems and e.state is State.READY:
+            e.needs_repair = True  # in use: repaired by the next load
+        elif problems or e.needs_repair:
+            await self._pull(e, verify=True)
+            repaired = e.state is State.CACHED
+        e.last_verify = {"ok": not problems, "problems": problems, "repaired": repaired}
+        self._log.info("model_verify", model=e.name, **e.last_verify)
 
     async def _wait_worker(self) -> None:
         # Woken by the worker's Hello (a load sent then starts at once, not at the next poll).
@@ -385,41 +399,34 @@ class ModelManager:
         """Start draining (up to ``drain_s``, default ``server.drain_timeout``; then what is left
         is aborted) and unloading; None when it is not loaded."""
         e = self.get(name)
-        if e.state is State.FAILED and not e.want_loaded and (e.task is None or e.task.done()):
+        if e.state is State.FAILED and not e.want_loaded and not e.busy:
             # Nothing of it is in the engine: unloading clears the failure.
             e.refusal = {}
-            self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT, "unloaded after a failure")
+            e.move(e.at_rest, "unloaded after a failure")
             return None
         if e.state in (State.CACHED, State.ABSENT):
             return None
         if e.state is not State.READY:
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
-        task = self._start(e, self._unload(e, drain_s))
-        self._set(e, State.DRAINING)
-        return task
+        return self._run(e, "unload", self._unload, e, drain_s, "", state=State.DRAINING)
 
-    async def _unload(self, e: ModelEntry, drain_s: float | None = None, reason: str = "") -> None:
-        async with e.lock:
-            await self._unload_locked(e, drain_s, reason)
-
-    async def _unload_locked(self, e: ModelEntry, drain_s: float | None, reason: str) -> None:
-        self._set(e, State.DRAINING, reason)
+    async def _unload(self, e: ModelEntry, drain_s: float | None, reason: str) -> None:
+        """Drain (up to ``drain_s``), unload from the engine, give back what the load gave."""
+        e.move(State.DRAINING, reason)
         e.want_loaded = False
         deadline = time.monotonic() + (self.settings.server.drain_timeout if drain_s is None else drain_s)
-        while e.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        while e.in_flight and (left := deadline - time.monotonic()) > 0:
+            await e.wait_change(left)  # the last request out signals
         if e.in_flight:
             self._log.warning("drain_timeout", model=e.name, in_flight=e.in_flight)
-        self._set(e, State.UNLOADING, reason)
+        e.move(State.UNLOADING, reason)
         try:
             if self.worker.alive:
                 await self.worker.unload(e.name)  # aborts whatever did not drain in time
         except WorkerError as ex:
             self._log.warning("unload_error", model=e.name, error=str(ex))
-        e.tokenizer, e.info = None, None
-        self._unpin(e)
-        self.metrics.forget_model(e.name)
-        self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT, reason)
+        self._forget_load(e)
+        e.move(e.at_rest, reason)
 
     def set_pin(self, name: str, pinned: bool | None) -> ModelEntry:
         """Pin (never evicted, never unloaded when idle) or unpin; None goes back to the config."""
@@ -453,8 +460,8 @@ class ModelManager:
             for e in self._planner.idle_expired(time.monotonic()):
                 self._log.info("keep_alive_unload", model=e.name, idle_s=round(e.idle_for(time.monotonic()), 3),
                                keep_alive_s=e.settings.keep_alive)
-                e.task = asyncio.create_task(self._unload(e, reason="idle past keep_alive"), name=f"idle-{e.name}")
-                self._set(e, State.DRAINING, "idle past keep_alive")
+                why = "idle past keep_alive"
+                self._run(e, "idle", self._unload, e, None, why, state=State.DRAINING, reason=why)
 
     async def preload(self) -> None:
         """Load every ``preload`` model; returns when each is ready or failed."""
@@ -481,45 +488,42 @@ class ModelManager:
             if e.state in (State.READY, State.DRAINING, State.UNLOADING) or (e.state is State.LOADING and e.want_loaded):
                 # its load (or the canary's first decode) was in the worker when it died
                 in_engine_load = e.state is State.LOADING and "verify" in e.phases and "canary" not in e.phases
-                if e.task is not None and not e.task.done():
+                if e.busy:
                     e.task.cancel()
                 if in_engine_load:
                     e.crashed_loads += 1
                 if e.want_loaded and e.crashed_loads >= CRASH_LOOP_LOADS:
                     e.want_loaded = False
-                    self._unpin(e)
-                    e.tokenizer, e.info = None, {}
-                    self._set(e, State.FAILED, f"the engine worker died during {e.crashed_loads} of its loads; "
-                                               "not reloaded automatically (load it to try again)")
+                    self._forget_load(e)
+                    e.move(State.FAILED, f"the engine worker died during {e.crashed_loads} of its loads; "
+                                         "not reloaded automatically (load it to try again)")
                 elif e.want_loaded:
-                    self._set(e, State.LOADING, "the engine worker restarted; reloading")
+                    e.move(State.LOADING, "the engine worker restarted; reloading")
                 else:  # it was on its way out anyway: finish the unload's bookkeeping
-                    self._set(e, State.UNLOADING, "the engine worker exited")
-                    e.tokenizer, e.info = None, None
-                    self._unpin(e)
-                    self.metrics.forget_model(e.name)
-                    self._set(e, State.CACHED if e.snapshot is not None else State.ABSENT)
+                    e.move(State.UNLOADING, "the engine worker exited")
+                    self._forget_load(e)
+                    e.move(e.at_rest)
 
     async def on_worker_up(self) -> None:
         """Reload what was loaded when the worker died, one model at a time in priority order
         (pinned, then preload, then the most recently used), so the first back serve first and
-        a model that cannot come back does not hold the others behind a shared failure."""
-        order = self.reload_order([e for e in self.models.values()
-                                   if e.state is State.LOADING and e.want_loaded and (e.task is None or e.task.done())])
-        if order:
-            chain = asyncio.create_task(self._reload_in_order(order), name="reload-after-restart")
-            for e in order:
-                e.task = chain
+        a model that cannot come back does not hold the others behind a shared failure. Each
+        reload is its model's own operation (busy to the admin API), queued behind the one ahead."""
+        before: asyncio.Task[None] | None = None
+        for e in self.reload_order([e for e in self.models.values()
+                                    if e.state is State.LOADING and e.want_loaded and not e.busy]):
+            before = self._run(e, "reload", self._reload_after, e, before)
 
     @staticmethod
     def reload_order(entries: list[ModelEntry]) -> list[ModelEntry]:
         """Pinned first, then preload, then by last use (most recent first)."""
         return sorted(entries, key=lambda e: (not e.pin, not e.settings.preload, -e.last_used_mono))
 
-    async def _reload_in_order(self, order: list[ModelEntry]) -> None:
-        for e in order:
-            if e.state is not State.LOADING or not e.want_loaded:
-                continue  # unloaded or failed meanwhile
+    async def _reload_after(self, e: ModelEntry, before: asyncio.Task[None] | None) -> None:
+        """Reload ``e`` once the reload ahead of it (``before``) has ended, however it ended."""
+        if before is not None:
+            await asyncio.wait([before])  # never cancels ``before``, unlike awaiting it
+        if e.state is State.LOADING and e.want_loaded:  # not failed or unloaded meanwhile
             await self._load(e)
 
     # --- admission --------------------------------------------------------------------------
@@ -560,7 +564,7 @@ class ModelManager:
         while e.state is not State.READY:
             if e.state is State.FAILED and e.crashed_loads >= CRASH_LOOP_LOADS:
                 return self.admit(name)  # refused with its reason
-            if e.task is None or e.task.done():
+            if not e.busy:
                 startable = e.state is State.CACHED or (e.state in (State.ABSENT, State.FAILED) and (
                     self.source is not None or (e.snapshot is not None and e.state is State.FAILED)))
                 if not startable and e.state in (State.ABSENT, State.FAILED):
@@ -572,11 +576,7 @@ class ModelManager:
                 why = f" ({e.reason})" if e.reason else ""
                 raise ModelNotReady(f"the model {name!r} did not become ready within {limit:g} s "
                                     f"(it is {e.state.value}){why}", retry_after=max(1.0, limit / 4))
-            task = e.task
-            if task is not None and not task.done():
-                await asyncio.wait([asyncio.ensure_future(asyncio.shield(task))], timeout=min(left, 0.5))
-            else:
-                await asyncio.sleep(min(left, 0.05))
+            await e.wait_change(left)  # a transition, or the operation's end (it may leave no trace)
             if e.state is State.FAILED:
                 raise ModelNotReady(f"the model {name!r} could not be loaded: {e.reason}", retry_after=max(1.0, limit / 4))
         return self.admit(name)
@@ -586,51 +586,6 @@ class ModelManager:
             self._keep_alive.cancel()
             await asyncio.gather(self._keep_alive, return_exceptions=True)
         for e in self.models.values():
-            if e.task is not None and not e.task.done():
+            if e.busy:
                 e.task.cancel()
         await asyncio.gather(*(e.task for e in self.models.values() if e.task is not None), return_exceptions=True)
-
-    # --- views ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _format(e: ModelEntry, key: str) -> str | None:
-        """``quantization`` / ``kv_cache_dtype`` of a model: what its load runs with once ready
-        (the engine decides for a pre-quantized checkpoint), its settings' until then."""
-        if e.state is State.READY and e.info is not None:
-            return getattr(e.info, key)
-        return getattr(e.settings, key)
-
-    def describe(self, e: ModelEntry) -> dict[str, Any]:
-        st = self.worker.state
-        # The engine's row of a ready model: none before it is ready, nor while the last Status
-        # describes its load before (its Loaded info has the bytes and pages then).
-        s = st.models.get(e.name) if e.state is State.READY and e.name not in st.stale_models else None
-        info = e.info
-        if s is not None:
-            device_bytes, pages_total = s.device_bytes, s.kv_pages_total
-        elif info is not None:
-            device_bytes, pages_total = info.device_bytes, info.kv_pages
-        else:
-            device_bytes, pages_total = 0, 0
-        live = s is not None
-        return {
-            "name": e.name, "state": e.state.value, "reason": e.reason or None,
-            "device_bytes": device_bytes,
-            "kv_pages": {"used": s.kv_pages_used if live else 0, "total": pages_total,
-                         "prefix_cached": s.prefix_cached_pages if live else 0},
-            "prefix_cache": ({"enabled": True, "queried_tokens": s.prefix_queried_tokens if live else 0,
-                              "hit_tokens": s.prefix_hit_tokens if live else 0,
-                              "cascade_rows": s.cascade_rows if live else 0}
-                             if e.settings.prefix_caching else {"enabled": False}),
-            "running": s.running if live else 0, "waiting": s.waiting if live else 0,
-            "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
-            "max_model_len": info.max_model_len if info is not None else e.settings.max_model_len,
-            "quantization": self._format(e, "quantization"), "kv_cache_dtype": self._format(e, "kv_cache_dtype"),
-            "vocab_size": info.vocab_size if info is not None else None,
-            "preload": e.settings.preload, "queue_limit": e.queue_limit, "pinned": e.pin,
-            "autoload": self.autoload_enabled(e), "keep_alive_s": e.settings.keep_alive,
-            "idle_s": round(e.idle_for(time.monotonic()), 3) if e.state is State.READY else None,
-            "refusal": e.refusal or None,
-            "snapshot": str(e.snapshot) if e.snapshot is not None else None,
-            "pull": self.source.pull_progress(e.name) if e.state is State.PULLING and self.source else None,
-        }

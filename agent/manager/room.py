@@ -55,7 +55,7 @@ class RoomPlanner:
         unload, pull) running."""
         out = [e for e in self._models.values()
                if e.state is State.READY and not e.pin and e.in_flight == 0 and e.name != exclude
-               and not e.lock.locked() and (e.task is None or e.task.done())]
+               and not e.lock.locked() and not e.busy]
         return [e.name for e in sorted(out, key=lambda e: e.last_used_mono)]
 
     def after_refusal(self, offered: list[str], refusal: Mapping[str, Any]) -> Eviction:
@@ -69,5 +69,5 @@ class RoomPlanner:
         """Ready, unpinned models idle for longer than their keep_alive (-1: never)."""
         return [e for e in self._models.values()
                 if e.state is State.READY and not e.pin and e.settings.keep_alive >= 0 and e.in_flight == 0
-                and (e.task is None or e.task.done()) and not e.lock.locked()
+                and not e.busy and not e.lock.locked()
                 and e.idle_for(now) > e.settings.keep_alive]

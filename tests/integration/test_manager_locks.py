@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from agent.config import load_settings
+from agent.http.admin_view import model_view
 from agent.manager.entries import ManagerError, ModelNotReady, State
 from agent.manager.manager import ModelManager
 from agent.metrics import Metrics
@@ -186,7 +187,7 @@ async def test_max_queue_bounds_requests_in_flight(monkeypatch, tmp_path) -> Non
     with pytest.raises(QueueFull) as ex:
         mgr.admit("q")
     assert ex.value.status == 503 and ex.value.retry_after
-    assert len(held) == 3 and mgr.describe(mgr.get("q"))["queue_limit"] == 3
+    assert len(held) == 3 and model_view(mgr, mgr.get("q"))["queue_limit"] == 3
 
 
 async def test_autoload_pulls_a_configured_model_that_is_only_in_the_store(monkeypatch, tmp_path) -> None:
@@ -237,7 +238,7 @@ async def test_after_a_restart_models_come_back_one_at_a_time_in_priority_order(
     w.order = []
     await _restart(mgr, w)
     assert {mgr.get(n).state for n in ("pinned", "pre", "old", "new")} == {State.LOADING}
-    await mgr.get("pinned").task
+    await mgr.get("old").task  # the last in line
     assert w.order == ["pinned", "pre", "new", "old"] and w.max_active == 1
     assert {mgr.get(n).state for n in ("pinned", "pre", "old", "new")} == {State.READY}
 
@@ -263,3 +264,17 @@ async def test_a_model_whose_load_took_the_worker_down_twice_is_failed_not_retri
     w.hang = ""
     await mgr.load("bad")  # an operator's load does
     assert mgr.get("bad").state is State.READY and mgr.get("bad").crashed_loads == 0
+
+
+async def test_an_unload_drains_until_the_last_request_ends(monkeypatch, tmp_path) -> None:
+    mgr = _manager(monkeypatch, tmp_path, FakeWorker(), '[{"name": "d"}]', ["d"])
+    await mgr.load("d")
+    admission = mgr.admit("d")
+    admission.__enter__()
+    unloading = mgr.unload("d", drain_s=30.0)
+    await asyncio.sleep(0.1)
+    assert mgr.get("d").state is State.DRAINING
+    t0 = time.monotonic()
+    admission.__exit__(None, None, None)  # the last one out wakes the drain
+    await asyncio.wait_for(unloading, 5.0)
+    assert mgr.get("d").state is State.CACHED and time.monotonic() - t0 < 5.0

@@ -2,7 +2,7 @@
 
 Names are matched whole (no trailing newline); a name the store does not know leaves nothing
 behind (no entry, metrics series or lock file) and /v1 answers 404 for it; a configured model
-that is only cached answers 503 with Retry-After; timeouts are finite seconds; a pin lock held
+that is only cached answers 503 with Retry-After when autoload is off; timeouts are finite seconds; a pin lock held
 by another process neither freezes the agent nor leaves the model stuck.
 """
 
@@ -25,7 +25,8 @@ TOKEN = {"Authorization": "Bearer test-admin-token"}
 def daemon(make_tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent-admission")
     url = publish_tiny(make_tiny_model, tmp / "store", MODEL)
-    d = Daemon(tmp, store_url=url, models=[{"name": MODEL, "max_model_len": 256}])
+    # autoload off: a request for the cached model is refused, not loaded (autoload is on by default)
+    d = Daemon(tmp, store_url=url, models=[{"name": MODEL, "max_model_len": 256, "autoload": False}])
     d.start(timeout=120)
     yield d
     d.stop()

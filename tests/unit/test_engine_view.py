@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from agent.http.admin_api import engine_row
+from agent.http.admin_view import engine_row
 from engine.stats import MemoryStats, ModelMemory
 from tests.records import model_stats
 

@@ -13,6 +13,10 @@
 - text/ imports neither aiohttp nor torch: prompt building stays a pure function of the text.
 - no worker protocol message field, nor a field of a record one carries, is typed ``Any`` or a bare
   ``dict`` / ``list`` (one typed value per concept), but for the few named in ``LOOSE_FIELDS``.
+- agent/manager/ is the models' state and operations, no view: an entry's state changes only in
+  ``ModelEntry.move``, a model's operation starts only in ``ModelManager._run``, nothing polls
+  (``asyncio.sleep`` only in the keep-alive tick), and the admin JSON is built in agent/http
+  (no ``describe``, no engine stats read).
 """
 
 from __future__ import annotations
@@ -364,3 +368,65 @@ def test_the_loader_books_through_the_pool_keepers_verbs() -> None:
                     and n.attr in ("pool", "ledger") and ast.unparse(n.value).endswith("_pools")})
     assert reach == []
     assert not [f for f, hint in _field_hints(_class(tree, "PendingLoad")).items() if "Any" in hint]
+
+
+MANAGER = ROOT / "agent" / "manager"
+
+
+def _calls_by_function(path: Path) -> list[tuple[str, ast.AST]]:
+    """(the qualified name of the function or class around it, node) for every node of a module."""
+    out: list[tuple[str, ast.AST]] = []
+
+    def walk(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = where
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = f"{where}.{child.name}" if where else child.name
+            out.append((inner, child))
+            walk(child, inner)
+
+    walk(ast.parse(path.read_text(encoding="utf-8")), "")
+    return out
+
+
+def test_the_manager_changes_state_and_starts_operations_in_one_place_each() -> None:
+    """``e.state = ...`` only in ``ModelEntry.move``; ``create_task`` and ``e.task = ...`` only in
+    ``ModelManager._run`` (and the keep-alive loop's own task, in ``start``); ``asyncio.sleep``
+    only as the keep-alive tick: waiters wait on the entry's change signal."""
+    found = []
+    for path in sorted(MANAGER.glob("*.py")):
+        for where, node in _calls_by_function(path):
+            rel = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)} in {where or 'module'}"
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Attribute) and sub.attr == "state" and where != "ModelEntry.move":
+                        found.append(f"{rel}: assigns .state")
+                    if isinstance(sub, ast.Attribute) and sub.attr == "task" and where != "ModelManager._run":
+                        found.append(f"{rel}: assigns .task")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                call = node.func.attr
+                if call == "create_task" and where not in (
+                        "ModelManager._run", "ModelManager.start"):
+                    found.append(f"{rel}: {call}")
+                if call == "sleep" and where != "ModelManager.run_keep_alive":
+                    found.append(f"{rel}: sleep")
+    assert found == []
+
+
+def test_the_manager_builds_no_admin_view() -> None:
+    """What the admin API shows is agent/http/admin_view.py's: the manager defines no
+    ``describe``, imports nothing of agent/http nor the engine's stats, and reads no worker Status."""
+    found = []
+    for path in sorted(MANAGER.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            rel = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in ("describe", "_format"):
+                found.append(f"{rel}: def {node.name}")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("agent.http", "engine.stats")):
+                found.append(f"{rel}: imports {node.module}")
+            if isinstance(node, ast.Attribute) and node.attr in ("stale_models", "memory") and \
+                    ast.unparse(node.value).endswith("state"):
+                found.append(f"{rel}: reads {ast.unparse(node)}")
+    assert found == []

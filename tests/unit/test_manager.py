@@ -1,10 +1,11 @@
-"""ModelManager bookkeeping that needs no worker process: states, admission, views."""
+"""ModelManager bookkeeping that needs no worker process: states, admission, a model's admin view."""
 
 from __future__ import annotations
 
 import pytest
 
 from agent.config import load_settings
+from agent.http.admin_view import model_view
 from agent.manager.entries import ManagerError, ModelNotReady, QueueFull, State, UnknownModel
 from agent.manager.manager import ModelManager
 from agent.metrics import Metrics
@@ -29,11 +30,11 @@ def test_configured_models_start_absent(mgr: ModelManager) -> None:
 def test_illegal_transitions_are_refused(mgr: ModelManager) -> None:
     e = mgr.get("m")
     with pytest.raises(ManagerError, match="cannot go from absent to ready"):
-        mgr._set(e, State.READY)
-    mgr._set(e, State.PULLING)
-    mgr._set(e, State.CACHED)
+        e.move(State.READY)
+    e.move(State.PULLING)
+    e.move(State.CACHED)
     with pytest.raises(ManagerError):
-        mgr._set(e, State.DRAINING)
+        e.move(State.DRAINING)
     assert b'infire_model_state{model="m",state="cached"} 1.0' in mgr.metrics.render()
 
 
@@ -63,5 +64,5 @@ def test_without_a_store_pulls_and_unknown_loads_are_refused(mgr: ModelManager) 
         mgr.pull("m")
     with pytest.raises(UnknownModel):
         mgr.load("not-configured")
-    d = mgr.describe(mgr.get("m"))
+    d = model_view(mgr, mgr.get("m"))
     assert {"name", "state", "device_bytes", "kv_pages", "in_flight", "last_used"} <= set(d)
