@@ -160,6 +160,7 @@ def main() -> int:
     budget = {} if a.max_num_batched_tokens is None else {"max_num_batched_tokens": a.max_num_batched_tokens}
     core = EngineCore(EngineOptions(decode_buckets=DEFAULT_BUCKETS if cuda else (), warmup=True,
                                     warm_tier_bytes=size + (1 << 30), **budget), device=a.device)
+    core.loader.warm_tier.prepin()  # page-locked once, as the worker does at start (never on a put)
     key = warm_key("m", a.model_dir)
     res: dict = {"model_dir": str(a.model_dir), "file_bytes": size,
                  "gpu": torch.cuda.get_device_name() if cuda else a.device}
