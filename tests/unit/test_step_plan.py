@@ -30,7 +30,7 @@ P = SamplingParams(temperature=0, max_tokens=4)
 @pytest.fixture(scope="module")
 def runner(make_tiny_model):
     llm = LLM(make_tiny_model("llama"), device="cpu", max_model_len=64, block_size=4, dtype="float32", max_num_seqs=8)
-    r = next(iter(llm.core._slots.values())).runner
+    r = next(iter(llm.core.slots.values())).runner
     r.decode_buckets, r.mixed_buckets = (1, 2, 4), (8, 16)
     r.graphs = StandInGraphs(r, DecodeGraphs, r.decode_buckets)
     r.mixed = StandInGraphs(r, MixedGraphs, r.mixed_buckets)
