@@ -589,8 +589,9 @@ def main(argv: list[str] | None = None) -> int:
         store = open_store(store_url)
         t = time.perf_counter()
         try:
-            for n, d in zip(names, model_dirs):
-                publish_model(store, d, n)
+            for d in dict.fromkeys(model_dirs):  # each folder hashed once, under all its names
+                mine = [n for n, m in zip(names, model_dirs) if m == d]
+                publish_model(store, d, mine[0], also_as=tuple(mine[1:]))
             if a.drill_load_fail_at is not None:
                 publish_model(store, make_failing_model(dirs[0], root / "models" / FAIL_MODEL), FAIL_MODEL)
         finally:

@@ -162,3 +162,27 @@ async def test_event_loop_stays_free_during_a_pull(tmp_path, proxy, bucket):
     assert len(lags) > 10
     assert max(lags) < 0.25, sorted(lags)[-5:]  # generous: the box is shared
     store.close()
+
+
+async def test_one_folder_published_under_several_names_is_read_once(tmp_path, proxy, bucket, monkeypatch):
+    from cache import manifest as mf
+    from cache.errors import ManifestError
+
+    src = make_model(tmp_path / "src", data_bytes=1 << 20)
+    store = s3_store(proxy.url, bucket)
+    reads = []
+    real = mf.from_directory
+    monkeypatch.setattr(mf, "from_directory", lambda d, n: reads.append(n) or real(d, n))
+    with pytest.raises(ManifestError):  # a bad alias: refused before anything is written
+        publish_model(store, src, "a", also_as=("b", "Bad/Name"))
+    assert not [x for x in proxy.log if x[0] == "PUT"] and reads == []
+    m = publish_model(store, src, "a", also_as=("b", "c"))
+    assert reads == ["a"]  # hashed once
+    puts = [x[1] for x in proxy.log if x[0] == "PUT" and x[1].endswith("manifest.json")]
+    assert puts == [f"/{bucket}/store/models/{n}/manifest.json" for n in "abc"]
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    paths = [await cache.pull(store, n) for n in "abc"]
+    for p in paths:
+        _same_tree(src, p)
+    assert proxy.total_blob_bytes() == m.total_size  # one copy of the bytes for all three names
+    store.close()
