@@ -147,6 +147,7 @@ async def _manager_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     await ctx.manager.close()
     if source is not None:
+        await source.close_builds()
         source.close()
 
 

@@ -32,6 +32,7 @@ shows of a model is built from the entry in ``agent.http.admin_view`` (the manag
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -66,6 +67,22 @@ KEEP_ALIVE_TICK_S = 0.25
 
 TokenizerLoader = Callable[[Path], Any]
 Verifier = Callable[[ModelEntry], Awaitable[bool]]
+
+
+FP8 = "fp8"
+FP8_DERIVED = "fp8-channel"  # the scheme a load quantizes to (engine/weights/fp8_writer.py "channel")
+_CONFIG_MAX_BYTES = 4 << 20
+
+
+def _prequantized(snapshot: Path | None) -> bool:
+    """Whether a model folder is already a quantized checkpoint (its config says how)."""
+    try:
+        cfg = snapshot / "config.json" if snapshot is not None else None
+        if cfg is None or cfg.stat().st_size > _CONFIG_MAX_BYTES:
+            return False
+        return "quantization_config" in json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # the engine's load reports what is wrong with it
 
 
 class ModelManager:
@@ -306,13 +323,24 @@ class ModelManager:
         return tokenizer
 
     async def _engine_load(self, e: ModelEntry) -> Any:
-        """Load ``e`` in the worker under the room lock, evicting what the engine names once."""
-        spec = e.settings.load_spec(e.snapshot)
+        """Load ``e`` in the worker under the room lock, evicting what the engine names once.
+
+        An FP8 load of an unquantized model reads its FP8 checkpoint when the cache holds one
+        (cache/derived.py: computed once, half the bytes, nothing quantized at load); the first
+        such load quantizes as it loads and asks for that checkpoint to be built behind it."""
+        model_dir, derive = e.snapshot, False
+        if e.settings.quantization == FP8 and not _prequantized(e.snapshot):
+            found = self.source.derived(e.name, FP8_DERIVED) if self.source is not None else None
+            model_dir, derive = (found, False) if found is not None else (e.snapshot, self.source is not None)
+        spec = e.settings.load_spec(model_dir)
         async with self._room:
             for attempt in (1, 2):
                 offered = self._planner.evictable(exclude=e.name)
                 try:
-                    return await self.worker.load(spec, offered)
+                    loaded = await self.worker.load(spec, offered)
+                    if derive:
+                        self.source.want_derived(e.name, FP8_DERIVED)
+                    return loaded
                 except WorkerError as ex:
                     if ex.code != "no_room":
                         raise

@@ -1,11 +1,21 @@
-"""The model manager's view of the disk cache and the store (``ModelSource`` over ``DiskCache``)."""
+"""The model manager's view of the disk cache and the store (``ModelSource`` over ``DiskCache``),
+and the builds of derived artifacts (cache/derived.py) it starts in the background."""
 
 from __future__ import annotations
 
+import asyncio
+import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from agent.config import Settings
+from agent.log import get_logger
+from cache.derived import DerivedStore, content_digest
+
+# A build runs at a low CPU priority: it competes with nothing the agent or the worker does on time.
+_NICE = ["nice", "-n", "10"] if shutil.which("nice") else []
 
 
 class CacheSource:
@@ -14,6 +24,10 @@ class CacheSource:
     def __init__(self, cache: Any, store: Any) -> None:
         self.cache = cache
         self.store = store
+        self.derived_store = DerivedStore(cache.dir)
+        self._builds: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._build_lock: asyncio.Lock | None = None  # one build at a time (made on the loop)
+        self._log = get_logger("derived")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "CacheSource":
@@ -51,6 +65,72 @@ class CacheSource:
     def stats(self) -> dict[str, int]:
         s = self.cache.stats()
         return {"max_bytes": int(s["max_bytes"]), "used_bytes": int(s["used_bytes"])}
+
+    # --- derived artifacts ---------------------------------------------------------------------
+
+    def derived(self, name: str, scheme: str) -> Path | None:
+        """The folder of ``scheme`` computed from ``name``'s cached version, when it is whole."""
+        m = self.cache.manifest(name)
+        return self.derived_store.lookup(scheme, content_digest(m)) if m is not None else None
+
+    def want_derived(self, name: str, scheme: str) -> None:
+        """Build ``scheme`` of ``name``'s cached version in the background unless it is there or
+        on its way (one build at a time, at low priority; a failure is logged, never raised)."""
+        m = self.cache.manifest(name)
+        if m is None:
+            return
+        key = (scheme, content_digest(m))
+        running = self._builds.get(key)
+        if (running is not None and not running.done()) or self.derived_store.lookup(*key) is not None:
+            return
+        self._builds[key] = asyncio.get_running_loop().create_task(self._build(name, *key), name=f"derive-{name}")
+
+    async def _build(self, name: str, scheme: str, source: str) -> None:
+        if self._build_lock is None:
+            self._build_lock = asyncio.Lock()
+        async with self._build_lock:
+            if self.derived_store.lookup(scheme, source) is not None:
+                return
+            t0 = time.monotonic()
+            await self.cache.pin(name)  # its files stay while they are read
+            try:
+                src = self.cache.snapshot_path(name)
+                m = self.cache.manifest(name)
+                if src is None or m is None or content_digest(m) != source:
+                    return  # it changed meanwhile: the next FP8 load asks again
+                tmp = await asyncio.to_thread(self.derived_store.building, scheme, source)
+                proc = await asyncio.create_subprocess_exec(
+                    *_NICE, sys.executable, "-m", "engine.weights.fp8_writer", str(src), str(tmp),
+                    "--layout", scheme.split("-", 1)[1],
+                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+                try:
+                    _, err = await proc.communicate()
+                except asyncio.CancelledError:
+                    proc.kill()
+                    await proc.wait()
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+                if proc.returncode != 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    self._log.warning("derive_failed", model=name, scheme=scheme,
+                                      error=err.decode(errors="replace")[-2000:])
+                    return
+                path = await asyncio.to_thread(self.derived_store.commit, scheme, source, tmp)
+                # what no cached model needs any longer goes (a model evicted since its build)
+                live = {content_digest(m) for m in map(self.cache.manifest, self.cache.model_names()) if m}
+                await asyncio.to_thread(self.derived_store.sweep, live)
+                self._log.info("derived", model=name, scheme=scheme, path=str(path),
+                               seconds=round(time.monotonic() - t0, 3))
+            except Exception as e:  # noqa: BLE001 - an optimisation: never a reason to fail anything
+                self._log.warning("derive_failed", model=name, scheme=scheme, error=f"{type(e).__name__}: {e}")
+            finally:
+                self.cache.unpin(name)
+
+    async def close_builds(self) -> None:
+        """Stop the builds in flight (their partial folders are removed)."""
+        for t in self._builds.values():
+            t.cancel()
+        await asyncio.gather(*self._builds.values(), return_exceptions=True)
 
     def close(self) -> None:
         self.store.close()

@@ -123,3 +123,27 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m engine.weights.fp8_writer SRC OUT [--layout channel]``: the quantize-once build
+    of a cached model's FP8 checkpoint (cache/derived.py), rounded to nearest as a load would."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m engine.weights.fp8_writer",
+                                 description="Write an unquantized model folder as an FP8 checkpoint.")
+    ap.add_argument("src", help="the model folder (bf16 or float32 safetensors)")
+    ap.add_argument("out", help="the folder to write (must not exist)")
+    ap.add_argument("--layout", choices=LAYOUTS, default="channel")
+    a = ap.parse_args(argv)
+    try:
+        quantize_folder(a.src, a.out, a.layout, overwrite=False)
+    except (OSError, ValueError) as e:
+        print(f"fp8_writer: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

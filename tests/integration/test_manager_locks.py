@@ -84,6 +84,13 @@ class FakeSource:
     def stats(self) -> dict[str, int]:
         return {}
 
+    def derived(self, name: str, scheme: str) -> Path | None:
+        d = self.root / f"{name}.{scheme}"
+        return d if d.is_dir() else None
+
+    def want_derived(self, name: str, scheme: str) -> None:
+        self.wanted = [*getattr(self, "wanted", []), (name, scheme)]
+
 
 def _manager(monkeypatch, tmp_path: Path, worker: FakeWorker, models: str, cached: list[str]) -> ModelManager:
     monkeypatch.setenv("INFIRE_MODELS", models)
@@ -278,3 +285,32 @@ async def test_an_unload_drains_until_the_last_request_ends(monkeypatch, tmp_pat
     admission.__exit__(None, None, None)  # the last one out wakes the drain
     await asyncio.wait_for(unloading, 5.0)
     assert mgr.get("d").state is State.CACHED and time.monotonic() - t0 < 5.0
+
+
+async def test_an_fp8_load_reads_the_models_fp8_checkpoint_once_the_cache_holds_one(monkeypatch, tmp_path) -> None:
+    """The first FP8 load of an unquantized model quantizes as it loads and asks for its FP8
+    checkpoint to be built; once the cache holds it, loads read it instead (half the bytes)."""
+    w = FakeWorker()
+    specs = []
+    real = w.load
+
+    async def load(spec, evictable=None):
+        specs.append(spec)
+        return await real(spec, evictable)
+
+    w.load = load
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "q", "quantization": "fp8"}, {"name": "p"}]', ["q", "p"])
+    (tmp_path / "q" / "config.json").write_text('{"model_type": "llama"}')
+    await mgr.load("q")
+    assert specs[-1].model_dir == str(tmp_path / "q") and mgr.source.wanted == [("q", "fp8-channel")]
+    await mgr.unload("q")
+    (tmp_path / "q.fp8-channel").mkdir()  # the build finished
+    await mgr.load("q")
+    assert specs[-1].model_dir == str(tmp_path / "q.fp8-channel") and specs[-1].quantization == "fp8"
+    assert mgr.source.wanted == [("q", "fp8-channel")]  # not asked again
+    await mgr.load("p")  # not FP8: never derived
+    assert specs[-1].model_dir == str(tmp_path / "p") and mgr.source.wanted == [("q", "fp8-channel")]
+    (tmp_path / "p" / "config.json").write_text('{"quantization_config": {"quant_method": "fp8"}}')
+    await mgr.unload("p")
+    await mgr.load("p", quantization="fp8")  # already an FP8 checkpoint: nothing to derive
+    assert specs[-1].model_dir == str(tmp_path / "p") and mgr.source.wanted == [("q", "fp8-channel")]
