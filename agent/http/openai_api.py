@@ -29,7 +29,7 @@ from agent.http.api_keys import ApiKeys
 from agent.http.decoding import plan_decoding
 from agent.http.openai_format import OpenAIFormatter, model_object
 from agent.http.openai_schema import ChatCompletionRequest, CompletionRequest, first_error
-from agent.http.prompt_ids import prompt_ids
+from agent.http.prompt_ids import prompt_ids, prompts_ids
 from agent.http.request_body import BodyReader
 from agent.http.sse import EventStream
 from agent.http.structured import StructuredOutputError
@@ -146,8 +146,11 @@ class OpenAIApi:
         ctx_len = _context_len(entry)
         tool_fmt = tool_format(tok.chat_template) if chat else None
         vocab_size = entry.info.vocab_size
-        ids = await prompt_ids(req, tok, vocab_size, ctx_len, tool_fmt)
-        plan = plan_decoding(req, len(ids), ctx_len, tool_fmt)
+        if isinstance(req, ChatCompletionRequest):
+            prompts = [await prompt_ids(req, tok, vocab_size, ctx_len, tool_fmt)]
+        else:  # one prompt or a list: each with its n choices
+            prompts = await prompts_ids(req, tok, vocab_size, ctx_len)
+        plan = plan_decoding(req, max(len(ids) for ids in prompts), ctx_len, tool_fmt)
         try:
             grammar = await self.ctx.grammars.grammar(plan.constraint)
         except StructuredOutputError as e:
@@ -160,7 +163,7 @@ class OpenAIApi:
                          req.stop_list(), IncrementalDetokenizer, StopMatcher)
         try:
             try:
-                gen.start(ids, plan.samplings, grammar)
+                gen.start_batch(prompts, plan.samplings, grammar)
             except WorkerError as e:
                 raise send_error(e) from None
             tools = None
@@ -170,7 +173,7 @@ class OpenAIApi:
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return await self._stream(request, gen, fmt, include_usage, rid)
-            resp = await self._collect(gen, fmt, len(ids))
+            resp = await self._collect(gen, fmt, sum(len(ids) for ids in prompts))
             resp.headers["X-Request-Id"] = rid
             return resp
         finally:

@@ -48,6 +48,7 @@ class OpenAIFormatter:
         self.id, self.model, self.chat, self.tok = base_id, model, chat, tokenizer
         self.tools = tools
         self._tool_streams: dict[int, ToolStream] = {}  # a streamed answer's choices, by index
+        self._text_offsets: dict[int, int] = {}  # streamed completions: each choice's text so far, by index
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
         # A streamed chunk without logprobs, as bytes around its varying parts (index, text,
@@ -91,6 +92,10 @@ class OpenAIFormatter:
 
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
         lp = self._logprobs(d.token_ids, d.pieces or [], d.logprobs) if d.logprobs else None
+        if lp is not None and not self.chat:  # text_offset counts from the answer's start, not the chunk's
+            start = self._text_offsets.get(d.index, 0)
+            lp["text_offset"] = [start + k for k in lp["text_offset"]]
+            self._text_offsets[d.index] = start + sum(len(t) for t in lp["tokens"])
         if self.chat:
             delta = {"content": d.text} if d.text else {}
             choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}

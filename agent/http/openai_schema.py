@@ -1,7 +1,11 @@
 """Request bodies of the OpenAI-compatible API, with a bound on every field.
 
-Validation errors become 400s in OpenAI's error shape with ``param`` naming the field
-(:func:`first_error`). Bounds that depend on the model (prompt plus ``max_tokens`` against the
+Types are strict (``max_tokens: true`` or ``"5"`` is not a number, ``"yes"`` not a boolean), and
+validation errors become 400s in OpenAI's error shape with ``param`` naming the field, in words
+a client can act on (:func:`first_error`). Fields OpenAI documents that carry no meaning here
+(``metadata``, ``store``, ``service_tier``, ``reasoning_effort``, a message's ``refusal`` or
+``annotations``...) are taken and ignored; those that would change the answer are refused
+(docs/api.md lists both). Bounds that depend on the model (prompt plus ``max_tokens`` against the
 context length) are checked after tokenization, in ``openai_api``.
 """
 
@@ -17,6 +21,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, Validatio
 from engine.sampling import MAX_LOGPROBS, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_MAX
 
 MAX_N = 8
+MAX_PROMPTS = 64  # a completion's list of prompts
+MAX_CHOICES = 64  # prompts x n: the engine requests one HTTP request may start
 MAX_STOP = 8
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
@@ -30,13 +36,16 @@ MAX_SCHEMA_DEPTH = 24  # dicts and lists: a dozen nested objects (each is "prope
 MAX_SCHEMA_DESCRIPTION = 4096
 MAX_TOOLS = 128
 MAX_TOOL_CALLS = 64
+MAX_METADATA = 16  # OpenAI's own bounds on ``metadata``: 16 pairs, keys 64 and values 512 characters
+MAX_ANNOTATIONS = 256
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: no coercion (true is not 1, "5" not 5, "false" not a boolean); a float field still takes 1.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class StreamOptions(_Body):
@@ -56,7 +65,7 @@ class JsonSchemaFormat(_Body):
     """``response_format.json_schema``: the schema is bounded in size and depth here; whether
     it compiles is decided by agent/http/structured.py (a 400 naming ``response_format``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
 
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = Field(None, max_length=MAX_SCHEMA_DESCRIPTION)
@@ -105,7 +114,7 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(None, max_length=0)
+    logit_bias: dict[str, Any] | None = None
     user: str | None = Field(None, max_length=256)
     response_format: ResponseFormat | None = None
 
@@ -114,6 +123,13 @@ class _Sampling(_Body):
     def _bound_stop(cls, v: Any) -> Any:
         if isinstance(v, list) and len(v) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v:
+            raise ValueError("logit_bias is not supported; send {} or leave it out")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -136,29 +152,58 @@ class _Sampling(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+PromptText = Annotated[str, StringConstraints(max_length=MAX_PROMPT_CHARS)]
+
+
+def _is_token_ids(v: list[Any]) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < (1 << 31) for t in v)
+
+
 class CompletionRequest(_Sampling):
-    prompt: Annotated[str, StringConstraints(max_length=MAX_PROMPT_CHARS)] | list[Any]
+    prompt: PromptText | list[Any]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = Field(None, max_length=0)
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> str | list[int]:
-        """A string or a list of token ids; a batch of one is unwrapped, larger batches refused."""
+    def _prompts(cls, v: Any) -> str | list[int] | list[str | list[int]]:
+        """A string, a list of token ids, or a list of either (a batch; one of one is unwrapped).
+        The lengths are bounded here (texts in characters, ids in count, in all); the tokens of
+        each against the model's context after tokenizing."""
         if isinstance(v, str):
             return v
-        if len(v) == 1 and isinstance(v[0], (str, list)):
-            return cls._one_prompt(v[0])
         if not v:
             raise ValueError("the prompt is empty")
-        if len(v) > MAX_PROMPT_TOKENS:
+        if all(isinstance(p, str) for p in v) or all(isinstance(p, list) for p in v):
+            if len(v) == 1:
+                return cls._one(v[0])
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
+            batch = [cls._one(p) for p in v]
+            if sum(len(p) for p in batch if isinstance(p, str)) > MAX_PROMPT_CHARS:
+                raise ValueError(f"the prompts have more than {MAX_PROMPT_CHARS} characters together")
+            if sum(len(p) for p in batch if isinstance(p, list)) > MAX_PROMPT_TOKENS:
+                raise ValueError(f"the prompts have more than {MAX_PROMPT_TOKENS} tokens together")
+            return batch
+        if _is_token_ids(v):
+            return cls._one(v)
+        raise ValueError("must be a string, a list of token ids (integers >= 0), a list of strings "
+                         "or a list of token id lists")
+
+    @staticmethod
+    def _one(p: Any) -> str | list[int]:
+        if isinstance(p, str):
+            if len(p) > MAX_PROMPT_CHARS:
+                raise ValueError(f"a prompt has more than {MAX_PROMPT_CHARS} characters")
+            return p
+        if not p:
+            raise ValueError("a prompt is empty")
+        if len(p) > MAX_PROMPT_TOKENS:
             raise ValueError(f"at most {MAX_PROMPT_TOKENS} prompt tokens")
-        if all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < (1 << 31) for t in v):
-            return v
-        if all(isinstance(t, (str, list)) for t in v):
-            raise ValueError("send one prompt per request (use n for several completions)")
-        raise ValueError("must be a string or a list of token ids (integers >= 0)")
+        if not _is_token_ids(p):
+            raise ValueError("a list of token ids holds integers >= 0 only")
+        return p
 
     @field_validator("echo")
     @classmethod
@@ -166,6 +211,29 @@ class CompletionRequest(_Sampling):
         if v:
             raise ValueError("echo is not supported")
         return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported (no insertion); send \"\" or leave it out")
+        return v
+
+    @model_validator(mode="after")
+    def _bound_choices(self) -> "CompletionRequest":
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ValueError(f"n: {len(self.prompts())} prompts x n={self.n} is over {MAX_CHOICES} "
+                             "completions in one request")
+        return self
+
+    @property
+    def batched(self) -> bool:
+        """The prompt is a list of several prompts."""
+        return isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt, in order (one for a single prompt)."""
+        return list(self.prompt) if self.batched else [self.prompt]  # type: ignore[list-item]
 
 
 class TextPart(_Body):
@@ -219,6 +287,11 @@ class ChatMessage(_Body):
     name: str | None = Field(None, max_length=64)
     tool_call_id: str | None = Field(None, min_length=1, max_length=256)  # the call a tool message answers
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)  # an assistant's calls
+    # What the openai SDK's own message objects carry (``message.model_dump()`` sent back as history):
+    refusal: str | None = Field(None, max_length=MAX_MESSAGE_CHARS)  # an assistant's refusal: what it said
+    annotations: list[dict[str, Any]] | None = Field(None, max_length=MAX_ANNOTATIONS)  # citations: ignored
+    audio: dict[str, Any] | None = None  # a reference to an earlier audio answer: none here
+    function_call: CalledFunction | None = None  # the legacy form of one tool call
 
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> "ChatMessage":
@@ -226,7 +299,20 @@ class ChatMessage(_Body):
             raise ValueError("tool_call_id: a tool message must name the call it answers")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("tool_calls: only assistant messages carry tool calls")
+        if self.function_call is not None and self.role != "assistant":
+            raise ValueError("function_call: only assistant messages carry a function call")
+        if self.function_call is not None and self.tool_calls:
+            raise ValueError("function_call: send the call in tool_calls or in function_call, not both")
+        if self.refusal and self.role != "assistant":
+            raise ValueError("refusal: only assistant messages carry a refusal")
         return self
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("audio is not supported (text only); send null or leave it out")
+        return v
 
     @field_validator("content")
     @classmethod
@@ -236,11 +322,17 @@ class ChatMessage(_Body):
         return v
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
+        if self.content is None or self.content == [] or self.content == "":
+            return self.refusal or ""  # a refused turn: the refusal is what the assistant said
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def calls(self) -> list[ToolCall]:
+        """The assistant's tool calls; a legacy ``function_call`` is one call."""
+        if self.function_call is not None:
+            return [ToolCall(id="call_0", type="function", function=self.function_call)]
+        return list(self.tool_calls or ())
 
     def template_view(self) -> dict[str, Any]:
         """The message as chat templates see it (transformers' keys; unset ones left out)."""
@@ -249,9 +341,13 @@ class ChatMessage(_Body):
             view["name"] = self.name
         if self.tool_call_id is not None:
             view["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
-            view["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if calls := self.calls():
+            view["tool_calls"] = [c.model_dump() for c in calls]
         return view
+
+
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class ChatCompletionRequest(_Sampling):
@@ -262,9 +358,33 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)  # OpenAI refuses [] too
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Taken and ignored: they change nothing in the answer (docs/api.md).
+    metadata: dict[str, Annotated[str, StringConstraints(max_length=512)]] | None = Field(None, max_length=MAX_METADATA)
+    store: bool | None = None
+    service_tier: ServiceTier | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    modalities: list[str] | None = Field(None, max_length=4)
+
+    @field_validator("metadata")
+    @classmethod
+    def _bound_metadata_keys(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v and any(not 1 <= len(k) <= 64 for k in v):
+            raise ValueError("keys are 1 to 64 characters")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            other = next((m for m in v if m != "text"), None)
+            raise ValueError(f"only text output is supported; {other!r} is not" if other else
+                             'send ["text"] or leave it out')
+        return v
 
     @model_validator(mode="after")
     def _tools_consistent(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
             raise ValueError("tools: two tools share a name")
@@ -311,9 +431,27 @@ def first_error(err: ValidationError) -> tuple[str, str]:
     if named:
         param = f"{param}.{named.group(1)}" if param else named.group(1)
         msg = msg[named.end():]
-    if e["type"] == "extra_forbidden":
-        msg = "unknown or unsupported parameter"
+    msg = _WORDS.get(e["type"], msg)
+    # pydantic's phrasing -> ours: "Input should be a valid integer" -> "must be a valid integer".
+    msg = msg.replace("Input should be", "must be").replace(" after validation", "")
+    for what in ("List", "Dictionary", "String"):
+        msg = msg.replace(f"{what} should have", "should have")
+    if msg == "Field required":
+        msg = "required"
+    if param and msg.startswith(param + " "):  # "logit_bias is not supported": names it already
+        return param, msg
     return param or "body", f"{param}: {msg}" if param else msg
+
+
+# Errors of types whose pydantic wording is not the client's (strict types: no coercion).
+_WORDS = {
+    "extra_forbidden": "unknown or unsupported parameter",
+    "int_type": "must be an integer", "int_parsing": "must be an integer", "int_from_float": "must be an integer",
+    "bool_type": "must be true or false (a JSON boolean)", "bool_parsing": "must be true or false (a JSON boolean)",
+    "float_type": "must be a number", "float_parsing": "must be a number", "finite_number": "must be a finite number",
+    "string_type": "must be a string", "dict_type": "must be an object", "list_type": "must be an array",
+    "model_type": "must be an object", "model_attributes_type": "must be an object",
+}
 
 
 def json_depth_ok(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:

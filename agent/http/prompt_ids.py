@@ -1,7 +1,8 @@
 """A validated request's prompt as token ids, bounded by the model's context.
 
 Chat prompts are built and rendered by :class:`text.chat_prompt.ChatPrompt`; completion prompts
-are a text to tokenize or ids to check against the vocabulary. A prompt that cannot fit the
+are a text to tokenize or ids to check against the vocabulary, one or a list of them (a batch:
+each checked alone, and their tokens bounded together). A prompt that cannot fit the
 context by its length alone is refused before any tokenizing, and one that turns out too long is
 refused before its ids are all built. Long texts render and tokenize in a thread (the tokenizer
 drops the GIL), so the event loop keeps serving meanwhile. Every refusal is a 400 :class:`ApiError`
@@ -32,9 +33,25 @@ async def prompt_ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokeni
     """The prompt's ids: not empty, and shorter than ``ctx_len`` (and :data:`MAX_PROMPT_TOKENS`).
 
     ``vocab_size``: the model's (as the engine loaded it), which ids sent as the prompt must be below;
-    ``tool_fmt``: how the model writes tool calls (chat), for tools and a history with calls."""
-    chat = isinstance(req, ChatCompletionRequest)
-    ids = await _ids(req, tok, vocab_size, ctx_len, tool_fmt)
+    ``tool_fmt``: how the model writes tool calls (chat), for tools and a history with calls. A
+    completion's list of prompts: :func:`prompts_ids`."""
+    if isinstance(req, ChatCompletionRequest):
+        return _checked(await _chat_ids(req, tok, ctx_len, tool_fmt), ctx_len, True)
+    return (await prompts_ids(req, tok, vocab_size, ctx_len))[0]
+
+
+async def prompts_ids(req: CompletionRequest, tok: Tokenizer, vocab_size: int, ctx_len: int) -> list[list[int]]:
+    """The ids of each of a completion's prompts (one, or a list), each as :func:`prompt_ids`
+    checks it, and together at most :data:`MAX_PROMPT_TOKENS`."""
+    out = [_checked(await _completion_ids(p, tok, vocab_size, ctx_len), ctx_len, False) for p in req.prompts()]
+    total = sum(len(ids) for ids in out)
+    if total > MAX_PROMPT_TOKENS:
+        raise ApiError(400, f"the prompts have {total} tokens together; at most {MAX_PROMPT_TOKENS}", param="prompt",
+                       code="context_length_exceeded")
+    return out
+
+
+def _checked(ids: list[int], ctx_len: int, chat: bool) -> list[int]:
     if not ids:
         raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
     if len(ids) >= ctx_len or len(ids) > MAX_PROMPT_TOKENS:
@@ -42,29 +59,29 @@ async def prompt_ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokeni
     return ids
 
 
-async def _ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokenizer, vocab_size: int, ctx_len: int,
-               tool_fmt: ToolFormat | None) -> list[int]:
+async def _chat_ids(req: ChatCompletionRequest, tok: Tokenizer, ctx_len: int, tool_fmt: ToolFormat | None) -> list[int]:
     limit = min(ctx_len, MAX_PROMPT_TOKENS + 1)
-    chat = isinstance(req, ChatCompletionRequest)
-    work: Callable[[], list[int]]
-    if isinstance(req, ChatCompletionRequest):
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools and req.tools else None
-        fmt = tool_fmt if tool_fmt is not None else tool_format(tok.chat_template)
-        prompt = ChatPrompt.build([m.template_view() for m in req.messages], tools, fmt)
-        size = prompt.chars
-        work = lambda: prompt.token_ids(tok, limit)  # noqa: E731
-    elif isinstance(req.prompt, str):
-        text = req.prompt
-        size = len(text)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools and req.tools else None
+    fmt = tool_fmt if tool_fmt is not None else tool_format(tok.chat_template)
+    prompt = ChatPrompt.build([m.template_view() for m in req.messages], tools, fmt)
+    return await _run(lambda: prompt.token_ids(tok, limit), prompt.chars, ctx_len, True)
+
+
+async def _completion_ids(prompt: str | list[int], tok: Tokenizer, vocab_size: int, ctx_len: int) -> list[int]:
+    limit = min(ctx_len, MAX_PROMPT_TOKENS + 1)
+    if isinstance(prompt, str):
+        text = prompt
         if (at_least := tok.min_tokens(text)) >= limit:  # O(1): no thread, no tokenizing
-            raise too_long(at_least, ctx_len, chat, exact=False)
-        work = lambda: tok.encode(text, limit=limit)  # noqa: E731
-    else:
-        vocab = vocab_size
-        bad = next((t for t in req.prompt if t >= vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary (size {vocab})", param="prompt")
-        return list(req.prompt)
+            raise too_long(at_least, ctx_len, False, exact=False)
+        return await _run(lambda: tok.encode(text, limit=limit), len(text), ctx_len, False)
+    bad = next((t for t in prompt if t >= vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary (size {vocab_size})", param="prompt")
+    return list(prompt)
+
+
+async def _run(work: Callable[[], list[int]], size: int, ctx_len: int, chat: bool) -> list[int]:
+    """``work()`` (tokenizing ``size`` characters): inline when short, else in a thread."""
     try:
         ids = work() if size < TOKENIZE_INLINE_CHARS else await asyncio.to_thread(work)
     except TokenLimitExceeded as e:

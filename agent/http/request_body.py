@@ -1,6 +1,7 @@
 """A request's body as the API takes it in: ``Expect: 100-continue`` answered from the headers,
 the body read within a time and a size limit, decoded from its content coding (gzip and deflate up
-to the same limit, anything else a 415), and parsed as a JSON object of bounded nesting.
+to the same limit, anything else a 415), and parsed as a JSON object of bounded nesting, with no
+key twice in one object.
 
 Bodies are decoded here, not by aiohttp (the server runs with ``auto_decompress=False``), so that
 every refusal is in OpenAI's error shape. The size limit is the one the application is built with
@@ -46,6 +47,22 @@ def inflate(raw: bytes, coding: str, limit: int) -> bytes:
     if not d.eof:
         raise ApiError(400, f"the {coding} body is truncated", code="invalid_encoding")
     return out
+
+
+class DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict, refusing a key given twice (json's default keeps the last: a
+    ``{"model": "a", "model": "b"}`` must not be read as one of them)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+    return obj
 
 
 class BodyReader:
@@ -102,7 +119,10 @@ class BodyReader:
             raise err
         raw = await self._decode(request, raw)
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw, object_pairs_hook=_unique_keys)
+        except DuplicateKey as e:
+            raise ApiError(400, f"the JSON body has the key {e.key[:64]!r} twice in one object",
+                           param=e.key[:64], code="invalid_json") from None
         except RecursionError:
             raise ApiError(400, "the JSON body nests too deeply", code="invalid_json") from None
         except ValueError as e:

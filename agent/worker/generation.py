@@ -53,6 +53,7 @@ class Choice:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt's, served from the engine's prefix cache
+    prompt: int = 0  # which of the request's prompts it answers (a completion's list of prompts)
 
     def push(self, out: P.TokenOutput) -> Delta:
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
@@ -122,14 +123,21 @@ class Generation:
         ``base_id`` must be unique to this request (the handler makes it; a client's
         X-Request-Id is not): the engine knows requests by these ids alone. A choice is recorded
         only once its request was sent, so ``close()`` aborts only what this request started."""
-        for i, sampling in enumerate(samplings):
-            req_id = f"{self.base_id}-{i}"
-            matcher = self._make_matcher(self.stops) if self.stops else None
-            # The prompt's tail gives non-byte-level detokenizers their leading-space context.
-            detok = self._make_detok(self.tokenizer, context_ids=prompt_token_ids[-8:])
-            self._requests.append(self.worker.add(req_id, self.model, prompt_token_ids, sampling, queue=self,
-                                                  grammar=grammar))
-            self.choices[req_id] = Choice(i, req_id, detok, matcher)
+        self.start_batch([prompt_token_ids], samplings, grammar)
+
+    def start_batch(self, prompts: list[list[int]], samplings: list[SamplingParams], grammar: str = "") -> None:
+        """:meth:`start` for several prompts, each with the choices of ``samplings``: choice
+        ``j`` of prompt ``i`` has index ``i * len(samplings) + j``, as OpenAI orders them."""
+        for p, prompt_token_ids in enumerate(prompts):
+            for j, sampling in enumerate(samplings):
+                i = p * len(samplings) + j
+                req_id = f"{self.base_id}-{i}"
+                matcher = self._make_matcher(self.stops) if self.stops else None
+                # The prompt's tail gives non-byte-level detokenizers their leading-space context.
+                detok = self._make_detok(self.tokenizer, context_ids=prompt_token_ids[-8:])
+                self._requests.append(self.worker.add(req_id, self.model, prompt_token_ids, sampling, queue=self,
+                                                      grammar=grammar))
+                self.choices[req_id] = Choice(i, req_id, detok, matcher, prompt=p)
 
     @property
     def done(self) -> bool:
@@ -200,10 +208,15 @@ class Generation:
         self._last_token_at = now
 
     def usage(self) -> dict[str, Any]:
-        """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens the
-        engine did not compute (its prefix cache had them)."""
-        prompt = max((c.num_prompt_tokens for c in self.choices.values()), default=0)
-        cached = max((c.num_cached_tokens for c in self.choices.values()), default=0)
+        """OpenAI's usage object (a list of prompts: summed over them, each once whatever its
+        ``n``); ``prompt_tokens_details.cached_tokens``: prompt tokens the engine did not compute
+        (its prefix cache had them)."""
+        prompts: dict[int, tuple[int, int]] = {}  # each prompt's tokens and cached tokens, counted once
+        for c in self.choices.values():
+            had = prompts.get(c.prompt, (0, 0))
+            prompts[c.prompt] = (max(had[0], c.num_prompt_tokens), max(had[1], c.num_cached_tokens))
+        prompt = sum(t for t, _ in prompts.values())
+        cached = sum(k for _, k in prompts.values())
         completion = sum(len(c.token_ids) for c in self.choices.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}

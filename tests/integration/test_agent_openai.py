@@ -143,7 +143,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": CTX}, "max_tokens"),
     ("/v1/completions", {"prompt": [1] * CTX, "max_tokens": 1}, "prompt"),
     ("/v1/completions", {"prompt": [10 ** 6], "max_tokens": 1}, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", [1]]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "stop": ["s"] * 9}, "stop"),
     ("/v1/completions", {"prompt": "x", "stop": "s" * 257}, "stop"),
     ("/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate"),

@@ -11,8 +11,8 @@ from tests.reliability.rel_helpers import CTX, MODEL, healthy, idle
 
 FAST_S = 2.0
 NUMBERS = {  # field -> (endpoint, values that must be refused)
-    "max_tokens": ("c", [0, -1, 10**9, 10**30, "twelve", 1.5, None]),
-    "n": ("c", [0, -1, 9, 10**9, "two", 2.5]),
+    "max_tokens": ("c", [0, -1, 10**9, 10**30, "twelve", 1.5, True, "5", None]),
+    "n": ("c", [0, -1, 9, 10**9, "two", 2.5, True, "2"]),
     "logprobs": ("c", [-1, 21, 10**9, "five", 1.5]),
     "top_logprobs": ("chat", [-1, 21, 10**9, "five", 1.5]),
     "temperature": ("c", [-0.1, 2.01, 1e308, -1e308, "hot", [], {}]),

@@ -30,9 +30,83 @@ def test_first_error_names_the_param() -> None:
 def test_prompt_shapes() -> None:
     assert CompletionRequest.model_validate({"model": "m", "prompt": ["hi"]}).prompt == "hi"
     assert CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2]]}).prompt == [1, 2]
-    for bad in ([], [True], [1, "a"], [-1], [["a"], ["b"]]):
+    one = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]})
+    assert not one.batched and one.prompts() == [[1, 2]]
+    texts = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "n": 2})
+    assert texts.batched and texts.prompts() == ["a", "b"]
+    ids = CompletionRequest.model_validate({"model": "m", "prompt": [[1], [2, 3]]})
+    assert ids.prompts() == [[1], [2, 3]]
+    for bad in ([], [True], [1, "a"], [-1], [["a"], ["b"]], ["a", [1]], [[1], []], [[1], [True]], ["a"] * 65):
         with pytest.raises(ValidationError):
             CompletionRequest.model_validate({"model": "m", "prompt": bad})
+    with pytest.raises(ValidationError) as e:  # prompts x n is bounded
+        CompletionRequest.model_validate({"model": "m", "prompt": ["a"] * 9, "n": 8})
+    assert first_error(e.value)[0] == "n"
+
+
+def _error(cls, body: dict) -> tuple[str, str]:
+    with pytest.raises(ValidationError) as e:
+        cls.model_validate({"model": "m", **body})
+    return first_error(e.value)
+
+
+def test_errors_are_in_the_clients_words() -> None:
+    param, msg = _error(CompletionRequest, {"prompt": "x", "logit_bias": {"50": 5}})
+    assert param == "logit_bias" and msg.startswith("logit_bias is not supported"), msg
+    param, msg = _error(CompletionRequest, {"prompt": "x", "suffix": "s"})
+    assert param == "suffix" and msg.startswith("suffix is not supported"), msg
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "logit_bias": {}, "suffix": ""})
+    assert _error(CompletionRequest, {"prompt": "x", "max_tokens": "5"}) == ("max_tokens", "max_tokens: must be an integer")
+    param, msg = _error(ChatCompletionRequest, {"messages": []})
+    assert param == "messages" and "List" not in msg and "after validation" not in msg
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 5.0}, "max_tokens"),
+    ({"prompt": "x", "logprobs": False}, "logprobs"),
+    ({"prompt": "x", "echo": 0}, "echo"),
+    ({"prompt": "x", "stream": "true"}, "stream"),
+    ({"prompt": "x", "temperature": "1"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f", "strict": "false"}}]}, "tools.0.function.strict"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {}, "strict": 1}}}, "response_format.json_schema.strict"),
+])
+def test_types_are_strict(body, param) -> None:
+    cls = ChatCompletionRequest if "messages" in body else CompletionRequest
+    assert _error(cls, body)[0] == param
+    # A float field still takes an integer; top_logprobs with logprobs is fine.
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "temperature": 1}).temperature == 1.0
+    assert ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                 "logprobs": True, "top_logprobs": 2}).logprobs_count() == 2
+
+
+def test_the_sdks_message_fields_and_harmless_fields() -> None:
+    sdk_message = {"content": None, "refusal": "I can't", "role": "assistant", "annotations": [], "audio": None,
+                   "function_call": {"name": "get", "arguments": "{}"}, "tool_calls": None}
+    r = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "x"}, sdk_message],
+        "metadata": {"k": "v"}, "store": True, "service_tier": "default", "reasoning_effort": "high",
+        "modalities": ["text"]})
+    view = r.messages[1].template_view()
+    assert view["content"] == "I can't"  # a refused turn reads as what the assistant said
+    assert view["tool_calls"][0]["function"] == {"name": "get", "arguments": "{}"}
+    for body, param in [
+        ({"modalities": ["audio"]}, "modalities"),
+        ({"service_tier": "fastest"}, "service_tier"),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, "messages.0.audio"),
+        ({"messages": [{"role": "user", "content": "x", "function_call": {"name": "f", "arguments": ""}}]},
+         "messages.0.function_call"),
+        ({"messages": [{**sdk_message, "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "f", "arguments": ""}}]}]}, "messages.0.function_call"),
+    ]:
+        assert _error(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], **body})[0] == param
 
 
 def test_chat_output_limit_and_logprobs() -> None:

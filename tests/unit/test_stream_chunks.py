@@ -22,3 +22,14 @@ def test_chunk_bytes_equal_the_encoded_dict(text, index, finish, chat, usage, ri
     d = Delta(index, text, [1, 2], None, finish)
     assert fmt.chunk_event(d, usage) == fmt.sse([fmt.chunk(d, usage)])
 
+
+
+def test_streamed_completion_text_offset_continues_across_chunks():
+    """Each chunk's ``text_offset`` counts from the start of its choice's text, as a whole answer's do."""
+    fmt = OpenAIFormatter("cmpl-x", "m", False, tokenizer=object())  # no alternatives: the tokenizer is unused
+    entry = {"token_id": 1, "logprob": -0.5, "top_logprobs": []}
+    offsets = {0: [], 1: []}
+    for index, pieces in [(0, ["ab", "c"]), (1, ["xyz"]), (0, ["", "de"]), (1, ["w"]), (0, ["f"])]:
+        d = Delta(index, "".join(pieces), [1] * len(pieces), [entry] * len(pieces), None, pieces)
+        offsets[index] += fmt.chunk(d, False)["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == {0: [0, 2, 3, 3, 5], 1: [0, 3]}

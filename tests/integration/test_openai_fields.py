@@ -1,0 +1,180 @@
+"""What real clients send that the API used to refuse or answer wrongly (issue 36), on a real daemon
+(CPU, tiny model) through the openai SDK: a list of prompts (lm-eval, LangChain ``OpenAI.batch``),
+the SDK's own message objects sent back as history with the fields OpenAI documents, streamed
+completion logprobs' ``text_offset``, errors in the client's words, strict types and duplicate keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.agent_harness import Daemon, publish_tiny
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny"
+CTX = 256
+EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def daemon(make_tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("openai-fields")
+    url = publish_tiny(make_tiny_model, tmp / "store", MODEL)
+    d = Daemon(tmp, store_url=url,
+               models=[{"name": MODEL, "preload": True, "max_model_len": CTX, "max_num_seqs": 8}])
+    d.start(timeout=120)
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return openai.OpenAI(base_url=daemon.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _refused(daemon: Daemon, path: str, body: dict, param: str) -> str:
+    code, resp = daemon.post(path, {"model": MODEL, **body})
+    assert code == 400, (code, resp)
+    assert resp["error"]["param"] == param, resp
+    return resp["error"]["message"]
+
+
+# --- item 2: a list of prompts -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompts", [["hello there", "a b c"], [[5, 6, 7, 8], [9, 10], [11, 12, 13]]],
+                         ids=["texts", "token-ids"])
+def test_a_list_of_prompts_gets_n_choices_each_in_openai_order(client, prompts) -> None:
+    kw = dict(model=MODEL, max_tokens=5, temperature=1.0, seed=11, n=2, extra_body=EOS)
+    singles = [client.completions.create(prompt=p, **kw) for p in prompts]
+    r = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in r.choices] == list(range(2 * len(prompts)))
+    # Prompt-major: choice j of prompt i is index i * n + j, and is what prompt i alone gives.
+    assert [c.text for c in r.choices] == [c.text for s in singles for c in s.choices]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert r.usage.completion_tokens == 5 * 2 * len(prompts)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    chunks = list(client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True}, **kw))
+    texts: dict[int, str] = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert [texts[i] for i in sorted(texts)] == [c.text for c in r.choices]
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_a_list_of_prompts_is_bounded(daemon) -> None:
+    path = "/v1/completions"
+    assert "64 prompts" in _refused(daemon, path, {"prompt": ["x"] * 65, "max_tokens": 1}, "prompt")
+    assert "64 completions" in _refused(daemon, path, {"prompt": ["x"] * 9, "n": 8, "max_tokens": 1}, "n")
+    _refused(daemon, path, {"prompt": ["x", [1, 2]], "max_tokens": 1}, "prompt")
+    _refused(daemon, path, {"prompt": [[1, 2], []], "max_tokens": 1}, "prompt")
+    _refused(daemon, path, {"prompt": [[1, 2], [1, "a"]], "max_tokens": 1}, "prompt")
+    # Each prompt against the context, and every prompt's ids against the vocabulary.
+    code, resp = daemon.post(path, {"model": MODEL, "prompt": [[5] * 8, [5] * (CTX + 4)], "max_tokens": 1})
+    assert code == 400 and resp["error"]["code"] == "context_length_exceeded", resp
+    _refused(daemon, path, {"prompt": [[5], [10 ** 6]], "max_tokens": 1}, "prompt")
+    # 64 completions in one request are served.
+    code, resp = daemon.post(path, {"model": MODEL, "prompt": [[5, 6]] * 32, "n": 2, "max_tokens": 1})
+    assert code == 200 and len(resp["choices"]) == 64, resp
+
+
+# --- item 4: fields OpenAI documents, and the SDK's own messages as history ----------------------
+
+
+def test_the_sdks_own_message_goes_back_as_history(client) -> None:
+    msgs = [{"role": "user", "content": "say something"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, extra_body=EOS)
+    msgs.append(r.choices[0].message.model_dump())  # content, refusal, annotations, audio, function_call...
+    assert {"refusal", "audio", "function_call", "annotations"} <= set(msgs[-1])
+    msgs.append({"role": "user", "content": "and again"})
+    r2 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, extra_body=EOS)
+    assert r2.choices[0].finish_reason == "length"
+    # A legacy function_call in the history is taken as the assistant's tool call.
+    legacy = [{"role": "user", "content": "weather?"},
+              {"role": "assistant", "content": None, "function_call": {"name": "get", "arguments": "{}"}},
+              {"role": "user", "content": "thanks"}]
+    assert client.chat.completions.create(model=MODEL, messages=legacy, max_tokens=2).choices
+
+
+def test_harmless_top_level_fields_are_taken_and_ignored(client) -> None:
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, extra_body=EOS)
+    plain = client.chat.completions.create(**kw)
+    r = client.chat.completions.create(metadata={"team": "a"}, store=False, service_tier="auto",
+                                       reasoning_effort="low", modalities=["text"], **kw)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    r = client.chat.completions.create(store=None, reasoning_effort=None, service_tier=None, **kw)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_fields_that_would_change_the_answer_are_refused(daemon) -> None:
+    chat = "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    assert "text" in _refused(daemon, chat, {"messages": msgs, "modalities": ["text", "audio"]}, "modalities")
+    assert "audio" in _refused(daemon, chat, {"messages": msgs + [
+        {"role": "assistant", "content": "x", "audio": {"id": "audio_1"}}]}, "messages.1.audio")
+    _refused(daemon, chat, {"messages": msgs, "reasoning_effort": "maximal"}, "reasoning_effort")
+    _refused(daemon, chat, {"messages": msgs, "metadata": {"k": "v" * 513}}, "metadata.k")
+
+
+# --- item 5: streamed text_offset -------------------------------------------------------------------
+
+
+def test_streamed_completion_text_offset_counts_from_the_answers_start(client) -> None:
+    kw = dict(model=MODEL, prompt="offsets", max_tokens=10, temperature=0, logprobs=1, extra_body=EOS)
+    whole = client.completions.create(**kw).choices[0]
+    chunks = list(client.completions.create(stream=True, **kw))
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert len(chunks) > 2 and tokens == whole.logprobs.tokens
+    assert offsets == whole.logprobs.text_offset == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+
+
+# --- item 10: errors in the client's words -------------------------------------------------------------
+
+
+def test_unsupported_fields_say_so(daemon) -> None:
+    msg = _refused(daemon, "/v1/completions", {"prompt": "x", "logit_bias": {"50": 5}}, "logit_bias")
+    assert msg.startswith("logit_bias is not supported") and "Dictionary" not in msg
+    msg = _refused(daemon, "/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix")
+    assert msg.startswith("suffix is not supported") and "String should" not in msg
+    msg = _refused(daemon, "/v1/completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens")
+    assert msg == "max_tokens: must be an integer"
+
+
+# --- item 17: strict types, duplicate keys --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/completions", {"max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"n": True}, "n"),
+    ("/v1/completions", {"stream": "false"}, "stream"),
+    ("/v1/completions", {"temperature": "0.5"}, "temperature"),
+    ("/v1/chat/completions", {"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "strict": "false"}}]},
+     "tools.0.function.strict"),
+])
+def test_types_are_strict(daemon, path, extra, param) -> None:
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    _refused(daemon, path, {"max_tokens": 1, **body, **extra}, param)
+
+
+def test_a_key_twice_is_refused(daemon) -> None:
+    raw = b'{"model": "nope", "model": "tiny", "prompt": "x", "max_tokens": 1}'
+    code, resp = daemon.post("/v1/completions", raw=raw)
+    assert code == 400 and resp["error"]["code"] == "invalid_json" and "'model'" in resp["error"]["message"], resp
+    nested = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+    nested = nested.replace('"content": "x"', '"content": "x", "content": "y"').encode()
+    code, resp = daemon.post("/v1/chat/completions", raw=nested)
+    assert code == 400 and resp["error"]["code"] == "invalid_json", resp
+    code, _ = daemon.post("/v1/completions", raw=b'{"model": "tiny", "prompt": "x", "max_tokens": 1}')
+    assert code == 200
