@@ -119,7 +119,9 @@ class OpenAIApi:
             if req.model in self.ctx.manager.models:
                 model_label = req.model
             try:
-                admission = await self.ctx.manager.admit_wait(req.model)  # autoload waits, bounded
+                # the queue limit counts engine requests: prompts × n
+                choices = req.n * (len(req.prompts()) if isinstance(req, CompletionRequest) else 1)
+                admission = await self.ctx.manager.admit_wait(req.model, choices=choices)  # autoload waits, bounded
             except ManagerError as e:
                 raise manager_error(e) from None
             with admission as entry:

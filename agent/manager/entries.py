@@ -215,16 +215,17 @@ class ModelEntry:
 class Admission:
     """One admitted request's slot; use as a context manager so the slot is always returned."""
 
-    def __init__(self, entry: ModelEntry) -> None:
+    def __init__(self, entry: ModelEntry, choices: int = 1) -> None:
         self.entry = entry
+        self.choices = choices  # engine requests it holds (prompts × n): what the queue limit counts
 
     def __enter__(self) -> ModelEntry:
-        self.entry.in_flight += 1
+        self.entry.in_flight += self.choices
         self.entry.touch()
         return self.entry
 
     def __exit__(self, *exc: Any) -> None:
-        self.entry.in_flight -= 1
+        self.entry.in_flight -= self.choices
         self.entry.touch()
         if self.entry.in_flight == 0:
             self.entry.signal_change()  # a drain waits for the last one out

@@ -556,8 +556,10 @@ class ModelManager:
 
     # --- admission --------------------------------------------------------------------------
 
-    def admit(self, name: str) -> Admission:
-        """Reserve a slot for one request; raise UnknownModel, ModelNotReady or QueueFull."""
+    def admit(self, name: str, choices: int = 1) -> Admission:
+        """Reserve ``choices`` slots (the engine requests one HTTP request starts: prompts × n)
+        for one request; raise UnknownModel, ModelNotReady or QueueFull. A model with nothing in
+        flight admits any one request, so a request wider than the limit is slow, not refused."""
         e = self.models.get(name)
         if e is None:
             raise UnknownModel(f"the model {name!r} does not exist")
@@ -567,16 +569,16 @@ class ModelManager:
                 State.DRAINING, State.UNLOADING) else 5.0 if e.state is State.CACHED else None
             why = f" ({e.reason})" if e.reason else ""
             raise ModelNotReady(f"the model {name!r} is {e.state.value}{why}", retry_after=retry)
-        if e.in_flight >= e.queue_limit:
+        if e.in_flight and e.in_flight + choices > e.queue_limit:
             raise QueueFull(f"the model {name!r} has {e.in_flight} requests in flight; try again shortly",
                             retry_after=1.0)
-        return Admission(e)
+        return Admission(e, choices)
 
     def autoload_enabled(self, e: ModelEntry) -> bool:
         a = e.settings.autoload
         return self.settings.server.autoload if a is None else a
 
-    async def admit_wait(self, name: str, timeout: float | None = None) -> Admission:
+    async def admit_wait(self, name: str, timeout: float | None = None, choices: int = 1) -> Admission:
         """Like ``admit``; with autoload on, a configured model that is not loaded is loaded
         first, pulled first when it is only in the store.
 
@@ -586,7 +588,7 @@ class ModelManager:
         """
         e = self.models.get(name)
         if e is None or e.state is State.READY or not self.autoload_enabled(e):
-            return self.admit(name)
+            return self.admit(name, choices)
         limit = self.settings.server.autoload_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         while e.state is not State.READY:
@@ -607,7 +609,7 @@ class ModelManager:
             await e.wait_change(left)  # a transition, or the operation's end (it may leave no trace)
             if e.state is State.FAILED:
                 raise ModelNotReady(f"the model {name!r} could not be loaded: {e.reason}", retry_after=max(1.0, limit / 4))
-        return self.admit(name)
+        return self.admit(name, choices)
 
     async def close(self) -> None:
         if self._keep_alive is not None:

@@ -195,6 +195,16 @@ async def test_max_queue_bounds_requests_in_flight(monkeypatch, tmp_path) -> Non
         mgr.admit("q")
     assert ex.value.status == 503 and ex.value.retry_after
     assert len(held) == 3 and model_view(mgr, mgr.get("q"))["queue_limit"] == 3
+    mgr.get("q").in_flight = 0  # the three leave
+    # the limit counts engine requests (prompts × n), not HTTP requests
+    wide = mgr.admit("q", choices=2).__enter__()
+    with pytest.raises(QueueFull):
+        mgr.admit("q", choices=2)
+    assert mgr.admit("q", choices=1) and mgr.get("q").in_flight == 2
+    wide.__exit__(None, None, None)
+    assert mgr.get("q").in_flight == 0
+    with mgr.admit("q", choices=64) as e:  # nothing in flight: a request wider than the limit goes
+        assert e.in_flight == 64
 
 
 async def test_autoload_pulls_a_configured_model_that_is_only_in_the_store(monkeypatch, tmp_path) -> None:
