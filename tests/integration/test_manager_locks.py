@@ -197,7 +197,8 @@ async def test_max_queue_bounds_requests_in_flight(monkeypatch, tmp_path) -> Non
     assert len(held) == 3 and model_view(mgr, mgr.get("q"))["queue_limit"] == 3
     mgr.get("q").in_flight = 0  # the three leave
     # the limit counts engine requests (prompts × n), not HTTP requests
-    wide = mgr.admit("q", choices=2).__enter__()
+    wide = mgr.admit("q", choices=2)
+    wide.__enter__()
     with pytest.raises(QueueFull):
         mgr.admit("q", choices=2)
     assert mgr.admit("q", choices=1) and mgr.get("q").in_flight == 2
