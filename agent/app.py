@@ -144,6 +144,8 @@ async def _manager_ctx(app: web.Application) -> AsyncIterator[None]:
                                verify=bg.canary.probe)
     ctx.worker.on_up = ctx.manager.on_worker_up
     ctx.worker.on_down = ctx.manager.on_worker_down
+    if source is not None:
+        source.cache.on_shared_repair = ctx.manager.on_shared_repair  # a blob other snapshots linked too
     bg.tasks.append(asyncio.create_task(ctx.manager.preload(), name="preload"))
     ctx.manager.start()  # keep_alive: idle models unload after their time
     yield
