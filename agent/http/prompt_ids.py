@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from agent.http.api_error import ApiError
 from agent.http.openai_schema import MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest
+from agent.http.request_body import off_loop
 from text.chat_prompt import ChatPrompt
 from text.tokenizer import Tokenizer, TokenLimitExceeded
 from text.tool_calls import ToolFormat, tool_format
@@ -28,13 +29,14 @@ def too_long(n: int, ctx_len: int, chat: bool, *, exact: bool) -> ApiError:
 
 
 async def prompt_ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokenizer, vocab_size: int, ctx_len: int,
-                     tool_fmt: ToolFormat | None) -> list[int]:
+                     tool_fmt: ToolFormat | None, body_bytes: int = 0) -> list[int]:
     """The prompt's ids: not empty, and shorter than ``ctx_len`` (and :data:`MAX_PROMPT_TOKENS`).
 
     ``vocab_size``: the model's (as the engine loaded it), which ids sent as the prompt must be below;
-    ``tool_fmt``: how the model writes tool calls (chat), for tools and a history with calls."""
+    ``tool_fmt``: how the model writes tool calls (chat), for tools and a history with calls;
+    ``body_bytes``: the request body's length (a large one builds its chat prompt off the loop)."""
     chat = isinstance(req, ChatCompletionRequest)
-    ids = await _ids(req, tok, vocab_size, ctx_len, tool_fmt)
+    ids = await _ids(req, tok, vocab_size, ctx_len, tool_fmt, body_bytes)
     if not ids:
         raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
     if len(ids) >= ctx_len or len(ids) > MAX_PROMPT_TOKENS:
@@ -42,15 +44,19 @@ async def prompt_ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokeni
     return ids
 
 
+def _chat_prompt(req: ChatCompletionRequest, fmt: ToolFormat) -> ChatPrompt:
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools and req.tools else None
+    return ChatPrompt.build([m.template_view() for m in req.messages], tools, fmt)
+
+
 async def _ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokenizer, vocab_size: int, ctx_len: int,
-               tool_fmt: ToolFormat | None) -> list[int]:
+               tool_fmt: ToolFormat | None, body_bytes: int) -> list[int]:
     limit = min(ctx_len, MAX_PROMPT_TOKENS + 1)
     chat = isinstance(req, ChatCompletionRequest)
     work: Callable[[], list[int]]
     if isinstance(req, ChatCompletionRequest):
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools and req.tools else None
         fmt = tool_fmt if tool_fmt is not None else tool_format(tok.chat_template)
-        prompt = ChatPrompt.build([m.template_view() for m in req.messages], tools, fmt)
+        prompt = await off_loop(body_bytes, _chat_prompt, req, fmt)
         size = prompt.chars
         work = lambda: prompt.token_ids(tok, limit)  # noqa: E731
     elif isinstance(req.prompt, str):
