@@ -38,6 +38,7 @@ from agent.log import get_logger
 from agent.manager.manager import ModelManager
 from agent.metrics import CONTENT_TYPE, Metrics
 from agent.http.api_error import ApiError
+from agent.http.connections import ADMIN_CONNECTIONS, ConnectionGuard, fd_limit, max_connections
 from agent.http.openai_api import OpenAIApi
 from agent.http.openapi import routes as openapi_routes
 from agent.systemd import Notifier
@@ -47,6 +48,7 @@ from engine.core import heap
 
 CTX: web.AppKey[AgentContext] = web.AppKey("ctx")
 BACKGROUND: web.AppKey[Background] = web.AppKey("background")
+GUARD: web.AppKey[ConnectionGuard] = web.AppKey("connections")
 TICK_S = 1.0
 SHUTDOWN_GRACE_S = 5.0  # after our own drain: time for handlers to write their last bytes
 MALFORMED_LOG_INTERVAL_S = 1.0  # at most one malformed-request line per interval; the rest counted
@@ -142,6 +144,8 @@ async def _manager_ctx(app: web.Application) -> AsyncIterator[None]:
                                verify=bg.canary.probe)
     ctx.worker.on_up = ctx.manager.on_worker_up
     ctx.worker.on_down = ctx.manager.on_worker_down
+    if source is not None:
+        source.cache.on_shared_repair = ctx.manager.on_shared_repair  # a blob other snapshots linked too
     bg.tasks.append(asyncio.create_task(ctx.manager.preload(), name="preload"))
     ctx.manager.start()  # keep_alive: idle models unload after their time
     yield
@@ -236,8 +240,11 @@ def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | 
                        worker=worker)
     health = Health(ctx)
     admin = AdminApi(ctx, health)
-    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[admin.middleware, v1_errors])
+    guard = ConnectionGuard(settings.server.header_timeout)
+    app = web.Application(client_max_size=settings.server.max_body_bytes,
+                          middlewares=[guard.middleware, admin.middleware, v1_errors])
     app[CTX] = ctx
+    app[GUARD] = guard
     app[BACKGROUND] = Background(canary=Canary(ctx))
     app.add_routes(OpenAIApi(ctx).routes())
     app.add_routes(admin.routes())
@@ -318,25 +325,38 @@ async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await runner.setup()
+    assert runner.server is not None
+    guard = app[GUARD]
+    nofile = fd_limit()
+    cap = max_connections(s.max_connections, nofile)
+    if s.max_connections is not None and cap < s.max_connections:
+        log.warning("max_connections_lowered", setting=s.max_connections, max_connections=cap, nofile=nofile)
     sock_path = s.admin_socket_path()
     own_socket: os.stat_result | None = None  # the socket this agent bound, removed at exit
+    servers: list[asyncio.AbstractServer] = []  # listening sockets, closed before the runner's cleanup
     try:
-        tcp = web.TCPSite(runner, s.host, s.port, backlog=1024)
-        await tcp.start()
+        # Our own listeners (not TCPSite/UnixSite): each connection goes through the guard's cap and
+        # header deadline (agent/http/connections.py); aiohttp's server handles what passes.
+        tcp = await loop.create_server(guard.factory("tcp", runner.server, cap), s.host, s.port, backlog=1024)
+        servers.append(tcp)
         sock_path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
         _bind_admin_socket(sock_path)
-        await web.UnixSite(runner, str(sock_path)).start()
+        servers.append(await loop.create_unix_server(guard.factory("admin", runner.server, ADMIN_CONNECTIONS),
+                                                     str(sock_path)))
         own_socket = sock_path.stat()
         os.chmod(sock_path, 0o660)
-        port = tcp._server.sockets[0].getsockname()[1] if tcp._server and tcp._server.sockets else s.port
+        port = tcp.sockets[0].getsockname()[1] if tcp.sockets else s.port
         ctx.startup.mark("http_listening")
-        log.info("listening", host=s.host, port=port, admin_socket=str(sock_path), pid=os.getpid())
+        log.info("listening", host=s.host, port=port, admin_socket=str(sock_path), pid=os.getpid(),
+                 max_connections=cap, nofile=nofile)
         await stop.wait()
         ctx.draining = True
         ctx.notifier.stopping()
         ctx.notifier.extend_timeout(s.drain_timeout + 15)  # drain, then stop the worker
         await _drain(ctx, s.drain_timeout)
     finally:
+        for server in servers:
+            server.close()
         await runner.cleanup()
         _unlink_own_socket(sock_path, own_socket)
         for sig in (signal.SIGTERM, signal.SIGINT):

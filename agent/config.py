@@ -80,6 +80,13 @@ class ServerSettings(_Section):
     max_header_bytes: ByteSize = 16 * 1024
     max_headers: int = Field(100, ge=8, le=1000)
     keepalive_timeout: Seconds = 75.0
+    # A request's headers must all arrive within this long of its first byte (of the connection's
+    # opening for the first request); a connection that trickles them is closed.
+    header_timeout: Seconds = Field(10.0, gt=0, le=3600.0)
+    # Open client connections on the TCP port; over it a new one gets a 503 and is closed.
+    # None: the file-descriptor limit (RLIMIT_NOFILE) less the headroom the worker socket, the
+    # admin socket and the cache need (agent/http/connections.py).
+    max_connections: int | None = Field(None, ge=1, le=1 << 20)
     drain_timeout: Seconds = 30.0
     # A request for a configured model that is not loaded loads it, pulling it first when it is
     # only in the store (per model: models[].autoload); off, such a request is a 503.

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import structlog
 
-from cache import eviction, snapshot
+from cache import eviction, integrity, snapshot
 from cache import manifest as mf
 from cache.downloader import DownloadConfig, PartLimiter, download_blob
 from cache.errors import CacheError, CacheFullError, ModelNotInStore, NotFoundError
@@ -60,6 +60,9 @@ class DiskCache:
         self.layout = CacheLayout(self.dir)
         self.layout.create()
         self._log = structlog.get_logger("cache").bind(cache_dir=str(self.dir))
+        # Told the other models whose snapshots linked a blob a repair found corrupt (see
+        # _relink_sharers): a loaded one was read from those bytes.
+        self.on_shared_repair: Callable[[list[str]], None] | None = None
         self._pins: dict[str, tuple[int, FileLock]] = {}
         self._inflight: dict[str, tuple[asyncio.Task, list[int]]] = {}
         self._progress: dict[str, Progress] = {}
@@ -243,6 +246,7 @@ class DiskCache:
         cfg = self.download
         progress.set_total(manifest.total_size)
         current = snapshot.read_manifest(self.layout.models_dir, name)
+        bad: set[str] = set()  # blobs whose bytes were wrong: other snapshots may link them too
         if current == manifest and self.snapshot_path(name) is not None:
             progress.set_state("verifying")
             report = await _in_own_thread(lambda: check_snapshot(
@@ -254,6 +258,7 @@ class DiskCache:
             self._log.warning("pull.repair", model=name, problems=report.problems())
             for f in report.findings:  # wrong bytes: fetched again below
                 if f.bad_blob is not None:
+                    bad.add(f.bad_blob)
                     (self.layout.blobs_dir / f.bad_blob).unlink(missing_ok=True)
         self._log.info("pull.start", model=name, files=len(manifest.files), total_bytes=manifest.total_size)
         blobs = manifest.unique_blobs()
@@ -272,18 +277,56 @@ class DiskCache:
                 await self._fetch_blobs(store, manifest, missing, progress)
                 progress.set_state("verifying")
                 await asyncio.to_thread(self._check_safetensors, manifest)
+                path: Path | None = None
                 async with FileLock(self.layout.locks_dir / "cache.lock"):
                     # Another process may have evicted an unreferenced blob of ours meanwhile.
                     if len(await asyncio.to_thread(self._present, blobs)) == len(blobs):
                         path = await asyncio.to_thread(snapshot.commit, self.layout.models_dir, self.layout.blobs_dir,
                                                        manifest, cfg.fsync)
-                        return path
+                if path is not None:
+                    if bad:
+                        await self._relink_sharers(bad, name)
+                    return path
             raise CacheError(f"{name}: blobs kept disappearing while the snapshot was committed")
         finally:
             for d in blobs:
                 self._active_blobs[d] -= 1
                 if not self._active_blobs[d]:
                     del self._active_blobs[d]
+
+    async def _relink_sharers(self, bad: set[str], repaired: str) -> None:
+        """Every other snapshot that links a blob just found corrupt: flagged, then relinked.
+
+        A repair never writes into the corrupt inode (a reader could see half-written bytes, a
+        loaded model maps it): the good bytes came as a new blob, so the hard links of every other
+        snapshot still name the corrupt inode. Each such snapshot first loses its record of
+        verified files (its next check hashes every file: the corrupt one is found whatever its
+        stamp), then is rebuilt over the blobs now in the cache, which records it verified again.
+        A snapshot whose model lock is held (being pulled) or whose rebuild fails stays flagged."""
+        touched: list[str] = []
+        for other in self.model_names():
+            m = self.manifest(other) if other != repaired else None
+            if m is None or not bad & set(m.unique_blobs()):
+                continue
+            model_dir = self.layout.models_dir / other
+            await asyncio.to_thread(integrity.forget, model_dir)
+            touched.append(other)
+            lock = FileLock(self.layout.locks_dir / f"model-{other}.lock")
+            if not lock.try_acquire():
+                self._log.warning("pull.shared_blob_flagged", model=other, repaired_with=repaired)
+                continue
+            try:
+                async with FileLock(self.layout.locks_dir / "cache.lock"):
+                    if snapshot.read_manifest(self.layout.models_dir, other) == m:
+                        await asyncio.to_thread(snapshot.commit, self.layout.models_dir, self.layout.blobs_dir,
+                                                m, self.download.fsync)
+                self._log.warning("pull.shared_blob_relinked", model=other, repaired_with=repaired)
+            except CacheError as e:
+                self._log.warning("pull.shared_blob_flagged", model=other, repaired_with=repaired, error=str(e))
+            finally:
+                lock.release()
+        if touched and self.on_shared_repair is not None:
+            self.on_shared_repair(touched)
 
     def _present(self, blobs: dict[str, int]) -> set[str]:
         out = set()

@@ -67,6 +67,11 @@ def record(model_dir: Path, manifest: mf.Manifest) -> None:
     os.replace(tmp, model_dir / VERIFIED)
 
 
+def forget(model_dir: Path) -> None:
+    """Drop the record: the next check hashes every file of the snapshot."""
+    (model_dir / VERIFIED).unlink(missing_ok=True)
+
+
 def check(model_dir: Path, manifest: mf.Manifest, *, rehash: bool = False,
           blobs_dir: Path | None = None) -> Report:
     """Check the snapshot of ``manifest`` under ``model_dir``.

@@ -30,7 +30,7 @@ from agent.http.decoding import plan_decoding
 from agent.http.openai_format import OpenAIFormatter, model_object
 from agent.http.openai_schema import ChatCompletionRequest, CompletionRequest, first_error
 from agent.http.prompt_ids import prompt_ids, prompts_ids
-from agent.http.request_body import BodyReader
+from agent.http.request_body import BODY_BYTES, BodyReader, off_loop
 from agent.http.sse import EventStream
 from agent.http.structured import StructuredOutputError
 from agent.log import bind_request_id, get_logger, new_request_id
@@ -110,9 +110,10 @@ class OpenAIApi:
             if self.ctx.draining:
                 raise ApiError(503, "the server is shutting down", code="shutting_down", retry_after=5)
             body = await self._bodies.read_json(request)
+            size = request.get(BODY_BYTES, 0)
             try:
-                req: ChatCompletionRequest | CompletionRequest = (
-                    ChatCompletionRequest.model_validate(body) if chat else CompletionRequest.model_validate(body))
+                req: ChatCompletionRequest | CompletionRequest = await off_loop(
+                    size, ChatCompletionRequest.model_validate if chat else CompletionRequest.model_validate, body)
             except ValidationError as e:
                 param, msg = first_error(e)
                 raise ApiError(400, msg, param=param, code="invalid_value") from None
@@ -149,7 +150,7 @@ class OpenAIApi:
         tool_fmt = tool_format(tok.chat_template) if chat else None
         vocab_size = entry.info.vocab_size
         if isinstance(req, ChatCompletionRequest):
-            prompts = [await prompt_ids(req, tok, vocab_size, ctx_len, tool_fmt)]
+            prompts = [await prompt_ids(req, tok, vocab_size, ctx_len, tool_fmt, request.get(BODY_BYTES, 0))]
         else:  # one prompt or a list: each with its n choices
             prompts = await prompts_ids(req, tok, vocab_size, ctx_len)
         plan = plan_decoding(req, max(len(ids) for ids in prompts), ctx_len, tool_fmt)

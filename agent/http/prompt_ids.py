@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from agent.http.api_error import ApiError
 from agent.http.openai_schema import MAX_PROMPT_TOKENS, ChatCompletionRequest, CompletionRequest
+from agent.http.request_body import off_loop
 from text.chat_prompt import ChatPrompt
 from text.tokenizer import Tokenizer, TokenLimitExceeded
 from text.tool_calls import ToolFormat, tool_format
@@ -29,14 +30,15 @@ def too_long(n: int, ctx_len: int, chat: bool, *, exact: bool) -> ApiError:
 
 
 async def prompt_ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokenizer, vocab_size: int, ctx_len: int,
-                     tool_fmt: ToolFormat | None) -> list[int]:
+                     tool_fmt: ToolFormat | None, body_bytes: int = 0) -> list[int]:
     """The prompt's ids: not empty, and shorter than ``ctx_len`` (and :data:`MAX_PROMPT_TOKENS`).
 
     ``vocab_size``: the model's (as the engine loaded it), which ids sent as the prompt must be below;
-    ``tool_fmt``: how the model writes tool calls (chat), for tools and a history with calls. A
-    completion's list of prompts: :func:`prompts_ids`."""
+    ``tool_fmt``: how the model writes tool calls (chat), for tools and a history with calls;
+    ``body_bytes``: the request body's length (a large one builds its chat prompt off the loop,
+    request_body.off_loop). A completion's list of prompts: :func:`prompts_ids`."""
     if isinstance(req, ChatCompletionRequest):
-        return _checked(await _chat_ids(req, tok, ctx_len, tool_fmt), ctx_len, True)
+        return _checked(await _chat_ids(req, tok, ctx_len, tool_fmt, body_bytes), ctx_len, True)
     return (await prompts_ids(req, tok, vocab_size, ctx_len))[0]
 
 
@@ -59,11 +61,16 @@ def _checked(ids: list[int], ctx_len: int, chat: bool) -> list[int]:
     return ids
 
 
-async def _chat_ids(req: ChatCompletionRequest, tok: Tokenizer, ctx_len: int, tool_fmt: ToolFormat | None) -> list[int]:
-    limit = min(ctx_len, MAX_PROMPT_TOKENS + 1)
+def _chat_prompt(req: ChatCompletionRequest, fmt: ToolFormat) -> ChatPrompt:
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools and req.tools else None
+    return ChatPrompt.build([m.template_view() for m in req.messages], tools, fmt)
+
+
+async def _chat_ids(req: ChatCompletionRequest, tok: Tokenizer, ctx_len: int, tool_fmt: ToolFormat | None,
+                    body_bytes: int) -> list[int]:
+    limit = min(ctx_len, MAX_PROMPT_TOKENS + 1)
     fmt = tool_fmt if tool_fmt is not None else tool_format(tok.chat_template)
-    prompt = ChatPrompt.build([m.template_view() for m in req.messages], tools, fmt)
+    prompt = await off_loop(body_bytes, _chat_prompt, req, fmt)  # 6 MB of tools: seconds of the loop otherwise
     return await _run(lambda: prompt.token_ids(tok, limit), prompt.chars, ctx_len, True)
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import zlib
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from aiohttp import web
 from aiohttp.http import HttpVersion11
@@ -23,6 +25,25 @@ from agent.http.api_keys import ApiKeys
 from agent.http.openai_schema import json_depth_ok
 
 DECODE_INLINE_BYTES = 65_536  # longer compressed bodies inflate in a thread (zlib drops the GIL)
+# Bodies at least this long are parsed, validated and made a prompt in the body threads (below):
+# eight 8 MB tool bodies at once held the event loop for seconds when done on it.
+HEAVY_BODY_BYTES = 262_144
+BODY_THREADS = 2  # its own small pool: never the loop's default executor, which others share
+BODY_BYTES = "body_bytes"  # request[...]: the decoded body's length, for the steps after parsing
+_T = TypeVar("_T")
+_pool: ThreadPoolExecutor | None = None
+
+
+async def off_loop(size: int, fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)``: on the loop for a body under :data:`HEAVY_BODY_BYTES`, else in the body
+    threads (one pool of :data:`BODY_THREADS`: many large bodies at once queue there, not on the
+    loop). The result and any exception are the same either way."""
+    global _pool
+    if size < HEAVY_BODY_BYTES:
+        return fn(*args)
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=BODY_THREADS, thread_name_prefix="body")
+    return await asyncio.get_running_loop().run_in_executor(_pool, lambda: fn(*args))
 BODY_TIMEOUT_S = 30.0  # a client trickling its body holds a connection, not the server
 # Content codings a body may come in, with zlib's window bits for each (gzip header / zlib header).
 _CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -118,20 +139,8 @@ class BodyReader:
         if err is not None:  # raised outside the handler: no link back to the frames that held the body
             raise err
         raw = await self._decode(request, raw)
-        try:
-            obj = json.loads(raw, object_pairs_hook=_unique_keys)
-        except DuplicateKey as e:
-            raise ApiError(400, f"the JSON body has the key {e.key[:64]!r} twice in one object",
-                           param=e.key[:64], code="invalid_json") from None
-        except RecursionError:
-            raise ApiError(400, "the JSON body nests too deeply", code="invalid_json") from None
-        except ValueError as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-        if not json_depth_ok(obj):
-            raise ApiError(400, "the JSON body nests too deeply", code="invalid_json")
-        if not isinstance(obj, dict):
-            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-        return obj
+        request[BODY_BYTES] = len(raw)
+        return await off_loop(len(raw), parse_json, raw)
 
     async def _decode(self, request: web.Request, raw: bytes) -> bytes:
         coding = request.headers.get("Content-Encoding", "identity").strip().lower()
@@ -143,3 +152,22 @@ class BodyReader:
         if len(raw) <= DECODE_INLINE_BYTES:
             return inflate(raw, coding, self.max_bytes)
         return await asyncio.to_thread(inflate, raw, coding, self.max_bytes)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object of bounded nesting; ApiError otherwise. Blocking (a large body
+    runs it in the body threads: :func:`off_loop`)."""
+    try:
+        obj = json.loads(raw, object_pairs_hook=_unique_keys)
+    except DuplicateKey as e:
+        raise ApiError(400, f"the JSON body has the key {e.key[:64]!r} twice in one object",
+                       param=e.key[:64], code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the JSON body nests too deeply", code="invalid_json") from None
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not json_depth_ok(obj):
+        raise ApiError(400, "the JSON body nests too deeply", code="invalid_json")
+    if not isinstance(obj, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return obj

@@ -391,6 +391,19 @@ class ModelManager:
             raise SnapshotBroken(f"the cached files of {e.name!r} are broken ({'; '.join(problems[:3])}); "
                                  f"the next load or pull repairs them", retry_after=1.0)
 
+    def on_shared_repair(self, names: list[str]) -> None:
+        """A repair replaced a corrupt blob that these models' snapshots linked too (the cache
+        relinked or flagged them: cache/disk_cache.py): each one's next load or pull checks every
+        sha256. A loaded one read its weights from that inode: said in the log, to reload it."""
+        for name in names:
+            e = self.models.get(name)
+            if e is None:
+                continue
+            e.needs_repair = True
+            if e.state in (State.LOADING, State.READY, State.DRAINING):
+                self._log.warning("model_shares_a_repaired_blob", model=name, state=e.state.value,
+                                  action="unload and load it to serve the repaired bytes")
+
     def verify_files(self, name: str) -> asyncio.Task[None]:
         """Check every sha256 of a cached model; repair it (fetch what is wrong) unless it is
         loaded. The findings are in ``last_verify``."""
