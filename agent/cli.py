@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -34,9 +35,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    if argv is None and "triton" in sys.modules:
+        # The program itself (not a caller in this process), after a command that imported
+        # Triton (make-model, quantize): end without interpreter teardown, where nanobind would
+        # print its "leaked instances" report after our last line.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

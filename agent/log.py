@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import sys
 import uuid
 from typing import Any, Literal
@@ -42,7 +43,20 @@ class _CurrentStderr:
     breaks when that stream is later replaced and closed (test capture, daemonizing)."""
 
     def write(self, text: str) -> int:
-        return sys.stderr.write(text)
+        # One log line is one write to the file, newline included: another process writing to
+        # the same stderr (the worker; Triton's nanobind leak report at its exit) cannot land
+        # in the middle of a line or glue itself to its end.
+        stream = sys.stderr
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            return stream.write(text)
+        stream.flush()
+        data = text.encode("utf-8", "backslashreplace")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        return len(text)
 
     def flush(self) -> None:
         sys.stderr.flush()
@@ -74,7 +88,7 @@ def configure_logging(
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=structlog.WriteLoggerFactory(file=stream),  # message + newline in one write
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")

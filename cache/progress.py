@@ -86,14 +86,22 @@ class Progress:
 
 
 def render_bar(snap: dict, width: int = 30) -> str:
-    """One line: ``name [#####.....]  45% 1.2 GiB/2.7 GiB 350.0 MiB/s ETA 4s``."""
+    """One line: ``name [#####.....]  45% 1.2 GiB/2.7 GiB 350.0 MiB/s ETA 4s``; once done, the
+    average rate (or that everything was there already); never a rate of ``0 B/s``."""
     total = snap["total_bytes"] or 1
     frac = min(1.0, snap["done_bytes"] / total)
     filled = int(frac * width)
     eta = snap["eta_s"]
-    eta_s = "--" if eta is None else f"{eta:.0f}s"
-    return (f"{snap['name']} [{'#' * filled}{'.' * (width - filled)}] {frac * 100:3.0f}% "
-            f"{human_bytes(snap['done_bytes'])}/{human_bytes(snap['total_bytes'])} {human_bytes(snap['rate_bytes_s'])}/s ETA {eta_s}")
+    head = (f"{snap['name']} [{'#' * filled}{'.' * (width - filled)}] {frac * 100:3.0f}% "
+            f"{human_bytes(snap['done_bytes'])}/{human_bytes(snap['total_bytes'])}")
+    moved, elapsed = snap.get("downloaded_bytes", 0), snap.get("elapsed_s") or 0.0
+    if snap["done_bytes"] >= snap["total_bytes"] and snap["total_bytes"]:  # done: the average, never "0 B/s"
+        if not moved:
+            return f"{head} (all already there)"
+        return f"{head} {human_bytes(moved / elapsed)}/s" if elapsed > 0 else head
+    rate = snap["rate_bytes_s"]
+    speed = f"{human_bytes(rate)}/s" if rate >= 1 else "starting" if not moved else "stalled"
+    return f"{head} {speed} ETA {'--' if eta is None else f'{eta:.0f}s'}"
 
 
 class BarPrinter:

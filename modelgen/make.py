@@ -261,7 +261,8 @@ def make_model(
     shape = _check(arch, preset)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ModelGenError(f"output {out} exists and is not an empty directory")
+        raise ModelGenError(f"output {out} exists and is not an empty folder: pass --force to replace it, "
+                            "or choose another --out")
     if out.parent.exists() and not out.parent.is_dir():
         raise ModelGenError(f"{out.parent} is not a directory")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -301,7 +302,7 @@ def make_model(
         )
         chunks = _chunk_source(seed, dev)
         for shard, name in zip(shards, names):
-            say(f"writing {name} ({sum(s.nbytes for s in shard) / 1e9:.2f} GB)")
+            say(f"writing {name} ({size_text(sum(s.nbytes for s in shard))})")
             write_shard(tmp / name, shard, chunks)
         if len(shards) > 1:
             _write_json(tmp / "model.safetensors.index.json", index_json(shards, names))
@@ -312,6 +313,18 @@ def make_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def size_text(n: int) -> str:
+    """A byte count as people read it: ``572.2 KiB``, ``15.0 MiB``, ``16.07 GB`` (decimal from a
+    gigabyte on, as Hugging Face counts checkpoints)."""
+    if n < 1024:
+        return f"{n} B"
+    if n < 1024**2:
+        return f"{n / 1024:.1f} KiB"
+    if n < 10**9:
+        return f"{n / 1024**2:.1f} MiB"
+    return f"{n / 1e9:.2f} GB"
 
 
 def _write_json(path: Path, obj: object) -> None:

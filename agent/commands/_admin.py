@@ -57,14 +57,35 @@ def model_rows(models: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for m in models:
         kv = m.get("kv_pages") or {}
-        state = m["state"] + (f" ({m['reason']})" if m.get("reason") and m["state"] == "failed" else "")
+        state = m["state"]
         pull = m.get("pull") or {}
         if m["state"] == "pulling" and pull.get("total_bytes"):
             state += f" {100 * pull['done_bytes'] / pull['total_bytes']:.0f}% of {human_bytes(pull['total_bytes'])}"
         rows.append([m["name"], state, human_bytes(m.get("device_bytes")), _format_cell(m),
                      f"{kv.get('used', 0)}/{kv.get('total', 0)}", _prefix_cell(m), str(m.get("in_flight", 0)),
-                     ago(m.get("last_used"))])
+                     ago(m.get("last_used")), _unload_cell(m), clip(m.get("reason") or "", REASON_WIDTH)])
     return rows
+
+
+REASON_WIDTH = 48  # the REASON column's cap: a long failure never widens the table (--json has it whole)
+
+
+def clip(text: str, width: int) -> str:
+    """``text`` on one line, at most ``width`` characters (an ellipsis says it was cut)."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _unload_cell(m: dict[str, Any]) -> str:
+    """The UNLOAD IN column: time left before an idle unload (keep_alive), or why there is none."""
+    if m.get("state") != "ready":
+        return "-"
+    if m.get("pinned"):
+        return "pinned"
+    if (m.get("keep_alive_s") or 0) < 0:
+        return "never"
+    left = m.get("unload_in_s")
+    return "busy" if left is None else human_duration(left)
 
 
 def _format_cell(m: dict[str, Any]) -> str:
@@ -94,7 +115,7 @@ def memory_name(device: str | None) -> str:
 def model_headers(device: str | None) -> list[str]:
     """The model table's columns; the memory column is named by the worker's device."""
     return ["MODEL", "STATE", f"{memory_name(device)} MEM", "FP8", "KV PAGES", "PREFIX CACHE", "IN-FLIGHT",
-            "LAST USE"]
+            "LAST USE", "UNLOAD IN", "REASON"]
 
 
 def model_table(st: dict[str, Any]) -> str:

@@ -6,13 +6,29 @@ import argparse
 import sys
 
 from agent.commands._admin import EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_common, client
+from agent.commands._local_model import NAME_HELP, looks_like_folder
+
+DESCRIPTIONS = {
+    "load": "Load a model on the running agent and wait until it is ready: pulled from the store into the "
+            "disk cache first when needed, then loaded on the GPU (or the CPU). A local model folder (DIR) is "
+            "published to the agent's store first, under --name or the folder's name.",
+    "unload": "Unload a model on the running agent: new requests are refused, the ones in flight finish "
+              "(up to server.drain_timeout), then its memory is given back. Its files stay in the disk cache.",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction, op: str, help: str) -> None:
-    p = sub.add_parser(op, help=help)
-    p.add_argument("name", help="model name")
+    p = sub.add_parser(op, help=help, description=DESCRIPTIONS[op])
+    if op == "load":
+        p.add_argument("name", metavar="NAME|DIR", help="model name, or a local model folder to publish to the "
+                       "running agent's store and load")
+        p.add_argument("--name", dest="as_name", metavar="NAME", help=NAME_HELP + "; with DIR")
+    else:
+        p.add_argument("name", help="model name")
     add_common(p)
-    p.add_argument("--no-wait", action="store_true", help="return at once (202) instead of waiting")
+    p.add_argument("--no-wait", action="store_true",
+                   help=f"start the {op} and return without waiting for it to finish "
+                        f"(see how it goes with `infire-agent status`)")
     p.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds to wait for the operation")
     if op == "load":
         p.add_argument("--quantization", choices=["fp8", "none"], default=None,
@@ -26,6 +42,10 @@ def run(args: argparse.Namespace, op: str) -> int:
     from agent.admin_client import AgentDown
     from agent.config import MODEL_NAME_RE
 
+    if op == "load" and looks_like_folder(args.name):
+        code = _publish_folder(args)
+        if code is not None:
+            return code
     if not MODEL_NAME_RE.fullmatch(args.name):
         print(f"{op}: {args.name!r} is not a model name (^[a-z0-9][a-z0-9._-]{{0,127}}$)", file=sys.stderr)
         return EXIT_USAGE
@@ -46,3 +66,39 @@ def run(args: argparse.Namespace, op: str) -> int:
         return EXIT_USAGE if status in (400, 404) else EXIT_FAIL
     print(f"{m.get('name', args.name)}: {m.get('state', '?')}" + (" (in progress)" if status == 202 else ""))
     return EXIT_OK
+
+
+def _publish_folder(args: argparse.Namespace) -> int | None:
+    """``load DIR``: publish the folder into the running agent's store and set ``args.name`` to
+    its name (None: go on loading it); with no agent, say how to serve a folder (an exit code)."""
+    from pydantic import ValidationError
+
+    from agent.admin_client import AdminError, AgentDown
+    from agent.commands._local_model import LocalModelError, check_folder, model_name, publish_folder
+    from agent.config import StoreSettings
+
+    try:
+        folder = check_folder(args.name)
+        name = model_name(folder, args.as_name)
+    except LocalModelError as e:
+        print(f"load: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    c = client(args)
+    if c is None:
+        return EXIT_USAGE
+    named = "" if args.as_name is None else f" --name {name}"
+    try:
+        store = StoreSettings.model_validate(c.status().get("store")).model_dump()
+    except (AgentDown, AdminError, ValidationError) as e:
+        print(f"load: {folder} is a model folder and no agent answers to load it into ({e}).\n"
+              f"Serve it in one command (publishes it, loads it, serves it as {name!r}):\n"
+              f"  infire-agent serve {folder}{named}", file=sys.stderr)
+        return EXIT_FAIL
+    print(f"load: publishing {folder} as {name} to {store['url']}", file=sys.stderr, flush=True)
+    try:
+        publish_folder(folder, name, store)
+    except LocalModelError as e:
+        print(f"load: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    args.name = name
+    return None

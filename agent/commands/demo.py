@@ -29,7 +29,8 @@ DEFAULT_MODEL = "demo-llama"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="seed a local store with a small model, start the daemon, stream one answer")
+    p = sub.add_parser("demo", help="seed a local store with a small model, start the daemon, stream one answer",
+                       description='Try the daemon end to end on this machine: make a small random-weight model and publish it into a local store (once), start the daemon on loopback in the background with that model preloaded, stream one chat answer, and print the commands to try next. The daemon keeps running; `infire-agent stop` stops it.')
     p.add_argument("--dir", help="demo folder (default: $XDG_DATA_HOME/infire/demo)")
     p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"],
                    help="architecture of the generated model (default llama, served as demo-llama)")

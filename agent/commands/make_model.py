@@ -43,7 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arch", required=True, choices=ARCHS, help="model architecture (its config.json and weight names)")
     p.add_argument("--preset", required=True, choices=PRESETS,
                    help="shapes: tiny and small (test models), llama-3.1-8b (the real model's shapes, bfloat16)")
-    p.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
+    p.add_argument("--out", required=True, help="output folder (must not exist, or be empty; see --force)")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out when it exists (only once the new model is written)")
     p.add_argument("--seed", type=_seed, default=0, help="weights seed (default 0)")
     p.add_argument(
         "--device",
@@ -68,14 +70,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from modelgen.make import ModelGenError, make_model
 
+    from pathlib import Path
+
+    final = Path(args.out)
     try:
+        if final.exists() and (not final.is_dir() or any(final.iterdir())):
+            if not args.force:
+                raise ModelGenError(f"output {final} exists and is not an empty folder: pass --force to replace "
+                                    "it, or choose another --out")
+            if not final.is_dir() or not (final / "config.json").is_file():
+                raise ModelGenError(f"--force replaces a model folder only; {final} has no config.json")
+            args.out = str(final.parent / f".{final.name}.new-{os.getpid()}")  # swapped in at the end
         target = args.out
         if args.quantize:  # the unquantized folder next to the output, then written again quantized
-            from pathlib import Path
-
             out_path = Path(args.out)
             if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
-                raise ModelGenError(f"output {out_path} exists and is not an empty directory")
+                raise ModelGenError(f"output {out_path} exists and is not an empty folder")
             target = out_path.parent / f".{out_path.name}.unquantized-{os.getpid()}"
         out = make_model(
             target,
@@ -95,7 +105,19 @@ def run(args: argparse.Namespace) -> int:
                 out = quantize_folder(out, args.out, args.fp8_layout)
             finally:
                 shutil.rmtree(target, ignore_errors=True)
+        if Path(out) != final:  # --force: the old folder goes only now that the new one is whole
+            import shutil
+
+            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            final.rename(old)
+            Path(out).rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+            out = final
     except ModelGenError as e:
+        if Path(args.out) != final:
+            import shutil
+
+            shutil.rmtree(args.out, ignore_errors=True)
         print(f"make-model: {e}", file=sys.stderr)
         return 2
     print(out)

@@ -10,7 +10,8 @@ from agent.commands._admin import EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_common, cl
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("models", help="list the agent's models and their states")
+    p = sub.add_parser("models", help="list the agent's models and their states",
+                       description='List every model the running agent knows (configured, cached, in its store and asked for) with its state, memory, KV pages, prefix cache, requests in flight, last use, time left before an idle unload and the reason of its last unload or failure.')
     add_common(p)
     p.add_argument("--json", action="store_true", help="print the models as the admin API's JSON list")
     p.set_defaults(func=run)

@@ -15,7 +15,8 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("publish", help="upload a model folder to the store")
+    p = sub.add_parser("publish", help="upload a model folder to the store",
+                       description="Upload a Hugging Face model folder (config.json, *.safetensors, tokenizer files) to the model store under NAME: files the store already has are skipped, the manifest goes last, so a publish cut short leaves nothing a pull would use. The store is --store, else the configured store.url, else the running agent's store.")
     p.add_argument("dir", help="model folder (config.json, *.safetensors, tokenizer files)")
     p.add_argument("--name", required=True, help="model name (^[a-z0-9][a-z0-9._-]{0,127}$)")
     p.add_argument("--config", help="TOML config file (default: $INFIRE_CONFIG)")

@@ -14,7 +14,8 @@ from typing import TextIO
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("pull", help="pull a model from the store into the disk cache")
+    p = sub.add_parser("pull", help="pull a model from the store into the disk cache",
+                       description='Fetch a model from the store into the disk cache, checked against its manifest (sizes always, every sha256 with --verify) and repaired where it differs. Goes through the running agent when one answers, else straight into the cache.')
     p.add_argument("name", help="model name")
     p.add_argument("--config", help="TOML config file (default: $INFIRE_CONFIG)")
     p.add_argument("--store", help="store URL (default: settings store.url)")

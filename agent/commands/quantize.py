@@ -9,6 +9,10 @@ import sys
 from pathlib import Path
 
 MAX_TEXT_BYTES = 64 << 20
+# The calibration text is tokenized a piece at a time, each cut at whitespace when there is some
+# near its end, and only until enough tokens are in: a text with no whitespace (one "word" to
+# the tokenizer's BPE) costs a piece's worth of memory, not the whole file's (50 MB: 7 GB).
+PIECE_CHARS = 1 << 16
 
 
 def _token_count(text: str) -> int:
@@ -53,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise CalibrationError(f"calibration text {path} is not UTF-8: {e}") from None
-        ids = Tokenizer.from_dir(args.model).encode(text, add_special_tokens=False)
+        _check_device(args.device)
+        ids = calibration_ids(Tokenizer.from_dir(args.model), text, args.tokens)
         if len(ids) < args.tokens:
             raise CalibrationError(f"calibration text {path} has {len(ids)} tokens; --tokens asks for {args.tokens}")
         report = calibrate(args.model, args.out, ids[:args.tokens], device=args.device)
@@ -62,3 +67,31 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps({"out": str(args.out), **report}))
     return 0
+
+
+def _check_device(device: str) -> None:
+    """CalibrationError for ``--device cuda`` where torch sees no CUDA device."""
+    from engine.weights.calibrate import CalibrationError
+
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CalibrationError("--device cuda: this host has no CUDA device that torch can use; "
+                               "run with --device cpu (or auto, which takes the GPU when there is one)")
+
+
+def calibration_ids(tokenizer, text: str, tokens: int, piece_chars: int = PIECE_CHARS) -> list[int]:
+    """The first ``tokens`` token ids of ``text`` (or all of them when it has fewer), tokenized a
+    piece of at most ``piece_chars`` characters at a time and no further than needed."""
+    ids: list[int] = []
+    start = 0
+    while start < len(text) and len(ids) < tokens:
+        end = min(len(text), start + piece_chars)
+        if end < len(text):  # cut before the last whitespace in the piece's last quarter, if any
+            cut = max(text.rfind(c, end - piece_chars // 4, end) for c in " \n\t")  # (it starts a word)
+            end = cut if cut > start else end
+        ids.extend(tokenizer.encode(text[start:end], add_special_tokens=False))
+        start = end
+    return ids[:tokens]

@@ -1,4 +1,8 @@
-"""``infire-agent serve``: run the daemon in the foreground (systemd runs this)."""
+"""``infire-agent serve [DIR]``: run the daemon in the foreground (systemd runs this).
+
+With a model folder (``serve DIR [--name NAME]``, as ``vllm serve DIR``) the folder is published
+into the configured store (the default local one when none is set), configured as a model that
+loads at start and on request, and served under its name."""
 
 from __future__ import annotations
 
@@ -6,9 +10,20 @@ import argparse
 import sys
 from typing import Any
 
+from agent.commands._local_model import NAME_HELP
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    p = sub.add_parser(
+        "serve", help="run the daemon in the foreground (optionally serving a local model folder)",
+        description="Run the daemon in the foreground: the OpenAI API on server.host:server.port, the admin "
+        "API and socket, the engine worker. With DIR, a Hugging Face model folder: publish it into the store "
+        "(the default local store when none is configured), load it at start and serve it under --name "
+        "(default: the folder's name), as `vllm serve DIR` does.",
+    )
+    p.add_argument("dir", nargs="?", metavar="DIR", help="a Hugging Face model folder to serve (config.json, "
+                   "*.safetensors, tokenizer files)")
+    p.add_argument("--name", help=NAME_HELP + "; with DIR")
     p.add_argument("--config", help="TOML config file (default: $INFIRE_CONFIG)")
     p.add_argument("--engine", choices=["core", "none"], default="core",
                    help="'none' runs the control plane with an engine-less worker (no models; for tests)")
@@ -29,16 +44,31 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    if args.name is not None and args.dir is None:
+        print("serve: --name names a model folder: serve DIR --name NAME", file=sys.stderr)
+        return 2
     sock = settings.server.admin_socket_path()
     if agent_listening(sock):  # before a worker is spawned (it would wait on the live one's worker)
         print(f"serve: another agent is listening on {sock}", file=sys.stderr)
         return 1
+    folder = None
+    if args.dir is not None:  # refused before a worker starts; published while it starts
+        folder = _folder(args.dir, args.name)
+        if folder is None:
+            return 2
     options, env = worker_options(settings), worker_env(settings)
     try:
         first = spawn_worker(options, args.engine, env)
     except OSError as e:
         print(f"serve: cannot start the engine worker: {e}", file=sys.stderr)
         return 1
+    if folder is not None:
+        settings = _publish(settings, *folder)
+        if settings is None:
+            first.proc.kill()
+            first.proc.wait()
+            first.sock.close()
+            return 2
     from agent.log import configure_logging, get_logger
     from agent.worker.client import WorkerClient
 
@@ -70,3 +100,33 @@ async def _serve(settings: Any, engine: str, worker: Any) -> None:
         await serve(settings, engine=engine, worker=worker)
     finally:
         await worker.stop()  # the app's lifecycle stopped it already, unless it never got that far
+
+
+
+def _folder(arg: str, name: str | None) -> tuple[Any, str] | None:
+    """The model folder and its name, or None (message printed)."""
+    from agent.commands._local_model import LocalModelError, check_folder, model_name
+
+    try:
+        folder = check_folder(arg)
+        return folder, model_name(folder, name)
+    except LocalModelError as e:
+        print(f"serve: {e}", file=sys.stderr)
+        return None
+
+
+def _publish(settings: Any, folder: Any, name: str) -> Any:
+    """The settings serving ``folder`` as ``name``, published first; None (message printed)."""
+    from agent.commands._local_model import LocalModelError, publish_folder, serve_settings
+    from agent.log import configure_logging
+
+    configure_logging(settings.log_format, "warning")  # the publish's own log lines: problems only
+    print(f"serve: publishing {folder} as {name} to {settings.store.url}", file=sys.stderr, flush=True)
+    try:
+        publish_folder(folder, name, settings.store.model_dump())
+    except LocalModelError as e:
+        print(f"serve: {e}", file=sys.stderr)
+        return None
+    print(f"serve: {name} loads at start; OpenAI API on http://{settings.server.host}:{settings.server.port}/v1 "
+          f"(model \"{name}\")", file=sys.stderr, flush=True)
+    return serve_settings(settings, folder, name)

@@ -14,7 +14,11 @@ from cache.sizes import human_bytes
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="models, budget, cache and worker of the running agent")
+    p = sub.add_parser("status", help="models, budget, cache and worker of the running agent",
+                       description="What the running agent is doing: where it listens, its engine worker, the "
+                       "memory budget, the disk cache, and each model's state, memory, time left before an idle "
+                       "unload (keep_alive) and the reason of its last unload or failure (cut to fit the table; "
+                       "--json has it whole). Exit 1 when no agent answers.")
     add_common(p)
     p.add_argument("--json", action="store_true", help="print the admin API's status JSON")
     p.set_defaults(func=run)
@@ -50,6 +54,7 @@ def render(st: dict[str, Any]) -> str:
     head = [
         f"infire-agent {st['version']}  up {human_duration(st['uptime_s'])}  {worker}  "
         f"{'ready' if st.get('ready') else 'NOT READY'}" + ("  draining" if st.get("draining") else ""),
+        *([f"listening on {st['listen']}  (OpenAI API: {st['listen']}/v1)"] if st.get("listen") else []),
         *budget_line(st),
         f"cache: {human_bytes(c.get('used_bytes'))} used of {human_bytes(c.get('max_bytes'))}"
         f"   worker restarts: {w.get('restarts', 0)}",

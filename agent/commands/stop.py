@@ -21,7 +21,8 @@ from agent.commands._admin import EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_common, cl
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stop", help="stop the running agent: it drains its requests, removes its socket and exits "
-                                    "(under systemd: systemctl stop infire-agent)")
+                                    "(under systemd: systemctl stop infire-agent)",
+                       description='Stop the running agent as SIGTERM does: it refuses new requests, lets the ones in flight finish (up to server.drain_timeout), unloads its models, removes its admin socket and exits. Waits until it is gone.')
     add_common(p)
     p.add_argument("--wait-timeout", type=float, default=90.0,
                    help="seconds to wait for it to exit (its drain_timeout, 30s by default, plus the worker's stop)")

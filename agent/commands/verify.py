@@ -15,7 +15,8 @@ from agent.commands._admin import EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_common, cl
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="check a cached model's files against its manifest (sha256) and repair them")
+    p = sub.add_parser("verify", help="check a cached model's files against its manifest (sha256) and repair them",
+                       description='Read every file of a cached model, compare it with the sha256 its manifest lists, and fetch again what differs (a loaded model is repaired by its next load). Exit 0 when the files are whole or were repaired.')
     p.add_argument("name", help="model name")
     add_common(p)
     p.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds to wait for the check and repair")

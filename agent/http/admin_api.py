@@ -72,15 +72,29 @@ class AdminApi:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path.startswith("/admin/") and not admin_authorized(request, self._token):
+        """Under /admin: the token first (whatever the route: no route is told to a stranger), then
+        the model name, then the handler; the server's own refusals (no such route, wrong method)
+        in the admin API's JSON error shape."""
+        if not (request.path == "/admin" or request.path.startswith("/admin/")):
+            return await handler(request)
+        if not admin_authorized(request, self._token):
             why = ("a valid admin token is required (Authorization: Bearer ...)" if self._token
                    else "the admin API over TCP is off (no server.admin_token); use the admin unix socket")
             return _error(401, why, "unauthorized")
         name = request.match_info.get("name")
-        if request.path.startswith("/admin/") and name is not None and not MODEL_NAME_RE.fullmatch(name):
+        if name is not None and not MODEL_NAME_RE.fullmatch(name):
             # Refused before anything (an entry, a lock file, a metrics label) is made for it.
             return _error(400, f"{name!r} is not a model name (^[a-z0-9][a-z0-9._-]{{0,127}}$)", "invalid_value")
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPMethodNotAllowed as e:
+            allowed = ", ".join(sorted(e.allowed_methods))
+            resp = _error(405, f"{request.method} is not allowed on {request.path[:200]}; Allow: {allowed}",
+                          "method_not_allowed")
+            resp.headers["Allow"] = e.headers.get("Allow", allowed)
+            return resp
+        except web.HTTPNotFound:
+            return _error(404, f"no such admin endpoint: {request.method} {request.path[:200]}", "not_found")
 
     # --- views ------------------------------------------------------------------------------
 

@@ -52,10 +52,19 @@ def model_view(mgr: ModelManager, e: ModelEntry) -> dict[str, Any]:
         "preload": e.settings.preload, "queue_limit": e.queue_limit, "pinned": e.pin,
         "autoload": mgr.autoload_enabled(e), "keep_alive_s": e.settings.keep_alive,
         "idle_s": round(e.idle_for(time.monotonic()), 3) if e.state is State.READY else None,
+        "unload_in_s": _unload_in(e),
         "refusal": e.refusal or None,
         "snapshot": str(e.snapshot) if e.snapshot is not None else None,
         "pull": mgr.source.pull_progress(e.name) if e.state is State.PULLING and mgr.source else None,
     }
+
+
+def _unload_in(e: ModelEntry) -> float | None:
+    """Seconds until a ready model is unloaded for being idle (keep_alive left; it restarts with
+    each request); None when it is not ready, pinned, never unloaded when idle, or busy."""
+    if e.state is not State.READY or e.pin or e.settings.keep_alive < 0 or e.in_flight:
+        return None
+    return round(max(0.0, e.settings.keep_alive - e.idle_for(time.monotonic())), 3)
 
 
 def models_view(mgr: ModelManager) -> list[dict[str, Any]]:
@@ -81,6 +90,10 @@ def engine_row(s: ModelStats) -> dict[str, Any]:
     return row
 
 
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 def status_view(ctx: AgentContext, ready: bool) -> dict[str, Any]:
     """``/admin/v1/status``: the agent, its worker, the budget, the disk cache, every model and
     what the engine itself holds. ``ready``: the readiness probe's answer (agent/http/health.py)."""
@@ -93,6 +106,8 @@ def status_view(ctx: AgentContext, ready: bool) -> dict[str, Any]:
         "uptime_s": round(now - ctx.started, 3),
         "ready": ready,
         "draining": ctx.draining,
+        # Where the OpenAI API listens, as configured (the address clients use).
+        "listen": f"http://{_url_host(ctx.settings.server.host)}:{ctx.settings.server.port}",
         "worker": {
             "pid": ctx.worker.pid, "alive": w.alive, "device": w.device, "engine_error": w.engine_error or None,
             "restarts": w.restarts, "last_exit": w.last_exit or None, "steps": w.steps, "phase": w.phase,

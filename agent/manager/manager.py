@@ -275,7 +275,10 @@ class ModelManager:
         try:
             t = time.monotonic()
             await self._pin(e)
-            await self._check_files(e)
+            try:
+                await self._check_files(e)
+            except SnapshotBroken as broken:  # the load that finds it repairs it and goes on
+                await self._repair_for_load(e, broken)
             e.phases["verify"] = (t, time.monotonic())
             await self._wait_worker()
             t0 = time.monotonic()
@@ -403,6 +406,20 @@ class ModelManager:
             if e.state in (State.LOADING, State.READY, State.DRAINING):
                 self._log.warning("model_shares_a_repaired_blob", model=name, state=e.state.value,
                                   action="unload and load it to serve the repaired bytes")
+
+    async def _repair_for_load(self, e: ModelEntry, broken: SnapshotBroken) -> None:
+        """Fetch again what is wrong with a loading model's cached files (every sha256 read) and
+        check them once more: SnapshotBroken still when the repair did not make them whole."""
+        self._log.warning("snapshot_repair", model=e.name, problem=str(broken))
+        e.move(State.LOADING, "repairing its cached files")
+        try:
+            e.snapshot = await self.source.pull(e.name, verify=True)
+        except CacheError as ex:
+            raise SnapshotBroken(f"the cached files of {e.name!r} are broken and the repair failed: {ex}",
+                                 retry_after=5.0) from None
+        e.needs_repair = False
+        await self._check_files(e)
+        e.move(State.LOADING)
 
     def verify_files(self, name: str) -> asyncio.Task[None]:
         """Check every sha256 of a cached model; repair it (fetch what is wrong) unless it is

@@ -1,8 +1,8 @@
 """Cached files changed behind the daemon's back, and weights that cannot decode: a real daemon.
 
-A deleted file makes the load answer 503 ``snapshot_broken`` (not 500) and the next pull restore
-it; weights rewritten in place are caught by their sha256 (the file's stamp changed since it was
-verified) and repaired by the next load; ``infire-agent verify`` checks and repairs; a model whose
+A deleted file, or weights rewritten in place (caught by their sha256: the file's stamp changed
+since it was verified), are repaired by the load that finds them, which then goes on (not a 503
+first and a working load after); ``infire-agent verify`` checks and repairs; a model whose
 logits are not finite never becomes ready.
 """
 
@@ -73,30 +73,27 @@ def _op(d: Daemon, op: str, query: str = "") -> tuple[int, dict]:
     return d.post(f"/admin/v1/models/{MODEL}/{op}?wait=true{query}", headers=TOKEN, timeout=120)
 
 
-def test_a_deleted_file_is_reported_and_restored_by_a_pull(daemon) -> None:
+def test_a_deleted_file_is_restored_by_the_load_that_finds_it(daemon) -> None:
     assert _op(daemon, "pull")[0] == 200
     w = _weights(daemon)
     w.unlink()
     code, body = _op(daemon, "load")
-    assert code == 503 and body["error"]["code"] == "snapshot_broken", body
-    assert w.name in body["model"]["reason"] and body["model"]["state"] == "failed"
+    assert code == 200 and body["model"]["state"] == "ready", body
+    assert hashlib.sha256(w.read_bytes()).hexdigest() == _manifest_sha(daemon, w.name)
+    assert _op(daemon, "unload")[0] == 200
+    w.unlink()  # a pull restores it too
     code, body = _op(daemon, "pull")
     assert code == 200 and body["model"]["state"] == "cached", body
     assert hashlib.sha256(w.read_bytes()).hexdigest() == _manifest_sha(daemon, w.name)
-    code, body = _op(daemon, "load")
-    assert code == 200 and body["model"]["state"] == "ready", body
-    assert _op(daemon, "unload")[0] == 200
 
 
-def test_weights_rewritten_in_place_are_refused_then_repaired(daemon) -> None:
+def test_weights_rewritten_in_place_are_repaired_by_the_first_load(daemon) -> None:
     w = _weights(daemon)
     nan_weights(w)  # same size: only the sha256 tells, and the changed mtime says to read it
-    code, body = _op(daemon, "load")
-    assert code == 503 and body["error"]["code"] == "snapshot_broken", body
-    assert "sha256" in body["model"]["reason"]
-    code, body = _op(daemon, "load")  # marked for repair: a verified pull first, then the load
+    code, body = _op(daemon, "load")  # finds it, fetches the file again (every sha256 read), loads
     assert code == 200 and body["model"]["state"] == "ready", body
     assert hashlib.sha256(w.read_bytes()).hexdigest() == _manifest_sha(daemon, w.name)
+    assert "snapshot_repair" in daemon.logs()
     code, body = daemon.post("/v1/completions", {"model": MODEL, "prompt": "a b", "max_tokens": 2})
     assert code == 200, body
     assert _op(daemon, "unload")[0] == 200

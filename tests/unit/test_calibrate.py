@@ -167,3 +167,38 @@ def test_the_writer_refuses_calibrated_tensors_that_do_not_cover_the_projections
     with pytest.raises(ValueError, match="no calibrated tensors"):
         quantize_folder(tiny_llama_dir, tmp_path / "q", "channel", replace={})
     assert not (tmp_path / "q").exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_quantize_on_cuda_without_a_gpu_is_a_clear_error(tiny_llama_dir, tmp_path, capsys):
+    from agent.cli import main
+
+    text = tmp_path / "cal.txt"
+    text.write_text(" ".join(f"word{i % 97} and more text {i}" for i in range(400)))
+    rc = main(["quantize", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "q"), "--calibration", str(text),
+               "--tokens", "512", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no CUDA device" in err and "--device cpu" in err, err
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_text_with_no_whitespace_is_tokenized_in_bounded_pieces(tiny_llama_dir):
+    """50 MB with no whitespace is one 'word' to BPE (7 GB of RSS whole): tokenized a piece at a
+    time, and only until the tokens asked for are in."""
+    from agent.commands.quantize import PIECE_CHARS, calibration_ids
+    from text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_llama_dir)
+    seen: list[int] = []
+    real = tok.encode
+
+    def encode(text, add_special_tokens=True, **kw):
+        seen.append(len(text))
+        return real(text, add_special_tokens=add_special_tokens, **kw)
+
+    tok.encode = encode  # type: ignore[method-assign]
+    blob = "x" * (50 << 20)
+    ids = calibration_ids(tok, blob, 4096)
+    assert len(ids) == 4096 and max(seen) <= PIECE_CHARS and sum(seen) < len(blob) // 10, (len(seen), max(seen))
+    words = "alpha beta gamma " * 20000  # cut at whitespace: the same ids as in one go
+    assert calibration_ids(tok, words, 1 << 20, piece_chars=1000) == real(words, add_special_tokens=False)

@@ -30,3 +30,14 @@ def test_every_subcommand_and_option_has_help() -> None:
 def test_the_walk_sees_every_subcommand() -> None:
     names = {p.split()[1] for p, a, _ in _walk(build_parser(), "infire-agent") if a is None}
     assert {"demo", "models", "status", "load", "unload", "pull", "publish", "serve", "make-model", "stop"} <= names
+
+
+def test_every_subcommand_describes_itself_in_users_words() -> None:
+    """``infire-agent CMD --help`` opens with what CMD does; no help text speaks HTTP status codes."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [name for name, p in sub.choices.items() if not (p.description and len(p.description) > 20)]
+    assert bare == [], f"no description: {bare}"
+    jargon = [f"{path} {'/'.join(a.option_strings)}" for path, a, text in _walk(parser, "infire-agent")
+              if a is not None and text and any(code in text for code in ("202", "(200)", "404"))]
+    assert jargon == [], jargon

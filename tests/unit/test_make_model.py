@@ -183,7 +183,7 @@ def test_cli_refuses_non_empty_output(tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     rc = cli_main(["make-model", "--arch", "llama", "--preset", "tiny", "--out", str(out)])
     assert rc == 2
-    assert "not an empty directory" in capsys.readouterr().err
+    assert "not an empty folder: pass --force" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 

@@ -75,3 +75,27 @@ def test_the_fp8_column_says_what_of_a_model_is_e4m3() -> None:
     col = header.index("FP8")
     cells = {ln.split()[0]: ln[col:].split()[0] for ln in lines[lines.index(header) + 1:]}
     assert cells == {"a": "weights+kv", "b": "weights", "c": "-"}
+
+
+def test_status_shows_the_url_the_idle_unload_and_a_capped_reason() -> None:
+    """The listen URL; each model's time to an idle unload; its last unload's or failure's reason
+    in a capped column, so a long one never widens the table."""
+    long = "load failed: " + "x" * 700
+    st = {"version": "0.1.0", "uptime_s": 1, "ready": True, "listen": "http://127.0.0.1:8080",
+          "worker": {"pid": 7, "alive": True, "device": "cpu", "restarts": 0},
+          "budget": {"total_bytes": 1 << 30, "used_bytes": 0}, "cache": {"max_bytes": 1 << 30, "used_bytes": 0},
+          "models": [_model("a", "ready", 1 << 20, keep_alive_s=300, unload_in_s=125.0),
+                     _model("b", "failed", 0, reason=long),
+                     _model("c", "cached", 0, reason="idle past keep_alive"),
+                     _model("d", "ready", 1 << 20, keep_alive_s=-1, unload_in_s=None),
+                     _model("e", "ready", 1 << 20, keep_alive_s=300, pinned=True)]}
+    out = render(st)
+    assert "http://127.0.0.1:8080/v1" in out
+    lines = out.splitlines()
+    header = next(ln for ln in lines if ln.startswith("MODEL"))
+    assert "UNLOAD IN" in header and "REASON" in header
+    rows = {ln.split()[0]: ln for ln in lines[lines.index(header) + 1:]}
+    assert "2m05s" in rows["a"] and "never" in rows["d"] and "pinned" in rows["e"]
+    assert "idle past keep_alive" in rows["c"]
+    assert "load failed: xxx" in rows["b"] and "…" in rows["b"]
+    assert max(len(ln) for ln in lines) < 200, max(len(ln) for ln in lines)
