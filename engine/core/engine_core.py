@@ -136,6 +136,9 @@ class EngineCore:
         self.slots = ModelTable()  # the loaded models (the loader adds and removes them)
         self._req_model: dict[str, str] = {}
         self._pending: list[RequestOutput] = []
+        # Requests ended (aborted) because their grammar went over its mask budget: req_id -> why;
+        # the worker reports each as the request's error instead of its abort.
+        self.grammar_errors: dict[str, str] = {}
         self._inflight: InFlight | None = None
         self._yielded_at: float | None = None  # when the last step() returned with a yielding model's step in flight
         self._last_done = 0.0
@@ -437,6 +440,8 @@ class EngineCore:
                                       len(seq.prompt_token_ids), seq.num_cached_tokens))
             if reason is not None:
                 self._req_model.pop(seq.req_id, None)
+                if seq.grammar is not None and seq.grammar.error is not None:
+                    self.grammar_errors[seq.req_id] = seq.grammar.error
         now = time.perf_counter()
         slot.steps += 1
         # The step's share of the device: from its launch, or from the previous step's end when

@@ -350,9 +350,13 @@ class Scheduler:
         p = seq.params
         if (not p.ignore_eos and tok in self._eos) or tok in p.stop_token_ids:
             return FinishReason.STOP
-        # A grammar ends its request once its value is complete (or it refused a token).
-        if seq.grammar is not None and (not seq.grammar.accept(tok) or seq.grammar.finished):
-            return FinishReason.STOP
+        # A grammar ends its request once its value is complete (or it refused a token); one over
+        # its mask budget (engine/grammar/matcher.py) aborts it, the core reports its error.
+        if seq.grammar is not None:
+            if seq.grammar.error is not None:
+                return FinishReason.ABORT
+            if not seq.grammar.accept(tok) or seq.grammar.finished:
+                return FinishReason.STOP
         if self._ends_at(seq, seq.num_tokens):
             return FinishReason.LENGTH
         return None

@@ -117,8 +117,10 @@ class Worker:
             os.set_blocking(end, False)
         self._waiter: StepWaiter | None = None  # made at the first yielded step
         # Constrained requests whose grammar compiles on the model's grammar thread (never on
-        # this loop): added to the engine once compiled, dropped if aborted meanwhile.
+        # this loop): added to the engine once compiled, dropped if aborted meanwhile (and the
+        # compile cancelled when it has not started: a client that left costs no compile).
         self._compiling: dict[str, P.Add] = {}
+        self._compile_futures: dict[str, Any] = {}
         self._compiled: deque[tuple[P.Add, Any]] = deque()  # (message, future), appended by that thread
         # Set while the engine has nothing to do (no request, no load in flight or queued): the
         # warm tier's start-up pinning runs only then (see main), because each page-locking call
@@ -145,6 +147,8 @@ class Worker:
                 for rid in msg.req_ids:
                     if self._compiling.pop(rid, None) is None:
                         self.core.abort_request(rid)
+                    else:
+                        self._compile_futures.pop(rid).cancel()
         elif isinstance(msg, P.Load):
             self._load(msg)
         elif isinstance(msg, P.Unload):
@@ -171,6 +175,7 @@ class Worker:
                     raise ValueError(f"request {msg.req_id!r} is already in flight")
                 future = self.core.compile_grammar(msg.model, msg.grammar)
                 self._compiling[msg.req_id] = msg
+                self._compile_futures[msg.req_id] = future
                 future.add_done_callback(lambda f: (self._compiled.append((msg, f)), self._wake()))
                 return
             self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids, msg.sampling)
@@ -187,6 +192,7 @@ class Worker:
             if self._compiling.get(msg.req_id) is not msg:
                 continue  # aborted while compiling
             del self._compiling[msg.req_id]
+            del self._compile_futures[msg.req_id]
             try:
                 self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids,
                                       msg.sampling, grammar=future.result())
@@ -301,6 +307,12 @@ class Worker:
         if any(o.new_token_ids for o in outs):
             self._failed_steps = 0  # a step that produced tokens: the device works
         self.steps += 1
+        errors = getattr(self.core, "grammar_errors", None)
+        if errors:  # over their mask budget: an error for the request, not an abort
+            for o in [o for o in outs if o.req_id in errors]:
+                outs.remove(o)
+                self.conn.send(P.Error(op="add", message=errors.pop(o.req_id), code="GrammarError",
+                                       req_id=o.req_id))
         if outs:
             packed = [
                 P.pack_output(o.req_id, list(o.new_token_ids), o.finish_reason, P.plain(o.logprobs),
