@@ -106,13 +106,14 @@ class OpenAIFormatter:
     def tool_events(self, d: Delta, include_usage: bool) -> bytes:
         """The chunks of one delta when tools are offered: content up to where a call may start
         (held back from there), and at the choice's end what was held, as content or as calls
-        (each call as OpenAI streams it: id, type and name, then the arguments)."""
+        (each call as OpenAI streams it: id, type and name, then the arguments); a call cut by
+        the length limit comes with the arguments written so far, as in :meth:`full`."""
         assert self.tools is not None  # only answers that offer tools are read for calls
         stream = self._tool_streams.setdefault(d.index, ToolStream(*self.tools))
         out = [stream.feed(d.text)]
         calls: list[ParsedCall] = []
         if d.finish_reason is not None:
-            rest, calls = stream.finish()
+            rest, calls = stream.finish(cut=d.finish_reason == "length")
             out.append(rest)
         chunks = [self._envelope([{"index": d.index, "delta": {"content": t}, "logprobs": None,
                                    "finish_reason": None}], include_usage) for t in out if t]
@@ -138,7 +139,7 @@ class OpenAIFormatter:
             text = "".join(c.text)
             lp = self._logprobs(c.token_ids, c.pieces, c.logprobs, text) if c.logprobs else None
             if self.chat and self.tools is not None:
-                content, calls = self.tools[0].parse(text, self.tools[1])
+                content, calls = self.tools[0].parse(text, self.tools[1], cut=c.finish_reason == "length")
                 message: dict[str, Any] = {"role": "assistant", "content": content}
                 if calls:
                     message["tool_calls"] = [_call_view(k) for k in calls]

@@ -162,12 +162,47 @@ def json_grammar(schema: dict[str, Any] | None, strict: bool, param: str) -> str
     if schema is not None:
         schema_bounds(schema, param)
 
-    text = json.dumps({"type": "object"} if schema is None else schema, separators=(",", ":"))
+    text = json.dumps({"type": "object"} if schema is None else closed_objects(schema), separators=(",", ":"))
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={**_COMPACT, "lenient": not strict})
     except ValueError as e:
         raise StructuredOutputError(param, f"{param}: not a JSON schema: {e}") from None
     return _checked(grammar, param, "the schema")
+
+
+# Keywords whose value is one subschema, or a list or map of them (JSON Schema 2020-12 and draft 7).
+_SUB_ONE = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems",
+            "contains", "not", "if", "then", "else", "propertyNames")
+_SUB_LIST = ("anyOf", "oneOf", "prefixItems", "items")
+_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: object, in_all_of: bool = False) -> object:
+    """``schema`` with ``additionalProperties: false`` on every object schema that declares
+    ``properties`` (or ``patternProperties``) and says nothing of keys beyond them
+    (``additionalProperties`` / ``unevaluatedProperties``): an answer has the keys the schema
+    names and no others, as vLLM's default backend (xgrammar, ``strict_mode``) writes them. An
+    object without declared properties (``{"type": "object"}``) stays any object; the members of
+    an ``allOf`` are left as written (closing each would forbid the others' keys). See
+    docs/engine.md, "Structured outputs", for the evidence."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in _SUB_MAP and isinstance(v, dict):
+            out[k] = {name: closed_objects(sub) for name, sub in v.items()}
+        elif k in _SUB_LIST and isinstance(v, list):
+            out[k] = [closed_objects(sub) for sub in v]
+        elif k == "allOf" and isinstance(v, list):
+            out[k] = [closed_objects(sub, in_all_of=True) for sub in v]
+        elif k in _SUB_ONE:
+            out[k] = closed_objects(v)
+        else:
+            out[k] = v
+    if (not in_all_of and ("properties" in schema or "patternProperties" in schema)
+            and "additionalProperties" not in schema and "unevaluatedProperties" not in schema):
+        out["additionalProperties"] = False
+    return out
 
 
 def _checked(grammar: str, param: str, what: str) -> str:
@@ -192,7 +227,8 @@ def tool_call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], parallel: bo
         schema_bounds(t.get("parameters") or {}, "tools")
     key = fmt.args_key
     options = {**_COMPACT, "lenient": not strict}
-    calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, key: t.get("parameters") or {}},
+    calls = [{"type": "object",
+              "properties": {"name": {"const": t["name"]}, key: closed_objects(t.get("parameters") or {})},
               "required": ["name", key], "additionalProperties": False} for t in tools]
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": options}
     try:

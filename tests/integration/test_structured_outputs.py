@@ -240,3 +240,88 @@ def test_bad_tool_requests_are_400s_naming_the_parameter(daemon, extra, param) -
     code, body = daemon.post("/v1/chat/completions", {"model": MODEL, "messages": ASK, "max_tokens": 4, **extra})
     assert code == 400, body
     assert body["error"]["param"] == param, body
+
+
+# --- calls cut by max_tokens (issue 36, item 6) --------------------------------------------------------------
+FRAMING = ("<tool_call>", "</tool_call>", "<tool_response>", "<tool_c", "</tool")
+
+
+def _whole(client, **kw) -> dict:
+    c = client.chat.completions.create(**kw).choices[0]
+    calls = [(t.type, t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+    return {"content": c.message.content or None, "tool_calls": calls, "finish_reason": c.finish_reason}
+
+
+def _streamed(client, **kw) -> dict:
+    content, calls, finish = "", {}, []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                got = calls.setdefault(tc.index, ["", "", ""])
+                got[0] = tc.type or got[0]
+                got[1] += (tc.function.name or "") if tc.function else ""
+                got[2] += (tc.function.arguments or "") if tc.function else ""
+            if ch.finish_reason:
+                finish.append(ch.finish_reason)
+    assert len(finish) == 1, finish
+    return {"content": content or None, "tool_calls": [tuple(c) for _, c in sorted(calls.items())],
+            "finish_reason": finish[0]}
+
+
+def _cut_answers(client, kw: dict, limits) -> list[dict]:
+    """The answer at each of ``limits`` max_tokens: a cut call is a call with the arguments so far and
+    finish_reason length, no framing in content, streamed field by field equal to non-streamed."""
+    out = []
+    for limit in limits:
+        whole = _whole(client, **kw, max_tokens=limit)
+        assert _streamed(client, **kw, max_tokens=limit) == whole, limit
+        assert whole["finish_reason"] == "length", (limit, whole)
+        assert not any(f in (whole["content"] or "") for f in FRAMING), (limit, whole)
+        out.append(whole)
+    return out
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_call_with_partial_arguments(client) -> None:
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=5)
+    full = _whole(client, **kw, max_tokens=200)
+    assert full["finish_reason"] == "tool_calls" and len(full["tool_calls"]) >= 1
+    args = full["tool_calls"][0][2]
+    n = client.chat.completions.create(**kw, max_tokens=200).usage.completion_tokens
+    cuts = _cut_answers(client, kw, range(1, n))
+    partial = [w["tool_calls"][0] for w in cuts if w["tool_calls"]]
+    assert partial, cuts  # the one offered tool is the call from its first token on
+    for kind, name, got in partial:
+        assert kind == "function" and name == "get_weather"
+    # the arguments grow with the limit, each a beginning of the whole (a character cut in its bytes
+    # ends as U+FFFD, as any text cut there)
+    assert all(args.startswith(got.rstrip("\ufffd")) for _, _, got in partial), (args, partial)
+    assert any(0 < len(got) < len(args) for _, _, got in partial)
+
+
+def test_a_named_call_cut_by_max_tokens(client) -> None:
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=1.0, seed=2,
+              tool_choice={"type": "function", "function": {"name": "get_time"}})
+    n = client.chat.completions.create(**kw, max_tokens=200).usage.completion_tokens
+    cuts = _cut_answers(client, kw, range(1, n))
+    assert [c["tool_calls"][0][1] for c in cuts if c["tool_calls"]] and \
+        all(c["tool_calls"][0][1] == "get_time" for c in cuts if c["tool_calls"])
+
+
+def test_a_second_parallel_call_cut_by_max_tokens(client) -> None:
+    """With parallel calls the grammar lets the model go on to a second call: one whose second call is
+    cut returns both, the first whole, the second with its arguments so far."""
+    base = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0)
+    for seed in range(40):
+        full = _whole(client, **base, seed=seed, max_tokens=300)
+        if len(full["tool_calls"]) >= 2:
+            break
+    else:
+        pytest.fail("no seed in 40 wrote two calls")
+    kw = {**base, "seed": seed}
+    n = client.chat.completions.create(**kw, max_tokens=300).usage.completion_tokens
+    cuts = _cut_answers(client, kw, range(max(1, n - 30), n, 2))  # the second call is under 30 tokens
+    two = [c for c in cuts if len(c["tool_calls"]) >= 2]
+    assert two and any(c["tool_calls"][1] != full["tool_calls"][1] for c in two), cuts
+    for c in two:
+        assert c["tool_calls"][0] == full["tool_calls"][0]

@@ -92,3 +92,97 @@ def test_history_for_templates_with_and_without_tools() -> None:
     assert plain[2] == {"role": "user", "content": "<tool_response>\n12:00\n</tool_response>"}
     prompt = default_tool_prompt([{"name": "get_time", "parameters": {"type": "object"}}])
     assert '"name": "get_time"' in prompt and "<tool_call>" in prompt
+
+
+# --- calls cut by the length limit (issue 36, item 6) ---------------------------------------------------------
+ONE = {"get_time"}
+W_ARGS = '{"name":"get_weather","arguments":{"city":"Pa'
+
+
+@pytest.mark.parametrize("fmt, known, text, content, calls", [
+    # a forced call cut inside its arguments: the call, with the arguments written so far
+    (HERMES, KNOWN, "<tool_call>\n" + W_ARGS, None, [("get_weather", '{"city":"Pa')]),
+    # cut inside the name: the one offered tool it can be
+    (HERMES, KNOWN, '<tool_call>\n{"name":"get_w', None, [("get_weather", "")]),
+    (HERMES, KNOWN, '<tool_call>\n{"name":"get_weather","argu', None, [("get_weather", "")]),
+    # cut before the tool is decided: dropped (our framing is not content)
+    (HERMES, KNOWN, '<tool_call>\n{"name":"get_', None, []),
+    (HERMES, KNOWN, "<tool_call>\n{", None, []),
+    (HERMES, KNOWN, "<tool_call>", None, []),
+    (HERMES, KNOWN, "Let me see. <tool_c", "Let me see. ", []),
+    (HERMES, KNOWN, "Let me see.\n<tool_call>\n{", "Let me see.", []),
+    # ... unless one tool is offered
+    (HERMES, ONE, "<tool_call>\n", None, [("get_time", "")]),
+    # parallel calls: the first whole, the second cut
+    (HERMES, KNOWN, '<tool_call>\n{"name":"get_time","arguments":{"zone":1}}\n</tool_call>\n<tool_call>\n'
+                    '{"name":"get_weather","arguments":{"ci', None, [("get_time", '{"zone":1}'),
+                                                                   ("get_weather", '{"ci')]),
+    (HERMES, KNOWN, '<tool_call>\n{"name":"get_time","arguments":{"zone":1}}\n</tool_call>\n<tool_ca', None,
+     [("get_time", '{"zone":1}')]),
+    (HERMES, KNOWN, '<tool_call>\n{"name":"get_time","arguments":{"zone":1}}\n</tool_call>\n<tool_call>\n{"na',
+     None, [("get_time", '{"zone":1}')]),
+    # the arguments whole, the closing tag cut
+    (HERMES, KNOWN, '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool', None,
+     [("get_time", '{"zone":3}')]),
+    # not a call: stays text
+    (HERMES, KNOWN, "<tool_call>\nhello there", "<tool_call>\nhello there", []),
+    (HERMES, KNOWN, '<tool_call>\n{"name":"rm_rf","arguments":{', '<tool_call>\n{"name":"rm_rf","arguments":{', []),
+    (HERMES, KNOWN, "a plain answer cut short", "a plain answer cut short", []),
+    (LLAMA, KNOWN, '{"name": "get_time", "parameters": {"zone": -', None, [("get_time", '{"zone": -')]),
+    (LLAMA, KNOWN, '{"answer": 4', '{"answer": 4', []),  # a bare "{" is not our framing
+    (MISTRAL, KNOWN, '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": 2}}, {"name": "get_weather", "ar',
+     None, [("get_time", '{"zone":2}'), ("get_weather", "")]),
+    (MISTRAL, KNOWN, "Sure. [TOOL_CALLS]", "Sure.", []),
+    (MISTRAL, KNOWN, "Sure. [TOOL_CA", "Sure. ", []),
+])
+def test_a_call_cut_at_the_length_limit_is_a_call_with_what_was_written(fmt, known, text, content, calls) -> None:
+    got_content, got = fmt.parse(text, known, cut=True)
+    assert [(c.name, c.arguments) for c in got] == calls
+    assert got_content == content
+    assert not any(m in (got_content or "") for m in ("<tool_call>\n{\"name\":\"get", "</tool_call>", "[TOOL_CALLS]"))
+
+
+@pytest.mark.parametrize("fmt, text, content", [
+    # whatever the model writes after its calls, or as a tool's answer of its own, is not content
+    (HERMES, 'Ok.\n<tool_call>\n{"name":"get_time","arguments":{"zone":1}}\n</tool_call>\n<tool_response>\n12:00'
+             "\n</tool_response>\nIt is noon.", "Ok."),
+    (HERMES, "It is <tool_response>\n12:00\n</tool_response>", "It is"),
+])
+def test_our_framing_after_calls_is_not_content(fmt, text, content) -> None:
+    for cut in (False, True):
+        assert fmt.parse(text, KNOWN, cut)[0] == content
+
+
+CUT_TEXTS = [
+    (HERMES, "<tool_call>\n" + W_ARGS),
+    (HERMES, 'Sure thing.\n\n<tool_call>\n{"name":"get_time","arguments":{"zone":1}}\n</tool_call>\n<tool_call>\n'
+             '{"name":"get_weather","arguments":{"city":"Rome","unit":"c"}}\n</tool_call>'),
+    (HERMES, '<tool_call>\n{"name":"get_time","arguments":{"zone":1}}\n</tool_call>\n<tool_call>\n{"name":"get_w'),
+    (HERMES, '<tool_call>\n{"name":"get_time","arguments":{"zone":1}}\n</tool_call>\n<tool_response>\nx'),
+    (HERMES, "a < b, <tool but no call <tool_c"),
+    (HERMES, "<tool_call>\nnot json </tool_call> after"),
+    (HERMES, "It is <tool_response>\n12:00\n</tool_response>"),
+    (HERMES, "  spaces   \n"),
+    (LLAMA, '  {"name": "get_time", "parameters": {"zone": 0}}'),
+    (LLAMA, '{"name": "get_time", "parameters": {"zo'),
+    (LLAMA, "{ not json"),
+    (MISTRAL, 'Well [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": 4}}, {"name": "get_time", "arg'),
+    (MISTRAL, '[{"name": "get_time", "arguments": {"zone": 4}}]'),
+    (MISTRAL, "[TOOL_ no"),
+]
+
+
+@pytest.mark.parametrize("cut", [False, True])
+@pytest.mark.parametrize("fmt, text", CUT_TEXTS)
+def test_streamed_answers_equal_whole_ones_whether_cut_or_not(fmt, text, cut) -> None:
+    """Every split of the text into pieces streams the same content and calls as reading it whole."""
+    content, calls = fmt.parse(text, KNOWN, cut)
+    for seed in range(8):
+        rng, stream, sent, i = random.Random(seed), ToolStream(fmt, KNOWN), "", 0
+        while i < len(text):
+            n = rng.randint(1, 7)
+            sent += stream.feed(text[i:i + n])
+            i += n
+        rest, got = stream.finish(cut)
+        assert sent + rest == (content or "")
+        assert [(c.name, c.arguments) for c in got] == [(c.name, c.arguments) for c in calls]
