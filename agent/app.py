@@ -166,6 +166,12 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     bg.tasks.clear()
 
 
+async def _grammar_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The grammar checks' child processes (agent/http/structured.py) end with the agent."""
+    yield
+    await app[CTX].grammars.aclose()
+
+
 async def _frozen_heap_ctx(app: web.Application) -> AsyncIterator[None]:
     """What start-up made (modules, settings, the app) lives for good: out of the cycle
     collector's walks (engine/core/heap.py)."""
@@ -175,7 +181,7 @@ async def _frozen_heap_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 LIFECYCLE: tuple[Callable[[web.Application], AsyncIterator[None]], ...] = (
-    _runtime_ctx, _worker_ctx, _manager_ctx, _background_ctx, _frozen_heap_ctx,
+    _runtime_ctx, _grammar_ctx, _worker_ctx, _manager_ctx, _background_ctx, _frozen_heap_ctx,
 )
 
 
