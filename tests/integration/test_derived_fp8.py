@@ -129,3 +129,28 @@ async def test_a_build_that_fails_leaves_nothing(tmp_path, make_tiny_model):
     finally:
         await source.close_builds()
         source.close()
+
+
+def test_the_derived_checkpoint_serves_exactly_as_quantizing_at_load(tmp_path, make_tiny_model):
+    """What the quantize-once build writes is what a load computes: served from it, every token
+    and logprob equals the FP8 load of the unquantized folder."""
+    from engine.core.engine_core import EngineCore
+    from engine.load_spec import LoadSpec
+    from engine.options import EngineOptions
+    from engine.sampling import SamplingParams
+    from engine.weights.fp8_writer import main as write_fp8
+
+    src = make_tiny_model("llama")
+    assert write_fp8([str(src), str(tmp_path / "fp8")]) == 0
+    core = EngineCore(EngineOptions(max_num_batched_tokens=128, seed=0), device="cpu")
+    core.load_model(LoadSpec("at-load", src, max_model_len=64, max_num_seqs=4, quantization="fp8"))
+    info = core.load_model(LoadSpec("derived", tmp_path / "fp8", max_model_len=64, max_num_seqs=4))
+    assert info.quantization == "fp8"  # a pre-quantized checkpoint loads as FP8 whatever was asked
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for model in ("at-load", "derived"):
+        core.add_request(model, model, list(range(30, 47)), params)
+    got: dict[str, list] = {"at-load": [], "derived": []}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            got[o.req_id] += [(t, lp) for t, lp in zip(o.new_token_ids, o.logprobs or [None] * len(o.new_token_ids))]
+    assert len(got["derived"]) == 12 and got["derived"] == got["at-load"]
