@@ -16,6 +16,7 @@ from cache.derived import DerivedStore, content_digest
 
 # A build runs at a low CPU priority: it competes with nothing the agent or the worker does on time.
 _NICE = ["nice", "-n", "10"] if shutil.which("nice") else []
+DERIVED_FRACTION = 0.6  # an FP8 checkpoint's size against its bf16 source, rounded up
 
 
 class CacheSource:
@@ -63,8 +64,9 @@ class CacheSource:
         return self.cache.pulls_in_progress().get(name)
 
     def stats(self) -> dict[str, int]:
+        """The cache's quota and use; derived artifacts are part of the use."""
         s = self.cache.stats()
-        return {"max_bytes": int(s["max_bytes"]), "used_bytes": int(s["used_bytes"])}
+        return {"max_bytes": int(s["max_bytes"]), "used_bytes": int(s["used_bytes"]) + self.derived_store.used_bytes()}
 
     # --- derived artifacts ---------------------------------------------------------------------
 
@@ -98,6 +100,13 @@ class CacheSource:
                 m = self.cache.manifest(name)
                 if src is None or m is None or content_digest(m) != source:
                     return  # it changed meanwhile: the next FP8 load asks again
+                # an artifact never takes the cache past its quota: ~60 % of the model (e4m3
+                # projections, the rest as it is); without room it is not built (loads quantize)
+                need = int(m.total_size * DERIVED_FRACTION)
+                if self.stats()["used_bytes"] + need > self.cache.max_bytes:
+                    self._log.warning("derive_skipped", model=name, scheme=scheme, need_bytes=need,
+                                      reason="the cache has no room for it within cache.max_bytes")
+                    return
                 tmp = await asyncio.to_thread(self.derived_store.building, scheme, source)
                 proc = await asyncio.create_subprocess_exec(
                     *_NICE, sys.executable, "-m", "engine.weights.fp8_writer", str(src), str(tmp),

@@ -154,3 +154,30 @@ def test_the_derived_checkpoint_serves_exactly_as_quantizing_at_load(tmp_path, m
         for o in core.step():
             got[o.req_id] += [(t, lp) for t, lp in zip(o.new_token_ids, o.logprobs or [None] * len(o.new_token_ids))]
     assert len(got["derived"]) == 12 and got["derived"] == got["at-load"]
+
+
+async def test_a_build_never_takes_the_cache_past_its_quota(tmp_path, make_tiny_model):
+    src_dir = make_tiny_model("llama")
+    store = FileStore(tmp_path / "store")
+    m = publish_model(store, src_dir, "m")
+    cache = DiskCache(tmp_path / "cache", int(m.total_size * 1.3))  # the model fits; its FP8 copy does not
+    source = CacheSource(cache, store)
+    try:
+        await source.pull("m")
+        source.want_derived("m", SCHEME)
+        await asyncio.wait_for(asyncio.gather(*source._builds.values()), 120)
+        assert source.derived("m", SCHEME) is None and source.stats()["used_bytes"] <= cache.max_bytes
+    finally:
+        await source.close_builds()
+        source.close()
+    big = DiskCache(tmp_path / "cache2", 1 << 30)
+    source = CacheSource(big, store)
+    try:
+        await source.pull("m")
+        source.want_derived("m", SCHEME)
+        await asyncio.wait_for(asyncio.gather(*source._builds.values()), 120)
+        used = source.stats()["used_bytes"]
+        assert source.derived("m", SCHEME) is not None and used > m.total_size  # counted in the use
+    finally:
+        await source.close_builds()
+        source.close()
