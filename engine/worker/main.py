@@ -307,7 +307,7 @@ class Worker:
         if any(o.new_token_ids for o in outs):
             self._failed_steps = 0  # a step that produced tokens: the device works
         self.steps += 1
-        errors = getattr(self.core, "grammar_errors", None)
+        errors = self.core.grammar_errors
         if errors:  # over their mask budget: an error for the request, not an abort
             for o in [o for o in outs if o.req_id in errors]:
                 outs.remove(o)

@@ -174,3 +174,23 @@ def test_a_failed_step_ends_its_batch_and_the_worker_goes_on(dirs, solo, monkeyp
                 core.add_request(f"x{i}", "a", [1, 2, 3], GREEDY)
             worker._step()
     assert worker._failed_steps == MAX_FAILED_STEPS
+
+
+def test_a_request_ended_for_its_mask_budget_gets_an_error_not_an_abort(dirs):
+    """The worker reports a request the engine ended for its grammar's mask budget as that
+    request's error (the client's 400), and every other output as usual."""
+    core = new_core()
+    core.load_model(spec("a", dirs["a"]))
+    worker = Worker(_Conn(), core)
+    submit(core, "a")
+    worker._step()
+    core.grammar_errors["a0"] = "response_format: the grammar took 52 ms of masks (budget 2 ms a step)"
+    core.abort_request("a0")  # as the engine ends it
+    while core.has_unfinished_requests():
+        worker._step()
+    errors = [m for m in worker.conn.sent if isinstance(m, P.Error)]
+    outs = [o for m in worker.conn.sent if isinstance(m, P.Tokens) for o in P.unpack_outputs(m)]
+    assert [(e.op, e.code, e.req_id) for e in errors] == [("add", "GrammarError", "a0")]
+    assert "mask" in errors[0].message and not core.grammar_errors
+    assert not [o for o in outs if o.req_id == "a0" and o.finish_reason == "abort"]
+    assert [o.finish_reason for o in outs if o.req_id == "a1" and o.finish_reason] == ["length"]
