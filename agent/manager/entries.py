@@ -139,6 +139,7 @@ class ModelEntry:
     # Workers that died while this model's load was in flight; at CRASH_LOOP_LOADS it is failed
     # and not reloaded automatically (an operator's load resets it).
     crashed_loads: int = 0
+    in_worker: bool = False  # its Load, or the canary's first decode, is in the worker now
     been_ready: bool = False  # ready at least once since the agent started (preload is done)
     last_verify: dict[str, Any] | None = None  # the last verify action's findings
     # The last load's steps in order (pull, verify, load, tokenizer, canary): (start, end), monotonic.

@@ -300,6 +300,7 @@ class ModelManager:
         except asyncio.CancelledError:
             raise
         except Exception as ex:
+            e.in_worker = False
             e.want_loaded = False
             if isinstance(ex, NoRoom):
                 e.refusal = dict(ex.details)
@@ -314,6 +315,7 @@ class ModelManager:
             failure = ex if isinstance(ex, ManagerError) else None
             e.move(State.FAILED, str(ex) if failure is not None else f"load failed: {ex}", failure)
             return
+        e.in_worker = False
         self.metrics.load_seconds.labels(model=e.name).observe(e.load_seconds)
         e.touch()  # keep_alive and LRU count from the load, not from an older use
         e.crashed_loads = 0
@@ -340,11 +342,13 @@ class ModelManager:
             for attempt in (1, 2):
                 offered = self._planner.evictable(exclude=e.name)
                 try:
+                    e.in_worker = True
                     loaded = await self.worker.load(spec, offered)
                     if derive:
                         self.source.want_derived(e.name, FP8_DERIVED)
                     return loaded
                 except WorkerError as ex:
+                    e.in_worker = False  # answered: whatever happens next is not its load's doing
                     if ex.code != "no_room":
                         raise
                     plan = self._planner.after_refusal(offered, ex.details)
@@ -545,7 +549,9 @@ class ModelManager:
         for e in self.models.values():
             if e.state in (State.READY, State.DRAINING, State.UNLOADING) or (e.state is State.LOADING and e.want_loaded):
                 # its load (or the canary's first decode) was in the worker when it died
-                in_engine_load = e.state is State.LOADING and "verify" in e.phases and "canary" not in e.phases
+                # its load (or the canary's decode) was in the worker when it died; one waiting
+                # for the worker or the room lock was not
+                in_engine_load = e.in_worker
                 if e.busy:
                     e.task.cancel()
                 if in_engine_load:

@@ -325,3 +325,19 @@ async def test_an_fp8_load_reads_the_models_fp8_checkpoint_once_the_cache_holds_
     await mgr.unload("p")
     await mgr.load("p", quantization="fp8")  # already an FP8 checkpoint: nothing to derive
     assert specs[-1].model_dir == str(tmp_path / "p") and mgr.source.wanted == [("q", "fp8-channel")]
+
+
+async def test_a_model_waiting_for_the_room_when_the_worker_dies_is_not_blamed(monkeypatch, tmp_path) -> None:
+    """Only a model whose load was in the worker counts a crash; one queued behind it does not."""
+    w = _HangingWorker(hang="bad")
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "bad"}, {"name": "queued"}]', ["bad", "queued"])
+    mgr.load("bad")
+    await asyncio.sleep(0.1)  # bad's load is in the worker, holding the room lock
+    mgr.load("queued")
+    await asyncio.sleep(0.1)  # queued waits for the room
+    assert mgr.get("bad").in_worker and not mgr.get("queued").in_worker
+    for _ in range(2):
+        await _restart(mgr, w)
+        await asyncio.sleep(0.2)
+    assert mgr.get("bad").state is State.FAILED and mgr.get("queued").crashed_loads == 0
+    assert mgr.get("queued").state in (State.LOADING, State.READY)
