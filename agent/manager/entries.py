@@ -110,6 +110,7 @@ class ModelSource(Protocol):
     def stats(self) -> dict[str, int]: ...
     def derived(self, name: str, scheme: str) -> Path | None: ...
     def want_derived(self, name: str, scheme: str) -> None: ...
+    def drop_derived(self, name: str, scheme: str) -> None: ...
 
 
 # Told of every transition an entry makes: (entry, its previous state).
@@ -140,6 +141,7 @@ class ModelEntry:
     # and not reloaded automatically (an operator's load resets it).
     crashed_loads: int = 0
     in_worker: bool = False  # its Load, or the canary's first decode, is in the worker now
+    derived_load: bool = False  # its last load read a derived artifact (its FP8 checkpoint), not the snapshot
     been_ready: bool = False  # ready at least once since the agent started (preload is done)
     last_verify: dict[str, Any] | None = None  # the last verify action's findings
     # The last load's steps in order (pull, verify, load, tokenizer, canary): (start, end), monotonic.

@@ -304,7 +304,9 @@ class ModelManager:
             e.want_loaded = False
             if isinstance(ex, NoRoom):
                 e.refusal = dict(ex.details)
-            if isinstance(ex, SnapshotBroken) or (isinstance(ex, WorkerError) and ex.code in BYTES_SUSPECT_CODES):
+            if isinstance(ex, WorkerError) and ex.code in BYTES_SUSPECT_CODES and e.derived_load:
+                self.source.drop_derived(e.name, FP8_DERIVED)  # its FP8 checkpoint is what was unreadable
+            elif isinstance(ex, SnapshotBroken) or (isinstance(ex, WorkerError) and ex.code in BYTES_SUSPECT_CODES):
                 e.needs_repair = True  # the engine could not read its files: verify every sha256 next time
             if in_engine and self.worker.alive:
                 try:
@@ -338,6 +340,7 @@ class ModelManager:
             found = self.source.derived(e.name, FP8_DERIVED) if self.source is not None else None
             model_dir, derive = (found, False) if found is not None else (e.snapshot, self.source is not None)
         spec = e.settings.load_spec(model_dir)
+        e.derived_load = model_dir != e.snapshot
         async with self._room:
             for attempt in (1, 2):
                 offered = self._planner.evictable(exclude=e.name)

@@ -87,6 +87,14 @@ class CacheSource:
             return
         self._builds[key] = asyncio.get_running_loop().create_task(self._build(name, *key), name=f"derive-{name}")
 
+    def drop_derived(self, name: str, scheme: str) -> None:
+        """Remove ``scheme`` of ``name``'s cached version (a load could not read it): the next
+        load reads the snapshot and asks for it to be built again."""
+        m = self.cache.manifest(name)
+        if m is not None:
+            self.derived_store.remove(scheme, content_digest(m), why="a load could not read it")
+            self._log.warning("derived_dropped", model=name, scheme=scheme)
+
     async def _build(self, name: str, scheme: str, source: str) -> None:
         if self._build_lock is None:
             self._build_lock = asyncio.Lock()

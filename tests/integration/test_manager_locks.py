@@ -91,6 +91,11 @@ class FakeSource:
     def want_derived(self, name: str, scheme: str) -> None:
         self.wanted = [*getattr(self, "wanted", []), (name, scheme)]
 
+    def drop_derived(self, name: str, scheme: str) -> None:
+        import shutil
+
+        shutil.rmtree(self.root / f"{name}.{scheme}")
+
 
 def _manager(monkeypatch, tmp_path: Path, worker: FakeWorker, models: str, cached: list[str]) -> ModelManager:
     monkeypatch.setenv("INFIRE_MODELS", models)
@@ -341,3 +346,23 @@ async def test_a_model_waiting_for_the_room_when_the_worker_dies_is_not_blamed(m
         await asyncio.sleep(0.2)
     assert mgr.get("bad").state is State.FAILED and mgr.get("queued").crashed_loads == 0
     assert mgr.get("queued").state in (State.LOADING, State.READY)
+
+
+async def test_an_unreadable_fp8_checkpoint_is_dropped_not_the_snapshot_flagged(monkeypatch, tmp_path) -> None:
+    w = FakeWorker()
+    real = w.load
+
+    async def load(spec, evictable=None):
+        if spec.model_dir.endswith(".fp8-channel"):
+            raise WorkerError("SafetensorError: invalid header", "SafetensorError")
+        return await real(spec, evictable)
+
+    w.load = load
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "q", "quantization": "fp8"}]', ["q"])
+    (tmp_path / "q" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "q.fp8-channel").mkdir()
+    await mgr.load("q")
+    e = mgr.get("q")
+    assert e.state is State.FAILED and not e.needs_repair and not (tmp_path / "q.fp8-channel").exists()
+    await mgr.load("q")  # from the snapshot again (quantized as it loads), and asks for a new build
+    assert e.state is State.READY and mgr.source.wanted == [("q", "fp8-channel")]
