@@ -159,6 +159,17 @@ class DerivedStore:
                     shutil.rmtree(d, ignore_errors=True)
         return freed
 
+    def sizes_by_source(self) -> dict[str, int]:
+        """Bytes of the artifacts of each source digest, every scheme together."""
+        out: dict[str, int] = {}
+        for scheme in SCHEMES:
+            base = self.root / scheme
+            if base.is_dir():
+                for d in base.iterdir():
+                    if not d.name.startswith("."):
+                        out[d.name] = out.get(d.name, 0) + sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+        return out
+
     def used_bytes(self) -> int:
         if not self.root.is_dir():
             return 0

@@ -99,7 +99,7 @@ class DiskCache:
             models.append({"name": name, "size_bytes": sum(m.unique_blobs().values()),
                            "last_used": snapshot.last_used(self.layout.models_dir, name),
                            "pinned": name in self._pins, "files": len(m.files)})
-        return {"max_bytes": self.max_bytes, "used_bytes": sum(sizes.values()) + self.layout.partial_bytes(),
+        return {"max_bytes": self.max_bytes, "used_bytes": self.layout.used_bytes(),
                 "models": models, "pulls": self.pulls_in_progress()}
 
     # ------------------------------------------------------------ pins and LRU

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import structlog
 
 from cache import snapshot
+from cache.derived import DerivedStore, content_digest
 from cache.errors import CacheFullError
 from cache.layout import CacheLayout
 
@@ -26,6 +27,7 @@ class ModelUse:
     blobs: frozenset[str]
     last_used: float
     pinned: bool
+    content: str = ""  # its files' digest (cache/derived.py): its derived artifacts go with the last such model
 
 
 @dataclass(frozen=True)
@@ -37,16 +39,21 @@ class Plan:
 
 def plan(models: list[ModelUse], blob_sizes: dict[str, int], orphan_mtimes: dict[str, float], used: int,
          incoming: int, max_bytes: int, high: float, low: float, keep_blobs: frozenset[str] = frozenset(),
-         keep_models: frozenset[str] = frozenset()) -> Plan:
+         keep_models: frozenset[str] = frozenset(), derived_sizes: dict[str, int] | None = None) -> Plan:
+    """``derived_sizes``: bytes of derived artifacts by the content digest they were computed
+    from; evicting the last model of a content frees them too."""
+    derived_sizes = derived_sizes or {}
     if incoming > max_bytes:
         raise CacheFullError(f"{incoming} bytes do not fit in a cache of {max_bytes} bytes")
     if used + incoming <= high * max_bytes:
         return Plan((), (), 0)
     target = low * max_bytes
     refs: dict[str, int] = {}
+    contents: dict[str, int] = {}
     for m in models:
         for b in m.blobs:
             refs[b] = refs.get(b, 0) + 1
+        contents[m.content] = contents.get(m.content, 0) + 1
     freed = 0
     victims: list[str] = []
     dead: list[str] = []
@@ -63,6 +70,9 @@ def plan(models: list[ModelUse], blob_sizes: dict[str, int], orphan_mtimes: dict
         if m.pinned or m.name in keep_models:
             continue
         victims.append(m.name)
+        contents[m.content] -= 1
+        if contents[m.content] == 0:
+            freed += derived_sizes.get(m.content, 0)
         for b in m.blobs:
             refs[b] -= 1
             if refs[b] == 0 and b not in keep_blobs:
@@ -108,7 +118,8 @@ def evict(layout: CacheLayout, quota: Quota, incoming: int, keep: frozenset[str]
             continue
         blobs = frozenset(m.unique_blobs())
         referenced |= blobs
-        uses.append(ModelUse(name, blobs, snapshot.last_used(layout.models_dir, name), pinned=pinned(name)))
+        uses.append(ModelUse(name, blobs, snapshot.last_used(layout.models_dir, name), pinned=pinned(name),
+                             content=content_digest(m)))
     protected = keep_blobs | frozenset(active_blobs)
     orphans = {}
     for d in sizes:
@@ -117,9 +128,10 @@ def evict(layout: CacheLayout, quota: Quota, incoming: int, keep: frozenset[str]
                 orphans[d] = (layout.blobs_dir / d).stat().st_mtime
             except FileNotFoundError:
                 pass
-    used = sum(sizes.values()) + layout.partial_bytes()
+    derived = DerivedStore(layout.root)  # derived artifacts count against the quota too
+    used = sum(sizes.values()) + layout.partial_bytes() + derived.used_bytes()
     p = plan(uses, sizes, orphans, used, incoming, quota.max_bytes, quota.high, quota.low,
-             keep_blobs=protected, keep_models=keep)
+             keep_blobs=protected, keep_models=keep, derived_sizes=derived.sizes_by_source())
     for name in p.models:
         lock = layout.pin_lock(name)
         if not lock.try_acquire():  # pinned meanwhile by another process: leave it
@@ -133,6 +145,9 @@ def evict(layout: CacheLayout, quota: Quota, incoming: int, keep: frozenset[str]
     for d in p.blobs:
         if d not in live:
             (layout.blobs_dir / d).unlink(missing_ok=True)
+    if p.models:  # an evicted version's derived artifacts go with it
+        kept = (snapshot.read_manifest(layout.models_dir, n) for n in layout.model_names())
+        derived.sweep({content_digest(m) for m in kept if m is not None})
     return list(p.models)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cache.derived import DerivedStore
 from cache.locks import FileLock
 
 
@@ -48,8 +49,9 @@ class CacheLayout:
             return sum(e.stat().st_blocks * 512 for e in it if e.name.endswith(".partial"))
 
     def used_bytes(self) -> int:
-        """What counts against the quota: blobs plus partial downloads."""
-        return sum(self.blob_sizes().values()) + self.partial_bytes()
+        """What counts against the quota: blobs, partial downloads and derived artifacts
+        (cache/derived.py)."""
+        return sum(self.blob_sizes().values()) + self.partial_bytes() + DerivedStore(self.root).used_bytes()
 
     def pin_lock(self, name: str) -> FileLock:
         """The flock a pin holds shared; eviction and removal take it exclusively."""

@@ -64,9 +64,9 @@ class CacheSource:
         return self.cache.pulls_in_progress().get(name)
 
     def stats(self) -> dict[str, int]:
-        """The cache's quota and use; derived artifacts are part of the use."""
+        """The cache's quota and use (derived artifacts are part of the use: cache/layout.py)."""
         s = self.cache.stats()
-        return {"max_bytes": int(s["max_bytes"]), "used_bytes": int(s["used_bytes"]) + self.derived_store.used_bytes()}
+        return {"max_bytes": int(s["max_bytes"]), "used_bytes": int(s["used_bytes"])}
 
     # --- derived artifacts ---------------------------------------------------------------------
 

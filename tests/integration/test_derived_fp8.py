@@ -181,3 +181,24 @@ async def test_a_build_never_takes_the_cache_past_its_quota(tmp_path, make_tiny_
     finally:
         await source.close_builds()
         source.close()
+
+
+async def test_an_evicted_models_fp8_checkpoint_goes_with_it_and_counts_meanwhile(tmp_path, make_tiny_model):
+    store = FileStore(tmp_path / "store")
+    m = publish_model(store, make_tiny_model("llama"), "a")
+    publish_model(store, make_tiny_model("qwen3"), "b")
+    cache = DiskCache(tmp_path / "cache", 1 << 30)
+    source = CacheSource(cache, store)
+    try:
+        await source.pull("a")
+        source.want_derived("a", SCHEME)
+        await asyncio.wait_for(asyncio.gather(*source._builds.values()), 120)
+        art = source.derived("a", SCHEME)
+        assert art is not None and cache.used_bytes() > m.total_size + 0.4 * m.total_size  # counted
+        await source.pull("b")
+        # past the high watermark by a byte: the least recently used model goes, b is kept
+        evicted = await cache.evict_to_fit(int(0.95 * (1 << 30)) - cache.used_bytes() + 1, keep=frozenset({"b"}))
+        assert evicted == ["a"] and not art.exists()  # its derived checkpoint went with it
+    finally:
+        await source.close_builds()
+        source.close()
