@@ -238,6 +238,14 @@ def log_events(path: Path, offset: int) -> list[dict]:
     return out
 
 
+def published(store: Any, name: str) -> bool:
+    """Whether ``name`` has a manifest in the store already: a ``--keep-dir`` run after the first
+    publishes nothing again (on the GPU machine the source folder may be gone by then, for disk)."""
+    from cache.object_store import manifest_key
+
+    return store.exists(manifest_key(name)) is not None
+
+
 def make_failing_model(src: Path, dst: Path) -> Path:
     """A copy of ``src`` (weights hard-linked, else copied) whose config names one more layer than
     the checkpoint holds: its load fails inside the engine."""
@@ -590,9 +598,10 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         try:
             for d in dict.fromkeys(model_dirs):  # each folder hashed once, under all its names
-                mine = [n for n, m in zip(names, model_dirs) if m == d]
-                publish_model(store, d, mine[0], also_as=tuple(mine[1:]))
-            if a.drill_load_fail_at is not None:
+                mine = [n for n, m in zip(names, model_dirs) if m == d and not published(store, n)]
+                if mine:
+                    publish_model(store, d, mine[0], also_as=tuple(mine[1:]))
+            if a.drill_load_fail_at is not None and not published(store, FAIL_MODEL):
                 publish_model(store, make_failing_model(dirs[0], root / "models" / FAIL_MODEL), FAIL_MODEL)
         finally:
             store.close()

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 35's density runs on the GPU machine, each phase given what is left of the call's time.
+#   . ops/gpu/env.sh; bash ops/gpu/density.sh fp8 bf16        (phases in order; results under $OUT)
+# Phases: fp8 (12 x 8B, FP8 weights + KV, 0.5 req/s each), bf16 (12 x 8B, Zipf 1.0, 4 req/s, page
+# cache), warm (the same with a 64 GiB warm tier), drills (four FP8 models serving: a load failed by
+# a device-memory grab, a SIGSTOPped worker, 20 load/unload cycles), gputests (tests/gpu).
+# One kept folder (/tmp/dens) so later phases reuse the store and cache; the source folder's
+# weights are removed after the first publish (the disk is 64 GB: source + store + cache + FP8).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+M=${M8B:-/tmp/m8b}; K=/tmp/dens
+END=$(( $(date +%s) + ${BUDGET_S:-570} ))
+left() { echo $(( END - $(date +%s) )); }
+df -h /tmp > "$OUT/disk.txt" 2>&1
+[ -f "$M/config.json" ] || python3 -c "import sys; from agent.cli import main; sys.exit(main(sys.argv[1:]))" \
+  make-model --arch llama --preset llama-3.1-8b --out "$M" --device cuda > "$OUT/make_model.txt" 2>&1
+bench() {  # bench NAME ARGS...
+  local name=$1; shift
+  local t; t=$(left); [ "$t" -gt 60 ] || { echo "$name: skipped, ${t}s left" >> "$OUT/skipped.txt"; return; }
+  timeout "$t" python3 -m ops.bench.density_bench --model-dir "$M" --device cuda --keep-dir "$K" \
+    --out "$OUT/density_$name.json" "$@" > "$OUT/density_$name.txt" 2>&1
+  echo "$name rc=$? at $(date +%T)" >> "$OUT/density_$name.txt"
+  pkill -f "agent.cli serve" 2>/dev/null; pkill -f engine.worker 2>/dev/null; sleep 2
+  if ls "$K"/store/blobs >/dev/null 2>&1 && ls "$M"/*.safetensors >/dev/null 2>&1; then
+    rm -f "$M"/*.safetensors  # published: later phases read the store and the cache
+  fi
+  df -h /tmp >> "$OUT/disk.txt" 2>&1
+}
+for phase in "$@"; do
+  case $phase in
+    fp8) bench fp8 --models 12 --quantization fp8 --kv-cache-dtype fp8 --rate-per-model 0.5 --duration 120 \
+           --prompt-len 256 --gen-len 128 ;;
+    bf16) bench bf16 --models 12 --rate 4 --zipf 1.0 --duration 120 --prompt-len 256 --gen-len 128 ;;
+    warm) bench warm --models 12 --rate 4 --zipf 1.0 --duration 120 --prompt-len 256 --gen-len 128 \
+            --warm-tier-bytes 64GiB ;;
+    drills) bench drills --models 4 --quantization fp8 --kv-cache-dtype fp8 --rate-per-model 1 --duration 90 \
+              --prompt-len 256 --gen-len 128 --worker-hang-timeout 10 --drill-load-fail-at 10 \
+              --drill-oom-at 25 --drill-sigstop-at 45 --drill-cycles 20 ;;
+    gputests) timeout "$(left)" python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.txt" 2>&1 ;;
+  esac
+done
+ls "$K/store" > /dev/null 2>&1 && du -sh "$K"/* >> "$OUT/disk.txt" 2>&1
