@@ -25,6 +25,19 @@ new worker pid is up (``replaced_after_s``; ``--worker-hang-timeout`` sets the d
 one more layer than its checkpoint holds (a load that fails inside the engine, not an injected
 OOM: the daemon has no OOM injection hook) and reports the answer; the other models' errors over
 the window say whether they lost anything to it.
+``--drill-cycles N`` (``--drill-cycles-at S``, 2 s by default) loads and unloads two extra models in
+turn, N cycles from S on: ``cyc8`` (FP8 weights and KV cache, plain on CPU) and ``cycb`` (plain),
+both d00's bytes, ``?wait=true`` each; it reports every cycle's answers and seconds (a swap in and
+out under traffic, and whether the FP8 path's allocations come back each time).
+``--drill-oom-at S`` (CUDA only) makes a real out-of-memory during a load, with no hook in the
+daemon: it starts loading an extra model ``doom`` (d00's bytes, the d models' settings), and
+``--drill-oom-delay`` s later a neighbour process takes the device's free memory in 256 MiB tensors
+until CUDA refuses one, holds it ``--drill-oom-hold`` s and exits; the load's answer, the bytes
+taken, then a second load of ``doom`` (the daemon recovered) and its unload are reported. The
+neighbour is none of the agent's pids, so the NVML peak of the agent's processes leaves it out;
+the every-process figure (the fallback when pids are not visible, as in a container) skips the
+samples taken while it runs (counted in the drill's ``nvml_samples_skipped``). The drill models
+are configured with ``autoload = false``: only the drills load them.
 
     python -m ops.bench.density_bench --device cpu --models 3 --duration 5 --prompt-len 16 --gen-len 8 \\
         --rate-per-model 2
@@ -62,6 +75,20 @@ from ops.bench.workload import ID_MARGIN, percentile, sharegpt_like
 
 ADMIN_TOKEN = "density-bench-token"
 FAIL_MODEL = "dfail"
+CYCLE_MODELS = ("cyc8", "cycb")  # --drill-cycles loads them in turn: FP8 (on a GPU), then plain
+OOM_MODEL = "doom"
+# --drill-oom-at's neighbour: takes what the device has free, says how much, holds it argv[1] s.
+NEIGHBOUR = """\
+import sys, time, torch
+held = []
+try:
+    while True:
+        held.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+except torch.cuda.OutOfMemoryError:
+    pass
+print(len(held) * (256 << 20), flush=True)
+time.sleep(float(sys.argv[1]))
+"""
 POLL_S = 0.5
 RESIDENT = ("ready", "draining")  # serving or finishing its streams: its weights are on the device
 
@@ -246,6 +273,20 @@ def published(store: Any, name: str) -> bool:
     return store.exists(manifest_key(name)) is not None
 
 
+def publish_alias(store: Any, src: str, names: list[str]) -> None:
+    """``names`` as more manifests of ``src``'s files, whose blobs the store holds already: no folder
+    is read, so a kept store whose source folder is gone (the GPU machine's disk) still gets them."""
+    import dataclasses
+
+    from cache import manifest as mf
+    from cache.object_store import manifest_key
+
+    if names:
+        m = mf.parse(store.get_bytes(manifest_key(src), mf.MAX_MANIFEST_BYTES), src)
+        for n in names:
+            store.put_bytes(manifest_key(n), dataclasses.replace(m, name=mf.validate_name(n)).to_json())
+
+
 def make_failing_model(src: Path, dst: Path) -> Path:
     """A copy of ``src`` (weights hard-linked, else copied) whose config names one more layer than
     the checkpoint holds: its load fails inside the engine."""
@@ -263,7 +304,33 @@ def make_failing_model(src: Path, dst: Path) -> Path:
     return dst
 
 
-def write_config(a: argparse.Namespace, root: Path, store_url: str, port: int, names: list[str], max_len: int) -> Path:
+def cuda_expected(device: str) -> bool:
+    """Whether the worker will run on CUDA, known before it starts (the config is written first):
+    "auto" picks CUDA when torch sees one, as the worker does."""
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def drill_models(a: argparse.Namespace) -> dict[str, tuple[str, str]]:
+    """The drills' extra models and their (quantization, kv_cache_dtype): dfail and doom as the d
+    models; cyc8 FP8 weights and KV where the worker has a GPU (on CPU both cycle models are plain)."""
+    out = {}
+    if a.drill_load_fail_at is not None:
+        out[FAIL_MODEL] = (a.quantization, a.kv_cache_dtype)
+    if a.drill_oom_at is not None:
+        out[OOM_MODEL] = (a.quantization, a.kv_cache_dtype)
+    if a.drill_cycles:
+        out[CYCLE_MODELS[0]] = ("fp8", "fp8") if cuda_expected(a.device) else ("none", "auto")
+        out[CYCLE_MODELS[1]] = ("none", "auto")
+    return out
+
+
+def write_config(a: argparse.Namespace, root: Path, store_url: str, port: int, names: list[str], max_len: int,
+                 extra: dict[str, tuple[str, str]]) -> Path:
+    """The daemon's TOML: the d models, then ``extra`` (the drills' models) with autoload off."""
     lines = ["[server]", f"port = {port}", f'runtime_dir = "{root / "run"}"', f'admin_token = "{ADMIN_TOKEN}"',
              "autoload = true"]
     if a.worker_hang_timeout is not None:
@@ -274,17 +341,17 @@ def write_config(a: argparse.Namespace, root: Path, store_url: str, port: int, n
     if a.budget is not None:
         b = a.budget
         lines.append(f"memory_budget = {b}" if re.fullmatch(r"0?\.\d+|1(\.0*)?", b) else f'memory_budget = "{b}"')
-    for n in names + ([FAIL_MODEL] if a.drill_load_fail_at is not None else []):
+    for n, (quantization, kv_cache_dtype) in ({n: (a.quantization, a.kv_cache_dtype) for n in names} | extra).items():
         lines += ["", "[[models]]", f'name = "{n}"', f"max_model_len = {max_len}", f"max_num_seqs = {a.max_num_seqs}",
                   f"keep_alive = {a.keep_alive}"]
-        if n == FAIL_MODEL:
+        if n in extra:
             lines.append("autoload = false")
         elif a.preload:
             lines.append("preload = true")
-        if a.quantization != "none":
-            lines.append(f'quantization = "{a.quantization}"')
-        if a.kv_cache_dtype != "auto":
-            lines.append(f'kv_cache_dtype = "{a.kv_cache_dtype}"')
+        if quantization != "none":
+            lines.append(f'quantization = "{quantization}"')
+        if kv_cache_dtype != "auto":
+            lines.append(f'kv_cache_dtype = "{kv_cache_dtype}"')
     cfg = root / "agent.toml"
     cfg.write_text("\n".join(lines) + "\n")
     return cfg
@@ -339,7 +406,13 @@ class Monitor(threading.Thread):
         self.stop_evt = threading.Event()
         self.sigstop: dict[str, Any] | None = None
         self.load_fail: dict[str, Any] | None = None
+        self.cycles: dict[str, Any] | None = None
+        self.oom: dict[str, Any] | None = None  # set before the start when the drill cannot run here
         self._lf_thread: threading.Thread | None = None
+        self._cyc_thread: threading.Thread | None = None
+        self._oom_thread: threading.Thread | None = None
+        self._neighbour: subprocess.Popen[str] | None = None
+        self._grabbing = False  # the OOM drill's neighbour holds device memory
 
     def window_start(self, t0: float) -> None:
         self.t0 = t0
@@ -375,6 +448,7 @@ class Monitor(threading.Thread):
         return st
 
     def poll_nvml(self) -> None:
+        grabbing = self._grabbing  # before and after the sample: the neighbour's memory in it or not
         try:
             out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5).stdout
@@ -391,8 +465,12 @@ class Monitor(threading.Thread):
                     continue
                 everyone += used
                 total += used if int(parts[0]) in ours else 0
-        if self.nvml_peak is not None:
-            self.nvml_peak = max(self.nvml_peak, total)
+        if self.nvml_peak is None:
+            return
+        self.nvml_peak = max(self.nvml_peak, total)
+        if grabbing or self._grabbing:
+            self.oom["nvml_samples_skipped"] = self.oom.get("nvml_samples_skipped", 0) + 1
+        else:
             self.nvml_peak_all = max(self.nvml_peak_all, everyone)
 
     def run(self) -> None:
@@ -421,30 +499,100 @@ class Monitor(threading.Thread):
                                     new_pid=int(w["pid"]))
         if a.drill_load_fail_at is not None and self.load_fail is None and at >= a.drill_load_fail_at:
             self.load_fail = {"at_s": round(at, 3)}
-            self._lf_thread = threading.Thread(target=self._load_fail, daemon=True)
-            self._lf_thread.start()
+            self._lf_thread = _started(self._load_fail)
+        if a.drill_cycles and self.cycles is None and at >= a.drill_cycles_at:
+            self.cycles = {"at_s": round(at, 3), "per_cycle": []}
+            self._cyc_thread = _started(self._cycles)
+        if a.drill_oom_at is not None and self.oom is None and at >= a.drill_oom_at:
+            self.oom = {"at_s": round(at, 3)}
+            self._oom_thread = _started(self._oom)
 
-    def _load_fail(self) -> None:
+    def _admin(self, op: str, model: str) -> dict[str, Any]:
+        """``POST /admin/v1/models/{model}/{op}?wait=true``: the status and seconds, and the error's
+        code and message, or the model's state after a 2xx."""
         t = time.perf_counter()
         try:
-            code, body = _http(f"{self.url}/admin/v1/models/{FAIL_MODEL}/load?wait=true", "POST", timeout=300)
+            code, body = _http(f"{self.url}/admin/v1/models/{model}/{op}?wait=true", "POST", timeout=300)
         except OSError as ex:
             code, body = 0, repr(ex)
-        err = body.get("error", {}) if isinstance(body, dict) else {}
-        self.load_fail.update(status=code, code=err.get("code"), message=str(err.get("message") or body)[:300],
-                              seconds=round(time.perf_counter() - t, 3))
+        out: dict[str, Any] = {"status": code, "seconds": round(time.perf_counter() - t, 3)}
+        if 200 <= code < 300 and isinstance(body, dict):
+            out["state"] = (body.get("model") or {}).get("state")
+        else:
+            err = body.get("error", {}) if isinstance(body, dict) else {}
+            out.update(code=err.get("code"), message=str(err.get("message") or body)[:300])
+        return out
+
+    def _load_fail(self) -> None:
+        self.load_fail.update(self._admin("load", FAIL_MODEL))
+
+    def _cycles(self) -> None:
+        """Load, then unload, cyc8 and cycb in turn: each load makes room under traffic, each unload
+        must give it all back for the next one to fit again."""
+        for i in range(self.a.drill_cycles):
+            m = CYCLE_MODELS[i % 2]
+            load = self._admin("load", m)
+            self.cycles["per_cycle"].append({"model": m, "load": load, "unload": self._admin("unload", m)})
+
+    def _oom(self) -> None:
+        """doom's load starts, then the neighbour takes the device's free memory under it; after the
+        neighbour exits, doom loads again (the daemon and its worker recovered) and unloads."""
+        a = self.a
+        first: dict[str, Any] = {}
+        load = _started(lambda: first.update(self._admin("load", OOM_MODEL)))
+        time.sleep(a.drill_oom_delay)
+        self._grabbing = True
+        try:
+            self.oom.update(self._neighbour_run())
+        finally:
+            self._grabbing = False
+        load.join(330)
+        self.oom["load"] = first
+        self.oom["reload"] = self._admin("load", OOM_MODEL)
+        self.oom["unload"] = self._admin("unload", OOM_MODEL)
+
+    def _neighbour_run(self) -> dict[str, Any]:
+        """The neighbour, from its start to its exit: the bytes it took (its stderr if it said none)."""
+        self._neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(self.a.drill_oom_hold)],
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           text=True)
+        try:
+            out, err = self._neighbour.communicate(timeout=self.a.drill_oom_hold + 300)
+        except subprocess.TimeoutExpired:
+            self._neighbour.kill()
+            out, err = self._neighbour.communicate()
+        first = (out.split() or [""])[0]
+        rec: dict[str, Any] = {"grabbed_bytes": int(first) if first.isdigit() else None,
+                               "neighbour_rc": self._neighbour.returncode}
+        if rec["grabbed_bytes"] is None:
+            rec["neighbour_stderr"] = err[-500:]
+        return rec
 
     def finish(self) -> None:
         self.stop_evt.set()
         self.join(10)
-        if self._lf_thread is not None:
-            self._lf_thread.join(60)
+        # Bounded: a drill the daemon never answers is reported unfinished, not waited on forever.
+        for thread, rec, bound in ((self._lf_thread, self.load_fail, 60), (self._cyc_thread, self.cycles, 300),
+                                   (self._oom_thread, self.oom, self.a.drill_oom_hold + 400)):
+            if thread is not None:
+                thread.join(bound)
+                if thread.is_alive():
+                    rec["unfinished"] = True
+        if self._neighbour is not None and self._neighbour.poll() is None:
+            self._neighbour.kill()
         if self.sigstop is not None:
             self.sigstop.pop("_t", None)
             try:  # a worker the daemon has not replaced by now must not keep the shutdown waiting
                 os.kill(self.sigstop["pid"], signal.SIGCONT)
             except OSError:
                 pass
+
+
+def _started(target: Any) -> threading.Thread:
+    """A drill's thread, started (a daemon: an unanswered drill never keeps the bench alive)."""
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t
 
 
 def gpu_name() -> str | None:
@@ -499,6 +647,25 @@ def nvml_figures(monitor: Monitor) -> dict[str, Any]:
             "nvml_peak_all_bytes": monitor.nvml_peak_all}
 
 
+def cycles_figures(rec: dict[str, Any] | None, n: int, cyc8: tuple[str, str] | None) -> dict[str, Any] | None:
+    """--drill-cycles' summary: cycles whose load and unload both answered 2xx, load and unload
+    seconds (of the 2xx answers), the first five failures, and every cycle."""
+    if rec is None:
+        return None
+    ok = lambda r: 200 <= r["status"] < 300  # noqa: E731
+    runs = rec["per_cycle"]
+    loads = [c["load"]["seconds"] for c in runs if ok(c["load"])]
+    unloads = [c["unload"]["seconds"] for c in runs if ok(c["unload"])]
+    return {
+        "at_s": rec["at_s"], "cycles": n, "done": len(runs), "ok": sum(ok(c["load"]) and ok(c["unload"]) for c in runs),
+        "cyc8": "fp8 weights + KV" if cyc8 == ("fp8", "fp8") else "plain",
+        "load_s_p50": percentile(loads, 50), "load_s_max": max(loads, default=None),
+        "unload_s_p50": percentile(unloads, 50),
+        "failures": [{"cycle": i, **c} for i, c in enumerate(runs) if not (ok(c["load"]) and ok(c["unload"]))][:5],
+        **({"unfinished": True} if rec.get("unfinished") else {}), "per_cycle": runs,
+    }
+
+
 def table(result: dict) -> str:
     cols = ["model", "req", "err", "ttft50", "ttft99", "tpot50", "tpot99", "slo1s", "slo2s+tpot", "loads", "evict",
             "swap50"]
@@ -515,9 +682,9 @@ def table(result: dict) -> str:
     lines.append(f"resident at most {result['max_resident']} of {result['models']}; worker restarts "
                  f"{result['worker_restarts']}; budget {result['budget_bytes']} B; NVML peak "
                  f"{'n/a' if peak is None else f'{peak} B'}; ms for times, fractions for SLOs")
-    for k in ("drill_sigstop", "drill_load_fail"):
-        if result.get(k):
-            lines.append(f"{k}: {json.dumps(result[k])}")
+    for k in ("drill_sigstop", "drill_load_fail", "drill_cycles", "drill_oom"):
+        if result.get(k):  # each cycle's answers are in the JSON only
+            lines.append(f"{k}: {json.dumps({f: v for f, v in result[k].items() if f != 'per_cycle'})}")
     return "\n".join(lines)
 
 
@@ -560,6 +727,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drill-sigstop-at", type=float, metavar="S", help="SIGSTOP the worker S s into the window")
     ap.add_argument("--drill-load-fail-at", type=float, metavar="S",
                     help="S s into the window, load an extra model whose config does not match its weights")
+    ap.add_argument("--drill-cycles", type=int, metavar="N",
+                    help="N load/unload cycles of two extra models in turn (cyc8: FP8 on a GPU; cycb: plain)")
+    ap.add_argument("--drill-cycles-at", type=float, default=2.0, metavar="S", help="when the cycles start")
+    ap.add_argument("--drill-oom-at", type=float, metavar="S",
+                    help="S s into the window, load an extra model while a neighbour process takes the free "
+                         "device memory (CUDA only)")
+    ap.add_argument("--drill-oom-delay", type=float, default=0.3, help="seconds from that load to the neighbour")
+    ap.add_argument("--drill-oom-hold", type=float, default=8.0, help="seconds the neighbour holds the memory")
     ap.add_argument("--keep-dir", help="work in this folder and keep it (default: a temporary one)")
     ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-density-<commit>.json)")
     ap.add_argument("--no-save", action="store_true")
@@ -568,6 +743,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give exactly one of --rate-per-model R or --rate R")
     if not 1 <= a.models <= 100:
         ap.error("--models must be 1..100")
+    if a.drill_cycles is not None and a.drill_cycles < 1:
+        ap.error("--drill-cycles must be at least 1")
+    if a.drill_oom_at is not None and a.device == "cpu":
+        ap.error("--drill-oom-at takes device memory: it needs CUDA, not --device cpu")
     names = [f"d{i:02d}" for i in range(a.models)]
     rates = [a.rate_per_model] * a.models if a.rate_per_model is not None else \
         [a.rate * w for w in zipf_weights(a.models, a.zipf)]
@@ -593,6 +772,7 @@ def main(argv: list[str] | None = None) -> int:
             dirs = [gen]
         model_dirs = [dirs[i % len(dirs)] for i in range(a.models)]
         vocabs = [int(json.loads((d / "config.json").read_text())["vocab_size"]) for d in model_dirs]
+        extra = drill_models(a)
         store_url = (root / "store").as_uri()
         store = open_store(store_url)
         t = time.perf_counter()
@@ -601,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
                 mine = [n for n, m in zip(names, model_dirs) if m == d and not published(store, n)]
                 if mine:
                     publish_model(store, d, mine[0], also_as=tuple(mine[1:]))
+            publish_alias(store, names[0], [n for n in extra if n != FAIL_MODEL and not published(store, n)])
             if a.drill_load_fail_at is not None and not published(store, FAIL_MODEL):
                 publish_model(store, make_failing_model(dirs[0], root / "models" / FAIL_MODEL), FAIL_MODEL)
         finally:
@@ -608,13 +789,15 @@ def main(argv: list[str] | None = None) -> int:
         publish_s = time.perf_counter() - t
         port = _pick_port(18180)
         url = f"http://127.0.0.1:{port}"
-        cfg = write_config(a, root, store_url, port, names, max_len)
+        cfg = write_config(a, root, store_url, port, names, max_len, extra)
         log_path = root / "agent.log"
         proc = start_daemon(root, cfg)
         st = wait_worker(url, proc, log_path, a.start_timeout)
         device = str(st["worker"].get("device") or a.device)
         nvml = "cuda" in device and shutil.which("nvidia-smi") is not None
         monitor = Monitor(url, int(st["pid"]), nvml, a)
+        if a.drill_oom_at is not None and "cuda" not in device:  # --device auto found no GPU
+            monitor.oom = {"skipped": f"the worker runs on {device}: no device memory to take"}
         monitor.start()
 
         schedule = arrivals(rates, a.duration, a.seed)
@@ -702,6 +885,8 @@ def main(argv: list[str] | None = None) -> int:
                                   else nv["nvml_peak_bytes"] > monitor.budget_bytes),
         "swaps": overall["loads"], "evictions": overall["evictions"],
         "drill_sigstop": monitor.sigstop, "drill_load_fail": monitor.load_fail,
+        "drill_cycles": cycles_figures(monitor.cycles, a.drill_cycles, extra.get(CYCLE_MODELS[0])),
+        "drill_oom": monitor.oom,
         "overall": overall, "per_model": per_model,
     }
     if a.no_save:

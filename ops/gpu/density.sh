@@ -2,8 +2,9 @@
 # Issue 35's density runs on the GPU machine, each phase given what is left of the call's time.
 #   . ops/gpu/env.sh; bash ops/gpu/density.sh fp8 bf16        (phases in order; results under $OUT)
 # Phases: fp8 (12 x 8B, FP8 weights + KV, 0.5 req/s each), bf16 (12 x 8B, Zipf 1.0, 4 req/s, page
-# cache), warm (the same with a 64 GiB warm tier), drills (four FP8 models serving: a load failed by
-# a device-memory grab, a SIGSTOPped worker, 20 load/unload cycles), gputests (tests/gpu).
+# cache), warm (the same with a 64 GiB warm tier), drills (four FP8 models serving: 20 load/unload
+# cycles of an FP8 and a plain model, a load that fails in the engine, a load under a neighbour's
+# device-memory grab, a SIGSTOPped worker), gputests (tests/gpu).
 # One kept folder (/tmp/dens) so later phases reuse the store and cache; the source folder's
 # weights are removed after the first publish (the disk is 64 GB: source + store + cache + FP8).
 set -u
@@ -33,9 +34,9 @@ for phase in "$@"; do
     bf16) bench bf16 --models 12 --rate 4 --zipf 1.0 --duration 120 --prompt-len 256 --gen-len 128 ;;
     warm) bench warm --models 12 --rate 4 --zipf 1.0 --duration 120 --prompt-len 256 --gen-len 128 \
             --warm-tier-bytes 64GiB ;;
-    drills) bench drills --models 4 --quantization fp8 --kv-cache-dtype fp8 --rate-per-model 1 --duration 90 \
-              --prompt-len 256 --gen-len 128 --worker-hang-timeout 10 --drill-load-fail-at 10 \
-              --drill-oom-at 25 --drill-sigstop-at 45 --drill-cycles 20 ;;
+    drills) bench drills --models 4 --quantization fp8 --kv-cache-dtype fp8 --rate-per-model 1 --duration 130 \
+              --prompt-len 256 --gen-len 128 --worker-hang-timeout 10 --drill-cycles 20 --drill-cycles-at 2 \
+              --drill-load-fail-at 70 --drill-oom-at 80 --drill-sigstop-at 100 ;;
     gputests) timeout "$(left)" python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.txt" 2>&1 ;;
   esac
 done

@@ -1,6 +1,6 @@
 """The density benchmark runs end to end on CPU: the real daemon with three tiny models published
 under three names, a few seconds of Poisson traffic, and a JSON report with every key the GPU runs
-are read by."""
+are read by; its load/unload cycle drill under traffic; its OOM drill refused without CUDA."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ops.bench.density_bench import arrivals, zipf_weights
+from ops.bench.density_bench import arrivals, main, zipf_weights
 from tests.integration.agent_harness import REPO
 
 
@@ -26,16 +26,20 @@ def test_traffic_shape_is_seeded_and_follows_the_popularity() -> None:
     assert 60 < n0 < 140 and 5 < n1 < 40
 
 
-@pytest.mark.slow
-def test_density_bench_runs_against_a_real_daemon(tmp_path) -> None:
+def _bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """The bench on CPU (tiny models, 16 in / 8 out, 2 req/s each) with ``args``: its run and its JSON."""
     out = tmp_path / "density.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "INFIRE_ENGINE__SANDBOX": "false", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "ops.bench.density_bench", "--device", "cpu", "--models", "3",
-                        "--duration", "4", "--prompt-len", "16", "--gen-len", "8", "--rate-per-model", "2",
-                        "--max-num-seqs", "8", "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "ops.bench.density_bench", "--device", "cpu", "--prompt-len", "16",
+                        "--gen-len", "8", "--rate-per-model", "2", "--max-num-seqs", "8", "--out", str(out), *args],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    rep = json.loads(out.read_text())
+    return r, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_density_bench_runs_against_a_real_daemon(tmp_path) -> None:
+    r, rep = _bench(tmp_path, "--models", "3", "--duration", "4")
     for key in ("date", "gpu", "commit", "command", "models", "errors", "worker_restarts", "nvml_peak_bytes",
                 "budget_bytes", "max_resident", "swaps", "evictions", "overall", "per_model"):
         assert key in rep, key
@@ -48,3 +52,24 @@ def test_density_bench_runs_against_a_real_daemon(tmp_path) -> None:
     assert o["ok"] == o["requests"] and 0 < o["ttft_ms_p50"] <= o["ttft_ms_p99"]
     assert o["tpot_ms_p50"] > 0 and 0 <= o["slo_ttft_1s"] <= 1 and o["output_tokens"] == 8 * o["requests"]
     assert any(line.lstrip().startswith("overall") for line in r.stdout.splitlines()[-6:])  # the table, last
+
+
+@pytest.mark.slow
+def test_cycle_drill_loads_and_unloads_two_models_in_turn_under_traffic(tmp_path) -> None:
+    r, rep = _bench(tmp_path, "--models", "2", "--duration", "5", "--drill-cycles", "4", "--drill-cycles-at", "0.5")
+    c = rep["drill_cycles"]
+    assert c["cycles"] == c["done"] == c["ok"] == 4 and c["failures"] == [], c
+    assert [x["model"] for x in c["per_cycle"]] == ["cyc8", "cycb", "cyc8", "cycb"]
+    for x in c["per_cycle"]:
+        assert x["load"]["status"] == 200 and x["load"]["state"] == "ready", x
+        assert x["unload"]["status"] == 200 and x["unload"]["state"] in ("cached", "absent"), x
+    assert c["cyc8"] == "plain" and 0 < c["load_s_p50"] <= c["load_s_max"] and c["unload_s_p50"] > 0
+    assert rep["worker_restarts"] == 0 and rep["errors"] == 0 and rep["drill_oom"] is None
+    assert set(rep["per_model"]) == {"d00", "d01"} and all(m["errors"] == 0 for m in rep["per_model"].values())
+    assert any(line.startswith("drill_cycles: ") and "per_cycle" not in line for line in r.stdout.splitlines())
+
+
+def test_oom_drill_is_refused_on_cpu(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--rate-per-model", "1", "--drill-oom-at", "5"])
+    assert e.value.code == 2 and "--drill-oom-at" in capsys.readouterr().err
