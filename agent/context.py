@@ -45,8 +45,12 @@ class AgentContext:
         total: int | None = self.worker.state.budget_bytes or None  # what the engine works with
         if total is None and isinstance(g.memory_budget, int):
             total = int(g.memory_budget)
-        used = sum(s.device_bytes for s in self.worker.state.models.values())
-        out: dict[str, Any] = {"total_bytes": total, "used_bytes": used}
+        mem = self.worker.state.memory
+        # The ledger's use (weights, workspaces, the whole KV pool, what the device holds beyond
+        # the books); before the worker has said, what its models hold.
+        used = mem.used if mem is not None else sum(s.device_bytes for s in self.worker.state.models.values())
+        out: dict[str, Any] = {"total_bytes": total, "used_bytes": used,
+                               "device_bytes": mem.device if mem is not None else None}
         if isinstance(g.memory_budget, float):
             out["fraction"] = g.memory_budget
         return out

@@ -69,6 +69,10 @@ class MemoryStats:
     kv_pages: int
     kv_pages_free: int
     untracked: int  # what the device holds beyond the books (MemoryLedger.reconcile), in ``used``
+    # What the device says this engine holds now beyond its start-up baseline, the allocator's
+    # cached free memory included (what NVML shows of the process, less the CUDA context); 0 off
+    # CUDA. Above ``used`` by what was cached or captured since the last reconcile.
+    device: int
     models: dict[str, ModelMemory]
     models_omitted: int  # rows left out of ``models`` (:meth:`largest`)
 

@@ -7,8 +7,9 @@ A restart starts with an empty warm tier: on the H200 its 8B load spent 1.0-1.4 
 runner (Triton kernels from their cache, graph capture) after 0.9-1.2 s of weights, plus 0.11 s of
 warm-up. With the figure on disk the restart's load takes the same path as a warm reload.
 
-The figures are keyed by what decides them: the weights' identity (``warm_key``: file inodes,
-sizes, mtimes), the load shape, and the software and hardware that measured them (:func:`setting`:
+The figures are keyed by what decides them: the computation (``engine.core.loading.workspace_key``:
+the model's config and the weights' format on the device; neither its name nor its files), the
+load shape, and the software and hardware that measured them (:func:`setting`:
 torch, Triton, CUDA, the device, the engine's own source files). Anything else in the file is
 ignored. Bounded (``MAX_NOTES`` entries, oldest dropped; ``MAX_FILE_BYTES``); a file that does not
 parse, or whose values are not positive integers, is ignored whole with a warning and replaced at

@@ -30,6 +30,8 @@ load releases exactly what it booked. ``last_load_timings`` has each phase's sec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +63,22 @@ from engine.weights.loader import WeightsReady, load_or_restore, stash_weights, 
 from engine.weights.warm_tier import WarmTier
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+def workspace_key(cfg: ModelConfig, quantization: str | None) -> str:
+    """What a load's measured workspace (graph pools, the largest step's activations) depends on
+    besides its shape: the computation (the config) and the weights' format on the device, not
+    the files' identity or the model's name. Twelve names of one 8B (or a pre-quantized FP8
+    checkpoint and one quantized at load) share one measurement, so only the first load of a
+    kind warms up on the step thread, where every other model's steps wait for it."""
+    # Not the checkpoint's own dtype (the device's is in the shape), nor the tokens that end a
+    # sequence; a checkpoint pre-quantized per channel lands on the device as a quantization at
+    # load does (other FP8 layouts keep their scales' shapes, so they stay apart).
+    skip = {"raw", "dtype", "fp8_checkpoint", "eos_token_ids", "bos_token_id"}
+    fields = sorted((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in skip)
+    layout = None if cfg.fp8_checkpoint in (None, "channel") else cfg.fp8_checkpoint
+    doc = repr((fields, quantization, layout))
+    return "compute:" + hashlib.sha256(doc.encode()).hexdigest()[:32]
 
 
 KV_CACHE_DTYPES = ("fp8",)
@@ -128,6 +146,7 @@ class PendingLoad:
     needs: LoadNeeds
     quantization: str | None  # what the load runs with (a pre-quantized checkpoint is "fp8")
     key: str  # the weights' warm-tier key (warm_key)
+    compute_key: str  # what the model computes (workspace_key): the load notes' key
     shape: str  # what its measured workspace depends on besides the weights (the load's shape)
     prebuild: bool  # build the runner beside the weights (engine.runner.prebuild)
     started: float
@@ -251,11 +270,11 @@ class ModelLoader:
         # Its pages registered now, not after the weights: while they load, other models' bursts
         # must not take the pages its minimum needs.
         t_pool = self._pools.book(name, cfg, needs, evictable)
-        key = warm_key(name, spec.model_dir, quantization)
+        key, compute_key = warm_key(name, spec.model_dir, quantization), workspace_key(cfg, quantization)
         shape = self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs.tokens_per_page)
         prebuild = self.warmup and self.prebuild_runner is not False and prebuild_wanted(
-            self.device, self._known_workspace(key, shape), allow_cpu=bool(self.prebuild_runner))
-        pending = PendingLoad(spec, cfg, max_len, dtype, needs, quantization, key, shape, prebuild, t0,
+            self.device, self._known_workspace(key, compute_key, shape), allow_cpu=bool(self.prebuild_runner))
+        pending = PendingLoad(spec, cfg, max_len, dtype, needs, quantization, key, compute_key, shape, prebuild, t0,
                               timings={"config_s": t1 - t0, "book_s": time.perf_counter() - t1, "pool_s": t_pool})
         self.pending = pending
         threading.Thread(target=self._load_thread, args=(pending,), name=f"engine-load-{name}",
@@ -355,14 +374,15 @@ class ModelLoader:
         if self.pending is not None:
             self.pending.trim = True
 
-    def _known_workspace(self, key: str, shape: str) -> int | None:
-        """The workspace measured for these weights at this shape before: the warm tier's note
-        (this process), else the load notes (an earlier one); None without a warm-up to skip."""
+    def _known_workspace(self, key: str, compute_key: str, shape: str) -> int | None:
+        """The workspace measured before at this shape: the warm tier's note of these weights,
+        else the load notes of this computation (any model of the same config and quantization,
+        this process or an earlier one); None without a warm-up to skip."""
         if not self.warmup:
             return None
         known = self.warm_tier.noted(key, shape) if self.warm_tier is not None else None
         if known is None and self.notes is not None:
-            known = self.notes.get(key, shape)
+            known = self.notes.get(compute_key, shape)
         return known
 
     def _workspace_shape(self, max_num_seqs: int, max_len: int, dtype: torch.dtype, tokens_per_page: int) -> str:
@@ -394,7 +414,7 @@ class ModelLoader:
                          pages=pages, needs=needs, max_num_seqs=spec.max_num_seqs,
                          workspace_bytes=needs.workspace_bytes, warm_key=p.key, model_dir=spec.model_dir)
         self._slots.add(slot)
-        known = self._known_workspace(p.key, p.shape)
+        known = self._known_workspace(p.key, p.compute_key, p.shape)
         # A runner built beside the weights serves when nothing is to be measured and the pool's
         # memory is the one it was built on; otherwise it is dropped before the measurement.
         pre, w.runner = w.runner, None
@@ -419,7 +439,7 @@ class ModelLoader:
             slot.workspace_bytes = max(measured or 0, known or 0, needs.workspace_bytes)
             self._pools.record_workspace(name, slot.workspace_bytes)
         if self.warmup and known is None and self.notes is not None:
-            self.notes.put(p.key, p.shape, slot.workspace_bytes)  # the next process books it
+            self.notes.put(p.compute_key, p.shape, slot.workspace_bytes)  # the next load of its kind books it
         self._picker.add_model(name, float(spec.weight))
         slot.info = ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids),
                               w.nbytes + slot.workspace_bytes + needs.min_kv_bytes, pages.num_total,

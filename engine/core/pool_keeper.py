@@ -382,4 +382,6 @@ class PoolKeeper:
                            kv=snap.kv_pool_bytes, kv_used=sum(m.kv_used for m in models.values()),
                            page_bytes=pb, kv_pages=pool.num_pages if pool is not None else 0,
                            kv_pages_free=pool.num_free if pool is not None else 0, untracked=snap.untracked,
+                           device=(max(0, device_held_bytes(self.device) - self._device_baseline)
+                                   if self.device.type == "cuda" else 0),
                            models=models, models_omitted=0)

@@ -396,7 +396,10 @@ class Monitor(threading.Thread):
         self.max_resident_models: list[str] = []
         self.nvml_peak = 0 if nvml else None  # the agent's processes (worker pids as status named them)
         self.nvml_peak_all = 0  # every compute process on the device (pids of another namespace included)
-        self.ledger_peak = 0
+        self.ledger_peak = self.ledger_now = self.device_now = 0
+        self.changes: list[list[Any]] = []  # [s into the window, model, state before, state after]
+        # [s into the window, GiB: the ledger's use, the engine's own device figure, NVML]
+        self.memory: list[list[float]] = []
         self.restarts_first: int | None = None
         self.restarts_last: int | None = None
         self.budget_bytes: int | None = None
@@ -431,7 +434,11 @@ class Monitor(threading.Thread):
             self.status_errors += 1
             return None
         self.samples += 1
-        self.states = {m["name"]: m["state"] for m in st.get("models", [])}
+        states = {m["name"]: m["state"] for m in st.get("models", [])}
+        if self.t0 is not None:  # what changed when, to read a slow request against
+            at = round(time.perf_counter() - self.t0, 2)
+            self.changes.extend([at, n, self.states.get(n), s] for n, s in states.items() if self.states.get(n) != s)
+        self.states = states
         resident = sorted(n for n, s in self.states.items() if s in RESIDENT)
         if len(resident) > self.max_resident:
             self.max_resident, self.max_resident_models = len(resident), resident
@@ -444,7 +451,9 @@ class Monitor(threading.Thread):
         b = st.get("budget") or {}
         if b.get("total_bytes"):
             self.budget_bytes = int(b["total_bytes"])
-        self.ledger_peak = max(self.ledger_peak, int(b.get("used_bytes") or 0))
+        self.ledger_now = int(b.get("used_bytes") or 0)
+        self.device_now = int(b.get("device_bytes") or 0)
+        self.ledger_peak = max(self.ledger_peak, self.ledger_now)
         return st
 
     def poll_nvml(self) -> None:
@@ -467,6 +476,9 @@ class Monitor(threading.Thread):
                 total += used if int(parts[0]) in ours else 0
         if self.nvml_peak is None:
             return
+        if self.t0 is not None and len(self.memory) < 4000:
+            self.memory.append([round(time.perf_counter() - self.t0, 1), round(self.ledger_now / 2**30, 2),
+                                round(self.device_now / 2**30, 2), round(total / 2**30, 2)])
         self.nvml_peak = max(self.nvml_peak, total)
         if grabbing or self._grabbing:
             self.oom["nvml_samples_skipped"] = self.oom.get("nvml_samples_skipped", 0) + 1
@@ -884,6 +896,11 @@ def main(argv: list[str] | None = None) -> int:
         "nvml_peak_over_budget": (None if nv["nvml_peak_bytes"] is None or not monitor.budget_bytes
                                   else nv["nvml_peak_bytes"] > monitor.budget_bytes),
         "swaps": overall["loads"], "evictions": overall["evictions"],
+        # for reading the tail: every request slower than 1 s to its first token, the models'
+        # state changes and the memory samples, each in seconds into the window
+        "slow_requests": [[round(r["sent_s"], 2), r["model"], round(r["ttft"], 3)] for r in records
+                          if r.get("ttft", 0) > 1.0][:500],
+        "state_changes": monitor.changes[:2000], "memory_samples": monitor.memory,
         "drill_sigstop": monitor.sigstop, "drill_load_fail": monitor.load_fail,
         "drill_cycles": cycles_figures(monitor.cycles, a.drill_cycles, extra.get(CYCLE_MODELS[0])),
         "drill_oom": monitor.oom,

@@ -5,8 +5,9 @@
 # cache), warm (the same with a 64 GiB warm tier), drills (four FP8 models serving: 20 load/unload
 # cycles of an FP8 and a plain model, a load that fails in the engine, a load under a neighbour's
 # device-memory grab, a SIGSTOPped worker), gputests (tests/gpu).
-# One kept folder (/tmp/dens) so later phases reuse the store and cache; the source folder's
-# weights are removed after the first publish (the disk is 64 GB: source + store + cache + FP8).
+# One kept folder (/tmp/dens) so later phases reuse the store and cache (the disk: 64 GB free
+# holds the source, the store, the cache and its FP8 artifact, ~55 GB). Each phase's agent log
+# comes back gzipped.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=${M8B:-/tmp/m8b}; K=/tmp/dens
@@ -19,12 +20,10 @@ bench() {  # bench NAME ARGS...
   local name=$1; shift
   local t; t=$(left); [ "$t" -gt 60 ] || { echo "$name: skipped, ${t}s left" >> "$OUT/skipped.txt"; return; }
   timeout "$t" python3 -m ops.bench.density_bench --model-dir "$M" --device cuda --keep-dir "$K" \
-    --out "$OUT/density_$name.json" "$@" > "$OUT/density_$name.txt" 2>&1
+    --out "$OUT/density_$name.json" --drain-timeout 60 "$@" > "$OUT/density_$name.txt" 2>&1
   echo "$name rc=$? at $(date +%T)" >> "$OUT/density_$name.txt"
   pkill -f "agent.cli serve" 2>/dev/null; pkill -f engine.worker 2>/dev/null; sleep 2
-  if ls "$K"/store/blobs >/dev/null 2>&1 && ls "$M"/*.safetensors >/dev/null 2>&1; then
-    rm -f "$M"/*.safetensors  # published: later phases read the store and the cache
-  fi
+  [ -f "$K/agent.log" ] && gzip -c "$K/agent.log" > "$OUT/log_$name.gz" && : > "$K/agent.log"
   df -h /tmp >> "$OUT/disk.txt" 2>&1
 }
 for phase in "$@"; do

@@ -240,7 +240,7 @@ def _ref_core(d) -> EngineCore:
 @pytest.mark.parametrize("prebuild", [True, False])
 def test_a_restart_books_the_workspace_measured_by_the_process_before(make_tiny_model, tmp_path, prebuild):
     """The load notes on disk carry a measured workspace to the next process: its first load of
-    the same weights at the same shape skips the warm-up and (``prebuild_runner``) builds the
+    a model of the same config at the same shape skips the warm-up and (``prebuild_runner``) builds the
     runner beside the weights, with the same tokens and the same books; another shape measures."""
     d = make_tiny_model("llama")
     path = tmp_path / "engine" / "load-notes.json"
@@ -260,5 +260,8 @@ def test_a_restart_books_the_workspace_measured_by_the_process_before(make_tiny_
     second.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=2))
     assert second.loader.last_load_timings["warmup_skipped"] == 0.0
     third = _core(warmup=True, load_notes_path=path)
-    third.load_model(LoadSpec("a", make_tiny_model("llama", seed=1), max_model_len=128, max_num_seqs=4))
-    assert third.loader.last_load_timings["warmup_skipped"] == 0.0  # other weights: their own measurement
+    third.load_model(LoadSpec("b", make_tiny_model("llama", seed=1), max_model_len=128, max_num_seqs=4))
+    # Other weights under another name, of the same config: the computation decides the figure.
+    assert third.loader.last_load_timings["warmup_skipped"] == 1.0
+    third.load_model(LoadSpec("c", make_tiny_model("llama", "small"), max_model_len=128, max_num_seqs=4))
+    assert third.loader.last_load_timings["warmup_skipped"] == 0.0  # another config: its own measurement

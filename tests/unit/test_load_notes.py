@@ -70,3 +70,22 @@ def test_the_setting_names_the_versions_and_the_engine_code(tmp_path):
     before = setting(torch.device("cpu"), tree)
     (tree / "core" / "a.py").write_text("x = 22\n")  # a new build of the engine measures again
     assert setting(torch.device("cpu"), tree) != before
+
+
+def test_the_key_is_the_computation_not_the_name_the_files_or_the_checkpoint_format(make_tiny_model):
+    """Twelve names of one 8B, or its FP8 copy quantized once on disk, share one measurement;
+    another config or another quantization on the device does not."""
+    import dataclasses
+
+    from engine.config import load_model_config
+    from engine.core.loading import workspace_key
+
+    cfg = load_model_config(make_tiny_model("llama"))
+    same = workspace_key(cfg, "fp8")
+    assert workspace_key(load_model_config(make_tiny_model("llama", seed=1)), "fp8") == same
+    assert workspace_key(dataclasses.replace(cfg, fp8_checkpoint="channel", dtype="float8_e4m3fn",
+                                             raw={"quantization_config": {}}, eos_token_ids=(7,)), "fp8") == same
+    assert workspace_key(dataclasses.replace(cfg, fp8_checkpoint="block128"), "fp8") != same
+    assert workspace_key(cfg, None) != same
+    assert workspace_key(load_model_config(make_tiny_model("llama", "small")), "fp8") != same
+    assert workspace_key(dataclasses.replace(cfg, num_layers=cfg.num_layers + 1), "fp8") != same

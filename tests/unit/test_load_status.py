@@ -12,7 +12,7 @@ from engine.worker import protocol as P
 def _memory(n: int) -> MemoryStats:
     models = {f"m{i}": ModelMemory(weights=i, workspace=2, kv_min=3, kv_used=4, kv_pages_used=5, kv_pages_total=6)
               for i in range(n)}
-    return MemoryStats(budget=100, used=60, free=40, weights=30, workspace=10, kv=20, kv_used=5, page_bytes=2,
+    return MemoryStats(budget=100, used=60, free=40, weights=30, workspace=10, kv=20, kv_used=5, page_bytes=2, device=0,
                        kv_pages=10, kv_pages_free=7, untracked=0, models=models, models_omitted=0)
 
 
