@@ -272,7 +272,12 @@ class ModelLoader:
         t_pool = self._pools.book(name, cfg, needs, evictable)
         key, compute_key = warm_key(name, spec.model_dir, quantization), workspace_key(cfg, quantization)
         shape = self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs.tokens_per_page)
-        prebuild = self.warmup and self.prebuild_runner is not False and prebuild_wanted(
+        # Only while no other model is on the engine: on the H200, runners built on the load thread
+        # beside other models' steps (12 FP8 8Bs loading under traffic) failed their decode-graph
+        # capture (cudaErrorStreamCaptureInvalidated) and failed a stepping model's step
+        # (cudaErrorStreamCaptureIsolation); the cause is not found yet (docs/multi-model.md). A
+        # load beside others captures on the step thread in phase 3 instead.
+        prebuild = self.warmup and self.prebuild_runner is not False and len(self._slots) == 0 and prebuild_wanted(
             self.device, self._known_workspace(key, compute_key, shape), allow_cpu=bool(self.prebuild_runner))
         pending = PendingLoad(spec, cfg, max_len, dtype, needs, quantization, key, compute_key, shape, prebuild, t0,
                               timings={"config_s": t1 - t0, "book_s": time.perf_counter() - t1, "pool_s": t_pool})
@@ -342,6 +347,7 @@ class ModelLoader:
         self.pending = None
         if pending.trim:
             self._pools.trim()  # the trim an unload skipped while this load was in flight
+        self._pools.release_cached()
         pending.timings.update(wait_s=t1 - t0, total_s=time.perf_counter() - pending.started)
         self.last_load_timings = dict(pending.timings)
         return info

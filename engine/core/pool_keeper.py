@@ -363,6 +363,16 @@ class PoolKeeper:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def release_cached(self) -> None:
+        """After a load: hand the allocator's cached free memory back to the driver. A load's
+        temporaries (quantization at load, staging, the warm-up's activations) are freed into the
+        allocator's cache, which keeps them outside the books: on the H200, twelve FP8 8Bs held
+        8.6 GiB beyond the ledger (NVML above the budget) until an eviction emptied the cache.
+        It synchronizes the device: called on the stepping thread once the load thread is done,
+        so no capture is in flight anywhere."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def memory(self) -> MemoryStats:
         """The budget and who holds it, in bytes (engine/stats.py): ``used`` is weights +
         workspace + the whole KV pool, ``kv_used`` its pages held; per model on the pool its

@@ -8,8 +8,8 @@ or ``[]`` when even evicting every offered model would not.
 
 Two engines give these numbers: one whose refusal carries them (``LoadRefused`` of the
 MemoryLedger: ``needed``, ``free``, ``budget`` and, when ``load_model`` was given the offer,
-``evict``), and the per-model-cache EngineCore,
-whose refusal is a plain ``EngineError``; for it the need is worked out here the way its
+``evict``), and the tensor-parallel core (engine/parallel), whose models own their caches and
+whose refusal is a plain ``EngineError``; for it alone the need is worked out here the way its
 ``load_model`` sizes a model (weights on the meta device, the step workspace, one longest
 sequence of KV pages).
 """
@@ -52,11 +52,18 @@ def refusal_details(core: Any, exc: Exception, spec: LoadSpec, *, offered: list[
     """The refusal's numbers, or None when ``exc`` is not a refusal for lack of room."""
     if isinstance(exc, (ModelConfigError, WeightsError, LoadOptionError)):
         return None
+    from engine.parallel.engine import TPEngineCore
+
     sizes = {name: s.device_bytes for name, s in core.stats().items()}
     if all(hasattr(exc, a) for a in ("needed", "free", "budget")):
         needed, free, budget = int(exc.needed), int(exc.free), int(exc.budget)
+    elif not isinstance(core, TPEngineCore):
+        # The ledger's engine refuses for room only with its numbers (LoadRefused): any other
+        # failure (a CUDA error in a capture, say) is that failure, never "no room" (on the H200
+        # one was reported as a refusal against "a 0 B budget", the config's fraction as bytes).
+        return None
     else:
-        budget = getattr(core, "budget", None)
+        budget = core.pools.ledger.budget if core.budget is not None else None
         if budget is None:
             return None
         try:

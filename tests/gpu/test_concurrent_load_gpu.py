@@ -1,7 +1,9 @@
-"""Loads beside serving on the GPU: a model's weights stream and its runner is built (graphs
-captured) in a load thread while another model serves and captures its deferred graphs on the
-loop's thread, cycle after cycle. Nothing may invalidate a capture or fail a step (issue 35,
-concurrency). Skipped without CUDA."""
+"""Loads beside serving on the GPU: a model's weights stream in a load thread while another model
+serves and captures its deferred graphs on the loop's thread, cycle after cycle; the loading
+model's runner is built (graphs captured) on the loop's thread once its weights are in, since
+another model is on the engine (a runner built on the load thread beside other models' steps
+broke captures and steps with 8B models). Nothing may invalidate a capture or fail a step
+(issue 35, concurrency). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def test_loads_beside_deferred_captures_never_break_a_step(small_model):
                       device="cuda", budget=40 << 30)
     spec = {n: LoadSpec(n, small_model, max_model_len=1024, max_num_seqs=64) for n in "ab"}
     core.load_model(spec["a"])
-    core.load_model(spec["b"])  # first loads: measured, so later ones build their runner beside the weights
+    core.load_model(spec["b"])  # first loads: measured, so later ones skip the warm-up
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     done: dict[str, str] = {}
     counts: dict[str, int] = {}
@@ -41,7 +43,7 @@ def test_loads_beside_deferred_captures_never_break_a_step(small_model):
         core.unload_model("b")
         core.unload_model("a")
         core.load_model(spec["a"])  # from the warm tier: its small buckets deferred to their first use
-        pending = core.begin_load(spec["b"])  # weights and runner (graph captures) in a load thread
+        pending = core.begin_load(spec["b"])  # weights in a load thread; its runner after, on this thread
         wave = 0
         while not pending.done() or core.has_unfinished_requests():
             if not pending.done() and wave < 40:  # waves of every size: a new bucket, a deferred capture
@@ -63,6 +65,6 @@ def test_loads_beside_deferred_captures_never_break_a_step(small_model):
                     done[out.req_id] = out.finish_reason
         graphs = core.slots.get("a").runner.graphs
         assert not graphs.cascade_failed, graphs.cascade_failed
-    assert rid > 100 and prebuilt >= 3, (rid, prebuilt)
+    assert rid > 100 and prebuilt == 0, (rid, prebuilt)
     assert set(done.values()) == {"length"} and all(n == 24 for n in counts.values()), (
         {r: f for r, f in done.items() if f != "length"})

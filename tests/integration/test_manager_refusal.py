@@ -57,6 +57,15 @@ def test_other_failures_are_not_room_refusals(full_core, tmp_path) -> None:
                            offered=["old"]) is None
 
 
+def test_a_failure_of_the_load_itself_is_never_called_a_room_refusal(full_core) -> None:
+    """However full the engine is, an error that is not the ledger's refusal (a CUDA error in a
+    graph capture, say) is answered as itself, never as "no room" with estimated numbers."""
+    core, src = full_core
+    spec = LoadSpec("third", src, max_model_len=CTX, max_num_seqs=SEQS)
+    for err in (EngineError("decode graph capture failed: CUDA error"), RuntimeError("CUDA error: capture")):
+        assert refusal_details(core, err, spec, offered=["old", "new"]) is None
+
+
 def test_an_unrunnable_load_option_is_not_a_room_refusal(full_core) -> None:
     """A quantization or KV dtype the engine refuses (here: unknown ones; on a GPU without FP8,
     fp8) says why; it never asks the agent to evict, however full the budget is."""
