@@ -51,7 +51,10 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
         try:  # checked as it is made (a frozen record)
             out.append(SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
                                       min_p=req.min_p, seed=seed, max_tokens=max_tokens,
-                                      ignore_eos=req.ignore_eos, logprobs=logprobs))
+                                      ignore_eos=req.ignore_eos, logprobs=logprobs,
+                                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                      repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias_pairs(),
+                                      min_tokens=req.min_tokens))
         except SamplingParamsError as e:
             raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
     return out

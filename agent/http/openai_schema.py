@@ -18,7 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from engine.sampling import MAX_LOGPROBS, MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_MAX
+from engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
+                             MAX_TOKENS_LIMIT, MAX_TOP_K, SEED_MAX)
 
 MAX_N = 8
 MAX_PROMPTS = 64  # a completion's list of prompts
@@ -112,9 +113,12 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Any] | None = None
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM's; 1 = off
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)  # vLLM's: no end before this many tokens
+    # OpenAI's shape: token ids as strings → a bias in [-100, 100]
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     user: str | None = Field(None, max_length=256)
     response_format: ResponseFormat | None = None
 
@@ -127,17 +131,16 @@ class _Sampling(_Body):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v:
-            raise ValueError("logit_bias is not supported; send {} or leave it out")
+    def _bias_by_token_id(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k, b in (v or {}).items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 10):
+                raise ValueError(f"keys are token ids (\"123\"), not {k[:32]!r}")
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {k} must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported; send 0 or leave it out")
-        return v
+    def logit_bias_pairs(self) -> list[tuple[int, float]]:
+        return [(int(k), float(b)) for k, b in (self.logit_bias or {}).items()]
 
     @field_validator("stream_options")
     @classmethod
@@ -164,6 +167,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # the n answers are all returned: best_of = n
 
     @field_validator("prompt")
     @classmethod
@@ -218,6 +222,13 @@ class CompletionRequest(_Sampling):
         if v:
             raise ValueError("suffix is not supported (no insertion); send \"\" or leave it out")
         return v
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only best_of = n ({self.n}) is served (every candidate is returned, "
+                             f"none is picked by likelihood); got {self.best_of}")
+        return self
 
     @model_validator(mode="after")
     def _bound_choices(self) -> "CompletionRequest":

@@ -242,6 +242,10 @@ class EngineCore:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise RequestError(f"prompt token {t!r} is not an id of this model (0 <= id < {vocab})",
                                    "prompt_token_ids")
+        for t, _ in params.logit_bias:
+            if t >= vocab:
+                raise RequestError(f"logit_bias names token {t}, not an id of this model (0 <= id < {vocab})",
+                                   "logit_bias")
         max_len = slot.scheduler.config.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise RequestError(f"prompt of {len(prompt_token_ids)} tokens does not fit max_model_len={max_len} "

@@ -49,6 +49,7 @@ from engine.models.llama import AttentionMetadata, LlamaModel
 from engine.kernels._dispatch import use_triton
 from engine.runner.cascade import plan_cascade, rows_per_tile
 from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS, DecodeGraphs, MixedGraphs
+from engine.runner.logit_rules import apply_logit_rules
 from engine.runner.logprobs import logprobs_result
 from engine.grammar.matcher import fill_masks
 from engine.runner.step import EAGER, MaskedSample, PendingStep, PreparedStep, StepPlan, StepResult
@@ -377,11 +378,15 @@ class ModelRunner:
             s = len(entries)
             logits, ids = logits[:s], ids[:s]
         rows = [(k, out.seqs[i].grammar) for k, i in enumerate(entries)
-                if out.seqs[i].grammar is not None] if out.num_constrained else None
-        if rows:  # sampled by sample_masked, once the step before has advanced the grammars
+                if out.seqs[i].grammar is not None] if out.num_constrained else []
+        ruled = [(k, out.seqs[i]) for k, i in enumerate(entries)
+                 if out.seqs[i].history is not None] if out.num_ruled else []
+        if rows or ruled:
+            # sampled by sample_masked, once the step before has advanced the grammars and
+            # completed the ruled rows' token lists
             self._spent(t0, graph)
             stream = torch.cuda.current_stream(self.device) if self._pin else None
-            return PendingStep.awaiting_masks(MaskedSample(out, entries, logits, rows, graph, stream))
+            return PendingStep.awaiting_masks(MaskedSample(out, entries, logits, rows, graph, stream, ruled))
         return self._sample(out, entries, logits, ids, graph, t0)
 
     def _forward(self, plan: StepPlan, step: PreparedStep) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
@@ -427,6 +432,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         ctx = torch.cuda.stream(m.stream) if m.stream is not None else contextlib.nullcontext()
         with ctx, torch.inference_mode():
+            apply_logit_rules(m.logits, m.ruled, self.model.cfg.eos_token_ids)
+            if not m.rows:
+                pending.sampled(self._sample(m.out, m.entries, m.logits, None, m.graph, t0))
+                return
             n, vocab = len(m.rows), m.logits.shape[1]
             words = -(-vocab // 32)
             self._mask_flip ^= 1

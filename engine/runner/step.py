@@ -3,7 +3,7 @@ step, a result)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,8 +48,9 @@ class PreparedStep:
 
 @dataclass
 class MaskedSample:
-    """A launched step whose sampling waits for its grammar masks: the forward pass is queued,
-    the masks need the tokens of the step before (ModelRunner.sample_masked)."""
+    """A launched step whose sampling waits for the step before: the forward pass is queued; its
+    grammar masks and its ruled rows' logit rules (engine/runner/logit_rules.py) need the tokens
+    of the step before (ModelRunner.sample_masked)."""
 
     out: Any  # engine.sched.scheduler.SchedulerOutput
     entries: list[int]  # index into out.seqs of each sampled row
@@ -57,6 +58,7 @@ class MaskedSample:
     rows: list[tuple[int, Any]]  # (sampled row, its grammar) of the constrained rows
     graph: bool  # the forward was a graph replay (host-time accounting)
     stream: Any  # the stream the forward was queued on (CUDA), where the sampling follows it
+    ruled: list[tuple[int, Any]] = field(default_factory=list)  # (sampled row, its ScheduledSeq) with logit rules
 
 
 @dataclass

@@ -73,6 +73,10 @@ class ScheduledSeq:
     output_step: int  # output tokens so far: the counter of seeded sampling
     params: SamplingParams
     grammar: Grammar | None = None  # the request's grammar: the runner masks its row with it
+    # A request with logit rules (SamplingParams.has_logit_rules): its live token list (prompt +
+    # output known so far, complete by the time the runner samples it) and its prompt's length.
+    history: list[int] | None = None
+    num_prompt: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +101,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     num_placeholders: int = 0  # decode entries whose token_ids is [PLACEHOLDER]
     num_constrained: int = 0  # entries whose request has a grammar (the runner masks those)
+    num_ruled: int = 0  # entries whose request has logit rules (penalties, bias, min_tokens)
 
     @property
     def is_empty(self) -> bool:
@@ -274,12 +279,16 @@ class Scheduler:
                 chunk = [PLACEHOLDER]
                 out.num_placeholders += 1
             sample = start + n == total
-            seqs_out.append(ScheduledSeq(seq.seq_id, seq.req_id, chunk, start, table(seq.seq_id), sample,
-                                         total - seq.num_prompt_tokens, seq.params, seq.grammar))
+            entry = ScheduledSeq(seq.seq_id, seq.req_id, chunk, start, table(seq.seq_id), sample,
+                                 total - seq.num_prompt_tokens, seq.params, seq.grammar)
+            seqs_out.append(entry)
             seq.num_computed_tokens = start + n
             seq.num_inflight += sample
             if seq.grammar is not None:
                 out.num_constrained += 1
+            if seq.params.has_logit_rules:
+                entry.history, entry.num_prompt = toks, seq.num_prompt_tokens
+                out.num_ruled += 1
             out.num_batched_tokens += n
             # The next block to index is complete once computed (or queued) with known tokens; one
             # comparison per entry on the way (this loop runs for every running sequence every step).

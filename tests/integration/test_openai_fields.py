@@ -122,6 +122,24 @@ def test_fields_that_would_change_the_answer_are_refused(daemon) -> None:
     _refused(daemon, chat, {"messages": msgs, "metadata": {"k": "v" * 513}}, "metadata.k")
 
 
+# --- item 3: the sampling parameters every peer has ---------------------------------------------------
+
+
+def test_penalties_bias_min_tokens_and_best_of_are_served(client, daemon) -> None:
+    kw = dict(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0)
+    plain = client.completions.create(extra_body=EOS, **kw).choices[0]
+    # A bias of +100 all but forces a token (the SDK's own field, string keys)
+    forced = client.completions.create(logit_bias={"42": 100}, logprobs=1, extra_body=EOS, **kw).choices[0]
+    assert forced.logprobs.tokens == [forced.logprobs.tokens[0]] * 6 and forced.text != plain.text
+    r = client.completions.create(presence_penalty=0.5, frequency_penalty=0.5, best_of=2, n=2,
+                                  extra_body={"repetition_penalty": 1.3, "min_tokens": 3, **EOS}, **kw)
+    assert [c.finish_reason for c in r.choices] == ["length", "length"] and r.usage.completion_tokens == 12
+    code, body = daemon.post("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"999999": 1}})
+    assert code == 400 and "logit_bias" in body["error"]["message"], body
+    assert _refused(daemon, "/v1/completions", {"prompt": "x", "best_of": 3}, "best_of").startswith("best_of: only")
+    _refused(daemon, "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens")
+
+
 # --- item 5: streamed text_offset -------------------------------------------------------------------
 
 
@@ -139,8 +157,8 @@ def test_streamed_completion_text_offset_counts_from_the_answers_start(client) -
 
 
 def test_unsupported_fields_say_so(daemon) -> None:
-    msg = _refused(daemon, "/v1/completions", {"prompt": "x", "logit_bias": {"50": 5}}, "logit_bias")
-    assert msg.startswith("logit_bias is not supported") and "Dictionary" not in msg
+    msg = _refused(daemon, "/v1/completions", {"prompt": "x", "logit_bias": {"x50": 5}}, "logit_bias")
+    assert "keys are token ids" in msg and "Dictionary" not in msg
     msg = _refused(daemon, "/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix")
     assert msg.startswith("suffix is not supported") and "String should" not in msg
     msg = _refused(daemon, "/v1/completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens")

@@ -24,7 +24,8 @@ def test_first_error_names_the_param() -> None:
     assert param == "messages.0.content" and msg.startswith("messages.0.content:")
     with pytest.raises(ValidationError) as e:
         CompletionRequest.model_validate({"model": "m", "prompt": "x", "best_of": 2})
-    assert first_error(e.value) == ("best_of", "best_of: unknown or unsupported parameter")
+    assert first_error(e.value)[1].startswith("best_of: only best_of = n (1) is served")
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "best_of": 2, "n": 2}).n == 2
 
 
 def test_prompt_shapes() -> None:
@@ -51,8 +52,15 @@ def _error(cls, body: dict) -> tuple[str, str]:
 
 
 def test_errors_are_in_the_clients_words() -> None:
-    param, msg = _error(CompletionRequest, {"prompt": "x", "logit_bias": {"50": 5}})
-    assert param == "logit_bias" and msg.startswith("logit_bias is not supported"), msg
+    param, msg = _error(CompletionRequest, {"prompt": "x", "logit_bias": {"fifty": 5}})
+    assert param == "logit_bias" and "keys are token ids" in msg, msg
+    param, msg = _error(CompletionRequest, {"prompt": "x", "logit_bias": {"50": 101}})
+    assert param == "logit_bias" and "[-100, 100]" in msg, msg
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "logit_bias": {"50": -100}}
+                                            ).logit_bias_pairs() == [(50, -100.0)]
+    for field, bad in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                       ("min_tokens", -1)):
+        assert _error(CompletionRequest, {"prompt": "x", field: bad})[0] == field
     param, msg = _error(CompletionRequest, {"prompt": "x", "suffix": "s"})
     assert param == "suffix" and msg.startswith("suffix is not supported"), msg
     assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "logit_bias": {}, "suffix": ""})
