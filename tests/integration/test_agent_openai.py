@@ -147,7 +147,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stop": ["s"] * 9}, "stop"),
     ("/v1/completions", {"prompt": "x", "stop": "s" * 257}, "stop"),
     ("/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 1025}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 1_000_001}]}, "messages.0.content"),
