@@ -71,6 +71,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # The prompt's logprobs: each prompt token's (after the first) and the top N at its position,
+    # from the prefill's logits (engine/runner/prompt_logprobs.py); such a prompt is computed whole
+    # (the prefix cache is not read for it).
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -101,6 +105,9 @@ class SamplingParams:
             raise SamplingParamsError("ignore_eos", "must be true or false")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingParamsError("logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise SamplingParamsError("prompt_logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:

@@ -23,6 +23,7 @@ class Decoding:
     max_tokens: int  # the answer's token limit, within the context
     samplings: list[SamplingParams]  # one per choice (``n``), validated
     constraint: ResponseFormat | ForcedCall | None  # what the grammar enforces; None: free text
+    echo_only: bool = False  # max_tokens 0 with echo: the one token the engine samples is not sent
 
 
 def plan_decoding(req: ChatCompletionRequest | CompletionRequest, n_prompt: int, ctx_len: int,
@@ -33,17 +34,20 @@ def plan_decoding(req: ChatCompletionRequest | CompletionRequest, n_prompt: int,
     limit = req.output_limit() if chat else req.max_tokens
     if limit is None:  # OpenAI's defaults: the rest of the context for chat, 16 for completions
         limit = ctx_len - n_prompt if chat else min(DEFAULT_COMPLETION_TOKENS, ctx_len - n_prompt)
+    echo_only = limit == 0  # (completions with echo): the engine samples one token, which is not sent
+    limit = max(limit, 1)
     if n_prompt + limit > ctx_len:
         raise ApiError(400, f"prompt ({n_prompt} tokens) + max_tokens ({limit}) exceeds this "
                             f"model's context of {ctx_len} tokens",
                        param="max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens",
                        code="context_length_exceeded")
-    return Decoding(limit, sampling_params(req, limit), _constraint(req, tool_fmt))
+    return Decoding(limit, sampling_params(req, limit), _constraint(req, tool_fmt), echo_only)
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> list[SamplingParams]:
     """One validated :class:`SamplingParams` per choice; a 400 naming the field when one is out of bounds."""
     logprobs = req.logprobs_count() if isinstance(req, ChatCompletionRequest) else req.logprobs
+    prompt_logprobs = None if isinstance(req, ChatCompletionRequest) else req.wants_prompt_logprobs()
     out = []
     for i in range(req.n):
         # With a seed and n > 1 each choice gets its own seed, else the n answers are equal.
@@ -54,7 +58,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
                                       ignore_eos=req.ignore_eos, logprobs=logprobs,
                                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                       repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias_pairs(),
-                                      min_tokens=req.min_tokens))
+                                      min_tokens=req.min_tokens, prompt_logprobs=prompt_logprobs))
         except SamplingParamsError as e:
             raise ApiError(400, str(e), param=e.field, code="invalid_value") from None
     return out

@@ -28,7 +28,11 @@ from text.tokenizer import Tokenizer
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback tokens
 
 
-def _entry(raw: Any) -> tuple[float, list[tuple[int, float]]]:
+def _entry(raw: Any) -> tuple[float | None, list[tuple[int, float]] | None]:
+    """(logprob, top alternatives) of an engine entry; None for a prompt's first token, which
+    has none (echo)."""
+    if raw is None:
+        return None, None
     if isinstance(raw, dict):
         tops = raw.get("top_logprobs") or []
         return float(raw["logprob"]), [(int(t["token_id"]), float(t["logprob"])) for t in tops]
@@ -78,7 +82,7 @@ def completion_logprobs(tok: Tokenizer, token_ids: list[int], pieces: list[str],
         tokens.append(piece)
         token_lps.append(lp)
         alternatives: dict[str, float] = {}
-        for i, v in top:
+        for i, v in top or ():
             key = token_view(tok, i)[0]
             alternatives[f"token_id:{i}" if key in alternatives else key] = v
         tops.append(alternatives or None)
@@ -87,3 +91,20 @@ def completion_logprobs(tok: Tokenizer, token_ids: list[int], pieces: list[str],
         if cut:
             break
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(tok: Tokenizer, entries: list[Any]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` field: per prompt token (None for the first) a map from token id
+    to ``{"logprob", "decoded_token"}`` holding the prompt's own token and the top alternatives."""
+    out: list[dict[str, Any] | None] = []
+    for raw in entries:
+        if raw is None:
+            out.append(None)
+            continue
+        lp, top = _entry(raw)
+        own = int(raw["token_id"])
+        got = {str(own): {"logprob": lp, "decoded_token": token_view(tok, own)[0]}}
+        for i, v in top or ():
+            got.setdefault(str(i), {"logprob": v, "decoded_token": token_view(tok, i)[0]})
+        out.append(got)
+    return out

@@ -166,7 +166,8 @@ class OpenAIApi:
                          req.stop_list(), IncrementalDetokenizer, StopMatcher)
         try:
             try:
-                gen.start_batch(prompts, plan.samplings, grammar)
+                echo = isinstance(req, CompletionRequest) and req.echo
+                gen.start_batch(prompts, plan.samplings, grammar, echo=echo, echo_only=plan.echo_only)
             except WorkerError as e:
                 raise send_error(e) from None
             tools = None

@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any
 
-from agent.http.logprobs import chat_logprobs, completion_logprobs
+from agent.http.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from agent.http.sse import encode as sse_encode
 from agent.worker.generation import Choice, Delta
 from text.tokenizer import Tokenizer
@@ -149,7 +149,17 @@ class OpenAIFormatter:
                 out.append({"index": c.index, "message": {"role": "assistant", "content": text},
                             "logprobs": lp, "finish_reason": c.finish_reason})
             else:
-                out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+                choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+                if c.echo is not None:  # the prompt first, in the text and in the logprobs
+                    choice["text"] = c.echo.text + text
+                    if c.prompt_logprobs is not None or c.logprobs:
+                        choice["logprobs"] = self._logprobs(
+                            c.echo.ids + c.token_ids, c.echo.pieces + c.pieces,
+                            (c.prompt_logprobs or [None] * len(c.echo.ids)) + c.logprobs, choice["text"])
+                elif c.prompt_logprobs is not None:
+                    assert self.tok is not None
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, c.prompt_logprobs)
+                out.append(choice)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": usage}
 

@@ -164,8 +164,11 @@ def _is_token_ids(v: list[Any]) -> bool:
 
 class CompletionRequest(_Sampling):
     prompt: PromptText | list[Any]
+    # 0 only with echo: the prompt (and its logprobs) back, nothing generated (lm-eval's loglikelihood)
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: the prompt's, beside the answer
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # the n answers are all returned: best_of = n
 
@@ -209,12 +212,17 @@ class CompletionRequest(_Sampling):
             raise ValueError("a list of token ids holds integers >= 0 only")
         return p
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    @model_validator(mode="after")
+    def _echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is served with echo only (the prompt back, nothing generated)")
+        if self.echo and self.stream:
+            raise ValueError("echo: not served with stream; send stream false")
+        return self
+
+    def wants_prompt_logprobs(self) -> int | None:
+        """The top N of the prompt's logprobs to compute: echo's ``logprobs``, else vLLM's field."""
+        return self.logprobs if self.echo and self.logprobs is not None else self.prompt_logprobs
 
     @field_validator("suffix")
     @classmethod

@@ -40,6 +40,26 @@ class Delta:
     pieces: list[str] | None = None  # with logprobs: the text each token added (one per token id)
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt shown before its answer (``echo``): its ids, the text each added
+    (detokenized one by one, as generated tokens are for logprobs), and the whole text."""
+
+    ids: list[int]
+    pieces: list[str]
+    text: str
+    only: bool  # max_tokens 0: the prompt alone (the engine's one sampled token is not shown)
+
+    @classmethod
+    def of(cls, tokenizer: Any, ids: list[int], make_detok: Any, only: bool) -> Echo:
+        detok = make_detok(tokenizer, context_ids=[])
+        pieces = [detok.push([i]) for i in ids]
+        tail = detok.flush()
+        if pieces and tail:
+            pieces[-1] += tail
+        return cls(list(ids), pieces, "".join(pieces), only)
+
+
 @dataclass
 class Choice:
     index: int
@@ -54,10 +74,20 @@ class Choice:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt's, served from the engine's prefix cache
     prompt: int = 0  # which of the request's prompts it answers (a completion's list of prompts)
+    echo: Echo | None = None
+    # The prompt's logprobs (the engine's entries, with the first token), None first: OpenAI has
+    # none for the first prompt token.
+    prompt_logprobs: list[Any] | None = None
 
     def push(self, out: P.TokenOutput) -> Delta:
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = [None, *out.prompt_logprobs]
+        if self.echo is not None and self.echo.only and out.finish_reason != "abort":
+            # max_tokens 0: the engine sampled one token (max_tokens 1) that the answer leaves out
+            self.finish_reason = "length"
+            return Delta(self.index, "", [], None, "length", None)
         ids = list(out.new_token_ids)
         self.token_ids.extend(ids)
         if out.logprobs:
@@ -125,10 +155,13 @@ class Generation:
         only once its request was sent, so ``close()`` aborts only what this request started."""
         self.start_batch([prompt_token_ids], samplings, grammar)
 
-    def start_batch(self, prompts: list[list[int]], samplings: list[SamplingParams], grammar: str = "") -> None:
+    def start_batch(self, prompts: list[list[int]], samplings: list[SamplingParams], grammar: str = "",
+                    echo: bool = False, echo_only: bool = False) -> None:
         """:meth:`start` for several prompts, each with the choices of ``samplings``: choice
-        ``j`` of prompt ``i`` has index ``i * len(samplings) + j``, as OpenAI orders them."""
+        ``j`` of prompt ``i`` has index ``i * len(samplings) + j``, as OpenAI orders them.
+        ``echo``: each choice shows its prompt first (``echo_only``: and nothing else)."""
         for p, prompt_token_ids in enumerate(prompts):
+            shown = Echo.of(self.tokenizer, prompt_token_ids, self._make_detok, echo_only) if echo else None
             for j, sampling in enumerate(samplings):
                 i = p * len(samplings) + j
                 req_id = f"{self.base_id}-{i}"
@@ -137,7 +170,7 @@ class Generation:
                 detok = self._make_detok(self.tokenizer, context_ids=prompt_token_ids[-8:])
                 self._requests.append(self.worker.add(req_id, self.model, prompt_token_ids, sampling, queue=self,
                                                       grammar=grammar))
-                self.choices[req_id] = Choice(i, req_id, detok, matcher, prompt=p)
+                self.choices[req_id] = Choice(i, req_id, detok, matcher, prompt=p, echo=shown)
 
     @property
     def done(self) -> bool:

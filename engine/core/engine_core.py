@@ -261,7 +261,10 @@ class EngineCore:
         model = self._req_model.pop(req_id, None)
         if model is None:
             return
-        seq = self.slots.get(model).scheduler.abort(req_id)
+        slot = self.slots.get(model)
+        seq = slot.scheduler.abort(req_id)
+        if slot.runner is not None:
+            slot.runner.prompt_logprobs.pop(req_id, None)
         if seq is not None:
             self._pending.append(RequestOutput(req_id, [], "abort", None, seq.num_prompt_tokens,
                                                seq.num_cached_tokens))
@@ -440,8 +443,12 @@ class EngineCore:
         for seq in slot.scheduler.update(batch, result.token_ids):
             reason = seq.finish_reason.value if seq.finish_reason is not None else None
             lp = logprobs.get(seq.req_id) if logprobs else None
+            plp = None
+            if seq.params.prompt_logprobs is not None and seq.num_tokens == seq.num_prompt_tokens + 1:
+                got = slot.runner.prompt_logprobs.pop(seq.req_id, {})
+                plp = [got.get(p) for p in range(1, seq.num_prompt_tokens)]
             outs.append(RequestOutput(seq.req_id, [seq.token_ids[-1]], reason, [lp] if lp is not None else None,
-                                      len(seq.prompt_token_ids), seq.num_cached_tokens))
+                                      len(seq.prompt_token_ids), seq.num_cached_tokens, plp))
             if reason is not None:
                 self._req_model.pop(seq.req_id, None)
                 if seq.grammar is not None and seq.grammar.error is not None:

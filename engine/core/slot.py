@@ -24,6 +24,9 @@ class RequestOutput:
     logprobs: list | None  # one entry per new token: {"token_id", "logprob", "top_logprobs"}
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # With the request's first token when it asked for them: an entry (as ``logprobs``') for each
+    # prompt token after the first, in order (None where none was computed).
+    prompt_logprobs: list | None = None
 
 
 @dataclass

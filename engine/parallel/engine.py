@@ -36,6 +36,7 @@ from engine.load_spec import LoadSpec
 from engine.options import EngineOptions
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step import StepResult
+from engine.sampling import SamplingParams
 from engine.runner.streams import StreamPool
 from engine.parallel.group import TPError, TPGroup
 from engine.parallel.loader import load_shard
@@ -222,6 +223,15 @@ class TPEngineCore(EngineCore):
     def unload_model(self, name: str) -> None:
         super().unload_model(name)
         self.channel.send({"op": "unload", "model": name})
+
+    def add_request(self, req_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams,
+                    grammar: Any = None) -> None:
+        """As EngineCore's; prompt logprobs are refused: the other ranks would have to run the
+        same eager step and LM head for them, which the step message does not carry."""
+        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs (echo with logprobs) are not served by a tensor-parallel model",
+                               "prompt_logprobs")
+        super().add_request(req_id, model, prompt_token_ids, params, grammar)
 
     def close(self) -> None:
         """Tell the followers to return from :meth:`Follower.serve` (idempotent)."""

@@ -51,6 +51,7 @@ from engine.runner.cascade import plan_cascade, rows_per_tile
 from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS, DecodeGraphs, MixedGraphs
 from engine.runner.logit_rules import apply_logit_rules
 from engine.runner.logprobs import logprobs_result
+from engine.runner.prompt_logprobs import prompt_logprobs
 from engine.grammar.matcher import fill_masks
 from engine.runner.step import EAGER, MaskedSample, PendingStep, PreparedStep, StepPlan, StepResult
 from engine.runner.step_buffers import StepBuffers
@@ -125,6 +126,9 @@ class ModelRunner:
         # alternating like the ids (made at the first constrained step).
         self._mask_host: list[torch.Tensor | None] = [None, None]
         self._mask_flip = 0
+        # Prompt logprobs computed by prefill chunks, by request and prompt position, until the
+        # core hands them out with the request's first token (or drops them at its abort).
+        self.prompt_logprobs: dict[str, dict[int, dict]] = {}
         self.mask_seconds = 0.0  # host seconds filling masks
         self.masked_rows = 0
         self.masked_steps = 0
@@ -351,7 +355,7 @@ class ModelRunner:
         graph of its token bucket; a step beyond the largest buckets runs eagerly. A decode-only
         step is padded to its decode bucket whether or not it replays a graph (same kernels)."""
         b = len(out.seqs)
-        if not b:
+        if not b or out.num_prompt_logprobs:  # (logits at every position of those chunks: no graph does that)
             return EAGER
         pad = self.decode_bucket(b) if out.num_decodes == b else None
         if pad is not None and self.graphs is not None and all(s.sample for s in out.seqs):
@@ -369,7 +373,7 @@ class ModelRunner:
             plan.graphs.capture_deferred(plan.bucket)  # before prepare: this capture writes padding into the inputs
         step = self.prepare(out, pad_to=plan.pad_to, pad_tokens=plan.pad_tokens)
         self._prev_ids, self._prev_rows = None, {}
-        logits, ids, graph = self._forward(plan, step)
+        logits, ids, graph = self._forward(plan, step, out)
         entries = step.sample_entries
         if not entries:
             self._spent(t0, graph)
@@ -380,7 +384,7 @@ class ModelRunner:
         rows = [(k, out.seqs[i].grammar) for k, i in enumerate(entries)
                 if out.seqs[i].grammar is not None] if out.num_constrained else []
         ruled = [(k, out.seqs[i]) for k, i in enumerate(entries)
-                 if out.seqs[i].history is not None] if out.num_ruled else []
+                 if out.seqs[i].params.has_logit_rules] if out.num_ruled else []
         if rows or ruled:
             # sampled by sample_masked, once the step before has advanced the grammars and
             # completed the ruled rows' token lists
@@ -389,7 +393,8 @@ class ModelRunner:
             return PendingStep.awaiting_masks(MaskedSample(out, entries, logits, rows, graph, stream, ruled))
         return self._sample(out, entries, logits, ids, graph, t0)
 
-    def _forward(self, plan: StepPlan, step: PreparedStep) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+    def _forward(self, plan: StepPlan, step: PreparedStep,
+                 out: SchedulerOutput) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
         """Run the staged ``step`` as ``plan`` says: (the logits of its sampled rows, or of a
         graph's rows with those first; a graph's greedy ids, else None; whether a graph replayed).
         A step that staged a cascade plan replays the bucket's cascade variant (captured now if
@@ -406,6 +411,13 @@ class ModelRunner:
         if plan.pad_tokens is not None:  # no graph for it (yet): the forward its capture records, eagerly
             logits, ids = graphs.run_eager(plan.bucket, cascade)
             return logits, ids, False
+        if out.num_prompt_logprobs:  # eager and unpadded (step_plan): the hidden states of every position
+            hidden = self.model(step.input_ids, step.positions, self.kv, step.meta)
+            for req_id, got in prompt_logprobs(self.model, hidden, out.seqs).items():
+                self.prompt_logprobs.setdefault(req_id, {}).update(got)
+            if not step.sample_entries:
+                return None, None, False
+            return self.model.compute_logits(hidden.index_select(0, step.logits_rows)), None, False
         if step.sample_entries:  # unpadded, or a padded decode step whose bucket has no (cascade) graph
             return self.forward_logits(step), None, False
         self.model(step.input_ids, step.positions, self.kv, step.meta)  # a prefill chunk that samples nothing

@@ -73,8 +73,9 @@ class ScheduledSeq:
     output_step: int  # output tokens so far: the counter of seeded sampling
     params: SamplingParams
     grammar: Grammar | None = None  # the request's grammar: the runner masks its row with it
-    # A request with logit rules (SamplingParams.has_logit_rules): its live token list (prompt +
-    # output known so far, complete by the time the runner samples it) and its prompt's length.
+    # A request with logit rules (SamplingParams.has_logit_rules), or a prompt chunk whose
+    # logprobs are asked for: its live token list (prompt + output known so far, complete by the
+    # time the runner samples it) and its prompt's length.
     history: list[int] | None = None
     num_prompt: int = 0
 
@@ -102,6 +103,7 @@ class SchedulerOutput:
     num_placeholders: int = 0  # decode entries whose token_ids is [PLACEHOLDER]
     num_constrained: int = 0  # entries whose request has a grammar (the runner masks those)
     num_ruled: int = 0  # entries whose request has logit rules (penalties, bias, min_tokens)
+    num_prompt_logprobs: int = 0  # prompt chunks whose logprobs are asked for (the step runs eagerly)
 
     @property
     def is_empty(self) -> bool:
@@ -238,7 +240,7 @@ class Scheduler:
                 break  # (a token in flight: preempted mid-step; it resumes once the token is known)
             hits: list[int] = []
             cached_free = 0
-            if prefix is not None:
+            if prefix is not None and seq.params.prompt_logprobs is None:  # (their logits: computed whole)
                 # Full blocks before the last token only: that one is always computed.
                 extend_keys(seq.block_keys, prefix.root, seq.token_ids, bs, seq.num_tokens - 1)
                 hits, cached_free = blocks.cached_prefix(seq.block_keys[:(seq.num_tokens - 1) // bs])
@@ -286,9 +288,14 @@ class Scheduler:
             seq.num_inflight += sample
             if seq.grammar is not None:
                 out.num_constrained += 1
-            if seq.params.has_logit_rules:
+            p = seq.params
+            if p.has_logit_rules or p.prompt_logprobs is not None:
                 entry.history, entry.num_prompt = toks, seq.num_prompt_tokens
-                out.num_ruled += 1
+                out.num_ruled += p.has_logit_rules
+                # a first prefill's chunk with positions before the prompt's last (a recompute
+                # after preemption, once tokens were sent, does not ask again)
+                out.num_prompt_logprobs += (p.prompt_logprobs is not None and total == seq.num_prompt_tokens
+                                            and start < seq.num_prompt_tokens - 1)
             out.num_batched_tokens += n
             # The next block to index is complete once computed (or queued) with known tokens; one
             # comparison per entry on the way (this loop runs for every running sequence every step).

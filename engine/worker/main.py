@@ -316,7 +316,7 @@ class Worker:
         if outs:
             packed = [
                 P.pack_output(o.req_id, list(o.new_token_ids), o.finish_reason, P.plain(o.logprobs),
-                              o.num_prompt_tokens, o.num_cached_tokens)
+                              o.num_prompt_tokens, o.num_cached_tokens, P.plain(o.prompt_logprobs))
                 for o in outs
             ]
             self.conn.send(P.Tokens(step=self.steps, outputs=packed))

@@ -251,20 +251,24 @@ class TokenOutput:
     logprobs: list[Any] | None
     num_prompt_tokens: int
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None  # with the first token, when the request asked
 
 
 def unpack_outputs(msg: Tokens) -> list[TokenOutput]:
     out: list[TokenOutput] = []
     for entry in msg.outputs:
-        if not isinstance(entry, list) or len(entry) != 6:
-            raise ProtocolError("tokens: each output must be a list of 6 items")
-        req_id, ids, finish, logprobs, n_prompt, n_cached = entry
+        if not isinstance(entry, list) or len(entry) not in (6, 7):
+            raise ProtocolError("tokens: each output must be a list of 6 or 7 items")
+        req_id, ids, finish, logprobs, n_prompt, n_cached = entry[:6]
+        plp = entry[6] if len(entry) == 7 else None
         if (not isinstance(req_id, str) or not isinstance(ids, list) or not isinstance(n_prompt, int)
                 or not isinstance(n_cached, int) or not 0 <= n_cached <= n_prompt):
             raise ProtocolError("tokens: bad output entry")
         if finish is not None and finish not in ("stop", "length", "abort"):
             raise ProtocolError(f"tokens: bad finish_reason {finish!r}")
-        out.append(TokenOutput(req_id, ids, finish, logprobs, n_prompt, n_cached))
+        if plp is not None and (not isinstance(plp, list) or len(plp) != max(0, n_prompt - 1)):
+            raise ProtocolError("tokens: prompt_logprobs must be a list of one entry per prompt token after the first")
+        out.append(TokenOutput(req_id, ids, finish, logprobs, n_prompt, n_cached, plp))
     return out
 
 
@@ -322,8 +326,13 @@ def unpack_timings(msg: Loaded) -> dict[str, float]:
 
 
 def pack_output(req_id: str, ids: list[int], finish: str | None, logprobs: Any, n_prompt: int,
-                n_cached: int = 0) -> list[Any]:
-    return [req_id, ids, finish, logprobs, n_prompt, n_cached]
+                n_cached: int = 0, prompt_logprobs: Any = None) -> list[Any]:
+    """One request's share of a Tokens frame; ``prompt_logprobs`` (with a first token, when
+    asked) makes it 7 items, else 6 as version 1 always had."""
+    out = [req_id, ids, finish, logprobs, n_prompt, n_cached]
+    if prompt_logprobs is not None:
+        out.append(prompt_logprobs)
+    return out
 
 
 @_register

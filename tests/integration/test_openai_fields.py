@@ -122,6 +122,60 @@ def test_fields_that_would_change_the_answer_are_refused(daemon) -> None:
     _refused(daemon, chat, {"messages": msgs, "metadata": {"k": "v" * 513}}, "metadata.k")
 
 
+# --- item 1: echo, prompt logprobs, max_tokens 0 (lm-eval's loglikelihood requests) ----------------------
+
+
+def _hf_prompt_logprobs(make_tiny_model, ids: list[int]) -> list[float]:
+    import torch
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(make_tiny_model("llama"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def test_lm_eval_loglikelihood_request_gets_the_prompts_logprobs(client, make_tiny_model) -> None:
+    """lm-eval's request: token ids, echo, logprobs 1, max_tokens 0; it sums token_logprobs over
+    the continuation and checks each against top_logprobs (is it the greedy one?)."""
+    ctx, cont = [5, 6, 7, 8, 9], [10, 11, 12]
+    r = client.completions.create(model=MODEL, prompt=[ctx + cont], echo=True, logprobs=1, max_tokens=0,
+                                  temperature=0, seed=1234)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = _hf_prompt_logprobs(make_tiny_model, ctx + cont)
+    assert all(abs(g - w) < 1e-3 for g, w in zip(lp.token_logprobs[1:], want)), (lp.token_logprobs, want)
+    assert all(len(t) == 1 and max(t.values()) >= v - 1e-6 for t, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    assert "".join(lp.tokens) == c.text and c.finish_reason == "length"
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(8)]
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == 8
+    # a batch of two, as lm-eval sends with --batch_size 2: each its own prompt's
+    two = client.completions.create(model=MODEL, prompt=[ctx + cont, ctx], echo=True, logprobs=1, max_tokens=0)
+    assert two.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    assert len(two.choices[1].logprobs.tokens) == len(ctx)
+
+
+def test_echo_with_a_generated_answer_and_vllms_prompt_logprobs(client, daemon) -> None:
+    kw = dict(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0, extra_body=EOS)
+    plain = client.completions.create(logprobs=2, **kw).choices[0]
+    echoed = client.completions.create(echo=True, logprobs=2, **kw).choices[0]
+    assert echoed.text.endswith(plain.text) and len(echoed.logprobs.tokens) == 4 + 3
+    assert echoed.logprobs.token_logprobs[4:] == plain.logprobs.token_logprobs
+    assert echoed.logprobs.text_offset[4:] == [o + len(echoed.text) - len(plain.text) for o in plain.logprobs.text_offset]
+    text_only = client.completions.create(echo=True, **kw).choices[0]
+    assert text_only.text == echoed.text and text_only.logprobs is None
+    code, body = daemon.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 3,
+                                                 "temperature": 0, "prompt_logprobs": 1, **EOS})
+    assert code == 200, body
+    plp = body["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == 4 and all(1 <= len(e) <= 2 for e in plp[1:])
+    assert [e[str(t)]["logprob"] for e, t in zip(plp[1:], [6, 7, 8])] == echoed.logprobs.token_logprobs[1:4]
+    assert body["choices"][0]["text"] == plain.text  # vLLM's field: the answer is not echoed
+    _refused(daemon, "/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens")
+    _refused(daemon, "/v1/completions", {"prompt": "x", "echo": True, "stream": True}, "echo")
+
+
 # --- item 3: the sampling parameters every peer has ---------------------------------------------------
 
 
