@@ -33,6 +33,7 @@ from agent.http.admin_api import AdminApi
 from agent.config import Settings
 from agent.admin_client import agent_listening
 from agent.context import AgentContext
+from agent.gateway_metrics import Admitted, gateway_view
 from agent.http.health import Canary, Health
 from agent.log import get_logger
 from agent.manager.manager import ModelManager
@@ -261,6 +262,10 @@ def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | 
         metrics.worker_up.set(1 if ctx.worker.alive else 0)
         metrics.refresh_engine(ctx.worker.state.models)
         metrics.ready.set(1 if health.ready()[0] else 0)
+        if ctx.manager is not None:
+            admitted = {e.name: Admitted(e.in_flight, e.load_waiters, e.info.block_size if e.info is not None else None)
+                        for e in ctx.manager.models.values()}
+            metrics.gateway.update(gateway_view(ctx.worker.state.models, ctx.worker.state.memory, admitted))
         b = ctx.budget()
         metrics.gpu_budget.set(b["total_bytes"] or 0)
         if ctx.manager is not None and ctx.manager.source is not None:

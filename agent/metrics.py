@@ -14,6 +14,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from agent.gateway_metrics import GatewayCollector
 from engine.stats import ModelStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -136,6 +137,9 @@ class Metrics:
         self.ready = Gauge("infire_ready", "1 while /readyz answers 200", registry=r)
         self.cache_used = Gauge("infire_cache_used_bytes", "Disk cache bytes in use", registry=r)
         self.cache_max = Gauge("infire_cache_max_bytes", "Disk cache quota", registry=r)
+        # The inference gateway's model-server protocol, under vLLM's names (agent/gateway_metrics.py)
+        self.gateway = GatewayCollector()
+        r.register(self.gateway)
 
     def set_model_state(self, model: str, state: str) -> None:
         for s in MODEL_STATES:

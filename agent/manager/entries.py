@@ -127,6 +127,7 @@ class ModelEntry:
     info: ModelInfo | None = None  # the engine's, from its Loaded (None: never loaded, or unloaded)
     tokenizer: Any = None
     in_flight: int = 0
+    load_waiters: int = 0  # requests waiting for this model's (auto)load, not admitted yet
     last_used: float | None = None  # wall clock, for humans
     last_used_mono: float = 0.0  # monotonic: LRU order and keep_alive
     load_seconds: float | None = None

@@ -630,14 +630,24 @@ class ModelManager:
             return self.admit(name, choices)
         limit = self.settings.server.autoload_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
+        e.load_waiters += choices  # queued for the gateway's picker (agent/gateway_metrics.py)
+        try:
+            await self._wait_ready(e, name, limit, deadline)
+        finally:
+            e.load_waiters -= choices
+        return self.admit(name, choices)
+
+    async def _wait_ready(self, e: ModelEntry, name: str, limit: float, deadline: float) -> None:
+        """``admit_wait``'s wait: until ``e`` is ready (loading it as needed), the deadline, or a
+        state ``admit`` refuses with its reason."""
         while e.state is not State.READY:
             if e.state is State.FAILED and e.crashed_loads >= CRASH_LOOP_LOADS:
-                return self.admit(name)  # refused with its reason
+                return  # admit refuses it with its reason
             if not e.busy:
                 startable = e.state is State.CACHED or (e.state in (State.ABSENT, State.FAILED) and (
                     self.source is not None or (e.snapshot is not None and e.state is State.FAILED)))
                 if not startable and e.state in (State.ABSENT, State.FAILED):
-                    return self.admit(name)  # nowhere to pull it from: refused as not ready
+                    return  # nowhere to pull it from: admit refuses it as not ready
                 if startable:
                     self.load(name)  # pulls first when its files are not (all) in the cache
             left = deadline - time.monotonic()
@@ -648,7 +658,6 @@ class ModelManager:
             await e.wait_change(left)  # a transition, or the operation's end (it may leave no trace)
             if e.state is State.FAILED:
                 raise ModelNotReady(f"the model {name!r} could not be loaded: {e.reason}", retry_after=max(1.0, limit / 4))
-        return self.admit(name, choices)
 
     async def close(self) -> None:
         if self._keep_alive is not None:
