@@ -223,3 +223,28 @@ def test_dispatch_env(monkeypatch):
         backend_for(x)
     with pytest.raises(KernelError):
         rms_norm(x, torch.ones(7), 1e-6)
+
+
+def test_rope_at_llama_3_1s_own_shape_and_context_matches_transformers():
+    """Llama 3.1's rope (head_dim 128, theta 500000, llama3 scaling: factor 8 from 8,192) at
+    positions up to its 131,072: the cache's cos/sin as transformers computes them, deep in the
+    context where a wrong wavelength band would show."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    d, theta, ctx = 128, 500000.0, 131072
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=d,
+                      max_position_embeddings=ctx, rope_scaling=dict(scaling, rope_theta=theta))
+    emb = LlamaRotaryEmbedding(cfg)
+    pos = torch.tensor([0, 8191, 8192, 32768, 65537, 100000, 120000, ctx - 1])
+    cos, sin = emb(torch.zeros(1, 1, d), pos[None])
+    cache = build_cos_sin_cache(d, ctx, theta, scaling, "cpu")
+    half = d // 2
+    # float32 angles of ~1e5 radians: both sides compute them alike (seen: equal); the cache
+    # without the scaling is ~2 off there
+    torch.testing.assert_close(cache[pos, :half], cos[0, :, :half], atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache[pos, half:], sin[0, :, :half], atol=1e-5, rtol=0)
+    unscaled = build_cos_sin_cache(d, ctx, theta, None, "cpu")
+    assert (unscaled[pos, :half] - cos[0, :, :half]).abs().max() > 0.5
