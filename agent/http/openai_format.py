@@ -66,7 +66,7 @@ class OpenAIFormatter:
 
     def chunk_event(self, d: Delta, include_usage: bool) -> bytes:
         """``sse([chunk(d, include_usage)])``."""
-        if d.logprobs:
+        if d.logprobs or d.echo is not None:
             return self.sse([self.chunk(d, include_usage)])
         finish = b"null" if d.finish_reason is None else _compact(d.finish_reason)
         if self.chat:
@@ -91,6 +91,12 @@ class OpenAIFormatter:
                                  "finish_reason": None}], include_usage) for i in range(n)]
 
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
+        if d.echo is not None:  # a completion's first delta with echo: the prompt before its own text
+            e = d.echo
+            wanted = d.echo_logprobs is not None or bool(d.logprobs)
+            d = Delta(d.index, e.text + d.text, e.ids + d.token_ids,
+                      ((d.echo_logprobs or [None] * len(e.ids)) + (d.logprobs or [])) if wanted else None,
+                      d.finish_reason, e.pieces + (d.pieces or []))
         lp = self._logprobs(d.token_ids, d.pieces or [], d.logprobs) if d.logprobs else None
         if lp is not None and not self.chat:  # text_offset counts from the answer's start, not the chunk's
             start = self._text_offsets.get(d.index, 0)

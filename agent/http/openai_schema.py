@@ -216,8 +216,6 @@ class CompletionRequest(_Sampling):
     def _echo(self) -> "CompletionRequest":
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 is served with echo only (the prompt back, nothing generated)")
-        if self.echo and self.stream:
-            raise ValueError("echo: not served with stream; send stream false")
         return self
 
     def wants_prompt_logprobs(self) -> int | None:

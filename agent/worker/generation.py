@@ -38,6 +38,10 @@ class Delta:
     logprobs: list[Any] | None
     finish_reason: str | None
     pieces: list[str] | None = None  # with logprobs: the text each token added (one per token id)
+    # A streamed completion with echo, its first delta: the prompt (and the prompt's logprobs,
+    # when asked), shown before this delta's own text and tokens
+    echo: Echo | None = None
+    echo_logprobs: list[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,16 +82,20 @@ class Choice:
     # The prompt's logprobs (the engine's entries, with the first token), None first: OpenAI has
     # none for the first prompt token.
     prompt_logprobs: list[Any] | None = None
+    echo_sent: bool = False  # the prompt went out with a streamed delta
 
     def push(self, out: P.TokenOutput) -> Delta:
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = [None, *out.prompt_logprobs]
+        shown = None if self.echo is None or self.echo_sent else self.echo  # the first delta shows the prompt
+        self.echo_sent = True
+        echo_lp = self.prompt_logprobs if shown is not None else None
         if self.echo is not None and self.echo.only and out.finish_reason != "abort":
             # max_tokens 0: the engine sampled one token (max_tokens 1) that the answer leaves out
             self.finish_reason = "length"
-            return Delta(self.index, "", [], None, "length", None)
+            return Delta(self.index, "", [], None, "length", None, shown, echo_lp)
         ids = list(out.new_token_ids)
         self.token_ids.extend(ids)
         if out.logprobs:
@@ -116,7 +124,7 @@ class Choice:
             emit += self.matcher.flush()  # nothing more can complete a stop string
         self.finish_reason = finish
         self.text.append(emit)
-        return Delta(self.index, emit, ids, out.logprobs or None, finish, pieces)
+        return Delta(self.index, emit, ids, out.logprobs or None, finish, pieces, shown, echo_lp)
 
 
 class Generation:

@@ -173,7 +173,16 @@ def test_echo_with_a_generated_answer_and_vllms_prompt_logprobs(client, daemon) 
     assert [e[str(t)]["logprob"] for e, t in zip(plp[1:], [6, 7, 8])] == echoed.logprobs.token_logprobs[1:4]
     assert body["choices"][0]["text"] == plain.text  # vLLM's field: the answer is not echoed
     _refused(daemon, "/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens")
-    _refused(daemon, "/v1/completions", {"prompt": "x", "echo": True, "stream": True}, "echo")
+    # streamed: the first chunk carries the prompt (and its logprobs), the rest as without echo
+    chunks = list(client.completions.create(echo=True, logprobs=2, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == echoed.text
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == echoed.logprobs.token_logprobs
+    offsets = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.text_offset]
+    assert offsets == echoed.logprobs.text_offset
+    only = list(client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=0, echo=True, logprobs=1,
+                                          stream=True))
+    assert [c.choices[0].finish_reason for c in only] == ["length"] and only[0].choices[0].logprobs.token_logprobs[0] is None
 
 
 # --- item 3: the sampling parameters every peer has ---------------------------------------------------
