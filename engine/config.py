@@ -4,7 +4,8 @@ Reads both spellings in the wild: as model hubs publish it (``rope_theta``, ``ro
 ``torch_dtype``) and as transformers 5 writes it (``rope_parameters`` holding the theta and the
 scaling, ``dtype``). Refuses remote code (``auto_map``), quantized checkpoints other than the
 FP8 layouts :func:`_fp8_checkpoint` names, and anything outside Llama 3.x / Mistral / Qwen2 /
-Qwen3, with a :class:`ModelConfigError` naming the key.
+Qwen3 and the mixtures of experts Qwen3-MoE and Mixtral, with a :class:`ModelConfigError` naming
+the key.
 """
 
 from __future__ import annotations
@@ -25,15 +26,19 @@ _ARCHS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+MAX_EXPERTS = 512
 _DTYPES = {"bfloat16", "float16", "float32"}
 _ROPE_TYPES = {"default", "linear", "llama3"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # llama | mistral | qwen2 | qwen3
+    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -57,6 +62,14 @@ class ModelConfig:
     fp8_checkpoint: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Mixture of experts (qwen3_moe, mixtral): the routed experts, how many each token takes,
+    # each expert's intermediate size, whether the top-k weights are renormalised to sum to 1,
+    # and the layers whose MLP is the experts (the others keep the dense MLP). 0 / (): dense.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -235,7 +248,7 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         qkv_bias = o_bias = False
     else:
         qkv_bias = o_bias = attention_bias
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
     else:
         window = cfg.get("sliding_window")
@@ -245,12 +258,16 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
     if generation_config and generation_config.get("eos_token_id") is not None:
         eos = tuple(dict.fromkeys(eos + _token_ids(generation_config["eos_token_id"], "generation_config eos_token_id")))
     bos = cfg.get("bos_token_id")
+    layers = _int(cfg, "num_hidden_layers")
+    moe = _experts(cfg, family, layers)
+    if moe and fp8_checkpoint is not None:
+        raise ModelConfigError("config.json: a pre-quantized FP8 mixture-of-experts checkpoint is not supported yet")
     return ModelConfig(
         family=family,
         vocab_size=_int(cfg, "vocab_size"),
         hidden_size=hidden,
         intermediate_size=_int(cfg, "intermediate_size"),
-        num_layers=_int(cfg, "num_hidden_layers"),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -262,14 +279,42 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)) if family == "llama" else False,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         dtype=dtype,
         sliding_window=window,
         fp8_checkpoint=fp8_checkpoint,
         eos_token_ids=eos,
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
+        **moe,
         raw=cfg,
     )
+
+
+def _experts(cfg: dict, family: str, layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a qwen3_moe or mixtral config ({} for a dense family),
+    each bound checked, as transformers reads them."""
+    if family == "qwen3_moe":
+        n, inter = _int(cfg, "num_experts"), _int(cfg, "moe_intermediate_size")
+        norm = cfg.get("norm_topk_prob", False)
+        step = _int(cfg, "decoder_sparse_step", default=1)
+        dense = cfg.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+            raise ModelConfigError("config.json: mlp_only_layers must be a list of layer indices")
+        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    elif family == "mixtral":
+        n, inter, norm = _int(cfg, "num_local_experts"), _int(cfg, "intermediate_size"), True
+        sparse = tuple(range(layers))
+    else:
+        return {}
+    k = _int(cfg, "num_experts_per_tok")
+    if n > MAX_EXPERTS:
+        raise ModelConfigError(f"config.json: {n} experts, more than the {MAX_EXPERTS} this engine serves")
+    if k > n:
+        raise ModelConfigError(f"config.json: num_experts_per_tok {k} is more than the {n} experts")
+    if not isinstance(norm, bool):
+        raise ModelConfigError("config.json: norm_topk_prob must be true or false")
+    return {"num_experts": n, "experts_per_token": k, "expert_intermediate_size": inter, "norm_topk_prob": norm,
+            "sparse_layers": sparse}
 
 
 def _read_json(path: Path) -> Any:

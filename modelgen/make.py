@@ -40,7 +40,7 @@ from modelgen.tokenizer import (
     tokenizer_config,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 PRESETS = ("tiny", "small", "llama-3.1-8b")
 INIT_STD = 0.02
 
@@ -53,7 +53,14 @@ _ARCH_CLASS = MappingProxyType({
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
 })
+# Mixture-of-experts presets (tiny and small only): experts, experts per token, each expert's
+# intermediate size. qwen3_moe's layers alternate (decoder_sparse_step 2): layer 0 keeps the
+# dense MLP, so both kinds of layer are exercised; mixtral's are all sparse.
+_EXPERTS = MappingProxyType({"tiny": (8, 2, 64), "small": (16, 4, 128)})
+SPARSE_STEP = {"qwen3_moe": 2, "mixtral": 1}
 
 
 class ModelGenError(ValueError):
@@ -88,12 +95,19 @@ def _check(arch: str, preset: str) -> Shape:
         raise ModelGenError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if preset not in _PRESETS:
         raise ModelGenError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if arch in SPARSE_STEP and preset not in _EXPERTS:
+        raise ModelGenError(f"{arch} comes in the presets {', '.join(_EXPERTS)}, not {preset!r}")
     return _PRESETS[preset]
 
 
 def head_dim(arch: str, preset: str) -> int:
     shape = _check(arch, preset)
-    return shape.qwen3_head_dim if arch == "qwen3" else shape.hidden // shape.heads
+    return shape.qwen3_head_dim if arch in ("qwen3", "qwen3_moe") else shape.hidden // shape.heads
+
+
+def sparse_layer(arch: str, i: int) -> bool:
+    """Whether layer ``i`` of ``arch``'s presets has experts for its MLP."""
+    return arch in SPARSE_STEP and (i + 1) % SPARSE_STEP[arch] == 0
 
 
 def ties_embeddings(arch: str, preset: str) -> bool:
@@ -143,16 +157,24 @@ def model_config(arch: str, preset: str, vocab_size: int, specials: dict[str, in
         cfg["attention_bias"] = False
         cfg["mlp_bias"] = False
         cfg["pretraining_tp"] = 1
-    elif arch == "mistral":
+    elif arch in ("mistral", "mixtral"):
         cfg["rope_theta"] = 1000000.0
         cfg["sliding_window"] = None
+        if arch == "mixtral":
+            n, k, inter = _EXPERTS[preset]
+            cfg.update(num_local_experts=n, num_experts_per_tok=k, intermediate_size=inter,
+                       router_jitter_noise=0.0, output_router_logits=False)
     else:
         cfg["rope_theta"] = 1000000.0
         cfg["use_sliding_window"] = False
         cfg["sliding_window"] = None
         cfg["max_window_layers"] = shape.layers
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             cfg["attention_bias"] = False
+        if arch == "qwen3_moe":
+            n, k, inter = _EXPERTS[preset]
+            cfg.update(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=inter, norm_topk_prob=True,
+                       decoder_sparse_step=SPARSE_STEP[arch], mlp_only_layers=[], output_router_logits=False)
     return cfg
 
 
@@ -181,7 +203,7 @@ def tensor_specs(arch: str, preset: str, vocab_size: int) -> list[TensorSpec]:
                 w(p + "self_attn.k_proj.bias", kv),
                 w(p + "self_attn.v_proj.bias", kv),
             ]
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             specs += [
                 w(p + "self_attn.q_norm.weight", d, init="ones"),
                 w(p + "self_attn.k_norm.weight", d, init="ones"),
@@ -189,6 +211,17 @@ def tensor_specs(arch: str, preset: str, vocab_size: int) -> list[TensorSpec]:
         specs += [
             w(p + "self_attn.o_proj.weight", h, q),
             w(p + "post_attention_layernorm.weight", h, init="ones"),
+        ]
+        if sparse_layer(arch, i):
+            n, _, inter = _EXPERTS[preset]
+            block, (g, u, dn) = ((p + "block_sparse_moe.", ("w1", "w3", "w2")) if arch == "mixtral"
+                                 else (p + "mlp.", ("gate_proj", "up_proj", "down_proj")))
+            specs.append(w(block + "gate.weight", n, h))
+            for j in range(n):
+                x = f"{block}experts.{j}."
+                specs += [w(x + g + ".weight", inter, h), w(x + u + ".weight", inter, h), w(x + dn + ".weight", h, inter)]
+            continue
+        specs += [
             w(p + "mlp.gate_proj.weight", shape.intermediate, h),
             w(p + "mlp.up_proj.weight", shape.intermediate, h),
             w(p + "mlp.down_proj.weight", h, shape.intermediate),

@@ -8,7 +8,7 @@ import sys
 
 from agent.units import parse_size
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 PRESETS = ("tiny", "small", "llama-3.1-8b")
 
 

@@ -111,6 +111,9 @@ def check_quantization(quantization: str | None, cfg: ModelConfig, device: torch
         return
     if quantization not in QUANTIZATIONS:
         raise LoadOptionError(f"quantization {quantization!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
+    if cfg.num_experts:
+        raise LoadOptionError(f"quantization {quantization!r}: not built for mixture-of-experts models yet "
+                              f"({cfg.family}); load it without quantization")
     ok, why = fp8_supported(device)
     if not ok:
         raise LoadOptionError(f"quantization {quantization!r}: {why}")

@@ -305,6 +305,8 @@ class PoolKeeper:
         else:  # padded pages: per-layer views whose page stride is the whole page
             kv = KVCache.from_views(spec, self.pool.kv_views(name))
         graphs = self.cuda_graphs if cuda_graphs is None else cuda_graphs
+        if cfg.num_experts:
+            graphs = False  # the experts' reference path groups tokens on the host (engine/models/llama.py)
         return kv, ModelRunner(model, kv, self.max_num_batched_tokens, max_num_seqs, max_model_len,
                                decode_buckets=self.decode_buckets if graphs else (), cuda_graphs=graphs,
                                mixed_buckets=self.mixed_buckets, stream_pool=self.streams)

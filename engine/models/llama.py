@@ -55,9 +55,70 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+class Experts(nn.Module):
+    """A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts
+    (softmax over all experts, then the k best, renormalised to sum to 1 where the config says
+    so), each expert is a SiLU-gated MLP, and their outputs are summed with those weights.
+
+    The experts' weights are stacked ([E, 2I, H] gate-up, [E, H, I] down) and filled from the
+    checkpoint's one-tensor-per-expert layout by row ranges of a flat view. This is the
+    reference path: tokens are grouped by expert on the host, one pair of matmuls per expert
+    that has tokens, so its shapes depend on the routing and it runs eagerly (a model with
+    experts captures no CUDA graph; engine/core/pool_keeper.py). The fused, graph-safe kernel is
+    the next step (docs/engine.md, "Mixture of experts").
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+        self.num_experts, self.top_k, self.inter, self.norm_topk = e, cfg.experts_per_token, inter, cfg.norm_topk_prob
+        self.router_w = _empty(e, h, dtype=dtype, device=device)
+        self.gate_up_w = _empty(e, 2 * inter, h, dtype=dtype, device=device)
+        self.down_w = _empty(e, h, inter, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        probs = torch.softmax(nn.functional.linear(x, self.router_w).float(), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the host's grouping (eager)
+        tokens = order // self.top_k
+        out = torch.zeros((n, x.shape[1]), dtype=torch.float32, device=x.device)
+        start = 0
+        for e, c in enumerate(counts):
+            if not c:
+                continue
+            rows, picks = tokens[start:start + c], order[start:start + c]
+            start += c
+            gu = nn.functional.linear(x.index_select(0, rows), self.gate_up_w[e])
+            y = nn.functional.linear(kernels.silu_and_mul(gu), self.down_w[e])
+            out.index_add_(0, rows, y.float() * weights.reshape(-1)[picks, None])
+        return out.to(x.dtype)
+
+    def weight_slots(self, prefix: str, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """The checkpoint's names of this layer's router and experts → row ranges of the stacks."""
+        h, inter = cfg.hidden_size, self.inter
+        gu = self.gate_up_w.data.view(self.num_experts * 2 * inter, h)
+        down = self.down_w.data.view(self.num_experts * h, inter)
+        if cfg.family == "mixtral":
+            block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")  # gate, up, down
+        else:
+            block, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        slots = {block + "gate.weight": (self.router_w, 0, self.num_experts)}
+        for j in range(self.num_experts):
+            x = f"{block}experts.{j}."
+            slots[x + names[0] + ".weight"] = (gu, j * 2 * inter, inter)
+            slots[x + names[1] + ".weight"] = (gu, j * 2 * inter + inter, inter)
+            slots[x + names[2] + ".weight"] = (down, j * h, h)
+        return slots
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, sparse: bool = False) -> None:
         super().__init__()
         h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self.cfg = cfg
@@ -78,12 +139,19 @@ class DecoderLayer(nn.Module):
         self.o_s = scales(h)
         self.o_b = _empty(h, dtype=dtype, device=device) if cfg.o_bias else None
         self.post_norm = _empty(h, dtype=dtype, device=device)
-        self.gate_up_w = _empty(2 * inter, h, dtype=wdt, device=device)
-        self.gate_up_s = scales(2 * inter)
-        self.gate_up_b = _empty(2 * inter, dtype=dtype, device=device) if cfg.mlp_bias else None
-        self.down_w = _empty(h, inter, dtype=wdt, device=device)
-        self.down_s = scales(h)
-        self.down_b = _empty(h, dtype=dtype, device=device) if cfg.mlp_bias else None
+        self.experts: Experts | None = None
+        if sparse:  # the MLP is the routed experts (the dense MLP's parameters are absent)
+            if self.fp8:
+                raise ValueError("FP8 mixture-of-experts layers are not built yet")
+            self.experts = Experts(cfg, dtype, device)
+            self.gate_up_w = self.gate_up_s = self.gate_up_b = self.down_w = self.down_s = self.down_b = None
+        else:
+            self.gate_up_w = _empty(2 * inter, h, dtype=wdt, device=device)
+            self.gate_up_s = scales(2 * inter)
+            self.gate_up_b = _empty(2 * inter, dtype=dtype, device=device) if cfg.mlp_bias else None
+            self.down_w = _empty(h, inter, dtype=wdt, device=device)
+            self.down_s = scales(h)
+            self.down_b = _empty(h, dtype=dtype, device=device) if cfg.mlp_bias else None
         self.scale = cfg.head_dim ** -0.5
 
     def _linear(self, x, w: torch.Tensor, s: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
@@ -112,6 +180,8 @@ class DecoderLayer(nn.Module):
         return self._linear(quantize_rows(out) if self.fp8 else out, self.o_w, self.o_s, self.o_b)
 
     def mlp(self, x) -> torch.Tensor:
+        if self.experts is not None:
+            return self.experts(x)
         gu = self._linear(x, self.gate_up_w, self.gate_up_s, self.gate_up_b)
         return self._linear(kernels.silu_and_mul(gu, quant=self.fp8), self.down_w, self.down_s, self.down_b)
 
@@ -131,7 +201,9 @@ class LlamaModel(nn.Module):
         self.device = device
         self.quantization = quantization
         self.embed = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, quantization) for _ in range(cfg.num_layers))
+        sparse = set(cfg.sparse_layers)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, quantization, i in sparse)
+                                    for i in range(cfg.num_layers))
         self.norm = _empty(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.cos_sin: torch.Tensor | None = None
@@ -193,6 +265,9 @@ class LlamaModel(nn.Module):
             if layer.q_norm is not None:
                 slots[a + "q_norm.weight"] = (layer.q_norm, 0, cfg.head_dim)
                 slots[a + "k_norm.weight"] = (layer.k_norm, 0, cfg.head_dim)
+            if layer.experts is not None:
+                slots.update(layer.experts.weight_slots(p, cfg))
+                continue
             slots[m + "gate_proj.weight"] = (layer.gate_up_w, 0, inter)
             slots[m + "up_proj.weight"] = (layer.gate_up_w, inter, inter)
             if layer.gate_up_b is not None:
@@ -210,7 +285,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             for w, s in ((layer.qkv_w, layer.qkv_s), (layer.o_w, layer.o_s), (layer.gate_up_w, layer.gate_up_s),
                          (layer.down_w, layer.down_s)):
-                if s is not None:
+                if s is not None and w is not None:
                     out[id(w)] = s
         return out
 

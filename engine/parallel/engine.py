@@ -30,7 +30,7 @@ from engine.core.loading import DTYPES
 from engine.core.memory_plan import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, workspace_estimate
 from engine.core.slot import ModelSlot
 from engine.model_info import ModelInfo
-from engine.errors import EngineError, RequestError
+from engine.errors import EngineError, LoadOptionError, RequestError
 from engine.kv.kv_cache import KVCache, KVSpec
 from engine.load_spec import LoadSpec
 from engine.options import EngineOptions
@@ -191,6 +191,8 @@ class TPEngineCore(EngineCore):
         if num_kv_pages is not None and (isinstance(num_kv_pages, bool) or not isinstance(num_kv_pages, int)):
             raise EngineError("num_kv_pages must be an integer")
         cfg = load_model_config(spec.model_dir)
+        if cfg.num_experts:
+            raise LoadOptionError(f"a mixture-of-experts model ({cfg.family}) is not served tensor-parallel yet")
         plan_shards(cfg, 0, self.group.world_size)  # refuse an unsplittable model before any rank loads
         max_len = usable_len(cfg, spec.max_model_len)
         dtype = self.loader.dtype_for(cfg)

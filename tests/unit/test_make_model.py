@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,10 @@ _HF_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+MOE = ("qwen3_moe", "mixtral")
 
 
 def _load(path: Path):
@@ -67,7 +71,12 @@ def test_arch_specific_fields(make_tiny_model, arch):
     sd = model.state_dict()
     layer = "model.layers.0.self_attn."
     assert (layer + "q_proj.bias" in sd) == (arch == "qwen2")
-    assert (layer + "q_norm.weight" in sd) == (arch == "qwen3")
+    assert (layer + "q_norm.weight" in sd) == (arch in ("qwen3", "qwen3_moe"))
+    if arch in MOE:  # transformers keeps the experts stacked; the checkpoint names them one by one
+        n = cfg.get("num_experts", cfg.get("num_local_experts"))
+        assert n == 8 and cfg["num_experts_per_tok"] == 2
+        block = "mlp" if arch == "qwen3_moe" else "mlp"
+        assert sd[f"model.layers.1.{block}.experts.gate_up_proj"].shape[0] == n
     if arch == "llama":
         assert cfg["rope_scaling"]["rope_type"] == "llama3"
         assert cfg["rope_theta"] == 500000.0
@@ -89,9 +98,15 @@ def test_arch_specific_fields(make_tiny_model, arch):
 @pytest.mark.parametrize("preset", ["tiny", "small", "llama-3.1-8b"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_specs_match_transformers_module(arch, preset):
-    """Names and shapes equal those of the transformers model built from our config."""
+    """Names and shapes equal those of the transformers model built from our config (its experts
+    stacked as transformers keeps them: the checkpoint's one tensor per expert, gate and up
+    concatenated)."""
     tok = build_tokenizer()
     vocab = 128256 if preset == "llama-3.1-8b" else 512
+    if arch in MOE and preset == "llama-3.1-8b":
+        with pytest.raises(ModelGenError, match="presets"):
+            model_config(arch, preset, vocab, special_ids(tok))
+        return
     cfg = model_config(arch, preset, vocab, special_ids(tok))
     hf_cfg = transformers.AutoConfig.for_model(**cfg)
     with torch.device("meta"):
@@ -100,7 +115,30 @@ def test_specs_match_transformers_module(arch, preset):
     if cfg["tie_word_embeddings"]:
         expected.pop("lm_head.weight")
     got = {s.name: s.shape for s in tensor_specs(arch, preset, vocab)}
+    if arch in MOE:
+        got = _stacked(got)
     assert got == expected
+
+
+def _stacked(specs: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Per-expert checkpoint names → transformers' stacked experts (mixtral's block_sparse_moe
+    is its mlp there; w1/w3 gate/up, w2 down)."""
+    out: dict[str, tuple[int, ...]] = {}
+    experts: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, shape in specs.items():
+        m = re.fullmatch(r"(model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.(gate\.weight|experts\.(\d+)\.(\w+)\.weight)", name)
+        if m is None:
+            out[name] = shape
+        elif m.group(3) is None:
+            out[m.group(1) + "mlp.gate.weight"] = shape
+        else:
+            experts.setdefault(m.group(1), []).append((m.group(4), shape))
+    for prefix, parts in experts.items():
+        n = len(parts) // 3
+        inter, hidden = next(s for k, s in parts if k in ("gate_proj", "w1"))
+        out[prefix + "mlp.experts.gate_up_proj"] = (n, 2 * inter, hidden)
+        out[prefix + "mlp.experts.down_proj"] = (n, hidden, inter)
+    return out
 
 
 def test_llama_8b_shape_and_shards():

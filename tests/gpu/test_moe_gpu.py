@@ -1,0 +1,46 @@
+"""The mixture-of-experts reference path on the GPU in bf16 against transformers (eager: a model
+with experts captures no graph). Skipped without CUDA.
+
+Tolerance: the last prompt position's top-5 logprobs, max |engine - hf_fp32| <= 3 * max
+|hf_bf16 - hf_fp32| + 2e-3, as tests/gpu/test_engine_gpu.py holds dense models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.load_spec import LoadSpec
+from engine.options import EngineOptions
+from engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+PROMPT = list(range(30, 75))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_logprobs_within_bf16_and_no_graphs(arch, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from engine.core.engine_core import EngineCore
+    from modelgen.make import make_model
+
+    d = make_model(tmp_path / arch, arch, "small", seed=0)
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0),
+                      device="cuda")
+    core.load_model(LoadSpec("m", str(d), max_model_len=256, max_num_seqs=8))
+    assert core.slots.get("m").runner.graphs is None
+    core.add_request("r", "m", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5))
+    outs = []
+    while core.has_unfinished_requests():
+        outs += core.step()
+    first = outs[0].logprobs[0]
+    got = {t["token_id"]: t["logprob"] for t in first["top_logprobs"]}
+    ref = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).cuda().eval()
+        with torch.no_grad():
+            ref[dtype] = torch.log_softmax(hf(torch.tensor([PROMPT]).cuda()).logits[0, -1].float(), -1).cpu()
+        del hf
+    own = (ref[torch.bfloat16] - ref[torch.float32]).abs().max().item()
+    err = max(abs(v - ref[torch.float32][t].item()) for t, v in got.items())
+    assert err <= 3 * own + 2e-3, (err, own)
