@@ -24,6 +24,7 @@ from engine import kernels
 from engine.config import ModelConfig
 from engine.kernels.fp8 import fp8_linear, quantize_rows
 from engine.kernels.fp8_format import FP8
+from engine.kernels.moe import fused_experts
 from engine.kv.kv_cache import KVCache
 
 QUANTIZATIONS = ("fp8",)
@@ -61,11 +62,10 @@ class Experts(nn.Module):
     so), each expert is a SiLU-gated MLP, and their outputs are summed with those weights.
 
     The experts' weights are stacked ([E, 2I, H] gate-up, [E, H, I] down) and filled from the
-    checkpoint's one-tensor-per-expert layout by row ranges of a flat view. This is the
-    reference path: tokens are grouped by expert on the host, one pair of matmuls per expert
-    that has tokens, so its shapes depend on the routing and it runs eagerly (a model with
-    experts captures no CUDA graph; engine/core/pool_keeper.py). The fused, graph-safe kernel is
-    the next step (docs/engine.md, "Mixture of experts").
+    checkpoint's one-tensor-per-expert layout by row ranges of a flat view. The computation is
+    engine/kernels/moe.py: pairs grouped into one-expert tiles at fixed shapes, two grouped GEMMs
+    (Triton on CUDA). Until that path has run on a GPU, a model with experts captures no CUDA
+    graph (engine/core/pool_keeper.py; docs/engine.md, "Mixture of experts").
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
@@ -77,26 +77,8 @@ class Experts(nn.Module):
         self.down_w = _empty(e, h, inter, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        probs = torch.softmax(nn.functional.linear(x, self.router_w).float(), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [N, k]
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        flat = chosen.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the host's grouping (eager)
-        tokens = order // self.top_k
-        out = torch.zeros((n, x.shape[1]), dtype=torch.float32, device=x.device)
-        start = 0
-        for e, c in enumerate(counts):
-            if not c:
-                continue
-            rows, picks = tokens[start:start + c], order[start:start + c]
-            start += c
-            gu = nn.functional.linear(x.index_select(0, rows), self.gate_up_w[e])
-            y = nn.functional.linear(kernels.silu_and_mul(gu), self.down_w[e])
-            out.index_add_(0, rows, y.float() * weights.reshape(-1)[picks, None])
-        return out.to(x.dtype)
+        return fused_experts(x, self.gate_up_w, self.down_w, nn.functional.linear(x, self.router_w),
+                            self.top_k, self.norm_topk)
 
     def weight_slots(self, prefix: str, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, int, int]]:
         """The checkpoint's names of this layer's router and experts → row ranges of the stacks."""

@@ -1,0 +1,117 @@
+"""Mixture-of-experts MLP on the device: route, group the (token, expert) pairs into tiles of one
+expert each, two grouped GEMMs with the SiLU·mul between, the routing weights applied in the
+second, the k outputs of a token summed.
+
+Every shape is fixed by the step's token count (``N``), the experts (``E``), ``top_k`` and the
+tile height (``BLOCK_M``), never by the routing: the pairs are laid out expert by expert, each
+expert's run padded to a multiple of ``BLOCK_M`` inside a buffer of ``N * top_k + E * (BLOCK_M -
+1)`` slots (the most padding there can be), so a CUDA graph can capture it. Counting uses a
+scatter-add, not ``bincount`` (whose output size makes it read the device).
+
+:func:`align` is plain torch (any device); the GEMMs are Triton (engine/kernels/moe_triton.py)
+on CUDA and under ``TRITON_INTERPRET=1``, with :func:`grouped_gemm_ref` as their reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kernels._dispatch import check, use_triton
+from engine.kernels.activation import silu_and_mul
+
+BLOCK_M = 16  # pairs per tile: tl.dot's smallest height; the H200 tuning may raise it
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The pairs of a step grouped by expert.
+
+    ``pair_ids`` [P]: slot -> pair index (token * top_k + j), or ``N * top_k`` for a padding slot;
+    ``tile_expert`` [P / BLOCK_M]: each tile's expert, -1 past the last used tile; ``weights``
+    [N * top_k] float32: each pair's routing weight."""
+
+    pair_ids: torch.Tensor
+    tile_expert: torch.Tensor
+    weights: torch.Tensor
+    top_k: int
+    block_m: int
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k] float32, experts [N, k] int64): softmax over every expert, the k best,
+    renormalised to sum to 1 when asked (Qwen3-MoE's ``norm_topk_prob``, Mixtral)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def align(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> Routing:
+    """Group the pairs of ``experts`` [N, k] by expert into tiles of ``block_m`` (see the module)."""
+    check(experts.dim() == 2 and experts.shape == weights.shape, "experts and weights must be [N, top_k]")
+    n, k = experts.shape
+    dev = experts.device
+    pairs = n * k
+    slots = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    flat = experts.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    first = torch.cumsum(counts, 0) - counts  # each expert's first pair in expert order
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    dest = starts[by_expert] + torch.arange(pairs, device=dev) - first[by_expert]
+    pair_ids = torch.full((slots,), pairs, dtype=torch.int32, device=dev)
+    pair_ids.scatter_(0, dest, order.to(torch.int32))
+    tile_starts = torch.arange(0, slots, block_m, device=dev)
+    tile_expert = torch.searchsorted(ends, tile_starts, right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    return Routing(pair_ids, tile_expert, weights.reshape(-1).float().contiguous(), k, block_m)
+
+
+def grouped_gemm_ref(a: torch.Tensor, w: torch.Tensor, r: Routing, per_pair_input: bool,
+                     apply_weights: bool) -> torch.Tensor:
+    """out[pair] = a[row] @ w[expert].T (times the pair's weight when ``apply_weights``); ``row``
+    is the pair's token (``a`` [N, K]) or the pair itself (``per_pair_input``, ``a`` [N*k, K])."""
+    pairs = r.weights.shape[0]
+    out = torch.zeros((pairs, w.shape[1]), dtype=a.dtype, device=a.device)
+    ids = r.pair_ids.long()
+    for t, e in enumerate(r.tile_expert.tolist()):
+        if e < 0:
+            continue
+        p = ids[t * r.block_m:(t + 1) * r.block_m]
+        p = p[p < pairs]
+        rows = p if per_pair_input else p // r.top_k
+        y = a.index_select(0, rows).float() @ w[e].float().T
+        if apply_weights:
+            y = y * r.weights[p, None]
+        out[p] = y.to(a.dtype)
+    return out
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, r: Routing, per_pair_input: bool,
+                 apply_weights: bool) -> torch.Tensor:
+    check(a.dim() == 2 and w.dim() == 3 and a.shape[1] == w.shape[2],
+          f"a [rows, K] and w [E, N, K] must agree, got {tuple(a.shape)} and {tuple(w.shape)}")
+    if use_triton(a, w):
+        from engine.kernels.moe_triton import grouped_gemm_triton
+
+        return grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m,
+                                   per_pair_input, apply_weights)
+    return grouped_gemm_ref(a, w, r, per_pair_input, apply_weights)
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, router_logits: torch.Tensor,
+                  top_k: int, renormalize: bool) -> torch.Tensor:
+    """The experts' output [N, H] for ``x`` [N, H]: ``gate_up`` [E, 2I, H], ``down`` [E, H, I]."""
+    n = x.shape[0]
+    weights, experts = route(router_logits, top_k, renormalize)
+    r = align(experts, weights, gate_up.shape[0])
+    gu = grouped_gemm(x, gate_up, r, per_pair_input=False, apply_weights=False)  # [N*k, 2I]
+    y = grouped_gemm(silu_and_mul(gu), down, r, per_pair_input=True, apply_weights=True)  # [N*k, H]
+    return y.view(n, top_k, -1).float().sum(dim=1).to(x.dtype)

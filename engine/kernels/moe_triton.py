@@ -1,0 +1,71 @@
+"""Triton grouped GEMM of the experts (engine/kernels/moe.py): grid (tiles of pairs, column
+tiles); a tile's ``BLOCK_M`` pairs share one expert, so its rows gather the inputs (a token's
+hidden row, or the pair's own row) and multiply them by that expert's weights, float32
+accumulation, the routing weight applied before the store; padding slots and tiles past the last
+used one store nothing. Launch sizes are fixed defaults until the H200 tuning table (issue 37)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._launch import CachedLauncher, pdl_entry
+
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ids_ptr, tile_expert_ptr, weights_ptr,
+                         num_pairs, n_out, k_in, s_a, s_we, s_wn, s_o,
+                         TOP_K: tl.constexpr, PER_PAIR: tl.constexpr, APPLY_WEIGHTS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_entry(PDL)
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pair_ids_ptr + slots).to(tl.int64)
+    valid = pairs < num_pairs
+    if PER_PAIR:
+        rows = pairs
+    else:
+        rows = pairs // TOP_K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = w_ptr + expert.to(tl.int64) * s_we
+    for k0 in range(0, k_in, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_in
+        a = tl.load(a_ptr + rows[:, None] * s_a + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + cols[None, :] * s_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.dot(a, w)
+    if APPLY_WEIGHTS:
+        acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    tl.store(out_ptr + pairs[:, None] * s_o + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+_GROUPED_GEMM_LAUNCH = CachedLauncher(_grouped_gemm_kernel, pdl=True)
+
+
+def grouped_gemm_triton(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor, tile_expert: torch.Tensor,
+                        weights: torch.Tensor, top_k: int, block_m: int, per_pair_input: bool,
+                        apply_weights: bool) -> torch.Tensor:
+    """The grouped GEMM of engine/kernels/moe.py (its ``Routing``'s tensors passed one by one)."""
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if w.stride(2) != 1:
+        w = w.contiguous()
+    num_pairs = weights.shape[0]
+    n_out, k_in = w.shape[1], w.shape[2]
+    out = torch.empty((num_pairs, n_out), dtype=a.dtype, device=a.device)
+    block_n = min(128, max(16, triton.next_power_of_2(n_out)))
+    block_k = min(64, max(16, triton.next_power_of_2(k_in)))
+    grid = (tile_expert.shape[0], triton.cdiv(n_out, block_n))
+    _GROUPED_GEMM_LAUNCH.launch(grid, a, w, out, pair_ids, tile_expert, weights, num_pairs, n_out, k_in,
+                                a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+                                TOP_K=top_k, PER_PAIR=per_pair_input, APPLY_WEIGHTS=apply_weights,
+                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out

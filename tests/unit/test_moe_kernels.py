@@ -1,0 +1,100 @@
+"""engine/kernels/moe.py: the grouping of (token, expert) pairs into one-expert tiles at shapes the
+routing cannot change, and the Triton grouped GEMM under TRITON_INTERPRET=1 against its torch
+reference (float32: the interpreter's bf16 dot is not exact), then the whole fused experts
+against a token-by-token definition."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # pragma: no cover - the compiled kernel runs in tests/gpu/test_moe_gpu.py
+    pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
+pytest.importorskip("triton")
+_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # read when the @triton.jit module is imported
+
+from engine.kernels import _dispatch  # noqa: E402
+from engine.kernels.moe import BLOCK_M, align, fused_experts, grouped_gemm_ref, route  # noqa: E402
+from engine.kernels.moe_triton import grouped_gemm_triton  # noqa: E402
+
+if _INTERPRET is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _INTERPRET
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _triton_interpreted():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+def _routing(n: int, k: int, e: int, seed: int = 0, skew: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn((n, e), generator=g)
+    if skew:  # most tokens to expert 0: one long run, others empty
+        logits[:, 0] += 10.0
+    return route(logits, k, renormalize=True)
+
+
+@pytest.mark.parametrize("n, k, e, skew", [(1, 1, 4, False), (5, 2, 8, False), (33, 2, 8, True), (40, 4, 16, False)])
+def test_every_pair_lands_once_in_a_tile_of_its_expert(n, k, e, skew):
+    weights, experts = _routing(n, k, e, skew=skew)
+    r = align(experts, weights, e)
+    pairs = n * k
+    slots = -(-(pairs + e * (BLOCK_M - 1)) // BLOCK_M) * BLOCK_M
+    assert r.pair_ids.shape == (slots,) and r.tile_expert.shape == (slots // BLOCK_M,)  # the routing decides no shape
+    ids = r.pair_ids.long()
+    real = ids[ids < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))  # each pair once; the rest is padding
+    flat = experts.reshape(-1)
+    for t, ex in enumerate(r.tile_expert.tolist()):
+        tile = ids[t * BLOCK_M:(t + 1) * BLOCK_M]
+        tile = tile[tile < pairs]
+        if ex < 0:
+            assert tile.numel() == 0
+        else:
+            assert tile.numel() > 0 and (flat[tile] == ex).all()
+    used = r.tile_expert >= 0
+    assert not used[used.long().argmin():].any() or used.all()  # used tiles first, then -1s
+    assert torch.allclose(r.weights.view(n, k).sum(-1), torch.ones(n))
+
+
+@pytest.mark.parametrize("per_pair, apply_weights", [(False, False), (True, True)])
+@pytest.mark.parametrize("n, k, e, h, out", [(5, 2, 8, 32, 48), (33, 2, 4, 64, 16), (17, 4, 16, 48, 40)])
+def test_the_triton_grouped_gemm_matches_its_reference(per_pair, apply_weights, n, k, e, h, out):
+    weights, experts = _routing(n, k, e, seed=n)
+    r = align(experts, weights, e)
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn((n * k if per_pair else n, h), generator=g)
+    w = torch.randn((e, out, h), generator=g) * 0.1
+    want = grouped_gemm_ref(a, w, r, per_pair, apply_weights)
+    got = grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, per_pair, apply_weights)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_experts_is_the_definition_token_by_token(monkeypatch):
+    """With the Triton GEMMs (interpreted) and with the torch reference: out[t] = sum over t's k
+    experts of weight * down(silu(gate x) * up x)."""
+    n, k, e, h, inter = 9, 2, 4, 32, 16
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn((n, h), generator=g)
+    gate_up = torch.randn((e, 2 * inter, h), generator=g) * 0.2
+    down = torch.randn((e, h, inter), generator=g) * 0.2
+    logits = torch.randn((n, e), generator=g)
+    weights, experts = route(logits, k, renormalize=False)
+    want = torch.zeros(n, h)
+    for t in range(n):
+        for j in range(k):
+            ex = experts[t, j]
+            gu = gate_up[ex] @ x[t]
+            want[t] += weights[t, j] * (down[ex] @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:]))
+    for backend in ("torch", "triton"):
+        monkeypatch.setattr(_dispatch, "_forced", backend)
+        got = fused_experts(x, gate_up, down, logits, k, renormalize=False)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=backend)
