@@ -41,7 +41,7 @@ from modelgen.tokenizer import (
 )
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
-PRESETS = ("tiny", "small", "llama-3.1-8b")
+PRESETS = ("tiny", "small", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b")
 INIT_STD = 0.02
 
 # Elements drawn per chunk: bounds host memory for the 8B preset's big matrices. Part of
@@ -59,7 +59,8 @@ _ARCH_CLASS = MappingProxyType({
 # Mixture-of-experts presets (tiny and small only): experts, experts per token, each expert's
 # intermediate size. qwen3_moe's layers alternate (decoder_sparse_step 2): layer 0 keeps the
 # dense MLP, so both kinds of layer are exercised; mixtral's are all sparse.
-_EXPERTS = MappingProxyType({"tiny": (8, 2, 64), "small": (16, 4, 128)})
+_EXPERTS = MappingProxyType({"tiny": (8, 2, 64), "small": (16, 4, 128), "qwen3-30b-a3b": (128, 8, 768),
+                             "mixtral-8x7b": (8, 2, 14336)})
 SPARSE_STEP = {"qwen3_moe": 2, "mixtral": 1}
 
 
@@ -87,7 +88,13 @@ _PRESETS = MappingProxyType({
     "tiny": Shape(64, 2, 4, 2, 128, 2048, None, "float32", 32),
     "small": Shape(256, 4, 8, 2, 512, 4096, None, "float32", 64),
     "llama-3.1-8b": Shape(4096, 32, 32, 8, 14336, 131072, 128256, "bfloat16", 128),
+    # the real models' shapes (their dense intermediate sizes; the experts' below)
+    "qwen3-30b-a3b": Shape(2048, 48, 32, 4, 6144, 40960, 151936, "bfloat16", 128),
+    "mixtral-8x7b": Shape(4096, 32, 32, 8, 14336, 32768, 32000, "bfloat16", 128),
 })
+# Each full-size preset is one architecture's; tiny and small fit every architecture.
+_PRESET_ARCH = MappingProxyType({"llama-3.1-8b": ("llama", "qwen2", "qwen3", "mistral"),
+                                 "qwen3-30b-a3b": ("qwen3_moe",), "mixtral-8x7b": ("mixtral",)})
 
 
 def _check(arch: str, preset: str) -> Shape:
@@ -95,6 +102,9 @@ def _check(arch: str, preset: str) -> Shape:
         raise ModelGenError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if preset not in _PRESETS:
         raise ModelGenError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if preset in _PRESET_ARCH and arch not in _PRESET_ARCH[preset]:
+        raise ModelGenError(f"preset {preset!r} has the shapes of {', '.join(_PRESET_ARCH[preset])} presets, "
+                            f"not {arch}")
     if arch in SPARSE_STEP and preset not in _EXPERTS:
         raise ModelGenError(f"{arch} comes in the presets {', '.join(_EXPERTS)}, not {preset!r}")
     return _PRESETS[preset]
@@ -105,9 +115,18 @@ def head_dim(arch: str, preset: str) -> int:
     return shape.qwen3_head_dim if arch in ("qwen3", "qwen3_moe") else shape.hidden // shape.heads
 
 
-def sparse_layer(arch: str, i: int) -> bool:
-    """Whether layer ``i`` of ``arch``'s presets has experts for its MLP."""
-    return arch in SPARSE_STEP and (i + 1) % SPARSE_STEP[arch] == 0
+def sparse_step(arch: str, preset: str) -> int:
+    """Every how many layers one has experts (0: none): the test presets of qwen3_moe alternate,
+    the real Qwen3-30B-A3B has them in every layer."""
+    if arch not in SPARSE_STEP:
+        return 0
+    return 1 if preset == "qwen3-30b-a3b" else SPARSE_STEP[arch]
+
+
+def sparse_layer(arch: str, preset: str, i: int) -> bool:
+    """Whether layer ``i`` of ``arch``/``preset`` has experts for its MLP."""
+    step = sparse_step(arch, preset)
+    return step > 0 and (i + 1) % step == 0
 
 
 def ties_embeddings(arch: str, preset: str) -> bool:
@@ -174,7 +193,7 @@ def model_config(arch: str, preset: str, vocab_size: int, specials: dict[str, in
         if arch == "qwen3_moe":
             n, k, inter = _EXPERTS[preset]
             cfg.update(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=inter, norm_topk_prob=True,
-                       decoder_sparse_step=SPARSE_STEP[arch], mlp_only_layers=[], output_router_logits=False)
+                       decoder_sparse_step=sparse_step(arch, preset), mlp_only_layers=[], output_router_logits=False)
     return cfg
 
 
@@ -212,7 +231,7 @@ def tensor_specs(arch: str, preset: str, vocab_size: int) -> list[TensorSpec]:
             w(p + "self_attn.o_proj.weight", h, q),
             w(p + "post_attention_layernorm.weight", h, init="ones"),
         ]
-        if sparse_layer(arch, i):
+        if sparse_layer(arch, preset, i):
             n, _, inter = _EXPERTS[preset]
             block, (g, u, dn) = ((p + "block_sparse_moe.", ("w1", "w3", "w2")) if arch == "mixtral"
                                  else (p + "mlp.", ("gate_proj", "up_proj", "down_proj")))

@@ -9,7 +9,7 @@ import sys
 from agent.units import parse_size
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
-PRESETS = ("tiny", "small", "llama-3.1-8b")
+PRESETS = ("tiny", "small", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b")
 
 
 def _shard_size(text: str) -> int:
@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--arch", required=True, choices=ARCHS, help="model architecture (its config.json and weight names)")
     p.add_argument("--preset", required=True, choices=PRESETS,
-                   help="shapes: tiny and small (test models), llama-3.1-8b (the real model's shapes, bfloat16)")
+                   help="shapes: tiny and small (test models); the real models' shapes in bfloat16: llama-3.1-8b (dense "
+                        "archs), qwen3-30b-a3b (qwen3_moe), mixtral-8x7b (mixtral)")
     p.add_argument("--out", required=True, help="output folder (must not exist, or be empty; see --force)")
     p.add_argument("--force", action="store_true",
                    help="replace --out when it exists (only once the new model is written)")

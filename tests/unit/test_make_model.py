@@ -95,7 +95,7 @@ def test_arch_specific_fields(make_tiny_model, arch):
     assert torch.equal(sd["model.norm.weight"], torch.ones_like(sd["model.norm.weight"]))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small", "llama-3.1-8b"])
+@pytest.mark.parametrize("preset", ["tiny", "small", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_specs_match_transformers_module(arch, preset):
     """Names and shapes equal those of the transformers model built from our config (its experts
@@ -103,8 +103,11 @@ def test_specs_match_transformers_module(arch, preset):
     concatenated)."""
     tok = build_tokenizer()
     vocab = 128256 if preset == "llama-3.1-8b" else 512
-    if arch in MOE and preset == "llama-3.1-8b":
-        with pytest.raises(ModelGenError, match="presets"):
+    vocab = {"qwen3-30b-a3b": 151936, "mixtral-8x7b": 32000}.get(preset, vocab)
+    own = {"llama-3.1-8b": ("llama", "qwen2", "qwen3", "mistral"), "qwen3-30b-a3b": ("qwen3_moe",),
+           "mixtral-8x7b": ("mixtral",)}
+    if preset in own and arch not in own[preset]:
+        with pytest.raises(ModelGenError, match="preset"):
             model_config(arch, preset, vocab, special_ids(tok))
         return
     cfg = model_config(arch, preset, vocab, special_ids(tok))
