@@ -145,7 +145,9 @@ class ModelSettings(_Section):
     preload: bool = False
     pin: bool = False
     keep_alive: Seconds = 300.0  # -1: never unload when idle
-    max_model_len: int = Field(4096, ge=16, le=1 << 20)
+    # None: the model's own context (config.json), capped by what the GPU budget holds for one
+    # sequence beside the models loaded (the cap is logged); a number caps it
+    max_model_len: int | None = Field(None, ge=16, le=1 << 20)
     max_num_seqs: int = Field(256, ge=1, le=4096)
     weight: float = Field(1.0, gt=0, le=1000)  # share of GPU time when models compete
     autoload: bool | None = None  # None: server.autoload

@@ -81,10 +81,11 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def usable_len(cfg: ModelConfig, max_model_len: int) -> int:
-    """The longest sequence a load of ``cfg`` serves when asked for ``max_model_len``: capped by
-    the model's positions and its sliding window (inside the window attention is full)."""
-    max_len = min(max_model_len, cfg.max_position_embeddings)
+def usable_len(cfg: ModelConfig, max_model_len: int | None) -> int:
+    """The longest sequence a load of ``cfg`` serves when asked for ``max_model_len`` (None: its
+    own context): capped by the model's positions and its sliding window (inside the window
+    attention is full)."""
+    max_len = cfg.max_position_embeddings if max_model_len is None else min(max_model_len, cfg.max_position_embeddings)
     if cfg.sliding_window is not None:
         max_len = min(max_len, cfg.sliding_window)
     return max_len

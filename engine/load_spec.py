@@ -23,7 +23,8 @@ from engine.errors import EngineError
 class LoadSpec:
     """``name``: the model's name in the engine. ``model_dir``: its snapshot folder (a ``Path``
     is kept as its string). ``max_model_len``: the longest sequence (capped by the model's own
-    context). ``max_num_seqs``: sequences in a step at most. ``weight``: its share of GPU time
+    context); None: the model's own context, capped by what the budget holds for one sequence
+    beside the models loaded (engine/core/loading.py). ``max_num_seqs``: sequences in a step at most. ``weight``: its share of GPU time
     when models compete. ``num_kv_pages``: exactly this many KV pages (None: sized from the
     budget). ``block_size``: tokens per KV page (None: the engine's, or as many as fit the shared
     pool's page). ``prefix_caching``: share the model's full KV pages by prefix
@@ -33,7 +34,7 @@ class LoadSpec:
 
     name: str
     model_dir: str
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     max_num_seqs: int = 256
     weight: float = 1.0
     num_kv_pages: int | None = None
@@ -51,6 +52,8 @@ class LoadSpec:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
             raise EngineError("weight must be a positive number")
         for key, v in (("max_model_len", self.max_model_len), ("max_num_seqs", self.max_num_seqs)):
+            if key == "max_model_len" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 2:
                 raise EngineError(f"{key} must be an integer >= 2, got {v!r}")
         b = self.block_size

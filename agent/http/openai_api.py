@@ -43,8 +43,9 @@ from text.tool_calls import tool_format
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
-def _context_len(entry: ModelEntry) -> int:
-    """The model's context: what the engine loaded it with, else what its settings ask."""
+def _context_len(entry: ModelEntry) -> int | None:
+    """The model's context: what the engine loaded it with, else what its settings ask (None: its
+    own context, known once loaded)."""
     return entry.info.max_model_len if entry.info is not None else entry.settings.max_model_len
 
 
@@ -146,7 +147,7 @@ class OpenAIApi:
                    rid: str, uid: str) -> web.StreamResponse:
         chat = isinstance(req, ChatCompletionRequest)
         tok = entry.tokenizer
-        ctx_len = _context_len(entry)
+        ctx_len = entry.info.max_model_len  # admitted: loaded, so the engine has said
         tool_fmt = tool_format(tok.chat_template) if chat else None
         vocab_size = entry.info.vocab_size
         if isinstance(req, ChatCompletionRequest):

@@ -17,7 +17,7 @@ from text.tokenizer import Tokenizer
 from text.tool_calls import ParsedCall, ToolFormat, ToolStream
 
 
-def model_object(name: str, created: int, max_model_len: int, state: str) -> dict[str, Any]:
+def model_object(name: str, created: int, max_model_len: int | None, state: str) -> dict[str, Any]:
     """A model as ``GET /v1/models`` lists it; ``state`` (an extension, as ``max_model_len``):
     ready, or where it is on its way (a request for a model that is not ready loads it)."""
     return {"id": name, "object": "model", "created": created, "owned_by": "infire", "max_model_len": max_model_len,

@@ -49,7 +49,7 @@ def _response_schemas() -> dict[str, Any]:
                             "choices": {"type": "array", "items": text_choice}}),
         "ChatCompletion": _obj({**envelope, "object": {"const": "chat.completion"},
                                 "choices": {"type": "array", "items": chat_choice}}),
-        "Model": _obj({"id": s, "object": {"const": "model"}, "created": i, "owned_by": s, "max_model_len": i,
+        "Model": _obj({"id": s, "object": {"const": "model"}, "created": i, "owned_by": s, "max_model_len": _nullable(i),
                        "state": {"enum": ["absent", "pulling", "cached", "loading", "ready", "draining",
                                           "unloading", "failed"]}}),
         "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array",

@@ -351,6 +351,12 @@ class MemoryLedger:
             m = self._get(model)
             return m.weights + m.workspace
 
+    def room(self) -> int:
+        """Bytes a load may take without evicting anyone: the budget less every model's weights,
+        workspace and guaranteed KV, and what the device holds beyond the books."""
+        with self._lock:
+            return self.budget - self._committed()
+
     def snapshot(self) -> LedgerSnapshot:
         with self._lock:
             used = self._used()

@@ -30,6 +30,7 @@ load releases exactly what it booked. ``last_load_timings`` has each phase's sec
 from __future__ import annotations
 
 import contextlib
+import logging
 import dataclasses
 import hashlib
 import threading
@@ -63,6 +64,7 @@ from engine.weights.loader import WeightsReady, load_or_restore, stash_weights, 
 from engine.weights.warm_tier import WarmTier
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+log = logging.getLogger(__name__)
 
 
 def workspace_key(cfg: ModelConfig, quantization: str | None) -> str:
@@ -79,6 +81,18 @@ def workspace_key(cfg: ModelConfig, quantization: str | None) -> str:
     layout = None if cfg.fp8_checkpoint in (None, "channel") else cfg.fp8_checkpoint
     doc = repr((fields, quantization, layout))
     return "compute:" + hashlib.sha256(doc.encode()).hexdigest()[:32]
+
+
+# A model loaded at its own context never goes below this many tokens for lack of room (below it
+# the ledger evicts or refuses as for any load); 4,096 was the fixed default before.
+CONTEXT_FLOOR = 4096
+
+
+def context_cap(own: int, room_bytes: int, page_bytes: int, tokens_per_page: int) -> int:
+    """The longest sequence of a load at its own context (``own`` tokens) whose pages fit
+    ``room_bytes``, in whole pages, never below ``CONTEXT_FLOOR`` (or ``own`` when shorter)."""
+    fit = max(0, room_bytes) // page_bytes * tokens_per_page
+    return min(own, max(min(own, CONTEXT_FLOOR), fit))
 
 
 KV_CACHE_DTYPES = ("fp8",)
@@ -233,11 +247,23 @@ class ModelLoader:
         pool_pb = self._pools.shared_page_bytes()
         if pool_pb is None:
             pool_pb = self.page_bytes
-        needs = load_needs(cfg, dtype, max_len=max_len, max_num_seqs=spec.max_num_seqs,
-                           max_num_batched_tokens=self.max_num_batched_tokens, pool_page_bytes=pool_pb,
-                           block_size=spec.block_size or self.block_size,
-                           explicit_block_size=spec.block_size is not None, num_kv_pages=spec.num_kv_pages,
-                           quantization=quantization, kv_dtype=kv_dtype)
+
+        def needs_at(length: int) -> LoadNeeds:
+            return load_needs(cfg, dtype, max_len=length, max_num_seqs=spec.max_num_seqs,
+                              max_num_batched_tokens=self.max_num_batched_tokens, pool_page_bytes=pool_pb,
+                              block_size=spec.block_size or self.block_size,
+                              explicit_block_size=spec.block_size is not None, num_kv_pages=spec.num_kv_pages,
+                              quantization=quantization, kv_dtype=kv_dtype)
+
+        needs = needs_at(max_len)
+        if spec.max_model_len is None and spec.num_kv_pages is None:
+            capped = context_cap(max_len, self._pools.ledger.room() - needs.weight_bytes - needs.workspace_bytes,
+                                 needs.page_bytes, needs.tokens_per_page)
+            if capped < max_len:
+                log.warning("model %s: max_model_len %d, not its context of %d: one sequence of that does not "
+                            "fit the %d bytes the budget has beside the models loaded (set max_model_len to "
+                            "choose)", spec.name, capped, max_len, self._pools.ledger.room())
+                max_len, needs = capped, needs_at(capped)
         return cfg, quantization, max_len, dtype, needs
 
     def check_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:

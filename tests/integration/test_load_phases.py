@@ -265,3 +265,42 @@ def test_a_restart_books_the_workspace_measured_by_the_process_before(make_tiny_
     assert third.loader.last_load_timings["warmup_skipped"] == 1.0
     third.load_model(LoadSpec("c", make_tiny_model("llama", "small"), max_model_len=128, max_num_seqs=4))
     assert third.loader.last_load_timings["warmup_skipped"] == 0.0  # another config: its own measurement
+
+
+def _long_context_copy(src, dst, positions: int):
+    """``src`` with a config claiming ``positions`` of context (the weights do not depend on it)."""
+    import json
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["max_position_embeddings"] = positions
+    cfg.pop("rope_scaling", None)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_a_model_loads_at_its_own_context_unless_the_budget_cannot_hold_one_such_sequence(
+        make_tiny_model, tmp_path, caplog):
+    """No max_model_len: the model's own context when one sequence of it fits beside what is
+    loaded; else the longest that fits (whole pages, logged), never below 4,096 tokens; a
+    max_model_len given is taken as it is."""
+    d = _long_context_copy(make_tiny_model("llama"), tmp_path / "long", 32768)
+    roomy = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=0), device="cpu", budget=64 << 20)
+    assert roomy.load_model(LoadSpec("a", d, max_num_seqs=2)).max_model_len == 32768
+    tight = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=0), device="cpu", budget=8 << 20)
+    with caplog.at_level("WARNING", logger="engine.core.loading"):
+        info = tight.load_model(LoadSpec("a", d, max_num_seqs=2))
+    assert core_load.CONTEXT_FLOOR <= info.max_model_len < 32768 and info.max_model_len % info.block_size == 0
+    assert "not its context of 32768" in caplog.text
+    assert tight.memory().free >= 0  # its one sequence is booked within the budget
+    _generate(tight, "a")
+    asked = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=0), device="cpu", budget=8 << 20)
+    assert asked.load_model(LoadSpec("a", d, max_model_len=2000, max_num_seqs=2)).max_model_len == 2000
+
+
+def test_the_cap_is_whole_pages_within_the_room_and_never_below_the_floor():
+    cap = core_load.context_cap
+    assert cap(131072, 20 << 30, 2 << 20, 16) == 131072  # fits: its own
+    assert cap(131072, 1000 * (2 << 20) + 5, 2 << 20, 16) == 16000  # whole pages of the room
+    assert cap(131072, 100 * (2 << 20), 2 << 20, 16) == 4096  # 1,600 fit: the floor
+    assert cap(131072, 0, 2 << 20, 16) == 4096 and cap(2048, 0, 2 << 20, 16) == 2048
