@@ -38,6 +38,9 @@ class ModelStats:
     grammar_mask_s: float  # host seconds filling token masks
     grammar_masked_rows: int
     grammar_masked_steps: int
+    # Why the model cannot run (its runner could not be rebuilt after a pool resize: its requests
+    # are aborted until a reload); "" while it can (engine/core/pool_keeper.py reattach_runner)
+    broken: str = ""
 
 
 @dataclass(frozen=True)

@@ -518,10 +518,22 @@ class ModelManager:
         if self._keep_alive is None:
             self._keep_alive = asyncio.create_task(self.run_keep_alive(), name="keep-alive")
 
+    def unload_broken(self) -> None:
+        """Unload every ready model the engine says cannot run (its runner could not be rebuilt
+        after a failed load's pool resize: its requests would only be aborted). It comes back at
+        the next request that needs it (autoload) or load, with a runner built afresh."""
+        st = self.worker.state
+        for e, why in self._planner.broken(st.models, st.stale_models):
+            self._log.error("model_broken", model=e.name, reason=why)
+            reason = f"unloaded: it could not run ({why})"
+            self._run(e, "broken", self._unload, e, 0.0, reason, state=State.DRAINING, reason=reason)
+
     async def run_keep_alive(self, tick: float = KEEP_ALIVE_TICK_S) -> None:
-        """Background task: unload idle models once their keep_alive has passed."""
+        """Background task: unload idle models once their keep_alive has passed, and models the
+        engine says cannot run."""
         while True:
             await asyncio.sleep(tick)
+            self.unload_broken()
             for e in self._planner.idle_expired(time.monotonic()):
                 self._log.info("keep_alive_unload", model=e.name, idle_s=round(e.idle_for(time.monotonic()), 3),
                                keep_alive_s=e.settings.keep_alive)

@@ -107,6 +107,7 @@ def test_a_runner_that_cannot_be_rebuilt_runs_eagerly_else_its_model_alone_is_st
     fails["eager"] = True
     core.pools.reattach_runner(a)  # nothing can be built: a is stopped, b is not
     assert a.runner is None and "could not be rebuilt" in a.broken
+    assert core.stats()["a"].broken == a.broken and core.stats()["b"].broken == ""  # the agent unloads it
     with pytest.raises(EngineError, match="cannot run"):
         core.add_request("late", "a", [1, 2, 3], GREEDY)
     core._req_model["stuck"] = "a"  # a request a held when its runner went (as after a resize)

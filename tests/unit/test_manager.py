@@ -66,3 +66,29 @@ def test_without_a_store_pulls_and_unknown_loads_are_refused(mgr: ModelManager) 
         mgr.load("not-configured")
     d = model_view(mgr, mgr.get("m"))
     assert {"name", "state", "device_bytes", "kv_pages", "in_flight", "last_used"} <= set(d)
+
+
+async def test_a_model_the_engine_says_cannot_run_is_unloaded_for_a_fresh_load(mgr: ModelManager, tmp_path) -> None:
+    """A ready model whose runner could not be rebuilt (``ModelStats.broken``) would only abort
+    its requests: it is unloaded with the reason, to be loaded afresh at the next request; a
+    row of a model loaded since that status (stale) is not believed."""
+    from tests.records import model_stats
+
+    e = mgr.get("m")
+    e.snapshot = tmp_path  # its files are cached: an unload leaves it cached
+    e.move(State.PULLING)
+    e.move(State.CACHED)
+    e.move(State.LOADING)
+    e.move(State.READY)
+    why = "its runner could not be rebuilt after a KV pool resize: OutOfMemoryError"
+    mgr.worker.state.models = {"m": model_stats(broken=why)}
+    mgr.worker.state.stale_models = {"m"}
+    mgr.unload_broken()
+    assert e.state is State.READY and not e.busy  # loaded since: that row is the load before
+    mgr.worker.state.stale_models = set()
+    mgr.unload_broken()
+    await e.task
+    assert e.state is State.CACHED and why in e.reason  # the next request loads it afresh
+    mgr.worker.state.models = {"m": model_stats()}
+    mgr.unload_broken()  # nothing more to do
+    assert e.state is State.CACHED
