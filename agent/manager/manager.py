@@ -522,8 +522,7 @@ class ModelManager:
         """Unload every ready model the engine says cannot run (its runner could not be rebuilt
         after a failed load's pool resize: its requests would only be aborted). It comes back at
         the next request that needs it (autoload) or load, with a runner built afresh."""
-        st = self.worker.state
-        for e, why in self._planner.broken(st.models, st.stale_models):
+        for e, why in self._planner.broken(self.worker.broken_models()):
             self._log.error("model_broken", model=e.name, reason=why)
             reason = f"unloaded: it could not run ({why})"
             self._run(e, "broken", self._unload, e, 0.0, reason, state=State.DRAINING, reason=reason)

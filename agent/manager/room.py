@@ -16,7 +16,6 @@ from typing import Any
 
 from agent.manager.entries import ModelEntry, NoRoom, State
 from cache.sizes import human_bytes
-from engine.stats import ModelStats
 
 REFUSAL_FIGURES = ("needed", "free", "evictable", "budget", "short")
 
@@ -66,16 +65,11 @@ class RoomPlanner:
         victims = [n for n in named if n in offered]
         return Eviction(tuple(victims) if victims and victims == named else (), details)
 
-    def broken(self, stats: Mapping[str, ModelStats], stale: set[str]) -> list[tuple[ModelEntry, str]]:
-        """Ready models the engine says cannot run (``ModelStats.broken``), with the reason; rows
-        of models loaded or unloaded since that status (``stale``) are not believed."""
-        out = []
-        for e in self._models.values():
-            s = stats.get(e.name)
-            if (s is not None and s.broken and e.name not in stale and e.state is State.READY and not e.busy
-                    and not e.lock.locked()):
-                out.append((e, s.broken))
-        return out
+    def broken(self, reasons: Mapping[str, str]) -> list[tuple[ModelEntry, str]]:
+        """Ready models, free of any operation, that the engine says cannot run (``reasons``:
+        ``WorkerClient.broken_models``), with the reason."""
+        return [(e, reasons[e.name]) for e in self._models.values()
+                if e.name in reasons and e.state is State.READY and not e.busy and not e.lock.locked()]
 
     def idle_expired(self, now: float) -> list[ModelEntry]:
         """Ready, unpinned models idle for longer than their keep_alive (-1: never)."""

@@ -418,6 +418,13 @@ class WorkerClient:
             raise WorkerDied("the engine worker is not running")
         self._writer.write(P.encode(msg))
 
+    def broken_models(self) -> dict[str, str]:
+        """Models the engine's last status says cannot run (``ModelStats.broken``: their runner
+        could not be rebuilt), with the reason; rows of models loaded or unloaded since that
+        status describe the load before and are left out."""
+        st = self.state
+        return {n: s.broken for n, s in st.models.items() if s.broken and n not in st.stale_models}
+
     def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
             queue: OutputSink | None = None, grammar: str = "") -> EngineRequest:
         """Send one request to the engine; raises WorkerDied when no worker is up.

@@ -257,12 +257,12 @@ class ModelLoader:
 
         needs = needs_at(max_len)
         if spec.max_model_len is None and spec.num_kv_pages is None:
-            capped = context_cap(max_len, self._pools.ledger.room() - needs.weight_bytes - needs.workspace_bytes,
+            capped = context_cap(max_len, self._pools.room() - needs.weight_bytes - needs.workspace_bytes,
                                  needs.page_bytes, needs.tokens_per_page)
             if capped < max_len:
                 log.warning("model %s: max_model_len %d, not its context of %d: one sequence of that does not "
                             "fit the %d bytes the budget has beside the models loaded (set max_model_len to "
-                            "choose)", spec.name, capped, max_len, self._pools.ledger.room())
+                            "choose)", spec.name, capped, max_len, self._pools.room())
                 max_len, needs = capped, needs_at(capped)
         return cfg, quantization, max_len, dtype, needs
 

@@ -365,6 +365,10 @@ class PoolKeeper:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def room(self) -> int:
+        """Bytes a load may take without evicting anyone (the ledger's ``room``)."""
+        return self.ledger.room()
+
     def release_cached(self) -> None:
         """After a load: hand the allocator's cached free memory back to the driver. A load's
         temporaries (quantization at load, staging, the warm-up's activations) are freed into the
