@@ -532,7 +532,10 @@ class ModelManager:
         engine says cannot run."""
         while True:
             await asyncio.sleep(tick)
-            self.unload_broken()
+            try:
+                self.unload_broken()
+            except Exception as ex:  # noqa: BLE001 - one tick's failure must not end the idle unloads
+                self._log.error("unload_broken_failed", error=f"{type(ex).__name__}: {ex}")
             for e in self._planner.idle_expired(time.monotonic()):
                 self._log.info("keep_alive_unload", model=e.name, idle_s=round(e.idle_for(time.monotonic()), 3),
                                keep_alive_s=e.settings.keep_alive)

@@ -53,6 +53,9 @@ class FakeWorker:
         await asyncio.sleep(0.01)
         self.loaded.remove(name)
 
+    def broken_models(self) -> dict[str, str]:
+        return {}
+
 
 class FakeSource:
     def __init__(self, root: Path, cached: list[str], pull_s: float = 0.3) -> None:
