@@ -122,11 +122,18 @@ class SamplingParams:
         # takes the sampler's usual path and pays nothing for them.
         object.__setattr__(self, "_rules", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                            or self.repetition_penalty != 1.0 or bool(self.logit_bias) or self.min_tokens > 0)
+        object.__setattr__(self, "_history", self._rules or self.prompt_logprobs is not None)
 
     @property
     def has_logit_rules(self) -> bool:
         """Whether any logit rule (penalties, bias, min_tokens) applies to this request."""
         return self._rules  # type: ignore[attr-defined]
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether the runner reads this request's token list (logit rules, prompt logprobs):
+        the one flag the scheduler checks per entry."""
+        return self._history  # type: ignore[attr-defined]
 
     @property
     def greedy(self) -> bool:

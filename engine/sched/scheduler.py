@@ -289,7 +289,7 @@ class Scheduler:
             if seq.grammar is not None:
                 out.num_constrained += 1
             p = seq.params
-            if p.has_logit_rules or p.prompt_logprobs is not None:
+            if p.reads_history:
                 entry.history, entry.num_prompt = toks, seq.num_prompt_tokens
                 out.num_ruled += p.has_logit_rules
                 # a first prefill's chunk with positions before the prompt's last (a recompute

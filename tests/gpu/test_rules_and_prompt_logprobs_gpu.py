@@ -15,6 +15,7 @@ import torch
 from engine.load_spec import LoadSpec
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
+from tests.engine_run import run_outputs
 from tests.sharp import sharpen
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -39,21 +40,11 @@ def _core(model_dir, chunk: int | None = None):
     return core
 
 
-def _run(core, reqs: dict) -> dict:
-    for rid, (prompt, p) in reqs.items():
-        core.add_request(rid, "m", prompt, p)
-    got: dict = {r: [] for r in reqs}
-    while core.has_unfinished_requests():
-        for o in core.step():
-            got[o.req_id].append(o)
-    return got
-
-
 @pytest.mark.parametrize("chunk", [None, 16], ids=["whole", "chunks-of-16"])
 def test_prompt_logprobs_match_transformers_within_bf16(model_dir, chunk):
     transformers = pytest.importorskip("transformers")
     core = _core(model_dir, chunk)
-    outs = _run(core, {"a": (PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)),
+    outs = run_outputs(core, {"a": (PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)),
                        "b": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))})
     got = torch.tensor([e["logprob"] for e in outs["a"][0].prompt_logprobs], dtype=torch.float64)
     ids = torch.tensor(PROMPT)
@@ -77,11 +68,11 @@ def test_rules_under_graphs_force_hold_back_and_repeat(model_dir):
     pen = SamplingParams(temperature=0.9, seed=7, max_tokens=16, ignore_eos=True, frequency_penalty=1.0,
                          presence_penalty=0.5, repetition_penalty=1.2)
     plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    first = _run(core, {"f": (PROMPT, forced), "h": (PROMPT, held), "p": (PROMPT[:9], pen), "x": ([5, 6], plain)})
+    first = run_outputs(core, {"f": (PROMPT, forced), "h": (PROMPT, held), "p": (PROMPT[:9], pen), "x": ([5, 6], plain)})
     assert [t for o in first["f"] for t in o.new_token_ids] == [123] * 16
     held_toks = [t for o in first["h"] for t in o.new_token_ids]
     assert first["h"][-1].finish_reason == "stop" and eos not in held_toks[:6] and len(held_toks) in (6, 7)
-    again = _run(core, {"p": (PROMPT[:9], pen)})
+    again = run_outputs(core, {"p": (PROMPT[:9], pen)})
     assert [t for o in again["p"] for t in o.new_token_ids] == [t for o in first["p"] for t in o.new_token_ids]
     graphs = core.slots.get("m").runner.graphs
     assert graphs is not None and core.slots.get("m").runner.graph_steps > 0

@@ -118,20 +118,11 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(arch, moe_model):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_prefill_position_matches(arch, moe_model):
-    from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
+    from ops.bench.fp8_accuracy import prefill_logits
 
     d = moe_model(arch)
     hf = _hf(d)
-    core = _core(d)
-    slot = core.slots.get("m")
-    out = SchedulerOutput()
-    for i, p in enumerate(PROMPTS[:3]):
-        slot.scheduler.blocks.ensure_capacity(i, len(p))
-        out.seqs.append(ScheduledSeq(i, f"r{i}", p, 0, slot.scheduler.blocks.block_table(i), True, 0,
-                                     SamplingParams(temperature=0)))
-    step = slot.runner.prepare(out)
-    with torch.inference_mode():
-        logits = slot.model.compute_logits(slot.model(step.input_ids, step.positions, slot.kv, step.meta))
+    logits = prefill_logits(_core(d), "m", PROMPTS[:3])
     start = 0
     for p in PROMPTS[:3]:
         with torch.no_grad():

@@ -12,6 +12,7 @@ from engine.load_spec import LoadSpec
 from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from engine.worker import protocol as P
+from tests.engine_run import run_outputs
 from tests.sharp import sharpen
 
 PROMPT = [5, 9, 2, 7, 11, 3, 9, 9, 40, 41, 42, 7, 7, 300, 12]
@@ -29,16 +30,6 @@ def _core(model_dir, chunk: int | None = 4, prefix: bool = True) -> EngineCore:
     return core
 
 
-def _run(core: EngineCore, reqs: dict) -> dict:
-    for rid, (prompt, p) in reqs.items():
-        core.add_request(rid, "m", prompt, p)
-    got: dict = {r: [] for r in reqs}
-    while core.has_unfinished_requests():
-        for o in core.step():
-            got[o.req_id].append(o)
-    return got
-
-
 def _hf_logprobs(model_dir, prompt: list[int]) -> torch.Tensor:
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -50,7 +41,7 @@ def _hf_logprobs(model_dir, prompt: list[int]) -> torch.Tensor:
 def test_every_prompt_token_matches_transformers(model_dir, chunk):
     want = _hf_logprobs(model_dir, PROMPT)
     core = _core(model_dir, chunk)
-    outs = _run(core, {"a": (PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)),
+    outs = run_outputs(core, {"a": (PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)),
                        "b": ([4, 5, 6], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))})
     first = outs["a"][0]
     plp = first.prompt_logprobs
@@ -68,10 +59,10 @@ def test_every_prompt_token_matches_transformers(model_dir, chunk):
 def test_a_cached_prefix_is_computed_again_for_its_logprobs(model_dir):
     core = _core(model_dir, None)
     plain = SamplingParams(temperature=0, max_tokens=1)
-    _run(core, {"warm": (PROMPT, plain)})  # its blocks are in the prefix index now
-    again = _run(core, {"hit": (PROMPT, plain)})["hit"][0]
+    run_outputs(core, {"warm": (PROMPT, plain)})  # its blocks are in the prefix index now
+    again = run_outputs(core, {"hit": (PROMPT, plain)})["hit"][0]
     assert again.num_cached_tokens > 0
-    asked = _run(core, {"lp": (PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))})["lp"][0]
+    asked = run_outputs(core, {"lp": (PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))})["lp"][0]
     assert asked.num_cached_tokens == 0 and len(asked.prompt_logprobs) == len(PROMPT) - 1
     assert all(e is not None and e["top_logprobs"] == [] for e in asked.prompt_logprobs)
 
