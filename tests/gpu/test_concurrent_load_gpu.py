@@ -39,14 +39,16 @@ def test_loads_beside_deferred_captures_never_break_a_step(small_model):
     counts: dict[str, int] = {}
     rid = 0
     prebuilt = 0
+    beside = 0  # waves sent while the load was under way
     for cycle in range(4):
         core.unload_model("b")
         core.unload_model("a")
         core.load_model(spec["a"])  # from the warm tier: its small buckets deferred to their first use
         pending = core.begin_load(spec["b"])  # weights in a load thread; its runner after, on this thread
         wave = 0
-        while not pending.done() or core.has_unfinished_requests():
-            if not pending.done() and wave < 40:  # waves of every size: a new bucket, a deferred capture
+        while wave < 12 or not pending.done() or core.has_unfinished_requests():
+            if wave < 12:  # waves of every size: a new bucket, a deferred capture
+                beside += not pending.done()
                 for _ in range(1 + (wave * 7) % 40):
                     rid += 1
                     core.add_request(f"r{rid}", "a", list(range(10, 10 + 5 + rid % 50)), params)
@@ -65,6 +67,6 @@ def test_loads_beside_deferred_captures_never_break_a_step(small_model):
                     done[out.req_id] = out.finish_reason
         graphs = core.slots.get("a").runner.graphs
         assert not graphs.cascade_failed, graphs.cascade_failed
-    assert rid > 100 and prebuilt == 0, (rid, prebuilt)
+    assert beside >= 4 and prebuilt == 0, (beside, prebuilt)
     assert set(done.values()) == {"length"} and all(n == 24 for n in counts.values()), (
         {r: f for r, f in done.items() if f != "length"})
