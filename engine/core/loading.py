@@ -55,6 +55,7 @@ from engine.options import DTYPE_NAMES, EngineOptions
 from engine.kernels.fp8 import fp8_supported
 from engine.kernels.fp8_format import FP8
 from engine.models.llama import QUANTIZATIONS, LlamaModel
+from engine.runner.capture_gate import CaptureGate
 from engine.runner.cuda_graphs import DEFAULT_MIXED_BUCKETS
 from engine.runner.prebuild import RunnerBuild, prebuild_wanted
 from engine.sched.block_manager import BlockManager
@@ -311,18 +312,39 @@ class ModelLoader:
         pending = PendingLoad(spec, cfg, max_len, dtype, needs, quantization, key, compute_key, shape, prebuild, t0,
                               timings={"config_s": t1 - t0, "book_s": time.perf_counter() - t1, "pool_s": t_pool})
         self.pending = pending
-        threading.Thread(target=self._load_thread, args=(pending,), name=f"engine-load-{name}",
-                         daemon=True).start()
+        gate = self._pools.streams.gate if self._pools.streams is not None else None
+        if gate is not None:  # no step captures a graph beside the load thread's device work
+            gate.shut(name)
+        try:
+            threading.Thread(target=self._load_thread, args=(pending, gate), name=f"engine-load-{name}",
+                             daemon=True).start()
+        except BaseException:  # no thread: nothing of the load may stay taken
+            if gate is not None:
+                gate.reopen()
+            self.pending = None
+            self._undo_load(name)
+            raise
         return pending
 
-    def _load_thread(self, p: PendingLoad) -> None:
-        if not p.future.set_running_or_notify_cancel():
-            return
+    def _load_thread(self, p: PendingLoad, gate: CaptureGate | None) -> None:
+        result, error, running = None, None, False
         try:
-            p.future.set_result(self._read_weights(p))
-        except BaseException as e:  # handed to finish_load, which undoes the booking and raises it
-            # Without its traceback: the frames it holds would keep the half-filled weights alive.
-            p.future.set_exception(e.with_traceback(None))
+            running = p.future.set_running_or_notify_cancel()
+            if running:
+                try:
+                    result = self._read_weights(p)
+                except BaseException as e:  # handed to finish_load, which undoes the booking and raises it
+                    # Without its traceback: the frames it holds would keep the half-filled weights alive.
+                    error = e.with_traceback(None)
+        finally:
+            if gate is not None:
+                gate.reopen()  # before the outcome: whoever waits on it may capture at once
+        if not running:
+            return
+        if error is not None:
+            p.future.set_exception(error)
+        else:
+            p.future.set_result(result)
 
     def _read_weights(self, p: PendingLoad) -> WeightsReady:
         """Phase 2, on the load thread: the model's tensors, filled, and the rope cache."""

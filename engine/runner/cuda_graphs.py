@@ -98,6 +98,18 @@ class CudaGraphError(EngineError):
     """Capturing or replaying a step graph failed."""
 
 
+def _stop_recording(device: torch.device, pool) -> None:
+    """After a capture whose end failed (the driver invalidated it): stop the allocator sending
+    allocations to the graphs' pool, which torch leaves on when the end raises, so the set's next
+    capture can begin (it would fail "already recording to mempool_id")."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        try:
+            end(device.index if device.index is not None else torch.cuda.current_device(), pool)
+        except RuntimeError as e:  # not recording (torch ended it after all): nothing to undo
+            log.debug("graph pool %s: %s", pool, e)
+
+
 def _sampled_outputs(bufs: StepBuffers, model: Any, hidden: torch.Tensor,
                      rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The LM head of ``rows`` hidden rows and their greedy picks into the buffers' graph
@@ -129,9 +141,10 @@ class GraphSet:
     A step asks :meth:`capture_deferred` before its inputs are staged, then :meth:`ready` (which
     captures a missing cascade variant on the staged inputs) and :meth:`replay`s when it says so;
     otherwise it runs the same forward eagerly (:meth:`run_eager`, or the runner's own). A bucket
-    whose capture failed has no graph and runs eagerly (a deferred bucket's failure fails the step
-    that needed it; a failed cascade variant does not: that step runs eagerly, and the variant is
-    not tried again)."""
+    whose capture failed has no graph and runs eagerly, the step that asked included; it is not
+    tried again. While the device's capture gate is shut (a load thread at work:
+    engine/runner/capture_gate.py) nothing is captured by a step: it runs eagerly and the capture
+    waits for a later one."""
 
     kind = "graph"
 
@@ -147,11 +160,13 @@ class GraphSet:
         self.warmup_seconds = 0.0
         self.deferred: set[int] = set()  # buckets captured at their first use instead of at load
         self.cascade_failed: set[int] = set()  # buckets whose cascade variant failed to capture
+        self.failed: dict[int, str] = {}  # deferred buckets whose capture failed (they run eagerly): why
         self.deferred_capture_seconds = 0.0
         self.graphs: dict[int, _Graph] = {}
         self.cascade_graphs: dict[int, _Graph] = {}  # the buckets' cascade variants
         self._pool = pool
         self._streams = streams
+        self.gate = streams.gate  # shut while a load thread works on the device: no capture then
         self._stream: torch.cuda.Stream | None = None
 
     @property
@@ -182,19 +197,22 @@ class GraphSet:
         if not staged:
             self._fill_padding(self.bufs, b)
         g = torch.cuda.CUDAGraph()
+        # The pool's id before the first capture too: a capture whose end fails leaves the
+        # allocator recording into its pool, and only the id lets that be undone.
+        pool = self._pool if self._pool is not None else torch.cuda.graph_pool_handle()
         self._capture_stream().wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            if self._pool is None:
-                g.capture_begin(capture_error_mode="thread_local")
-            else:
-                g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            g.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 outputs = self._forward(self.bufs, self.model, self.kv, b, cascade)
             finally:
-                g.capture_end()
+                try:
+                    g.capture_end()
+                except RuntimeError:
+                    _stop_recording(self.device, pool)
+                    raise
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        if self._pool is None:
-            self._pool = g.pool()
+        self._pool = pool
         (self.cascade_graphs if cascade else self.graphs)[b] = _Graph(g, *outputs)
 
     def _warm(self, order: list[int]) -> None:
@@ -218,7 +236,7 @@ class GraphSet:
         capture failed is logged, never tried again, and its steps run eagerly."""
         if bucket in (self.cascade_graphs if cascade else self.graphs):
             return True
-        if not cascade or bucket not in self.graphs or bucket in self.cascade_failed:
+        if not cascade or bucket not in self.graphs or bucket in self.cascade_failed or not self.gate.open:
             return False
         t = time.perf_counter()
         try:
@@ -248,18 +266,24 @@ class GraphSet:
         return g.logits, g.ids
 
     @torch.inference_mode()
-    def capture_deferred(self, bucket: int) -> None:
+    def capture_deferred(self, bucket: int) -> bool:
         """Capture a deferred bucket now (the runner calls this before preparing the step that
-        needs it, since a capture writes padding into the input buffers)."""
-        if bucket not in self.deferred:
-            return
+        needs it, since a capture writes padding into the input buffers). False when nothing was
+        tried: not deferred, or the capture gate is shut (a load thread is at work: the bucket
+        stays deferred and this step runs eagerly). A failed capture is logged and the bucket
+        runs eagerly from then on (``failed``); the step that asked goes on."""
+        if bucket not in self.deferred or not self.gate.open:
+            return False
         self.deferred.discard(bucket)
         t = time.perf_counter()
         try:
             self._capture_one(bucket)
         except RuntimeError as e:
-            raise CudaGraphError(f"{self.kind} capture of bucket {bucket} failed: {e}") from e
+            self.failed[bucket] = str(e)
+            log.warning("%s capture of bucket %d failed; its steps run eagerly: %s", self.kind, bucket, e)
+            return True
         self.deferred_capture_seconds += time.perf_counter() - t
+        return True
 
     @staticmethod
     def _fill_padding(bufs: StepBuffers, bucket: int) -> None:  # pragma: no cover - abstract

@@ -177,13 +177,13 @@ class ModelRunner:
 
     def capture_next_deferred(self) -> bool:
         """Capture the largest graph still deferred (decode first, then mixed); False when none
-        is left. The engine calls this while it is idle, so the first busy steps after a load
-        need not stop for captures (each one a few ms of host and device time)."""
+        is left or the capture gate is shut. The engine calls this while it is idle, so the
+        first busy steps after a load need not stop for captures (each one a few ms of host and
+        device time). A failed capture counts as done (that bucket runs eagerly)."""
         for graphs in (self.graphs, self.mixed):
             if graphs is not None and graphs.deferred:
                 with self._on_last():
-                    graphs.capture_deferred(max(graphs.deferred))
-                return True
+                    return graphs.capture_deferred(max(graphs.deferred))
         return False
 
     def _on_last(self):

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 
 import torch
 
+from engine.runner.capture_gate import CaptureGate
+
 
 # A lower number is a higher priority; torch maps one beyond the device's range to its highest.
 URGENT_PRIORITY = -64
@@ -43,6 +45,9 @@ class StreamPool:
         self.device = device
         self._free: dict[int, list[torch.cuda.Stream]] = {}
         self.created = 0
+        # The device's capture gate travels with the pool every runner and graph set already
+        # holds (engine/runner/capture_gate.py): the loader shuts it, the graph sets read it.
+        self.gate = CaptureGate()
 
     def take(self, borrower: object, priority: int = 0) -> torch.cuda.Stream:
         """A stream of ``priority`` for as long as ``borrower`` lives. Safe from several threads
