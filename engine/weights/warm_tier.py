@@ -9,9 +9,11 @@ CUDA streams and returns when they have landed. A model bigger than the whole bu
 the lock only for ``restore``'s device transfers of an entry that is pinned against eviction.
 
 ``prepin()`` page-locks the whole budget once (a thread at start: ``prepin_async``); puts then take
-a range of that arena. Nothing else is ever page-locked: a put before the arena exists stores a
-pageable copy (restored at pageable speed) rather than pin a buffer on the unload's path (~0.3 s
-per GB on the H200: the first eviction of an 8B took 19.9 s to answer after when it pinned). It
+a range of that arena, from its first pinned piece on (a range lies inside the pinned prefix).
+Nothing else is ever page-locked, and with pinning on nothing pageable is stored: a put finding no
+pinned range stores nothing (False) rather than pin a buffer on the unload's path (~0.3 s per GB
+on the H200: the first eviction of an 8B took 19.9 s to answer after when it pinned) or copy into
+pageable memory (15 s for an 8B there). It
 pins in ``PIN_CHUNK_BYTES`` pieces, one ``cudaHostRegister`` each, and asks ``wait_turn`` before
 each: the worker passes "wait until the engine is idle, or a pace under traffic", because a
 registration holds the driver up (on the H200, 40 GiB pinned beside the first load after a
@@ -71,10 +73,13 @@ class _Arena:
     """One page-locked host allocation of the whole budget, carved into entry buffers (first fit,
     frees coalesced), so a put after the start-up pinning pays only its copy."""
 
-    def __init__(self, buf: torch.Tensor, cuts: list[int] | None = None) -> None:
+    def __init__(self, buf: torch.Tensor, cuts: list[int] | None = None, limit: int | None = None) -> None:
         self.buf = buf
         self.free: list[tuple[int, int]] = [(0, buf.numel())]  # (offset, size), by offset
         self.cuts = cuts or []  # offsets where one page-locked registration ends and the next begins
+        # Ranges end at or below this offset: the page-locked prefix while the pinning goes on
+        # (the tier serves puts from the first pinned piece on, not from the last).
+        self.limit = buf.numel() if limit is None else limit
 
     def pieces(self, off: int, n: int) -> list[tuple[int, int]]:
         """``[off, off + n)`` as (start, end) ranges relative to ``off``, none crossing a cut."""
@@ -84,6 +89,8 @@ class _Arena:
 
     def take(self, n: int) -> int | None:
         for i, (off, size) in enumerate(self.free):
+            if off + n > self.limit:
+                return None  # by offset: every later range lies further out
             if size >= n:
                 if size == n:
                     del self.free[i]
@@ -133,23 +140,26 @@ def _cuts(base: int, n: int, chunk: int) -> list[int]:
     return [a - base for a in range((base // chunk + 1) * chunk, base + n, chunk)]
 
 
-def _pin_pieces(buf: torch.Tensor, cuts: list[int], pin: bool, wait_turn: Callable[[], None]) -> bool:
+def _pin_pieces(buf: torch.Tensor, cuts: list[int], pin: bool, wait_turn: Callable[[], None],
+                pinned: Callable[[int], None]) -> bool:
     """Page-lock ``buf`` piece by piece between ``cuts`` (with ``pin``), calling ``wait_turn``
-    before each piece. False when a registration failed (then none is left: it stays pageable)."""
+    before each piece and ``pinned(end)`` after it. False when a registration failed (then none
+    is left: it stays pageable)."""
     base, bounds = buf.data_ptr(), [0, *cuts, buf.numel()]
     done: list[int] = []
+    # registered from the first piece on: the finalizer unregisters whatever was done
+    weakref.finalize(buf, _unregister_all, done)
     for start, end in zip(bounds, bounds[1:]):
         wait_turn()
-        if not pin:
-            continue
-        err = torch.cuda.cudart().cudaHostRegister(base + start, end - start, 0)
-        if int(err) != 0:
-            log.warning("warm tier: cudaHostRegister of %d bytes failed (%s); keeping it pageable", end - start, err)
-            _unregister_all(done)
-            return False
-        done.append(base + start)
-    if done:
-        weakref.finalize(buf, _unregister_all, done)  # before its memory is freed
+        if pin:
+            err = torch.cuda.cudart().cudaHostRegister(base + start, end - start, 0)
+            if int(err) != 0:
+                log.warning("warm tier: cudaHostRegister of %d bytes failed (%s); keeping it pageable", end - start, err)
+                _unregister_all(done)
+                done.clear()
+                return False
+            done.append(base + start)
+        pinned(end)
     return True
 
 
@@ -177,20 +187,27 @@ class WarmTier:
         if not self.budget_bytes or self._arena is not None:
             return False
         buf = torch.empty(self.budget_bytes, dtype=torch.uint8)
-        cuts = _cuts(buf.data_ptr(), buf.numel(), self.pin_chunk_bytes)
-        if not _pin_pieces(buf, cuts, self.pin, wait_turn):
-            cuts = []  # pageable: nothing to split copies at
+        arena = _Arena(buf, _cuts(buf.data_ptr(), buf.numel(), self.pin_chunk_bytes), limit=0)
         with self._lock:
-            if self._arena is None:
-                self._arena = _Arena(buf, cuts)
+            if self._arena is not None:
+                return False
+            self._arena = arena
+
+        def pinned(end: int) -> None:
+            with self._lock:
+                arena.limit = end
+
+        if not _pin_pieces(buf, arena.cuts, self.pin, wait_turn, pinned):
+            with self._lock:
+                arena.limit = 0  # nothing page-locked is left: no put takes a range (see put)
         return True
 
     def prepin_async(self, wait_turn: Callable[[], None] = lambda: None) -> threading.Thread:
-        """:meth:`prepin` in a daemon thread (puts before it ends pin their own buffers)."""
+        """:meth:`prepin` in a daemon thread (puts take ranges of what it has pinned so far)."""
         def run() -> None:
             try:
                 self.prepin(wait_turn)
-            except Exception as e:  # host RAM refused: the tier keeps pinning per put
+            except Exception as e:  # host RAM refused: with pinning on, the tier stores nothing
                 log.warning("warm tier: pinning %d bytes at start failed: %s", self.budget_bytes, e)
 
         t = threading.Thread(target=run, name="warm-tier-pin", daemon=True)
@@ -274,12 +291,13 @@ class WarmTier:
     def put(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
         """Store host copies of ``tensors`` (any device) under ``name``, replacing an older copy.
 
-        Returns False, storing nothing and evicting nothing, when it cannot fit the budget.
+        Returns False, storing nothing and evicting nothing, when it cannot fit the budget or,
+        with ``pin``, the part of the arena page-locked so far (:meth:`prepin`).
         """
         slots, total = _layout(tensors)
         with self._lock:
-            if total > self.budget_bytes:
-                return False
+            if total > self.budget_bytes or (self.pin and (self._arena is None or total > self._arena.limit)):
+                return False  # over the budget, or over what is page-locked yet (see below)
             old = self._entries.pop(name, None)  # the new copy replaces it
             if not self._evict_for(total):
                 if old is not None:
@@ -288,14 +306,18 @@ class WarmTier:
             if old is not None:
                 self._release(old)
             off = self._carve(total)
-            if off is None and self._arena is not None:
-                return False  # busy entries fragment the pinned arena: store nothing
+            if off is None and (self._arena is not None or self.pin):
+                # Busy entries fragment the arena, or its pinning has not reached this much yet:
+                # store nothing. A pageable copy on an unload's path took 15 s for an 8B on the
+                # H200 (the stepping thread waiting on it, every model's step with it); the
+                # model's next load reads its files instead (docs/perf.md, density warm at 187541c).
+                return False
             # reserve the bytes now so a concurrent put cannot overshoot the budget
             entry = _Entry(torch.empty(0, dtype=torch.uint8), slots, total, users=1, arena_off=off)
             self._entries[name] = entry
         try:
             t0 = time.perf_counter()
-            # before the arena is pinned: a pageable copy, never a page-locking call on this path
+            # without an arena range (no pinning: a CPU engine) a pageable buffer of its own
             buf = self._arena.buf[off:off + total] if off is not None else torch.empty(total, dtype=torch.uint8)
             t1 = time.perf_counter()
             for n, t in tensors.items():

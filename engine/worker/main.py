@@ -41,7 +41,7 @@ from engine.worker.setup import confine, make_core
 STATUS_INTERVAL_S = 0.25
 HEARTBEAT_INTERVAL_S = 0.5
 MAX_FAILED_STEPS = 16  # consecutive failed steps after which the worker exits (a restart is the cure)
-PIN_PACE_S = 1.0  # the warm tier pins one piece at least this often while the engine is busy
+PIN_PACE_S = 0.1  # the warm tier pins one piece at least this often while the engine is busy
 RECV_BYTES = 1 << 20
 
 
@@ -460,8 +460,10 @@ def main(argv: list[str] | None = None) -> int:
         # Pin it now (confined, not at the first unload), a piece at a time while the engine is
         # idle: the first load after a restart must not wait for 40 GiB of pinning. Under
         # traffic that never pauses, one piece every PIN_PACE_S still goes (64 MiB, ~30 ms on
-        # the H200: ~3 % of the time), so the tier is pinned before evictions need it instead
-        # of never (an unpinned tier stores pageable copies, restored at a seventh of the speed).
+        # the H200: at most ~25 % of the time, 0.6 GB/s), and each piece serves puts as soon as
+        # it is locked: at one piece a second, 12 bf16 8Bs swapping under traffic had none of
+        # a 64 GiB tier pinned two minutes in, and an unpinned tier stores nothing (its pageable
+        # copies cost 15 s an unload: docs/perf.md, density warm at 187541c).
         core.loader.warm_tier.prepin_async(lambda: worker.idle.wait(PIN_PACE_S))
     stop = threading.Event()
     hb = threading.Thread(target=_heartbeat_loop, args=(conn, worker.phase, stop), daemon=True, name="heartbeat")

@@ -31,6 +31,7 @@ def test_loads_beside_deferred_captures_never_break_a_step(small_model):
     core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=1024, seed=0,
                                     decode_buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64), warm_tier_bytes=4 << 30),
                       device="cuda", budget=40 << 30)
+    core.loader.warm_tier.prepin()  # page-locked at start, as the worker does: puts need a pinned range
     spec = {n: LoadSpec(n, small_model, max_model_len=1024, max_num_seqs=64) for n in "ab"}
     core.load_model(spec["a"])
     core.load_model(spec["b"])  # first loads: measured, so later ones skip the warm-up

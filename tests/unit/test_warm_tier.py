@@ -155,9 +155,10 @@ def test_pin_chunk_must_be_whole_pages():
         WarmTier(1 << 20, pin=False, pin_chunk_bytes=1000)
 
 
-def test_a_put_never_page_locks_only_the_start_up_pinning_does(monkeypatch):
-    """An unload's stash must not pay for page-locking (seconds per 8B): before the arena is
-    pinned a put stores a pageable copy; the registrations all happen in prepin, piece by piece."""
+def test_a_put_never_page_locks_nor_stores_pageable_only_the_start_up_pinning_locks(monkeypatch):
+    """An unload's stash must not pay for page-locking (seconds per 8B), nor copy into pageable
+    memory (15 s for an 8B on the H200, every model's step waiting): before any of the arena is
+    pinned a put stores nothing; the registrations all happen in prepin, piece by piece."""
     calls = []
 
     class Driver:
@@ -172,11 +173,59 @@ def test_a_put_never_page_locks_only_the_start_up_pinning_does(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Driver())
     m = model(3)
     tier = WarmTier(2 * nbytes(m), pin=True, pin_chunk_bytes=4096)
-    assert tier.put("a", m) and calls == []  # no arena yet: pageable, nothing registered
-    dst = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in m.items()}
-    assert tier.restore("a", dst) and all(torch.equal(dst[k], m[k]) for k in m)
+    assert not tier.put("a", m) and calls == [] and tier.models() == []  # no arena yet: nothing stored
     tier.prepin()
     assert calls and all(c == "register" for c, _ in calls)
     assert sum(n for _, n in calls) == 2 * nbytes(m)  # the whole budget, once
     n = len(calls)
     assert tier.put("b", model(4)) and len(calls) == n  # puts take arena ranges: no more calls
+    dst = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in m.items()}
+    assert tier.restore("b", dst) and all(torch.equal(dst[k], model(4)[k]) for k in m)
+
+
+def test_puts_are_served_from_the_pinned_prefix_while_the_pinning_goes_on(monkeypatch):
+    """The first pinned pieces serve the first unloads: a put fits once the page-locked prefix
+    holds it, not once the whole budget is pinned; a put larger than that prefix stores nothing
+    and evicts nothing."""
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: type("D", (), {
+        "cudaHostRegister": lambda self, p, n, f: 0, "cudaHostUnregister": lambda self, p: 0})())
+    m = model(7)
+    tier = WarmTier(4 * nbytes(m), pin=True, pin_chunk_bytes=4096)
+    pieces_for_one = -(-nbytes(m) // 4096) + 1  # its bytes, whatever the buffer's alignment
+    seen = []
+
+    def turn():  # before each piece: try a put, as an unload beside the pinning would
+        done = len(seen)
+        ok = tier.put(f"m{done}", model(done))
+        seen.append((tier._arena.limit, ok))
+
+    tier.prepin(turn)
+    first_ok = next(i for i, (_, ok) in enumerate(seen) if ok)
+    assert all(limit < nbytes(m) for limit, ok in seen[:first_ok])  # refused while too little was pinned
+    assert first_ok <= pieces_for_one and seen[first_ok][0] >= nbytes(m)
+    kept = tier.models()
+    assert kept and all(tier._entries[k].arena_off + nbytes(m) <= tier._arena.limit for k in kept)
+    for k in kept:
+        want = model(int(k[1:]))
+        dst = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in want.items()}
+        assert tier.restore(k, dst) and all(torch.equal(dst[n], want[n]) for n in want)
+
+
+def test_a_failed_registration_leaves_nothing_pinned_and_the_tier_stores_nothing(monkeypatch):
+    calls = []
+
+    class Driver:
+        def cudaHostRegister(self, ptr, n, flags):
+            calls.append("register")
+            return 0 if len(calls) < 3 else 2  # the third piece: out of lockable memory
+
+        def cudaHostUnregister(self, ptr):
+            calls.append("unregister")
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Driver())
+    m = model(2)
+    tier = WarmTier(4 * nbytes(m), pin=True, pin_chunk_bytes=4096)
+    tier.prepin()
+    assert calls.count("unregister") == 2  # the two that were registered, undone
+    assert tier._arena.limit == 0 and not tier.put("a", m)
