@@ -188,6 +188,11 @@ class ModelEntry:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
+    def next_change(self) -> asyncio.Event:
+        """The event the next ``signal_change`` sets (take it with no await after reading the
+        state, and no change is missed)."""
+        return self._changed
+
     async def wait_change(self, timeout: float) -> bool:
         """Until the next ``signal_change`` (True) or ``timeout`` seconds (False). Read the state
         before calling, with no await in between, and no change is missed."""

@@ -21,8 +21,10 @@ loads never plan on the same free bytes; pulls, tokenizer loads and the post-loa
 outside it, so different models still load in parallel up to the engine step. A ``Load`` offers
 the models :class:`~agent.manager.room.RoomPlanner` finds evictable; a refusal for room names
 the shortest prefix of that offer that makes room. Those are drained and unloaded, and the load
-is tried once more; a second refusal, or one that eviction cannot cure, fails the load with the
-engine's numbers. Idle models are unloaded once their keep_alive has passed; with autoload on,
+is tried again, as often as a refusal names idle models to evict. A refusal no idle model can
+cure waits for a model that may make room (busy with requests: never evicted while busy; or on
+its way out) to change and tries again, until ``server.autoload_timeout`` has passed; then, or
+when no model could ever make room, the load fails with the engine's numbers. Idle models are unloaded once their keep_alive has passed; with autoload on,
 a request for a cached model that is not loaded loads it first.
 
 The states, errors and the per-model entry are in ``agent.manager.entries``; what the admin API
@@ -342,7 +344,8 @@ class ModelManager:
         spec = e.settings.load_spec(model_dir)
         e.derived_load = model_dir != e.snapshot
         async with self._room:
-            for attempt in (1, 2):
+            deadline = time.monotonic() + self.settings.server.autoload_timeout
+            while True:
                 offered = self._planner.evictable(exclude=e.name)
                 try:
                     e.in_worker = True
@@ -355,13 +358,28 @@ class ModelManager:
                     if ex.code != "no_room":
                         raise
                     plan = self._planner.after_refusal(offered, ex.details)
-                    if attempt == 2 or not plan.victims:
-                        raise plan.refusal(e.name) from None
-                self._log.info("evict_for_load", model=e.name, evict=list(plan.victims),
-                               needed=plan.details["needed"], free=plan.details["free"])
-                for name in plan.victims:
-                    await self._evict(self.models[name], f"evicted to make room for {e.name}")
-        raise NoRoom(f"no room to load {e.name!r}")  # not reached: the second attempt returns or raises
+                if plan.victims:
+                    # Each pass unloads at least one model and none loads meanwhile (this lock):
+                    # the loop ends within as many passes as there are models.
+                    self._log.info("evict_for_load", model=e.name, evict=list(plan.victims),
+                                   needed=plan.details["needed"], free=plan.details["free"])
+                    for name in plan.victims:
+                        await self._evict(self.models[name], f"evicted to make room for {e.name}")
+                    continue
+                # Nothing idle to evict: wait for a model that may free room (one busy with
+                # requests, one on its way out) to change, until autoload_timeout has passed.
+                waits = self._planner.may_free(exclude=e.name)
+                left = deadline - time.monotonic()
+                if not waits or left <= 0:
+                    raise plan.refusal(e.name) from None
+                self._log.info("room_wait", model=e.name, waiting_on=[w.name for w in waits],
+                               short=plan.details["short"], left_s=round(left, 3))
+                changes = [asyncio.ensure_future(w.next_change().wait()) for w in waits]
+                try:
+                    await asyncio.wait(changes, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for c in changes:
+                        c.cancel()
 
     async def _evict(self, v: ModelEntry, why: str) -> None:
         """Unload an idle model as its own operation (so the admin API sees it busy)."""

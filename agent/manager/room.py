@@ -3,6 +3,7 @@
 The engine knows the bytes, the manager knows who is idle. :class:`RoomPlanner` answers the
 manager's questions from its entries and changes nothing: the models a ``Load`` may offer for
 eviction (ready, unpinned, nothing in flight, no operation running, least recently used first),
+those a refused load may wait for (busy, or on their way out),
 what a refusal (``WorkerError`` with code ``no_room``, naming the shortest prefix of that offer
 that makes room) calls for, and which models are idle past their keep_alive. The
 :class:`~agent.manager.manager.ModelManager` applies the answers: it drains and unloads.
@@ -57,6 +58,13 @@ class RoomPlanner:
                if e.state is State.READY and not e.pin and e.in_flight == 0 and e.name != exclude
                and not e.lock.locked() and not e.busy]
         return [e.name for e in sorted(out, key=lambda e: e.last_used_mono)]
+
+    def may_free(self, exclude: str = "") -> list[ModelEntry]:
+        """Models not evictable now whose next change may make room: ready and unpinned but busy
+        (requests in flight, an operation running), or on their way out (draining, unloading)."""
+        evictable = set(self.evictable(exclude))
+        return [e for e in self._models.values() if e.name != exclude and e.name not in evictable and (
+            (e.state is State.READY and not e.pin) or e.state in (State.DRAINING, State.UNLOADING))]
 
     def after_refusal(self, offered: list[str], refusal: Mapping[str, Any]) -> Eviction:
         """The eviction a ``no_room`` refusal names, when all of it is among ``offered``."""

@@ -64,34 +64,51 @@ def test_lru_eviction_spares_pinned_and_busy_models(daemon) -> None:
     assert model(daemon, "m-a")["state"] == "ready" and model(daemon, "m-a")["pinned"] is True
     wait_engine_empty(daemon, gone=("m-b",))
 
-    # m-c busy, m-a pinned: nothing may go, so loading m-b is refused with the numbers.
+    # m-c busy, m-a pinned: nothing may go now, so loading m-b waits for m-c's request to end
+    # (a busy model is never evicted), then evicts it.
     conn, resp = open_stream(daemon, "m-c")
     assert model(daemon, "m-c")["in_flight"] == 1
-    code, body = admin(daemon, "m-b", "load")
+    code, body = admin(daemon, "m-b", "load", wait=False)
+    assert code == 202, body
+    assert model(daemon, "m-b")["state"] == "loading" and model(daemon, "m-c")["state"] == "ready"
+    chunks, done = read_stream(resp)
+    conn.close()
+    assert done and chunks[-1]["choices"][0]["finish_reason"] == "length"  # never cut
+    wait_state(daemon, "m-b", {"ready"})
+    c = model(daemon, "m-c")
+    assert c["state"] == "cached" and "evicted to make room for m-b" in c["reason"], c
+    logs = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
+    waits = [r for r in logs if r.get("event") == "room_wait" and r.get("model") == "m-b"]
+    assert waits and waits[0]["waiting_on"] == ["m-c"], waits
+
+    # m-a and m-b pinned: no model could ever make room, so loading m-c is refused at once,
+    # with the numbers.
+    assert daemon.post("/admin/v1/models/m-b/pin", headers=TOKEN)[0] == 200
+    t = time.monotonic()
+    code, body = admin(daemon, "m-c", "load")
+    assert time.monotonic() - t < 10  # not the autoload_timeout's 20 s: nothing to wait for
     assert code == 507 and body["error"]["code"] == "no_room", body
     d = body["error"]["details"]
     assert d["needed"] > d["free"] > 0 and d["short"] > 0 and d["evictable"] == 0 and d["budget"] > 0, d
     assert f"({d['needed']} B)" in body["error"]["message"] and "short by" in body["error"]["message"]
     assert body["model"]["state"] == "failed" and body["model"]["refusal"]["needed"] == d["needed"]
-    chunks, done = read_stream(resp)
-    conn.close()
-    assert done and chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert {model(daemon, n)["state"] for n in ("m-a", "m-c")} == {"ready"}
+    assert {model(daemon, n)["state"] for n in ("m-a", "m-b")} == {"ready"}
 
-    # Unpinned through the admin API, used after m-c: now m-c is the one to go.
-    code, body = daemon.post("/admin/v1/models/m-a/unpin", headers=TOKEN)
-    assert code == 200 and body["model"]["pinned"] is False
+    # Both unpinned through the admin API, m-a used after m-b: now m-b is the one to go.
+    for n in ("m-a", "m-b"):
+        code, body = daemon.post(f"/admin/v1/models/{n}/unpin", headers=TOKEN)
+        assert code == 200 and body["model"]["pinned"] is False
     time.sleep(0.01)
     assert complete(daemon, "m-a")[0] == 200
-    _load(daemon, "m-b")
-    assert model(daemon, "m-c")["state"] == "cached" and model(daemon, "m-a")["state"] == "ready"
+    _load(daemon, "m-c")
+    assert model(daemon, "m-b")["state"] == "cached" and model(daemon, "m-a")["state"] == "ready"
     _, metrics = daemon.get("/metrics")
-    assert 'infire_model_state{model="m-c",state="cached"} 1.0' in metrics
-    assert 'infire_model_state{model="m-b",state="ready"} 1.0' in metrics
+    assert 'infire_model_state{model="m-b",state="cached"} 1.0' in metrics
+    assert 'infire_model_state{model="m-c",state="ready"} 1.0' in metrics
     assert daemon.post("/admin/v1/models/m-a/pin", headers=TOKEN)[0] == 200
     logs = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
     evictions = [r["model"] for r in logs if r.get("event") == "evict"]
-    assert evictions == ["m-b", "m-c"], evictions
+    assert evictions == ["m-b", "m-c", "m-b"], evictions
 
 
 def test_unload_during_streaming_drains_then_frees(daemon) -> None:
