@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 35's density runs on the GPU machine, each phase given what is left of the call's time.
 #   . ops/gpu/env.sh; bash ops/gpu/density.sh fp8 bf16        (phases in order; results under $OUT;
-#   FP8_N / FP8_S: models and seconds of the fp8 phase, 12 and 120 by default)
+#   FP8_N / FP8_S: models and seconds of the fp8 phase, 12 and 120 by default; BF16_S / WARM_S:
+#   seconds of the bf16 and warm phases, 120 by default)
 # Phases: fp8 (12 x 8B, FP8 weights + KV, 0.5 req/s each), bf16 (12 x 8B, Zipf 1.0, 4 req/s, page
 # cache), warm (the same with a 64 GiB warm tier), drills (four FP8 models serving: 20 load/unload
 # cycles of an FP8 and a plain model, a load that fails in the engine, a load under a neighbour's
@@ -31,8 +32,8 @@ for phase in "$@"; do
   case $phase in
     fp8) bench fp8 --models ${FP8_N:-12} --quantization fp8 --kv-cache-dtype fp8 --rate-per-model 0.5 --duration ${FP8_S:-120} \
            --prompt-len 256 --gen-len 128 ;;
-    bf16) bench bf16 --models 12 --rate 4 --zipf 1.0 --duration 120 --prompt-len 256 --gen-len 128 ;;
-    warm) bench warm --models 12 --rate 4 --zipf 1.0 --duration 120 --prompt-len 256 --gen-len 128 \
+    bf16) bench bf16 --models 12 --rate 4 --zipf 1.0 --duration ${BF16_S:-120} --prompt-len 256 --gen-len 128 ;;
+    warm) bench warm --models 12 --rate 4 --zipf 1.0 --duration ${WARM_S:-120} --prompt-len 256 --gen-len 128 \
             --warm-tier-bytes 64GiB ;;
     drills) bench drills --models 4 --quantization fp8 --kv-cache-dtype fp8 --rate-per-model 1 --duration 130 \
               --prompt-len 256 --gen-len 128 --worker-hang-timeout 10 --drill-cycles 20 --drill-cycles-at 2 \
