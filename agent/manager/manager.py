@@ -295,6 +295,7 @@ class ModelManager:
             in_engine = True
             e.tokenizer = await tok_task
             e.info, e.load_seconds = loaded.info, time.monotonic() - t0
+            engine_timings = loaded.timings
             t = time.monotonic()
             if self.verify is not None and not await self.verify(e):
                 raise WorkerError("the model loaded but could not decode a token", "decode_failed")
@@ -321,6 +322,10 @@ class ModelManager:
             return
         e.in_worker = False
         self.metrics.load_seconds.labels(model=e.name).observe(e.load_seconds)
+        # Where a load's seconds went (the agent's phases, the engine's own): how a slow swap is read.
+        self._log.info("model_loaded", model=e.name, seconds=round(e.load_seconds, 3),
+                       phases={k: round(b - a, 3) for k, (a, b) in e.phases.items()},
+                       engine={k: round(v, 3) for k, v in engine_timings.items()})
         e.touch()  # keep_alive and LRU count from the load, not from an older use
         e.crashed_loads = 0
         e.move(State.READY)
@@ -343,13 +348,17 @@ class ModelManager:
             model_dir, derive = (found, False) if found is not None else (e.snapshot, self.source is not None)
         spec = e.settings.load_spec(model_dir)
         e.derived_load = model_dir != e.snapshot
+        asked = time.monotonic()
         async with self._room:
             deadline = time.monotonic() + self.settings.server.autoload_timeout
             while True:
                 offered = self._planner.evictable(exclude=e.name)
                 try:
                     e.in_worker = True
+                    sent = time.monotonic()
                     loaded = await self.worker.load(spec, offered)
+                    # the wait for the room lock, evictions and room waits before the load that took
+                    e.phases["room"] = (asked, sent)
                     if derive:
                         self.source.want_derived(e.name, FP8_DERIVED)
                     return loaded

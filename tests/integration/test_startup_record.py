@@ -14,7 +14,7 @@ TICK = 0.011  # the kernel's process start time is in 10 ms ticks; figures are r
 # The worker's own phases, one after another on its clock; worker_hello (ours) spans them.
 WORKER = ["worker_python", "worker_torch", "worker_engine_imports", "worker_engine_core", "worker_device", "worker_sandbox"]
 AGENT = ["agent_start", "http_listening", "worker_spawn", "worker_hello"]
-MODEL_STEPS = ["model_pull", "model_verify", "model_load", "model_tokenizer", "model_canary"]
+MODEL_STEPS = ["model_pull", "model_verify", "model_room", "model_load", "model_tokenizer", "model_canary"]
 
 
 def _startup_log(d: Daemon, timeout: float = 10.0) -> dict:
@@ -60,6 +60,13 @@ def test_admin_status_has_the_start_by_phase_from_exec_to_ready(make_tiny_model,
         assert load["start_s"] >= hello_end - 1e-5
         assert by_name["model_canary"]["start_s"] >= load["start_s"] + load["seconds"] - 1e-5
         assert {"weights_s", "total_s"} <= set(load["parts"]) and load["parts"]["total_s"] <= load["seconds"]
+        room = by_name["model_room"]  # the first part of the load: before the engine's load that took
+        assert load["start_s"] - 1e-5 <= room["start_s"] <= room["start_s"] + room["seconds"] <= (
+            load["start_s"] + load["seconds"] - load["parts"]["total_s"] + 1e-5)
+        logs = [json.loads(line) for line in d.logs().splitlines() if line.startswith("{")]
+        loaded = [r for r in logs if r.get("event") == "model_loaded" and r.get("model") == MODEL]
+        assert len(loaded) == 1 and {"room", "load", "canary"} <= set(loaded[0]["phases"]), loaded
+        assert loaded[0]["engine"]["total_s"] == round(load["parts"]["total_s"], 3)
         # The worker is started first: its start overlaps the agent's own imports and listeners.
         agent = by_name["agent_start"]
         assert first["start_s"] < agent["start_s"] + agent["seconds"] <= by_name["http_listening"]["start_s"] + 1e-5
