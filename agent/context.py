@@ -50,7 +50,9 @@ class AgentContext:
         # the books); before the worker has said, what its models hold.
         used = mem.used if mem is not None else sum(s.device_bytes for s in self.worker.state.models.values())
         out: dict[str, Any] = {"total_bytes": total, "used_bytes": used,
-                               "device_bytes": mem.device if mem is not None else None}
+                               "device_bytes": mem.device if mem is not None else None,
+                               "pool_resizes": mem.pool_resizes if mem is not None else None,
+                               "pool_resize_s": mem.pool_resize_s if mem is not None else None}
         if isinstance(g.memory_budget, float):
             out["fraction"] = g.memory_budget
         return out

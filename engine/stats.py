@@ -78,6 +78,10 @@ class MemoryStats:
     device: int
     models: dict[str, ModelMemory]
     models_omitted: int  # rows left out of ``models`` (:meth:`largest`)
+    # KV pool re-creations since the engine started and their seconds (each one rebuilds every
+    # loaded model's runner, graphs included: what a swap costs the models that stay).
+    pool_resizes: int = 0
+    pool_resize_s: float = 0.0
 
     def largest(self, n: int) -> MemoryStats:
         """This split with at most ``n`` model rows, the largest by weights first; the rest are

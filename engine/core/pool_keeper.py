@@ -90,6 +90,8 @@ class PoolKeeper:
         self.mixed_buckets = options.mixed_buckets
         self.cuda_graphs = options.cuda_graphs
         self.streams = streams
+        self.resizes = 0  # pool re-creations (each rebuilds every loaded model's runner) and their seconds
+        self.resize_seconds = 0.0
         # What the device held before this engine put anything on it (the CUDA context, other
         # processes): the fixed slack beside the budget; reconcile() counts only what comes after.
         self._device_baseline = device_held_bytes(device) if device.type == "cuda" else 0
@@ -239,6 +241,8 @@ class PoolKeeper:
         Ledger order: a larger pool is booked before it is allocated, a smaller one after."""
         pool = self.pool
         old = pool.num_pages
+        t0 = time.perf_counter()
+        self.resizes += 1
         pooled = [s for s in self._slots.values() if s.pages is not None]
         for s in pooled:  # views (and captured graphs) of the old memory must go first
             s.runner = s.kv = None
@@ -262,6 +266,7 @@ class PoolKeeper:
         finally:
             for s in pooled:
                 self.reattach_runner(s)
+            self.resize_seconds += time.perf_counter() - t0
 
     def attach_runner(self, slot: ModelSlot) -> None:
         """KV views over the pool and a runner on them (on CUDA: its decode graphs captured)."""
@@ -400,4 +405,5 @@ class PoolKeeper:
                            kv_pages_free=pool.num_free if pool is not None else 0, untracked=snap.untracked,
                            device=(max(0, device_held_bytes(self.device) - self._device_baseline)
                                    if self.device.type == "cuda" else 0),
-                           models=models, models_omitted=0)
+                           models=models, models_omitted=0, pool_resizes=self.resizes,
+                           pool_resize_s=round(self.resize_seconds, 6))

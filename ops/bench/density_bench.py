@@ -58,6 +58,7 @@ import re
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -247,6 +248,24 @@ def metric_counts(url: str, name: str) -> dict[str, float]:
     return out
 
 
+def load_breakdown(events: list[dict]) -> dict[str, Any]:
+    """The loads that ended ready in the window (``model_loaded`` events): each one's model,
+    seconds, phases and engine timings, and the median of every phase and timing."""
+    loads = [ev for ev in events if ev.get("event") == "model_loaded"]
+
+    def medians(key: str) -> dict[str, float]:
+        parts: dict[str, list[float]] = {}
+        for ev in loads:
+            for k, v in (ev.get(key) or {}).items():
+                if isinstance(v, (int, float)):
+                    parts.setdefault(k, []).append(float(v))
+        return {k: round(statistics.median(v), 3) for k, v in sorted(parts.items())}
+
+    return {"count": len(loads), "seconds_p50": round(statistics.median([ev["seconds"] for ev in loads]), 3)
+            if loads else None, "phases_p50": medians("phases"), "engine_p50": medians("engine"),
+            "loads": [[ev.get("model"), ev.get("seconds"), ev.get("phases"), ev.get("engine")] for ev in loads][:300]}
+
+
 def log_events(path: Path, offset: int) -> list[dict]:
     """The agent's JSON log lines from byte ``offset`` on (other lines skipped)."""
     out = []
@@ -397,6 +416,7 @@ class Monitor(threading.Thread):
         self.nvml_peak = 0 if nvml else None  # the agent's processes (worker pids as status named them)
         self.nvml_peak_all = 0  # every compute process on the device (pids of another namespace included)
         self.ledger_peak = self.ledger_now = self.device_now = 0
+        self.pool_resizes_now: tuple[int, float] = (0, 0.0)  # the engine's count and seconds, last sampled
         self.changes: list[list[Any]] = []  # [s into the window, model, state before, state after]
         # [s into the window, GiB: the ledger's use, the engine's own device figure, NVML]
         self.memory: list[list[float]] = []
@@ -453,6 +473,7 @@ class Monitor(threading.Thread):
             self.budget_bytes = int(b["total_bytes"])
         self.ledger_now = int(b.get("used_bytes") or 0)
         self.device_now = int(b.get("device_bytes") or 0)
+        self.pool_resizes_now = (int(b.get("pool_resizes") or 0), float(b.get("pool_resize_s") or 0.0))
         self.ledger_peak = max(self.ledger_peak, self.ledger_now)
         return st
 
@@ -829,9 +850,11 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)
         loads0 = metric_counts(url, "infire_model_load_seconds_count")
         log0 = log_path.stat().st_size
+        resizes0 = monitor.pool_resizes_now
         records, _ = asyncio.run(drive(url, names, schedule, reqs, monitor, a.drain_timeout))
         time.sleep(POLL_S)  # one more status sample after the last answer
         monitor.finish()
+        resizes1 = monitor.pool_resizes_now
         loads1 = metric_counts(url, "infire_model_load_seconds_count")
         events = log_events(log_path, log0)
         try:
@@ -904,6 +927,11 @@ def main(argv: list[str] | None = None) -> int:
         "drill_sigstop": monitor.sigstop, "drill_load_fail": monitor.load_fail,
         "drill_cycles": cycles_figures(monitor.cycles, a.drill_cycles, extra.get(CYCLE_MODELS[0])),
         "drill_oom": monitor.oom,
+        # where the window's loads spent their time (the agent's model_loaded events), how often a
+        # load waited for a busy model, and the KV pool re-creations (each rebuilds every runner)
+        "load_breakdown": load_breakdown(events),
+        "room_waits": sum(1 for ev in events if ev.get("event") == "room_wait"),
+        "pool_resizes": resizes1[0] - resizes0[0], "pool_resize_s": round(resizes1[1] - resizes0[1], 3),
         "overall": overall, "per_model": per_model,
     }
     if a.no_save:

@@ -64,6 +64,13 @@ def test_cycle_drill_loads_and_unloads_two_models_in_turn_under_traffic(tmp_path
         assert x["load"]["status"] == 200 and x["load"]["state"] == "ready", x
         assert x["unload"]["status"] == 200 and x["unload"]["state"] in ("cached", "absent"), x
     assert c["cyc8"] == "plain" and 0 < c["load_s_p50"] <= c["load_s_max"] and c["unload_s_p50"] > 0
+    # where the window's loads went: each cycle's load, its phases and the engine's own timings
+    b = rep["load_breakdown"]
+    assert b["count"] >= 4 and {"cyc8", "cycb"} <= {x[0] for x in b["loads"]}, b
+    assert {"room", "load", "canary"} <= set(b["phases_p50"]) and "total_s" in b["engine_p50"], b
+    assert 0 < b["phases_p50"]["load"] and b["seconds_p50"] > 0
+    assert isinstance(rep["pool_resizes"], int) and rep["pool_resizes"] >= 0 and rep["pool_resize_s"] >= 0
+    assert rep["room_waits"] == 0  # the budget holds every model here
     assert rep["worker_restarts"] == 0 and rep["errors"] == 0 and rep["drill_oom"] is None
     assert set(rep["per_model"]) == {"d00", "d01"} and all(m["errors"] == 0 for m in rep["per_model"].values())
     assert any(line.startswith("drill_cycles: ") and "per_cycle" not in line for line in r.stdout.splitlines())

@@ -119,8 +119,11 @@ def test_unload_during_decode_frees_every_page_and_byte(dirs, solo, other_busy):
         for o in core.step():
             toks.setdefault(o.req_id, []).extend(o.new_token_ids)
     assert core.stats()["b"].kv_pages_used > 0
+    resizes = core.memory().pool_resizes
     core.unload_model("b")
     assert "b" not in core.pools.pool.models() and "b" not in core.memory().models
+    # a trim re-creates the pool (every runner rebuilt): counted, only when the pool was idle
+    assert core.memory().pool_resizes == resizes + (0 if other_busy else 1)
     snap = core.pools.ledger.snapshot()
     assert "b" not in snap.weights and "b" not in snap.workspace and "b" not in snap.kv_min
     core.pools.pool.audit()
