@@ -58,6 +58,10 @@ from engine.weights.warm_tier import WarmTier
 
 __all__ = ["EngineCore", "InFlight"]
 
+# Loads and unloads quiet this long before the KV pool grows into the room unloads left (a grow
+# rebuilds every loaded model's runner: under churn the next load would shrink it straight back).
+POOL_GROW_QUIET_S = 10.0
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -292,6 +296,14 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return (bool(self._pending) or self._inflight is not None
                 or any(s.scheduler.has_unfinished() for s in self.slots.values()))
+
+    def grow_idle_pool(self) -> bool:
+        """While no request is in the engine: grow the KV pool into the room unloads left, once
+        loads and unloads have been quiet for :data:`POOL_GROW_QUIET_S` (a swap's unload no
+        longer grows it only for its load to shrink it: ``PoolKeeper.trim``); True when it did."""
+        if self.has_unfinished_requests() or self.loader.pending is not None:
+            return False
+        return self.pools.grow_when_quiet(POOL_GROW_QUIET_S)
 
     def capture_idle_graph(self) -> bool:
         """While no request is in the engine: capture one CUDA graph a runner still defers to

@@ -91,6 +91,7 @@ class PoolKeeper:
         self.cuda_graphs = options.cuda_graphs
         self.streams = streams
         self.resizes = 0  # pool re-creations (each rebuilds every loaded model's runner) and their seconds
+        self._changed_at = time.monotonic()  # the last load booked or model released: a grow waits for quiet
         self.resize_seconds = 0.0
         # What the device held before this engine put anything on it (the CUDA context, other
         # processes): the fixed slack beside the budget; reconcile() counts only what comes after.
@@ -131,6 +132,7 @@ class PoolKeeper:
         except LoadRefused as e:
             raise self._refusal(name, needs, e, evictable) from None
         t = time.perf_counter()
+        self._changed_at = time.monotonic()
         self.fit(needs, plan.kv_pool_bytes_after)
         t = time.perf_counter() - t
         try:
@@ -181,6 +183,7 @@ class PoolKeeper:
         """Everything booked for ``name``: its pages and pool registration, its ledger entry,
         then its device memory; the pool is trimmed when ``trim`` (a load in flight leaves that
         to its end: that model is in the pool but not yet among the slots whose wants size it)."""
+        self._changed_at = time.monotonic()
         if self.pool is not None and name in self.pool.models():
             self.pool.free_all(name)  # the backstop: an unload's aborts freed them already
             self.pool.unregister(name)
@@ -191,13 +194,27 @@ class PoolKeeper:
             self.trim()
 
     def trim(self) -> None:
-        """Fit the pool to the loaded models when that is cheap (:meth:`fit` with no new load)."""
-        self.fit(None, None)
+        """Shrink the pool to the loaded models' wants when that is cheap (:meth:`fit` with no new
+        load); never grow it. An unload's room is the next load's in a swap: grown into at the
+        unload, the pool had to shrink again at that load, every running sequence preempted and
+        every runner rebuilt twice a swap. :meth:`grow_when_quiet` grows it once loads settle."""
+        self.fit(None, None, grow=False)
 
-    def fit(self, new: LoadNeeds | None, kv_after: int | None) -> None:
+    def grow_when_quiet(self, quiet_s: float) -> bool:
+        """Fit the pool to its target, growing it into the room unloads left, once no load was
+        booked and no model released for ``quiet_s`` seconds and no page is live; True when it
+        was re-created."""
+        if self.pool is None or time.monotonic() - self._changed_at < quiet_s:
+            return False
+        before = self.resizes
+        self.fit(None, None)
+        return self.resizes != before
+
+    def fit(self, new: LoadNeeds | None, kv_after: int | None, grow: bool = True) -> None:
         """Resize the pool to its target when that is cheap (no live page) or required by a load
         (``new``): the weights need room the pool holds, or its minimum needs pages the pool lacks.
-        A required resize with live pages preempts every running sequence first."""
+        A required resize with live pages preempts every running sequence first. ``grow`` False:
+        only a smaller target is taken."""
         if self.pool is not None and not self.pool.models() and (new is None or new.page_bytes != self.pool.page_bytes):
             self.pool = None  # no model on it: gone now; a load makes one of its own page size
             self.ledger.set_kv_pool(0)
@@ -214,7 +231,7 @@ class PoolKeeper:
             kv_after = snap.free + snap.kv_pool_bytes  # the budget beside weights and workspace
         target = pool_target(kv_after, pb, wants)
         cur = pool.num_pages
-        if target == cur:
+        if target == cur or (target > cur and not grow):
             return
         idle = all(pool.num_used(n) == 0 for n in pool.models())
         if not idle:

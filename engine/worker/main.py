@@ -387,13 +387,17 @@ class Worker:
         return 0 if busy or self._graphs_left else STATUS_INTERVAL_S
 
     def _capture_idle(self) -> None:
-        """One deferred CUDA graph while nothing else is to do (then the loop comes straight
-        back for the next): captured after ready instead of at their first busy steps. A
-        failed capture is reported; that bucket then runs eagerly."""
+        """While nothing else is to do: the KV pool grown into the room unloads left once loads
+        are quiet (EngineCore.grow_idle_pool), else one deferred CUDA graph (then the loop comes
+        straight back for the next): captured after ready instead of at their first busy steps.
+        A failed capture is reported; that bucket then runs eagerly."""
         if self.core is None:
             self._graphs_left = False
             return
         try:
+            if self.core.grow_idle_pool():
+                self._graphs_left = True  # the runners were rebuilt: their deferred graphs again
+                return
             self._graphs_left = self.core.capture_idle_graph()
         except Exception as e:
             self._graphs_left = True  # the bucket is dropped from the deferred ones: go on with the rest

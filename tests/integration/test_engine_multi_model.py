@@ -334,3 +334,39 @@ def test_every_runner_is_built_with_the_cores_cuda_graphs(dirs, monkeypatch, gra
     load(core, "b", dirs["b"])  # the pool grows: a's runner is rebuilt on the new memory
     assert len(seen) >= 3 and set(seen) == {graphs}
     assert core.pools.decode_buckets == ()  # no graph buckets on CPU either way
+
+
+def test_an_unload_never_grows_the_pool_a_quiet_idle_engine_does(dirs, monkeypatch):
+    """A swap: b's load shrinks the pool (its weights need the room), b's unload leaves that room
+    to the next load instead of growing the pool into it (which that load would shrink again, every
+    runner rebuilt each time); once loads and unloads have been quiet and no request is in the
+    engine, the pool grows back, and a serves as before."""
+    import engine.core.engine_core as engine_core
+
+    roomy = core_for(1 << 30)
+    plans = {n: roomy.check_load(LoadSpec(n, dirs[n], MAX_LEN, SEQS)) for n in "ab"}
+    load(roomy, "a", dirs["a"])
+    full, pb = roomy.pools.pool.num_pages, roomy.pools.pool.page_bytes  # a's pool: its wants
+    fixed = sum(p.weight_bytes + p.workspace_bytes for p in plans.values())
+    core = core_for(fixed + (full - 4) * pb)  # beside both models' weights: 4 pages short of a's wants
+    load(core, "a", dirs["a"])
+    assert core.pools.pool.num_pages == full
+    load(core, "b", dirs["b"])
+    shrunk = core.pools.pool.num_pages
+    assert shrunk < full
+    resizes = core.memory().pool_resizes
+    core.unload_model("b")
+    assert core.pools.pool.num_pages == shrunk and core.memory().pool_resizes == resizes  # no grow
+    assert not core.grow_idle_pool()  # not quiet yet
+    monkeypatch.setattr(engine_core, "POOL_GROW_QUIET_S", 0.0)
+    submit(core, "a")
+    assert not core.grow_idle_pool()  # quiet, but requests are in the engine
+    toks: dict[str, list[int]] = {}
+    drain(core, toks)
+    assert core.grow_idle_pool() and core.pools.pool.num_pages == full
+    assert core.memory().pool_resizes == resizes + 1
+    core.pools.pool.audit()
+    submit(core, "a")
+    again: dict[str, list[int]] = {}
+    drain(core, again)
+    assert again == toks  # served on the grown pool, the same tokens
