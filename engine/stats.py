@@ -10,7 +10,7 @@ figures only where they mean something decides from the flag, never from a missi
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,10 @@ class MemoryStats:
     models: dict[str, ModelMemory]
     models_omitted: int  # rows left out of ``models`` (:meth:`largest`)
     # KV pool re-creations since the engine started and their seconds (each one rebuilds every
-    # loaded model's runner, graphs included: what a swap costs the models that stay).
-    pool_resizes: int = 0
-    pool_resize_s: float = 0.0
+    # loaded model's runner, graphs included: what a swap costs the models that stay). History,
+    # not books: two splits with the same books are equal whatever these say.
+    pool_resizes: int = field(default=0, compare=False)
+    pool_resize_s: float = field(default=0.0, compare=False)
 
     def largest(self, n: int) -> MemoryStats:
         """This split with at most ``n`` model rows, the largest by weights first; the rest are

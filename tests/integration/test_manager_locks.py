@@ -45,7 +45,7 @@ class FakeWorker:
                 raise WorkerError("no room", "no_room", {"needed": 10, "free": 4, "budget": 20, "short": 6,
                                                          "evictable": 6 * len(evictable or []), "evict": evict})
             self.loaded.append(spec.name)
-            return SimpleNamespace(info=ModelInfo(spec.name, 8, spec.max_model_len, [2], 0, 0, 16))
+            return SimpleNamespace(info=ModelInfo(spec.name, 8, spec.max_model_len, [2], 0, 0, 16), timings={"total_s": 0.01})
         finally:
             self.active -= 1
 
