@@ -3,7 +3,7 @@
 The engine knows the bytes, the manager knows who is idle. :class:`RoomPlanner` answers the
 manager's questions from its entries and changes nothing: the models a ``Load`` may offer for
 eviction (ready, unpinned, nothing in flight, no operation running, least recently used first),
-those a refused load may wait for (busy, or on their way out),
+those a refused load may wait for (busy, or on their way out), the busy ones to drain for it,
 what a refusal (``WorkerError`` with code ``no_room``, naming the shortest prefix of that offer
 that makes room) calls for, and which models are idle past their keep_alive. The
 :class:`~agent.manager.manager.ModelManager` applies the answers: it drains and unloads.
@@ -65,6 +65,24 @@ class RoomPlanner:
         evictable = set(self.evictable(exclude))
         return [e for e in self._models.values() if e.name != exclude and e.name not in evictable and (
             (e.state is State.READY and not e.pin) or e.state in (State.DRAINING, State.UNLOADING))]
+
+    def to_drain(self, short: int | None, exclude: str = "") -> list[ModelEntry]:
+        """Busy models to drain so that a refused load gets its room: ready, unpinned, requests
+        in flight, no operation running, least recently used first (the one whose newest request
+        is oldest is likely the nearest to done), until their bytes at load cover ``short`` (the
+        refusal's bytes missing beyond the idle models offered) less what models already on
+        their way out will free. Empty when those already cover it or none is busy."""
+        others = [e for e in self._models.values() if e.name != exclude]
+        need = (short if short is not None else 1) - sum(
+            e.info.device_bytes for e in others if e.info is not None and e.state in (State.DRAINING, State.UNLOADING))
+        out: list[ModelEntry] = []
+        for e in sorted((e for e in others if e.state is State.READY and not e.pin and e.in_flight > 0
+                         and not e.busy and not e.lock.locked()), key=lambda e: e.last_used_mono):
+            if need <= 0:
+                break
+            out.append(e)
+            need -= max(1, e.info.device_bytes if e.info is not None else 0)
+        return out
 
     def after_refusal(self, offered: list[str], refusal: Mapping[str, Any]) -> Eviction:
         """The eviction a ``no_room`` refusal names, when all of it is among ``offered``."""

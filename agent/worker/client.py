@@ -494,6 +494,14 @@ class WorkerClient:
         """Forget ``model``'s prefix cache in the engine; the entries it had."""
         return (await self._command(("drop_prefix_cache", model), P.DropPrefixCache(model=model), timeout)).entries
 
+    def expedite(self, model: str) -> None:
+        """Ask the engine to step ``model``'s requests ahead of the others' until it has none
+        (a model draining for a load's room); no answer, nothing to do in a dead worker."""
+        try:
+            self._send(P.Expedite(model=model))
+        except WorkerDied:
+            pass
+
     async def unload(self, model: str, timeout: float | None = 60.0) -> None:
         await self._command(("unload", model), P.Unload(model=model), timeout)
         self.last_decode.pop(model, None)

@@ -153,6 +153,9 @@ class Worker:
             self._load(msg)
         elif isinstance(msg, P.Unload):
             self._unload(msg)
+        elif isinstance(msg, P.Expedite):
+            if self.core is not None:
+                self.core.expedite(msg.model)
         elif isinstance(msg, P.DropPrefixCache):
             self._drop_prefix_cache(msg)
         elif isinstance(msg, P.Shutdown):

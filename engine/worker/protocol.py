@@ -16,7 +16,7 @@ crosses as a map and is decoded by the same rules, field by field, into that dat
 ``list[X]`` items and ``dict[str, X]`` values. A record whose constructor refuses its values
 (``__post_init__`` bounds) is a ProtocolError. One typed value per concept, never a loose map.
 
-Direction: the agent sends Load, Unload, Add, Abort, Shutdown; the worker sends Hello (first),
+Direction: the agent sends Load, Unload, Expedite, Add, Abort, Shutdown; the worker sends Hello (first),
 Loaded, Unloaded, Tokens (one per engine step, carrying every request's new ids), Status
 (periodic, doubles as the engine-progress heartbeat), Heartbeat (from a side thread, proves the
 process is alive even while the main loop is inside a long load) and Error.
@@ -137,6 +137,16 @@ class Unload(Message):
     """Unload a model; its remaining requests finish with "abort". Answered by Unloaded."""
 
     TAG: ClassVar[str] = "unload"
+    model: str
+
+
+@_register
+@dataclass(frozen=True)
+class Expedite(Message):
+    """Step ``model``'s requests ahead of every other model's until it has none left (it drains:
+    the agent admits nothing more to it). No answer; a model not loaded is ignored."""
+
+    TAG: ClassVar[str] = "expedite"
     model: str
 
 

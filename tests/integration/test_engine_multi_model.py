@@ -370,3 +370,43 @@ def test_an_unload_never_grows_the_pool_a_quiet_idle_engine_does(dirs, monkeypat
     again: dict[str, list[int]] = {}
     drain(core, again)
     assert again == toks  # served on the grown pool, the same tokens
+
+
+def test_an_expedited_model_is_stepped_ahead_of_the_others_until_its_work_is_done(dirs, solo):
+    """A model drained for a load's room (the agent admits nothing more to it) finishes its
+    requests before any other model takes a step, then the others go on as before; the flag ends
+    with its work (a later request of that model competes as usual), and tokens are unchanged."""
+    core = core_for()
+    for n in "abc":
+        load(core, n, dirs[n])
+    assert not core.expedite("nobody")
+    submit(core, "a", "b", "c")
+    for _ in range(3):  # every model under way
+        core.step()
+    assert core.expedite("b")
+    order: list[str] = []
+    toks: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            toks.setdefault(o.req_id, []).extend(o.new_token_ids)
+            if o.finish_reason:
+                order.append(o.req_id)
+    b_done = max(i for i, r in enumerate(order) if r.startswith("b"))
+    assert b_done == 2 and all(r.startswith("b") for r in order[:3]), order  # b's three end first
+    assert not core._expedited  # ended with its work
+    assert all(solo[r][-len(t):] == t for r, t in toks.items()), toks  # the tokens after the flag: as alone
+    # a later request of b is one among the others again
+    submit(core, "a", "b")
+    order.clear()
+    while core.has_unfinished_requests():
+        for o in core.step():
+            if o.finish_reason:
+                order.append(o.req_id)
+    assert not all(r.startswith("b") for r in order[:3]), order
+    # unloaded while expedited (a drain past its deadline): the others step on
+    submit(core, "a", "c")
+    core.expedite("a")
+    core.step()
+    core.unload_model("a")
+    drain(core, toks)
+    assert not core._expedited and all(toks[f"c{i}"] for i in range(3))

@@ -31,6 +31,7 @@ class FakeWorker:
         self.capacity, self.load_s = capacity, load_s
         self.loaded: list[str] = []
         self.offers: list[list[str]] = []
+        self.expedited: list[str] = []
         self.active = self.max_active = 0
 
     async def load(self, spec: LoadSpec, evictable: list[str] | None = None) -> Any:
@@ -45,13 +46,16 @@ class FakeWorker:
                 raise WorkerError("no room", "no_room", {"needed": 10, "free": 4, "budget": 20, "short": 6,
                                                          "evictable": 6 * len(evictable or []), "evict": evict})
             self.loaded.append(spec.name)
-            return SimpleNamespace(info=ModelInfo(spec.name, 8, spec.max_model_len, [2], 0, 0, 16), timings={"total_s": 0.01})
+            return SimpleNamespace(info=ModelInfo(spec.name, 8, spec.max_model_len, [2], 6, 0, 16), timings={"total_s": 0.01})
         finally:
             self.active -= 1
 
     async def unload(self, name: str) -> None:
         await asyncio.sleep(0.01)
         self.loaded.remove(name)
+
+    def expedite(self, name: str) -> None:
+        self.expedited.append(name)
 
     def broken_models(self) -> dict[str, str]:
         return {}
@@ -133,13 +137,14 @@ async def test_one_models_operations_are_serialised(monkeypatch, tmp_path) -> No
     assert mgr.get("x").state is State.CACHED and w.loaded == []
 
 
-async def test_eviction_offers_idle_unpinned_lru_and_retries_once(monkeypatch, tmp_path) -> None:
+async def test_eviction_offers_idle_unpinned_lru_then_drains_the_lru_busy_one(monkeypatch, tmp_path) -> None:
     w = FakeWorker(capacity=3, load_s=0.01)
     models = '[{"name": "p", "pin": true}, {"name": "busy"}, {"name": "old"}, {"name": "new"}, {"name": "n"}]'
     mgr = _manager(monkeypatch, tmp_path, w, models, ["p", "busy", "old", "new", "n"])
     for n in ("p", "busy", "old"):
         await mgr.load(n)
-    mgr.admit("busy").__enter__()  # a request in flight on "busy"
+    busy = mgr.admit("busy")
+    busy.__enter__()  # a request in flight on "busy"
     mgr.get("old").last_used_mono -= 10  # least recently used
     await mgr.load("new")
     assert w.offers[-2] == ["old"] and w.offers[-1] == []  # never p (pinned) nor busy (in flight)
@@ -147,11 +152,32 @@ async def test_eviction_offers_idle_unpinned_lru_and_retries_once(monkeypatch, t
     # Nothing idle and unpinned left but "new": it goes for "n"; then nothing can go.
     await mgr.load("n")
     assert mgr.get("new").state is State.CACHED
+    # Nothing idle and unpinned: the load drains the least recently used busy model ("busy",
+    # whose request is the oldest), enough to cover the shortfall (6 B, one model here); it
+    # admits nothing more, the engine steps it first, and once its request ends it goes.
     mgr.get("n").in_flight += 1  # "n" busy too
-    await mgr.load("old")
-    e = mgr.get("old")
+    mgr.get("busy").last_used_mono -= 20
+    loading = mgr.load("old")
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if mgr.get("busy").state is State.DRAINING:
+            break
+    assert mgr.get("busy").state is State.DRAINING and w.expedited == ["busy"]
+    assert mgr.get("n").state is State.READY and mgr.get("old").state is State.LOADING
+    with pytest.raises(ModelNotReady, match="draining"):
+        mgr.admit("busy")
+    busy.__exit__(None, None, None)  # its request ends
+    await loading
+    assert mgr.get("old").state is State.READY and set(w.loaded) == {"p", "n", "old"}
+    b = mgr.get("busy")
+    assert b.state is State.CACHED and "drained to make room for old" in b.reason
+    # Nothing could ever make room (the rest pinned): refused at once, with the numbers.
+    for n in ("n", "old"):
+        mgr.set_pin(n, True)
+    await mgr.load("busy")
+    e = mgr.get("busy")
     assert e.state is State.FAILED and e.refusal["short"] == 6 and "short by" in e.reason
-    assert w.offers[-1] == [] and set(w.loaded) == {"p", "busy", "n"}
+    assert w.offers[-1] == [] and set(w.loaded) == {"p", "n", "old"} and w.expedited == ["busy"]
 
 
 async def test_keep_alive_unloads_idle_unpinned_only(monkeypatch, tmp_path) -> None:

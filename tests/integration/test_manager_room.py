@@ -1,5 +1,5 @@
 """ModelManager against a real daemon (CPU, tiny models) under a memory budget that holds two:
-LRU eviction that spares pinned and busy models, refusals with the numbers, drain before
+LRU eviction that spares pinned models and drains busy ones, refusals with the numbers, drain before
 unload, keep_alive and autoload."""
 
 from __future__ import annotations
@@ -64,20 +64,26 @@ def test_lru_eviction_spares_pinned_and_busy_models(daemon) -> None:
     assert model(daemon, "m-a")["state"] == "ready" and model(daemon, "m-a")["pinned"] is True
     wait_engine_empty(daemon, gone=("m-b",))
 
-    # m-c busy, m-a pinned: nothing may go now, so loading m-b waits for m-c's request to end
-    # (a busy model is never evicted), then evicts it.
+    # m-c busy, m-a pinned: nothing may go now. Loading m-b drains m-c (a busy model is never
+    # cut: it admits nothing more, its request runs to its end, ahead of any other model's),
+    # waits for that, then loads into its room.
     conn, resp = open_stream(daemon, "m-c")
     assert model(daemon, "m-c")["in_flight"] == 1
     code, body = admin(daemon, "m-b", "load", wait=False)
     assert code == 202, body
-    assert model(daemon, "m-b")["state"] == "loading" and model(daemon, "m-c")["state"] == "ready"
+    wait_state(daemon, "m-c", {"draining"})
+    assert model(daemon, "m-b")["state"] == "loading"
+    code, body = complete(daemon, "m-c")  # admits nothing more (autoload is off here: 503)
+    assert code == 503 and "draining" in body["error"]["message"], body
     chunks, done = read_stream(resp)
     conn.close()
     assert done and chunks[-1]["choices"][0]["finish_reason"] == "length"  # never cut
     wait_state(daemon, "m-b", {"ready"})
     c = model(daemon, "m-c")
-    assert c["state"] == "cached" and "evicted to make room for m-b" in c["reason"], c
+    assert c["state"] == "cached" and "drained to make room for m-b" in c["reason"], c
     logs = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
+    drains = [r for r in logs if r.get("event") == "drain_for_load" and r.get("load") == "m-b"]
+    assert [r["model"] for r in drains] == ["m-c"] and drains[0]["in_flight"] == 1, drains
     waits = [r for r in logs if r.get("event") == "room_wait" and r.get("model") == "m-b"]
     assert waits and waits[0]["waiting_on"] == ["m-c"], waits
 
@@ -108,7 +114,7 @@ def test_lru_eviction_spares_pinned_and_busy_models(daemon) -> None:
     assert daemon.post("/admin/v1/models/m-a/pin", headers=TOKEN)[0] == 200
     logs = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
     evictions = [r["model"] for r in logs if r.get("event") == "evict"]
-    assert evictions == ["m-b", "m-c", "m-b"], evictions
+    assert evictions == ["m-b", "m-b"], evictions  # m-c was drained (above), not evicted
 
 
 def test_unload_during_streaming_drains_then_frees(daemon) -> None:
