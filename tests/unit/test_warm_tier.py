@@ -112,6 +112,24 @@ def test_arena_range_of_an_entry_being_restored_is_not_reused_until_it_ends():
     assert all(torch.equal(tier.get("c")[k], model(8)[k]) for k in m)
 
 
+def test_an_entry_being_restored_is_kept_and_restored_again_without_a_copy():
+    """Twelve names of one model's files share an entry: one name's unload while another's
+    restore reads it keeps the entry as it is (no second copy on the unload's path), and a
+    second restore reads it beside the first."""
+    m = model(6)
+    tier = WarmTier(2 * nbytes(m), pin=False)
+    tier.prepin()
+    assert tier.put("k", m) and tier.put("other", model(7))
+    e = tier._entries["k"]
+    e.users = 1  # a restore of k is in progress
+    assert tier.keep("k", m) and tier._entries["k"] is e  # the same bytes, not a new copy
+    assert tier.models() == ["other", "k"]  # most recently used
+    assert not tier.keep("k", {**m, "extra": torch.zeros(2)})  # another layout is not these bytes
+    dst = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in m.items()}
+    assert tier.restore("k", dst) and all(torch.equal(dst[k], m[k]) for k in m)
+    assert e.users == 1  # the second restore let go; the first still holds it
+
+
 def test_arena_take_and_give_coalesce():
     from engine.weights.warm_tier import _Arena
 
