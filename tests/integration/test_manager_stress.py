@@ -118,12 +118,12 @@ def test_load_unload_cycles_under_traffic(daemon) -> None:
     print(f"stress: requests {dict(req_codes)}, ok by model {dict(ok_by_model)}, admin {dict(admin_codes)}")
     assert not problems, problems[:10]
     assert req_codes[500] == 0 and sum(req_codes.values()) > 50, req_codes
-    assert len(ok_by_model) >= 2 and req_codes[503] > 0, (ok_by_model, req_codes)
+    assert len(ok_by_model) >= 2, (ok_by_model, req_codes)
     assert admin_codes[("load", 200)] > 3 and admin_codes[("unload", 200)] > 1, admin_codes
     logs = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
-    evictions = sum(r.get("event") == "evict" for r in logs)
-    print(f"stress: {evictions} evictions")
-    # Loads needed room: idle models were evicted, or (all busy or pinned) the load was refused.
+    evictions = sum(r.get("event") in ("evict", "drain_for_load") for r in logs)
+    print(f"stress: {evictions} evictions and drains")
+    # Loads needed room: idle models were evicted, busy ones drained, or the load was refused.
     assert evictions + admin_codes[("load", 507)] > 0, admin_codes
 
     # Quiet again: every model can be unloaded and nothing is left in the engine.
