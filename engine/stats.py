@@ -38,6 +38,9 @@ class ModelStats:
     grammar_mask_s: float  # host seconds filling token masks
     grammar_masked_rows: int
     grammar_masked_steps: int
+    # The most output tokens one of its requests may still produce (Scheduler.tokens_to_go): how
+    # far it is from idle, which the agent reads to pick the busy model to drain for a load
+    tokens_to_go: int = 0
     # Why the model cannot run (its runner could not be rebuilt after a pool resize: its requests
     # are aborted until a reload); "" while it can (engine/core/pool_keeper.py reattach_runner)
     broken: str = ""

@@ -375,10 +375,12 @@ class ModelManager:
                     for name in plan.victims:
                         await self._evict(self.models[name], f"evicted to make room for {e.name}")
                     continue
-                # Nothing idle to evict: drain busy models (least recently used first) until what
+                # Nothing idle to evict: drain busy models (nearest to idle first) until what
                 # is on its way out covers the shortfall, then wait for a model that may free
                 # room to change, until autoload_timeout has passed.
-                for v in self._planner.to_drain(plan.details["short"], exclude=e.name):
+                to_go = {n: m.tokens_to_go for n, m in self.worker.state.models.items()
+                         if n not in self.worker.state.stale_models}
+                for v in self._planner.to_drain(plan.details["short"], exclude=e.name, tokens_to_go=to_go):
                     self._drain_for(v, e.name)
                 waits = self._planner.may_free(exclude=e.name)
                 left = deadline - time.monotonic()

@@ -66,18 +66,24 @@ class RoomPlanner:
         return [e for e in self._models.values() if e.name != exclude and e.name not in evictable and (
             (e.state is State.READY and not e.pin) or e.state in (State.DRAINING, State.UNLOADING))]
 
-    def to_drain(self, short: int | None, exclude: str = "") -> list[ModelEntry]:
+    def to_drain(self, short: int | None, exclude: str = "",
+                 tokens_to_go: Mapping[str, int] | None = None) -> list[ModelEntry]:
         """Busy models to drain so that a refused load gets its room: ready, unpinned, requests
-        in flight, no operation running, least recently used first (the one whose newest request
-        is oldest is likely the nearest to done), until their bytes at load cover ``short`` (the
-        refusal's bytes missing beyond the idle models offered) less what models already on
-        their way out will free. Empty when those already cover it or none is busy."""
+        in flight, no operation running; nearest to idle first (``tokens_to_go``: the engine's
+        figure, the most tokens one of its requests may still produce; a model without one
+        after those with), then least recently used; until their bytes at load cover ``short``
+        (the refusal's bytes missing beyond the idle models offered) less what models already
+        on their way out will free. Empty when those already cover it or none is busy. The
+        nearest to idle is also the least wanted: a popular model's newest request has just
+        begun."""
+        to_go = tokens_to_go or {}
         others = [e for e in self._models.values() if e.name != exclude]
         need = (short if short is not None else 1) - sum(
             e.info.device_bytes for e in others if e.info is not None and e.state in (State.DRAINING, State.UNLOADING))
         out: list[ModelEntry] = []
         for e in sorted((e for e in others if e.state is State.READY and not e.pin and e.in_flight > 0
-                         and not e.busy and not e.lock.locked()), key=lambda e: e.last_used_mono):
+                         and not e.busy and not e.lock.locked()),
+                        key=lambda e: (to_go.get(e.name, float("inf")), e.last_used_mono)):
             if need <= 0:
                 break
             out.append(e)

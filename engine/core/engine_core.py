@@ -522,6 +522,7 @@ class EngineCore:
                 grammar_mask_s=round(runner.mask_seconds, 6) if constrained else 0.0,
                 grammar_masked_rows=runner.masked_rows if constrained else 0,
                 grammar_masked_steps=runner.masked_steps if constrained else 0,
+                tokens_to_go=s.scheduler.tokens_to_go,
                 broken=s.broken,
             )
         return out

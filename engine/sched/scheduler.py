@@ -175,6 +175,14 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def tokens_to_go(self) -> int:
+        """The most output tokens one of its requests may still produce (a waiting one's whole
+        ``max_tokens``, each capped by the context): the steps it needs, at least, before it is
+        idle, unless its requests stop early."""
+        return max((min(s.params.max_tokens - s.num_output_tokens, self.config.max_model_len - s.num_tokens)
+                    for s in self._seqs.values()), default=0)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 

@@ -20,6 +20,7 @@ from agent.metrics import Metrics
 from agent.worker.client import WorkerError
 from engine.load_spec import LoadSpec
 from engine.model_info import ModelInfo
+from tests.records import model_stats
 
 
 class FakeWorker:
@@ -152,11 +153,13 @@ async def test_eviction_offers_idle_unpinned_lru_then_drains_the_lru_busy_one(mo
     # Nothing idle and unpinned left but "new": it goes for "n"; then nothing can go.
     await mgr.load("n")
     assert mgr.get("new").state is State.CACHED
-    # Nothing idle and unpinned: the load drains the least recently used busy model ("busy",
-    # whose request is the oldest), enough to cover the shortfall (6 B, one model here); it
-    # admits nothing more, the engine steps it first, and once its request ends it goes.
+    # Nothing idle and unpinned: the load drains the busy model nearest to idle (the engine's
+    # tokens_to_go: "busy"'s request has 3 tokens to go, n's 100, though n is the least recently
+    # used), enough to cover the shortfall (6 B, one model here); it admits nothing more, the
+    # engine steps it first, and once its request ends it goes.
     mgr.get("n").in_flight += 1  # "n" busy too
-    mgr.get("busy").last_used_mono -= 20
+    mgr.get("n").last_used_mono -= 20
+    w.state.models = {"busy": model_stats(running=1, tokens_to_go=3), "n": model_stats(running=1, tokens_to_go=100)}
     loading = mgr.load("old")
     for _ in range(100):
         await asyncio.sleep(0.01)

@@ -196,6 +196,25 @@ def test_decodes_first_then_prefill_chunks_share_a_step():
     assert out.seqs[1].start_pos == 7 and out.seqs[1].num_tokens == 7
 
 
+def test_tokens_to_go_is_the_most_any_request_may_still_produce():
+    """What the agent reads to drain the busy model nearest to idle: a waiting request counts its
+    whole max_tokens, a running one what is left of it, each capped by the context; 0 when idle."""
+    sched, alloc, runner = make(num_pages=64, block_size=4, max_num_batched_tokens=64, max_model_len=40)
+    assert sched.tokens_to_go == 0
+    sched.add("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert sched.tokens_to_go == 10
+    for _ in range(4):
+        out = sched.schedule()
+        sched.update(out, runner.run(sched, out))
+    assert sched.tokens_to_go == 6
+    sched.add("b", list(range(1, 31)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    assert sched.tokens_to_go == 10  # 40 - 30: the context ends it first
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.update(out, runner.run(sched, out))
+    assert sched.tokens_to_go == 0
+
+
 def test_limits_max_num_seqs_and_budget():
     sched, alloc, runner = make(max_num_seqs=2, max_num_batched_tokens=5, max_model_len=64)
     for i in range(4):
