@@ -102,7 +102,8 @@ class ModelManager:
         self.verify = verify  # a one-token decode after a load: "ready" means it can generate
         self.models: dict[str, ModelEntry] = {}
         self._log = get_logger("manager")
-        self._room = asyncio.Lock()  # plan → evict → load, one load at a time
+        self._room = asyncio.Lock()  # plan → evict → load, one load at a time (not held over room waits)
+        self._drains: dict[str, str] = {}  # a model drained for a load's room → that load's model
         self._planner = RoomPlanner(self.models)
         self._keep_alive: asyncio.Task[None] | None = None
         for m in settings.models:
@@ -337,7 +338,8 @@ class ModelManager:
         return tokenizer
 
     async def _engine_load(self, e: ModelEntry) -> Any:
-        """Load ``e`` in the worker under the room lock, evicting what the engine names once.
+        """Load ``e`` in the worker under the room lock, evicting what the engine names and
+        draining busy models for the rest (the lock is let go while the drains run).
 
         An FP8 load of an unquantized model reads its FP8 checkpoint when the cache holds one
         (cache/derived.py: computed once, half the bytes, nothing quantized at load); the first
@@ -349,51 +351,58 @@ class ModelManager:
         spec = e.settings.load_spec(model_dir)
         e.derived_load = model_dir != e.snapshot
         asked = time.monotonic()
-        async with self._room:
-            deadline = time.monotonic() + self.settings.server.autoload_timeout
+        deadline = asked + self.settings.server.autoload_timeout
+        try:
             while True:
-                offered = self._planner.evictable(exclude=e.name)
-                try:
-                    e.in_worker = True
-                    sent = time.monotonic()
-                    loaded = await self.worker.load(spec, offered)
-                    # the wait for the room lock, evictions and room waits before the load that took
-                    e.phases["room"] = (asked, sent)
-                    if derive:
-                        self.source.want_derived(e.name, FP8_DERIVED)
-                    return loaded
-                except WorkerError as ex:
-                    e.in_worker = False  # answered: whatever happens next is not its load's doing
-                    if ex.code != "no_room":
-                        raise
-                    plan = self._planner.after_refusal(offered, ex.details)
-                if plan.victims:
-                    # Each pass unloads at least one model and none loads meanwhile (this lock):
-                    # the loop ends within as many passes as there are models.
-                    self._log.info("evict_for_load", model=e.name, evict=list(plan.victims),
-                                   needed=plan.details["needed"], free=plan.details["free"])
-                    for name in plan.victims:
-                        await self._evict(self.models[name], f"evicted to make room for {e.name}")
-                    continue
-                # Nothing idle to evict: drain busy models (nearest to idle first) until what
-                # is on its way out covers the shortfall, then wait for a model that may free
-                # room to change, until autoload_timeout has passed.
-                to_go = {n: m.tokens_to_go for n, m in self.worker.state.models.items()
-                         if n not in self.worker.state.stale_models}
-                for v in self._planner.to_drain(plan.details["short"], exclude=e.name, tokens_to_go=to_go):
-                    self._drain_for(v, e.name)
-                waits = self._planner.may_free(exclude=e.name)
-                left = deadline - time.monotonic()
-                if not waits or left <= 0:
-                    raise plan.refusal(e.name) from None
-                self._log.info("room_wait", model=e.name, waiting_on=[w.name for w in waits],
-                               short=plan.details["short"], left_s=round(left, 3))
-                changes = [asyncio.ensure_future(w.next_change().wait()) for w in waits]
+                async with self._room:
+                    while True:
+                        offered = self._planner.evictable(exclude=e.name)
+                        try:
+                            e.in_worker = True
+                            sent = time.monotonic()
+                            loaded = await self.worker.load(spec, offered)
+                            # the wait for the room lock, evictions and room waits before the load that took
+                            e.phases["room"] = (asked, sent)
+                            if derive:
+                                self.source.want_derived(e.name, FP8_DERIVED)
+                            return loaded
+                        except WorkerError as ex:
+                            e.in_worker = False  # answered: whatever happens next is not its load's doing
+                            if ex.code != "no_room":
+                                raise
+                            plan = self._planner.after_refusal(offered, ex.details)
+                        if not plan.victims:
+                            break
+                        # Each pass unloads at least one model and none loads meanwhile (this
+                        # lock): the loop ends within as many passes as there are models.
+                        self._log.info("evict_for_load", model=e.name, evict=list(plan.victims),
+                                       needed=plan.details["needed"], free=plan.details["free"])
+                        for name in plan.victims:
+                            await self._evict(self.models[name], f"evicted to make room for {e.name}")
+                    # Nothing idle to evict: drain busy models (nearest to idle first) until what
+                    # leaves for this load covers the shortfall, then wait, without the lock, for
+                    # a model that may free room to change, until autoload_timeout has passed.
+                    # Drains are promised to their load: the next load drains its own meanwhile
+                    # (beside this one's engine load), instead of queueing behind this wait.
+                    to_go = {n: m.tokens_to_go for n, m in self.worker.state.models.items()
+                             if n not in self.worker.state.stale_models}
+                    for v in self._planner.to_drain(plan.details["short"], exclude=e.name, tokens_to_go=to_go,
+                                                    promised=self._drains):
+                        self._drain_for(v, e.name)
+                    waits = self._planner.may_free(exclude=e.name, promised=self._drains)
+                    left = deadline - time.monotonic()
+                    if not waits or left <= 0:
+                        raise plan.refusal(e.name) from None
+                    self._log.info("room_wait", model=e.name, waiting_on=[w.name for w in waits],
+                                   short=plan.details["short"], left_s=round(left, 3))
+                    changes = [asyncio.ensure_future(w.next_change().wait()) for w in waits]
                 try:
                     await asyncio.wait(changes, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     for c in changes:
                         c.cancel()
+        finally:
+            self._drains = {v: load for v, load in self._drains.items() if load != e.name}
 
     async def _evict(self, v: ModelEntry, why: str) -> None:
         """Unload an idle model as its own operation (so the admin API sees it busy)."""
@@ -412,6 +421,7 @@ class ModelManager:
         seconds behind models that stayed busy, swap p50 5.7 s)."""
         why = f"drained to make room for {load}"
         self._log.info("drain_for_load", model=v.name, load=load, in_flight=v.in_flight)
+        self._drains[v.name] = load
         self._run(v, "evict", self._unload, v, None, why, state=State.DRAINING, reason=why)
         self.worker.expedite(v.name)
 

@@ -59,27 +59,33 @@ class RoomPlanner:
                and not e.lock.locked() and not e.busy]
         return [e.name for e in sorted(out, key=lambda e: e.last_used_mono)]
 
-    def may_free(self, exclude: str = "") -> list[ModelEntry]:
-        """Models not evictable now whose next change may make room: ready and unpinned but busy
-        (requests in flight, an operation running), or on their way out (draining, unloading)."""
+    def may_free(self, exclude: str = "", promised: Mapping[str, str] | None = None) -> list[ModelEntry]:
+        """Models not evictable now whose next change may make room for the load of ``exclude``:
+        ready and unpinned but busy (requests in flight, an operation running), or on their way
+        out (draining, unloading) and not drained for another load (``promised``: drained
+        model → the load it was drained for)."""
         evictable = set(self.evictable(exclude))
+        promised = promised or {}
         return [e for e in self._models.values() if e.name != exclude and e.name not in evictable and (
-            (e.state is State.READY and not e.pin) or e.state in (State.DRAINING, State.UNLOADING))]
+            (e.state is State.READY and not e.pin) or (e.state in (State.DRAINING, State.UNLOADING)
+                                                       and promised.get(e.name, exclude) == exclude))]
 
-    def to_drain(self, short: int | None, exclude: str = "",
-                 tokens_to_go: Mapping[str, int] | None = None) -> list[ModelEntry]:
+    def to_drain(self, short: int | None, exclude: str = "", tokens_to_go: Mapping[str, int] | None = None,
+                 promised: Mapping[str, str] | None = None) -> list[ModelEntry]:
         """Busy models to drain so that a refused load gets its room: ready, unpinned, requests
         in flight, no operation running; nearest to idle first (``tokens_to_go``: the engine's
         figure, the most tokens one of its requests may still produce; a model without one
         after those with), then least recently used; until their bytes at load cover ``short``
         (the refusal's bytes missing beyond the idle models offered) less what models already
-        on their way out will free. Empty when those already cover it or none is busy. The
+        on their way out will free for it (``promised``: drained model → the load it was drained
+        for; one drained for another load is that load's room). Empty when those already cover it or none is busy. The
         nearest to idle is also the least wanted: a popular model's newest request has just
         begun."""
-        to_go = tokens_to_go or {}
+        to_go, promised = tokens_to_go or {}, promised or {}
         others = [e for e in self._models.values() if e.name != exclude]
         need = (short if short is not None else 1) - sum(
-            e.info.device_bytes for e in others if e.info is not None and e.state in (State.DRAINING, State.UNLOADING))
+            e.info.device_bytes for e in others if e.info is not None and e.state in (State.DRAINING, State.UNLOADING)
+            and promised.get(e.name, exclude) == exclude)
         out: list[ModelEntry] = []
         for e in sorted((e for e in others if e.state is State.READY and not e.pin and e.in_flight > 0
                          and not e.busy and not e.lock.locked()),

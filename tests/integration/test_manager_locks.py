@@ -183,6 +183,39 @@ async def test_eviction_offers_idle_unpinned_lru_then_drains_the_lru_busy_one(mo
     assert w.offers[-1] == [] and set(w.loaded) == {"p", "n", "old"} and w.expedited == ["busy"]
 
 
+async def test_two_loads_short_of_room_each_drain_their_own_model_at_once(monkeypatch, tmp_path) -> None:
+    """Two loads on a full node of busy models: each drains a model of its own (promised to it),
+    both drains run at once (the room lock is not held over a room wait), and each load takes
+    the room its own drain made; no load waits for the other's drain."""
+    w = FakeWorker(capacity=3, load_s=0.01)
+    models = '[{"name": "p", "pin": true}, {"name": "x"}, {"name": "y"}, {"name": "a"}, {"name": "b"}]'
+    mgr = _manager(monkeypatch, tmp_path, w, models, ["p", "x", "y", "a", "b"])
+    for n in ("p", "x", "y"):
+        await mgr.load(n)
+    held = {n: mgr.admit(n) for n in ("x", "y")}
+    for h in held.values():
+        h.__enter__()
+    w.state.models = {"x": model_stats(running=1, tokens_to_go=5), "y": model_stats(running=1, tokens_to_go=9)}
+    la = mgr.load("a")
+    await asyncio.sleep(0.05)
+    lb = mgr.load("b")
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if mgr.get("y").state is State.DRAINING:
+            break
+    # x (nearest to idle) drains for a; b, finding x promised to a, drains y for itself
+    assert mgr.get("x").state is State.DRAINING and mgr.get("y").state is State.DRAINING
+    assert mgr._drains == {"x": "a", "y": "b"} and w.expedited == ["x", "y"]
+    held["x"].__exit__(None, None, None)
+    await la
+    assert mgr.get("a").state is State.READY and mgr.get("b").state is State.LOADING
+    held["y"].__exit__(None, None, None)
+    await lb
+    assert mgr.get("b").state is State.READY and set(w.loaded) == {"p", "a", "b"}
+    assert "drained to make room for a" in mgr.get("x").reason and "for b" in mgr.get("y").reason
+    assert mgr._drains == {} and w.max_active == 1  # promises end with their loads; one engine load at a time
+
+
 async def test_keep_alive_unloads_idle_unpinned_only(monkeypatch, tmp_path) -> None:
     w = FakeWorker()
     models = ('[{"name": "idle", "keep_alive": "0.2s"}, {"name": "pinned", "pin": true, "keep_alive": "0.2s"},'
