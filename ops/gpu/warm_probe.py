@@ -8,7 +8,8 @@ start), models a, b, c of the same files under three names; after every step a s
 driver's use (mem_get_info), nvidia-smi's figure for this process, the caching allocator's
 reserved / allocated bytes, its segments grouped by (stream, pool) with their live bytes, and the
 ledger's use. The step sequence is a swap chain: load a, b; unload a (put); load c; unload b;
-load a (restore); unload c ...
+load a (restore); unload c ... With ``--traffic`` the loaded models serve while a load's weights
+stream in the load thread (begin_load / finish_load), as in the daemon.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tier-gib", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=400)
+    ap.add_argument("--traffic", action="store_true", help="the loaded models serve while a load runs")
     a = ap.parse_args()
 
     from engine.core.engine_core import EngineCore
@@ -98,9 +100,25 @@ def main() -> None:
         while core.has_unfinished_requests():
             core.step()
 
+    def beside(name: str) -> None:
+        """Load ``name`` in the load thread while the other loaded models serve, as the daemon does."""
+        others = [n for n in core.models()]
+        pending = core.begin_load(spec[name])
+        nonlocal rid
+        while not pending.done() or core.has_unfinished_requests():
+            if not pending.done():
+                for n in others:
+                    rid += 1
+                    core.add_request(f"r{rid}", n, list(range(10, 60)), params)
+            core.step()
+        core.finish_load(pending)
+        serve(name)
+
     def step(kind: str, name: str) -> None:
         ts = time.perf_counter()
-        if kind == "load":
+        if kind == "load" and a.traffic and core.models():
+            beside(name)
+        elif kind == "load":
             core.load_model(spec[name])
             serve(name)
         else:
