@@ -384,9 +384,8 @@ class ModelManager:
                     # a model that may free room to change, until autoload_timeout has passed.
                     # Drains are promised to their load: the next load drains its own meanwhile
                     # (beside this one's engine load), instead of queueing behind this wait.
-                    to_go = {n: m.tokens_to_go for n, m in self.worker.state.models.items()
-                             if n not in self.worker.state.stale_models}
-                    for v in self._planner.to_drain(plan.details["short"], exclude=e.name, tokens_to_go=to_go,
+                    for v in self._planner.to_drain(plan.details["short"], exclude=e.name,
+                                                    tokens_to_go=self.worker.tokens_to_go(),
                                                     promised=self._drains):
                         self._drain_for(v, e.name)
                     waits = self._planner.may_free(exclude=e.name, promised=self._drains)

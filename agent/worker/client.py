@@ -425,6 +425,13 @@ class WorkerClient:
         st = self.state
         return {n: s.broken for n, s in st.models.items() if s.broken and n not in st.stale_models}
 
+    def tokens_to_go(self) -> dict[str, int]:
+        """Per model in the engine's last status, the most tokens one of its requests may still
+        produce (``ModelStats.tokens_to_go``: how far it is from idle); rows of models loaded or
+        unloaded since are left out."""
+        st = self.state
+        return {n: s.tokens_to_go for n, s in st.models.items() if n not in st.stale_models}
+
     def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
             queue: OutputSink | None = None, grammar: str = "") -> EngineRequest:
         """Send one request to the engine; raises WorkerDied when no worker is up.

@@ -281,3 +281,9 @@ def test_a_load_or_unload_marks_the_models_last_status_stale() -> None:
     assert not c.state.stale_models and c.state.models["m"].device_bytes == 4_000
     c._dispatch(P.Unloaded(model="m"))
     assert c.state.stale_models == {"m"}
+    # what a drain is picked by leaves a stale row out too
+    c._dispatch(P.Status(steps=3, busy=True, models={"m": model_stats(tokens_to_go=7),
+                                                     "other": model_stats(tokens_to_go=3)}))
+    assert c.tokens_to_go() == {"m": 7, "other": 3}
+    c._dispatch(P.Unloaded(model="m"))
+    assert c.tokens_to_go() == {"other": 3}

@@ -58,6 +58,9 @@ class FakeWorker:
     def expedite(self, name: str) -> None:
         self.expedited.append(name)
 
+    def tokens_to_go(self) -> dict[str, int]:
+        return {n: m.tokens_to_go for n, m in self.state.models.items()}
+
     def broken_models(self) -> dict[str, str]:
         return {}
 
