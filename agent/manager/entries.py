@@ -9,6 +9,7 @@ it in the metrics) and wakes whoever waits on the entry (:meth:`ModelEntry.wait_
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,6 +118,12 @@ class ModelSource(Protocol):
 StateObserver = Callable[["ModelEntry", "State"], None]
 
 
+# How long a model's admitted requests keep counting toward its demand (the e-folding time):
+# long enough to tell a model of 1 request a second from one of 0.1 (Zipf traffic over twelve
+# 8Bs), short enough that a model no longer asked for falls behind within a minute or two.
+DEMAND_TAU_S = 30.0
+
+
 @dataclass
 class ModelEntry:
     name: str
@@ -130,6 +137,10 @@ class ModelEntry:
     load_waiters: int = 0  # requests waiting for this model's (auto)load, not admitted yet
     last_used: float | None = None  # wall clock, for humans
     last_used_mono: float = 0.0  # monotonic: LRU order and keep_alive
+    # Requests admitted, decayed with DEMAND_TAU_S (at demand_at): how wanted it is, which orders
+    # the models a load may evict or drain (the least wanted first)
+    demand: float = 0.0
+    demand_at: float = 0.0
     load_seconds: float | None = None
     task: asyncio.Task[None] | None = None
     want_loaded: bool = False  # reload after a worker restart
@@ -217,6 +228,14 @@ class ModelEntry:
     def touch(self) -> None:
         self.last_used, self.last_used_mono = time.time(), time.monotonic()
 
+    def wanted(self, now: float) -> float:
+        """Its requests admitted, each weighing exp(-age / DEMAND_TAU_S): a rate of r requests a
+        second reads about r * DEMAND_TAU_S."""
+        return self.demand * math.exp(-(now - self.demand_at) / DEMAND_TAU_S) if self.demand else 0.0
+
+    def note_request(self, now: float) -> None:
+        self.demand, self.demand_at = self.wanted(now) + 1.0, now
+
     def idle_for(self, now: float) -> float:
         return now - self.last_used_mono if self.in_flight == 0 else 0.0
 
@@ -231,6 +250,7 @@ class Admission:
     def __enter__(self) -> ModelEntry:
         self.entry.in_flight += self.choices
         self.entry.touch()
+        self.entry.note_request(self.entry.last_used_mono)
         return self.entry
 
     def __exit__(self, *exc: Any) -> None:

@@ -11,6 +11,7 @@ that makes room) calls for, and which models are idle past their keep_alive. The
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,14 +51,18 @@ class RoomPlanner:
         self._models = models
 
     def evictable(self, exclude: str = "") -> list[str]:
-        """Models a load may evict now, least recently used first.
+        """Models a load may evict now, least wanted first (``ModelEntry.wanted``: requests
+        admitted, decayed), then least recently used. By recency alone, the most asked-for of
+        twelve 8Bs under Zipf traffic (a third of the requests) was drained or evicted and
+        loaded again every ~25 s (H100, 4 resident: docs/perf.md, b45544f).
 
         Never a pinned model, one with requests in flight, or one with an operation (load,
         unload, pull) running."""
         out = [e for e in self._models.values()
                if e.state is State.READY and not e.pin and e.in_flight == 0 and e.name != exclude
                and not e.lock.locked() and not e.busy]
-        return [e.name for e in sorted(out, key=lambda e: e.last_used_mono)]
+        now = time.monotonic()
+        return [e.name for e in sorted(out, key=lambda e: (e.wanted(now), e.last_used_mono))]
 
     def may_free(self, exclude: str = "", promised: Mapping[str, str] | None = None) -> list[ModelEntry]:
         """Models not evictable now whose next change may make room for the load of ``exclude``:
@@ -73,23 +78,24 @@ class RoomPlanner:
     def to_drain(self, short: int | None, exclude: str = "", tokens_to_go: Mapping[str, int] | None = None,
                  promised: Mapping[str, str] | None = None) -> list[ModelEntry]:
         """Busy models to drain so that a refused load gets its room: ready, unpinned, requests
-        in flight, no operation running; nearest to idle first (``tokens_to_go``: the engine's
-        figure, the most tokens one of its requests may still produce; a model without one
-        after those with), then least recently used; until their bytes at load cover ``short``
+        in flight, no operation running; the least wanted first (``ModelEntry.wanted``, to the
+        nearest request), then the nearest to idle (``tokens_to_go``: the engine's figure, the
+        most tokens one of its requests may still produce; a model without one after those
+        with), then least recently used; until their bytes at load cover ``short``
         (the refusal's bytes missing beyond the idle models offered) less what models already
         on their way out will free for it (``promised``: drained model → the load it was drained
-        for; one drained for another load is that load's room). Empty when those already cover it or none is busy. The
-        nearest to idle is also the least wanted: a popular model's newest request has just
-        begun."""
+        for; one drained for another load is that load's room). Empty when those already cover
+        it or none is busy."""
         to_go, promised = tokens_to_go or {}, promised or {}
         others = [e for e in self._models.values() if e.name != exclude]
         need = (short if short is not None else 1) - sum(
             e.info.device_bytes for e in others if e.info is not None and e.state in (State.DRAINING, State.UNLOADING)
             and promised.get(e.name, exclude) == exclude)
         out: list[ModelEntry] = []
+        now = time.monotonic()
         for e in sorted((e for e in others if e.state is State.READY and not e.pin and e.in_flight > 0
                          and not e.busy and not e.lock.locked()),
-                        key=lambda e: (to_go.get(e.name, float("inf")), e.last_used_mono)):
+                        key=lambda e: (round(e.wanted(now)), to_go.get(e.name, float("inf")), e.last_used_mono)):
             if need <= 0:
                 break
             out.append(e)

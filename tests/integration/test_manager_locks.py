@@ -160,8 +160,10 @@ async def test_eviction_offers_idle_unpinned_lru_then_drains_the_lru_busy_one(mo
     # tokens_to_go: "busy"'s request has 3 tokens to go, n's 100, though n is the least recently
     # used), enough to cover the shortfall (6 B, one model here); it admits nothing more, the
     # engine steps it first, and once its request ends it goes.
-    mgr.get("n").in_flight += 1  # "n" busy too
-    mgr.get("n").last_used_mono -= 20
+    n = mgr.get("n")
+    n.in_flight += 1  # "n" busy too, as wanted as "busy" (one request each)
+    n.note_request(time.monotonic())
+    n.last_used_mono -= 20
     w.state.models = {"busy": model_stats(running=1, tokens_to_go=3), "n": model_stats(running=1, tokens_to_go=100)}
     loading = mgr.load("old")
     for _ in range(100):
@@ -184,6 +186,28 @@ async def test_eviction_offers_idle_unpinned_lru_then_drains_the_lru_busy_one(mo
     e = mgr.get("busy")
     assert e.state is State.FAILED and e.refusal["short"] == 6 and "short by" in e.reason
     assert w.offers[-1] == [] and set(w.loaded) == {"p", "n", "old"} and w.expedited == ["busy"]
+
+
+async def test_the_least_wanted_model_goes_first_not_the_least_recently_used(monkeypatch, tmp_path) -> None:
+    """Demand, not recency alone: a model asked for five times goes after one asked for once,
+    though that one was used last; demand decays (DEMAND_TAU_S), so an old favourite fades."""
+    from agent.manager.entries import DEMAND_TAU_S
+
+    w = FakeWorker(capacity=2, load_s=0.01)
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "hot"}, {"name": "cold"}, {"name": "new"}]',
+                   ["hot", "cold", "new"])
+    for n in ("hot", "cold"):
+        await mgr.load(n)
+    for _ in range(5):
+        with mgr.admit("hot"):
+            pass
+    with mgr.admit("cold"):
+        pass  # the most recent use
+    await mgr.load("new")
+    assert mgr.get("cold").state is State.CACHED and mgr.get("hot").state is State.READY
+    hot, now = mgr.get("hot"), time.monotonic()
+    assert 4.9 < hot.wanted(now) <= 5.0
+    assert abs(hot.wanted(now + DEMAND_TAU_S) - hot.wanted(now) / 2.718281828) < 1e-3
 
 
 async def test_two_loads_short_of_room_each_drain_their_own_model_at_once(monkeypatch, tmp_path) -> None:
