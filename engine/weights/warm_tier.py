@@ -282,9 +282,8 @@ class WarmTier:
         and dtypes, without copying a byte (True); the caller vouches that the bytes are equal."""
         slots, _ = _layout(tensors)
         with self._lock:
-            # A restore reading it meanwhile (another name of the same files loading) changes
-            # nothing: refused here, the unload stored 16 GB again on the stepping thread (2.7-3.5 s
-            # in the density warm run at b55f48c, twelve names of one 8B's files).
+            # A restore reading it meanwhile changes nothing of its bytes: refused here, the
+            # unload would copy the same 16 GB again on the stepping thread.
             e = self._entries.get(name)
             if e is None or e.slots != slots:
                 return False

@@ -113,9 +113,8 @@ def test_arena_range_of_an_entry_being_restored_is_not_reused_until_it_ends():
 
 
 def test_an_entry_being_restored_is_kept_and_restored_again_without_a_copy():
-    """Twelve names of one model's files share an entry: one name's unload while another's
-    restore reads it keeps the entry as it is (no second copy on the unload's path), and a
-    second restore reads it beside the first."""
+    """An unload while a restore of the same entry reads it keeps the entry as it is (no second
+    copy on the unload's path), and a second restore reads it beside the first."""
     m = model(6)
     tier = WarmTier(2 * nbytes(m), pin=False)
     tier.prepin()
