@@ -87,6 +87,13 @@ def _prequantized(snapshot: Path | None) -> bool:
         return False  # the engine's load reports what is wrong with it
 
 
+# Loads that may have drains of their own under way at once: the one whose room is nearly made
+# and the next (pipelined: its drain runs beside the first's engine load). Unbounded, a queue of
+# loads on the H100 drained every resident model at once, the most wanted among them (the most
+# asked-for of twelve 8Bs drained 10 times in 120 s, e015e9c: docs/perf.md).
+DRAINING_LOADS_MAX = 2
+
+
 class ModelManager:
     """The models' registry and their operations: start them (``pull``, ``load``, ``unload``,
     ``verify_files``: each returns the operation's task), admit requests (``admit``,
@@ -356,7 +363,11 @@ class ModelManager:
             while True:
                 async with self._room:
                     while True:
-                        offered = self._planner.evictable(exclude=e.name)
+                        # While a model drained for it is still leaving, it waits for that room
+                        # rather than evict an idle model as well (one that just loaded, say).
+                        leaving = [v for v, load in self._drains.items() if load == e.name
+                                   and self.models[v].state in (State.DRAINING, State.UNLOADING)]
+                        offered = [] if leaving else self._planner.evictable(exclude=e.name)
                         try:
                             e.in_worker = True
                             sent = time.monotonic()
@@ -379,16 +390,24 @@ class ModelManager:
                                        needed=plan.details["needed"], free=plan.details["free"])
                         for name in plan.victims:
                             await self._evict(self.models[name], f"evicted to make room for {e.name}")
-                    # Nothing idle to evict: drain busy models (nearest to idle first) until what
+                    # Nothing idle to evict: drain busy models (least wanted first) until what
                     # leaves for this load covers the shortfall, then wait, without the lock, for
                     # a model that may free room to change, until autoload_timeout has passed.
-                    # Drains are promised to their load: the next load drains its own meanwhile
-                    # (beside this one's engine load), instead of queueing behind this wait.
-                    for v in self._planner.to_drain(plan.details["short"], exclude=e.name,
-                                                    tokens_to_go=self.worker.tokens_to_go(),
-                                                    promised=self._drains):
-                        self._drain_for(v, e.name)
-                    waits = self._planner.may_free(exclude=e.name, promised=self._drains)
+                    # Drains are promised to their load, and one more load than the one ahead
+                    # may drain (DRAINING_LOADS_MAX): the next drains its own beside this one's
+                    # engine load, instead of queueing behind its wait, but a queue of loads
+                    # does not drain every resident model at once.
+                    ahead = {load for v, load in self._drains.items() if load != e.name
+                             and self.models[v].state in (State.DRAINING, State.UNLOADING)}
+                    if len(ahead) < DRAINING_LOADS_MAX or e.name in self._drains.values():
+                        for v in self._planner.to_drain(plan.details["short"], exclude=e.name,
+                                                        tokens_to_go=self.worker.tokens_to_go(),
+                                                        promised=self._drains):
+                            self._drain_for(v, e.name)
+                    # Every change that may make room wakes it, a model leaving for another load
+                    # too (that load's end changes who drains next); refused at once only when
+                    # nothing could ever make room.
+                    waits = self._planner.may_free(exclude=e.name)
                     left = deadline - time.monotonic()
                     if not waits or left <= 0:
                         raise plan.refusal(e.name) from None

@@ -56,24 +56,20 @@ class RoomPlanner:
         twelve 8Bs under Zipf traffic (a third of the requests) was drained or evicted and
         loaded again every ~25 s (H100, 4 resident: docs/perf.md, b45544f).
 
-        Never a pinned model, one with requests in flight, or one with an operation (load,
-        unload, pull) running."""
+        Never a pinned model, one with requests in flight or waiting for it (a model that just
+        loaded for them), or one with an operation (load, unload, pull) running."""
         out = [e for e in self._models.values()
-               if e.state is State.READY and not e.pin and e.in_flight == 0 and e.name != exclude
-               and not e.lock.locked() and not e.busy]
+               if e.state is State.READY and not e.pin and e.in_flight == 0 and e.load_waiters == 0
+               and e.name != exclude and not e.lock.locked() and not e.busy]
         now = time.monotonic()
         return [e.name for e in sorted(out, key=lambda e: (e.wanted(now), e.last_used_mono))]
 
-    def may_free(self, exclude: str = "", promised: Mapping[str, str] | None = None) -> list[ModelEntry]:
-        """Models not evictable now whose next change may make room for the load of ``exclude``:
-        ready and unpinned but busy (requests in flight, an operation running), or on their way
-        out (draining, unloading) and not drained for another load (``promised``: drained
-        model → the load it was drained for)."""
+    def may_free(self, exclude: str = "") -> list[ModelEntry]:
+        """Models not evictable now whose next change may make room: ready and unpinned but busy
+        (requests in flight, an operation running), or on their way out (draining, unloading)."""
         evictable = set(self.evictable(exclude))
-        promised = promised or {}
         return [e for e in self._models.values() if e.name != exclude and e.name not in evictable and (
-            (e.state is State.READY and not e.pin) or (e.state in (State.DRAINING, State.UNLOADING)
-                                                       and promised.get(e.name, exclude) == exclude))]
+            (e.state is State.READY and not e.pin) or e.state in (State.DRAINING, State.UNLOADING))]
 
     def to_drain(self, short: int | None, exclude: str = "", tokens_to_go: Mapping[str, int] | None = None,
                  promised: Mapping[str, str] | None = None) -> list[ModelEntry]:

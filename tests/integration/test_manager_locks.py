@@ -5,6 +5,7 @@ interleave; eviction offers only idle unpinned models and retries once; keep_ali
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -241,6 +242,49 @@ async def test_two_loads_short_of_room_each_drain_their_own_model_at_once(monkey
     assert mgr.get("b").state is State.READY and set(w.loaded) == {"p", "a", "b"}
     assert "drained to make room for a" in mgr.get("x").reason and "for b" in mgr.get("y").reason
     assert mgr._drains == {} and w.max_active == 1  # promises end with their loads; one engine load at a time
+
+
+async def test_a_third_load_waits_for_the_two_ahead_before_draining(monkeypatch, tmp_path) -> None:
+    """Two loads drain at once, not more (DRAINING_LOADS_MAX): a queue of loads must not drain
+    every resident model together. The third waits (a model leaving for another load is waited
+    on, never a reason to refuse), drains once one of the two is in, and every load ends ready."""
+    from agent.manager.manager import DRAINING_LOADS_MAX
+
+    assert DRAINING_LOADS_MAX == 2
+    w = FakeWorker(capacity=4, load_s=0.01)
+    names = ("p", "x", "y", "z", "a", "b", "c")
+    mgr = _manager(monkeypatch, tmp_path, w, json.dumps([{"name": "p", "pin": True}] + [{"name": n} for n in names[1:]]),
+                   list(names))
+    for n in ("p", "x", "y", "z"):
+        await mgr.load(n)
+    held = {n: mgr.admit(n) for n in ("x", "y", "z")}
+    for h in held.values():
+        h.__enter__()
+    loads = {}
+    for n in ("a", "b", "c"):
+        loads[n] = mgr.load(n)
+        await asyncio.sleep(0.05)
+    assert sorted(mgr._drains.values()) == ["a", "b"] and mgr.get("c").state is State.LOADING
+    draining = {v for v in mgr._drains}
+    assert len(draining) == 2 and all(mgr.get(v).state is State.DRAINING for v in draining)
+    (rest,) = set(held) - draining
+    assert mgr.get(rest).state is State.READY  # the third load drains nothing yet
+    for n in ("a", "b"):
+        mgr.get(n).load_waiters = 1  # requests wait for them: never evictable as they come up
+    for v in sorted(draining):
+        held[v].__exit__(None, None, None)
+    await asyncio.gather(loads["a"], loads["b"])
+    for n in ("a", "b"):  # ... and go in
+        mgr.get(n).load_waiters = 0
+        mgr.admit(n).__enter__()
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if mgr.get(rest).state is State.DRAINING:
+            break
+    assert mgr._drains == {rest: "c"}
+    held[rest].__exit__(None, None, None)
+    await loads["c"]
+    assert {mgr.get(n).state for n in "abc"} == {State.READY} and set(w.loaded) == {"p", "a", "b", "c"}
 
 
 async def test_keep_alive_unloads_idle_unpinned_only(monkeypatch, tmp_path) -> None:
