@@ -266,6 +266,37 @@ def load_breakdown(events: list[dict]) -> dict[str, Any]:
             "loads": [[ev.get("model"), ev.get("seconds"), ev.get("phases"), ev.get("engine")] for ev in loads][:300]}
 
 
+def swap_ledger(events: list[dict]) -> dict[str, Any]:
+    """Per model, the window's loads that ended ready, drains for another load's room and idle
+    evictions; and how long each state lasted, p50 / p90 / max seconds, from the agent's own
+    ``model_state`` timestamps (the status poll sees 0.5 s steps)."""
+    per: dict[str, dict[str, int]] = {}
+    for ev in events:
+        kind = {"model_loaded": "loads", "drain_for_load": "drains", "evict": "evictions"}.get(ev.get("event", ""))
+        if kind and isinstance(ev.get("model"), str):
+            per.setdefault(ev["model"], {"loads": 0, "drains": 0, "evictions": 0})[kind] += 1
+    since: dict[tuple[str, str], float] = {}
+    spans: dict[str, list[float]] = {}
+    for ev in events:
+        if ev.get("event") != "model_state" or not isinstance(ev.get("timestamp"), str):
+            continue
+        try:
+            t = dt.datetime.fromisoformat(ev["timestamp"].replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+        m, was, now = ev.get("model"), ev.get("previous"), ev.get("state")
+        if (m, was) in since:
+            spans.setdefault(str(was), []).append(t - since.pop((m, was)))
+        since[(m, now)] = t
+
+    def q(v: list[float], f: float) -> float:
+        return round(sorted(v)[min(len(v) - 1, int(f * len(v)))], 3)
+
+    return {"per_model": dict(sorted(per.items())),
+            "state_s": {k: {"n": len(v), "p50": q(v, 0.5), "p90": q(v, 0.9), "max": round(max(v), 3)}
+                        for k, v in sorted(spans.items())}}
+
+
 def log_events(path: Path, offset: int) -> list[dict]:
     """The agent's JSON log lines from byte ``offset`` on (other lines skipped)."""
     out = []
@@ -931,6 +962,8 @@ def main(argv: list[str] | None = None) -> int:
         # load waited for a busy model, and the KV pool re-creations (each rebuilds every runner)
         "load_breakdown": load_breakdown(events),
         "room_waits": sum(1 for ev in events if ev.get("event") == "room_wait"),
+        # who was swapped how often (the most wanted model should rarely be), how long states lasted
+        "swap_ledger": swap_ledger(events),
         "pool_resizes": resizes1[0] - resizes0[0], "pool_resize_s": round(resizes1[1] - resizes0[1], 3),
         "overall": overall, "per_model": per_model,
     }

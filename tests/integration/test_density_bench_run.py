@@ -71,6 +71,9 @@ def test_cycle_drill_loads_and_unloads_two_models_in_turn_under_traffic(tmp_path
     assert 0 < b["phases_p50"]["load"] and b["seconds_p50"] > 0
     assert isinstance(rep["pool_resizes"], int) and rep["pool_resizes"] >= 0 and rep["pool_resize_s"] >= 0
     assert rep["room_waits"] == 0  # the budget holds every model here
+    ledger = rep["swap_ledger"]  # each cycle model loaded (at least) twice, nothing drained for room here
+    assert all(ledger["per_model"][m]["loads"] >= 2 and ledger["per_model"][m]["drains"] == 0 for m in ("cyc8", "cycb"))
+    assert {"loading", "unloading"} <= set(ledger["state_s"]) and ledger["state_s"]["loading"]["p50"] > 0
     assert rep["worker_restarts"] == 0 and rep["errors"] == 0 and rep["drill_oom"] is None
     assert set(rep["per_model"]) == {"d00", "d01"} and all(m["errors"] == 0 for m in rep["per_model"].values())
     assert any(line.startswith("drill_cycles: ") and "per_cycle" not in line for line in r.stdout.splitlines())
