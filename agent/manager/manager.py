@@ -363,11 +363,7 @@ class ModelManager:
             while True:
                 async with self._room:
                     while True:
-                        # While a model drained for it is still leaving, it waits for that room
-                        # rather than evict an idle model as well (one that just loaded, say).
-                        leaving = [v for v, load in self._drains.items() if load == e.name
-                                   and self.models[v].state in (State.DRAINING, State.UNLOADING)]
-                        offered = [] if leaving else self._planner.evictable(exclude=e.name)
+                        offered = self._planner.evictable(exclude=e.name)
                         try:
                             e.in_worker = True
                             sent = time.monotonic()
@@ -396,21 +392,22 @@ class ModelManager:
                     # Drains are promised to their load, and one more load than the one ahead
                     # may drain (DRAINING_LOADS_MAX): the next drains its own beside this one's
                     # engine load, instead of queueing behind its wait, but a queue of loads
-                    # does not drain every resident model at once.
-                    ahead = {load for v, load in self._drains.items() if load != e.name
-                             and self.models[v].state in (State.DRAINING, State.UNLOADING)}
-                    if len(ahead) < DRAINING_LOADS_MAX or e.name in self._drains.values():
-                        for v in self._planner.to_drain(plan.details["short"], exclude=e.name,
-                                                        tokens_to_go=self.worker.tokens_to_go(),
-                                                        promised=self._drains):
-                            self._drain_for(v, e.name)
-                    # Every change that may make room wakes it, a model leaving for another load
-                    # too (that load's end changes who drains next); refused at once only when
-                    # nothing could ever make room.
+                    # does not drain every resident model at once. Every change that may make
+                    # room wakes it (a model leaving for another load too: that load's end
+                    # changes who drains next); refused at once only when nothing could ever
+                    # make room, and never after draining on a pass past its deadline.
                     waits = self._planner.may_free(exclude=e.name)
                     left = deadline - time.monotonic()
                     if not waits or left <= 0:
                         raise plan.refusal(e.name) from None
+                    ahead = {load for v, load in self._drains.items() if load != e.name
+                             and self.models[v].state in (State.DRAINING, State.UNLOADING)}
+                    if len(ahead) < DRAINING_LOADS_MAX:
+                        for v in self._planner.to_drain(plan.details["short"], exclude=e.name,
+                                                        tokens_to_go=self.worker.tokens_to_go(),
+                                                        promised=self._drains):
+                            self._drain_for(v, e.name)
+                        waits = self._planner.may_free(exclude=e.name)
                     self._log.info("room_wait", model=e.name, waiting_on=[w.name for w in waits],
                                    short=plan.details["short"], left_s=round(left, 3))
                     changes = [asyncio.ensure_future(w.next_change().wait()) for w in waits]

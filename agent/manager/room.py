@@ -20,6 +20,10 @@ from agent.manager.entries import ModelEntry, NoRoom, State
 from cache.sizes import human_bytes
 
 REFUSAL_FIGURES = ("needed", "free", "evictable", "budget", "short")
+# A busy model with more tokens to go than this (one of its requests may produce that many) is
+# drained only when no other will do: its drain is stepped ahead of every other model's
+# (EngineCore.expedite), ~5 ms a token for an 8B, so 1,024 tokens hold the others ~5 s.
+DRAIN_TOKENS_MAX = 1024
 
 
 def refusal_reason(model: str, d: dict[str, Any]) -> str:
@@ -74,7 +78,9 @@ class RoomPlanner:
     def to_drain(self, short: int | None, exclude: str = "", tokens_to_go: Mapping[str, int] | None = None,
                  promised: Mapping[str, str] | None = None) -> list[ModelEntry]:
         """Busy models to drain so that a refused load gets its room: ready, unpinned, requests
-        in flight, no operation running; the least wanted first (``ModelEntry.wanted``, to the
+        in flight and none waiting for it, no operation running; those with no more than
+        DRAIN_TOKENS_MAX tokens to go before any other (a drain is stepped ahead of every
+        other model: a long generation would hold them all up); the least wanted first (``ModelEntry.wanted``, to the
         nearest request), then the nearest to idle (``tokens_to_go``: the engine's figure, the
         most tokens one of its requests may still produce; a model without one after those
         with), then least recently used; until their bytes at load cover ``short``
@@ -89,9 +95,12 @@ class RoomPlanner:
             and promised.get(e.name, exclude) == exclude)
         out: list[ModelEntry] = []
         now = time.monotonic()
+        def order(e: ModelEntry) -> tuple:
+            left = to_go.get(e.name, float("inf"))
+            return left > DRAIN_TOKENS_MAX, round(e.wanted(now)), left, e.last_used_mono
+
         for e in sorted((e for e in others if e.state is State.READY and not e.pin and e.in_flight > 0
-                         and not e.busy and not e.lock.locked()),
-                        key=lambda e: (round(e.wanted(now)), to_go.get(e.name, float("inf")), e.last_used_mono)):
+                         and e.load_waiters == 0 and not e.busy and not e.lock.locked()), key=order):
             if need <= 0:
                 break
             out.append(e)

@@ -201,6 +201,7 @@ class EngineCore:
             return
         slot = self.slots.get(name)
         self._settle()
+        self._expedited.discard(name)  # a later load of this name competes as any other
         self._abort_model(name)
         if slot.grammar is not None:
             slot.grammar.close()
@@ -213,7 +214,9 @@ class EngineCore:
         (the agent drains it): in turn with the others, at one step per busy model, a request of
         128 tokens held it ~5 s on the H200 (38 ms a token, the bf16 density run at b55f48c:
         seven 8Bs), the load and every request behind that load waiting; ahead of them it needs
-        only its own steps (~4.6 ms each at batch 1), which the others lose once."""
+        only its own steps (~4.6 ms each at batch 1), for which the others wait (the agent drains
+        a model with a long generation left only when no other will do). Unloading it ends the
+        flag."""
         if name not in self.slots:
             return False
         self._expedited.add(name)

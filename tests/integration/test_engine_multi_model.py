@@ -395,14 +395,19 @@ def test_an_expedited_model_is_stepped_ahead_of_the_others_until_its_work_is_don
     assert b_done == 2 and all(r.startswith("b") for r in order[:3]), order  # b's three end first
     assert not core._expedited  # ended with its work
     assert all(solo[r][-len(t):] == t for r, t in toks.items()), toks  # the tokens after the flag: as alone
-    # a later request of b is one among the others again
-    submit(core, "a", "b")
-    order.clear()
-    while core.has_unfinished_requests():
-        for o in core.step():
-            if o.finish_reason:
-                order.append(o.req_id)
-    assert not all(r.startswith("b") for r in order[:3]), order
+    # a later request of b is one among the others again: the picker chooses among all of them
+    offered: list[list[str]] = []
+    pick = core.picker.pick
+    core.picker.pick = lambda names: offered.append(sorted(names)) or pick(names)
+
+    def first_pick_after_submitting(*names: str) -> list[str]:
+        offered.clear()
+        submit(core, *names)
+        core.step()
+        return offered[0]
+
+    assert first_pick_after_submitting("a", "b") == ["a", "b"]
+    drain(core, toks)
     # unloaded while expedited (a drain past its deadline): the others step on
     submit(core, "a", "c")
     core.expedite("a")
@@ -410,3 +415,10 @@ def test_an_expedited_model_is_stepped_ahead_of_the_others_until_its_work_is_don
     core.unload_model("a")
     drain(core, toks)
     assert not core._expedited and all(toks[f"c{i}"] for i in range(3))
+    # flagged with no step after (its last request just ended), then unloaded and loaded again:
+    # the new load competes as any other
+    core.expedite("b")
+    core.unload_model("b")
+    load(core, "b", dirs["b"])
+    assert first_pick_after_submitting("b", "c") == ["b", "c"]  # not b alone
+    drain(core, toks)

@@ -224,6 +224,7 @@ async def test_two_loads_short_of_room_each_drain_their_own_model_at_once(monkey
     for h in held.values():
         h.__enter__()
     w.state.models = {"x": model_stats(running=1, tokens_to_go=5), "y": model_stats(running=1, tokens_to_go=9)}
+    mgr.get("a").load_waiters = 1  # requests wait for a: once up, it is not b's to evict
     la = mgr.load("a")
     await asyncio.sleep(0.05)
     lb = mgr.load("b")
@@ -242,6 +243,91 @@ async def test_two_loads_short_of_room_each_drain_their_own_model_at_once(monkey
     assert mgr.get("b").state is State.READY and set(w.loaded) == {"p", "a", "b"}
     assert "drained to make room for a" in mgr.get("x").reason and "for b" in mgr.get("y").reason
     assert mgr._drains == {} and w.max_active == 1  # promises end with their loads; one engine load at a time
+
+
+class ByteWorker(FakeWorker):
+    """Refuses for room by bytes as the engine does: ``evict`` is the shortest prefix of the
+    offer that makes room, ``short`` what is missing beyond the whole offer."""
+
+    def __init__(self, sizes: dict[str, int], budget: int) -> None:
+        super().__init__()
+        self.sizes, self.budget, self.held = sizes, budget, {}
+
+    async def load(self, spec: LoadSpec, evictable: list[str] | None = None) -> Any:
+        self.offers.append(list(evictable or []))
+        await asyncio.sleep(0.01)
+        need, free = self.sizes[spec.name], self.budget - sum(self.held.values())
+        if need > free:
+            offer = [m for m in (evictable or []) if m in self.held]
+            room, evict = free, []
+            for m in offer:
+                if room >= need:
+                    break
+                evict.append(m)
+                room += self.held[m]
+            offered = sum(self.held[m] for m in offer)
+            raise WorkerError("no room", "no_room", {"needed": need, "free": free, "budget": self.budget,
+                                                     "evictable": offered, "short": max(0, need - free - offered),
+                                                     "evict": evict if room >= need else []})
+        self.held[spec.name] = need
+        self.loaded.append(spec.name)
+        return SimpleNamespace(info=ModelInfo(spec.name, 8, spec.max_model_len, [2], need, 0, 16), timings={})
+
+    async def unload(self, name: str) -> None:
+        await asyncio.sleep(0.01)
+        self.held.pop(name)
+        self.loaded.remove(name)
+
+
+async def test_a_drain_covers_what_the_idle_models_cannot_and_no_more(monkeypatch, tmp_path) -> None:
+    """Budget 95; p (20, pinned), z (10, idle), x (25, busy, once), y (30, busy, the most wanted).
+    Loading a (40): z alone cannot make room (short 20 beyond it), so x is drained (it covers the
+    20), never y as well; once x is gone z is evicted and a loads, y serving throughout."""
+    sizes = {"p": 20, "z": 10, "x": 25, "y": 30, "a": 40}
+    w = ByteWorker(sizes, 95)
+    models = json.dumps([{"name": "p", "pin": True}] + [{"name": n} for n in "zxya"])
+    mgr = _manager(monkeypatch, tmp_path, w, models, list(sizes))
+    for n in "pzxy":
+        await mgr.load(n)
+    hx, hy = mgr.admit("x"), mgr.admit("y")
+    hx.__enter__()
+    hy.__enter__()
+    for _ in range(5):
+        with mgr.admit("y"):
+            pass
+    loading = mgr.load("a")
+    await asyncio.sleep(0.1)
+    assert mgr._drains == {"x": "a"} and mgr.get("y").state is State.READY
+    hx.__exit__(None, None, None)
+    await loading
+    assert mgr.get("a").state is State.READY and mgr.get("y").state is State.READY
+    assert mgr.get("z").state is State.CACHED and "evicted to make room for a" in mgr.get("z").reason
+    assert set(w.held) == {"p", "y", "a"} and w.expedited == ["x"]
+    hy.__exit__(None, None, None)
+
+
+async def test_a_long_generation_is_drained_last_and_a_model_waited_for_never(monkeypatch, tmp_path) -> None:
+    """A drain is stepped ahead of every other model, so a model with more than DRAIN_TOKENS_MAX
+    tokens to go is the last choice whatever its demand; one that requests wait for (its
+    load_waiters) is never drained."""
+    from agent.manager.room import DRAIN_TOKENS_MAX
+
+    w = FakeWorker(capacity=3, load_s=0.01)
+    models = '[{"name": "p", "pin": true}, {"name": "long"}, {"name": "hot"}, {"name": "new"}]'
+    mgr = _manager(monkeypatch, tmp_path, w, models, ["p", "long", "hot", "new"])
+    for n in ("p", "long", "hot"):
+        await mgr.load(n)
+    held = [mgr.admit(n) for n in ("long", "hot", "hot", "hot")]
+    for h in held:
+        h.__enter__()
+    w.state.models = {"long": model_stats(running=1, tokens_to_go=DRAIN_TOKENS_MAX + 1),
+                      "hot": model_stats(running=3, tokens_to_go=40)}
+    planner = mgr._planner
+    assert [v.name for v in planner.to_drain(6, "new", w.tokens_to_go())] == ["hot"]
+    mgr.get("hot").load_waiters = 1
+    assert [v.name for v in planner.to_drain(6, "new", w.tokens_to_go())] == ["long"]
+    for h in held:
+        h.__exit__(None, None, None)
 
 
 async def test_a_third_load_waits_for_the_two_ahead_before_draining(monkeypatch, tmp_path) -> None:
