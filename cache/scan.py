@@ -81,7 +81,8 @@ def scan_cache(layout: CacheLayout, max_bytes: int, *, pinned_here: Callable[[st
 
 
 def clean_partials(layout: CacheLayout, ttl_s: float) -> int:
-    """Remove partial downloads untouched for ``ttl_s`` whose blob lock is free."""
+    """Remove partial downloads untouched for ``ttl_s`` whose blob lock is free, and the state
+    files of downloads that finished."""
     removed = 0
     now = time.time()
     for p in layout.partial_dir.glob("*.partial"):
@@ -100,5 +101,17 @@ def clean_partials(layout: CacheLayout, ttl_s: float) -> int:
             removed += 1
         finally:
             lock.release()
+    # A state whose download finished (its blob is in place, no partial): a process killed
+    # between the blob's rename and the state's unlink left it behind.
+    for st in layout.partial_dir.glob("*.state"):
+        digest = st.name[: -len(".state")]
+        if (layout.partial_dir / f"{digest}.partial").exists() or not (layout.blobs_dir / digest).exists():
+            continue
+        lock = FileLock(layout.locks_dir / f"blob-{digest}.lock")
+        if lock.try_acquire():
+            try:
+                st.unlink(missing_ok=True)
+            finally:
+                lock.release()
     snapshot.clean_leftovers(layout.models_dir)
     return removed

@@ -96,3 +96,27 @@ async def test_partial_with_other_etag_starts_over(tmp_path, proxy, bucket):
     assert filecmp.cmp(src / "model.safetensors", snap / "model.safetensors", shallow=False)
     assert proxy.body_bytes[f"/{bucket}/store/blobs/sha256/{w.sha256}"] == w.size
     store.close()
+
+
+async def test_a_state_left_by_a_kill_after_the_rename_goes_with_the_next_pull(tmp_path, proxy, bucket):
+    """Killed between a blob's rename into blobs/ and the unlink of its state: the blob is whole,
+    the next pull takes it as it is and removes the state left behind (seen on the 2-core box:
+    the SIGKILL test's second pull left partial/ holding a small blob's state)."""
+    src = make_model(tmp_path / "src", data_bytes=300_000)
+    store = s3_store(proxy.url, bucket)
+    publish_model(store, src, "m")
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    snap = await cache.pull(store, "m")
+    cfg = next(p for p in (tmp_path / "cache" / "blobs").rglob("*") if p.is_file()
+               and filecmp.cmp(p, snap / "config.json", shallow=False))
+    # the kill's leftover, and the model's folder gone so the pull fetches again what it lacks
+    state = tmp_path / "cache" / "partial" / f"{cfg.name}.state"
+    state.write_text('{"v": 1}\n0\n')
+    import shutil
+
+    shutil.rmtree(tmp_path / "cache" / "models" / "m")
+    proxy.clear()
+    snap = await DiskCache(tmp_path / "cache", 1 << 30, download=fast_download()).pull(store, "m")
+    assert filecmp.cmp(src / "config.json", snap / "config.json", shallow=False)
+    assert not os.listdir(tmp_path / "cache" / "partial")
+    store.close()
