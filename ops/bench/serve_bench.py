@@ -78,9 +78,16 @@ def tree_cpu_delta(before: dict[str, dict[int, float]], after: dict[str, dict[in
     return out
 
 
-async def _one(session: Any, url: str, model: str, ids: list[int], out_len: int, seed: int, headers: dict) -> dict:
+# What a penalised request of --penalised-fraction asks for: every rule the engine applies on
+# the device (engine/runner/logit_rules.py), at values clients send.
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
+
+
+async def _one(session: Any, url: str, model: str, ids: list[int], out_len: int, seed: int, headers: dict,
+               penalised: bool = False) -> dict:
     body = {"model": model, "prompt": ids, "max_tokens": out_len, "ignore_eos": True, "temperature": 1.0,
-            "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
+            "seed": seed, "stream": True, "stream_options": {"include_usage": True},
+            **(PENALTIES if penalised else {})}
     t0 = time.perf_counter()
     first = None
     usage: dict = {}
@@ -103,11 +110,12 @@ async def _one(session: Any, url: str, model: str, ids: list[int], out_len: int,
     n_out = usage.get("completion_tokens", 0)
     first = first or end
     return {"ttft": first - t0, "e2e": end - t0, "out": n_out, "in": usage.get("prompt_tokens", len(ids)),
-            "tpot": (end - first) / (n_out - 1) if n_out > 1 else None}
+            "tpot": (end - first) / (n_out - 1) if n_out > 1 else None, "penalised": penalised}
 
 
 async def drive(url: str, model: str, reqs: list[Any], concurrency: int | None, rate: float | None,
-                api_key: str = "", seed: int = 0) -> tuple[list[dict], float]:
+                api_key: str = "", seed: int = 0, penalised_fraction: float = 0.0) -> tuple[list[dict], float]:
+    """Send ``reqs``; a seeded ``penalised_fraction`` of them carry PENALTIES."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -117,11 +125,14 @@ async def drive(url: str, model: str, reqs: list[Any], concurrency: int | None, 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
 
+        marked = random.Random(seed + 7)
+        penalised = [marked.random() < penalised_fraction for _ in reqs]
+
         async def run(i: int, r: Any) -> dict:
             if sem is None:
-                return await _one(session, url, model, r.prompt_token_ids, r.output_len, i, headers)
+                return await _one(session, url, model, r.prompt_token_ids, r.output_len, i, headers, penalised[i])
             async with sem:
-                return await _one(session, url, model, r.prompt_token_ids, r.output_len, i, headers)
+                return await _one(session, url, model, r.prompt_token_ids, r.output_len, i, headers, penalised[i])
 
         t0 = time.perf_counter()
         tasks = []
@@ -211,6 +222,12 @@ def report(results: list[dict], wall: float, cpu: dict[str, float]) -> dict[str,
         "output_tok_s": round(out_tok / wall, 2), "total_tok_s": round((out_tok + in_tok) / wall, 2),
         "ttft_ms_p50": rnd(percentile(ttft, 50)), "ttft_ms_p99": rnd(percentile(ttft, 99)),
         "tpot_ms_p50": rnd(percentile(tpot, 50)), "tpot_ms_p99": rnd(percentile(tpot, 99)),
+        # with --penalised-fraction: the rows with penalties and those without, apart
+        "penalised_requests": sum(1 for r in ok if r.get("penalised")),
+        "tpot_ms_p50_penalised": rnd(percentile([r["tpot"] * 1e3 for r in ok if r.get("penalised")
+                                                 and r["tpot"] is not None], 50)),
+        "tpot_ms_p50_plain": rnd(percentile([r["tpot"] * 1e3 for r in ok if not r.get("penalised")
+                                             and r["tpot"] is not None], 50)),
         # The whole process tree: the agent, the worker and every other descendant.
         "cpu_cores_agent": round(cpu["agent"] / wall, 3), "cpu_cores_worker": round(cpu["worker"] / wall, 3),
         "cpu_cores_children": round(cpu.get("children", 0.0) / wall, 3),
@@ -286,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, help="arrivals per second (inf: all at once)")
     ap.add_argument("--vocab-size", type=int, help="default: the model's")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--penalised-fraction", type=float, default=0.0,
+                    help="share of requests (seeded) with presence, frequency and repetition penalties, 0..1")
     ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-serve-<model>-<mode>-<commit>.json)")
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument("--warmup-requests", type=int, help="sent before the measured window, at the same "
@@ -298,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if (a.concurrency is None) == (a.rate is None):
         ap.error("give exactly one of --concurrency N or --rate R")
+    if not 0.0 <= a.penalised_fraction <= 1.0:
+        ap.error("--penalised-fraction is a share, 0 to 1")
     tmp = None
     proc = None
     try:
@@ -323,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         spies = start_profile(Path(a.profile), {"agent": agent_pid, "worker": worker_pid},
                               a.profile_native) if a.profile else {}
         before = tree_cpu_seconds(tree_pids(agent_pid, worker_pid))
-        results, wall = asyncio.run(drive(url, model, reqs, a.concurrency, a.rate, a.api_key, a.seed))
+        results, wall = asyncio.run(drive(url, model, reqs, a.concurrency, a.rate, a.api_key, a.seed,
+                                          a.penalised_fraction))
         cpu = tree_cpu_delta(before, tree_cpu_seconds(tree_pids(agent_pid, worker_pid)))
         if spies:
             stop_profile(Path(a.profile), spies)

@@ -17,9 +17,12 @@ def test_serve_bench_runs_against_a_real_daemon(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "INFIRE_ENGINE__SANDBOX": "false"}
     r = subprocess.run([sys.executable, "-m", "ops.bench.serve_bench", "--arch", "llama", "--preset", "tiny",
                         "--device", "cpu", "--num-requests", "6", "--concurrency", "3",
-                        "--max-num-seqs", "4", "--out", str(out)],
+                        "--max-num-seqs", "4", "--penalised-fraction", "0.5", "--out", str(out)],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["requests"] == 6 and report["req_s"] > 0 and report["mode"] == "concurrency-3"
     assert report["warmup_requests"] == 3  # the concurrency's worth, before the measured window
+    # half of them (seeded) carry the penalties the engine applies on the device; both kinds served
+    assert 0 < report["penalised_requests"] < 6 and report["errors"] == 0, report
+    assert report["tpot_ms_p50_penalised"] > 0 and report["tpot_ms_p50_plain"] > 0
