@@ -401,7 +401,7 @@ class ModelManager:
                     if not waits or left <= 0:
                         raise plan.refusal(e.name) from None
                     ahead = {load for v, load in self._drains.items() if load != e.name
-                             and self.models[v].state in (State.DRAINING, State.UNLOADING)}
+                             and (m := self.models.get(v)) is not None and m.state in (State.DRAINING, State.UNLOADING)}
                     if len(ahead) < DRAINING_LOADS_MAX:
                         for v in self._planner.to_drain(plan.details["short"], exclude=e.name,
                                                         tokens_to_go=self.worker.tokens_to_go(),
