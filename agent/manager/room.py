@@ -77,17 +77,15 @@ class RoomPlanner:
 
     def to_drain(self, short: int | None, exclude: str = "", tokens_to_go: Mapping[str, int] | None = None,
                  promised: Mapping[str, str] | None = None) -> list[ModelEntry]:
-        """Busy models to drain so that a refused load gets its room: ready, unpinned, requests
-        in flight and none waiting for it, no operation running; those with no more than
-        DRAIN_TOKENS_MAX tokens to go before any other (a drain is stepped ahead of every
-        other model: a long generation would hold them all up); the least wanted first (``ModelEntry.wanted``, to the
-        nearest request), then the nearest to idle (``tokens_to_go``: the engine's figure, the
-        most tokens one of its requests may still produce; a model without one after those
-        with), then least recently used; until their bytes at load cover ``short``
-        (the refusal's bytes missing beyond the idle models offered) less what models already
-        on their way out will free for it (``promised``: drained model → the load it was drained
-        for; one drained for another load is that load's room). Empty when those already cover
-        it or none is busy."""
+        """Busy models to drain so that a refused load gets its room, until their bytes at load
+        cover ``short`` (the refusal's bytes missing beyond the idle models offered) less what
+        models already leaving for this load will free (``promised``: drained model → the load it
+        was drained for). Candidates: ready, unpinned, requests in flight, none waiting for it, no
+        operation running. Order: those with at most DRAIN_TOKENS_MAX tokens to go first (a drain
+        is stepped ahead of every model: a long generation would hold them all up), then the
+        least wanted (``ModelEntry.wanted``, to the nearest request), the nearest to idle
+        (``tokens_to_go``, the engine's; a model without a figure after those with one), the
+        least recently used. Empty when what is leaving covers it or none is busy."""
         to_go, promised = tokens_to_go or {}, promised or {}
         others = [e for e in self._models.values() if e.name != exclude]
         need = (short if short is not None else 1) - sum(
@@ -95,6 +93,7 @@ class RoomPlanner:
             and promised.get(e.name, exclude) == exclude)
         out: list[ModelEntry] = []
         now = time.monotonic()
+
         def order(e: ModelEntry) -> tuple:
             left = to_go.get(e.name, float("inf"))
             return left > DRAIN_TOKENS_MAX, round(e.wanted(now)), left, e.last_used_mono

@@ -423,9 +423,10 @@ class EngineCore:
                 self._abort_model(n)
                 continue
             busy.append(n)
-        # an expedited model goes first while it has work; its flag ends with its work
-        self._expedited = {n for n in self._expedited if n in self.slots and self.slots.get(n).scheduler.has_unfinished()}
-        urgent = [n for n in busy if n in self._expedited]
+        urgent: list[str] = []
+        if self._expedited:  # an expedited model goes first while it has work; its flag ends with its work
+            self._expedited.intersection_update(busy if exclude is None else busy + [exclude.name])
+            urgent = [n for n in busy if n in self._expedited]
         name = self.picker.pick(urgent or busy)
         return self.slots.get(name) if name is not None else None
 

@@ -289,12 +289,9 @@ def swap_ledger(events: list[dict]) -> dict[str, Any]:
             spans.setdefault(str(was), []).append(t - since.pop((m, was)))
         since[(m, now)] = t
 
-    def q(v: list[float], f: float) -> float:
-        return round(sorted(v)[min(len(v) - 1, int(f * len(v)))], 3)
-
     return {"per_model": dict(sorted(per.items())),
-            "state_s": {k: {"n": len(v), "p50": q(v, 0.5), "p90": q(v, 0.9), "max": round(max(v), 3)}
-                        for k, v in sorted(spans.items())}}
+            "state_s": {k: {"n": len(v), "p50": round(percentile(v, 50), 3), "p90": round(percentile(v, 90), 3),
+                            "max": round(max(v), 3)} for k, v in sorted(spans.items())}}
 
 
 def log_events(path: Path, offset: int) -> list[dict]:

@@ -62,6 +62,7 @@ def main() -> None:
     from engine.load_spec import LoadSpec
     from engine.options import EngineOptions
     from engine.sampling import SamplingParams
+    from ops.bench.engine_bench import _commit
 
     free, total = torch.cuda.mem_get_info()
     budget = int(total * 0.9)
@@ -135,7 +136,7 @@ def main() -> None:
     finally:
         with open(a.out, "w") as f:
             json.dump({"budget_gib": round(budget / GIB, 3), "total_gib": round(total / GIB, 3),
-                       "commit": os.environ.get("INFIRE_COMMIT"), "samples": samples}, f, indent=1)
+                       "commit": _commit(), "samples": samples}, f, indent=1)
 
 
 if __name__ == "__main__":
