@@ -58,7 +58,7 @@ from agent.manager.entries import (
     State,
     UnknownModel,
 )
-from agent.manager.room import RoomPlanner
+from agent.manager.room import Eviction, RoomPlanner
 from agent.metrics import Metrics
 from agent.worker.client import WorkerClient, WorkerError
 from cache.errors import CacheError, ModelNotInStore
@@ -362,30 +362,11 @@ class ModelManager:
         try:
             while True:
                 async with self._room:
-                    while True:
-                        offered = self._planner.evictable(exclude=e.name)
-                        try:
-                            e.in_worker = True
-                            sent = time.monotonic()
-                            loaded = await self.worker.load(spec, offered)
-                            # the wait for the room lock, evictions and room waits before the load that took
-                            e.phases["room"] = (asked, sent)
-                            if derive:
-                                self.source.want_derived(e.name, FP8_DERIVED)
-                            return loaded
-                        except WorkerError as ex:
-                            e.in_worker = False  # answered: whatever happens next is not its load's doing
-                            if ex.code != "no_room":
-                                raise
-                            plan = self._planner.after_refusal(offered, ex.details)
-                        if not plan.victims:
-                            break
-                        # Each pass unloads at least one model and none loads meanwhile (this
-                        # lock): the loop ends within as many passes as there are models.
-                        self._log.info("evict_for_load", model=e.name, evict=list(plan.victims),
-                                       needed=plan.details["needed"], free=plan.details["free"])
-                        for name in plan.victims:
-                            await self._evict(self.models[name], f"evicted to make room for {e.name}")
+                    loaded, plan = await self._load_or_evict(e, spec, asked)
+                    if loaded is not None:
+                        if derive:
+                            self.source.want_derived(e.name, FP8_DERIVED)
+                        return loaded
                     # Nothing idle to evict: drain busy models (least wanted first) until what
                     # leaves for this load covers the shortfall, then wait, without the lock, for
                     # a model that may free room to change, until autoload_timeout has passed.
@@ -400,9 +381,7 @@ class ModelManager:
                     left = deadline - time.monotonic()
                     if not waits or left <= 0:
                         raise plan.refusal(e.name) from None
-                    ahead = {load for v, load in self._drains.items() if load != e.name
-                             and (m := self.models.get(v)) is not None and m.state in (State.DRAINING, State.UNLOADING)}
-                    if len(ahead) < DRAINING_LOADS_MAX:
+                    if len(self._planner.loads_draining(self._drains, exclude=e.name)) < DRAINING_LOADS_MAX:
                         for v in self._planner.to_drain(plan.details["short"], exclude=e.name,
                                                         tokens_to_go=self.worker.tokens_to_go(),
                                                         promised=self._drains):
@@ -418,6 +397,33 @@ class ModelManager:
                         c.cancel()
         finally:
             self._drains = {v: load for v, load in self._drains.items() if load != e.name}
+
+    async def _load_or_evict(self, e: ModelEntry, spec: Any, asked: float) -> tuple[Any, Eviction | None]:
+        """Under the room lock: ask the engine to load ``e``, evicting the idle models it names
+        as often as it names them; (the Loaded answer, None), or (None, the refusal's plan) when
+        evicting idle models cannot make room. Each pass unloads at least one model and none
+        loads meanwhile (the lock): the loop ends within as many passes as there are models.
+        ``asked``: when the load began asking for room (its ``room`` phase ends at the Load
+        that took)."""
+        while True:
+            offered = self._planner.evictable(exclude=e.name)
+            try:
+                e.in_worker = True
+                sent = time.monotonic()
+                loaded = await self.worker.load(spec, offered)
+                e.phases["room"] = (asked, sent)  # the lock, evictions and room waits before this Load
+                return loaded, None
+            except WorkerError as ex:
+                e.in_worker = False  # answered: whatever happens next is not its load's doing
+                if ex.code != "no_room":
+                    raise
+                plan = self._planner.after_refusal(offered, ex.details)
+            if not plan.victims:
+                return None, plan
+            self._log.info("evict_for_load", model=e.name, evict=list(plan.victims),
+                           needed=plan.details["needed"], free=plan.details["free"])
+            for name in plan.victims:
+                await self._evict(self.models[name], f"evicted to make room for {e.name}")
 
     async def _evict(self, v: ModelEntry, why: str) -> None:
         """Unload an idle model as its own operation (so the admin API sees it busy)."""

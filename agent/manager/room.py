@@ -106,6 +106,12 @@ class RoomPlanner:
             need -= max(1, e.info.device_bytes if e.info is not None else 0)
         return out
 
+    def loads_draining(self, promised: Mapping[str, str], exclude: str = "") -> set[str]:
+        """The loads other than ``exclude``'s with a model still leaving for them (``promised``:
+        drained model → the load it was drained for)."""
+        return {load for v, load in promised.items() if load != exclude and (e := self._models.get(v)) is not None
+                and e.state in (State.DRAINING, State.UNLOADING)}
+
     def after_refusal(self, offered: list[str], refusal: Mapping[str, Any]) -> Eviction:
         """The eviction a ``no_room`` refusal names, when all of it is among ``offered``."""
         details = {k: refusal.get(k) for k in REFUSAL_FIGURES}
