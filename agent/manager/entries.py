@@ -38,7 +38,8 @@ NEXT_STATES: dict[State, frozenset[State]] = {
     State.CACHED: frozenset({State.PULLING, State.LOADING, State.ABSENT}),
     State.LOADING: frozenset({State.READY, State.FAILED, State.CACHED}),
     State.READY: frozenset({State.DRAINING, State.LOADING, State.FAILED}),
-    State.DRAINING: frozenset({State.UNLOADING, State.LOADING, State.FAILED}),
+    # back to ready: a drain for a load's room called off (ModelManager._recall_drains)
+    State.DRAINING: frozenset({State.UNLOADING, State.READY, State.LOADING, State.FAILED}),
     State.UNLOADING: frozenset({State.CACHED, State.LOADING, State.FAILED}),
     State.FAILED: frozenset({State.PULLING, State.LOADING, State.CACHED, State.ABSENT}),
 }
@@ -152,6 +153,9 @@ class ModelEntry:
     # Workers that died while this model's load was in flight; at CRASH_LOOP_LOADS it is failed
     # and not reloaded automatically (an operator's load resets it).
     crashed_loads: int = 0
+    # Its drain for a load's room is called off (that load ended without needing it): the unload
+    # stops waiting and the model serves again, never having left the engine.
+    recalled: bool = False
     in_worker: bool = False  # its Load, or the canary's first decode, is in the worker now
     derived_load: bool = False  # its last load read a derived artifact (its FP8 checkpoint), not the snapshot
     been_ready: bool = False  # ready at least once since the agent started (preload is done)

@@ -396,7 +396,21 @@ class ModelManager:
                     for c in changes:
                         c.cancel()
         finally:
-            self._drains = {v: load for v, load in self._drains.items() if load != e.name}
+            self._recall_drains(e.name)
+
+    def _recall_drains(self, load: str) -> None:
+        """``load`` ended (loaded, refused, failed or cancelled): forget the drains promised to it,
+        and call off those still waiting for their last requests. A drain it no longer needs
+        would unload a busy model for nobody (its requests waiting for a reload, the room going
+        to whichever load comes next); recalled, it serves again from where it was."""
+        for name in [v for v, owner in self._drains.items() if owner == load]:
+            del self._drains[name]
+            v = self.models.get(name)
+            if v is not None and v.state is State.DRAINING and v.busy:
+                self._log.info("drain_recalled", model=name, load=load, in_flight=v.in_flight)
+                v.recalled = True
+                self.worker.expedite(name, on=False)
+                v.signal_change()
 
     async def _load_or_evict(self, e: ModelEntry, spec: Any, asked: float) -> tuple[Any, Eviction | None]:
         """Under the room lock: ask the engine to load ``e``, evicting the idle models it names
@@ -554,8 +568,12 @@ class ModelManager:
         e.move(State.DRAINING, reason)
         e.want_loaded = False
         deadline = time.monotonic() + (self.settings.server.drain_timeout if drain_s is None else drain_s)
-        while e.in_flight and (left := deadline - time.monotonic()) > 0:
-            await e.wait_change(left)  # the last request out signals
+        while e.in_flight and not e.recalled and (left := deadline - time.monotonic()) > 0:
+            await e.wait_change(left)  # the last request out signals, and a recall
+        if e.recalled:  # the load it drained for no longer needs it (_recall_drains): it stays
+            e.want_loaded, e.recalled = True, False
+            e.move(State.READY, "drain called off: the load it was drained for ended without it")
+            return
         if e.in_flight:
             self._log.warning("drain_timeout", model=e.name, in_flight=e.in_flight)
         e.move(State.UNLOADING, reason)

@@ -501,11 +501,12 @@ class WorkerClient:
         """Forget ``model``'s prefix cache in the engine; the entries it had."""
         return (await self._command(("drop_prefix_cache", model), P.DropPrefixCache(model=model), timeout)).entries
 
-    def expedite(self, model: str) -> None:
+    def expedite(self, model: str, on: bool = True) -> None:
         """Ask the engine to step ``model``'s requests ahead of the others' until it has none
-        (a model draining for a load's room); no answer, nothing to do in a dead worker."""
+        (a model draining for a load's room), or (``on`` False) in turn again (that drain called
+        off); no answer, nothing to do in a dead worker."""
         try:
-            self._send(P.Expedite(model=model))
+            self._send(P.Expedite(model=model, on=on))
         except WorkerDied:
             pass
 

@@ -208,7 +208,7 @@ class EngineCore:
         del slot
         self.loader.unload(name)
 
-    def expedite(self, name: str) -> bool:
+    def expedite(self, name: str, on: bool = True) -> bool:
         """Step ``name``'s requests ahead of every other model's until it has none left (False:
         not loaded). For a model that admits nothing more because a load waits for its room
         (the agent drains it): in turn with the others, at one step per busy model, a request of
@@ -216,10 +216,14 @@ class EngineCore:
         seven 8Bs), the load and every request behind that load waiting; ahead of them it needs
         only its own steps (~4.6 ms each at batch 1), for which the others wait (the agent drains
         a model with a long generation left only when no other will do). Unloading it ends the
-        flag."""
+        flag, and so does ``on`` False (its drain called off: it admits requests again and is
+        stepped in turn)."""
         if name not in self.slots:
             return False
-        self._expedited.add(name)
+        if on:
+            self._expedited.add(name)
+        else:
+            self._expedited.discard(name)
         return True
 
     def models(self) -> dict[str, ModelInfo]:

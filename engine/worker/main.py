@@ -155,7 +155,7 @@ class Worker:
             self._unload(msg)
         elif isinstance(msg, P.Expedite):
             if self.core is not None:
-                self.core.expedite(msg.model)
+                self.core.expedite(msg.model, msg.on)
         elif isinstance(msg, P.DropPrefixCache):
             self._drop_prefix_cache(msg)
         elif isinstance(msg, P.Shutdown):

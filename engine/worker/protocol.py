@@ -143,11 +143,13 @@ class Unload(Message):
 @_register
 @dataclass(frozen=True)
 class Expedite(Message):
-    """Step ``model``'s requests ahead of every other model's until it has none left (it drains:
-    the agent admits nothing more to it). No answer; a model not loaded is ignored."""
+    """``on``: step ``model``'s requests ahead of every other model's until it has none left (it
+    drains: the agent admits nothing more to it); off: in turn again (its drain was called off).
+    No answer; a model not loaded is ignored."""
 
     TAG: ClassVar[str] = "expedite"
     model: str
+    on: bool
 
 
 @_register

@@ -408,6 +408,12 @@ def test_an_expedited_model_is_stepped_ahead_of_the_others_until_its_work_is_don
 
     assert first_pick_after_submitting("a", "b") == ["a", "b"]
     drain(core, toks)
+    # flagged, then called off (its drain no longer needed): in turn with the others at once
+    submit(core, "a")
+    core.expedite("a")
+    assert core.expedite("a", on=False) and not core._expedited
+    assert first_pick_after_submitting("b", "c") == ["a", "b", "c"]
+    drain(core, toks)
     # unloaded while expedited (a drain past its deadline): the others step on
     submit(core, "a", "c")
     core.expedite("a")

@@ -56,8 +56,8 @@ class FakeWorker:
         await asyncio.sleep(0.01)
         self.loaded.remove(name)
 
-    def expedite(self, name: str) -> None:
-        self.expedited.append(name)
+    def expedite(self, name: str, on: bool = True) -> None:
+        self.expedited.append(name if on else f"-{name}")
 
     def tokens_to_go(self) -> dict[str, int]:
         return {n: m.tokens_to_go for n, m in self.state.models.items()}
@@ -304,6 +304,59 @@ async def test_a_drain_covers_what_the_idle_models_cannot_and_no_more(monkeypatc
     assert mgr.get("z").state is State.CACHED and "evicted to make room for a" in mgr.get("z").reason
     assert set(w.held) == {"p", "y", "a"} and w.expedited == ["x"]
     hy.__exit__(None, None, None)
+
+
+async def test_a_drain_its_load_no_longer_needs_is_called_off(monkeypatch, tmp_path) -> None:
+    """Budget 60; p (20, pinned), x (20, busy, the least wanted), y (20, busy). Loading a (20)
+    drains x. When y goes idle first, y is evicted, a loads into its room, and x's drain is called
+    off: x never left the engine, serves again, and its expedite flag is taken back. A load
+    refused past its deadline calls off its drain the same way: nothing unloaded for nobody."""
+    monkeypatch.setenv("INFIRE_SERVER__AUTOLOAD_TIMEOUT", "1s")  # the refused load's deadline
+    sizes = {"p": 20, "x": 20, "y": 20, "a": 20}
+    w = ByteWorker(sizes, 60)
+    models = json.dumps([{"name": "p", "pin": True}] + [{"name": n} for n in "xya"])
+    mgr = _manager(monkeypatch, tmp_path, w, models, list(sizes))
+    for n in "pxy":
+        await mgr.load(n)
+    hx, hy = mgr.admit("x"), mgr.admit("y")
+    hx.__enter__()
+    hy.__enter__()
+    for _ in range(5):
+        with mgr.admit("y"):
+            pass
+    loading = mgr.load("a")
+    await asyncio.sleep(0.1)
+    assert mgr._drains == {"x": "a"} and mgr.get("x").state is State.DRAINING
+    hy.__exit__(None, None, None)  # y idle: the load wakes, evicts it and loads
+    await loading
+    await asyncio.sleep(0.05)
+    assert mgr.get("a").state is State.READY and mgr.get("y").state is State.CACHED
+    x = mgr.get("x")
+    assert x.state is State.READY and "drain called off" in x.reason and x.want_loaded and not x.busy
+    assert mgr._drains == {} and w.expedited == ["x", "-x"] and "x" in w.held
+    with mgr.admit("x"):  # it admits again
+        assert x.in_flight == 2
+    hx.__exit__(None, None, None)
+
+    # x (wanted) and a (not yet) busy past y's deadline: a is drained for y, y is refused, a stays.
+    ha = mgr.admit("a")
+    ha.__enter__()
+    hx = mgr.admit("x")
+    hx.__enter__()
+    for _ in range(5):
+        with mgr.admit("x"):
+            pass
+    loading = mgr.load("y")
+    await asyncio.sleep(0.1)
+    assert mgr._drains == {"a": "y"} and mgr.get("a").state is State.DRAINING
+    await loading
+    y = mgr.get("y")
+    assert y.state is State.FAILED and "short by" in y.reason, y.reason
+    await asyncio.sleep(0.05)
+    assert mgr.get("a").state is State.READY and "drain called off" in mgr.get("a").reason
+    assert {"p", "x", "a"} == set(w.held) and mgr._drains == {} and w.expedited[-2:] == ["a", "-a"]
+    ha.__exit__(None, None, None)
+    hx.__exit__(None, None, None)
 
 
 async def test_a_long_generation_is_drained_last_and_a_model_waited_for_never(monkeypatch, tmp_path) -> None:

@@ -28,7 +28,7 @@ def _body(obj: object) -> bytes:
         P.Abort(req_ids=["a", "b"]),
         P.Load(spec=LoadSpec("m", "/x", max_model_len=128, max_num_seqs=4, weight=2.0)),
         P.Unload(model="m"),
-        P.Expedite(model="m"),
+        P.Expedite(model="m", on=True),
         P.Shutdown(),
         P.Hello(pid=12, device="cpu"),
         P.Loaded(model="m", info=ModelInfo("m", 100, 64, [2, 3], 1 << 20, 12, 16, "fp8", None), seconds=0.5),
