@@ -154,7 +154,8 @@ class ModelEntry:
     # and not reloaded automatically (an operator's load resets it).
     crashed_loads: int = 0
     # Its drain for a load's room is called off (that load ended without needing it): the unload
-    # stops waiting and the model serves again, never having left the engine.
+    # stops waiting and the model serves again, never having left the engine. Cleared by any
+    # move out of draining (a drain cut short by the worker's death leaves nothing behind).
     recalled: bool = False
     in_worker: bool = False  # its Load, or the canary's first decode, is in the worker now
     derived_load: bool = False  # its last load read a derived artifact (its FP8 checkpoint), not the snapshot
@@ -175,6 +176,7 @@ class ModelEntry:
             raise ManagerError(f"{self.name}: cannot go from {self.state.value} to {state.value}")
         previous = self.state
         self.state, self.reason, self.failure = state, reason, failure if state is State.FAILED else None
+        self.recalled &= state is State.DRAINING  # a recall is of the drain under way, never a later one
         self.been_ready |= state is State.READY
         if self.observer is not None:
             self.observer(self, previous)

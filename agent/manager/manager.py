@@ -571,7 +571,7 @@ class ModelManager:
         while e.in_flight and not e.recalled and (left := deadline - time.monotonic()) > 0:
             await e.wait_change(left)  # the last request out signals, and a recall
         if e.recalled:  # the load it drained for no longer needs it (_recall_drains): it stays
-            e.want_loaded, e.recalled = True, False
+            e.want_loaded = True
             e.move(State.READY, "drain called off: the load it was drained for ended without it")
             return
         if e.in_flight:

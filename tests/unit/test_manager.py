@@ -92,3 +92,16 @@ async def test_a_model_the_engine_says_cannot_run_is_unloaded_for_a_fresh_load(m
     mgr.worker.state.models = {"m": model_stats()}
     mgr.unload_broken()  # nothing more to do
     assert e.state is State.CACHED
+
+
+def test_a_recall_belongs_to_the_drain_under_way(mgr: ModelManager) -> None:
+    """A drain called off is marked on the entry; any move out of draining (the worker died and
+    cut the drain short) forgets the mark, so a later unload of the model is not called off."""
+    e = mgr.get("m")
+    e.state = State.READY
+    e.move(State.DRAINING, "drained to make room for n")
+    e.recalled = True
+    e.move(State.DRAINING, "still draining")
+    assert e.recalled
+    e.move(State.UNLOADING, "the engine worker exited")
+    assert not e.recalled
