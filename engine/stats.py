@@ -60,9 +60,10 @@ class ModelMemory:
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """The budget and who holds it, in bytes: ``used`` is weights + workspace + the whole KV pool
-    (``kv``), of which the models' pages hold ``kv_used``, + ``untracked``. ``models``: the models on the shared
-    pool (a tensor-parallel model, which owns its cache, has no row)."""
+    """The budget and who holds it, in bytes: ``used`` is the loaded models' weights + workspace,
+    + ``vacant``, + the whole KV pool (``kv``), of which the models' pages hold ``kv_used``, +
+    ``untracked``. ``models``: the models on the shared pool (a tensor-parallel model, which owns
+    its cache, has no row)."""
 
     budget: int
     used: int
@@ -81,6 +82,10 @@ class MemoryStats:
     device: int
     models: dict[str, ModelMemory]
     models_omitted: int  # rows left out of ``models`` (:meth:`largest`)
+    # Unloaded models' weights and workspace kept for the next load of their kind (vacancies,
+    # engine/core/vacancy.py): on the device, in ``used``, and a load's to take (not in ``free``'s
+    # way: the next load claims or drops them first).
+    vacant: int = 0
     # KV pool re-creations since the engine started and their seconds (each one rebuilds every
     # loaded model's runner, graphs included: what a swap costs the models that stay). History,
     # not books: two splits with the same books are equal whatever these say.

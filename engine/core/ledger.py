@@ -134,6 +134,7 @@ class _Model:
     weights: int = 0
     workspace: int = 0
     kv_min: int = 0
+    vacant: bool = False  # an unloaded model's memory kept for the next load (engine/core/vacancy.py)
 
 
 def _nonneg(name: str, value: int) -> int:
@@ -200,8 +201,12 @@ class MemoryLedger:
 
     def _committed(self) -> int:
         """Bytes nobody else may take: weights, workspace, every guaranteed KV minimum and what
-        the device holds beyond the books."""
-        return sum(m.weights + m.workspace + m.kv_min for m in self._models.values()) + self._untracked
+        the device holds beyond the books. Not vacancies: a load claims or drops them before it
+        books (engine/core/vacancy.py)."""
+        return sum(m.weights + m.workspace + m.kv_min for m in self._models.values() if not m.vacant) + self._untracked
+
+    def _vacant(self) -> int:
+        return sum(m.weights + m.workspace for m in self._models.values() if m.vacant)
 
     # -- the device's own figure ------------------------------------------------------------------
     def reconcile(self, held_bytes: int) -> int:
@@ -239,7 +244,7 @@ class MemoryLedger:
             candidates: list[tuple[str, int]] = []
             for name in dict.fromkeys(evictable):  # dedupe, keep LRU order
                 m = self._models.get(name)
-                if m is None:
+                if m is None or m.vacant:
                     raise LedgerError(f"evictable model {name!r} is not booked in the ledger")
                 candidates.append((name, m.weights + m.workspace + m.kv_min))
             evict: list[str] = []
@@ -255,7 +260,7 @@ class MemoryLedger:
                     budget=self.budget, evictable_models=tuple(n for n, _ in candidates),
                     parts={"weights": weight_bytes, "workspace": workspace_estimate,
                            "min KV": min_kv_bytes})
-            evicted_non_kv = sum(self._models[n].weights + self._models[n].workspace for n in evict)
+            evicted_non_kv = sum(self._models[n].weights + self._models[n].workspace for n in evict) + self._vacant()
             pool_after = self.budget - (self._non_kv() - evicted_non_kv) - weight_bytes - workspace_estimate
             return LoadPlan(model=model, weight_bytes=weight_bytes,
                             workspace_bytes=workspace_estimate, min_kv_bytes=min_kv_bytes,
@@ -330,6 +335,17 @@ class MemoryLedger:
                 raise LedgerError(f"a KV pool of {format_bytes(nbytes)} cannot hold the models' "
                                   f"guaranteed minimums ({format_bytes(kv_min)})")
             self._kv_pool = nbytes
+
+    def vacate(self, model: str, as_name: str) -> None:
+        """A model unloaded whose memory stays for the next load (engine/core/vacancy.py): its
+        weights and workspace booked on under ``as_name``, flagged vacant (held on the device, in
+        ``used``; free to a load's plan, never to the pool), its KV minimum released."""
+        with self._lock:
+            if as_name in self._models:
+                raise LedgerError(f"{as_name!r} is already booked in the ledger")
+            m = self._get(model)
+            del self._models[model]
+            self._models[as_name] = _Model(weights=m.weights, workspace=m.workspace, vacant=True)
 
     def release(self, model: str) -> int:
         """Forget a model (after its weights and pages are freed); returns the bytes released

@@ -49,6 +49,7 @@ from engine.core.memory_plan import LoadNeeds, load_needs
 from engine.core.model_table import ModelTable
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
+from engine.core.vacancy import Vacancy
 from engine.errors import EngineError, LoadOptionError
 from engine.load_spec import LoadSpec
 from engine.options import DTYPE_NAMES, EngineOptions
@@ -167,6 +168,7 @@ class PendingLoad:
     compute_key: str  # what the model computes (workspace_key): the load notes' key
     shape: str  # what its measured workspace depends on besides the weights (the load's shape)
     prebuild: bool  # build the runner beside the weights (engine.runner.prebuild)
+    vacancy: Vacancy | None  # an unloaded model's tensors and runner it loads into (engine/core/vacancy.py)
     started: float
     timings: dict[str, float] = field(default_factory=dict)
     future: Future = field(default_factory=Future)
@@ -299,18 +301,26 @@ class ModelLoader:
         self._settle()  # no step in flight while pages, pool and slots change
         # Its pages registered now, not after the weights: while they load, other models' bursts
         # must not take the pages its minimum needs.
-        t_pool = self._pools.book(name, cfg, needs, evictable)
         key, compute_key = warm_key(name, spec.model_dir, quantization), workspace_key(cfg, quantization)
         shape = self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs.tokens_per_page)
+        vacancy = self._pools.claim(compute_key, shape)  # every other vacancy dropped
+        try:
+            t_pool = self._pools.book(name, cfg, needs, evictable, vacancy)
+        except BaseException:
+            if vacancy is not None:
+                self._pools.discard(vacancy)  # its books went in book(): its memory goes now
+            raise
         # Only while no other model is on the engine: on the H200, runners built on the load thread
         # beside other models' steps (12 FP8 8Bs loading under traffic) failed their decode-graph
         # capture (cudaErrorStreamCaptureInvalidated) and failed a stepping model's step
         # (cudaErrorStreamCaptureIsolation); the cause is not found yet (docs/multi-model.md). A
         # load beside others captures on the step thread in phase 3 instead.
         prebuild = self.warmup and self.prebuild_runner is not False and len(self._slots) == 0 and prebuild_wanted(
-            self.device, self._known_workspace(key, compute_key, shape), allow_cpu=bool(self.prebuild_runner))
-        pending = PendingLoad(spec, cfg, max_len, dtype, needs, quantization, key, compute_key, shape, prebuild, t0,
-                              timings={"config_s": t1 - t0, "book_s": time.perf_counter() - t1, "pool_s": t_pool})
+            self.device, self._known_workspace(key, compute_key, shape), allow_cpu=bool(self.prebuild_runner)) and (
+            vacancy is None or vacancy.runner is None)
+        pending = PendingLoad(spec, cfg, max_len, dtype, needs, quantization, key, compute_key, shape, prebuild,
+                              vacancy, t0, timings={"config_s": t1 - t0, "book_s": time.perf_counter() - t1,
+                                                    "pool_s": t_pool, "vacancy": 1.0 if vacancy else 0.0})
         self.pending = pending
         gate = self._pools.streams.gate if self._pools.streams is not None else None
         if gate is not None:  # no step captures a graph beside the load thread's device work
@@ -351,10 +361,18 @@ class ModelLoader:
         cuda = self.device.type == "cuda"
         with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
             t0 = time.perf_counter()
-            model = LlamaModel(p.cfg, p.dtype, self.device, p.quantization)
-            ta = time.perf_counter()
-            model.build_rope_cache(p.max_len)  # computed, not read: before the runner build needs it
-            tb = time.perf_counter()
+            v = p.vacancy
+            if v is not None:
+                # Same computation at the same shape: every tensor, the rope table (of this
+                # context) included, is what a new model would allocate; only the weights differ.
+                model, v.model = v.model, None
+                model.cfg = p.cfg  # what the files are read by (an FP8 checkpoint's layout)
+                ta = tb = time.perf_counter()
+            else:
+                model = LlamaModel(p.cfg, p.dtype, self.device, p.quantization)
+                ta = time.perf_counter()
+                model.build_rope_cache(p.max_len)  # computed, not read: before the runner build needs it
+                tb = time.perf_counter()
             build = None
             if p.prebuild:
                 gen = self._pools.generation
@@ -364,6 +382,9 @@ class ModelLoader:
                 nbytes, source = load_or_restore(model, p.spec.model_dir, self.warm_tier, p.key, cancel=p.cancel)
             finally:
                 runner = build.result() if build is not None else None  # never left using the model
+            if v is not None:  # its runner, checked against the pool's generation at install
+                runner = (v.generation, v.kv, v.runner) if v.runner is not None else None
+                v.kv = v.runner = None
             ready = None
             if cuda:
                 # The copies ran on side streams that were synchronised; the rope cache went on
@@ -471,9 +492,12 @@ class ModelLoader:
                          pages=pages, needs=needs, max_num_seqs=spec.max_num_seqs,
                          workspace_bytes=needs.workspace_bytes, warm_key=p.key, model_dir=spec.model_dir)
         self._slots.add(slot)
-        known = self._known_workspace(p.key, p.compute_key, p.shape)
-        # A runner built beside the weights serves when nothing is to be measured and the pool's
-        # memory is the one it was built on; otherwise it is dropped before the measurement.
+        # A vacancy's workspace was measured (or booked) for this computation at this shape.
+        known = p.vacancy.workspace_bytes if p.vacancy is not None else self._known_workspace(
+            p.key, p.compute_key, p.shape)
+        # A runner built beside the weights (or a vacancy's) serves when nothing is to be measured
+        # and the pool's memory is the one it was built on; otherwise it is dropped before the
+        # measurement.
         pre, w.runner = w.runner, None
         if pre is not None and (known is None or pre[0] != self._pools.generation):
             pre = None
@@ -509,7 +533,8 @@ class ModelLoader:
     def unload(self, name: str) -> None:
         """Free a loaded model whose requests are aborted and whose step is settled: weights to
         the warm tier (when it keeps them), every page back to the pool, every byte out of the
-        ledger; the pool is trimmed when idle."""
+        ledger (its weights and runner kept as a vacancy, booked as such, for the next load: the
+        next load takes or drops it); the pool is trimmed when idle."""
         slot = self._slots.get(name)
         stashed = slot.warm_key is not None and slot.model is not None and stash_weights(
             self.warm_tier, slot.warm_key, slot.model)
@@ -522,6 +547,12 @@ class ModelLoader:
         self._slots.remove(name)
         if name in self._picker:
             self._picker.remove_model(name)
+        # Its tensors and runner kept for the next load of its kind (engine/core/vacancy.py)
+        kept = slot.needs is not None and slot.model is not None and self._pools.vacate(
+            slot, workspace_key(slot.config, slot.info.quantization),
+            self._workspace_shape(slot.max_num_seqs, slot.scheduler.config.max_model_len, slot.model.dtype,
+                                  slot.needs.tokens_per_page))
         slot.runner = slot.kv = slot.model = None
         del slot
-        self._release_books(name)
+        if not kept:
+            self._release_books(name)

@@ -28,6 +28,7 @@ from engine.core.memory_plan import LoadNeeds, pool_target
 from engine.core.model_table import ModelTable
 from engine.config import ModelConfig
 from engine.core.slot import ModelSlot
+from engine.core.vacancy import VACANT_PREFIX, Vacancy
 from engine.errors import EngineError
 from engine.kv.kv_cache import KVCache, KVSpec
 from engine.kv.layout import ModelPageSource, PoolBusyError
@@ -93,6 +94,10 @@ class PoolKeeper:
         self.resizes = 0  # pool re-creations (each rebuilds every loaded model's runner) and their seconds
         self._changed_at = time.monotonic()  # the last load booked or model released: a grow waits for quiet
         self.resize_seconds = 0.0
+        # Unloaded models' memory and runners kept for the next load of their kind (engine/core/vacancy.py)
+        self.vacancies: list[Vacancy] = []
+        self._claimed: Vacancy | None = None  # the one a load is booking with (book)
+        self.vacancies_claimed = 0  # loads that took one (stats)
         # What the device held before this engine put anything on it (the CUDA context, other
         # processes): the fixed slack beside the budget; reconcile() counts only what comes after.
         self._device_baseline = device_held_bytes(device) if device.type == "cuda" else 0
@@ -121,19 +126,29 @@ class PoolKeeper:
         return self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
                                       evictable=list(evictable))
 
-    def book(self, name: str, cfg: ModelConfig, needs: LoadNeeds, evictable: tuple[str, ...] | list[str] = ()) -> float:
+    def book(self, name: str, cfg: ModelConfig, needs: LoadNeeds, evictable: tuple[str, ...] | list[str] = (),
+             vacancy: Vacancy | None = None) -> float:
         """Book a load, all or nothing: the ledger's verdict (a refusal says what evicting the
         offered ``evictable`` models would do), the pool fitted to it, the weights booked, the
         model's pages registered (its minimum held back from then on). Returns the seconds the
-        pool's fit took."""
+        pool's fit took. ``vacancy``: the one the load claimed (:meth:`claim`); its books are given
+        up once the device's figure is taken (before, the figure would charge its tensors, still
+        on the device, as untracked) and the load books the same bytes in their place. The
+        caller drops the vacancy (:meth:`discard`) when this raises."""
         self.reconcile()
+        if vacancy is not None:
+            self.ledger.release(vacancy.book)
         try:
             plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
         except LoadRefused as e:
             raise self._refusal(name, needs, e, evictable) from None
         t = time.perf_counter()
         self._changed_at = time.monotonic()
-        self.fit(needs, plan.kv_pool_bytes_after)
+        self._claimed = vacancy
+        try:
+            self.fit(needs, plan.kv_pool_bytes_after)
+        finally:
+            self._claimed = None
         t = time.perf_counter() - t
         try:
             self.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace_bytes,
@@ -193,6 +208,68 @@ class PoolKeeper:
         if trim:
             self.trim()
 
+    def vacate(self, slot: ModelSlot, compute_key: str, shape: str) -> bool:
+        """At an unload (the slot out of the model table, its requests aborted and settled): keep
+        its weights and runner for the next load of ``compute_key`` at ``shape`` (engine/core/vacancy.py)
+        and give back its pages; the slot's tensors move to the vacancy. False (nothing done) for
+        a model that has nothing to keep (no runner, or not on the pool: the caller releases it)."""
+        if slot.runner is None or slot.pages is None or slot.model is None or slot.name not in self.ledger:
+            return False
+        self._changed_at = time.monotonic()
+        model, kv, runner = slot.model, slot.kv, slot.runner
+        slot.model = slot.kv = slot.runner = None  # the vacancy's alone: a resize must find no other view
+        runner.vacate()
+        book = VACANT_PREFIX + slot.name
+        if book in self.ledger:  # a vacancy of this name left by an earlier unload: the newer one stays
+            self.discard(next(v for v in self.vacancies if v.book == book), books=True)
+        self.pool.free_all(slot.name)
+        self.pool.unregister(slot.name)
+        self.ledger.vacate(slot.name, book)
+        self.vacancies.append(Vacancy(book, compute_key, shape, model, kv, runner, self.pool.generation,
+                                      slot.workspace_bytes))
+        # No trim: the room stays booked for the next load, which claims the vacancy (its pool
+        # as it is) or drops it and fits the pool to itself; quiet, the pool grows into it.
+        return True
+
+    def claim(self, compute_key: str, shape: str) -> Vacancy | None:
+        """A load's first step: the vacancy of its key and shape, if any, still booked (its books
+        go in :meth:`book`); every other vacancy is dropped, its memory back to the driver."""
+        found = next((v for v in self.vacancies if v.compute_key == compute_key and v.shape == shape), None)
+        others = [v for v in self.vacancies if v is not found]
+        self.vacancies = []
+        for v in others:
+            self.discard(v, books=True, give_back=False)
+        if others:
+            self.return_device_memory()
+        if found is not None:
+            self.vacancies_claimed += 1
+        return found
+
+    def discard(self, v: Vacancy, *, books: bool = False, give_back: bool = True) -> None:
+        """Let go of a vacancy's tensors (and, ``books``, its ledger entry), its memory back to the
+        driver unless ``give_back`` is False (the caller returns it once for several)."""
+        if v in self.vacancies:
+            self.vacancies.remove(v)
+        v.model = v.kv = v.runner = None
+        if books and v.book in self.ledger:
+            self.ledger.release(v.book)
+        if give_back:
+            self.return_device_memory()
+
+    def _stale_vacancies(self) -> None:
+        """The pool's memory is going: the runners kept over it (and the one a load is booking
+        with) go first; their weights stay."""
+        for v in [*self.vacancies, *([self._claimed] if self._claimed is not None else [])]:
+            v.runner = v.kv = None
+
+    def drop_vacancies(self) -> None:
+        """Every vacancy gone, memory and books (the pool grows into the room)."""
+        if not self.vacancies:
+            return
+        for v in list(self.vacancies):
+            self.discard(v, books=True, give_back=False)
+        self.return_device_memory()
+
     def trim(self) -> None:
         """Shrink the pool to the loaded models' wants when that is cheap (:meth:`fit` with no new
         load); never grow it. An unload's room is the next load's in a swap: grown into at the
@@ -206,6 +283,7 @@ class PoolKeeper:
         was re-created."""
         if self.pool is None or time.monotonic() - self._changed_at < quiet_s:
             return False
+        self.drop_vacancies()  # nobody loaded into them while it was quiet: the room is the pool's
         before = self.resizes
         self.fit(None, None)
         return self.resizes != before
@@ -215,8 +293,13 @@ class PoolKeeper:
         (``new``): the weights need room the pool holds, or its minimum needs pages the pool lacks.
         A required resize with live pages preempts every running sequence first. ``grow`` False:
         only a smaller target is taken."""
-        if self.pool is not None and not self.pool.models() and (new is None or new.page_bytes != self.pool.page_bytes):
-            self.pool = None  # no model on it: gone now; a load makes one of its own page size
+        # No model on the pool: it goes now (a load makes one of its own page size), unless a
+        # vacancy's runner is built on it and no load of another page size asks.
+        kept_for = any(v.runner is not None for v in self.vacancies)
+        if self.pool is not None and not self.pool.models() and (
+                new.page_bytes != self.pool.page_bytes if new is not None else not kept_for):
+            self._stale_vacancies()  # their runners' KV views are of this memory
+            self.pool = None
             self.ledger.set_kv_pool(0)
         if self.pool is None:
             if new is None:
@@ -263,6 +346,7 @@ class PoolKeeper:
         pooled = [s for s in self._slots.values() if s.pages is not None]
         for s in pooled:  # views (and captured graphs) of the old memory must go first
             s.runner = s.kv = None
+        self._stale_vacancies()  # theirs too: a claim then builds a runner on the kept weights
         try:
             if target > old:
                 self.ledger.set_kv_pool(target * pool.page_bytes)
@@ -403,7 +487,7 @@ class PoolKeeper:
 
     def memory(self) -> MemoryStats:
         """The budget and who holds it, in bytes (engine/stats.py): ``used`` is weights +
-        workspace + the whole KV pool, ``kv_used`` its pages held; per model on the pool its
+        workspace + vacancies + the whole KV pool, ``kv_used`` its pages held; per model on the pool its
         weights, workspace, KV minimum, KV bytes and pages held, and the pages it could hold."""
         snap = self.ledger.snapshot()
         pool = self.pool
@@ -415,8 +499,11 @@ class PoolKeeper:
             models[name] = ModelMemory(weights=snap.weights.get(name, 0), workspace=snap.workspace.get(name, 0),
                                        kv_min=snap.kv_min.get(name, 0), kv_used=s.pages.num_used * pb,
                                        kv_pages_used=s.pages.num_used, kv_pages_total=s.pages.num_total)
+        vacant = [n for n in snap.weights if n.startswith(VACANT_PREFIX)]
         return MemoryStats(budget=snap.budget, used=snap.used, free=snap.free,
-                           weights=sum(snap.weights.values()), workspace=sum(snap.workspace.values()),
+                           weights=sum(b for n, b in snap.weights.items() if n not in vacant),
+                           workspace=sum(b for n, b in snap.workspace.items() if n not in vacant),
+                           vacant=sum(snap.weights[n] + snap.workspace[n] for n in vacant),
                            kv=snap.kv_pool_bytes, kv_used=sum(m.kv_used for m in models.values()),
                            page_bytes=pb, kv_pages=pool.num_pages if pool is not None else 0,
                            kv_pages_free=pool.num_free if pool is not None else 0, untracked=snap.untracked,

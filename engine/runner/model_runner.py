@@ -159,6 +159,15 @@ class ModelRunner:
                                      pool=self.graphs.pool if self.graphs is not None else None)
             self.mixed.capture(mixed_now)
 
+    def vacate(self) -> None:
+        """Forget every request it served: its model was unloaded and the runner is kept for the
+        next load of the same computation and shape (engine/core/vacancy.py), whose requests'
+        sequence ids start again. Graphs, buffers and kernels stay; the counters start over."""
+        self._prev_ids, self._prev_rows = None, {}
+        self.prompt_logprobs.clear()
+        self.mask_seconds = self.host_seconds = self.host_graph_seconds = self.wait_seconds = 0.0
+        self.masked_rows = self.masked_steps = self.graph_steps = self.mixed_graph_steps = 0
+
     def decode_bucket(self, num_seqs: int) -> int | None:
         """The smallest decode bucket holding ``num_seqs`` sequences (None: none does)."""
         return _smallest_at_least(self.decode_buckets, num_seqs)

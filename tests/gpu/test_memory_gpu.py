@@ -1,8 +1,10 @@
 """The ledger against torch's allocator on the GPU, and where an unloaded model's memory goes.
 
-Skipped without CUDA. An unload drops every live byte the model had (the books and the
-allocator's live bytes both back where they started); the KV pool's segment stays cached so a
-reload at the same shape takes it back without asking the driver for fresh memory.
+Skipped without CUDA. An unload keeps the model's tensors for the next load of its kind (a
+vacancy: a reload at the same shape allocates nothing); once the vacancy goes every live byte the
+model had is dropped (the books and the allocator's live bytes both back where they started), and
+the KV pool's segment stays cached so a reload takes it back without asking the driver for fresh
+memory.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import gc
 
 import pytest
 import torch
+from engine.core.vacancy import VACANT_PREFIX
 from engine.load_spec import LoadSpec
 from engine.options import EngineOptions
 
@@ -74,16 +77,31 @@ def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(s
         assert check.ok, check  # every live byte the core added is in the books
         assert check.allocator_reserved > core_pool_bytes, (check, core_pool_bytes)  # pool + weights
 
+        # Unloaded, its tensors and runner stay for the next load of its kind
+        # (engine/core/vacancy.py): a reload at the same shape allocates nothing.
         core.unload_model("m")
+        snap = core.pools.ledger.snapshot()
+        assert list(snap.weights) == [VACANT_PREFIX + "m"] and not snap.kv_min[VACANT_PREFIX + "m"], snap
+        reserved0, streams = torch.cuda.memory_reserved(), core.streams.created
+        core.load_model(LoadSpec("m", small_model, max_model_len=2048, max_num_seqs=256))
+        assert core.loader.last_load_timings["vacancy"] == 1.0
+        assert _serve_one(core, "m") == first
+        assert torch.cuda.memory_reserved() - reserved0 <= 4 * MiB, torch.cuda.memory_reserved() - reserved0
+        check = core.pools.ledger.verify_against_allocator(tolerance=64 * MiB, reserved_bytes=_live_since(base_live))
+        assert check.ok, check
+
+        # Quiet, the vacancy goes: every live byte back; the pool's segment stays cached for the
+        # next load, the weights' and graphs' went back.
+        core.unload_model("m")
+        core.pools.grow_when_quiet(0)
         assert core.pools.ledger.snapshot().used == 0, core.pools.ledger.snapshot()
         live, reserved = _live_since(0), torch.cuda.memory_reserved()
         seen = dict(base_live=base_live, live=live, reserved=reserved, pool=core_pool_bytes)
         assert live - base_live <= 32 * MiB, (seen, _live_tensors())  # Triton/torch scratch at most
-        # The pool's segment stays cached for the next load; the weights' and graphs' went back.
         assert reserved - live >= core_pool_bytes, seen
 
-        streams = core.streams.created
         core.load_model(LoadSpec("m", small_model, max_model_len=2048, max_num_seqs=256))
+        assert core.loader.last_load_timings["vacancy"] == 0.0
         assert _serve_one(core, "m") == first
         grew = torch.cuda.memory_reserved() - reserved
         assert grew < core_pool_bytes // 2, (grew, seen)  # the pool came from the cache
@@ -94,6 +112,7 @@ def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(s
         assert core.streams.created == streams, (core.streams.created, streams)
 
         core.unload_model("m")
+        core.pools.grow_when_quiet(0)
         again = _live_since(0)
         assert again - live <= 2 * MiB, (dict(seen, again=again), _live_tensors())  # nothing grows per cycle
     finally:

@@ -14,6 +14,7 @@ import pytest
 from engine.core.engine_core import EngineCore
 from engine.options import EngineOptions
 from engine.core.ledger import LoadRefused
+from engine.core.vacancy import VACANT_PREFIX
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
 from engine.load_spec import LoadSpec
@@ -101,6 +102,7 @@ def test_third_load_over_budget_is_refused_with_the_numbers_and_the_plan_names_t
     core.pools.pool.audit()
     for name in ("b", "c"):
         core.unload_model(name)
+    core.pools.grow_when_quiet(0)  # quiet: the vacancies go (engine/core/vacancy.py), the pool with them
     assert core.pools.ledger.snapshot() == start and core.memory().kv_pages == 0
 
 
@@ -120,15 +122,23 @@ def test_unload_during_decode_frees_every_page_and_byte(dirs, solo, other_busy):
             toks.setdefault(o.req_id, []).extend(o.new_token_ids)
     assert core.stats()["b"].kv_pages_used > 0
     resizes = core.memory().pool_resizes
+    before, room = core.pools.ledger.snapshot(), core.pools.room()
     core.unload_model("b")
     assert "b" not in core.pools.pool.models() and "b" not in core.memory().models
-    # a trim re-creates the pool (every runner rebuilt): counted, only when the pool was idle
-    assert core.memory().pool_resizes == resizes + (0 if other_busy else 1)
+    # Its tensors and runner stay for the next load of its kind (engine/core/vacancy.py): booked
+    # as a vacancy (no KV minimum, no pages), the pool as it was (no resize, no runner rebuilt).
+    assert core.memory().pool_resizes == resizes
     snap = core.pools.ledger.snapshot()
     assert "b" not in snap.weights and "b" not in snap.workspace and "b" not in snap.kv_min
+    vacant = VACANT_PREFIX + "b"
+    assert snap.weights[vacant] == before.weights["b"] and snap.kv_min[vacant] == 0
+    # on the device still (used), but a load's to take (room)
+    assert snap.used == before.used
+    assert core.pools.room() == room + before.weights["b"] + before.workspace["b"] + before.kv_min["b"]
     core.pools.pool.audit()
-    if not other_busy:  # the pool was idle: trimmed at once, the books are as before b
-        assert snap == after_a
+    if not other_busy:  # quiet: the vacancy goes and the pool is trimmed, the books as before b
+        core.pools.grow_when_quiet(0)
+        assert core.pools.ledger.snapshot() == after_a and core.memory().pool_resizes == resizes + 1
     reasons = {}
     for _ in range(2000):
         if not core.has_unfinished_requests():
@@ -142,6 +152,7 @@ def test_unload_during_decode_frees_every_page_and_byte(dirs, solo, other_busy):
     mem = core.memory()
     assert mem.kv_used == 0 and mem.models["a"].kv_pages_used == 0
     core.unload_model("a")
+    core.pools.grow_when_quiet(0)
     assert core.pools.ledger.snapshot() == start
     assert core.memory().used == 0 and core.memory().kv_pages == 0
 
