@@ -117,6 +117,31 @@ def test_engine_bf16_matches_transformers(arch, sharp_model, monkeypatch):
     assert exact >= len(PROMPTS) // 2, (arch, exact)
 
 
+def test_a_model_loaded_into_a_vacancy_replays_its_graphs_on_its_own_weights(sharp_model, tmp_path, monkeypatch):
+    """a (graphs captured) unloaded, b (same architecture, other weights) loaded into its
+    tensors and runner (engine/core/vacancy.py): b's decode and mixed graphs replay a's captures
+    on b's weights; b's tokens are those of b in a fresh engine, greedy and seeded."""
+    from engine.sampling import SamplingParams
+    from modelgen.make import make_model
+
+    a = sharp_model("llama")
+    b = sharpen(make_model(tmp_path / "plain", "llama", "small", seed=1), tmp_path / "sharp", 8.0)
+    for params in (SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True),
+                   SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=GEN, ignore_eos=True)):
+        want, _ = _run(_engine(b, True, monkeypatch, mixed=True), PROMPTS, params)
+        core = _engine(a, True, monkeypatch, mixed=True)
+        runner = id(core.slots.get("m").runner)
+        mine, _ = _run(core, PROMPTS, params)
+        assert mine != want  # other weights: other tokens
+        core.unload_model("m")
+        core.load_model(LoadSpec("m", b, max_model_len=256, max_num_seqs=16))
+        assert core.loader.last_load_timings["vacancy"] == 1.0 and id(core.slots.get("m").runner) == runner
+        got, _ = _run(core, PROMPTS, params)
+        assert core.slots.get("m").runner.graph_steps > 0
+        assert got == want
+        del core
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_graph_decode_matches_eager(arch, sharp_model, monkeypatch):
     from engine.sampling import SamplingParams
