@@ -141,6 +141,8 @@ class PoolKeeper:
         try:
             plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
         except LoadRefused as e:
+            if vacancy is not None:  # its memory back before the refusal's figures take the device's
+                self.discard(vacancy)
             raise self._refusal(name, needs, e, evictable) from None
         t = time.perf_counter()
         self._changed_at = time.monotonic()
@@ -250,10 +252,11 @@ class PoolKeeper:
         driver unless ``give_back`` is False (the caller returns it once for several)."""
         if v in self.vacancies:
             self.vacancies.remove(v)
+        held = v.model is not None or v.runner is not None
         v.model = v.kv = v.runner = None
         if books and v.book in self.ledger:
             self.ledger.release(v.book)
-        if give_back:
+        if give_back and held:
             self.return_device_memory()
 
     def _stale_vacancies(self) -> None:
