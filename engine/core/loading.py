@@ -302,13 +302,15 @@ class ModelLoader:
         # Its pages registered now, not after the weights: while they load, other models' bursts
         # must not take the pages its minimum needs.
         key, compute_key = warm_key(name, spec.model_dir, quantization), workspace_key(cfg, quantization)
-        shape = self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs.tokens_per_page)
+        shape = self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs)
         vacancy = self._pools.claim(compute_key, shape)  # every other vacancy dropped
+        if vacancy is not None:  # booked as the vacancy was: its graph pools are on the device already
+            needs = dataclasses.replace(needs, workspace_bytes=max(needs.workspace_bytes, vacancy.workspace_bytes))
         try:
             t_pool = self._pools.book(name, cfg, needs, evictable, vacancy)
         except BaseException:
             if vacancy is not None:
-                self._pools.discard(vacancy)  # its books went in book(): its memory goes now
+                self._pools.discard(vacancy, books=True)  # its memory (and books, if book() kept them)
             raise
         # Only while no other model is on the engine: on the H200, runners built on the load thread
         # beside other models' steps (12 FP8 8Bs loading under traffic) failed their decode-graph
@@ -332,7 +334,7 @@ class ModelLoader:
             if gate is not None:
                 gate.reopen()
             self.pending = None
-            self._undo_load(name)
+            self._undo_load(name, pending)
             raise
         return pending
 
@@ -361,11 +363,14 @@ class ModelLoader:
         cuda = self.device.type == "cuda"
         with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
             t0 = time.perf_counter()
-            v = p.vacancy
+            v, kept = p.vacancy, None
             if v is not None:
                 # Same computation at the same shape: every tensor, the rope table (of this
                 # context) included, is what a new model would allocate; only the weights differ.
-                model, v.model = v.model, None
+                # Everything taken off the vacancy at once: if the read fails, this frame's end
+                # lets it all go (nothing of it is booked any more).
+                model, kept = v.model, (v.generation, v.kv, v.runner) if v.runner is not None else None
+                v.model = v.kv = v.runner = None
                 model.cfg = p.cfg  # what the files are read by (an FP8 checkpoint's layout)
                 ta = tb = time.perf_counter()
             else:
@@ -382,9 +387,9 @@ class ModelLoader:
                 nbytes, source = load_or_restore(model, p.spec.model_dir, self.warm_tier, p.key, cancel=p.cancel)
             finally:
                 runner = build.result() if build is not None else None  # never left using the model
-            if v is not None:  # its runner, checked against the pool's generation at install
-                runner = (v.generation, v.kv, v.runner) if v.runner is not None else None
-                v.kv = v.runner = None
+            if kept is not None:  # the vacancy's runner, checked against the pool's generation at install
+                runner = kept
+            del kept
             ready = None
             if cuda:
                 # The copies ran on side streams that were synchronised; the rope cache went on
@@ -414,7 +419,7 @@ class ModelLoader:
             self.pending = None
             self._settle()
             drop_result(pending)
-            self._undo_load(pending.name)
+            self._undo_load(pending.name, pending)
             raise
         self.pending = None
         if pending.trim:
@@ -436,10 +441,15 @@ class ModelLoader:
             self.pending = None
             self._settle()
             drop_result(pending)
-            self._undo_load(pending.name)
+            self._undo_load(pending.name, pending)
 
-    def _undo_load(self, name: str) -> None:
-        """Release what a load booked: slot, picker entry, then its books (:meth:`_release_books`)."""
+    def _undo_load(self, name: str, pending: PendingLoad | None = None) -> None:
+        """Release what a load booked: slot, picker entry, the vacancy it claimed (whatever of it
+        the load thread did not take: its books went at booking), then its books
+        (:meth:`_release_books`)."""
+        if pending is not None and pending.vacancy is not None:
+            self._pools.discard(pending.vacancy, give_back=False)  # the release below gives back
+            pending.vacancy = None
         self._slots.remove(name)
         if name in self._picker:
             self._picker.remove_model(name)
@@ -463,10 +473,11 @@ class ModelLoader:
             known = self.notes.get(compute_key, shape)
         return known
 
-    def _workspace_shape(self, max_num_seqs: int, max_len: int, dtype: torch.dtype, tokens_per_page: int) -> str:
+    def _workspace_shape(self, max_num_seqs: int, max_len: int, dtype: torch.dtype, needs: LoadNeeds) -> str:
         """What a measured workspace figure depends on besides the weights: the step's limits,
-        the graphs captured at load and the block-table width."""
-        return repr((str(self.device), str(dtype), max_num_seqs, max_len, tokens_per_page,
+        the graphs captured at load, the block-table width and the KV cache's dtype (also what
+        makes one runner serve another model: engine/core/vacancy.py)."""
+        return repr((str(self.device), str(dtype), max_num_seqs, max_len, needs.tokens_per_page, needs.kv_dtype,
                      self.max_num_batched_tokens, self.max_prefill_chunk, tuple(self._pools.decode_buckets),
                      self._pools.cuda_graphs, self._pools.mixed_buckets or DEFAULT_MIXED_BUCKETS))
 
@@ -542,7 +553,7 @@ class ModelLoader:
             # The workspace booked for it was measured (or carried over): a reload at this shape
             # books the same figure and skips the warm-up step.
             shape = self._workspace_shape(slot.max_num_seqs, slot.scheduler.config.max_model_len,
-                                          slot.model.dtype, slot.needs.tokens_per_page)
+                                          slot.model.dtype, slot.needs)
             self.warm_tier.note(slot.warm_key, shape, slot.workspace_bytes)
         self._slots.remove(name)
         if name in self._picker:
@@ -551,7 +562,7 @@ class ModelLoader:
         kept = slot.needs is not None and slot.model is not None and self._pools.vacate(
             slot, workspace_key(slot.config, slot.info.quantization),
             self._workspace_shape(slot.max_num_seqs, slot.scheduler.config.max_model_len, slot.model.dtype,
-                                  slot.needs.tokens_per_page))
+                                  slot.needs))
         slot.runner = slot.kv = slot.model = None
         del slot
         if not kept:

@@ -135,6 +135,14 @@ class PoolKeeper:
         up once the device's figure is taken (before, the figure would charge its tensors, still
         on the device, as untracked) and the load books the same bytes in their place. The
         caller drops the vacancy (:meth:`discard`) when this raises."""
+        self._claimed = vacancy  # a resize or trim in here finds its KV views (_stale_vacancies)
+        try:
+            return self._book(name, cfg, needs, evictable, vacancy)
+        finally:
+            self._claimed = None
+
+    def _book(self, name: str, cfg: ModelConfig, needs: LoadNeeds, evictable: tuple[str, ...] | list[str],
+              vacancy: Vacancy | None) -> float:
         self.reconcile()
         if vacancy is not None:
             self.ledger.release(vacancy.book)
@@ -146,11 +154,7 @@ class PoolKeeper:
             raise self._refusal(name, needs, e, evictable) from None
         t = time.perf_counter()
         self._changed_at = time.monotonic()
-        self._claimed = vacancy
-        try:
-            self.fit(needs, plan.kv_pool_bytes_after)
-        finally:
-            self._claimed = None
+        self.fit(needs, plan.kv_pool_bytes_after)
         t = time.perf_counter() - t
         try:
             self.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace_bytes,
@@ -220,7 +224,10 @@ class PoolKeeper:
         self._changed_at = time.monotonic()
         model, kv, runner = slot.model, slot.kv, slot.runner
         slot.model = slot.kv = slot.runner = None  # the vacancy's alone: a resize must find no other view
-        runner.vacate()
+        if self.cuda_graphs and self.decode_buckets and runner.graphs is None and not slot.config.num_experts:
+            kv = runner = None  # an eager stand-in after a failed capture: the next model gets real graphs
+        else:
+            runner.vacate()
         book = VACANT_PREFIX + slot.name
         if book in self.ledger:  # a vacancy of this name left by an earlier unload: the newer one stays
             self.discard(next(v for v in self.vacancies if v.book == book), books=True)
@@ -229,6 +236,8 @@ class PoolKeeper:
         self.ledger.vacate(slot.name, book)
         self.vacancies.append(Vacancy(book, compute_key, shape, model, kv, runner, self.pool.generation,
                                       slot.workspace_bytes))
+        if runner is None:
+            self.ledger.record_workspace(book, 0)
         # No trim: the room stays booked for the next load, which claims the vacancy (its pool
         # as it is) or drops it and fits the pool to itself; quiet, the pool grows into it.
         return True
@@ -264,6 +273,8 @@ class PoolKeeper:
         with) go first; their weights stay."""
         for v in [*self.vacancies, *([self._claimed] if self._claimed is not None else [])]:
             v.runner = v.kv = None
+            if v.book in self.ledger:  # its graph pools and step buffers went with the runner
+                self.ledger.record_workspace(v.book, 0)
 
     def drop_vacancies(self) -> None:
         """Every vacancy gone, memory and books (the pool grows into the room)."""
