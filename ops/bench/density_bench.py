@@ -261,8 +261,17 @@ def load_breakdown(events: list[dict]) -> dict[str, Any]:
                     parts.setdefault(k, []).append(float(v))
         return {k: round(statistics.median(v), 3) for k, v in sorted(parts.items())}
 
+    def split(taken: bool) -> dict[str, Any]:
+        """Loads into an unloaded model's tensors and runner (engine/core/vacancy.py) or not."""
+        part = [ev for ev in loads if bool((ev.get("engine") or {}).get("vacancy")) == taken]
+        med = (lambda xs: round(statistics.median(xs), 3) if xs else None)
+        return {"count": len(part), "seconds_p50": med([ev["seconds"] for ev in part]),
+                "engine_total_p50": med([(ev.get("engine") or {}).get("total_s", 0.0) for ev in part]),
+                "runner_p50": med([(ev.get("engine") or {}).get("runner_s", 0.0) for ev in part])}
+
     return {"count": len(loads), "seconds_p50": round(statistics.median([ev["seconds"] for ev in loads]), 3)
             if loads else None, "phases_p50": medians("phases"), "engine_p50": medians("engine"),
+            "vacancy": {"taken": split(True), "fresh": split(False)},
             "loads": [[ev.get("model"), ev.get("seconds"), ev.get("phases"), ev.get("engine")] for ev in loads][:300]}
 
 
@@ -272,9 +281,10 @@ def swap_ledger(events: list[dict]) -> dict[str, Any]:
     ``model_state`` timestamps (the status poll sees 0.5 s steps)."""
     per: dict[str, dict[str, int]] = {}
     for ev in events:
-        kind = {"model_loaded": "loads", "drain_for_load": "drains", "evict": "evictions"}.get(ev.get("event", ""))
+        kind = {"model_loaded": "loads", "drain_for_load": "drains", "evict": "evictions",
+                "drain_recalled": "recalled"}.get(ev.get("event", ""))
         if kind and isinstance(ev.get("model"), str):
-            per.setdefault(ev["model"], {"loads": 0, "drains": 0, "evictions": 0})[kind] += 1
+            per.setdefault(ev["model"], {"loads": 0, "drains": 0, "evictions": 0, "recalled": 0})[kind] += 1
     since: dict[tuple[str, str], float] = {}
     spans: dict[str, list[float]] = {}
     for ev in events:

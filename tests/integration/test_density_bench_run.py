@@ -69,6 +69,8 @@ def test_cycle_drill_loads_and_unloads_two_models_in_turn_under_traffic(tmp_path
     assert b["count"] >= 4 and {"cyc8", "cycb"} <= {x[0] for x in b["loads"]}, b
     assert {"room", "load", "canary"} <= set(b["phases_p50"]) and "total_s" in b["engine_p50"], b
     assert 0 < b["phases_p50"]["load"] and b["seconds_p50"] > 0
+    v = b["vacancy"]  # loads into an unloaded model's tensors (engine/core/vacancy.py), and the rest
+    assert v["taken"]["count"] + v["fresh"]["count"] == b["count"] and v["fresh"]["engine_total_p50"] > 0, v
     assert isinstance(rep["pool_resizes"], int) and rep["pool_resizes"] >= 0 and rep["pool_resize_s"] >= 0
     assert rep["room_waits"] == 0  # the budget holds every model here
     ledger = rep["swap_ledger"]  # each cycle model loaded (at least) twice, nothing drained for room here
