@@ -201,12 +201,9 @@ class MemoryLedger:
 
     def _committed(self) -> int:
         """Bytes nobody else may take: weights, workspace, every guaranteed KV minimum and what
-        the device holds beyond the books. Not vacancies: a load claims or drops them before it
-        books (engine/core/vacancy.py)."""
+        the device holds beyond the books. Not vacancies: a load that needs their room drops
+        them before it books (engine/core/vacancy.py)."""
         return sum(m.weights + m.workspace + m.kv_min for m in self._models.values() if not m.vacant) + self._untracked
-
-    def _vacant(self) -> int:
-        return sum(m.weights + m.workspace for m in self._models.values() if m.vacant)
 
     # -- the device's own figure ------------------------------------------------------------------
     def reconcile(self, held_bytes: int) -> int:
@@ -260,7 +257,7 @@ class MemoryLedger:
                     budget=self.budget, evictable_models=tuple(n for n, _ in candidates),
                     parts={"weights": weight_bytes, "workspace": workspace_estimate,
                            "min KV": min_kv_bytes})
-            evicted_non_kv = sum(self._models[n].weights + self._models[n].workspace for n in evict) + self._vacant()
+            evicted_non_kv = sum(self._models[n].weights + self._models[n].workspace for n in evict)
             pool_after = self.budget - (self._non_kv() - evicted_non_kv) - weight_bytes - workspace_estimate
             return LoadPlan(model=model, weight_bytes=weight_bytes,
                             workspace_bytes=workspace_estimate, min_kv_bytes=min_kv_bytes,
@@ -339,7 +336,8 @@ class MemoryLedger:
     def vacate(self, model: str, as_name: str) -> None:
         """A model unloaded whose memory stays for the next load (engine/core/vacancy.py): its
         weights and workspace booked on under ``as_name``, flagged vacant (held on the device, in
-        ``used``; free to a load's plan, never to the pool), its KV minimum released."""
+        ``used`` and beside the pool; ``room`` to a load, which drops it first if it needs it),
+        its KV minimum released."""
         with self._lock:
             if as_name in self._models:
                 raise LedgerError(f"{as_name!r} is already booked in the ledger")

@@ -146,6 +146,11 @@ class PoolKeeper:
         self.reconcile()
         if vacancy is not None:
             self.ledger.release(vacancy.book)
+        # The other vacancies stay while this load fits beside them (two loads draining for room
+        # each take their own victim's); else they all go, their room this load's.
+        kept = sum(self.ledger.model_bytes(v.book) for v in self.vacancies)
+        if kept and self.ledger.room() - kept < needs.weight_bytes + needs.workspace_bytes + needs.min_kv_bytes:
+            self.drop_vacancies()
         try:
             plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
         except LoadRefused as e:
@@ -243,16 +248,12 @@ class PoolKeeper:
         return True
 
     def claim(self, compute_key: str, shape: str) -> Vacancy | None:
-        """A load's first step: the vacancy of its key and shape, if any, still booked (its books
-        go in :meth:`book`); every other vacancy is dropped, its memory back to the driver."""
+        """A load's first step: the vacancy of its key and shape, if any, out of the list and
+        still booked (its books go in :meth:`book`, which also drops the others if the load
+        needs their room)."""
         found = next((v for v in self.vacancies if v.compute_key == compute_key and v.shape == shape), None)
-        others = [v for v in self.vacancies if v is not found]
-        self.vacancies = []
-        for v in others:
-            self.discard(v, books=True, give_back=False)
-        if others:
-            self.return_device_memory()
         if found is not None:
+            self.vacancies.remove(found)
             self.vacancies_claimed += 1
         return found
 
@@ -330,10 +331,15 @@ class PoolKeeper:
         cur = pool.num_pages
         if target == cur or (target > cur and not grow):
             return
+        must_shrink = new is not None and cur * pb > kv_after
+        must_grow = new is not None and pool.num_free - pool.num_reserved < new.min_pages
+        if new is not None and target < cur and not (must_shrink or must_grow):
+            # A load shrinks the pool only when its weights need the room: a resize rebuilds
+            # every runner, and leaves the vacancies' stale (the next load of their kind would
+            # capture again); the trim after unloads and the quiet growth fit it otherwise.
+            return
         idle = all(pool.num_used(n) == 0 for n in pool.models())
         if not idle:
-            must_shrink = new is not None and cur * pb > kv_after
-            must_grow = new is not None and pool.num_free - pool.num_reserved < new.min_pages
             if not (must_shrink or must_grow):
                 return  # a grow (or a trim after unload) waits until the pool is idle
             for s in pooled:

@@ -18,16 +18,17 @@ shape (dtype, limits, context, page geometry, graph buckets), which decide every
 and every kernel launch. The rope table depends only on those, so it is kept too.
 
 Rules (PoolKeeper applies them):
-- Kept at an unload of a model on the shared pool that has a runner; its pages go back to the
-  pool and its KV minimum out of the books, its weights and workspace stay booked under the
-  vacancy's own ledger name, flagged vacant: held on the device, but free to any load's plan
-  (every load begins by claiming or dropping every vacancy, before it books).
-- The next load begins by claiming one of its key and shape (its books given up just after the
-  device's figure is taken, so the load books the same bytes in their place) and dropping every
-  other (memory back to the driver, then the books).
-- A pool resize since it was kept leaves its runner stale (the pool's ``generation``): the
-  runner goes at the resize (its KV views must), the weight tensors stay, and the load that
-  claims it builds a runner on them.
+- Kept at an unload of a model on the shared pool that has a runner (not an eager stand-in for
+  failed captures); its pages go back to the pool and its KV minimum out of the books, its
+  weights and workspace stay booked under the vacancy's own ledger name, flagged vacant: held
+  on the device (in ``used``, beside the pool), but ``room`` to a load.
+- A load claims the vacancy of its key and shape, if any (its books given up just after the
+  device's figure is taken, so the load books the same bytes in their place); the other
+  vacancies stay while the load fits beside them (two loads draining for room each take their
+  own victim's) and all go, memory back to the driver, when it needs their room.
+- A load shrinks the pool only when its weights need the room (a resize rebuilds every runner);
+  a pool resize since a vacancy was kept leaves its runner stale: the runner goes at the resize
+  (its KV views must), the weight tensors stay, and the load that claims it builds a runner.
 - The pool's growth after quiet drops every vacancy first: memory nobody loads into is the pool's.
 """
 

@@ -71,34 +71,56 @@ def test_a_load_of_the_same_kind_takes_the_unloaded_models_tensors_and_runner(di
     assert core.pools.vacancies == [] and core.pools.vacancies_claimed == 1
 
 
-def test_a_load_of_another_shape_drops_every_vacancy_first(dirs) -> None:
+def _one_model_bytes(d) -> int:
+    probe = _core()
+    probe.load_model(_spec("a", d))
+    return probe.pools.ledger.snapshot().used
+
+
+def test_other_vacancies_stay_while_a_load_fits_beside_them_and_go_when_it_needs_their_room(dirs) -> None:
+    """Roomy: a load of another shape leaves the vacancies be (a later load of their kind takes
+    one). Tight: a load that needs their room drops them all before it books."""
     core = _core()
     core.load_model(_spec("a", dirs["a"]))
     core.load_model(_spec("b", dirs["b"]))
     core.unload_model("a")
     core.unload_model("b")
-    assert len(core.pools.vacancies) == 2
     core.load_model(_spec("c", dirs["c"], seqs=2))  # another max_num_seqs: another shape
-    assert core.loader.last_load_timings["vacancy"] == 0.0 and core.pools.vacancies == []
-    assert not [n for n in core.pools.ledger.snapshot().weights if n.startswith(VACANT_PREFIX)]
+    assert core.loader.last_load_timings["vacancy"] == 0.0 and len(core.pools.vacancies) == 2
     ref = _core()
     ref.load_model(_spec("c", dirs["c"], seqs=2))
     assert _generate(core, "c") == _generate(ref, "c")
+    core.load_model(_spec("a", dirs["a"]))  # one of them taken
+    assert core.loader.last_load_timings["vacancy"] == 1.0 and len(core.pools.vacancies) == 1
+    assert _generate(core, "a") == _alone(dirs["a"])
+
+    one = _one_model_bytes(dirs["a"])
+    tight = _core(budget=int(1.9 * one))  # two models, not two and their vacancies
+    tight.load_model(_spec("a", dirs["a"]))
+    tight.load_model(_spec("b", dirs["b"]))
+    tight.unload_model("a")
+    tight.unload_model("b")
+    tight.load_model(_spec("c", dirs["c"], seqs=2))
+    assert tight.pools.vacancies == []
+    assert [n for n in tight.pools.ledger.snapshot().weights] == ["c"]
+    assert _generate(tight, "c") == _generate(ref, "c")
 
 
-def test_two_vacancies_one_taken_the_other_dropped_and_a_reload_of_the_same_name(dirs) -> None:
+def test_two_loads_each_take_their_own_vacancy_and_a_reload_of_the_same_name(dirs) -> None:
     core = _core()
     core.load_model(_spec("a", dirs["a"]))
     core.load_model(_spec("b", dirs["b"]))
-    runner_b = id(core.slots.get("b").runner)  # not the runner: its KV views would pin the pool
+    runners = {id(core.slots.get(n).runner) for n in "ab"}  # ids: a runner held here would pin the pool
     core.unload_model("a")
     core.unload_model("b")
-    core.load_model(_spec("b", dirs["b"]))  # either vacancy will do; the first kept is taken
-    assert core.loader.last_load_timings["vacancy"] == 1.0 and core.pools.vacancies == []
-    assert id(core.slots.get("b").runner) != runner_b  # a's
-    assert _generate(core, "b") == _alone(dirs["b"])
+    core.load_model(_spec("b", dirs["b"]))
+    core.load_model(_spec("c", dirs["c"]))
+    assert core.pools.vacancies == [] and core.pools.vacancies_claimed == 2
+    assert {id(core.slots.get(n).runner) for n in "bc"} == runners
+    assert _generate(core, "b") == _alone(dirs["b"]) and _generate(core, "c") == _alone(dirs["c"])
     core.unload_model("b")
     core.load_model(_spec("b", dirs["b"]))  # the same name again: its own vacancy
+    assert core.loader.last_load_timings["vacancy"] == 1.0
     assert _generate(core, "b") == _alone(dirs["b"])
 
 
@@ -153,9 +175,7 @@ def test_a_load_that_fails_after_taking_a_vacancy_releases_everything(dirs, tmp_
 def test_a_refused_load_that_took_a_vacancy_drops_it(dirs) -> None:
     """The vacancy is free to a load's plan, so a load too large even with it is refused with
     the vacancy's bytes counted as free, and the vacancy is gone after (its memory with it)."""
-    probe = _core()
-    probe.load_model(_spec("a", dirs["a"]))
-    one = probe.pools.ledger.snapshot().used
+    one = _one_model_bytes(dirs["a"])
     core = _core(budget=one + one // 2)  # room for one model, not two
     core.load_model(_spec("a", dirs["a"]))
     core.unload_model("a")

@@ -251,8 +251,8 @@ def test_cached_free_segments_of_the_default_pool_are_not_the_engines():
 def test_a_vacancy_is_on_the_device_but_a_loads_to_take():
     """An unloaded model's memory kept for the next load (engine/core/vacancy.py): in ``used``
     (the device holds it; the pool cannot grow into it; the device's figure is explained by it),
-    free to a load's plan (the load claims or drops it before it books), never offered as a
-    model to evict, its KV minimum gone."""
+    room to a load (which drops it first when it needs it), never offered as a model to evict,
+    its KV minimum gone."""
     led = MemoryLedger(100 * GiB, device="cpu")
     led.set_kv_pool(20 * GiB)
     led.reserve_weights("a", 30 * GiB, workspace_estimate=2 * GiB, min_kv_bytes=4 * GiB)
@@ -262,8 +262,8 @@ def test_a_vacancy_is_on_the_device_but_a_loads_to_take():
     snap = led.snapshot()
     assert snap.used == before.used and snap.kv_min == {"\0vacant:a": 0, "b": 4 * GiB}
     assert led.room() == 100 * GiB - 36 * GiB  # b alone is committed
-    plan = led.check_load("c", 30 * GiB, 2 * GiB, 4 * GiB)  # fits with a's room
-    assert plan.evict == () and plan.kv_pool_bytes_after == 100 * GiB - 32 * GiB - 32 * GiB
+    plan = led.check_load("c", 30 * GiB, 2 * GiB, 4 * GiB)  # fits with a's room (the load drops a first)
+    assert plan.evict == () and plan.kv_pool_bytes_after == 100 * GiB - 3 * 32 * GiB  # while a is held
     with pytest.raises(LedgerError, match="not booked"):
         led.check_load("c", 30 * GiB, 2 * GiB, 4 * GiB, evictable=["\0vacant:a"])
     with pytest.raises(LedgerError, match="does not fit"):
