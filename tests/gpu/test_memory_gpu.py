@@ -113,8 +113,20 @@ def test_unload_gives_back_every_live_byte_and_a_reload_reuses_the_cached_pool(s
 
         core.unload_model("m")
         core.pools.grow_when_quiet(0)
-        again = _live_since(0)
-        assert again - live <= 2 * MiB, (dict(seen, again=again), _live_tensors())  # nothing grows per cycle
+        # Nothing grows per cycle, once every lent stream has run a matmul in each role it is
+        # lent for: a stream a runner used for captures may come back as another's step stream
+        # and get its cuBLAS workspace then (32 MiB, kept for good: engine/runner/streams.py),
+        # at most one per stream. (On the H100 at 57c7cf5 the second cycle, after a vacancy's
+        # streams came back, added exactly 32 MiB; two cycles more must add nothing.)
+        lives = [live, _live_since(0)]
+        for _ in range(2):
+            core.load_model(LoadSpec("m", small_model, max_model_len=2048, max_num_seqs=256))
+            assert _serve_one(core, "m") == first
+            core.unload_model("m")
+            core.pools.grow_when_quiet(0)
+            lives.append(_live_since(0))
+        assert lives[-1] - lives[-2] <= 2 * MiB, (dict(seen, lives=lives), _live_tensors())
+        assert lives[-1] - live <= 32 * MiB * core.streams.created, (lives, core.streams.created)
     finally:
         for name in list(core.models()):  # a failure must not leave a model on the device for the next test
             core.unload_model(name)
