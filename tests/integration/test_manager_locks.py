@@ -279,6 +279,20 @@ class ByteWorker(FakeWorker):
         self.loaded.remove(name)
 
 
+async def _serving(mgr: ModelManager, loads: str, busy: str, wanted: str) -> list[Any]:
+    """Load ``loads`` in order, hold one request in flight on each of ``busy`` (their admissions,
+    in order: ``__exit__`` ends each), and admit five more, ended, to ``wanted`` (the most wanted)."""
+    for n in loads:
+        await mgr.load(n)
+    held = [mgr.admit(n) for n in busy]
+    for h in held:
+        h.__enter__()
+    for _ in range(5):
+        with mgr.admit(wanted):
+            pass
+    return held
+
+
 async def test_a_drain_covers_what_the_idle_models_cannot_and_no_more(monkeypatch, tmp_path) -> None:
     """Budget 95; p (20, pinned), z (10, idle), x (25, busy, once), y (30, busy, the most wanted).
     Loading a (40): z alone cannot make room (short 20 beyond it), so x is drained (it covers the
@@ -287,14 +301,7 @@ async def test_a_drain_covers_what_the_idle_models_cannot_and_no_more(monkeypatc
     w = ByteWorker(sizes, 95)
     models = json.dumps([{"name": "p", "pin": True}] + [{"name": n} for n in "zxya"])
     mgr = _manager(monkeypatch, tmp_path, w, models, list(sizes))
-    for n in "pzxy":
-        await mgr.load(n)
-    hx, hy = mgr.admit("x"), mgr.admit("y")
-    hx.__enter__()
-    hy.__enter__()
-    for _ in range(5):
-        with mgr.admit("y"):
-            pass
+    hx, hy = await _serving(mgr, "pzxy", busy="xy", wanted="y")
     loading = mgr.load("a")
     await asyncio.sleep(0.1)
     assert mgr._drains == {"x": "a"} and mgr.get("y").state is State.READY
@@ -316,14 +323,7 @@ async def test_a_drain_its_load_no_longer_needs_is_called_off(monkeypatch, tmp_p
     w = ByteWorker(sizes, 60)
     models = json.dumps([{"name": "p", "pin": True}] + [{"name": n} for n in "xya"])
     mgr = _manager(monkeypatch, tmp_path, w, models, list(sizes))
-    for n in "pxy":
-        await mgr.load(n)
-    hx, hy = mgr.admit("x"), mgr.admit("y")
-    hx.__enter__()
-    hy.__enter__()
-    for _ in range(5):
-        with mgr.admit("y"):
-            pass
+    hx, hy = await _serving(mgr, "pxy", busy="xy", wanted="y")
     loading = mgr.load("a")
     await asyncio.sleep(0.1)
     assert mgr._drains == {"x": "a"} and mgr.get("x").state is State.DRAINING
@@ -339,13 +339,7 @@ async def test_a_drain_its_load_no_longer_needs_is_called_off(monkeypatch, tmp_p
     hx.__exit__(None, None, None)
 
     # x (wanted) and a (not yet) busy past y's deadline: a is drained for y, y is refused, a stays.
-    ha = mgr.admit("a")
-    ha.__enter__()
-    hx = mgr.admit("x")
-    hx.__enter__()
-    for _ in range(5):
-        with mgr.admit("x"):
-            pass
+    ha, hx = await _serving(mgr, "", busy="ax", wanted="x")
     loading = mgr.load("y")
     await asyncio.sleep(0.1)
     assert mgr._drains == {"a": "y"} and mgr.get("a").state is State.DRAINING
