@@ -409,6 +409,7 @@ class ModelManager:
             if v is not None and v.state is State.DRAINING and v.busy:
                 self._log.info("drain_recalled", model=name, load=load, in_flight=v.in_flight)
                 v.recalled = True
+                v.want_loaded = True  # a worker death before the unload resumes reloads it
                 self.worker.expedite(name, on=False)
                 v.signal_change()
 
@@ -570,6 +571,9 @@ class ModelManager:
         deadline = time.monotonic() + (self.settings.server.drain_timeout if drain_s is None else drain_s)
         while e.in_flight and not e.recalled and (left := deadline - time.monotonic()) > 0:
             await e.wait_change(left)  # the last request out signals, and a recall
+        # Its drain is over either way: a promise of it to a load ends here, never to recall a
+        # later unload of this model (an operator's, keep-alive's) that the load outlives.
+        self._drains.pop(e.name, None)
         if e.recalled:  # the load it drained for no longer needs it (_recall_drains): it stays
             e.want_loaded = True
             e.move(State.READY, "drain called off: the load it was drained for ended without it")

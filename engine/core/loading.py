@@ -303,7 +303,7 @@ class ModelLoader:
         # must not take the pages its minimum needs.
         key, compute_key = warm_key(name, spec.model_dir, quantization), workspace_key(cfg, quantization)
         shape = self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs)
-        vacancy = self._pools.claim(compute_key, shape)  # every other vacancy dropped
+        vacancy = self._pools.claim(compute_key, shape)  # the others go in book() if it needs their room
         if vacancy is not None:  # booked as the vacancy was: its graph pools are on the device already
             needs = dataclasses.replace(needs, workspace_bytes=max(needs.workspace_bytes, vacancy.workspace_bytes))
         try:

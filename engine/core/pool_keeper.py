@@ -28,7 +28,7 @@ from engine.core.memory_plan import LoadNeeds, pool_target
 from engine.core.model_table import ModelTable
 from engine.config import ModelConfig
 from engine.core.slot import ModelSlot
-from engine.core.vacancy import VACANT_PREFIX, Vacancy
+from engine.core.vacancy import VACANCIES_MAX, VACANT_PREFIX, Vacancy
 from engine.errors import EngineError
 from engine.kv.kv_cache import KVCache, KVSpec
 from engine.kv.layout import ModelPageSource, PoolBusyError
@@ -146,10 +146,13 @@ class PoolKeeper:
         self.reconcile()
         if vacancy is not None:
             self.ledger.release(vacancy.book)
-        # The other vacancies stay while this load fits beside them (two loads draining for room
-        # each take their own victim's); else they all go, their room this load's.
+        # The other vacancies stay while this load fits beside them as the pool is (two loads
+        # draining for room each take their own victim's); else they all go, their room this
+        # load's: kept, they would make it shrink the pool (every running sequence preempted,
+        # every runner rebuilt, theirs staled).
         kept = sum(self.ledger.model_bytes(v.book) for v in self.vacancies)
-        if kept and self.ledger.room() - kept < needs.weight_bytes + needs.workspace_bytes + needs.min_kv_bytes:
+        if kept and (self.ledger.room() - kept < needs.weight_bytes + needs.workspace_bytes + needs.min_kv_bytes
+                     or self.ledger.snapshot().free < needs.weight_bytes + needs.workspace_bytes):
             self.drop_vacancies()
         try:
             plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
@@ -236,6 +239,8 @@ class PoolKeeper:
         book = VACANT_PREFIX + slot.name
         if book in self.ledger:  # a vacancy of this name left by an earlier unload: the newer one stays
             self.discard(next(v for v in self.vacancies if v.book == book), books=True)
+        while len(self.vacancies) >= VACANCIES_MAX:  # the oldest goes: its room is the pool's
+            self.discard(self.vacancies[0], books=True)
         self.pool.free_all(slot.name)
         self.pool.unregister(slot.name)
         self.ledger.vacate(slot.name, book)

@@ -24,8 +24,9 @@ Rules (PoolKeeper applies them):
   on the device (in ``used``, beside the pool), but ``room`` to a load.
 - A load claims the vacancy of its key and shape, if any (its books given up just after the
   device's figure is taken, so the load books the same bytes in their place); the other
-  vacancies stay while the load fits beside them (two loads draining for room each take their
-  own victim's) and all go, memory back to the driver, when it needs their room.
+  vacancies stay while the load fits beside them with the pool as it is (two loads draining for
+  room each take their own victim's) and all go, memory back to the driver, when it needs their
+  room; at most ``VACANCIES_MAX`` are kept.
 - A load shrinks the pool only when its weights need the room (a resize rebuilds every runner);
   a pool resize since a vacancy was kept leaves its runner stale: the runner goes at the resize
   (its KV views must), the weight tensors stay, and the load that claims it builds a runner.
@@ -39,6 +40,11 @@ from typing import Any
 
 # A vacancy's name in the ledger: never a model's (a model name has no NUL).
 VACANT_PREFIX = "\0vacant:"
+
+# Vacancies on the device at most (the oldest goes first): two loads drain for room at once
+# (agent/manager/manager.py, DRAINING_LOADS_MAX) and each takes its own victim's; more would only
+# hold room the pool could grow into, on a node too busy for the pool's quiet growth.
+VACANCIES_MAX = 2
 
 
 @dataclass

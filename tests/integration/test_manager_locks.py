@@ -353,6 +353,38 @@ async def test_a_drain_its_load_no_longer_needs_is_called_off(monkeypatch, tmp_p
     hx.__exit__(None, None, None)
 
 
+async def test_a_promise_ends_with_its_drain_and_never_calls_off_a_later_unload(monkeypatch, tmp_path) -> None:
+    """x and y drained for a; x gone, loaded again and unloaded by an operator while a still
+    waits on y: when a is refused at its deadline, y's drain is called off and the operator's
+    unload of x goes on (x was promised to a for its first drain only)."""
+    monkeypatch.setenv("INFIRE_SERVER__AUTOLOAD_TIMEOUT", "1s")
+    sizes = {"p": 20, "x": 20, "y": 20, "a": 40}
+    w = ByteWorker(sizes, 60)
+    mgr = _manager(monkeypatch, tmp_path, w, json.dumps([{"name": "p", "pin": True}] + [{"name": n} for n in "xya"]),
+                   list(sizes))
+    hx, hy = await _serving(mgr, "pxy", busy="xy", wanted="y")
+    loading = mgr.load("a")  # needs x's and y's room: both drained for it
+    await asyncio.sleep(0.1)
+    assert mgr._drains == {"x": "a", "y": "a"}
+    hx.__exit__(None, None, None)  # x drains and goes: its promise ends with the drain
+    await asyncio.sleep(0.1)
+    assert mgr.get("x").state is State.CACHED and mgr._drains == {"y": "a"}
+    await mgr.load("x")  # its 20 are free; a is still short
+    h = mgr.admit("x")
+    h.__enter__()
+    unloading = mgr.unload("x")  # drains its request
+    await loading  # a refused past its deadline
+    await asyncio.sleep(0.05)
+    assert mgr.get("a").state is State.FAILED
+    x = mgr.get("x")
+    assert x.state is State.DRAINING and "drain called off" not in x.reason, x.reason
+    assert mgr.get("y").state is State.READY  # y's drain, still a's, is called off
+    h.__exit__(None, None, None)
+    await unloading
+    assert x.state is State.CACHED
+    hy.__exit__(None, None, None)
+
+
 async def test_a_long_generation_is_drained_last_and_a_model_waited_for_never(monkeypatch, tmp_path) -> None:
     """A drain is stepped ahead of every other model, so a model with more than DRAIN_TOKENS_MAX
     tokens to go is the last choice whatever its demand; one that requests wait for (its

@@ -106,6 +106,24 @@ def test_other_vacancies_stay_while_a_load_fits_beside_them_and_go_when_it_needs
     assert _generate(tight, "c") == _generate(ref, "c")
 
 
+def test_a_load_of_another_kind_beside_a_serving_model_takes_the_vacancys_room_not_the_pools(dirs) -> None:
+    """The pool fills the budget (long contexts, many sequences): kept, a vacancy would make a
+    load of another kind shrink the pool, preempting the serving model's sequences and
+    rebuilding every runner; dropped first, its room is the load's and nothing else moves."""
+    core = _core()
+    core.load_model(LoadSpec("c", dirs["c"], max_model_len=2048, max_num_seqs=64))
+    core.load_model(LoadSpec("a", dirs["a"], max_model_len=2048, max_num_seqs=64))
+    assert core.pools.ledger.snapshot().free < core.pools.ledger.budget // 100  # the pool fills it
+    core.add_request("r", "c", [1, 2, 3, 4, 5], GREEDY)
+    core.step()
+    core.step()
+    resizes = core.memory().pool_resizes
+    core.unload_model("a")
+    core.load_model(LoadSpec("b", dirs["b"], max_model_len=2048, max_num_seqs=32))  # another shape
+    assert core.pools.vacancies == [] and core.memory().pool_resizes == resizes
+    assert len(core.slots.get("c").scheduler.running) == 1  # not preempted
+
+
 def test_two_loads_each_take_their_own_vacancy_and_a_reload_of_the_same_name(dirs) -> None:
     core = _core()
     core.load_model(_spec("a", dirs["a"]))
