@@ -31,6 +31,10 @@ def test_status_rendering() -> None:
     assert lines[i] == "budget: 3.0 GiB used / 1.0 GiB free / 0 B evictable of 4.0 GiB CPU memory", lines[i]
     assert lines[i + 1] == ("  used = weights 2.0 GiB + workspace 0 B + KV pool 1.0 GiB "
                             "(512.0 MiB in use, 32 of 64 pages free)"), lines[i + 1]
+    st["engine"]["memory"].update(vacant=1 << 29, weights=(2 << 30) - (1 << 29))  # an unloaded model's, kept
+    line = next(ln for ln in render(st).splitlines() if ln.startswith("  used = "))
+    assert line == ("  used = weights 1.5 GiB + workspace 0 B + vacant 512.0 MiB (kept for the next load of its "
+                    "kind) + KV pool 1.0 GiB (512.0 MiB in use, 32 of 64 pages free)"), line
 
 
 def _model(name: str, state: str, device_bytes: int, **kw) -> dict:
