@@ -50,14 +50,14 @@ def sharp_model(tmp_path_factory):
     return get
 
 
-def _engine(model_dir, graphs: bool, monkeypatch, mixed: bool = False):
+def _engine(model_dir, graphs: bool, monkeypatch, mixed: bool = False, quantization: str | None = None):
     from engine.core.engine_core import EngineCore
     from engine.options import EngineOptions
 
     core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0,
                                     decode_buckets=(1, 2, 4, 8, 16), cuda_graphs=graphs,
                                     mixed_buckets=None if mixed else ()), device="cuda")
-    core.load_model(LoadSpec("m", model_dir, max_model_len=256, max_num_seqs=16))
+    core.load_model(LoadSpec("m", model_dir, max_model_len=256, max_num_seqs=16, quantization=quantization))
     return core
 
 
@@ -117,10 +117,13 @@ def test_engine_bf16_matches_transformers(arch, sharp_model, monkeypatch):
     assert exact >= len(PROMPTS) // 2, (arch, exact)
 
 
-def test_a_model_loaded_into_a_vacancy_replays_its_graphs_on_its_own_weights(sharp_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
+def test_a_model_loaded_into_a_vacancy_replays_its_graphs_on_its_own_weights(quantization, sharp_model, tmp_path,
+                                                                              monkeypatch):
     """a (graphs captured) unloaded, b (same architecture, other weights) loaded into its
     tensors and runner (engine/core/vacancy.py): b's decode and mixed graphs replay a's captures
-    on b's weights; b's tokens are those of b in a fresh engine, greedy and seeded."""
+    on b's weights (FP8: b quantized at load into a's e4m3 weights and scales); b's tokens are
+    those of b in a fresh engine, greedy and seeded."""
     from engine.sampling import SamplingParams
     from modelgen.make import make_model
 
@@ -128,13 +131,13 @@ def test_a_model_loaded_into_a_vacancy_replays_its_graphs_on_its_own_weights(sha
     b = sharpen(make_model(tmp_path / "plain", "llama", "small", seed=1), tmp_path / "sharp", 8.0)
     for params in (SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True),
                    SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=GEN, ignore_eos=True)):
-        want, _ = _run(_engine(b, True, monkeypatch, mixed=True), PROMPTS, params)
-        core = _engine(a, True, monkeypatch, mixed=True)
+        want, _ = _run(_engine(b, True, monkeypatch, mixed=True, quantization=quantization), PROMPTS, params)
+        core = _engine(a, True, monkeypatch, mixed=True, quantization=quantization)
         runner = id(core.slots.get("m").runner)
         mine, _ = _run(core, PROMPTS, params)
         assert mine != want  # other weights: other tokens
         core.unload_model("m")
-        core.load_model(LoadSpec("m", b, max_model_len=256, max_num_seqs=16))
+        core.load_model(LoadSpec("m", b, max_model_len=256, max_num_seqs=16, quantization=quantization))
         assert core.loader.last_load_timings["vacancy"] == 1.0 and id(core.slots.get("m").runner) == runner
         got, _ = _run(core, PROMPTS, params)
         assert core.slots.get("m").runner.graph_steps > 0
