@@ -116,6 +116,7 @@ class LedgerSnapshot:
     used: int  # weights + workspace + the whole KV pool + untracked: what is on the device
     free: int  # budget - used
     untracked: int = 0  # measured device bytes no booking explains (reconcile)
+    vacant: frozenset[str] = frozenset()  # the entries that are vacancies (engine/core/vacancy.py)
 
 
 @dataclass(frozen=True)
@@ -380,7 +381,7 @@ class MemoryLedger:
                 workspace={n: m.workspace for n, m in self._models.items()},
                 kv_min={n: m.kv_min for n, m in self._models.items()},
                 kv_pool_bytes=self._kv_pool, used=used, free=self.budget - used,
-                untracked=self._untracked)
+                untracked=self._untracked, vacant=frozenset(n for n, m in self._models.items() if m.vacant))
 
     def verify_against_allocator(self, *, tolerance: int = 256 * 1024**2,
                                  reserved_bytes: int | None = None) -> AllocatorCheck:

@@ -386,10 +386,8 @@ class ModelLoader:
             try:
                 nbytes, source = load_or_restore(model, p.spec.model_dir, self.warm_tier, p.key, cancel=p.cancel)
             finally:
-                runner = build.result() if build is not None else None  # never left using the model
-            if kept is not None:  # the vacancy's runner, checked against the pool's generation at install
-                runner = kept
-            del kept
+                built = build.result() if build is not None else None  # never left using the model
+            runner = kept or built  # a vacancy's is checked against the pool's generation at install
             ready = None
             if cuda:
                 # The copies ran on side streams that were synchronised; the rope cache went on

@@ -524,7 +524,7 @@ class PoolKeeper:
             models[name] = ModelMemory(weights=snap.weights.get(name, 0), workspace=snap.workspace.get(name, 0),
                                        kv_min=snap.kv_min.get(name, 0), kv_used=s.pages.num_used * pb,
                                        kv_pages_used=s.pages.num_used, kv_pages_total=s.pages.num_total)
-        vacant = [n for n in snap.weights if n.startswith(VACANT_PREFIX)]
+        vacant = snap.vacant
         return MemoryStats(budget=snap.budget, used=snap.used, free=snap.free,
                            weights=sum(b for n, b in snap.weights.items() if n not in vacant),
                            workspace=sum(b for n, b in snap.workspace.items() if n not in vacant),

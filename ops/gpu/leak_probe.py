@@ -3,16 +3,16 @@
 tests/gpu/test_memory_gpu.py at 57c7cf5 on an H100: the fresh load/unload cycle after a vacancy's
 left exactly 32 MiB live that no Python object held (a cuBLAS workspace of a lent stream in a new
 role, by inference). This replays the test's sequence with the allocator's history on and writes
-every new live block of 1 MiB or more, with its frames, to $OUT/leak.json:
-    . ops/gpu/env.sh; python3 ops/gpu/leak_probe.py
+every new live block of 1 MiB or more, with its frames, to the JSON file named:
+    . ops/gpu/env.sh; python3 ops/gpu/leak_probe.py $OUT/leak.json
 """
-import gc, json, os, sys, torch
+import gc, json, sys, torch
 from modelgen.make import make_model
 from engine.core.engine_core import EngineCore
 from engine.options import EngineOptions
 from engine.load_spec import LoadSpec
 from engine.sampling import SamplingParams
-out = os.environ.get("OUT", "/tmp/out")
+out = sys.argv[1] if len(sys.argv) > 1 else "leak.json"
 d = make_model(__import__("pathlib").Path("/tmp/lp") / "small", "llama", "small", seed=0)
 x = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16); (x @ x).sum().item(); del x; gc.collect()
 def live(tag):
@@ -39,5 +39,5 @@ for s in snap["segments"]:
         if b["state"] == "active_allocated" and b["address"] not in before and b["size"] >= 1 << 20:
             new.append({"size": b["size"], "stream": s.get("stream"), "pool": s.get("segment_pool_id"),
                         "frames": [f"{f['filename']}:{f['line']}:{f['name']}" for f in (b.get("frames") or [])][:40]})
-json.dump(new, open(f"{out}/leak.json", "w"), indent=1)
+json.dump(new, open(out, "w"), indent=1)
 for n in new: print(n["size"] >> 20, "MiB", n["stream"], n["pool"], "\n  " + "\n  ".join(f for f in n["frames"] if "site-packages/torch" not in f)[:3000])
