@@ -239,6 +239,11 @@ class ModelEntry:
         second reads about r * DEMAND_TAU_S."""
         return self.demand * math.exp(-(now - self.demand_at) / DEMAND_TAU_S) if self.demand else 0.0
 
+    def claim(self, now: float) -> float:
+        """What a load of this model asks room for: its demand so far and the requests waiting
+        for the load (not admitted yet, so not in ``wanted``)."""
+        return self.wanted(now) + self.load_waiters
+
     def note_request(self, now: float) -> None:
         self.demand, self.demand_at = self.wanted(now) + 1.0, now
 

@@ -92,6 +92,10 @@ def _prequantized(snapshot: Path | None) -> bool:
 # loads on the H100 drained every resident model at once, the most wanted among them (the most
 # asked-for of twelve 8Bs drained 10 times in 120 s, e015e9c: docs/perf.md).
 DRAINING_LOADS_MAX = 2
+# How long a load waits for the room of models no more wanted than itself before it takes a more
+# wanted one's (RoomPlanner.colder_coming): about one colder model's turn, its engine load (~0.6 s
+# for an 8B into a vacancy, H100) and its requests' last tokens (~1-2 s at 128 out).
+ROOM_PATIENCE_S = 3.0
 
 
 class ModelManager:
@@ -362,7 +366,11 @@ class ModelManager:
         try:
             while True:
                 async with self._room:
-                    loaded, plan = await self._load_or_evict(e, spec, asked)
+                    # While a colder model is on its way to being free, spare the more wanted.
+                    now = time.monotonic()
+                    colder = self._planner.colder_coming(e, self._drains) if now < asked + ROOM_PATIENCE_S else []
+                    most = e.claim(now) if colder else None
+                    loaded, plan = await self._load_or_evict(e, spec, asked, most)
                     if loaded is not None:
                         if derive:
                             self.source.want_derived(e.name, FP8_DERIVED)
@@ -377,21 +385,29 @@ class ModelManager:
                     # room wakes it (a model leaving for another load too: that load's end
                     # changes who drains next); refused at once only when nothing could ever
                     # make room, and never after draining on a pass past its deadline.
-                    waits = self._planner.may_free(exclude=e.name)
+                    # A colder model on its way is waited on too, until the patience runs out
+                    # (then every model is a candidate again).
+                    def waiting_on() -> list[ModelEntry]:
+                        frees = self._planner.may_free(exclude=e.name)
+                        return frees + [c for c in colder if c not in frees]
+
+                    waits = waiting_on()
                     left = deadline - time.monotonic()
                     if not waits or left <= 0:
                         raise plan.refusal(e.name) from None
                     if len(self._planner.loads_draining(self._drains, exclude=e.name)) < DRAINING_LOADS_MAX:
                         for v in self._planner.to_drain(plan.details["short"], exclude=e.name,
                                                         tokens_to_go=self.worker.tokens_to_go(),
-                                                        promised=self._drains):
+                                                        promised=self._drains, most=most):
                             self._drain_for(v, e.name)
-                        waits = self._planner.may_free(exclude=e.name)
+                        waits = waiting_on()
                     self._log.info("room_wait", model=e.name, waiting_on=[w.name for w in waits],
-                                   short=plan.details["short"], left_s=round(left, 3))
+                                   colder=[c.name for c in colder], short=plan.details["short"],
+                                   left_s=round(left, 3))
                     changes = [asyncio.ensure_future(w.next_change().wait()) for w in waits]
+                    timeout = min(left, asked + ROOM_PATIENCE_S - time.monotonic()) if colder else left
                 try:
-                    await asyncio.wait(changes, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(changes, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     for c in changes:
                         c.cancel()
@@ -413,15 +429,16 @@ class ModelManager:
                 self.worker.expedite(name, on=False)
                 v.signal_change()
 
-    async def _load_or_evict(self, e: ModelEntry, spec: Any, asked: float) -> tuple[Any, Eviction | None]:
+    async def _load_or_evict(self, e: ModelEntry, spec: Any, asked: float,
+                             most: float | None) -> tuple[Any, Eviction | None]:
         """Under the room lock: ask the engine to load ``e``, evicting the idle models it names
         as often as it names them; (the Loaded answer, None), or (None, the refusal's plan) when
         evicting idle models cannot make room. Each pass unloads at least one model and none
         loads meanwhile (the lock): the loop ends within as many passes as there are models.
         ``asked``: when the load began asking for room (its ``room`` phase ends at the Load
-        that took)."""
+        that took); ``most``: offer only models wanted no more than that."""
         while True:
-            offered = self._planner.evictable(exclude=e.name)
+            offered = self._planner.evictable(exclude=e.name, most=most)
             try:
                 e.in_worker = True
                 sent = time.monotonic()
@@ -745,6 +762,8 @@ class ModelManager:
             await self._wait_ready(e, name, limit, deadline)
         finally:
             e.load_waiters -= choices
+            if not e.load_waiters:
+                e.signal_change()  # the last waiter in: a load waiting on it may drain it now
         return self.admit(name, choices)
 
     async def _wait_ready(self, e: ModelEntry, name: str, limit: float, deadline: float) -> None:

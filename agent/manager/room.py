@@ -54,19 +54,40 @@ class RoomPlanner:
     def __init__(self, models: Mapping[str, ModelEntry]) -> None:
         self._models = models
 
-    def evictable(self, exclude: str = "") -> list[str]:
+    def evictable(self, exclude: str = "", most: float | None = None) -> list[str]:
         """Models a load may evict now, least wanted first (``ModelEntry.wanted``: requests
         admitted, decayed), then least recently used. By recency alone, the most asked-for of
         twelve 8Bs under Zipf traffic (a third of the requests) was drained or evicted and
-        loaded again every ~25 s (H100, 4 resident: docs/perf.md, b45544f).
+        loaded again every ~25 s (H100, 4 resident: docs/perf.md, b45544f). ``most``: only
+        those wanted no more than that (see :meth:`colder_coming`).
 
         Never a pinned model, one with requests in flight or waiting for it (a model that just
         loaded for them), or one with an operation (load, unload, pull) running."""
+        now = time.monotonic()
         out = [e for e in self._models.values()
                if e.state is State.READY and not e.pin and e.in_flight == 0 and e.load_waiters == 0
-               and e.name != exclude and not e.lock.locked() and not e.busy]
-        now = time.monotonic()
+               and e.name != exclude and not e.lock.locked() and not e.busy
+               and (most is None or e.wanted(now) <= most)]
         return [e.name for e in sorted(out, key=lambda e: (e.wanted(now), e.last_used_mono))]
+
+    def colder_coming(self, load: ModelEntry, promised: Mapping[str, str]) -> list[ModelEntry]:
+        """Models no more wanted than ``load`` asks for (``ModelEntry.claim``) that hold room, or
+        are about to, and will soon be free to go: ready with requests (in flight or waiting for
+        it: a drain or an eviction once they end), or loading past their room (their engine load
+        sent, or a model drained for them). While there is one, a load takes its room from
+        models no more wanted than itself and waits for the rest (``ROOM_PATIENCE_S`` at most):
+        taking the room of a more wanted model stops its admissions until it is back (a drain
+        admits nothing; its next request waits for a whole reload). Unguarded, the density run
+        at 9dac9ac (H100, 12 x 8B under Zipf, 4 resident) reloaded the second most asked-for
+        model 17 times in 120 s, each time because the only other ready model was the most
+        asked-for one while three colder loads held the rest. A load of a model loading
+        without its room is not counted: two such loads would wait for each other."""
+        now = time.monotonic()
+        most = load.claim(now)
+        rooms = set(promised.values())
+        return [e for e in self._models.values() if e is not load and not e.pin and e.claim(now) <= most and (
+            (e.state is State.READY and (e.in_flight or e.load_waiters or e.busy))
+            or (e.state is State.LOADING and (e.in_worker or e.name in rooms)))]
 
     def may_free(self, exclude: str = "") -> list[ModelEntry]:
         """Models not evictable now whose next change may make room: ready and unpinned but busy
@@ -76,7 +97,7 @@ class RoomPlanner:
             (e.state is State.READY and not e.pin) or e.state in (State.DRAINING, State.UNLOADING))]
 
     def to_drain(self, short: int | None, exclude: str = "", tokens_to_go: Mapping[str, int] | None = None,
-                 promised: Mapping[str, str] | None = None) -> list[ModelEntry]:
+                 promised: Mapping[str, str] | None = None, most: float | None = None) -> list[ModelEntry]:
         """Busy models to drain so that a refused load gets its room, until their bytes at load
         cover ``short`` (the refusal's bytes missing beyond the idle models offered) less what
         models already leaving for this load will free (``promised``: drained model → the load it
@@ -85,7 +106,9 @@ class RoomPlanner:
         is stepped ahead of every model: a long generation would hold them all up), then the
         least wanted (``ModelEntry.wanted``, to the nearest request), the nearest to idle
         (``tokens_to_go``, the engine's; a model without a figure after those with one), the
-        least recently used. Empty when what is leaving covers it or none is busy."""
+        least recently used. ``most``: only those wanted no more than that, and none with a long
+        generation (a load sparing the more wanted waits for a cheap drain, not for a long one).
+        Empty when what is leaving covers it or none is busy."""
         to_go, promised = tokens_to_go or {}, promised or {}
         others = [e for e in self._models.values() if e.name != exclude]
         need = (short if short is not None else 1) - sum(
@@ -99,7 +122,9 @@ class RoomPlanner:
             return left > DRAIN_TOKENS_MAX, round(e.wanted(now)), left, e.last_used_mono
 
         for e in sorted((e for e in others if e.state is State.READY and not e.pin and e.in_flight > 0
-                         and e.load_waiters == 0 and not e.busy and not e.lock.locked()), key=order):
+                         and e.load_waiters == 0 and not e.busy and not e.lock.locked()
+                         and (most is None or (e.wanted(now) <= most and to_go.get(e.name, 0) <= DRAIN_TOKENS_MAX))),
+                        key=order):
             if need <= 0:
                 break
             out.append(e)

@@ -6,7 +6,9 @@
 # Phases: fp8 (12 x 8B, FP8 weights + KV, 0.5 req/s each), bf16 (12 x 8B, Zipf 1.0, 4 req/s, page
 # cache), warm (the same with a 64 GiB warm tier), drills (four FP8 models serving: 20 load/unload
 # cycles of an FP8 and a plain model, a load that fails in the engine, a load under a neighbour's
-# device-memory grab, a SIGSTOPped worker), gputests (tests/gpu).
+# device-memory grab, a SIGSTOPped worker), gputests (tests/gpu); bf16old: the bf16 phase in the
+# tree at $OLD (made here with `git archive C | tar -x -C .old/C && echo C > .old/C/COMMIT`,
+# carried): an A/B in one device run.
 # One kept folder (/tmp/dens) so later phases reuse the store and cache (the disk: 64 GB free
 # holds the source, the store, the cache and its FP8 artifact, ~55 GB). Each phase's agent log
 # comes back gzipped.
@@ -18,11 +20,13 @@ left() { echo $(( END - $(date +%s) )); }
 df -h /tmp > "$OUT/disk.txt" 2>&1
 [ -f "$M/config.json" ] || python3 -c "import sys; from agent.cli import main; sys.exit(main(sys.argv[1:]))" \
   make-model --arch llama --preset llama-3.1-8b --out "$M" --device cuda > "$OUT/make_model.txt" 2>&1
-bench() {  # bench NAME ARGS...
+bench() {  # bench NAME ARGS... (TREE=dir: that tree's daemon and bench, e.g. an older commit's)
   local name=$1; shift
   local t; t=$(left); [ "$t" -gt 60 ] || { echo "$name: skipped, ${t}s left" >> "$OUT/skipped.txt"; return; }
-  timeout "$t" python3 -m ops.bench.density_bench --model-dir "$M" --device cuda --keep-dir "$K" \
-    --out "$OUT/density_$name.json" --drain-timeout 60 "$@" > "$OUT/density_$name.txt" 2>&1
+  local tree; tree=$(cd "${TREE:-.}" && pwd)
+  (cd "$tree" && PYTHONPATH="${PYTHONPATH%%:*}:$tree" INFIRE_COMMIT=$(cat "$tree/COMMIT" 2>/dev/null || echo "${INFIRE_COMMIT:-}") \
+    timeout "$t" python3 -m ops.bench.density_bench --model-dir "$M" --device cuda --keep-dir "$K" \
+    --out "$OUT/density_$name.json" --drain-timeout 60 "$@") > "$OUT/density_$name.txt" 2>&1
   echo "$name rc=$? at $(date +%T)" >> "$OUT/density_$name.txt"
   pkill -f "agent.cli serve" 2>/dev/null; pkill -f engine.worker 2>/dev/null; sleep 2
   [ -f "$K/agent.log" ] && gzip -c "$K/agent.log" > "$OUT/log_$name.gz" && : > "$K/agent.log"
@@ -33,6 +37,8 @@ for phase in "$@"; do
     fp8) bench fp8 --models ${FP8_N:-12} --quantization fp8 --kv-cache-dtype fp8 --rate-per-model 0.5 --duration ${FP8_S:-120} \
            --prompt-len 256 --gen-len 128 ;;
     bf16) bench bf16 --models 12 --rate 4 --zipf 1.0 --duration ${BF16_S:-120} --prompt-len 256 --gen-len 128 ;;
+    bf16old) TREE=${OLD:?set OLD to the older tree} bench bf16old --models 12 --rate 4 --zipf 1.0 --duration ${BF16_S:-120} \
+               --prompt-len 256 --gen-len 128 ;;
     warm) bench warm --models 12 --rate 4 --zipf 1.0 --duration ${WARM_S:-120} --prompt-len 256 --gen-len 128 \
             --warm-tier-bytes 64GiB ;;
     drills) bench drills --models 4 --quantization fp8 --kv-cache-dtype fp8 --rate-per-model 1 --duration 130 \

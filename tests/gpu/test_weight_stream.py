@@ -38,7 +38,11 @@ def test_stream_into_fused_cuda_views(tmp_path):
 def test_warm_tier_pinned_round_trip():
     w = {"a": torch.randn(1000, 1000, device="cuda").bfloat16(), "b": torch.randn(77, device="cuda")}
     tier = WarmTier(64 << 20)
-    assert tier.pin and tier.put("m", w)
+    # Before its arena is page-locked the tier stores nothing: a pageable copy of an 8B on an
+    # unload's path took 15 s (docs/perf.md); the load reads its files instead.
+    assert tier.pin and not tier.put("m", w)
+    assert tier.prepin()
+    assert tier.put("m", w)
     dst = {k: torch.full_like(v, float("nan")) for k, v in w.items()}
     assert tier.restore("m", dst)
     assert all(torch.equal(dst[k], w[k]) for k in w)

@@ -42,15 +42,18 @@ class FakeWorker:
         self.max_active = max(self.max_active, self.active)
         try:
             await asyncio.sleep(self.load_s)
-            if len(self.loaded) >= self.capacity:
-                short = len(self.loaded) - self.capacity + 1
-                evict = list(evictable or [])[:short] if len(evictable or []) >= short else []
-                raise WorkerError("no room", "no_room", {"needed": 10, "free": 4, "budget": 20, "short": 6,
-                                                         "evictable": 6 * len(evictable or []), "evict": evict})
+            self._refuse_if_full(evictable)
             self.loaded.append(spec.name)
             return SimpleNamespace(info=ModelInfo(spec.name, 8, spec.max_model_len, [2], 6, 0, 16), timings={"total_s": 0.01})
         finally:
             self.active -= 1
+
+    def _refuse_if_full(self, evictable: list[str] | None) -> None:
+        if len(self.loaded) >= self.capacity:
+            short = len(self.loaded) - self.capacity + 1
+            evict = list(evictable or [])[:short] if len(evictable or []) >= short else []
+            raise WorkerError("no room", "no_room", {"needed": 10, "free": 4, "budget": 20, "short": 6,
+                                                     "evictable": 6 * len(evictable or []), "evict": evict})
 
     async def unload(self, name: str) -> None:
         await asyncio.sleep(0.01)
@@ -427,6 +430,7 @@ async def test_a_third_load_waits_for_the_two_ahead_before_draining(monkeypatch,
         h.__enter__()
     loads = {}
     for n in ("a", "b", "c"):
+        mgr.get(n).load_waiters = 2  # more wanted than the busy x, y, z (one request each)
         loads[n] = mgr.load(n)
         await asyncio.sleep(0.05)
     assert sorted(mgr._drains.values()) == ["a", "b"] and mgr.get("c").state is State.LOADING
@@ -450,6 +454,109 @@ async def test_a_third_load_waits_for_the_two_ahead_before_draining(monkeypatch,
     held[rest].__exit__(None, None, None)
     await loads["c"]
     assert {mgr.get(n).state for n in "abc"} == {State.READY} and set(w.loaded) == {"p", "a", "b", "c"}
+
+
+async def _request(mgr: ModelManager, name: str) -> Any:
+    """One request as the API makes it: admitted (after its model's autoload) and in flight, no
+    await between; the caller ends it with ``__exit__``."""
+    h = await mgr.admit_wait(name)
+    h.__enter__()
+    return h
+
+
+class PromptWorker(FakeWorker):
+    """Refuses for room at once, as the engine does (its check comes before any allocation);
+    a load that fits takes ``load_s``."""
+
+    async def load(self, spec: LoadSpec, evictable: list[str] | None = None) -> Any:
+        try:
+            self._refuse_if_full(evictable)
+        except WorkerError:
+            self.offers.append(list(evictable or []))
+            raise
+        return await super().load(spec, evictable)
+
+
+async def _spare_setup(monkeypatch, tmp_path) -> tuple[ModelManager, FakeWorker, Any]:
+    """Room for three: p (pinned), h (six requests, one in flight: the most wanted) and o (idle,
+    never asked for). A request for c evicts o and loads c."""
+    w = PromptWorker(capacity=3, load_s=0.2)
+    models = '[{"name": "p", "pin": true}, {"name": "h"}, {"name": "o"}, {"name": "c"}, {"name": "n"}]'
+    mgr = _manager(monkeypatch, tmp_path, w, models, ["p", "h", "o", "c", "n"])
+    for n in ("p", "h", "o"):
+        await mgr.load(n)
+    for _ in range(5):
+        with mgr.admit("h"):
+            pass
+    hh = mgr.admit("h")
+    hh.__enter__()
+    return mgr, w, hh
+
+
+async def test_a_load_spares_a_more_wanted_model_while_a_colder_one_is_on_its_way(monkeypatch, tmp_path) -> None:
+    """A request for n comes while c, as cold as n, is in its engine load for its own request
+    and h, the most wanted, is the only model ready: n does not drain h (its requests would wait
+    for a whole reload). It waits for c, drains c once c's request is in, and loads into c's
+    room; h serves throughout, never drained or slowed by an expedite."""
+    from agent.manager.manager import ROOM_PATIENCE_S
+
+    mgr, w, hh = await _spare_setup(monkeypatch, tmp_path)
+    w.state.models = {"h": model_stats(running=1, tokens_to_go=5), "c": model_stats(running=1, tokens_to_go=50)}
+    rc = asyncio.ensure_future(_request(mgr, "c"))
+    await asyncio.sleep(0.1)  # refused for room at once, o evicted, c's load under way (0.2 s)
+    assert mgr.get("c").in_worker and mgr.get("o").state is State.CACHED
+    t0 = time.monotonic()
+    rn = asyncio.ensure_future(_request(mgr, "n"))
+    hc = await rc
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if mgr.get("c").state is State.DRAINING:
+            break
+    assert mgr.get("c").state is State.DRAINING and mgr._drains == {"c": "n"}
+    assert mgr.get("h").state is State.READY and w.expedited == ["c"]
+    hc.__exit__(None, None, None)
+    hn = await rn
+    assert time.monotonic() - t0 < ROOM_PATIENCE_S  # waited for c's turn, not for the patience
+    assert set(w.loaded) == {"p", "h", "n"} and mgr.get("h").state is State.READY
+    assert "drained to make room for n" in mgr.get("c").reason
+    for h in (hh, hn):
+        h.__exit__(None, None, None)
+
+
+async def test_the_patience_for_a_colder_model_is_bounded(monkeypatch, tmp_path) -> None:
+    """The colder model c has a long generation to go (a drain would hold every model), so n
+    waits for it, but at most ROOM_PATIENCE_S: then the more wanted h, a few tokens from idle,
+    is drained for n after all. A load with no colder model on its way never waits to spare."""
+    import agent.manager.manager as manager_module
+    from agent.manager.room import DRAIN_TOKENS_MAX
+
+    monkeypatch.setattr(manager_module, "ROOM_PATIENCE_S", 0.6)
+    mgr, w, hh = await _spare_setup(monkeypatch, tmp_path)
+    w.state.models = {"h": model_stats(running=1, tokens_to_go=5),
+                      "c": model_stats(running=1, tokens_to_go=DRAIN_TOKENS_MAX + 1)}
+    hc = await _request(mgr, "c")
+    t0 = time.monotonic()
+    rn = asyncio.ensure_future(_request(mgr, "n"))
+    await asyncio.sleep(0.4)
+    assert mgr._drains == {} and mgr.get("h").state is State.READY  # sparing h, waiting on c
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if mgr.get("h").state is State.DRAINING:
+            break
+    assert mgr._drains == {"h": "n"} and time.monotonic() - t0 >= 0.6
+    hh.__exit__(None, None, None)
+    hn = await rn
+    assert set(w.loaded) == {"p", "c", "n"} and mgr.get("c").state is State.READY
+    # Nothing colder on its way (c is the only other model and more wanted than o): at once.
+    hn.__exit__(None, None, None)
+    for _ in range(3):
+        with mgr.admit("c"):
+            pass
+    t0 = time.monotonic()
+    ho = await _request(mgr, "o")
+    assert time.monotonic() - t0 < 0.6 and mgr.get("n").state is State.CACHED
+    for h in (hc, ho):
+        h.__exit__(None, None, None)
 
 
 async def test_keep_alive_unloads_idle_unpinned_only(monkeypatch, tmp_path) -> None:
