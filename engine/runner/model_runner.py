@@ -54,7 +54,7 @@ from engine.runner.logprobs import logprobs_result
 from engine.runner.prompt_logprobs import prompt_logprobs
 from engine.grammar.matcher import fill_masks
 from engine.runner.step import EAGER, MaskedSample, PendingStep, PreparedStep, StepPlan, StepResult
-from engine.runner.step_buffers import StepBuffers
+from engine.runner.step_buffers import StepBuffers, to_device_async
 from engine.runner.streams import StepStreams, StreamPool
 from engine.sched.scheduler import PLACEHOLDER, SchedulerOutput
 
@@ -473,7 +473,7 @@ class ModelRunner:
             self.mask_seconds += fill_masks(todo, host.data_ptr(), words * 4, n)
             self.masked_rows += n
             self.masked_steps += 1
-            idx = torch.tensor([k for k, _ in m.rows], dtype=torch.int64).to(self.device, non_blocking=True)
+            idx = to_device_async(np.fromiter((k for k, _ in m.rows), np.int64, n), self.device)
             mask = host.to(self.device, non_blocking=True)
             sub = m.logits.index_select(0, idx)
             kernels.apply_token_bitmask(sub, mask)
