@@ -1,8 +1,8 @@
 """Client libraries users already run against OpenAI-compatible servers, driving a real daemon
 (CPU, tiny random-weight llama, loopback) with their own calls (issue 36): LangChain's
 ``ChatOpenAI`` (a plain answer, a streamed one, structured output, a tool round trip with its own
-message objects sent back) and ``OpenAI`` (``batch``: a list of prompts), and LiteLLM's
-``completion`` and ``text_completion``. Random weights write noise: only the grammar (structured
+message objects sent back) and ``OpenAI`` (``batch``: a list of prompts), LiteLLM's
+``completion`` and ``text_completion``, and lm-evaluation-harness on two local tasks. Random weights write noise: only the grammar (structured
 output, a forced tool call) makes the checked shape true, and the checks are of shapes, not text."""
 
 from __future__ import annotations
@@ -118,3 +118,52 @@ def test_litellm_structured_output(daemon) -> None:
                            messages=[{"role": "user", "content": "describe a city"}], max_tokens=200,
                            temperature=1.0, seed=4, response_format=City)
     City.model_validate(json.loads(r.choices[0].message.content))
+
+
+def test_lm_eval_loglikelihood_and_generate_tasks(daemon, make_tiny_model, tmp_path) -> None:
+    """lm-evaluation-harness's ``local-completions`` model on two local tasks: a multiple-choice
+    task (loglikelihood: ``echo`` with prompt logprobs and ``max_tokens`` 0 over token-id prompts,
+    two to a request) and a generate_until task. Each choice's loglikelihood is what the daemon
+    itself gives that continuation; each generation is the daemon's greedy answer to the prompt."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    openai = pytest.importorskip("openai")
+    transformers = pytest.importorskip("transformers")
+    docs = [{"question": "one two", "choices": [" three", " four five"], "answer": 0},
+            {"question": "red green", "choices": [" blue", " yellow", " black"], "answer": 2}]
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'qa.jsonl'}\n"
+              "test_split: test\ndoc_to_text: \"{{question}}\"\n")
+    (tmp_path / "mc.yaml").write_text("task: tiny_mc\n" + common + "output_type: multiple_choice\n"
+                                      "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\n"
+                                      "metric_list:\n  - metric: acc\n")
+    (tmp_path / "gen.yaml").write_text("task: tiny_gen\n" + common + "output_type: generate_until\n"
+                                       "doc_to_target: \"{{choices[answer]}}\"\ngeneration_kwargs:\n"
+                                       "  until: [\"\\n\"]\n  max_gen_toks: 6\n  do_sample: false\n"
+                                       "metric_list:\n  - metric: exact_match\n")
+    model_dir = make_tiny_model("llama")
+    out = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["tiny_mc", "tiny_gen"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args=f"model={MODEL},base_url={daemon.base}/v1/completions,tokenizer_backend=huggingface,"
+                   f"tokenizer={model_dir},num_concurrent=1,max_retries=1,batch_size=2",
+        log_samples=True, apply_chat_template=False)
+    assert 0.0 <= out["results"]["tiny_mc"]["acc,none"] <= 1.0
+    client = openai.OpenAI(base_url=daemon.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    checked = 0
+    for sample in out["samples"]["tiny_mc"]:
+        for arg, ((ll, _), ) in zip(sample["arguments"], sample["resps"]):
+            ctx, cont = (arg["arg_0"], arg["arg_1"]) if isinstance(arg, dict) else arg
+            # lm-eval encodes the context and the continuation apart and sends the ids
+            ids = [tok(x, add_special_tokens=False).input_ids for x in (ctx, cont)]
+            r = client.completions.create(model=MODEL, prompt=ids[0] + ids[1], echo=True, logprobs=1, max_tokens=0)
+            assert ll == pytest.approx(sum(r.choices[0].logprobs.token_logprobs[len(ids[0]):]), abs=1e-3), (ctx, cont)
+            checked += 1
+    assert checked == 5
+    for sample in out["samples"]["tiny_gen"]:
+        (arg,) = sample["arguments"]
+        prompt = arg["arg_0"] if isinstance(arg, dict) else arg[0]
+        want = client.completions.create(model=MODEL, prompt=tok(prompt, add_special_tokens=False).input_ids,
+                                         max_tokens=6, temperature=0.0, stop=["\n"])
+        assert sample["resps"][0][0] == want.choices[0].text
