@@ -135,7 +135,8 @@ class ModelEntry:
     info: ModelInfo | None = None  # the engine's, from its Loaded (None: never loaded, or unloaded)
     tokenizer: Any = None
     in_flight: int = 0
-    load_waiters: int = 0  # requests waiting for this model's (auto)load, not admitted yet
+    load_waiters: int = 0  # engine requests (prompts x n) waiting for this model's (auto)load, not admitted yet
+    load_requests: int = 0  # the HTTP requests among them (what demand counts: ``claim``)
     last_used: float | None = None  # wall clock, for humans
     last_used_mono: float = 0.0  # monotonic: LRU order and keep_alive
     # Requests admitted, decayed with DEMAND_TAU_S (at demand_at): how wanted it is, which orders
@@ -241,8 +242,9 @@ class ModelEntry:
 
     def claim(self, now: float) -> float:
         """What a load of this model asks room for: its demand so far and the requests waiting
-        for the load (not admitted yet, so not in ``wanted``)."""
-        return self.wanted(now) + self.load_waiters
+        for the load (not admitted yet, so not in ``wanted``; counted as ``wanted`` counts them,
+        one per HTTP request whatever its prompts x n)."""
+        return self.wanted(now) + self.load_requests
 
     def note_request(self, now: float) -> None:
         self.demand, self.demand_at = self.wanted(now) + 1.0, now

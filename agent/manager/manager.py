@@ -363,13 +363,18 @@ class ModelManager:
         e.derived_load = model_dir != e.snapshot
         asked = time.monotonic()
         deadline = asked + self.settings.server.autoload_timeout
+        # Sparing the more wanted ends in time for the rest of the deadline to take any model.
+        spare_until = asked + min(ROOM_PATIENCE_S, (deadline - asked) / 2)
         try:
             while True:
                 async with self._room:
                     # While a colder model is on its way to being free, spare the more wanted.
                     now = time.monotonic()
-                    colder = self._planner.colder_coming(e, self._drains) if now < asked + ROOM_PATIENCE_S else []
+                    colder = self._planner.colder_coming(e, self._drains) if now < spare_until else []
                     most = e.claim(now) if colder else None
+                    # Each model's next change, taken before any await: one that happens while
+                    # the Load below is in the worker wakes the wait at once instead of being missed.
+                    changed = {m.name: m.next_change() for m in self.models.values()}
                     loaded, plan = await self._load_or_evict(e, spec, asked, most)
                     if loaded is not None:
                         if derive:
@@ -404,8 +409,8 @@ class ModelManager:
                     self._log.info("room_wait", model=e.name, waiting_on=[w.name for w in waits],
                                    colder=[c.name for c in colder], short=plan.details["short"],
                                    left_s=round(left, 3))
-                    changes = [asyncio.ensure_future(w.next_change().wait()) for w in waits]
-                    timeout = min(left, asked + ROOM_PATIENCE_S - time.monotonic()) if colder else left
+                    changes = [asyncio.ensure_future(changed.get(w.name, w.next_change()).wait()) for w in waits]
+                    timeout = min(left, spare_until - time.monotonic()) if colder else left
                 try:
                     await asyncio.wait(changes, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
                 finally:
@@ -758,10 +763,12 @@ class ModelManager:
         limit = self.settings.server.autoload_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         e.load_waiters += choices  # queued for the gateway's picker (agent/gateway_metrics.py)
+        e.load_requests += 1
         try:
             await self._wait_ready(e, name, limit, deadline)
         finally:
             e.load_waiters -= choices
+            e.load_requests -= 1
             if not e.load_waiters:
                 e.signal_change()  # the last waiter in: a load waiting on it may drain it now
         return self.admit(name, choices)

@@ -73,8 +73,8 @@ class RoomPlanner:
     def colder_coming(self, load: ModelEntry, promised: Mapping[str, str]) -> list[ModelEntry]:
         """Models no more wanted than ``load`` asks for (``ModelEntry.claim``) that hold room, or
         are about to, and will soon be free to go: ready with requests (in flight or waiting for
-        it: a drain or an eviction once they end), or loading past their room (their engine load
-        sent, or a model drained for them). While there is one, a load takes its room from
+        it: a drain or an eviction once they end), or loading past their room (their load running,
+        its engine load sent, or a model drained for it). While there is one, a load takes its room from
         models no more wanted than itself and waits for the rest (``ROOM_PATIENCE_S`` at most):
         taking the room of a more wanted model stops its admissions until it is back (a drain
         admits nothing; its next request waits for a whole reload). Unguarded, the density run
@@ -87,7 +87,7 @@ class RoomPlanner:
         rooms = set(promised.values())
         return [e for e in self._models.values() if e is not load and not e.pin and e.claim(now) <= most and (
             (e.state is State.READY and (e.in_flight or e.load_waiters or e.busy))
-            or (e.state is State.LOADING and (e.in_worker or e.name in rooms)))]
+            or (e.state is State.LOADING and e.busy and (e.in_worker or e.name in rooms)))]
 
     def may_free(self, exclude: str = "") -> list[ModelEntry]:
         """Models not evictable now whose next change may make room: ready and unpinned but busy

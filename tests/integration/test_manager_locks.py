@@ -112,6 +112,11 @@ class FakeSource:
         shutil.rmtree(self.root / f"{name}.{scheme}")
 
 
+def _waiting(e: Any, requests: int) -> None:
+    """``requests`` requests (one prompt each) waiting for ``e``'s load, as ``admit_wait`` counts them."""
+    e.load_waiters = e.load_requests = requests
+
+
 def _manager(monkeypatch, tmp_path: Path, worker: FakeWorker, models: str, cached: list[str]) -> ModelManager:
     monkeypatch.setenv("INFIRE_MODELS", models)
     return ModelManager(load_settings(), worker, FakeSource(tmp_path, cached), Metrics(), lambda p: object())
@@ -227,9 +232,10 @@ async def test_two_loads_short_of_room_each_drain_their_own_model_at_once(monkey
     for h in held.values():
         h.__enter__()
     w.state.models = {"x": model_stats(running=1, tokens_to_go=5), "y": model_stats(running=1, tokens_to_go=9)}
-    mgr.get("a").load_waiters = 1  # requests wait for a: once up, it is not b's to evict
+    _waiting(mgr.get("a"), 1)  # a request waits for a: once up, it is not b's to evict
     la = mgr.load("a")
     await asyncio.sleep(0.05)
+    _waiting(mgr.get("b"), 1)  # as wanted as a: a's coming does not make b spare x or y
     lb = mgr.load("b")
     for _ in range(100):
         await asyncio.sleep(0.01)
@@ -430,7 +436,7 @@ async def test_a_third_load_waits_for_the_two_ahead_before_draining(monkeypatch,
         h.__enter__()
     loads = {}
     for n in ("a", "b", "c"):
-        mgr.get(n).load_waiters = 2  # more wanted than the busy x, y, z (one request each)
+        _waiting(mgr.get(n), 2)  # more wanted than the busy x, y, z (one request each)
         loads[n] = mgr.load(n)
         await asyncio.sleep(0.05)
     assert sorted(mgr._drains.values()) == ["a", "b"] and mgr.get("c").state is State.LOADING
@@ -439,12 +445,12 @@ async def test_a_third_load_waits_for_the_two_ahead_before_draining(monkeypatch,
     (rest,) = set(held) - draining
     assert mgr.get(rest).state is State.READY  # the third load drains nothing yet
     for n in ("a", "b"):
-        mgr.get(n).load_waiters = 1  # requests wait for them: never evictable as they come up
+        _waiting(mgr.get(n), 1)  # requests wait for them: never evictable as they come up
     for v in sorted(draining):
         held[v].__exit__(None, None, None)
     await asyncio.gather(loads["a"], loads["b"])
     for n in ("a", "b"):  # ... and go in
-        mgr.get(n).load_waiters = 0
+        _waiting(mgr.get(n), 0)
         mgr.admit(n).__enter__()
     for _ in range(100):
         await asyncio.sleep(0.01)
@@ -557,6 +563,83 @@ async def test_the_patience_for_a_colder_model_is_bounded(monkeypatch, tmp_path)
     assert time.monotonic() - t0 < 0.6 and mgr.get("n").state is State.CACHED
     for h in (hc, ho):
         h.__exit__(None, None, None)
+
+
+async def _hot_and_cold(monkeypatch, tmp_path, w: FakeWorker, busy_h: bool) -> tuple[ModelManager, Any, Any]:
+    """Room for three: p (pinned), h (six requests: the most wanted; one in flight if ``busy_h``)
+    and c (one request in flight: as cold as a new model's first request)."""
+    models = '[{"name": "p", "pin": true}, {"name": "h"}, {"name": "c"}, {"name": "n"}]'
+    mgr = _manager(monkeypatch, tmp_path, w, models, ["p", "h", "c", "n"])
+    for m in ("p", "h", "c"):
+        await mgr.load(m)
+    for _ in range(6):
+        with mgr.admit("h"):
+            pass
+    hh = mgr.admit("h") if busy_h else None
+    if hh is not None:
+        hh.__enter__()
+    hc = mgr.admit("c")
+    hc.__enter__()
+    return mgr, hh, hc
+
+
+async def test_sparing_ends_in_time_for_a_short_deadline(monkeypatch, tmp_path) -> None:
+    """With autoload_timeout (1 s) under ROOM_PATIENCE_S, sparing ends at half the deadline: the
+    idle h is evicted for n then, instead of n being refused with h idle beside it."""
+    monkeypatch.setenv("INFIRE_SERVER__AUTOLOAD_TIMEOUT", "1s")
+    from agent.manager.room import DRAIN_TOKENS_MAX
+
+    w = FakeWorker(capacity=3, load_s=0.05)
+    mgr, _, hc = await _hot_and_cold(monkeypatch, tmp_path, w, busy_h=False)
+    w.state.models = {"c": model_stats(running=1, tokens_to_go=DRAIN_TOKENS_MAX + 1)}  # no cheap drain
+    hn = await _request(mgr, "n")
+    assert mgr.get("n").state is State.READY and mgr.get("h").state is State.CACHED
+    for h in (hn, hc):
+        h.__exit__(None, None, None)
+
+
+async def test_a_colder_model_going_idle_during_a_refused_load_is_seen_at_once(monkeypatch, tmp_path) -> None:
+    """c's last request ends while n's Load (refused for room) is in the worker: n's wait was
+    taken before that Load, so it wakes at once and evicts the now idle c, never waiting out the
+    patience."""
+    w = FakeWorker(capacity=3, load_s=0.2)
+    mgr, hh, hc = await _hot_and_cold(monkeypatch, tmp_path, w, busy_h=True)
+    w.state.models = {"h": model_stats(running=1, tokens_to_go=5), "c": model_stats(running=1, tokens_to_go=5)}
+    t0 = time.monotonic()
+    rn = asyncio.ensure_future(_request(mgr, "n"))
+    await asyncio.sleep(0.1)  # n's first Load is in the worker
+    hc.__exit__(None, None, None)
+    hn = await rn
+    assert time.monotonic() - t0 < 1.0 and mgr.get("h").state is State.READY and mgr.get("c").state is State.CACHED
+    for h in (hn, hh):
+        h.__exit__(None, None, None)
+
+
+async def test_a_request_of_many_choices_claims_as_one_request(monkeypatch, tmp_path) -> None:
+    """Demand counts HTTP requests (``wanted``): one request of eight choices waiting for n claims
+    one, so h (six requests) is still spared for it."""
+    w = FakeWorker(capacity=99, load_s=0.3)
+    mgr, _, hc = await _hot_and_cold(monkeypatch, tmp_path, w, busy_h=False)
+    rn = asyncio.ensure_future(mgr.admit_wait("n", choices=8))
+    await asyncio.sleep(0.05)
+    n = mgr.get("n")
+    assert n.load_waiters == 8 and 0.99 < n.claim(time.monotonic()) <= 1.0
+    assert "h" not in mgr._planner.evictable(exclude="n", most=n.claim(time.monotonic()))
+    (await rn).__enter__().in_flight -= 8
+    hc.__exit__(None, None, None)
+
+
+async def test_a_load_cut_off_by_a_worker_death_is_not_a_colder_model_on_its_way(monkeypatch, tmp_path) -> None:
+    w = FakeWorker(capacity=99, load_s=5.0)
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "x"}, {"name": "n"}]', ["x", "n"])
+    t = mgr.load("x")
+    await asyncio.sleep(0.1)
+    await mgr.on_worker_down()
+    await asyncio.gather(t, return_exceptions=True)
+    x, n = mgr.get("x"), mgr.get("n")
+    assert x.state is State.LOADING and not x.busy  # waiting for the worker to come back
+    _waiting(n, 1)
+    assert mgr._planner.colder_coming(n, {}) == []
 
 
 async def test_keep_alive_unloads_idle_unpinned_only(monkeypatch, tmp_path) -> None:
