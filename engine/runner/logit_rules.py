@@ -14,8 +14,8 @@ the order and with the semantics of the usual servers:
 
 The state is rebuilt per step from the rows' token lists (``ScheduledSeq.history``, complete when
 the runner samples: ruled rows are sampled after the step before is collected, as grammar rows
-are): one flat upload of (row, token) pairs per rule and one ``index_put_`` each, never a Python
-loop over tokens, and nothing kept between steps that a preemption, an abort or a reload could
+are): every rule's (row, token) pairs in one flat upload (two copies a step in all, from
+page-locked memory) and one ``index_put_`` per rule, never a Python loop over tokens, and nothing kept between steps that a preemption, an abort or a reload could
 leave stale. Its cost grows with the ruled rows' lengths, which only those requests pay; a row
 without rules is not touched.
 """
