@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import ModelConfig, load_model_config, usable_len
+from engine.config import ModelConfig, attention_pair_cost, load_model_config, usable_len
 from engine.core.fair_share import FairSharePicker
 from engine.core.ledger import LoadPlan
 from engine.core.load_notes import LoadNotes
@@ -489,7 +489,7 @@ class ModelLoader:
             sched = Scheduler(
                 SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=p.max_len, max_prefill_chunk=self.max_prefill_chunk,
-                                eos_token_ids=cfg.eos_token_ids),
+                                eos_token_ids=cfg.eos_token_ids, attention_cost=attention_pair_cost(cfg)),
                 # The index's salt: what else decides the K/V of a token at a position.
                 BlockManager(needs.tokens_per_page, pages,
                              PrefixIndex(f"{p.key}|{p.dtype}|kv={spec.kv_cache_dtype}") if spec.prefix_caching else None),

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from engine.sched.block_manager import BlockManager, PageAllocator
-from engine.config import ModelConfig, load_model_config, usable_len
+from engine.config import ModelConfig, attention_pair_cost, load_model_config, usable_len
 from engine.core.engine_core import EngineCore
 from engine.core.ledger import LoadPlan
 from engine.core.loading import DTYPES
@@ -208,7 +208,7 @@ class TPEngineCore(EngineCore):
             sched = Scheduler(
                 SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=self.options.max_num_batched_tokens,
                                 max_model_len=max_len, max_prefill_chunk=self.options.max_prefill_chunk,
-                                eos_token_ids=cfg.eos_token_ids),
+                                eos_token_ids=cfg.eos_token_ids, attention_cost=attention_pair_cost(cfg)),
                 BlockManager(wire["block_size"], PageAllocator(shard.kv.num_pages)),
             )
         except SchedulerConfigError as e:

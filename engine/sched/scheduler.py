@@ -6,7 +6,13 @@ Each :meth:`Scheduler.schedule` call fills one step under ``max_num_batched_toke
 2. running sequences still prefilling, one chunk each (at most ``max_prefill_chunk`` tokens);
 3. waiting sequences, admitted in order while pages, budget and ``max_num_seqs`` allow.
 
-So a long prompt is split across steps and shares them with decodes (chunked prefill). With a
+So a long prompt is split across steps and shares them with decodes (chunked prefill). While a
+step carries decodes (or the engine caps it: other models wait for it), a chunk is costed by its
+work, not its token count: each of its tokens also attends to every token before it, so a chunk
+of ``n`` tokens from position ``s`` costs ``n + attention_cost * n * (s + (n + 1) / 2)`` of the
+budget, and chunks shrink as a long prompt goes deeper. A 4,096-token chunk 100k tokens into a
+prompt is ~4x the step of one at the start for an 8B (``engine.config.attention_pair_cost``);
+counted by tokens it held every decode of the step that long. With a
 prefix index on the block manager, an admission first looks its leading full blocks up and
 starts with the cached pages in its table: only the rest is computed (and counts against the
 budget), and at least its last prompt token always is (its logits give the first output). A
@@ -24,6 +30,7 @@ holds no global state, so a multi-model EngineCore keeps one per model and picks
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -47,6 +54,9 @@ class SchedulerConfig:
     # Free pages a new admission must leave for the running sequences to grow into, as a
     # fraction of all pages; without it a fresh admission is often preempted the next step.
     admission_watermark: float = 0.01
+    # One (query, key) pair of attention as a fraction of one token's pass through the weights
+    # (engine.config.attention_pair_cost); 0: chunks counted by their tokens alone.
+    attention_cost: float = 0.0
 
     def validate(self) -> "SchedulerConfig":
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -57,6 +67,8 @@ class SchedulerConfig:
             raise SchedulerConfigError(f"admission_watermark must be in [0, 1), got {self.admission_watermark!r}")
         if self.max_prefill_chunk is not None and (not isinstance(self.max_prefill_chunk, int) or self.max_prefill_chunk < 1):
             raise SchedulerConfigError(f"max_prefill_chunk must be None or >= 1, got {self.max_prefill_chunk!r}")
+        if not isinstance(self.attention_cost, (int, float)) or not 0 <= self.attention_cost < 1:
+            raise SchedulerConfigError(f"attention_cost must be in [0, 1), got {self.attention_cost!r}")
         return self
 
 
@@ -187,6 +199,19 @@ class Scheduler:
         return len(self.waiting)
 
     # -- one step --------------------------------------------------------------------------
+    def _chunk(self, start: int, most: int, budget: int, costed: bool) -> tuple[int, int]:
+        """(tokens, their cost) of the largest chunk of at most ``most`` tokens from position
+        ``start`` whose cost fits ``budget``; at least one token (the step moves on even when a
+        single token deep in a long prompt costs more than the budget left). Uncosted: its tokens."""
+        a = self.config.attention_cost
+        if not costed or not a:
+            n = min(most, budget)
+            return n, n
+        # n + a n (start + (n + 1) / 2) <= budget: a quadratic in n
+        b = 1 + a * (start + 0.5)
+        n = max(1, min(most, int((math.sqrt(b * b + 2 * a * budget) - b) / a)))
+        return n, math.ceil(n + a * n * (start + (n + 1) / 2))
+
     def schedule(self, token_cap: int | None = None) -> SchedulerOutput:
         """One step's batch; ``token_cap`` lowers this step's token budget (the engine's cap
         while other models share the device), never below one token."""
@@ -229,16 +254,19 @@ class Scheduler:
                 decodes.add(seq.seq_id)
                 budget -= 1
 
+        # Chunks by their work while a decode (or another model) waits for this step.
+        costed = self.config.attention_cost > 0 and (bool(decodes) or token_cap is not None)
+
         # 2. running sequences still prefilling (chunked prefill continues).
         for seq in prefilling:
             if budget < 1:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            n = min(seq.num_uncomputed_tokens, chunk_cap, budget)
+            n, cost = self._chunk(seq.num_computed_tokens, min(seq.num_uncomputed_tokens, chunk_cap), budget, costed)
             if reserve(seq, n):
                 planned[seq.seq_id] = (seq, n)
-                budget -= n
+                budget -= cost
 
         # 3. admissions; a sequence preempted in this very step waits for the next one.
         blocks, prefix, bs = self.blocks, self.blocks.prefix, self.blocks.block_size
@@ -252,14 +280,15 @@ class Scheduler:
                 # Full blocks before the last token only: that one is always computed.
                 extend_keys(seq.block_keys, prefix.root, seq.token_ids, bs, seq.num_tokens - 1)
                 hits, cached_free = blocks.cached_prefix(seq.block_keys[:(seq.num_tokens - 1) // bs])
-            n = min(seq.num_uncomputed_tokens - len(hits) * bs, chunk_cap, budget)
+            n, cost = self._chunk(len(hits) * bs, min(seq.num_uncomputed_tokens - len(hits) * bs, chunk_cap), budget,
+                                  costed)
             reserve_pages = self._watermark if self.running else 0
             need = blocks.pages_for_tokens(len(hits) * bs + n) - len(hits) + cached_free
             if not blocks.can_allocate(need + reserve_pages):
                 break
             if hits:
                 seq.num_computed_tokens = blocks.take_prefix(seq.seq_id, hits) * bs
-                n = min(seq.num_uncomputed_tokens, chunk_cap, budget)
+                n, cost = self._chunk(seq.num_computed_tokens, min(seq.num_uncomputed_tokens, chunk_cap), budget, costed)
             if not blocks.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n):
                 blocks.free(seq.seq_id)
                 seq.num_computed_tokens = 0
@@ -272,7 +301,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             planned[seq.seq_id] = (seq, n)
-            budget -= n
+            budget -= cost
 
         # Entries in planning order, which puts loop 1's decodes first.
         out = SchedulerOutput(preempted_req_ids=[s.req_id for s in preempted])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.config import load_model_config, parse_config
+from engine.config import attention_pair_cost, load_model_config, parse_config
 from engine.errors import ModelConfigError
 
 LLAMA31_HUB = {
@@ -38,6 +38,20 @@ def test_llama31_hub_and_tf5_spellings_agree():
     assert a.eos_token_ids == (128001, 128008, 128009) and a.bos_token_id == 128000
     assert a.dtype == "bfloat16" and not a.qkv_bias and not a.qk_norm and not a.tie_word_embeddings
     assert a.q_size == 4096 and a.kv_size == 1024
+
+
+def test_attention_pair_cost_is_attention_flops_over_the_matmuls_a_token_takes():
+    """Llama-3.1-8B: 4 * 32 * 32 * 128 FLOPs a (query, key) pair over 2 * 6.98e9 weights of
+    projections and MLP a token: a token ~26.6k positions deep costs as much in attention as in
+    its matmuls. A mixture of experts counts the experts a token takes, not all of them."""
+    a = attention_pair_cost(parse_config(LLAMA31_HUB))
+    assert a == pytest.approx(4 * 32 * 32 * 128 / (2 * 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)))
+    assert 26_000 < 1 / a < 27_000
+    moe = parse_config({**LLAMA31_HUB, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                        "num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 1024,
+                        "head_dim": 128, "decoder_sparse_step": 1, "mlp_only_layers": []})
+    per_layer = 4096 * 6144 + 4096 * 4096 + 8 * 3 * 4096 * 1024 + 4096 * 64
+    assert attention_pair_cost(moe) == pytest.approx(4 * 32 * 32 * 128 / (2 * 32 * per_layer))
 
 
 def test_default_rope_in_tf5_form_is_no_scaling():

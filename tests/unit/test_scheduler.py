@@ -139,8 +139,10 @@ def random_requests(rng: random.Random, n: int, max_prompt: int = 20, max_tokens
     chunk=st.sampled_from([None, 1, 3, 17]),
     spare_pages=st.integers(0, 30),
     aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7)), max_size=3),
+    attention_cost=st.sampled_from([0.0, 0.02, 0.5]),
 )
-def test_any_schedule_gives_reference_tokens(seed, block_size, budget, max_num_seqs, chunk, spare_pages, aborts):
+def test_any_schedule_gives_reference_tokens(seed, block_size, budget, max_num_seqs, chunk, spare_pages, aborts,
+                                             attention_cost):
     rng = random.Random(seed)
     max_model_len = 40
     reqs = random_requests(rng, rng.randint(1, 8))
@@ -150,7 +152,7 @@ def test_any_schedule_gives_reference_tokens(seed, block_size, budget, max_num_s
             abort_at.setdefault(step, []).append(f"r{i}")
     num_pages = -(-max_model_len // block_size) + spare_pages  # tight: forces preemption often
     sched, alloc, runner = make(num_pages, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                max_model_len=max_model_len, max_prefill_chunk=chunk)
+                                max_model_len=max_model_len, max_prefill_chunk=chunk, attention_cost=attention_cost)
     results = drive(sched, alloc, runner, reqs, abort_at=abort_at)
     for req_id, prompt, params in reqs:
         want = reference(prompt, params, max_model_len)
@@ -194,6 +196,43 @@ def test_decodes_first_then_prefill_chunks_share_a_step():
     sched.update(out, runner.run(sched, out))
     out = sched.schedule()
     assert out.seqs[1].start_pos == 7 and out.seqs[1].num_tokens == 7
+
+
+def test_a_long_prompt_beside_decodes_is_chunked_by_its_work_not_its_tokens():
+    """Every step of a long prompt's prefill beside a decoding request carries the decode, and
+    costs at most the budget by work (each chunk token also attends to all before it): the chunks
+    shrink as the prompt goes deeper, so the decode's steps stay as short deep in the prompt as
+    at its start. Alone, the prompt takes whole budgets (nobody waits on its steps), and the
+    tokens are the reference's either way."""
+    a, budget, long = 0.004, 64, 600
+    prompt = [1 + i % (VOCAB - 1) for i in range(long)]
+    p_long = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    sched, alloc, runner = make(num_pages=400, block_size=4, max_num_batched_tokens=budget, max_model_len=1024,
+                                attention_cost=a)
+    sched.add("short", [3, 4, 5], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    out = sched.schedule()
+    sched.update(out, runner.run(sched, out))
+    sched.add("long", prompt, p_long)
+    chunks: list[tuple[int, int]] = []
+    while sched.get("long").num_computed_tokens < long:
+        out = sched.schedule()
+        assert out.num_decodes == 1 and out.seqs[0].req_id == "short"
+        (c,) = [s for s in out.seqs if s.req_id == "long"]
+        n, s0 = c.num_tokens, c.start_pos
+        chunks.append((s0, n))
+        assert 1 + n + a * n * (s0 + (n + 1) / 2) <= budget + 1  # the decode, and the chunk by its work
+        sched.update(out, runner.run(sched, out))
+        check_pages(sched, alloc)
+    sizes = [n for _, n in chunks]
+    # 63 tokens a step by count alone; by work 56 at the start, 18 past position 500
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == 56 and sizes[-2] == 18
+    # Alone, by tokens: whole budgets.
+    solo, alloc2, runner2 = make(num_pages=400, block_size=4, max_num_batched_tokens=budget, max_model_len=1024,
+                                 attention_cost=a)
+    results = drive(solo, alloc2, runner2, [("long", prompt, p_long)])
+    assert results["long"] == reference(prompt, p_long, 1024)
+    solo.add("again", prompt, p_long)
+    assert solo.schedule().seqs[0].num_tokens == budget
 
 
 def test_tokens_to_go_is_the_most_any_request_may_still_produce():
@@ -266,6 +305,9 @@ def test_bad_inputs_are_refused():
         make(num_pages=2, block_size=4, max_model_len=64)  # one sequence cannot fit
     with pytest.raises(SchedulerConfigError):
         SchedulerConfig(max_num_seqs=0).validate()
+    for bad in (-0.1, 1.0, float("nan"), "0.1"):
+        with pytest.raises(SchedulerConfigError, match="attention_cost"):
+            SchedulerConfig(attention_cost=bad).validate()
     sched, alloc, _ = make(max_model_len=8)
     with pytest.raises(ValueError, match="empty"):
         sched.add("x", [], SamplingParams())
