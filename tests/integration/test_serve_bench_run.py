@@ -26,3 +26,20 @@ def test_serve_bench_runs_against_a_real_daemon(tmp_path) -> None:
     # half of them (seeded) carry the penalties the engine applies on the device; both kinds served
     assert 0 < report["penalised_requests"] < 6 and report["errors"] == 0, report
     assert report["tpot_ms_p50_penalised"] > 0 and report["tpot_ms_p50_plain"] > 0
+
+
+def test_long_context_bench_runs_against_a_real_daemon(tmp_path) -> None:
+    out = tmp_path / "long.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "INFIRE_ENGINE__SANDBOX": "false"}
+    r = subprocess.run([sys.executable, "-m", "ops.bench.long_context_bench", "--preset", "tiny", "--device", "cpu",
+                        "--lengths", "64,128", "--long-len", "96", "--long-n", "2", "--short-concurrency", "2",
+                        "--short-len", "16", "--short-out", "8", "--out-tokens", "8", "--max-model-len", "256",
+                        "--short-lead-s", "0.5", "--out", str(out)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert [row["prompt"] for row in report["single"]] == [64, 128]
+    assert all(row["prefill_tok_s"] > 0 and row["out"] == 8 for row in report["single"])
+    mixed = report["mixed"]
+    assert mixed["errors"] == 0 and mixed["long_ttft_ms_max"] > 0 and mixed["short_requests_in_window"] >= 1
+    assert mixed["short_tpot_ms_p50"] > 0
