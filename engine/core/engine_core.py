@@ -360,7 +360,9 @@ class EngineCore:
             # schedule: while the busy model yields, its next step waits until its step in flight
             # is collected; meanwhile only the other models are scheduled (a quiet model's new
             # prompt goes out at once, beside the busy step's tail, on its high-priority stream).
-            yielding = prev is not None and self.policy.yields(prev.slot)
+            # (an expedited model never yields: its drain is what a load waits for, and in its
+            # gaps the others' steps would go ahead of it, not only a quiet model's prompt)
+            yielding = prev is not None and prev.slot.name not in self._expedited and self.policy.yields(prev.slot)
             slot, batch = self._schedule(exclude=prev.slot if yielding else None)
             if batch is None and yielding and not prev.ready():
                 self._yield_step(prev)  # the caller waits for it or for a new request

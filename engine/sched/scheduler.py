@@ -207,10 +207,13 @@ class Scheduler:
         if not costed or not a:
             n = min(most, budget)
             return n, n
-        # n + a n (start + (n + 1) / 2) <= budget: a quadratic in n
+        # n + a n (start + (n + 1) / 2) <= budget: the quadratic's root in its stable form (no
+        # cancellation when a is small), then down while float rounding leaves it a token over
         b = 1 + a * (start + 0.5)
-        n = max(1, min(most, int((math.sqrt(b * b + 2 * a * budget) - b) / a)))
-        return n, math.ceil(n + a * n * (start + (n + 1) / 2))
+        n = max(1, min(most, int(2 * budget / (b + math.sqrt(b * b + 2 * a * budget)))))
+        while n > 1 and n + a * n * (start + (n + 1) / 2) > budget:
+            n -= 1
+        return n, math.ceil(n + a * n * (start + (n + 1) / 2) - 1e-9)
 
     def schedule(self, token_cap: int | None = None) -> SchedulerOutput:
         """One step's batch; ``token_cap`` lowers this step's token budget (the engine's cap

@@ -104,6 +104,41 @@ def test_two_equally_busy_models_keep_launching_ahead(dirs):
     assert _launches_behind(events, "busy", by="busy") > 0
 
 
+def test_a_drained_model_steps_alone_even_beside_a_quiet_model(dirs):
+    """An expedited model (drained for a load's room) does not yield: a quiet model's recent
+    request would otherwise make it yield, and in each of its gaps a busy model's step went ahead
+    of its next one (its drain at two models' step time a token)."""
+    def run(expedite: bool) -> list[tuple[str, str]]:
+        core = EngineCore(EngineOptions(max_num_batched_tokens=32, block_size=4, seed=5, async_steps=True,
+                                        async_on_cpu=True, quiet_window_ms=60_000), device="cpu")
+        for name, d in (("drain", dirs[0]), ("busy", dirs[1]), ("quiet", dirs[0])):
+            core.load_model(LoadSpec(name, d, max_model_len=64, max_num_seqs=8))
+        events: list[tuple[str, str]] = []
+        for name, slot in core.slots.items():
+            _spy(slot.runner, name, events)
+        core.add_request("q", "quiet", [7, 8, 9], SamplingParams(temperature=0, max_tokens=1))
+        while core.has_unfinished_requests():  # quiet: a request a moment ago, none now
+            core.step()
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for i in range(4):
+            core.add_request(f"d{i}", "drain", list(range(20 + i, 26 + i)), greedy)
+        for i in range(8):
+            core.add_request(f"b{i}", "busy", list(range(40 + i, 48 + i)), greedy)
+        core.expedite("drain", on=expedite)
+        start = len(events)
+        while core.slots.get("drain").scheduler.has_unfinished():
+            core.step()
+        for slot in core.slots.values():
+            del slot.runner.launch, slot.runner.collect
+        for name in core.slots.names():
+            core.unload_model(name)
+        return [n for n, k in events[start:] if k == "launch"]
+
+    assert "busy" in run(False)  # in turn, yielding: busy's steps go in drain's gaps
+    drained = run(True)
+    assert drained and set(drained) == {"drain"}  # expedited: its steps alone until its requests end
+
+
 @pytest.mark.parametrize("bad", [-100, 61_000, True, "1000", 0.5])
 def test_a_bad_window_argument_is_refused(bad):
     with pytest.raises(EngineError, match="quiet_window_ms"):
