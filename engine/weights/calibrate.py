@@ -80,21 +80,26 @@ def gptq_e4m3(w: torch.Tensor, gram: torch.Tensor, damp: float = GPTQ_DAMP,
     else:
         raise CalibrationError(f"the inputs' gram stays singular at {damp * 1000:g} x its mean diagonal damping")
     del hd
-    codes = torch.empty(w.shape, dtype=FP8, device=w.device)
-    inv = 1.0 / scale[:, None]
+    # on wᵀ, so each column is a contiguous row updated in place (half the time of the column
+    # layout, the same arithmetic and the same codes)
+    wt = w.t().contiguous()
+    codes = torch.empty((k, w.shape[0]), dtype=FP8, device=w.device)
+    inv = 1.0 / scale
+    diag = u.diagonal().tolist()
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
-        wb = w[:, b0:b1].clone()
+        wb = wt[b0:b1].clone()
         err = torch.empty_like(wb)
         for j in range(b1 - b0):
-            col = wb[:, j:j + 1]
-            c = (col * inv).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
-            codes[:, b0 + j] = c[:, 0]
-            e = (col - c.float() * scale[:, None]) / u[b0 + j, b0 + j]
-            wb[:, j + 1:] -= e @ u[b0 + j:b0 + j + 1, b0 + j + 1:b1]
-            err[:, j:j + 1] = e
-        w[:, b1:] -= err @ u[b0:b1, b1:]
-    return codes, scale
+            col, e = wb[j], err[j]
+            torch.mul(col, inv, out=e).clamp_(-E4M3_MAX, E4M3_MAX)
+            c = codes[b0 + j]
+            c.copy_(e)  # to e4m3, rounded to nearest
+            torch.sub(col, c.float().mul_(scale), out=e).div_(diag[b0 + j])
+            if j + 1 < b1 - b0:
+                wb[j + 1:].sub_(torch.outer(u[b0 + j, b0 + j + 1:b1], e))
+        wt[b1:] -= u[b0:b1, b1:].t() @ err
+    return codes.t().contiguous(), scale
 
 
 def _projections(layer) -> dict[str, torch.Tensor]:

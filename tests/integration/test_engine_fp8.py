@@ -154,21 +154,29 @@ def test_fp8_on_a_real_model_stays_close_to_the_unquantized(smollm2_dir):
 
 
 def test_a_calibrated_real_model_stays_close_to_the_unquantized(smollm2_dir, tmp_path):
-    """SmolLM2-135M calibrated on 1,024 tokens of text past the evaluated 512 (``infire-agent
+    """SmolLM2-135M calibrated on 1,024 tokens of text past the evaluated 256 (``infire-agent
     quantize``'s scheme): measured over 8,192 positions it is perplexity ×1.007 and ~91 % top-1
     agreement (docs/perf.md), nearer the unquantized model than rounding to nearest; a wrong GPTQ
-    update or a mislabelled slice falls below these, one that does nothing is no nearer."""
+    update or a mislabelled slice falls below these, one that does nothing is no nearer.
+    One thread: GPTQ's column loop is thousands of tiny ops and its float64 Cholesky factors
+    are small, and two threads fighting another process for two cores ran this past 300 s."""
     tok = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(smollm2_dir)
     from engine.weights.calibrate import calibrate
     from ops.bench.fp8_accuracy import text_tokens
 
-    ids = text_tokens(tok, 513)
-    calibrate(smollm2_dir, tmp_path / "cal", text_tokens(tok, 1024, skip=len(ids)), device="cpu")
-    both = engine_accuracy(smollm2_dir, ids, 256, "cpu", calibrated=tmp_path / "cal")
+    ids = text_tokens(tok, 257)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        calibrate(smollm2_dir, tmp_path / "cal", text_tokens(tok, 1024, skip=len(ids)), device="cpu")
+        both = engine_accuracy(smollm2_dir, ids, 256, "cpu", calibrated=tmp_path / "cal")
+    finally:
+        torch.set_num_threads(threads)
     res = both["calibrated"]
     assert res["top1_agreement"] >= 0.8 and res["ppl_ratio"] <= 1.05, res
     assert res["fp8_kv"]["top1_agreement"] >= 0.75 and res["fp8_kv"]["ppl_ratio"] <= 1.08, res
-    # what calibrating is for: closer than rounding to nearest at load (×1.026 vs ×1.007 over 8,192)
+    # what calibrating is for: closer than rounding to nearest at load (×1.026 vs ×1.007 over 8,192;
+    # ×1.043 vs ×0.996 over these 256, with the FP8 KV cache ×1.025 vs ×1.005)
     assert res["ppl_ratio"] < both["ppl_ratio"] and res["fp8_kv"]["ppl_ratio"] < both["fp8_kv"]["ppl_ratio"], both
 
 
