@@ -392,11 +392,7 @@ class ModelManager:
                     # make room, and never after draining on a pass past its deadline.
                     # A colder model on its way is waited on too, until the patience runs out
                     # (then every model is a candidate again).
-                    def waiting_on() -> list[ModelEntry]:
-                        frees = self._planner.may_free(exclude=e.name)
-                        return frees + [c for c in colder if c not in frees]
-
-                    waits = waiting_on()
+                    waits = self._planner.may_free(exclude=e.name, coming=colder)
                     left = deadline - time.monotonic()
                     if not waits or left <= 0:
                         raise plan.refusal(e.name) from None
@@ -405,7 +401,7 @@ class ModelManager:
                                                         tokens_to_go=self.worker.tokens_to_go(),
                                                         promised=self._drains, most=most):
                             self._drain_for(v, e.name)
-                        waits = waiting_on()
+                        waits = self._planner.may_free(exclude=e.name, coming=colder)
                     self._log.info("room_wait", model=e.name, waiting_on=[w.name for w in waits],
                                    colder=[c.name for c in colder], short=plan.details["short"],
                                    left_s=round(left, 3))

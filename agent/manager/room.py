@@ -89,12 +89,14 @@ class RoomPlanner:
             (e.state is State.READY and (e.in_flight or e.load_waiters or e.busy))
             or (e.state is State.LOADING and e.busy and (e.in_worker or e.name in rooms)))]
 
-    def may_free(self, exclude: str = "") -> list[ModelEntry]:
+    def may_free(self, exclude: str = "", coming: list[ModelEntry] | tuple = ()) -> list[ModelEntry]:
         """Models not evictable now whose next change may make room: ready and unpinned but busy
-        (requests in flight, an operation running), or on their way out (draining, unloading)."""
+        (requests in flight, an operation running), or on their way out (draining, unloading);
+        then those of ``coming`` (:meth:`colder_coming`) not among them."""
         evictable = set(self.evictable(exclude))
-        return [e for e in self._models.values() if e.name != exclude and e.name not in evictable and (
+        out = [e for e in self._models.values() if e.name != exclude and e.name not in evictable and (
             (e.state is State.READY and not e.pin) or e.state in (State.DRAINING, State.UNLOADING))]
+        return out + [c for c in coming if c not in out]
 
     def to_drain(self, short: int | None, exclude: str = "", tokens_to_go: Mapping[str, int] | None = None,
                  promised: Mapping[str, str] | None = None, most: float | None = None) -> list[ModelEntry]:

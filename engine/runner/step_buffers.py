@@ -27,9 +27,10 @@ _ALIGN = 16  # bytes: every region starts aligned for any dtype's view
 def to_device_async(a: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array of a step's (row and token indices: KBs, up to the ruled rows' whole token
     lists) on ``device`` without waiting for the stream: on CUDA through page-locked memory (the
-    caching host allocator keeps the block until the copy has read it, and reuses it after). A copy from pageable memory waits for the stream first
-    (CUDA's rule for pageable host-to-device copies), and a step's sampling is staged while its
-    forward pass runs: such a copy holds the host until the forward ends."""
+    caching host allocator keeps the block until the copy has read it, and reuses it after). A
+    copy from pageable memory waits for the stream first (CUDA's rule for pageable host-to-device
+    copies), and a step's sampling is staged while its forward pass runs: such a copy holds the
+    host until the forward ends."""
     t = torch.from_numpy(a)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 

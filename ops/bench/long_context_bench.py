@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import random
 import shlex
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from ops.bench.engine_bench import _commit, save_result
-from ops.bench.serve_bench import _admin_status, _one, _start_agent
+from ops.bench.serve_bench import _admin_status, _one, started_agent
 from ops.bench.workload import percentile
 
 
@@ -150,16 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     a.quantization, a.kv_cache_dtype = "none", "auto"  # (prepare_agent reads them)
-    tmp = proc = None
-    try:
+    with contextlib.ExitStack() as stack:
         if a.url:
             url, model = a.url.rstrip("/"), a.model
             if not model:
                 ap.error("--model is needed with --url")
             st = _admin_status(url, a.admin_token) if a.admin_token else {}
         else:
-            tmp = tempfile.TemporaryDirectory(prefix="long-bench-")
-            proc, url, model, token = _start_agent(a, Path(tmp.name))
+            _, url, model, token = stack.enter_context(started_agent(a, "long-bench-"))
             st = _admin_status(url, token)
         info = next((m for m in st.get("models", []) if m["name"] == model), {})
         vocab = a.vocab_size or info.get("vocab_size")
@@ -167,12 +164,6 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--vocab-size is needed (no admin token to read it from the agent)")
         result = asyncio.run(run(url, model, a, vocab))
         device = (st.get("worker") or {}).get("device") or a.device
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
-        if tmp is not None:
-            tmp.cleanup()
     now = dt.datetime.now(dt.timezone.utc)
     commit = _commit()
     report = {"date": now.isoformat(timespec="seconds"), "gpu": device if "cuda" in str(device) else f"none ({device})",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -28,6 +29,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -274,14 +276,23 @@ def prepare_agent(args: argparse.Namespace, root: Path, warm_tier_bytes: str = "
     return cfg, port, name, token
 
 
-def _start_agent(args: argparse.Namespace, root: Path) -> tuple[Any, str, str, str]:
-    """Seed a store and start a daemon; returns (process, url, model name, admin token)."""
+@contextlib.contextmanager
+def started_agent(args: argparse.Namespace, prefix: str) -> Iterator[tuple[Any, str, str, str]]:
+    """A daemon in a temporary folder (a store seeded with the model of ``args``, see
+    :func:`prepare_agent`), ready: (process, url, model name, admin token); stopped and its folder
+    removed at the end."""
     from agent.commands.demo import start_daemon, wait_ready
 
-    cfg, port, name, token = prepare_agent(args, root)
-    proc = start_daemon(root, cfg)
-    wait_ready(cfg, name, proc, 1800, root / "agent.log")
-    return proc, f"http://127.0.0.1:{port}", name, token
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        root = Path(tmp)
+        cfg, port, name, token = prepare_agent(args, root)
+        proc = start_daemon(root, cfg)
+        try:
+            wait_ready(cfg, name, proc, 1800, root / "agent.log")
+            yield proc, f"http://127.0.0.1:{port}", name, token
+        finally:
+            proc.terminate()
+            proc.wait(60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,16 +330,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give exactly one of --concurrency N or --rate R")
     if not 0.0 <= a.penalised_fraction <= 1.0:
         ap.error("--penalised-fraction is a share, 0 to 1")
-    tmp = None
-    proc = None
-    try:
+    with contextlib.ExitStack() as stack:
+        proc = None
         if a.url:
             url, model, token = a.url.rstrip("/"), a.model, a.admin_token
             if not model:
                 ap.error("--model is needed with --url")
         else:
-            tmp = tempfile.TemporaryDirectory(prefix="serve-bench-")
-            proc, url, model, token = _start_agent(a, Path(tmp.name))
+            proc, url, model, token = stack.enter_context(started_agent(a, "serve-bench-"))
         st = _admin_status(url, token) if token else {}
         info = next((m for m in st.get("models", []) if m["name"] == model), {})
         vocab = a.vocab_size or info.get("vocab_size")
@@ -349,12 +358,6 @@ def main(argv: list[str] | None = None) -> int:
         cpu = tree_cpu_delta(before, tree_cpu_seconds(tree_pids(agent_pid, worker_pid)))
         if spies:
             stop_profile(Path(a.profile), spies)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
-        if tmp is not None:
-            tmp.cleanup()
     if a.concurrency:
         mode = f"concurrency-{a.concurrency}"
     else:
