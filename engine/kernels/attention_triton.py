@@ -108,6 +108,47 @@ def _attend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, koff, voff, j, jm, qpos, d, d
     return m_new, l_i, acc
 
 
+@triton.jit
+def _load_tile(ptr, offs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+    else:
+        return tl.load(ptr + offs)
+
+
+@triton.jit
+def _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, kvh,
+                  s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, d, dm, qk_scale,
+                  BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, ASM_V: tl.constexpr):
+    """One K/V tile of the prefill kernel's online softmax (base 2). ``MASKED`` tiles are the
+    diagonal band and the ragged end: positions past ``kv_end`` and after a row's ``qpos`` are
+    masked out. Unmasked tiles lie wholly before every row of the query tile and (head_dim a
+    power of two) load and score without a mask or a select: most of a long prompt's tiles."""
+    jm = j < kv_end
+    if MASKED:
+        page = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE).to(tl.int64)
+    slot = (j % BLOCK_SIZE).to(tl.int64)
+    koff = page * s_kp + slot * s_kb + kvh * s_kh
+    voff = page * s_vp + slot * s_vb + kvh * s_vh
+    k = _load_tile(kc_ptr, koff[None, :] + d[:, None], jm[None, :] & dm[:, None], MASKED).to(q.dtype)
+    s = tl.dot(q, k, input_precision=DOT_PREC)
+    if MASKED:
+        s = tl.where(jm[None, :] & (j[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        # the scale folded into the exponent's operand: one multiply-add a score
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _widen_v(_load_tile(vc_ptr, voff[:, None] + d[None, :], jm[:, None] & dm[None, :], MASKED), q, ASM_V)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
 # Runtime ints that change with the batch are not specialised (==1, %16): a new block-table
 # width or split count must never trigger a compile while serving.
 @triton.jit(do_not_specialize=["s_bt", "NUM_SEQS"])
@@ -117,10 +158,11 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TPT: tl.constexpr,
                     DOT_PREC: tl.constexpr, MIN_Q: tl.constexpr, ASM_V: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
-    # Work item i of the flat grid: sequence b's tiles start at qsl[b] // TPT + b (a span of at
-    # least cdiv(q_len_b, TPT) items), so b is the last sequence whose start is <= i.
-    pid = tl.program_id(0)
-    kvh = tl.program_id(1).to(tl.int64)
+    # grid (Hkv, items): the KV heads of one item are neighbours in launch order. Work item i:
+    # sequence b's items start at qsl[b] // TPT + b (a span of at least cdiv(q_len_b, TPT)), so b
+    # is the last sequence whose start is <= i.
+    kvh = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
     lo = pid * 0
     hi = lo + NUM_SEQS - 1
     while lo < hi:
@@ -128,11 +170,13 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
         ok = tl.load(qsl_ptr + mid) // TPT + mid <= pid
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
-    tile = pid - (tl.load(qsl_ptr + lo) // TPT + lo)
     b = lo.to(tl.int64)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
-    if (tile * TPT < q_len) & (q_len >= MIN_Q):
+    # a sequence's last tile (the most keys) first: causal work grows with the tile, and the
+    # longest programs starting first leave no long one alone at the end of the grid
+    tile = (q_len + TPT - 1) // TPT - 1 - (pid - (q_start // TPT + lo))
+    if (tile >= 0) & (q_len >= MIN_Q):
         seq_len = tl.load(sl_ptr + b)
         ctx = seq_len - q_len
         rows = tl.arange(0, BLOCK_M)
@@ -150,14 +194,22 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kv_end = tl.minimum(seq_len, ctx + tl.minimum(q_len, (tile + 1) * TPT))
-        for start in range(0, kv_end, BLOCK_N):
+        # keys before the tile's first query position are every row's: no mask (a power-of-two
+        # head_dim only; otherwise every tile masks its columns)
+        band = 0
+        if BLOCK_D == D:
+            band = ((ctx + tile * TPT) // BLOCK_N) * BLOCK_N
+        for start in range(0, band, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
-            jm = j < kv_end
-            koff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_kp, s_kb, s_kh, BLOCK_SIZE)
-            voff = _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_vp, s_vb, s_vh, BLOCK_SIZE)
-            # position 0 is visible to every row, so the running max is finite after the first tile
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, koff, voff, j, jm, qpos, d, dm, qk_scale,
-                                         True, DOT_PREC, ASM_V)
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, kvh,
+                                          s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, d, dm, qk_scale,
+                                          BLOCK_SIZE, False, DOT_PREC, ASM_V)
+        # position `band` is visible to every row, so the running max is finite after its tile
+        for start in range(band, kv_end, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, kvh,
+                                          s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, d, dm, qk_scale,
+                                          BLOCK_SIZE, True, DOT_PREC, ASM_V)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_safe[:, None]
         tl.store(out_ptr + tok[:, None] * s_on + head[:, None] * s_oh + d[None, :],
@@ -473,17 +525,17 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     if max_query_len <= 1:
         return out
     wide = q.dtype == torch.float32 or d > 128
-    block_m = max(32 if wide else 64, triton.next_power_of_2(g))
+    block_m = max(cfg.get("block_m", 32 if wide else 128), triton.next_power_of_2(g))
     block_n = cfg.get("block_n", 32 if wide else 64)
     tpt = block_m // g
-    # one program per (query tile, KV head) that has work, plus at most one idle per sequence; the
+    # one program per (KV head, query tile) that has work, plus at most one idle per sequence; the
     # one-token rows of a mixed step were the decode kernel's (MIN_Q=2 skips them here): a decode
     # row in a prefill tile would use G of its BLOCK_M rows and read its context unsplit
-    grid = (triton.cdiv(n, tpt) + b, hkv)
+    grid = (hkv, triton.cdiv(n, tpt) + b)
     _PREFILL_LAUNCH.launch(grid,
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common, b,
         G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
         DOT_PREC=dot_prec, MIN_Q=2, ASM_V=asm_v, num_warps=cfg.get("num_warps", 4 if block_d <= 64 else 8),
-        num_stages=cfg.get("num_stages", 2),
+        num_stages=cfg.get("num_stages", 2 if wide else 3),
     )
     return out

@@ -72,14 +72,36 @@ def test_write_kv(dtype, block):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [1, 16])
 @pytest.mark.parametrize("lens", [([7, 1, 4, 1, 2], [7, 33, 20, 1, 18]),
-                                  # query tiles of 64 // 3 = 21 tokens: sequences over several tiles,
-                                  # one on a tile boundary, and an empty query among them
+                                  # query tiles of BLOCK_M // 3 tokens (10 in float32, 42 in float16):
+                                  # sequences over several tiles, one on a tile boundary, and an empty
+                                  # query among them
                                   ([45, 1, 0, 21, 1, 22, 1], [45, 40, 9, 50, 3, 22, 70])])
 def test_paged_attention_prefill_and_mixed(dtype, block, lens):
     torch.manual_seed(block)
     gen = torch.Generator().manual_seed(block)
     hq, hkv, d = 6, 2, 16  # GQA group of 3: not a power of two
     q_lens, seq_lens = lens  # prefill, decode, chunked prefill, ...
+    pages = sum((s + block - 1) // block for s in seq_lens) + 2
+    _, kc, vc = make_pool(pages, 2, block, hkv, d, dtype)
+    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
+    q = torch.randn(sum(q_lens), hq, d).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    paged_attention_triton(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d), max(q_lens), max(seq_lens), out=out)
+    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d))
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [32, 24])
+def test_a_long_prefill_reads_its_unmasked_tiles_and_its_band_alike(dtype, d):
+    """Long prompts and chunks deep in a context: most K/V tiles lie before every row of a query
+    tile and take the unmasked path, the diagonal band and the ragged end the masked one; a head
+    dim that is not a power of two masks every tile. Each query tile must see exactly the keys
+    at or before each of its rows, whichever path read them, in whichever order the tiles ran."""
+    torch.manual_seed(d)
+    gen = torch.Generator().manual_seed(d)
+    block, hq, hkv = 16, 8, 2
+    q_lens, seq_lens = [300, 130, 1, 77], [300, 400, 90, 333]  # prompt, deep chunk, decode, chunk
     pages = sum((s + block - 1) // block for s in seq_lens) + 2
     _, kc, vc = make_pool(pages, 2, block, hkv, d, dtype)
     tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
