@@ -66,10 +66,11 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                                  BLOCK_N=bn, SINGLE=single, DOT_PREC=prec, ASM_V=False, CS=att.CASCADE_SPLITS,
                                  CASC=False),
                             dict(num_warps=4, num_stages=2)))
+            pm = max(32 if dt == "*fp32" else 256 if bd == 128 else 128, triton.next_power_of_2(g))
             out.append((f"prefill {dt[1:]} G={g} D={d}", att._prefill_kernel, attn_types(dt),
-                        dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=bm, BLOCK_N=bn, TPT=bm // g, DOT_PREC=prec, MIN_Q=2,
-                             ASM_V=False, WS=False),
-                        dict(num_warps=8 if bd > 64 else 4, num_stages=2)))
+                        dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=bn, TPT=pm // g, DOT_PREC=prec,
+                             MIN_Q=2, ASM_V=False),
+                        dict(num_warps=8 if bd > 64 else 4, num_stages=2 if dt == "*fp32" else 3)))
         if dt == "*fp32":
             break
     fp8_kv = {**attn_types("*bf16"), "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
@@ -77,9 +78,9 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                 dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=False,
                      DOT_PREC="tf32", ASM_V=True, CS=att.CASCADE_SPLITS, CASC=False), dict(num_warps=4, num_stages=2)))
     out.append(("prefill fp8-kv G=4 D=128", att._prefill_kernel, fp8_kv,
-                dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, TPT=16, DOT_PREC="tf32", MIN_Q=2,
-                     ASM_V=True, WS=False),
-                dict(num_warps=8, num_stages=2)))
+                dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=256, BLOCK_N=64, TPT=64, DOT_PREC="tf32", MIN_Q=2,
+                     ASM_V=True),
+                dict(num_warps=8, num_stages=3)))
     for single in (True, False):
         out.append((f"decode bf16 G=4 D=128 single={single} cascade", att._decode_kernel, attn_types("*bf16"),
                     dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=single,

@@ -42,10 +42,8 @@ from engine.kernels.attention_triton import paged_attention_triton  # noqa: E402
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 DEV, BF = "cuda", torch.bfloat16
 SWEEP = tuple(dict(zip(("block_m", "block_n", "num_warps", "num_stages"), c)) for c in (
-    (128, 64, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (128, 32, 4, 4), (128, 32, 4, 2), (128, 64, 4, 4),
-    (256, 64, 16, 3), (256, 128, 16, 3), (256, 64, 8, 3), (256, 128, 16, 2), (64, 32, 4, 3))) + (
-    {"warp_specialize": True}, {"block_n": 64, "warp_specialize": True},
-    {"num_warps": 4, "block_n": 64, "warp_specialize": True})
+    (128, 128, 8, 3), (128, 32, 4, 4), (256, 64, 8, 2), (256, 64, 8, 4), (256, 32, 8, 3), (256, 32, 8, 4),
+    (256, 64, 16, 4), (256, 32, 16, 3), (512, 32, 16, 3), (512, 64, 16, 3)))
 
 
 def flops(q_lens, seq_lens) -> float:
