@@ -132,6 +132,7 @@ class EngineSettings(_Section):
     place they live, with what each does and why it is set so)."""
 
     max_num_batched_tokens: int = Field(EngineOptions.max_num_batched_tokens, ge=16, le=1 << 20)
+    decode_step_tokens: int = Field(EngineOptions.decode_step_tokens, ge=1, le=1 << 20)
     page_bytes: ByteSize | None = EngineOptions.page_bytes  # None: the first load sets it
     cuda_graphs: bool = EngineOptions.cuda_graphs
     async_steps: bool = EngineOptions.async_steps

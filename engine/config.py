@@ -81,21 +81,27 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+# The prefill attention kernel's causal TFLOP/s against the matmuls' at prefill sizes, both on an
+# H100 at c1cce7e (docs/perf.md, the prefill attention rows): 442 at 32k against ~750 (a 32k
+# prompt's TTFT less its attention time, over its matmul FLOPs).
+ATTENTION_FLOP_TIME = 1.7
+
+
 def attention_pair_cost(cfg: ModelConfig) -> float:
     """The work of one (query, key) pair of attention (QK^T and PV over every layer and query
     head: 4 * layers * heads * head_dim FLOPs) as a fraction of one token's pass through the
     linear layers (2 FLOPs a weight it reads: projections, the MLP or the experts a token takes).
-    ~3.8e-5 for Llama-3.1-8B: a token 26k positions deep costs as much in attention as in its
-    matmuls. The scheduler costs prefill chunks by it (SchedulerConfig.attention_cost). FLOPs, not
-    seconds: the two run at different fractions of the GPU's peak, a difference this leaves to
-    the budget's own calibration."""
+    The scheduler costs prefill chunks by it (SchedulerConfig.attention_cost), so it is a ratio of
+    times: the FLOPs' ratio (~3.8e-5 for Llama-3.1-8B) times ``ATTENTION_FLOP_TIME``, what an
+    attention FLOP costs in time against a matmul FLOP: a token ~15.6k positions deep takes as
+    long in attention as in its matmuls."""
     h = cfg.hidden_size
     attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
     dense = 3 * h * cfg.intermediate_size
     routed = cfg.experts_per_token * 3 * h * cfg.expert_intermediate_size + h * cfg.num_experts
     sparse = set(cfg.sparse_layers) if cfg.num_experts else set()
     linear = sum(attn + (routed if i in sparse else dense) for i in range(cfg.num_layers))
-    return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim / (2 * linear)
+    return ATTENTION_FLOP_TIME * 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim / (2 * linear)
 
 
 def usable_len(cfg: ModelConfig, max_model_len: int | None) -> int:

@@ -28,6 +28,10 @@ class EngineOptions:
 
     ``max_num_batched_tokens``: the most tokens one step takes (4096: the serving, latency
     shape measured on the H200, docs/perf.md; offline runs may take more).
+    ``decode_step_tokens``: the most work one step takes while it carries decodes (prompt
+    chunks costed by their attention, engine/sched/scheduler.py): a running request's time per
+    token while prompts prefill beside it. 1024: ~25 ms of an 8B's matmuls on an H100, so
+    decodes keep a ~40 ms pace beside long prompts (docs/perf.md, the long-context rows).
     ``page_bytes``: the shared KV pool's page size; None: the first load sets it to its
     ``block_size`` tokens of that model.
     ``cuda_graphs``: capture CUDA graphs (decode and mixed steps); False: every step runs eagerly.
@@ -65,6 +69,7 @@ class EngineOptions:
     """
 
     max_num_batched_tokens: int = 4096
+    decode_step_tokens: int = 1024
     page_bytes: int | None = None
     cuda_graphs: bool = True
     async_steps: bool = True
@@ -84,6 +89,7 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         _int(self, "max_num_batched_tokens", 1, 1 << 20)
+        _int(self, "decode_step_tokens", 1, 1 << 20)
         if self.page_bytes is not None:
             _int(self, "page_bytes", 1, 1 << 40)
         _bool(self, "cuda_graphs")

@@ -21,6 +21,7 @@ def worker_options(settings: Settings) -> dict[str, Any]:
         budget = g.cpu_memory_budget
     # With device "auto" the worker picks: a fraction of the GPU, or the CPU byte budget.
     return {"device": g.device, "max_num_batched_tokens": e.max_num_batched_tokens,
+            "decode_step_tokens": e.decode_step_tokens,
             "memory_budget_bytes": budget, "memory_budget_fraction": fraction,
             "cpu_memory_budget_bytes": g.cpu_memory_budget, "sandbox": e.sandbox,
             "warm_tier_bytes": g.warm_tier_bytes,

@@ -489,7 +489,8 @@ class ModelLoader:
             sched = Scheduler(
                 SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=p.max_len, max_prefill_chunk=self.max_prefill_chunk,
-                                eos_token_ids=cfg.eos_token_ids, attention_cost=attention_pair_cost(cfg)),
+                                eos_token_ids=cfg.eos_token_ids, attention_cost=attention_pair_cost(cfg),
+                                decode_step_tokens=self.options.decode_step_tokens),
                 # The index's salt: what else decides the K/V of a token at a position.
                 BlockManager(needs.tokens_per_page, pages,
                              PrefixIndex(f"{p.key}|{p.dtype}|kv={spec.kv_cache_dtype}") if spec.prefix_caching else None),

@@ -208,7 +208,8 @@ class TPEngineCore(EngineCore):
             sched = Scheduler(
                 SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=self.options.max_num_batched_tokens,
                                 max_model_len=max_len, max_prefill_chunk=self.options.max_prefill_chunk,
-                                eos_token_ids=cfg.eos_token_ids, attention_cost=attention_pair_cost(cfg)),
+                                eos_token_ids=cfg.eos_token_ids, attention_cost=attention_pair_cost(cfg),
+                                decode_step_tokens=self.options.decode_step_tokens),
                 BlockManager(wire["block_size"], PageAllocator(shard.kv.num_pages)),
             )
         except SchedulerConfigError as e:

@@ -7,12 +7,21 @@ Each :meth:`Scheduler.schedule` call fills one step under ``max_num_batched_toke
 3. waiting sequences, admitted in order while pages, budget and ``max_num_seqs`` allow.
 
 So a long prompt is split across steps and shares them with decodes (chunked prefill). While a
-step carries decodes (or the engine caps it: other models wait for it), a chunk is costed by its
-work, not its token count: each of its tokens also attends to every token before it, so a chunk
-of ``n`` tokens from position ``s`` costs ``n + attention_cost * n * (s + (n + 1) / 2)`` of the
-budget, and chunks shrink as a long prompt goes deeper. A 4,096-token chunk 100k tokens into a
-prompt is ~4x the step of one at the start for an 8B (``engine.config.attention_pair_cost``);
-counted by tokens it held every decode of the step that long. With a
+step carries decodes (or the engine caps it: other models wait for it), three rules keep the
+decodes' pace and new prompts' turn:
+
+- a chunk is costed by its work, not its token count: each of its tokens also attends to every
+  token before it, so a chunk of ``n`` tokens from position ``s`` costs
+  ``n + attention_cost * n * (s + (n + 1) / 2)`` of the budget, and chunks shrink as a long
+  prompt goes deeper (counted by tokens, a 4,096-token chunk 100k tokens deep held every decode
+  of its step ~4x as long as one at the start, for an 8B: ``engine.config.attention_pair_cost``);
+- the budget is ``decode_step_tokens``, not ``max_num_batched_tokens``: a running request's time
+  per token is one such step, whatever prompts are prefilling beside it;
+- prompts already prefilling take at most half of it while a prompt waits to be admitted: a
+  long prompt's chunks would otherwise take the whole budget each step, leaving a new short
+  prompt the rounding's crumbs (its first token a dozen steps late).
+
+Alone, a prompt takes whole ``max_num_batched_tokens`` steps. With a
 prefix index on the block manager, an admission first looks its leading full blocks up and
 starts with the cached pages in its table: only the rest is computed (and counts against the
 budget), and at least its last prompt token always is (its logits give the first output). A
@@ -57,6 +66,8 @@ class SchedulerConfig:
     # One (query, key) pair of attention as a fraction of one token's pass through the weights
     # (engine.config.attention_pair_cost); 0: chunks counted by their tokens alone.
     attention_cost: float = 0.0
+    # The budget of a step that carries decodes (None: max_num_batched_tokens).
+    decode_step_tokens: int | None = None
 
     def validate(self) -> "SchedulerConfig":
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -69,6 +80,9 @@ class SchedulerConfig:
             raise SchedulerConfigError(f"max_prefill_chunk must be None or >= 1, got {self.max_prefill_chunk!r}")
         if not isinstance(self.attention_cost, (int, float)) or not 0 <= self.attention_cost < 1:
             raise SchedulerConfigError(f"attention_cost must be in [0, 1), got {self.attention_cost!r}")
+        if self.decode_step_tokens is not None and (not isinstance(self.decode_step_tokens, int)
+                                                    or self.decode_step_tokens < 1):
+            raise SchedulerConfigError(f"decode_step_tokens must be None or >= 1, got {self.decode_step_tokens!r}")
         return self
 
 
@@ -257,19 +271,28 @@ class Scheduler:
                 decodes.add(seq.seq_id)
                 budget -= 1
 
-        # Chunks by their work while a decode (or another model) waits for this step.
-        costed = self.config.attention_cost > 0 and (bool(decodes) or token_cap is not None)
+        # While a decode (or another model) waits for this step: chunks by their work, the
+        # decode step's budget, and half of it kept for a waiting prompt.
+        waits = bool(decodes) or token_cap is not None
+        costed = self.config.attention_cost > 0 and waits
+        if decodes and cfg.decode_step_tokens is not None:
+            budget = min(budget, max(0, cfg.decode_step_tokens - len(decodes)))
+        share = budget
+        if waits and self.waiting and len(self.running) < cfg.max_num_seqs:
+            share = (budget + 1) // 2
 
         # 2. running sequences still prefilling (chunked prefill continues).
         for seq in prefilling:
-            if budget < 1:
+            if budget < 1 or share < 1:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            n, cost = self._chunk(seq.num_computed_tokens, min(seq.num_uncomputed_tokens, chunk_cap), budget, costed)
+            n, cost = self._chunk(seq.num_computed_tokens, min(seq.num_uncomputed_tokens, chunk_cap),
+                                  min(budget, share), costed)
             if reserve(seq, n):
                 planned[seq.seq_id] = (seq, n)
                 budget -= cost
+                share -= cost
 
         # 3. admissions; a sequence preempted in this very step waits for the next one.
         blocks, prefix, bs = self.blocks, self.blocks.prefix, self.blocks.block_size

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.config import attention_pair_cost, load_model_config, parse_config
+from engine.config import ATTENTION_FLOP_TIME, attention_pair_cost, load_model_config, parse_config
 from engine.errors import ModelConfigError
 
 LLAMA31_HUB = {
@@ -40,18 +40,20 @@ def test_llama31_hub_and_tf5_spellings_agree():
     assert a.q_size == 4096 and a.kv_size == 1024
 
 
-def test_attention_pair_cost_is_attention_flops_over_the_matmuls_a_token_takes():
+def test_attention_pair_cost_is_attention_time_over_the_matmuls_a_token_takes():
     """Llama-3.1-8B: 4 * 32 * 32 * 128 FLOPs a (query, key) pair over 2 * 6.98e9 weights of
-    projections and MLP a token: a token ~26.6k positions deep costs as much in attention as in
-    its matmuls. A mixture of experts counts the experts a token takes, not all of them."""
+    projections and MLP a token, each attention FLOP 1.7 matmul FLOPs' time: a token ~15.6k
+    positions deep takes as long in attention as in its matmuls. A mixture of experts counts the
+    experts a token takes, not all of them."""
     a = attention_pair_cost(parse_config(LLAMA31_HUB))
-    assert a == pytest.approx(4 * 32 * 32 * 128 / (2 * 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)))
-    assert 26_000 < 1 / a < 27_000
+    flops = 4 * 32 * 32 * 128 / (2 * 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336))
+    assert a == pytest.approx(ATTENTION_FLOP_TIME * flops) and ATTENTION_FLOP_TIME == 1.7
+    assert 15_000 < 1 / a < 16_000
     moe = parse_config({**LLAMA31_HUB, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                         "num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 1024,
                         "head_dim": 128, "decoder_sparse_step": 1, "mlp_only_layers": []})
     per_layer = 4096 * 6144 + 4096 * 4096 + 8 * 3 * 4096 * 1024 + 4096 * 64
-    assert attention_pair_cost(moe) == pytest.approx(4 * 32 * 32 * 128 / (2 * 32 * per_layer))
+    assert attention_pair_cost(moe) == pytest.approx(ATTENTION_FLOP_TIME * 4 * 32 * 32 * 128 / (2 * 32 * per_layer))
 
 
 def test_default_rope_in_tf5_form_is_no_scaling():
@@ -140,13 +142,13 @@ def test_engine_options_are_the_daemons_defaults_and_strictly_typed():
 
     opts = EngineOptions()
     e = EngineSettings()
-    for name in ("max_num_batched_tokens", "page_bytes", "cuda_graphs", "async_steps", "shared_step_tokens",
-                 "quiet_window_ms"):
+    for name in ("max_num_batched_tokens", "decode_step_tokens", "page_bytes", "cuda_graphs", "async_steps",
+                 "shared_step_tokens", "quiet_window_ms"):
         assert getattr(e, name) == getattr(opts, name)
     assert EngineOptions.from_dict({"cuda_graphs": False, "device": "cpu"}) == EngineOptions(cuda_graphs=False)
     assert EngineOptions(quiet_window_ms=250).quiet_window_s == 0.25
     for bad in ({"cuda_graphs": 1}, {"max_num_batched_tokens": "4096"}, {"quiet_window_ms": 60_001},
-                {"shared_step_tokens": -1}, {"page_bytes": True}, {"async_steps": None}):
+                {"shared_step_tokens": -1}, {"page_bytes": True}, {"async_steps": None}, {"decode_step_tokens": 0}):
         with pytest.raises(EngineError, match=next(iter(bad))):
             EngineOptions.from_dict(bad)
 

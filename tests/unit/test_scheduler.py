@@ -140,9 +140,10 @@ def random_requests(rng: random.Random, n: int, max_prompt: int = 20, max_tokens
     spare_pages=st.integers(0, 30),
     aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7)), max_size=3),
     attention_cost=st.sampled_from([0.0, 0.02, 0.5]),
+    decode_step_tokens=st.sampled_from([None, 1, 5]),
 )
 def test_any_schedule_gives_reference_tokens(seed, block_size, budget, max_num_seqs, chunk, spare_pages, aborts,
-                                             attention_cost):
+                                             attention_cost, decode_step_tokens):
     rng = random.Random(seed)
     max_model_len = 40
     reqs = random_requests(rng, rng.randint(1, 8))
@@ -152,7 +153,8 @@ def test_any_schedule_gives_reference_tokens(seed, block_size, budget, max_num_s
             abort_at.setdefault(step, []).append(f"r{i}")
     num_pages = -(-max_model_len // block_size) + spare_pages  # tight: forces preemption often
     sched, alloc, runner = make(num_pages, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                max_model_len=max_model_len, max_prefill_chunk=chunk, attention_cost=attention_cost)
+                                max_model_len=max_model_len, max_prefill_chunk=chunk, attention_cost=attention_cost,
+                                decode_step_tokens=decode_step_tokens)
     results = drive(sched, alloc, runner, reqs, abort_at=abort_at)
     for req_id, prompt, params in reqs:
         want = reference(prompt, params, max_model_len)
@@ -235,6 +237,49 @@ def test_a_long_prompt_beside_decodes_is_chunked_by_its_work_not_its_tokens():
     assert solo.schedule().seqs[0].num_tokens == budget
 
 
+def test_beside_decodes_a_step_takes_the_decode_budget_and_a_new_prompt_is_not_starved_by_a_long_one():
+    """A running request's time per token is one step, so beside decodes a step takes
+    ``decode_step_tokens`` of work, not ``max_num_batched_tokens``. And a long prompt already
+    prefilling leaves half of that to a prompt waiting to be admitted: a short prompt arriving
+    mid-way is admitted whole at its first step, where the crumbs a long chunk left took it a
+    dozen steps. Alone, the long prompt takes whole ``max_num_batched_tokens`` steps."""
+    a, step_budget, long = 0.004, 32, 400
+    prompt = [1 + i % (VOCAB - 1) for i in range(long)]
+    p_long = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    sched, alloc, runner = make(num_pages=400, block_size=4, max_num_batched_tokens=256, max_model_len=1024,
+                                attention_cost=a, decode_step_tokens=step_budget)
+    sched.add("dec", [3, 4, 5], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    out = sched.schedule()
+    sched.update(out, runner.run(sched, out))
+    sched.add("long", prompt, p_long)
+
+    def cost(c):
+        return c.num_tokens + a * c.num_tokens * (c.start_pos + (c.num_tokens + 1) / 2)
+
+    while sched.get("long").num_computed_tokens < 200:
+        out = sched.schedule()
+        assert out.num_decodes == 1
+        (c,) = [x for x in out.seqs if x.req_id == "long"]
+        assert 1 + cost(c) <= step_budget + 1 and c.num_tokens > 8  # the budget by work, and all of it
+        sched.update(out, runner.run(sched, out))
+        check_pages(sched, alloc)
+    short = [7] * 10
+    sched.add("short", short, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    out = sched.schedule()
+    got = {x.req_id: x for x in out.seqs}
+    assert got["short"].num_tokens == len(short) and got["short"].sample  # whole: its first token now
+    assert cost(got["long"]) <= (step_budget - 1 + 1) // 2  # the long prompt kept to half meanwhile
+    sched.update(out, runner.run(sched, out))
+    out = sched.schedule()  # nobody waits: the long prompt has the step's budget again
+    (c,) = [x for x in out.seqs if x.req_id == "long"]
+    assert cost(c) > step_budget // 2
+    # Alone (no decode waits on its steps): whole max_num_batched_tokens.
+    solo, _, _ = make(num_pages=400, block_size=4, max_num_batched_tokens=256, max_model_len=1024,
+                      attention_cost=a, decode_step_tokens=step_budget)
+    solo.add("long", prompt, p_long)
+    assert solo.schedule().seqs[0].num_tokens == 256
+
+
 def test_tokens_to_go_is_the_most_any_request_may_still_produce():
     """What the agent reads to drain the busy model nearest to idle: a waiting request counts its
     whole max_tokens, a running one what is left of it, each capped by the context; 0 when idle."""
@@ -308,6 +353,9 @@ def test_bad_inputs_are_refused():
     for bad in (-0.1, 1.0, float("nan"), "0.1"):
         with pytest.raises(SchedulerConfigError, match="attention_cost"):
             SchedulerConfig(attention_cost=bad).validate()
+    for bad in (0, -1, 2.5, "8"):
+        with pytest.raises(SchedulerConfigError, match="decode_step_tokens"):
+            SchedulerConfig(decode_step_tokens=bad).validate()
     sched, alloc, _ = make(max_model_len=8)
     with pytest.raises(ValueError, match="empty"):
         sched.add("x", [], SamplingParams())
