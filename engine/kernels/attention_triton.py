@@ -399,6 +399,26 @@ def _sm_count(device: torch.device) -> int:
     return 4  # interpreter runs: a few splits so the reduce path is exercised
 
 
+def prefill_shape(n: int, g: int, hkv: int, wide: bool, block_d: int, sm_count: int) -> tuple[int, int, int, int]:
+    """The prefill kernel's launch shape for ``n`` query tokens: (BLOCK_M, BLOCK_N, warps, stages).
+
+    Head_dim 128 in 16 bits (ops/gpu/prefill_bench.py, docs/perf.md, H100): 256 query rows (64
+    tokens x a GQA group of 4) over 64-key tiles, 8 warps, 3 stages ran a 32k prompt at 442
+    TFLOP/s causal (128 x 128: 374; torch's flash backend: 345) — while its programs fill the
+    GPU. A chunk of a few hundred tokens deep in a long context has few query tiles, each a long
+    walk over the keys: at 256 rows 64 programs for 132 SMs, so such chunks take 64-row tiles
+    (4 warps, 3 stages: 346 TFLOP/s at 32k, and four times the programs). The choice depends on
+    ``n`` and the device alone, so a mixed-step graph's bucket fixes it; the runner's warm-up
+    at its smallest and largest buckets compiles both."""
+    if wide:
+        return 32, 32, 4 if block_d <= 64 else 8, 2
+    if block_d != 128:
+        return 128, 64, 4 if block_d <= 64 else 8, 3
+    if triton.cdiv(n, max(1, 256 // g)) * hkv >= sm_count:
+        return 256, 64, 8, 3
+    return 64, 64, 4, 3
+
+
 def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count: int) -> tuple[int, int]:
     """(num_splits, partition length): enough programs to fill the chip twice over, each partition a
     whole number of KV tiles."""
@@ -524,13 +544,9 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
                  cascade)
     if max_query_len <= 1:
         return out
-    wide = q.dtype == torch.float32 or d > 128
-    # Launch shape (ops/gpu/prefill_bench.py, docs/perf.md): for head_dim 128 in 16 bits, 256 query
-    # rows (64 tokens x a GQA group of 4) over 64-key tiles, 8 warps, 3 stages: 442 TFLOP/s causal
-    # at 32k on an H100 against 374 for 128 x 128 and 345 for torch's flash backend
-    big = not wide and block_d == 128
-    block_m = max(cfg.get("block_m", 256 if big else 32 if wide else 128), triton.next_power_of_2(g))
-    block_n = cfg.get("block_n", 32 if wide else 64)
+    shape = prefill_shape(n, g, hkv, q.dtype == torch.float32 or d > 128, block_d, _sm_count(q.device))
+    block_m = max(cfg.get("block_m", shape[0]), triton.next_power_of_2(g))
+    block_n = cfg.get("block_n", shape[1])
     tpt = block_m // g
     # one program per (KV head, query tile) that has work, plus at most one idle per sequence; the
     # one-token rows of a mixed step were the decode kernel's (MIN_Q=2 skips them here): a decode
@@ -539,7 +555,7 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     _PREFILL_LAUNCH.launch(grid,
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common, b,
         G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
-        DOT_PREC=dot_prec, MIN_Q=2, ASM_V=asm_v, num_warps=cfg.get("num_warps", 4 if block_d <= 64 else 8),
-        num_stages=cfg.get("num_stages", 2 if wide else 3),
+        DOT_PREC=dot_prec, MIN_Q=2, ASM_V=asm_v, num_warps=cfg.get("num_warps", shape[2]),
+        num_stages=cfg.get("num_stages", shape[3]),
     )
     return out

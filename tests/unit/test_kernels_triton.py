@@ -23,7 +23,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 from engine.kernels import _dispatch, activation, attention, kv_write, norm, rope  # noqa: E402
 from engine.kernels.sample import filter_ref, sample as sample_api, sample_ref  # noqa: E402
 from engine.kernels.activation_triton import silu_and_mul_triton  # noqa: E402
-from engine.kernels.attention_triton import decode_splits, paged_attention_triton  # noqa: E402
+from engine.kernels.attention_triton import decode_splits, paged_attention_triton, prefill_shape  # noqa: E402
 from engine.kernels.kv_write_triton import write_kv_triton  # noqa: E402
 from engine.kernels.norm_triton import rms_norm_triton  # noqa: E402
 from engine.kernels.rope_triton import apply_rope_triton  # noqa: E402
@@ -92,8 +92,13 @@ def test_paged_attention_prefill_and_mixed(dtype, block, lens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [32, 24])
-def test_a_long_prefill_reads_its_unmasked_tiles_and_its_band_alike(dtype, d):
+@pytest.mark.parametrize("d,lens", [(32, ([300, 130, 1, 77], [300, 400, 90, 333])),
+                                    (24, ([300, 130, 1, 77], [300, 400, 90, 333])),
+                                    # head_dim 128 in 16 bits: 256-row tiles for a big step, 64-row
+                                    # tiles for a few chunks (prefill_shape; 4 "SMs" here)
+                                    (128, ([300, 130, 1, 77], [300, 400, 90, 333])),
+                                    (128, ([20, 1, 9], [150, 30, 9]))])
+def test_a_long_prefill_reads_its_unmasked_tiles_and_its_band_alike(dtype, d, lens):
     """Long prompts and chunks deep in a context: most K/V tiles lie before every row of a query
     tile and take the unmasked path, the diagonal band and the ragged end the masked one; a head
     dim that is not a power of two masks every tile. Each query tile must see exactly the keys
@@ -101,7 +106,7 @@ def test_a_long_prefill_reads_its_unmasked_tiles_and_its_band_alike(dtype, d):
     torch.manual_seed(d)
     gen = torch.Generator().manual_seed(d)
     block, hq, hkv = 16, 8, 2
-    q_lens, seq_lens = [300, 130, 1, 77], [300, 400, 90, 333]  # prompt, deep chunk, decode, chunk
+    q_lens, seq_lens = lens  # prompt, deep chunk, decode, chunk
     pages = sum((s + block - 1) // block for s in seq_lens) + 2
     _, kc, vc = make_pool(pages, 2, block, hkv, d, dtype)
     tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
@@ -110,6 +115,19 @@ def test_a_long_prefill_reads_its_unmasked_tiles_and_its_band_alike(dtype, d):
     paged_attention_triton(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d), max(q_lens), max(seq_lens), out=out)
     ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d))
     assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_the_prefill_shape_fills_the_gpu_before_it_grows_its_tiles():
+    """Head_dim 128 in 16 bits: 256-row tiles (the fastest per FLOP) while their programs fill
+    the SMs, 64-row tiles for a step of a few hundred tokens (a deep chunk's few long programs
+    would leave SMs idle); other head dims and float32 keep their one shape. It depends on the
+    token count and the device alone (a mixed graph's bucket fixes it)."""
+    assert prefill_shape(4096, 4, 8, False, 128, 132) == (256, 64, 8, 3)
+    assert prefill_shape(17 * 64, 4, 8, False, 128, 132) == (256, 64, 8, 3)
+    assert prefill_shape(16 * 64, 4, 8, False, 128, 132) == (64, 64, 4, 3)  # 128 programs < 132 SMs
+    assert prefill_shape(460, 4, 8, False, 128, 132) == (64, 64, 4, 3)
+    assert prefill_shape(4096, 4, 8, True, 128, 132)[0] == 32
+    assert prefill_shape(4096, 3, 3, False, 64, 132) == (128, 64, 4, 3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

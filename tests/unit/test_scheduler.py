@@ -280,6 +280,33 @@ def test_beside_decodes_a_step_takes_the_decode_budget_and_a_new_prompt_is_not_s
     assert solo.schedule().seqs[0].num_tokens == 256
 
 
+def test_a_prompt_admitted_in_a_steps_last_tokens_finishes_before_a_long_prompts_next_chunk():
+    """Prompts already prefilling go fewest tokens first: a prompt admitted with part of its
+    tokens (the step had no more) gets the rest at the next step, where by arrival it came after
+    every older long prompt and waited for their whole prefills."""
+    a, step_budget = 0.004, 32
+    sched, alloc, runner = make(num_pages=400, block_size=4, max_num_batched_tokens=256, max_model_len=1024,
+                                attention_cost=a, decode_step_tokens=step_budget)
+    sched.add("dec", [3, 4, 5], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    out = sched.schedule()
+    sched.update(out, runner.run(sched, out))
+    sched.add("long", [1 + i % (VOCAB - 1) for i in range(400)], SamplingParams(temperature=0, max_tokens=2))
+    for _ in range(3):
+        out = sched.schedule()
+        sched.update(out, runner.run(sched, out))
+    sched.add("mid", [9] * 24, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    out = sched.schedule()
+    got = {x.req_id: x for x in out.seqs}
+    assert 0 < got["mid"].num_tokens < 24  # half the step kept for it, not all it needs
+    sched.update(out, runner.run(sched, out))
+    check_pages(sched, alloc)
+    out = sched.schedule()
+    got = {x.req_id: x for x in out.seqs}
+    assert got["mid"].sample and got["mid"].start_pos + got["mid"].num_tokens == 24  # the rest, first
+    sched.update(out, runner.run(sched, out))
+    check_pages(sched, alloc)
+
+
 def test_tokens_to_go_is_the_most_any_request_may_still_produce():
     """What the agent reads to drain the busy model nearest to idle: a waiting request counts its
     whole max_tokens, a running one what is left of it, each capped by the context; 0 when idle."""
