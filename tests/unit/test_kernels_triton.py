@@ -123,8 +123,8 @@ def test_the_prefill_shape_fills_the_gpu_before_it_grows_its_tiles():
     would leave SMs idle); other head dims and float32 keep their one shape. It depends on the
     token count and the device alone (a mixed graph's bucket fixes it)."""
     assert prefill_shape(4096, 4, 8, False, 128, 132) == (256, 64, 8, 3)
-    assert prefill_shape(17 * 64, 4, 8, False, 128, 132) == (256, 64, 8, 3)
-    assert prefill_shape(16 * 64, 4, 8, False, 128, 132) == (64, 64, 4, 3)  # 128 programs < 132 SMs
+    assert prefill_shape(13 * 64, 4, 8, False, 128, 132) == (256, 64, 8, 3)  # 104 programs: 3/4 of 132 SMs
+    assert prefill_shape(12 * 64, 4, 8, False, 128, 132) == (64, 64, 4, 3)  # 96
     assert prefill_shape(460, 4, 8, False, 128, 132) == (64, 64, 4, 3)
     assert prefill_shape(4096, 4, 8, True, 128, 132)[0] == 32
     assert prefill_shape(4096, 3, 3, False, 64, 132) == (128, 64, 4, 3)
