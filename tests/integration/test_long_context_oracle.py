@@ -3,8 +3,9 @@ engine path a long prompt takes — chunked prefill over the paged cache, 32k po
 
 The tiny Llama is given Llama 3.1's rope (theta 500000, llama3 scaling: factor 8 from 8,192) and
 a 32,768-token context, and made "sharp" (q/k projections x 20) so attention is peaked and a
-wrong angle at a far position moves the logits. The prompt runs as 2,048-token chunks (5 GB of float32 scores at 4,096), each
-reading the chunks before it from pages (what the scheduler does with a long prompt);
+wrong angle at a far position moves the logits. The prompt runs as 2,048-token chunks, each
+reading the chunks before it from pages (what the scheduler does with a long prompt; 4,096
+would take 5 GB of float32 scores on the reference path);
 transformers runs the same chunks over its own cache. Every position's logits must agree (seen:
 the engine with the scaling left out is 1.1 off from the first chunk on).
 """
