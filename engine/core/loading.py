@@ -371,6 +371,8 @@ class ModelLoader:
                 # lets it all go (nothing of it is booked any more).
                 model, kept = v.model, (v.generation, v.kv, v.runner) if v.runner is not None else None
                 v.model = v.kv = v.runner = None
+                if v.landing is not None:  # the unload's stash still reads these tensors
+                    v.landing.synchronize()
                 model.cfg = p.cfg  # what the files are read by (an FP8 checkpoint's layout)
                 ta = tb = time.perf_counter()
             else:
@@ -546,8 +548,8 @@ class ModelLoader:
         ledger (its weights and runner kept as a vacancy, booked as such, for the next load: the
         next load takes or drops it); the pool is trimmed when idle."""
         slot = self._slots.get(name)
-        stashed = slot.warm_key is not None and slot.model is not None and stash_weights(
-            self.warm_tier, slot.warm_key, slot.model)
+        stashed, landing = stash_weights(self.warm_tier, slot.warm_key, slot.model) if (
+            slot.warm_key is not None and slot.model is not None) else (False, None)
         if stashed and self.warmup and slot.needs is not None:
             # The workspace booked for it was measured (or carried over): a reload at this shape
             # books the same figure and skips the warm-up step.
@@ -561,7 +563,7 @@ class ModelLoader:
         kept = slot.needs is not None and slot.model is not None and self._pools.vacate(
             slot, workspace_key(slot.config, slot.info.quantization),
             self._workspace_shape(slot.max_num_seqs, slot.scheduler.config.max_model_len, slot.model.dtype,
-                                  slot.needs))
+                                  slot.needs), landing)
         slot.runner = slot.kv = slot.model = None
         del slot
         if not kept:

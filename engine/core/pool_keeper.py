@@ -222,11 +222,13 @@ class PoolKeeper:
         if trim:
             self.trim()
 
-    def vacate(self, slot: ModelSlot, compute_key: str, shape: str) -> bool:
+    def vacate(self, slot: ModelSlot, compute_key: str, shape: str, landing: Any = None) -> bool:
         """At an unload (the slot out of the model table, its requests aborted and settled): keep
         its weights and runner for the next load of ``compute_key`` at ``shape`` (engine/core/vacancy.py)
         and give back its pages; the slot's tensors move to the vacancy. False (nothing done) for
-        a model that has nothing to keep (no runner, or not on the pool: the caller releases it)."""
+        a model that has nothing to keep (no runner, or not on the pool: the caller releases it).
+        ``landing``: the event of the warm tier's copies from its weights still in flight (a load
+        into the vacancy waits for it)."""
         if slot.runner is None or slot.pages is None or slot.model is None or slot.name not in self.ledger:
             return False
         self._changed_at = time.monotonic()
@@ -245,7 +247,7 @@ class PoolKeeper:
         self.pool.unregister(slot.name)
         self.ledger.vacate(slot.name, book)
         self.vacancies.append(Vacancy(book, compute_key, shape, model, kv, runner, self.pool.generation,
-                                      slot.workspace_bytes))
+                                      slot.workspace_bytes, landing))
         if runner is None:
             self.ledger.record_workspace(book, 0)
         # No trim: the room stays booked for the next load, which claims the vacancy (its pool

@@ -59,3 +59,4 @@ class Vacancy:
     runner: Any  # the ModelRunner and its graphs (None once stale)
     generation: int  # the pool's generation the runner was built on
     workspace_bytes: int  # measured for this computation at this shape: the claimer books it
+    landing: Any = None  # the warm tier's copies from its weights, in flight (WarmTier.put_async)

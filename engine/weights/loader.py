@@ -212,16 +212,21 @@ def warm_key(name: str, model_dir: str | Path, quantization: str | None = None) 
     return "|".join(parts)
 
 
-def stash_weights(tier: WarmTier | None, key: str, model: torch.nn.Module) -> bool:
-    """At unload: keep a host copy of the model's weights in the warm tier (False: no tier or no room).
+def stash_weights(tier: WarmTier | None, key: str, model: torch.nn.Module) -> tuple[bool, torch.cuda.Event | None]:
+    """At unload: keep a host copy of the model's weights in the warm tier: (stored, the event of
+    its copies' landing, None when none is in flight). False: no tier or no room.
 
-    A copy already stored under ``key`` is kept as it is: the key names the files' identity and
-    the engine never writes weights, so the bytes are the same (a 16 GB re-copy costs seconds).
+    The copies are not waited for (:meth:`WarmTier.put_async`): whoever writes into the model's
+    tensors next waits for the event. A copy already stored under ``key`` is kept as it is: the
+    key names the files' identity and the engine never writes weights, so the bytes are the same
+    (a 16 GB re-copy costs seconds).
     """
     if tier is None:
-        return False
+        return False, None
     tensors = model_tensors(model)
-    return tier.keep(key, tensors) or tier.put(key, tensors)
+    if tier.keep(key, tensors):
+        return True, None
+    return tier.put_async(key, tensors)
 
 
 def load_or_restore(model: torch.nn.Module, model_dir: str | Path, tier: WarmTier | None = None,

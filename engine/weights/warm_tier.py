@@ -5,8 +5,10 @@
 pinned allocator is avoided because it rounds to powers of two and keeps freed blocks), evicting least-recently-used models until it fits;
 ``restore(name, dst)`` copies the packed bytes straight into the new device tensors on a few
 CUDA streams and returns when they have landed. A model bigger than the whole budget is refused
-(``put`` returns False) without evicting anything. Thread-safe (one lock); the copies run outside
-the lock only for ``restore``'s device transfers of an entry that is pinned against eviction.
+(``put`` returns False) without evicting anything. ``put_async`` returns before a device
+source's copies have landed (an unload's stash on the stepping thread), with their event: the
+entry is held until then. Thread-safe (one lock); the copies run outside the lock, for entries
+held against eviction.
 
 ``prepin()`` page-locks the whole budget once (a thread at start: ``prepin_async``); puts then take
 a range of that arena, from its first pinned piece on (a range lies inside the pinned prefix).
@@ -67,6 +69,7 @@ class _Entry:
     notes: dict[str, int] = field(default_factory=dict)
     arena_off: int | None = None  # where its buffer lies in the arena (None: a buffer of its own)
     dropped: bool = False  # out of the store while a restore still reads it: freed after that
+    landing: torch.cuda.Event | None = None  # a put's device-to-host copies still in flight (one user)
 
 
 class _Arena:
@@ -178,6 +181,8 @@ class WarmTier:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
         self.last_put_seconds: dict[str, float] = {}
         self._arena: _Arena | None = None
+        self._landing: list[_Entry] = []  # entries whose put's copies are in flight (see put_async)
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def prepin(self, wait_turn: Callable[[], None] = lambda: None) -> bool:
         """Allocate and page-lock the whole budget now, ``pin_chunk_bytes`` at a time, calling
@@ -243,6 +248,16 @@ class WarmTier:
         with self._lock:
             return name in self._entries
 
+    def _landed(self) -> None:
+        """(Lock held.) Entries whose put's copies have landed lose the put's hold: evictable,
+        readable, their arena range free once dropped."""
+        for e in [e for e in self._landing if e.landing is not None and e.landing.query()]:
+            self._landing.remove(e)
+            e.landing = None
+            e.users -= 1
+            if e.dropped and not e.users:
+                self._release(e)
+
     def _evict_for(self, need: int) -> bool:
         """Drop least recently used idle entries until ``need`` more bytes fit; False if impossible
         (then nothing is dropped)."""
@@ -291,20 +306,42 @@ class WarmTier:
             return True
 
     def put(self, name: str, tensors: dict[str, torch.Tensor]) -> bool:
-        """Store host copies of ``tensors`` (any device) under ``name``, replacing an older copy.
+        """Store host copies of ``tensors`` (any device) under ``name``, replacing an older copy,
+        and return once they have landed.
 
         Returns False, storing nothing and evicting nothing, when it cannot fit the budget or,
         with ``pin``, the part of the arena page-locked so far (:meth:`prepin`).
         """
+        stored, landing = self.put_async(name, tensors)
+        if landing is not None:
+            landing.synchronize()
+            with self._lock:
+                self._landed()
+        return stored
+
+    def put_async(self, name: str, tensors: dict[str, torch.Tensor]) -> tuple[bool, torch.cuda.Event | None]:
+        """:meth:`put` without waiting for device tensors' copies: (stored, the event of their
+        landing, None when nothing is in flight).
+
+        Why: an unload stashes on the stepping thread, and waiting there for an 8B's 16 GB to
+        cross PCIe held every model's steps ~0.3 s an unload (H100, docs/perf.md, the warm tier
+        at 9dac9ac). The copies run on the tier's own stream after the work queued before them;
+        each source tensor is marked used by that stream (``record_stream``), so memory freed
+        meanwhile is not handed out again before they have read it. Whoever writes into the
+        source tensors themselves (a load into the unloaded model's vacancy) waits for the
+        event first. Until it has landed the entry is held: not evicted, restores copy after it
+        (their streams wait for the event), :meth:`get` answers None.
+        """
         slots, total = _layout(tensors)
         with self._lock:
+            self._landed()
             if total > self.budget_bytes or (self.pin and (self._arena is None or total > self._arena.limit)):
-                return False  # over the budget, or over what is page-locked yet (see below)
+                return False, None  # over the budget, or over what is page-locked yet (see below)
             old = self._entries.pop(name, None)  # the new copy replaces it
             if not self._evict_for(total):
                 if old is not None:
                     self._entries[name] = old
-                return False
+                return False, None
             if old is not None:
                 self._release(old)
             off = self._carve(total)
@@ -313,22 +350,37 @@ class WarmTier:
                 # store nothing. A pageable copy on an unload's path took 15 s for an 8B on the
                 # H200 (the stepping thread waiting on it, every model's step with it); the
                 # model's next load reads its files instead (docs/perf.md, density warm at 187541c).
-                return False
+                return False, None
             # reserve the bytes now so a concurrent put cannot overshoot the budget
             entry = _Entry(torch.empty(0, dtype=torch.uint8), slots, total, users=1, arena_off=off)
             self._entries[name] = entry
+        landing = None
         try:
             t0 = time.perf_counter()
             # without an arena range (no pinning: a CPU engine) a pageable buffer of its own
             buf = self._arena.buf[off:off + total] if off is not None else torch.empty(total, dtype=torch.uint8)
             t1 = time.perf_counter()
-            for n, t in tensors.items():
-                s, src = slots[n], _bytes_of(t)
-                for a, b in self._pieces(off, s):
-                    buf[s.offset + a:s.offset + b].copy_(src[a:b], non_blocking=t.is_cuda)
-            if any(t.is_cuda for t in tensors.values()):  # the copies' stream, not the device (a capture may run)
-                torch.cuda.current_stream().synchronize()
-            # Where an unload's stash goes: the host buffer (allocation + page-locking) vs the copy.
+            srcs = {n: _bytes_of(t) for n, t in tensors.items()}
+            cuda = next((t.device for t in srcs.values() if t.is_cuda), None)
+            stream = None
+            if cuda is not None:
+                stream = self._copy_streams.get(cuda)
+                if stream is None:
+                    stream = self._copy_streams[cuda] = torch.cuda.Stream(device=cuda)
+                stream.wait_stream(torch.cuda.current_stream(cuda))  # after what wrote them
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for n, src in srcs.items():
+                    s = slots[n]
+                    for a, b in self._pieces(off, s):
+                        buf[s.offset + a:s.offset + b].copy_(src[a:b], non_blocking=src.is_cuda)
+            if stream is not None:
+                for src in srcs.values():
+                    if src.is_cuda:
+                        src.record_stream(stream)
+                landing = torch.cuda.Event()
+                landing.record(stream)
+            # Where an unload's stash goes: the host buffer (allocation + page-locking) vs issuing
+            # the copies (their landing is the event's).
             self.last_put_seconds = {"buffer_s": t1 - t0, "copy_s": time.perf_counter() - t1}
         except BaseException:
             with self._lock:
@@ -339,13 +391,18 @@ class WarmTier:
             raise
         with self._lock:
             entry.buffer = buf
-            entry.users = 0
-        return True
+            if landing is None:
+                entry.users = 0
+            else:  # the put's hold stays until the copies land (_landed)
+                entry.landing = landing
+                self._landing.append(entry)
+        return True, landing
 
     def get(self, name: str) -> dict[str, torch.Tensor] | None:
         """Host tensors (views of the stored buffer) of ``name``, marking it most recently used.
         Valid while ``name`` stays stored: with a pinned arena its range is reused once dropped."""
         with self._lock:
+            self._landed()
             e = self._entries.get(name)
             if e is None or e.users:
                 return None
@@ -381,6 +438,7 @@ class WarmTier:
         stays stored (and becomes most recently used): the caller discards it if it wants the RAM.
         """
         with self._lock:
+            self._landed()
             e = self._entries.get(name)
             if e is None:
                 return False
@@ -393,14 +451,20 @@ class WarmTier:
                     raise WarmTierError(f"restore of {name!r}: {n} is {tuple(t.shape)} {t.dtype}, stored "
                                         f"{s.shape} {s.dtype} (destination must be contiguous)")
             e.users += 1
+            landing = e.landing
             self._entries.move_to_end(name)
         try:
             cuda = [t for t in dst.values() if t.is_cuda]
             ss = [torch.cuda.Stream(device=cuda[0].device) for _ in range(max(1, streams))] if cuda else []
+            if landing is not None and not cuda:
+                landing.synchronize()  # a host destination reads the buffer now
             for st in ss:
                 # The destinations were allocated on the current stream and may reuse memory its
-                # queued kernels (another model's step) still read: copy only after those.
+                # queued kernels (another model's step) still read: copy only after those, and
+                # after the stored copy has landed.
                 st.wait_stream(torch.cuda.current_stream(cuda[0].device))
+                if landing is not None:
+                    st.wait_event(landing)
             for i, (n, t) in enumerate(dst.items()):
                 s = e.slots[n]
                 src, out = e.buffer[s.offset:s.offset + s.nbytes], _bytes_of(t)

@@ -47,3 +47,28 @@ def test_warm_tier_pinned_round_trip():
     assert tier.restore("m", dst)
     assert all(torch.equal(dst[k], w[k]) for k in w)
     assert tier.discard("m")
+
+
+def test_an_unloads_stash_returns_before_its_copies_land_and_nothing_reuses_what_they_read():
+    """put_async issues the device-to-host copies on the tier's stream and returns (an unload
+    does not wait ~0.3 s on the stepping thread for an 8B). Meanwhile the entry is held (get:
+    None), a restore copies only after the landing, and the source's memory — freed at once, as
+    an unload that keeps no vacancy frees it — is not handed to a new tensor (written at once on
+    the current stream) before the copies have read it."""
+    torch.manual_seed(0)
+    w = {f"t{i}": torch.randn(64 << 20, device="cuda", dtype=torch.bfloat16) for i in range(4)}  # 512 MiB
+    want = {k: v.cpu() for k, v in w.items()}
+    tier = WarmTier(1 << 30)
+    assert tier.prepin()
+    stored, landing = tier.put_async("m", w)
+    assert stored and landing is not None
+    assert tier.get("m") is None  # held while 512 MiB cross PCIe (tens of ms)
+    del w
+    junk = [torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    dst = {k: torch.empty(64 << 20, device="cuda", dtype=torch.bfloat16) for k in want}
+    assert tier.restore("m", dst)
+    assert all(torch.equal(dst[k].cpu(), want[k]) for k in want)
+    landing.synchronize()
+    got = tier.get("m")
+    assert got is not None and all(torch.equal(got[k], want[k]) for k in want)
+    del junk

@@ -19,7 +19,7 @@ def test_restore_from_the_warm_tier_gives_the_same_weights(make_tiny_model):
     ref = _model(d)
     load_weights(ref, d)
     tier = WarmTier(1 << 30, pin=False)
-    assert stash_weights(tier, "m", ref)
+    assert stash_weights(tier, "m", ref) == (True, None)  # a CPU model: nothing in flight
     m = _model(d)
     nbytes, source = load_or_restore(m, d, tier, "m")
     assert source == "warm" and nbytes == ref.nbytes
@@ -31,7 +31,7 @@ def test_files_are_read_without_a_stored_copy_or_after_a_mismatch(make_tiny_mode
     d, other = make_tiny_model("llama"), make_tiny_model("qwen3")
     assert load_or_restore(_model(d), d)[1] == "disk"
     tier = WarmTier(1 << 30, pin=False)
-    assert not stash_weights(None, "m", _model(d))
+    assert stash_weights(None, "m", _model(d)) == (False, None)
     src = _model(other)
     load_weights(src, other)
     stash_weights(tier, "m", src)  # a different model under the same key: shapes differ
