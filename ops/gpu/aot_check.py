@@ -52,35 +52,46 @@ def attn_types(dt: str) -> dict:
     return t
 
 
+def spill_bound(name: str) -> int:
+    """The stack bytes a thread a served kernel may use. 16: a frame, not a spill loop. The
+    256-row prefill tile spills (176 bytes in bf16, 120 over an e4m3 cache, at triton 3.9) and is
+    still the fastest shape by 15 %: 442 TFLOP/s causal at 32k against 374 for the spill-free
+    128 x 128 (H100, docs/perf.md 2026-12-06); bounded so that growth shows."""
+    return 320 if name.startswith("prefill") and "256-row" in name else 16
+
+
 def specs() -> list[tuple[str, object, dict, dict, dict]]:
     """(name, kernel, arg types, constexprs, launch options)."""
     out = []
     for dt, prec in (("*bf16", "tf32"), ("*fp32", "ieee")):
         for g, hq, d in ((4, 32, 128), (7, 28, 128), (2, 4, 64)):
             bd = triton.next_power_of_2(d)
-            bn = 32 if dt == "*fp32" else 64  # the launch shapes paged_attention_triton picks
-            bm = max(32 if dt == "*fp32" else 64, triton.next_power_of_2(g))
+            bn = 32 if dt == "*fp32" else 64  # the launch shape paged_attention_triton picks
             for single in (True, False):
                 out.append((f"decode {dt[1:]} G={g} D={d} single={single}", att._decode_kernel, attn_types(dt),
                             dict(HQ=hq, G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_G=max(16, triton.next_power_of_2(g)),
                                  BLOCK_N=bn, SINGLE=single, DOT_PREC=prec, ASM_V=False, CS=att.CASCADE_SPLITS,
                                  CASC=False),
                             dict(num_warps=4, num_stages=2)))
-            pm = max(32 if dt == "*fp32" else 256 if bd == 128 else 128, triton.next_power_of_2(g))
-            out.append((f"prefill {dt[1:]} G={g} D={d}", att._prefill_kernel, attn_types(dt),
-                        dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=bn, TPT=pm // g, DOT_PREC=prec,
-                             MIN_Q=2, ASM_V=False),
-                        dict(num_warps=8 if bd > 64 else 4, num_stages=2 if dt == "*fp32" else 3)))
+            # the launch shapes prefill_shape picks: a big step's, and a few chunks'
+            for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, g, hq // g, dt == "*fp32", bd, 132)
+                                                       for n in (4096, 256)):
+                pm = max(pm, triton.next_power_of_2(g))
+                out.append((f"prefill {dt[1:]} G={g} D={d} {pm}-row", att._prefill_kernel, attn_types(dt),
+                            dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // g,
+                                 DOT_PREC=prec, MIN_Q=2, ASM_V=False),
+                            dict(num_warps=warps, num_stages=stages)))
         if dt == "*fp32":
             break
     fp8_kv = {**attn_types("*bf16"), "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
     out.append(("decode fp8-kv G=4 D=128", att._decode_kernel, fp8_kv,
                 dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=False,
                      DOT_PREC="tf32", ASM_V=True, CS=att.CASCADE_SPLITS, CASC=False), dict(num_warps=4, num_stages=2)))
-    out.append(("prefill fp8-kv G=4 D=128", att._prefill_kernel, fp8_kv,
-                dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=256, BLOCK_N=64, TPT=64, DOT_PREC="tf32", MIN_Q=2,
-                     ASM_V=True),
-                dict(num_warps=8, num_stages=3)))
+    for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, 4, 8, False, 128, 132) for n in (4096, 256)):
+        out.append((f"prefill fp8-kv G=4 D=128 {pm}-row", att._prefill_kernel, fp8_kv,
+                    dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // 4, DOT_PREC="tf32",
+                         MIN_Q=2, ASM_V=True),
+                    dict(num_warps=warps, num_stages=stages)))
     for single in (True, False):
         out.append((f"decode bf16 G=4 D=128 single={single} cascade", att._decode_kernel, attn_types("*bf16"),
                     dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=single,
@@ -200,8 +211,7 @@ def main() -> int:
     for name, kernel, types, consts, opts in specs():
         try:
             r = compile_one(kernel, types, consts, opts, args.arch)
-            # a word or two of stack is a frame, not a spill loop; float32 is a test path
-            r["ok"] = (r.get("stack") or 0) <= 16 or "fp32" in name
+            r["ok"] = (r.get("stack") or 0) <= spill_bound(name) or "fp32" in name  # float32: a test path
         except Exception as e:  # report every kernel, not just the first failure
             r = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
         r["kernel"] = name
@@ -212,7 +222,9 @@ def main() -> int:
         rows.append(r)
         print(f"{name:40s} " + (f"regs {r['reg']:>3} stack {r['stack']:>4} shared {r['shared']:>6} "
                                 f"cp.async16 {r['cp_async_16B']:>3} pdl {r['griddep_wait']} ld.b8 {r['ld_shared_b8']:>3}" if "error" not in r else r["error"])
-              + ("" if r["ok"] else "  <-- FAIL") + ("  (spills: fp32 test path)" if r["ok"] and r.get("stack") else ""),
+              + ("" if r["ok"] else "  <-- FAIL")
+              + (f"  (spills: {'fp32 test path' if 'fp32' in name else 'bounded, see spill_bound'})"
+                 if r["ok"] and (r.get("stack") or 0) > 16 else ""),
               flush=True)
     if args.json:
         args.json.write_text(json.dumps({"arch": args.arch, "triton": triton.__version__, "rows": rows}, indent=2))
