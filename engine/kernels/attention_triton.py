@@ -7,11 +7,13 @@ and any page stride (a page of a multi-layer pool) work, and nothing is assumed 
 head_dim. An e4m3 cache (``kv_cache_dtype="fp8"``) is widened tile by tile as it loads, to float16
 (:func:`_dot_dtype_q`).
 
-- ``_prefill_kernel`` (the queries longer than 1 of any step that has one): grid (cdiv(N, TPT) + B, Hkv), each
-  program finding its (sequence, query tile) by a binary search over query_start_loc. A tile's
-  BLOCK_M rows are (token, head-of-the-GQA-group) pairs, so the group's heads share each K/V tile
-  read. Online softmax in base 2, causal mask from the absolute positions (chunked prefill and
-  prefix hits: the first ``seq_len - q_len`` positions are cached context).
+- ``_prefill_kernel`` (the queries longer than 1 of any step that has one): grid (Hkv, cdiv(N, TPT) + B), each
+  program finding its (sequence, query tile) by a binary search over query_start_loc, a
+  sequence's last tile first. A tile's BLOCK_M rows are (token, head-of-the-GQA-group) pairs, so
+  the group's heads share each K/V tile read. Online softmax in base 2, causal mask from the
+  absolute positions (chunked prefill and prefix hits: the first ``seq_len - q_len`` positions
+  are cached context), applied only on the diagonal band (:func:`_prefill_tile`); the launch
+  shape by :func:`prefill_shape`.
 - ``_decode_kernel`` (every one-token query, in decode and mixed steps alike): flash-decoding. grid (B, Hkv, splits); each
   program reads one partition of the context once for all G heads of its KV head and writes a
   partial (normalised output, log2-sum-exp); ``_reduce_kernel`` merges the splits. The split count
