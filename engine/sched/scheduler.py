@@ -3,8 +3,7 @@
 Each :meth:`Scheduler.schedule` call fills one step under ``max_num_batched_tokens``:
 
 1. running sequences that are decoding (one token each), oldest first;
-2. running sequences still prefilling, one chunk each (at most ``max_prefill_chunk`` tokens),
-   the fewest tokens to go first;
+2. running sequences still prefilling, one chunk each (at most ``max_prefill_chunk`` tokens);
 3. waiting sequences, admitted in order while pages, budget and ``max_num_seqs`` allow.
 
 So a long prompt is split across steps and shares them with decodes (chunked prefill). While a
@@ -18,9 +17,12 @@ decodes' pace and new prompts' turn:
   of its step ~4x as long as one at the start, for an 8B: ``engine.config.attention_pair_cost``);
 - the budget is ``decode_step_tokens``, not ``max_num_batched_tokens``: a running request's time
   per token is one such step, whatever prompts are prefilling beside it;
-- prompts already prefilling take at most half of it while a prompt waits to be admitted: a
-  long prompt's chunks would otherwise take the whole budget each step, leaving a new short
-  prompt the rounding's crumbs (its first token a dozen steps late).
+- prompts already prefilling leave a waiting prompt what admitting it whole costs, up to half
+  of it: a long prompt's chunks would otherwise take the whole budget each step, leaving a new
+  short prompt the rounding's crumbs (its first token a dozen steps late); and one of them
+  whose rest fits in half of what they may take goes first (a prompt admitted in part
+  finishes at the next step), the others in arrival order (no long prompt starves);
+- decodes never take the whole of it: prompts keep at least a quarter.
 
 Alone, a prompt takes whole ``max_num_batched_tokens`` steps. With a
 prefix index on the block manager, an admission first looks its leading full blocks up and
@@ -273,21 +275,30 @@ class Scheduler:
                 budget -= 1
 
         # While a decode (or another model) waits for this step: chunks by their work, the
-        # decode step's budget, and half of it kept for a waiting prompt.
+        # decode step's budget, and room kept for a waiting prompt.
         waits = bool(decodes) or token_cap is not None
         costed = self.config.attention_cost > 0 and waits
         if decodes and cfg.decode_step_tokens is not None:
-            budget = min(budget, max(0, cfg.decode_step_tokens - len(decodes)))
+            rows = sum(1 for i in decodes if i in planned)  # (less those preempted since)
+            # never all of it to decodes: prompts still move when the decodes alone fill it
+            budget = min(budget, max(cfg.decode_step_tokens - rows, cfg.decode_step_tokens // 4))
         share = budget
-        if waits and self.waiting and len(self.running) < cfg.max_num_seqs:
-            share = (budget + 1) // 2
+        if waits and self.waiting and len(self.running) < cfg.max_num_seqs and not self.waiting[0].num_inflight:
+            head = self.waiting[0]  # what admitting it whole costs, up to half the step
+            need = self._chunk(head.num_computed_tokens, head.num_uncomputed_tokens, budget, costed)[1]
+            share = budget - min(need, budget // 2)
 
-        # 2. running sequences still prefilling (chunked prefill continues), the fewest tokens to
-        # go first: a short prompt admitted in a step's last tokens finishes before the long
-        # prompts' chunks take the step (by arrival, it waited for all of them: 36 s behind
-        # eight 32k prompts on the H100)
-        if len(prefilling) > 1:
-            prefilling.sort(key=lambda s: s.num_uncomputed_tokens)
+        # 2. running sequences still prefilling (chunked prefill continues), in arrival order;
+        # but one whose rest fits in half of their share goes first: a prompt admitted in a
+        # step's last tokens finishes at the next step, where behind the older long prompts'
+        # chunks it waited for their whole prefills (36 s behind eight 32k prompts on the H100),
+        # and the oldest still gets half
+        if waits and len(prefilling) > 1:
+            quick = min(prefilling, key=lambda s: s.num_uncomputed_tokens)
+            if self._chunk(quick.num_computed_tokens, quick.num_uncomputed_tokens, share // 2,
+                           costed)[0] == quick.num_uncomputed_tokens:
+                prefilling.remove(quick)
+                prefilling.insert(0, quick)
         for seq in prefilling:
             if budget < 1 or share < 1:
                 break
