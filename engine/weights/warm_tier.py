@@ -330,9 +330,17 @@ class WarmTier:
         meanwhile is not handed out again before they have read it. Whoever writes into the
         source tensors themselves (a load into the unloaded model's vacancy) waits for the
         event first. Until it has landed the entry is held: not evicted, restores copy after it
-        (their streams wait for the event), :meth:`get` answers None.
+        (their streams wait for the event), :meth:`get` answers None. A put waits for the copies
+        of the puts before it (two unloads in a row): an entry in flight can neither be evicted
+        for it nor give back its range yet, and the second stash refused would send its model's
+        reload to the files.
         """
         slots, total = _layout(tensors)
+        with self._lock:
+            self._landed()
+            before = [e.landing for e in self._landing]
+        for ev in before:
+            ev.synchronize()
         with self._lock:
             self._landed()
             if total > self.budget_bytes or (self.pin and (self._arena is None or total > self._arena.limit)):
@@ -354,7 +362,7 @@ class WarmTier:
             # reserve the bytes now so a concurrent put cannot overshoot the budget
             entry = _Entry(torch.empty(0, dtype=torch.uint8), slots, total, users=1, arena_off=off)
             self._entries[name] = entry
-        landing = None
+        landing, stream = None, None
         try:
             t0 = time.perf_counter()
             # without an arena range (no pinning: a CPU engine) a pageable buffer of its own
@@ -362,7 +370,6 @@ class WarmTier:
             t1 = time.perf_counter()
             srcs = {n: _bytes_of(t) for n, t in tensors.items()}
             cuda = next((t.device for t in srcs.values() if t.is_cuda), None)
-            stream = None
             if cuda is not None:
                 stream = self._copy_streams.get(cuda)
                 if stream is None:
@@ -383,6 +390,8 @@ class WarmTier:
             # the copies (their landing is the event's).
             self.last_put_seconds = {"buffer_s": t1 - t0, "copy_s": time.perf_counter() - t1}
         except BaseException:
+            if stream is not None:
+                stream.synchronize()  # copies already issued still write into its range
             with self._lock:
                 entry.users = 0
                 if self._entries.get(name) is entry:
