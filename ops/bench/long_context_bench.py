@@ -137,8 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short-out", type=int, default=128)
     ap.add_argument("--short-lead-s", type=float, default=3.0, help="the short stream alone before the long prompts")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decode-step-tokens", type=int,
+                    help="the started agent's [engine] decode_step_tokens (default: the daemon's)")
     ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-long-context-<model>-<commit>.json)")
     a = ap.parse_args(argv)
+    if a.decode_step_tokens is not None and (a.url or a.decode_step_tokens < 1):
+        ap.error("--decode-step-tokens is a setting of the started agent: >= 1, and not with --url")
     a.phases = {p.strip() for p in a.phases.split(",") if p.strip()}
     if not a.phases or a.phases - {"single", "mixed"}:
         ap.error("--phases takes single, mixed or both")
@@ -168,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     commit = _commit()
     report = {"date": now.isoformat(timespec="seconds"), "gpu": device if "cuda" in str(device) else f"none ({device})",
               "commit": commit, "command": "python -m ops.bench.long_context_bench " + shlex.join(argv or sys.argv[1:]),
-              "model": model, "max_model_len": a.max_model_len, **result}
+              "model": model, "max_model_len": a.max_model_len, "decode_step_tokens": a.decode_step_tokens,
+              **result}
     save_result(report, a.out, f"{now:%Y%m%d-%H%M}-long-context-{model}-{commit}")
     bad = any("error" in r for r in report.get("single", [])) or (report.get("mixed") or {}).get("errors", 0)
     return 1 if bad else 0

@@ -272,6 +272,7 @@ def prepare_agent(args: argparse.Namespace, root: Path, warm_tier_bytes: str = "
         f'max_num_seqs = {args.max_num_seqs}\n'
         + (f'quantization = "{q}"\n' if (q := getattr(args, "quantization", "none")) != "none" else "")
         + (f'kv_cache_dtype = "{kv}"\n' if (kv := getattr(args, "kv_cache_dtype", "auto")) != "auto" else "")
+        + (f'\n[engine]\ndecode_step_tokens = {dst}\n' if (dst := getattr(args, "decode_step_tokens", None)) else "")
     )
     return cfg, port, name, token
 

@@ -5,7 +5,9 @@
 # daemon: ops/bench/long_context_bench.py on the 8B (TTFT at 8k-120k; eight 32k prompts beside a
 # c64 short stream); c200: the sharegpt-like daemon bench at concurrency 200 in this tree, with 10 %
 # penalised requests, and in the tree at $OLD (the "not below" check); old-daemon: the long-context
-# bench in $OLD; tests: tests/gpu (the kernel files first).
+# bench in $OLD; steps: the mixed phase alone at each of $STEPS (decode_step_tokens; default
+# "512 768 1024"): the decodes' TPOT against the long prompts' TTFT; tests: tests/gpu (the kernel
+# files first).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=${M8B:-/tmp/m8b}
@@ -32,6 +34,11 @@ for phase in "$@"; do
     old-daemon) model; in_tree "${OLD:?set OLD}" timeout 240 python3 -m ops.bench.long_context_bench --model-dir "$M" \
                   --device cuda --max-model-len 131072 --out "$OUT/lc_old.json" > "$OUT/lc_old.txt" 2>&1
                 echo "old-daemon rc=$?" >> "$OUT/runs.txt"; stop ;;
+    steps) model; for b in ${STEPS:-512 768 1024}; do
+             timeout 200 python3 -m ops.bench.long_context_bench --model-dir "$M" --device cuda --max-model-len 131072 \
+               --phases mixed --decode-step-tokens "$b" --out "$OUT/lc_mixed_$b.json" > "$OUT/lc_mixed_$b.txt" 2>&1
+             echo "steps $b rc=$?" >> "$OUT/runs.txt"; stop
+           done ;;
     c200) serve plain 0; serve penalised10 0.1; serve plain_old 0 "${OLD:?set OLD}" ;;
     tests) timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py tests/gpu \
              > "$OUT/tests_gpu.txt" 2>&1; echo "tests rc=$?" >> "$OUT/runs.txt" ;;

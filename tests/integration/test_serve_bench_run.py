@@ -34,11 +34,11 @@ def test_long_context_bench_runs_against_a_real_daemon(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "ops.bench.long_context_bench", "--preset", "tiny", "--device", "cpu",
                         "--lengths", "64,128", "--long-len", "96", "--long-n", "2", "--short-concurrency", "2",
                         "--short-len", "16", "--short-out", "8", "--out-tokens", "8", "--max-model-len", "256",
-                        "--short-lead-s", "0.5", "--out", str(out)],
+                        "--short-lead-s", "0.5", "--decode-step-tokens", "32", "--out", str(out)],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     report = json.loads(out.read_text())
-    assert [row["prompt"] for row in report["single"]] == [64, 128]
+    assert [row["prompt"] for row in report["single"]] == [64, 128] and report["decode_step_tokens"] == 32
     assert all(row["prefill_tok_s"] > 0 and row["out"] == 8 for row in report["single"])
     mixed = report["mixed"]
     assert mixed["errors"] == 0 and mixed["long_ttft_ms_max"] > 0 and mixed["short_requests_in_window"] >= 1
