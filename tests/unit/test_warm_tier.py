@@ -112,6 +112,54 @@ def test_arena_range_of_an_entry_being_restored_is_not_reused_until_it_ends():
     assert all(torch.equal(tier.get("c")[k], model(8)[k]) for k in m)
 
 
+class _Landing:
+    """Stands for the CUDA event of a device put's copies (put_async) on this CPU box."""
+
+    def __init__(self) -> None:
+        self.done, self.waits = False, 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.done = True
+
+
+def _in_flight(tier: WarmTier, name: str) -> _Landing:
+    """Leave ``name`` as put_async leaves a device put: held by the put until its event lands."""
+    ev = _Landing()
+    with tier._lock:
+        e = tier._entries[name]
+        e.users += 1
+        e.landing = ev
+        tier._landing.append(e)
+    return ev
+
+
+def test_an_entry_whose_copies_are_in_flight_is_held_until_they_land():
+    """Until a device put's copies land the entry is neither read (get: None) nor evicted, its
+    range stays taken even once dropped, a restore waits for the landing, and the next put
+    waits for it first (else, the entry neither evictable nor its range free, it was refused)."""
+    m = model(6)
+    tier = WarmTier(2 * nbytes(m), pin=False)
+    tier.prepin()
+    assert tier.put("a", m) and tier.put("b", model(7))
+    ev = _in_flight(tier, "a")
+    assert tier.get("a") is None and tier._entries["a"].users == 1
+    dst = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in m.items()}
+    assert tier.restore("a", dst) and ev.waits == 1  # a host destination waits for the landing
+    assert all(torch.equal(dst[k], m[k]) for k in m)
+    assert tier.get("a") is not None and tier._landing == []  # landed: the put's hold is gone
+    ev = _in_flight(tier, "a")
+    assert tier.discard("a") and tier._arena.free == []  # dropped, its range still being written
+    ev.done = True
+    assert tier.put("c", model(8)) and tier._arena.free == [] and tier.models() == ["b", "c"]
+    ev2 = _in_flight(tier, "b")
+    assert tier.put("d", model(9)) and ev2.waits == 1  # waited for b's copies, then evicted it
+    assert tier.models() == ["c", "d"] and tier._landing == []
+
+
 def test_an_entry_being_restored_is_kept_and_restored_again_without_a_copy():
     """An unload while a restore of the same entry reads it keeps the entry as it is (no second
     copy on the unload's path), and a second restore reads it beside the first."""
