@@ -3,26 +3,32 @@
 Each :meth:`Scheduler.schedule` call fills one step under ``max_num_batched_tokens``:
 
 1. running sequences that are decoding (one token each), oldest first;
-2. running sequences still prefilling, one chunk each (at most ``max_prefill_chunk`` tokens);
-3. waiting sequences, admitted in order while pages, budget and ``max_num_seqs`` allow.
+2. running sequences still prefilling, one chunk each (at most ``max_prefill_chunk`` tokens):
+   the one with the fewest tokens to go first, with at most half of what they may take (a
+   prompt admitted in part finishes in a step or two), the others in arrival order (the oldest
+   keeps the other half: no long prompt starves); only a step's first chunk may take its one
+   token over what it is allowed (a token deep in a long prompt can cost more than a step);
+3. waiting sequences, admitted in order while pages, budget and ``max_num_seqs`` allow;
+4. what the admissions left of the room kept for them (below) back to the prompts prefilling,
+   from free pages only.
 
-So a long prompt is split across steps and shares them with decodes (chunked prefill). While a
-step carries decodes (or the engine caps it: other models wait for it), three rules keep the
-decodes' pace and new prompts' turn:
+So a long prompt is split across steps and shares them with decodes (chunked prefill). Rules
+that keep decodes at their pace and new prompts in their turn:
 
-- a chunk is costed by its work, not its token count: each of its tokens also attends to every
-  token before it, so a chunk of ``n`` tokens from position ``s`` costs
+- while a step carries decodes (or the engine caps it: other models wait for it) a chunk is
+  costed by its work, not its token count: each of its tokens also attends to every token
+  before it, so a chunk of ``n`` tokens from position ``s`` costs
   ``n + attention_cost * n * (s + (n + 1) / 2)`` of the budget, and chunks shrink as a long
   prompt goes deeper (counted by tokens, a 4,096-token chunk 100k tokens deep held every decode
   of its step ~4x as long as one at the start, for an 8B: ``engine.config.attention_pair_cost``);
-- the budget is ``decode_step_tokens``, not ``max_num_batched_tokens``: a running request's time
-  per token is one such step, whatever prompts are prefilling beside it;
-- prompts already prefilling leave a waiting prompt what admitting it whole costs, up to half
-  of it: a long prompt's chunks would otherwise take the whole budget each step, leaving a new
-  short prompt the rounding's crumbs (its first token a dozen steps late); and one of them
-  whose rest fits in half of what they may take goes first (a prompt admitted in part
-  finishes at the next step), the others in arrival order (no long prompt starves);
-- decodes never take the whole of it: prompts keep at least a quarter.
+- beside decodes the budget is ``decode_step_tokens``, not ``max_num_batched_tokens`` (a running
+  request's time per token is one such step), of which decodes leave prompts at least a quarter;
+- the prompts prefilling leave the waiting prompt at the head of the queue what admitting it
+  whole costs, up to half the step: else a long prompt's chunks took the whole budget each
+  step and a new short prompt was admitted in the rounding's crumbs, its first token a dozen
+  steps late. For a prompt over half a step only while decodes wait: with none, long prompts
+  prefill one after another (one started beside another only slows it and takes the pages the
+  prompts behind them need).
 
 Alone, a prompt takes whole ``max_num_batched_tokens`` steps. With a
 prefix index on the block manager, an admission first looks its leading full blocks up and
@@ -274,8 +280,8 @@ class Scheduler:
                 decodes.add(seq.seq_id)
                 budget -= 1
 
-        # While a decode (or another model) waits for this step: chunks by their work, the
-        # decode step's budget, and room kept for a waiting prompt.
+        # While a decode (or another model) waits for this step: chunks by their work and the
+        # decode step's budget. While a prompt waits to be admitted: room kept for it.
         waits = bool(decodes) or token_cap is not None
         costed = self.config.attention_cost > 0 and waits
         if decodes and cfg.decode_step_tokens is not None:
@@ -283,33 +289,44 @@ class Scheduler:
             # never all of it to decodes: prompts still move when the decodes alone fill it
             budget = min(budget, max(cfg.decode_step_tokens - rows, cfg.decode_step_tokens // 4))
         share = budget
-        if waits and self.waiting and len(self.running) < cfg.max_num_seqs and not self.waiting[0].num_inflight:
-            head = self.waiting[0]  # what admitting it whole costs, up to half the step
-            need = self._chunk(head.num_computed_tokens, head.num_uncomputed_tokens, budget, costed)[1]
-            share = budget - min(need, budget // 2)
+        kept = 0  # of it, for the waiting prompt
+        if self.waiting and len(self.running) < cfg.max_num_seqs and not self.waiting[0].num_inflight:
+            # what admitting it whole costs, up to half the step (its prefix-cache hits unknown
+            # yet: step 4 gives back what it did not use); for a prompt over half a step only
+            # while decodes wait (alone, the long prompts prefill one after another: started
+            # beside them it only slows them and takes the pages the prompts behind it need)
+            head = self.waiting[0]
+            need = self._chunk(head.num_computed_tokens, min(head.num_uncomputed_tokens, chunk_cap), budget, costed)[1]
+            if waits or need <= budget // 2:
+                kept = min(need, budget // 2)
+                share = budget - kept
 
-        # 2. running sequences still prefilling (chunked prefill continues), in arrival order;
-        # but one whose rest fits in half of their share goes first: a prompt admitted in a
-        # step's last tokens finishes at the next step, where behind the older long prompts'
-        # chunks it waited for their whole prefills (36 s behind eight 32k prompts on the H100),
-        # and the oldest still gets half
-        if waits and len(prefilling) > 1:
+        # 2. running sequences still prefilling (chunked prefill continues), in arrival order,
+        # but the one with the fewest tokens to go first with at most half of their share: a
+        # prompt admitted in a step's last tokens finishes in a step or two, where behind the
+        # older long prompts' chunks it waited for their whole prefills (36 s behind eight 32k
+        # prompts on the H100), and the oldest still gets the other half. Only the first chunk
+        # may overrun what it is allowed (a token deep in a long prompt can cost more than a step).
+        quick = None
+        if len(prefilling) > 1:
             quick = min(prefilling, key=lambda s: s.num_uncomputed_tokens)
-            if self._chunk(quick.num_computed_tokens, quick.num_uncomputed_tokens, share // 2,
-                           costed)[0] == quick.num_uncomputed_tokens:
-                prefilling.remove(quick)
-                prefilling.insert(0, quick)
+            prefilling.remove(quick)
+            prefilling.insert(0, quick)
+        first = True
         for seq in prefilling:
             if budget < 1 or share < 1:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            n, cost = self._chunk(seq.num_computed_tokens, min(seq.num_uncomputed_tokens, chunk_cap),
-                                  min(budget, share), costed)
+            allowed = min(budget, max(1, share // 2) if seq is quick else share)
+            n, cost = self._chunk(seq.num_computed_tokens, min(seq.num_uncomputed_tokens, chunk_cap), allowed, costed)
+            if cost > allowed and not first:
+                continue
             if reserve(seq, n):
                 planned[seq.seq_id] = (seq, n)
                 budget -= cost
                 share -= cost
+                first = False
 
         # 3. admissions; a sequence preempted in this very step waits for the next one.
         blocks, prefix, bs = self.blocks, self.blocks.prefix, self.blocks.block_size
@@ -345,6 +362,25 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             planned[seq.seq_id] = (seq, n)
             budget -= cost
+
+        # 4. what the admissions left (a waiting prompt that needed less than was kept for it, hit
+        # the prefix cache, or could not be admitted) goes back to the prompts prefilling, from
+        # free pages only (never by preempting what was just admitted)
+        if kept:
+            for seq in prefilling:
+                if budget < 1:
+                    break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                done = planned[seq.seq_id][1] if seq.seq_id in planned else 0
+                rest = min(seq.num_uncomputed_tokens, chunk_cap) - done
+                if rest < 1:
+                    continue
+                n, cost = self._chunk(seq.num_computed_tokens + done, rest, budget, costed)
+                if cost > budget or not self.blocks.ensure_capacity(seq.seq_id, seq.num_computed_tokens + done + n):
+                    break
+                planned[seq.seq_id] = (seq, done + n)
+                budget -= cost
 
         # Entries in planning order, which puts loop 1's decodes first.
         out = SchedulerOutput(preempted_req_ids=[s.req_id for s in preempted])

@@ -449,7 +449,7 @@ class WarmTier:
         with self._lock:
             self._landed()
             e = self._entries.get(name)
-            if e is None:
+            if e is None or e.buffer.numel() < e.nbytes:  # (a put on another thread still issuing its copies)
                 return False
             if set(dst) != set(e.slots):
                 missing = sorted(set(e.slots) ^ set(dst))[:3]

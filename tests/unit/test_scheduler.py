@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.sched.block_manager import BlockManager, PageAllocator
+from engine.sched.prefix_index import PrefixIndex
 from engine.sampling import SamplingParams
 from engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError, SchedulerOutput
 from engine.sched.sequence import FinishReason, SequenceStatus
@@ -352,6 +353,73 @@ def test_neither_decodes_nor_short_prompts_starve_the_others():
     got = {x.req_id: x for x in out.seqs}
     used = sum(x.num_tokens + a * x.num_tokens * (x.start_pos + (x.num_tokens + 1) / 2) for x in out.seqs)
     assert got["tiny"].num_tokens == 2 and used > step_budget - 2  # the step used, not half of it
+
+
+def test_a_part_admitted_prompt_and_the_oldest_share_the_prefill_and_nothing_is_left_unused():
+    """The prompt with the fewest tokens to go takes at most half of what the prefilling prompts
+    may: a prompt over half a step (no room is kept for it), admitted in the crumbs a long
+    prompt's chunk leaves, finishes in a few steps while the oldest keeps the other half. And
+    what a waiting prompt was kept but did not use (its prompt found in the prefix cache) goes
+    back to the prompts prefilling in the same step."""
+    a, step_budget = 0.004, 32
+    alloc = PageAllocator(600)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_model_len=1024, eos_token_ids=(EOS,),
+                                      attention_cost=a, decode_step_tokens=step_budget),
+                      BlockManager(4, alloc, PrefixIndex("m")))
+    runner = FakeRunner(600, 4)
+
+    def cost(x):
+        return x.num_tokens + a * x.num_tokens * (x.start_pos + (x.num_tokens + 1) / 2)
+
+    def step():
+        out = sched.schedule()
+        sched.update(out, runner.run(sched, out))
+        check_pages(sched, alloc)
+        return {x.req_id: x for x in out.seqs}
+
+    chat = [1 + i % 50 for i in range(64)]
+    sched.add("chat", chat, SamplingParams(temperature=0, max_tokens=1))
+    sched.add("dec", [3, 4, 5], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    step()
+    sched.add("long", [100 + i % 50 for i in range(400)], SamplingParams(temperature=0, max_tokens=1))
+    step()
+    sched.add("mid", [9] * 40, SamplingParams(temperature=0, max_tokens=1))  # over half a step: no room kept
+    for n in range(1, 8):
+        got = step()
+        if "mid" in got and got["mid"].sample:
+            break
+        if "mid" in got and got["mid"].start_pos > 0:  # prefilling beside the long one: half each at most
+            assert cost(got["mid"]) <= (step_budget - 1) // 2 + 1 and cost(got["long"]) >= (step_budget - 1) // 2 - 2
+    assert got["mid"].sample and n <= 5, n  # in a few steps, not after the long prompt's whole prefill
+    sched.add("chat2", chat + [7, 8], SamplingParams(temperature=0, max_tokens=1))
+    got = step()
+    assert got["chat2"].start_pos == 64 and got["chat2"].sample  # 64 tokens from the cache
+    assert 1 + cost(got["long"]) + cost(got["chat2"]) > step_budget - 4  # the step used (to a token deep in it)
+
+
+
+def test_only_a_steps_first_chunk_may_overrun_its_allowance():
+    """A chunk always moves a prompt by a token, even one costing more than the step has left
+    (deep in a long prompt) — the step's first chunk only: a second long prompt's token taken
+    over its allowance came out of the room kept for a waiting prompt, admitted then in part."""
+    a, step_budget = 0.02, 32
+    sched, alloc, runner = make(num_pages=1200, block_size=4, max_num_batched_tokens=256, max_model_len=2048,
+                                attention_cost=a, decode_step_tokens=step_budget)
+    for rid in ("long1", "long2"):
+        sched.add(rid, [1 + i % 50 for i in range(1500)], SamplingParams(temperature=0, max_tokens=1))
+    while sched.get("long2").num_computed_tokens < 600:  # alone: whole budgets
+        out = sched.schedule()
+        sched.update(out, runner.run(sched, out))
+    sched.add("dec", [3, 4, 5], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    for _ in range(2):
+        out = sched.schedule()
+        sched.update(out, runner.run(sched, out))
+    sched.add("short", [11] * 6, SamplingParams(temperature=0, max_tokens=1))
+    out = sched.schedule()
+    got = {x.req_id: x for x in out.seqs}
+    assert out.num_decodes == 1 and {"long1", "long2"} & set(got)  # a token deep in one costs ~13-16 of 31
+    assert got["short"].num_tokens == 6, {k: (v.num_tokens, v.start_pos) for k, v in got.items()}
+    check_pages(sched, alloc)
 
 
 def test_tokens_to_go_is_the_most_any_request_may_still_produce():
