@@ -52,12 +52,18 @@ def attn_types(dt: str) -> dict:
     return t
 
 
+# The 256-row prefill tile spills (bytes a thread at triton 3.9: 176 at G = 4, 272 at G = 7, 120
+# over an e4m3 cache) and is still the fastest shape by 15 %: 442 TFLOP/s causal at 32k against
+# 374 for the spill-free 128 x 128 (H100, G = 4, docs/perf.md 2026-12-06; G = 7 not measured).
+# Each bound sits a little above what was seen, so that growth shows.
+SPILLS = {"prefill bf16 G=4 D=128 256-row": 192, "prefill bf16 G=7 D=128 256-row": 288,
+          "prefill fp8-kv G=4 D=128 256-row": 136}
+
+
 def spill_bound(name: str) -> int:
-    """The stack bytes a thread a served kernel may use. 16: a frame, not a spill loop. The
-    256-row prefill tile spills (176 bytes in bf16, 120 over an e4m3 cache, at triton 3.9) and is
-    still the fastest shape by 15 %: 442 TFLOP/s causal at 32k against 374 for the spill-free
-    128 x 128 (H100, docs/perf.md 2026-12-06); bounded so that growth shows."""
-    return 320 if name.startswith("prefill") and "256-row" in name else 16
+    """The stack bytes a thread a served kernel may use: 16 (a frame, not a spill loop) but for
+    the measured spills in ``SPILLS``."""
+    return SPILLS.get(name, 16)
 
 
 def specs() -> list[tuple[str, object, dict, dict, dict]]:
@@ -211,7 +217,8 @@ def main() -> int:
     for name, kernel, types, consts, opts in specs():
         try:
             r = compile_one(kernel, types, consts, opts, args.arch)
-            r["ok"] = (r.get("stack") or 0) <= spill_bound(name) or "fp32" in name  # float32: a test path
+            r["spill_bound"] = spill_bound(name)
+            r["ok"] = (r.get("stack") or 0) <= r["spill_bound"] or "fp32" in name  # float32: a test path
         except Exception as e:  # report every kernel, not just the first failure
             r = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
         r["kernel"] = name

@@ -35,5 +35,5 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         [n for n, r in rows.items() if not (r["griddep_wait"] and r["waits_first"])]
     for name, r in rows.items():
         if name.startswith(("decode bf16", "prefill bf16", "cascade bf16")):
-            # the 256-row prefill tile's measured spill is allowed within its bound (aot_check.spill_bound)
-            assert r["cp_async_16B"] > 0 and r["stack"] <= (320 if "256-row" in name else 16), name
+            # the 256-row prefill tile's measured spill is allowed within its bound (aot_check.SPILLS)
+            assert r["cp_async_16B"] > 0 and r["stack"] <= r["spill_bound"], name
