@@ -330,38 +330,42 @@ class WarmTier:
         meanwhile is not handed out again before they have read it. Whoever writes into the
         source tensors themselves (a load into the unloaded model's vacancy) waits for the
         event first. Until it has landed the entry is held: not evicted, restores copy after it
-        (their streams wait for the event), :meth:`get` answers None. A put waits for the copies
-        of the puts before it (two unloads in a row): an entry in flight can neither be evicted
-        for it nor give back its range yet, and the second stash refused would send its model's
-        reload to the files.
+        (their streams wait for the event), :meth:`get` answers None. A put that finds no room
+        while earlier puts' copies are in flight (two unloads in a row) waits for them and tries
+        again: an entry in flight can neither be evicted nor give back its range, and the second
+        stash refused would send its model's reload to the files.
         """
         slots, total = _layout(tensors)
-        with self._lock:
-            self._landed()
-            before = [e.landing for e in self._landing]
-        for ev in before:
-            ev.synchronize()
-        with self._lock:
-            self._landed()
-            if total > self.budget_bytes or (self.pin and (self._arena is None or total > self._arena.limit)):
-                return False, None  # over the budget, or over what is page-locked yet (see below)
-            old = self._entries.pop(name, None)  # the new copy replaces it
-            if not self._evict_for(total):
-                if old is not None:
-                    self._entries[name] = old
-                return False, None
-            if old is not None:
-                self._release(old)
-            off = self._carve(total)
-            if off is None and (self._arena is not None or self.pin):
-                # Busy entries fragment the arena, or its pinning has not reached this much yet:
-                # store nothing. A pageable copy on an unload's path took 15 s for an 8B on the
-                # H200 (the stepping thread waiting on it, every model's step with it); the
-                # model's next load reads its files instead (docs/perf.md, density warm at 187541c).
-                return False, None
-            # reserve the bytes now so a concurrent put cannot overshoot the budget
-            entry = _Entry(torch.empty(0, dtype=torch.uint8), slots, total, users=1, arena_off=off)
-            self._entries[name] = entry
+        for attempt in (0, 1):
+            with self._lock:
+                self._landed()
+                if total > self.budget_bytes or (self.pin and (self._arena is None or total > self._arena.limit)):
+                    return False, None  # over the budget, or over what is page-locked yet (see below)
+                old = self._entries.pop(name, None)  # the new copy replaces it
+                if not self._evict_for(total):
+                    if old is not None:
+                        self._entries[name] = old
+                    off, fits = None, False
+                else:
+                    if old is not None:
+                        self._release(old)
+                    off = self._carve(total)
+                    # Without a range: busy entries fragment the arena, or its pinning has not
+                    # reached this much yet: store nothing. A pageable copy on an unload's path
+                    # took 15 s for an 8B on the H200 (the stepping thread waiting on it, every
+                    # model's step with it); the model's next load reads its files instead
+                    # (docs/perf.md, density warm at 187541c).
+                    fits = off is not None or (self._arena is None and not self.pin)
+                if fits:
+                    # reserve the bytes now so a concurrent put cannot overshoot the budget
+                    entry = _Entry(torch.empty(0, dtype=torch.uint8), slots, total, users=1, arena_off=off)
+                    self._entries[name] = entry
+                    break
+                in_flight = [e.landing for e in self._landing]
+                if attempt or not in_flight:
+                    return False, None
+            for ev in in_flight:
+                ev.synchronize()
         landing, stream = None, None
         try:
             t0 = time.perf_counter()

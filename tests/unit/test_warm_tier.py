@@ -139,8 +139,9 @@ def _in_flight(tier: WarmTier, name: str) -> _Landing:
 
 def test_an_entry_whose_copies_are_in_flight_is_held_until_they_land():
     """Until a device put's copies land the entry is neither read (get: None) nor evicted, its
-    range stays taken even once dropped, a restore waits for the landing, and the next put
-    waits for it first (else, the entry neither evictable nor its range free, it was refused)."""
+    range stays taken even once dropped, a restore waits for the landing, and a put that finds
+    no room without it waits for the landing and tries again (else refused: the entry neither
+    evictable nor its range free), one that does goes on at once."""
     m = model(6)
     tier = WarmTier(2 * nbytes(m), pin=False)
     tier.prepin()
@@ -156,8 +157,11 @@ def test_an_entry_whose_copies_are_in_flight_is_held_until_they_land():
     ev.done = True
     assert tier.put("c", model(8)) and tier._arena.free == [] and tier.models() == ["b", "c"]
     ev2 = _in_flight(tier, "b")
-    assert tier.put("d", model(9)) and ev2.waits == 1  # waited for b's copies, then evicted it
-    assert tier.models() == ["c", "d"] and tier._landing == []
+    assert tier.put("d", model(9)) and ev2.waits == 0  # room without b's range: no wait, c goes
+    assert tier.models() == ["b", "d"]
+    ev3 = _in_flight(tier, "d")
+    assert tier.put("e", model(10)) and ev2.waits == 1 and ev3.waits == 1  # none: waited, then b went
+    assert tier.models() == ["d", "e"] and tier._landing == []
 
 
 def test_an_entry_being_restored_is_kept_and_restored_again_without_a_copy():
