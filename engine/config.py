@@ -81,9 +81,9 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-# The prefill attention kernel's causal TFLOP/s against the matmuls' at prefill sizes, both on an
-# H100 at c1cce7e (docs/perf.md, the prefill attention rows): 442 at 32k against ~750 (a 32k
-# prompt's TTFT less its attention time, over its matmul FLOPs).
+# The matmuls' TFLOP/s at prefill sizes against the prefill attention kernel's, on an H100
+# (docs/perf.md, the 2026-12-06 prefill rows): ~750 (the 32k prompt's TTFT at d6724cf less its
+# attention time, over its matmul FLOPs) against 442 causal at 32k (c1cce7e).
 ATTENTION_FLOP_TIME = 1.7
 
 
