@@ -44,6 +44,14 @@ class ModelStats:
     # Why the model cannot run (its runner could not be rebuilt after a pool resize: its requests
     # are aborted until a reload); "" while it can (engine/core/pool_keeper.py reattach_runner)
     broken: str = ""
+    # Its runner's steps since the load: all launched, those replayed from a decode graph and
+    # from a mixed-step graph, the host seconds building and launching them and blocked waiting
+    # for their ids (a window's step time = its seconds / its steps; host near it: CPU-bound)
+    steps: int = 0
+    decode_graph_steps: int = 0
+    mixed_graph_steps: int = 0
+    host_s: float = 0.0
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ def engine_row(s: ModelStats) -> dict[str, Any]:
     a model that uses the feature (its flag; the figures are 0 otherwise)."""
     row: dict[str, Any] = {"running": s.running, "waiting": s.waiting, "kv_pages_used": s.kv_pages_used,
                            "kv_pages_total": s.kv_pages_total, "device_bytes": s.device_bytes, "parked": s.yield_waits,
-                           "parked_s": s.yield_wait_s}
+                           "parked_s": s.yield_wait_s, "steps": s.steps, "decode_graph_steps": s.decode_graph_steps,
+                           "mixed_graph_steps": s.mixed_graph_steps, "host_s": s.host_s, "wait_s": s.wait_s}
     if s.prefix_caching:
         row.update(prefix_cached_pages=s.prefix_cached_pages, prefix_queried_tokens=s.prefix_queried_tokens,
                    prefix_hit_tokens=s.prefix_hit_tokens)

@@ -534,6 +534,11 @@ class EngineCore:
                 grammar_masked_steps=runner.masked_steps if constrained else 0,
                 tokens_to_go=s.scheduler.tokens_to_go,
                 broken=s.broken,
+                steps=runner.steps if runner is not None else 0,
+                decode_graph_steps=runner.graph_steps if runner is not None else 0,
+                mixed_graph_steps=runner.mixed_graph_steps if runner is not None else 0,
+                host_s=round(runner.host_seconds, 6) if runner is not None else 0.0,
+                wait_s=round(runner.wait_seconds, 6) if runner is not None else 0.0,
             )
         return out
 

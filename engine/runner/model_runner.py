@@ -140,6 +140,7 @@ class ModelRunner:
         self.host_seconds = 0.0
         self.host_graph_seconds = 0.0  # the share of host_seconds spent on graph-replayed steps
         self.wait_seconds = 0.0
+        self.steps = 0  # launched (decode graphs, mixed graphs and eager alike)
         self.graph_steps = 0
         self.mixed_graph_steps = 0
         self.graphs: DecodeGraphs | None = None
@@ -166,7 +167,7 @@ class ModelRunner:
         self._prev_ids, self._prev_rows = None, {}
         self.prompt_logprobs.clear()
         self.mask_seconds = self.host_seconds = self.host_graph_seconds = self.wait_seconds = 0.0
-        self.masked_rows = self.masked_steps = self.graph_steps = self.mixed_graph_steps = 0
+        self.masked_rows = self.masked_steps = self.steps = self.graph_steps = self.mixed_graph_steps = 0
 
     def decode_bucket(self, num_seqs: int) -> int | None:
         """The smallest decode bucket holding ``num_seqs`` sequences (None: none does)."""
@@ -353,6 +354,7 @@ class ModelRunner:
         """Queue the step's work on the device; returns before the GPU is done. On CUDA it runs
         on this runner's own streams (engine/runner/streams.py), the high-priority one if
         ``urgent``, so steps of different models run side by side."""
+        self.steps += 1
         if self.streams is None:
             return self._launch(out)
         with torch.cuda.stream(self.streams.enter(urgent, self._prev_ids)):

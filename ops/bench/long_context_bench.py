@@ -54,7 +54,35 @@ async def single(session: Any, url: str, model: str, lengths: list[int], out: in
     return rows
 
 
-async def mixed(session: Any, url: str, model: str, a: argparse.Namespace, vocab: int) -> dict:
+_STEP_FIGURES = ("steps", "decode_graph_steps", "mixed_graph_steps", "host_s", "wait_s")
+
+
+def _engine_figures(url: str, model: str, token: str) -> dict | None:
+    """The model's step counters from the agent's status (None without an admin token)."""
+    if not token:
+        return None
+    row = (_admin_status(url, token).get("engine") or {}).get("models", {}).get(model) or {}
+    return {k: row.get(k, 0) for k in _STEP_FIGURES}
+
+
+def _step_split(before: dict | None, after: dict | None, seconds: float) -> dict | None:
+    """What the engine's steps did over a window: how many, their mean wall time, the share
+    replayed from graphs, and host / waiting seconds a step. The worker reports its status every
+    0.25 s: the counters are read before the window and half a second after it (so that they
+    cover it), and ``seconds`` spans the two reads."""
+    if not before or not after:
+        return None
+    d = {k: after[k] - before[k] for k in _STEP_FIGURES}
+    n = d["steps"]
+    if n <= 0:
+        return {"steps": n}
+    return {"steps": n, "step_ms": round(seconds / n * 1000, 2),
+            "decode_graph_share": round(d["decode_graph_steps"] / n, 3),
+            "mixed_graph_share": round(d["mixed_graph_steps"] / n, 3),
+            "host_ms_per_step": round(d["host_s"] / n * 1000, 3), "wait_ms_per_step": round(d["wait_s"] / n * 1000, 3)}
+
+
+async def mixed(session: Any, url: str, model: str, a: argparse.Namespace, vocab: int, token: str = "") -> dict:
     rng = random.Random(a.seed + 1000)
     short: list[dict] = []
     done = asyncio.Event()
@@ -69,10 +97,14 @@ async def mixed(session: Any, url: str, model: str, a: argparse.Namespace, vocab
 
     streams = [asyncio.create_task(stream(k)) for k in range(a.short_concurrency)]
     await asyncio.sleep(a.short_lead_s)  # the short stream at its pace before the long prompts come
+    before = await asyncio.to_thread(_engine_figures, url, model, token)
     t0 = time.perf_counter()
     longs = await asyncio.gather(*(_one(session, url, model, _ids(random.Random(a.seed + 2000 + i), a.long_len, vocab),
                                         a.out_tokens, 2000 + i, {}) for i in range(a.long_n)))
     t1 = time.perf_counter()
+    await asyncio.sleep(0.5)
+    after = await asyncio.to_thread(_engine_figures, url, model, token)
+    ta = time.perf_counter()
     done.set()
     await asyncio.gather(*streams)
     window = [r for r in short if "error" not in r and r["t_end"] > t0 and r["t_end"] - r["e2e"] < t1]
@@ -87,10 +119,11 @@ async def mixed(session: Any, url: str, model: str, a: argparse.Namespace, vocab
             "short_requests_in_window": len(window),
             "short_tpot_ms_p50": _ms(tpot, 50), "short_tpot_ms_p99": _ms(tpot, 99),
             "short_ttft_ms_p50": _ms([r["ttft"] for r in window], 50),
-            "short_ttft_ms_p99": _ms([r["ttft"] for r in window], 99)}
+            "short_ttft_ms_p99": _ms([r["ttft"] for r in window], 99),
+            "engine_steps": _step_split(before, after, ta - t0)}
 
 
-async def run(url: str, model: str, a: argparse.Namespace, vocab: int) -> dict:
+async def run(url: str, model: str, a: argparse.Namespace, vocab: int, token: str = "") -> dict:
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
@@ -101,7 +134,7 @@ async def run(url: str, model: str, a: argparse.Namespace, vocab: int) -> dict:
         if "single" in a.phases:
             out["single"] = await single(session, url, model, a.lengths, a.out_tokens, vocab, a.seed)
         if "mixed" in a.phases:
-            out["mixed"] = await mixed(session, url, model, a, vocab)
+            out["mixed"] = await mixed(session, url, model, a, vocab, token)
         return out
 
 
@@ -158,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             url, model = a.url.rstrip("/"), a.model
             if not model:
                 ap.error("--model is needed with --url")
-            st = _admin_status(url, a.admin_token) if a.admin_token else {}
+            token = a.admin_token
+            st = _admin_status(url, token) if token else {}
         else:
             _, url, model, token = stack.enter_context(started_agent(a, "long-bench-"))
             st = _admin_status(url, token)
@@ -166,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = a.vocab_size or info.get("vocab_size")
         if not vocab:
             ap.error("--vocab-size is needed (no admin token to read it from the agent)")
-        result = asyncio.run(run(url, model, a, vocab))
+        result = asyncio.run(run(url, model, a, vocab, token))
         device = (st.get("worker") or {}).get("device") or a.device
     now = dt.datetime.now(dt.timezone.utc)
     commit = _commit()

@@ -43,3 +43,5 @@ def test_long_context_bench_runs_against_a_real_daemon(tmp_path) -> None:
     mixed = report["mixed"]
     assert mixed["errors"] == 0 and mixed["long_ttft_ms_max"] > 0 and mixed["short_requests_in_window"] >= 1
     assert mixed["short_tpot_ms_p50"] > 0
+    steps = mixed["engine_steps"]  # the engine's steps over the window, from the agent's status
+    assert steps["steps"] > 0 and steps["step_ms"] > 0 and 0 <= steps["mixed_graph_share"] <= 1

@@ -10,7 +10,8 @@ from agent.http.admin_view import engine_row
 from engine.stats import MemoryStats, ModelMemory
 from tests.records import model_stats
 
-BASE = ["running", "waiting", "kv_pages_used", "kv_pages_total", "device_bytes", "parked", "parked_s"]
+BASE = ["running", "waiting", "kv_pages_used", "kv_pages_total", "device_bytes", "parked", "parked_s", "steps",
+        "decode_graph_steps", "mixed_graph_steps", "host_s", "wait_s"]
 PREFIX = ["prefix_cached_pages", "prefix_queried_tokens", "prefix_hit_tokens"]
 CASCADE = ["cascade_rows", "cascade_steps"]
 GRAMMAR = ["grammar_compiles", "grammar_cache_hits", "grammar_compile_s", "grammar_mask_s", "grammar_masked_rows",
@@ -27,7 +28,8 @@ def test_a_models_row_shows_the_figures_of_the_features_it_uses() -> None:
                                  constrained=True, grammar_compile_s=0.5, grammar_compiles=3))
     assert json.dumps(row) == (
         '{"running": 2, "waiting": 0, "kv_pages_used": 0, "kv_pages_total": 0, "device_bytes": 0, "parked": 0, '
-        '"parked_s": 0.25, "prefix_cached_pages": 0, "prefix_queried_tokens": 0, "prefix_hit_tokens": 64, '
+        '"parked_s": 0.25, "steps": 0, "decode_graph_steps": 0, "mixed_graph_steps": 0, "host_s": 0.0, '
+        '"wait_s": 0.0, "prefix_cached_pages": 0, "prefix_queried_tokens": 0, "prefix_hit_tokens": 64, '
         '"grammar_compiles": 3, "grammar_cache_hits": 0, "grammar_compile_s": 0.5, "grammar_mask_s": 0.0, '
         '"grammar_masked_rows": 0, "grammar_masked_steps": 0}')
 
