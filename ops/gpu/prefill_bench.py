@@ -3,8 +3,9 @@
 Usage: ``python ops/gpu/prefill_bench.py [--tree DIR] [--label NAME] [--sweep] [--out FILE]``.
 Llama-3.1-8B's heads (32 query, 8 KV, head_dim 128), bfloat16, a 16-token paged cache whose pages
 are shuffled (the engine's layout: a two-layer pool, so pages are strided). Shapes: whole causal
-prompts of 4k-128k tokens (one sequence), 4 x 2k (the kernel table's old row), and a 4,096-token
-chunk at 32k and 120k of context (chunked prefill reading earlier chunks from pages).
+prompts of 4k-128k tokens (one sequence), 4 x 2k (the kernel table's old row), and chunks of 512,
+1k and 4k tokens at 32k (and 4k at 120k) of context (chunked prefill reading earlier chunks from
+pages; the small ones are where ``prefill_shape`` switches to 64-row tiles).
 
 For whole prompts the same numbers go through ``F.scaled_dot_product_attention`` with only the
 flash backend enabled (K/V expanded to 32 heads, contiguous ``[1, H, S, D]``: its best case),
@@ -43,7 +44,7 @@ HQ, HKV, D, BLOCK = 32, 8, 128, 16
 DEV, BF = "cuda", torch.bfloat16
 SWEEP = tuple(dict(zip(("block_m", "block_n", "num_warps", "num_stages"), c)) for c in (
     (128, 128, 8, 3), (128, 32, 4, 4), (256, 64, 8, 2), (256, 64, 8, 4), (256, 32, 8, 3), (256, 32, 8, 4),
-    (256, 64, 16, 4), (256, 32, 16, 3), (512, 32, 16, 3), (512, 64, 16, 3)))
+    (256, 64, 16, 4), (256, 32, 16, 3), (512, 32, 16, 3), (512, 64, 16, 3), (64, 64, 4, 3), (256, 64, 8, 3)))
 
 
 def flops(q_lens, seq_lens) -> float:
@@ -90,7 +91,8 @@ def main() -> None:
     rows = []
     shapes = [(f"prompt {s // 1024}k", [s], [s]) for s in (4096, 8192, 16384, 32768, 65536, 131072)
               if s <= args.max_len]
-    shapes += [("4 x 2k", [2048] * 4, [2048] * 4), ("chunk 4k at 32k", [4096], [32768 + 4096]),
+    shapes += [("4 x 2k", [2048] * 4, [2048] * 4), ("chunk 512 at 32k", [512], [32768 + 512]),
+               ("chunk 1k at 32k", [1024], [32768 + 1024]), ("chunk 4k at 32k", [4096], [32768 + 4096]),
                ("chunk 4k at 120k", [4096], [120000 + 4096])]
     for name, q_lens, seq_lens in shapes:
         if max(seq_lens) > args.max_len + 4096:
@@ -100,7 +102,8 @@ def main() -> None:
         f = flops(q_lens, seq_lens)
         base = paged_attention_triton(*call)
         torch.cuda.synchronize()
-        configs = [{}] + (list(SWEEP) if args.sweep and name in ("prompt 8k", "prompt 32k") else [])
+        configs = [{}] + (list(SWEEP) if args.sweep and name in ("prompt 8k", "prompt 32k", "chunk 512 at 32k",
+                                                                   "chunk 1k at 32k") else [])
         for cfg in configs:
             row = {"tree": args.label, "shape": name, "q_lens": q_lens, "seq_lens": seq_lens, "kernel": "paged",
                    "config": cfg}
