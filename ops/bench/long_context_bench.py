@@ -68,8 +68,8 @@ def _engine_figures(url: str, model: str, token: str) -> dict | None:
 def _step_split(before: dict | None, after: dict | None, seconds: float) -> dict | None:
     """What the engine's steps did over a window: how many, their mean wall time, the share
     replayed from graphs, and host / waiting seconds a step. The worker reports its status every
-    0.25 s: the counters are read before the window and half a second after it (so that they
-    cover it), and ``seconds`` spans the two reads."""
+    0.25 s: the counters are read before the window and a second after it (so that they cover
+    it), and ``seconds`` spans the two reads."""
     if not before or not after:
         return None
     d = {k: after[k] - before[k] for k in _STEP_FIGURES}
@@ -102,7 +102,7 @@ async def mixed(session: Any, url: str, model: str, a: argparse.Namespace, vocab
     longs = await asyncio.gather(*(_one(session, url, model, _ids(random.Random(a.seed + 2000 + i), a.long_len, vocab),
                                         a.out_tokens, 2000 + i, {}) for i in range(a.long_n)))
     t1 = time.perf_counter()
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(1.0)  # four of the worker's status intervals: a busy box sends them late
     after = await asyncio.to_thread(_engine_figures, url, model, token)
     ta = time.perf_counter()
     done.set()
