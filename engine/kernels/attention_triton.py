@@ -46,8 +46,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _table_pages(bt_ptr, b, s_bt, j, jm, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The pages of sequence ``b``'s positions ``j`` (int64); ``MASKED``: positions outside ``jm``
+    read page 0 (a tile known to lie inside the sequence reads its table unmasked)."""
+    if MASKED:
+        return tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+    else:
+        return tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
 def _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_p, s_b, s_h, BLOCK_SIZE: tl.constexpr):
-    page = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
+    page = _table_pages(bt_ptr, b, s_bt, j, jm, BLOCK_SIZE, True)
     return page * s_p + (j % BLOCK_SIZE).to(tl.int64) * s_b + kvh * s_h
 
 
@@ -127,10 +137,7 @@ def _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, 
     masked out. Unmasked tiles lie wholly before every row of the query tile and (head_dim a
     power of two) load and score without a mask or a select: most of a long prompt's tiles."""
     jm = j < kv_end
-    if MASKED:
-        page = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=jm, other=0).to(tl.int64)
-    else:
-        page = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE).to(tl.int64)
+    page = _table_pages(bt_ptr, b, s_bt, j, jm, BLOCK_SIZE, MASKED)  # one table read for K and V
     slot = (j % BLOCK_SIZE).to(tl.int64)
     koff = page * s_kp + slot * s_kb + kvh * s_kh
     voff = page * s_vp + slot * s_vb + kvh * s_vh
