@@ -90,6 +90,15 @@ def workspace_key(cfg: ModelConfig, quantization: str | None) -> str:
 CONTEXT_FLOOR = 4096
 
 
+def scheduler_config(cfg: ModelConfig, options: EngineOptions, max_num_seqs: int, max_len: int) -> SchedulerConfig:
+    """A load's scheduler limits: the engine's step budgets, the load's sequences and context,
+    the model's end ids and its attention's cost (engine.config.attention_pair_cost)."""
+    return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
+                           max_model_len=max_len, max_prefill_chunk=options.max_prefill_chunk,
+                           eos_token_ids=cfg.eos_token_ids, attention_cost=attention_pair_cost(cfg),
+                           decode_step_tokens=options.decode_step_tokens)
+
+
 def context_cap(own: int, room_bytes: int, page_bytes: int, tokens_per_page: int) -> int:
     """The longest sequence of a load at its own context (``own`` tokens) whose pages fit
     ``room_bytes``, in whole pages, never below ``CONTEXT_FLOOR`` (or ``own`` when shorter)."""
@@ -489,10 +498,7 @@ class ModelLoader:
         pages = self._pools.pages_for(name)
         try:
             sched = Scheduler(
-                SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                                max_model_len=p.max_len, max_prefill_chunk=self.max_prefill_chunk,
-                                eos_token_ids=cfg.eos_token_ids, attention_cost=attention_pair_cost(cfg),
-                                decode_step_tokens=self.options.decode_step_tokens),
+                scheduler_config(cfg, self.options, spec.max_num_seqs, p.max_len),
                 # The index's salt: what else decides the K/V of a token at a position.
                 BlockManager(needs.tokens_per_page, pages,
                              PrefixIndex(f"{p.key}|{p.dtype}|kv={spec.kv_cache_dtype}") if spec.prefix_caching else None),

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from engine.sched.block_manager import BlockManager, PageAllocator
-from engine.config import ModelConfig, attention_pair_cost, load_model_config, usable_len
+from engine.config import ModelConfig, load_model_config, usable_len
 from engine.core.engine_core import EngineCore
 from engine.core.ledger import LoadPlan
-from engine.core.loading import DTYPES
+from engine.core.loading import DTYPES, scheduler_config
 from engine.core.memory_plan import DEFAULT_CPU_BUDGET, GPU_BUDGET_FRACTION, workspace_estimate
 from engine.core.slot import ModelSlot
 from engine.model_info import ModelInfo
@@ -42,7 +42,7 @@ from engine.parallel.group import TPError, TPGroup
 from engine.parallel.loader import load_shard
 from engine.parallel.shard import TPModel, plan_shards
 from engine.parallel.wire import ControlChannel, StepDecoder, StepEncoder, WireError
-from engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerConfigError, SchedulerOutput
+from engine.sched.scheduler import Scheduler, SchedulerConfigError, SchedulerOutput
 
 
 @dataclass
@@ -206,10 +206,7 @@ class TPEngineCore(EngineCore):
         shard = build_shard(self.group, wire, sum(s.device_bytes for s in self.slots.values()))
         try:
             sched = Scheduler(
-                SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=self.options.max_num_batched_tokens,
-                                max_model_len=max_len, max_prefill_chunk=self.options.max_prefill_chunk,
-                                eos_token_ids=cfg.eos_token_ids, attention_cost=attention_pair_cost(cfg),
-                                decode_step_tokens=self.options.decode_step_tokens),
+                scheduler_config(cfg, self.options, max_num_seqs, max_len),
                 BlockManager(wire["block_size"], PageAllocator(shard.kv.num_pages)),
             )
         except SchedulerConfigError as e:
