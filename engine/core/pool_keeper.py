@@ -447,7 +447,8 @@ class PoolKeeper:
     def warm_up(self, slot: ModelSlot) -> None:
         """One step at the largest batch (every row sampled, with temperature: the sampler's
         kernel and its candidate buffers are part of the peak, and its compile or cache load
-        happens here, not in the first sampled request's step) so its peak can be measured; then
+        happens here, not in the first sampled request's step) so its peak can be measured; then,
+        on a runner without mixed-step graphs (whose own warm-up at the smallest bucket does it),
         one short prompt, whose attention takes the prefill kernel's small-step launch shape
         (engine/kernels/attention_triton.py, prefill_shape), compiled here too. The sequences
         share one block table of the model's own guaranteed pages: their K/V writes land only
@@ -464,12 +465,15 @@ class PoolKeeper:
             out.seqs.append(ScheduledSeq(-1 - i, f"warmup{i}", [0] * n, 0, table, True, 0, params))
             out.num_batched_tokens += n
             left -= n
-        short = SchedulerOutput()
-        short.seqs.append(ScheduledSeq(-1, "warmup-short", [0] * min(per_seq, 16), 0, table, True, 0, params))
-        short.num_batched_tokens = len(short.seqs[0].token_ids)
+        short = None
+        if slot.runner.mixed is None:
+            short = SchedulerOutput()
+            short.seqs.append(ScheduledSeq(-1, "warmup-short", [0] * min(per_seq, 16), 0, table, True, 0, params))
+            short.num_batched_tokens = len(short.seqs[0].token_ids)
         try:
             slot.runner.execute(out)
-            slot.runner.execute(short)
+            if short is not None:
+                slot.runner.execute(short)
         finally:
             for page in table:
                 slot.pages.free(page)
