@@ -109,6 +109,12 @@ class InFlight:
                 or self.pending.masked is not None)
 
 
+def _step_figures(runner) -> dict:
+    """A runner's step counters as ModelStats has them (a model without a runner keeps its zeros)."""
+    return dict(steps=runner.steps, decode_graph_steps=runner.graph_steps, mixed_graph_steps=runner.mixed_graph_steps,
+                host_s=round(runner.host_seconds, 6), wait_s=round(runner.wait_seconds, 6))
+
+
 class EngineCore:
     """Loads models and steps their requests. Not thread-safe: one caller drives it.
 
@@ -534,11 +540,7 @@ class EngineCore:
                 grammar_masked_steps=runner.masked_steps if constrained else 0,
                 tokens_to_go=s.scheduler.tokens_to_go,
                 broken=s.broken,
-                steps=runner.steps if runner is not None else 0,
-                decode_graph_steps=runner.graph_steps if runner is not None else 0,
-                mixed_graph_steps=runner.mixed_graph_steps if runner is not None else 0,
-                host_s=round(runner.host_seconds, 6) if runner is not None else 0.0,
-                wait_s=round(runner.wait_seconds, 6) if runner is not None else 0.0,
+                **(_step_figures(runner) if runner is not None else {}),
             )
         return out
 
