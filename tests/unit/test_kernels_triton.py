@@ -69,6 +69,20 @@ def test_write_kv(dtype, block):
     assert torch.equal(pool.nan_to_num(0), ref_pool.nan_to_num(0))
 
 
+def _prefill_error(dtype, block, hq, hkv, d, q_lens, seq_lens, seed):
+    """The relative error of the kernel against the reference on a random batch of ``q_lens``
+    queries over ``seq_lens`` contexts in shuffled pages (a NaN-poisoned output)."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    pages = sum((s + block - 1) // block for s in seq_lens) + 2
+    _, kc, vc = make_pool(pages, 2, block, hkv, d, dtype)
+    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
+    q = torch.randn(sum(q_lens), hq, d).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    paged_attention_triton(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d), max(q_lens), max(seq_lens), out=out)
+    return rel_err(out, attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d)))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [1, 16])
 @pytest.mark.parametrize("lens", [([7, 1, 4, 1, 2], [7, 33, 20, 1, 18]),
@@ -77,18 +91,8 @@ def test_write_kv(dtype, block):
                                   # query among them
                                   ([45, 1, 0, 21, 1, 22, 1], [45, 40, 9, 50, 3, 22, 70])])
 def test_paged_attention_prefill_and_mixed(dtype, block, lens):
-    torch.manual_seed(block)
-    gen = torch.Generator().manual_seed(block)
-    hq, hkv, d = 6, 2, 16  # GQA group of 3: not a power of two
-    q_lens, seq_lens = lens  # prefill, decode, chunked prefill, ...
-    pages = sum((s + block - 1) // block for s in seq_lens) + 2
-    _, kc, vc = make_pool(pages, 2, block, hkv, d, dtype)
-    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
-    q = torch.randn(sum(q_lens), hq, d).to(dtype)
-    out = torch.full_like(q, float("nan"))
-    paged_attention_triton(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d), max(q_lens), max(seq_lens), out=out)
-    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d))
-    assert rel_err(out, ref) < TOL[dtype]
+    # GQA group of 3 (not a power of two); prefill, decode, chunked prefill, ...
+    assert _prefill_error(dtype, block, 6, 2, 16, *lens, seed=block) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -103,18 +107,7 @@ def test_a_long_prefill_reads_its_unmasked_tiles_and_its_band_alike(dtype, d, le
     tile and take the unmasked path, the diagonal band and the ragged end the masked one; a head
     dim that is not a power of two masks every tile. Each query tile must see exactly the keys
     at or before each of its rows, whichever path read them, in whichever order the tiles ran."""
-    torch.manual_seed(d)
-    gen = torch.Generator().manual_seed(d)
-    block, hq, hkv = 16, 8, 2
-    q_lens, seq_lens = lens  # prompt, deep chunk, decode, chunk
-    pages = sum((s + block - 1) // block for s in seq_lens) + 2
-    _, kc, vc = make_pool(pages, 2, block, hkv, d, dtype)
-    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
-    q = torch.randn(sum(q_lens), hq, d).to(dtype)
-    out = torch.full_like(q, float("nan"))
-    paged_attention_triton(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d), max(q_lens), max(seq_lens), out=out)
-    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d))
-    assert rel_err(out, ref) < TOL[dtype]
+    assert _prefill_error(dtype, 16, 8, 2, d, *lens, seed=d) < TOL[dtype]  # prompt, deep chunk, decode, chunk
 
 
 def test_the_prefill_shape_fills_the_gpu_before_it_grows_its_tiles():
