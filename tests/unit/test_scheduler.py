@@ -86,6 +86,17 @@ def make(num_pages=64, block_size=4, **cfg) -> tuple[Scheduler, PageAllocator, F
     return sched, alloc, FakeRunner(num_pages, block_size)
 
 
+def one_decoding(attention_cost: float, decode_step_tokens: int):
+    """A scheduler costing chunks by ``attention_cost`` with a decode step of ``decode_step_tokens``,
+    one request ("dec") already decoding: the steps beside decodes the tests below look at."""
+    sched, alloc, runner = make(num_pages=400, block_size=4, max_num_batched_tokens=256, max_model_len=1024,
+                                attention_cost=attention_cost, decode_step_tokens=decode_step_tokens)
+    sched.add("dec", [3, 4, 5], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    out = sched.schedule()
+    sched.update(out, runner.run(sched, out))
+    return sched, alloc, runner
+
+
 def drive(sched, alloc, runner, requests, abort_at=None, max_steps=10_000, check=check_pages):
     """Run to completion; returns {req_id: (tokens, reason)}; ``check``s invariants every step."""
     results: dict[str, tuple[list[int], str]] = {}
@@ -247,11 +258,7 @@ def test_beside_decodes_a_step_takes_the_decode_budget_and_a_new_prompt_is_not_s
     a, step_budget, long = 0.004, 32, 400
     prompt = [1 + i % (VOCAB - 1) for i in range(long)]
     p_long = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    sched, alloc, runner = make(num_pages=400, block_size=4, max_num_batched_tokens=256, max_model_len=1024,
-                                attention_cost=a, decode_step_tokens=step_budget)
-    sched.add("dec", [3, 4, 5], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
-    out = sched.schedule()
-    sched.update(out, runner.run(sched, out))
+    sched, alloc, runner = one_decoding(a, step_budget)
     sched.add("long", prompt, p_long)
 
     def cost(c):
@@ -282,15 +289,11 @@ def test_beside_decodes_a_step_takes_the_decode_budget_and_a_new_prompt_is_not_s
 
 
 def test_a_prompt_admitted_in_a_steps_last_tokens_finishes_before_a_long_prompts_next_chunk():
-    """Prompts already prefilling go fewest tokens first: a prompt admitted with part of its
-    tokens (the step had no more) gets the rest at the next step, where by arrival it came after
-    every older long prompt and waited for their whole prefills."""
+    """The prompt prefilling with the fewest tokens to go goes first: a prompt admitted with part
+    of its tokens (the step had no more) gets the rest at the next step, where by arrival it came
+    after every older long prompt and waited for their whole prefills."""
     a, step_budget = 0.004, 32
-    sched, alloc, runner = make(num_pages=400, block_size=4, max_num_batched_tokens=256, max_model_len=1024,
-                                attention_cost=a, decode_step_tokens=step_budget)
-    sched.add("dec", [3, 4, 5], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
-    out = sched.schedule()
-    sched.update(out, runner.run(sched, out))
+    sched, alloc, runner = one_decoding(a, step_budget)
     sched.add("long", [1 + i % (VOCAB - 1) for i in range(400)], SamplingParams(temperature=0, max_tokens=2))
     for _ in range(3):
         out = sched.schedule()
@@ -340,11 +343,7 @@ def test_neither_decodes_nor_short_prompts_starve_the_others():
         steps += 1
         assert steps < 120, f"the long prompt starved at {sched.get('long').num_computed_tokens} of 400"
 
-    sched, alloc, runner = make(num_pages=400, block_size=4, max_num_batched_tokens=256, max_model_len=1024,
-                                attention_cost=a, decode_step_tokens=step_budget)
-    sched.add("dec", [3, 4, 5], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
-    out = sched.schedule()
-    sched.update(out, runner.run(sched, out))
+    sched, alloc, runner = one_decoding(a, step_budget)
     sched.add("long", [1 + i % (VOCAB - 1) for i in range(400)], SamplingParams(temperature=0, max_tokens=2))
     out = sched.schedule()
     sched.update(out, runner.run(sched, out))
