@@ -52,6 +52,9 @@ class ModelStats:
     mixed_graph_steps: int = 0
     host_s: float = 0.0
     wait_s: float = 0.0
+    # rows whose own long context a cascade tile split (engine/runner/cascade.py, "Long rows"),
+    # counted per step; 0 without cascade plans
+    cascade_long_rows: int = 0
 
 
 @dataclass(frozen=True)

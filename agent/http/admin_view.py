@@ -83,7 +83,7 @@ def engine_row(s: ModelStats) -> dict[str, Any]:
         row.update(prefix_cached_pages=s.prefix_cached_pages, prefix_queried_tokens=s.prefix_queried_tokens,
                    prefix_hit_tokens=s.prefix_hit_tokens)
     if s.cascade:
-        row.update(cascade_rows=s.cascade_rows, cascade_steps=s.cascade_steps)
+        row.update(cascade_rows=s.cascade_rows, cascade_steps=s.cascade_steps, cascade_long_rows=s.cascade_long_rows)
     if s.constrained:
         row.update(grammar_compiles=s.grammar_compiles, grammar_cache_hits=s.grammar_cache_hits,
                    grammar_compile_s=s.grammar_compile_s, grammar_mask_s=s.grammar_mask_s,

@@ -18,8 +18,10 @@ head_dim. An e4m3 cache (``kv_cache_dtype="fp8"``) is widened tile by tile as it
   program reads one partition of the context once for all G heads of its KV head and writes a
   partial (normalised output, log2-sum-exp); ``_reduce_kernel`` merges the splits. The split count
   is a host int derived from B, Hkv, max_seq_len and the SM count, so the grid never depends on
-  device data (CUDA-graph safe). Split count and partition length are runtime arguments, not
-  constexprs: a new max_seq_len must not cost a recompile in the middle of serving.
+  device data (CUDA-graph safe); each row cuts its own context into that many partitions
+  (:func:`_partition`), so a long row beside short ones is read by all of its programs. The
+  split count is a runtime argument, not a constexpr: a new max_seq_len must not cost a
+  recompile in the middle of serving.
 - ``_cascade_kernel`` (cascade attention; with a plan from engine/runner/cascade.py): one-token
   queries whose block tables begin with the same pages (a system prompt or a history served
   from the prefix cache) read those pages once per *tile* of rows instead of once per row.
@@ -246,9 +248,16 @@ def _merge_prefix(o, lse, cpo_ptr, cplse_ptr, crow, rm, d, dm, D: tl.constexpr, 
     return num / den[:, None]
 
 
-@triton.jit(do_not_specialize=["s_bt", "PART", "NUM_SPLITS"])
+@triton.jit
+def _partition(length, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """One split's share of a row's ``length`` positions: whole KV tiles, the row spread over
+    every split of the grid (the decode kernel and the reduce agree on it)."""
+    return tl.cdiv(tl.cdiv(length, BLOCK_N), NUM_SPLITS) * BLOCK_N
+
+
+@triton.jit(do_not_specialize=["s_bt", "NUM_SPLITS"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, bt_ptr, lo_ptr, cpo_ptr, cplse_ptr,
-                   s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, PART, NUM_SPLITS,
+                   s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, NUM_SPLITS,
                    CASC: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, ASM_V: tl.constexpr, CS: tl.constexpr,
@@ -265,9 +274,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
     kv_lo = 0
     if CASC:
         kv_lo = tl.load(lo_ptr + b)
-    lo = kv_lo + split * PART
+    part = _partition(seq_len - kv_lo, NUM_SPLITS, BLOCK_N)
+    lo = kv_lo + split * part
     if (q_len == 1) & (lo < seq_len):  # longer queries of a mixed step are the prefill kernel's
-        hi = tl.minimum(seq_len, lo + PART)
+        hi = tl.minimum(seq_len, lo + part)
         g = tl.arange(0, BLOCK_G)
         head = kvh * G + g
         gm = g < G
@@ -324,7 +334,7 @@ def _cascade_kernel(q_ptr, kc_ptr, vc_ptr, cpo_ptr, cplse_ptr, qsl_ptr, bt_ptr, 
     plen = tl.load(base + 1)  # 0: an unused tile of the static grid
     if plen > 0:
         # the prefix in CS whole-tile partitions, one a program (an empty one writes weight 0)
-        part = tl.cdiv(tl.cdiv(plen, BLOCK_N), CS) * BLOCK_N
+        part = _partition(plen, CS, BLOCK_N)
         lo = split * part
         hi = tl.minimum(plen, lo + part)
         ref = tl.load(base).to(tl.int64)  # a row of the group: its table holds the shared pages
@@ -360,10 +370,10 @@ def _cascade_kernel(q_ptr, kc_ptr, vc_ptr, cpo_ptr, cplse_ptr, qsl_ptr, bt_ptr, 
 _CASCADE_LAUNCH = CachedLauncher(_cascade_kernel, pdl=True)
 
 
-@triton.jit(do_not_specialize=["PART", "NUM_SPLITS"])
-def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, lo_ptr, cpo_ptr, cplse_ptr, s_on, s_oh, PART,
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
+def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, lo_ptr, cpo_ptr, cplse_ptr, s_on, s_oh,
                    NUM_SPLITS, CASC: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_S: tl.constexpr, CS: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, CS: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -374,7 +384,8 @@ def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, lo_ptr, cpo_ptr, 
         kv_lo = 0
         if CASC:
             kv_lo = tl.load(lo_ptr + b)
-        n_active = (seq_len - kv_lo + PART - 1) // PART
+        part = _partition(seq_len - kv_lo, NUM_SPLITS, BLOCK_N)
+        n_active = (seq_len - kv_lo + part - 1) // part
         sp = tl.arange(0, BLOCK_S)
         sm = sp < n_active
         row = (b * HQ + h) * NUM_SPLITS + sp
@@ -430,14 +441,13 @@ def prefill_shape(n: int, g: int, hkv: int, wide: bool, block_d: int, sm_count: 
     return 64, 64, 4, 3
 
 
-def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count: int) -> tuple[int, int]:
-    """(num_splits, partition length): enough programs to fill the chip twice over, each partition a
-    whole number of KV tiles."""
+def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count: int) -> int:
+    """The decode grid's split count: enough programs to fill the chip twice over, at most one a
+    KV tile of ``max_seq_len``. Each row spreads its own context over all of them
+    (:func:`_partition`), so a long row beside short ones is not walked by one program."""
     tiles = max(1, triton.cdiv(max_seq_len, block_n))
     want = max(1, triton.cdiv(2 * sm_count, batch * hkv))
-    splits = min(want, tiles, 64)
-    part = triton.cdiv(tiles, splits) * block_n
-    return triton.cdiv(max(max_seq_len, 1), part), part
+    return min(want, tiles, 64)
 
 
 def _decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
@@ -454,7 +464,7 @@ def decode_forms(batches: list[int], head_dim: int, dtype: torch.dtype, num_kv_h
     block_n = _decode_block_n(head_dim, dtype)
     forms: dict[int, int] = {}
     for b in sorted(batches, reverse=True):
-        splits, _ = decode_splits(b, num_kv_heads, max_seq_len, block_n, _sm_count(device))
+        splits = decode_splits(b, num_kv_heads, max_seq_len, block_n, _sm_count(device))
         forms.setdefault(0 if splits == 1 else triton.next_power_of_2(splits), b)
     return sorted(forms.values(), reverse=True)
 
@@ -499,11 +509,9 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
     block_n = cfg.get("block_n", _decode_block_n(d, q.dtype))
     block_g = max(16, triton.next_power_of_2(g))
     if num_splits is None:
-        splits, part = decode_splits(b, hkv, max_seq_len, block_n, _sm_count(q.device))
+        splits = decode_splits(b, hkv, max_seq_len, block_n, _sm_count(q.device))
     else:
-        tiles = max(1, triton.cdiv(max_seq_len, block_n))
-        part = triton.cdiv(tiles, max(1, min(num_splits, tiles))) * block_n
-        splits = triton.cdiv(max(max_seq_len, 1), part)
+        splits = max(1, min(num_splits, triton.cdiv(max_seq_len, block_n)))
     if cascade is not None:
         tiles, kv_lo = cascade
         cpo, cplse = _cascade(q, k_cache, v_cache, query_start_loc, block_tables, tiles, common, b, hq, hkv, g, d,
@@ -517,7 +525,7 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
     casc = cascade is not None
     _DECODE_LAUNCH.launch((b, hkv, splits),
         q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, kv_lo, cpo, cplse, *common,
-        part, splits, CASC=casc,
+        splits, CASC=casc,
         HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
         SINGLE=splits == 1, DOT_PREC=dot_prec, ASM_V=asm_v, CS=CASCADE_SPLITS, num_warps=cfg.get("num_warps", 4),
         # two stages: ahead of three at every batch from 64 rows, bf16 (5 %) and e4m3 (18 %) caches
@@ -526,7 +534,7 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
     )
     if splits > 1:
         _REDUCE_LAUNCH.launch((b, hq), out, po, plse, query_start_loc, seq_lens, kv_lo, cpo, cplse,
-                                out.stride(0), out.stride(1), part, splits, CASC=casc, HQ=hq, D=d, BLOCK_D=block_d,
+                                out.stride(0), out.stride(1), splits, CASC=casc, HQ=hq, D=d, BLOCK_D=block_d, BLOCK_N=block_n,
                                 BLOCK_S=triton.next_power_of_2(splits), CS=CASCADE_SPLITS, num_warps=4)
 
 

@@ -18,10 +18,19 @@ rows still agree, and at every node the plan takes whichever is larger: the node
 gain of a group counts page reads saved: ``(rows - tiles) * pages``. A static grid bounds the
 tiles (``max_tiles``); groups that do not fit are dropped, least gain first.
 
+**Long rows.** The tiles a plan leaves go to rows with a long context of their own, longest
+first: a tile of one row, its full pages as the "prefix". That saves no reads; it splits the
+row. A batch of 33 rows and more runs the decode kernel unsplit (one program per row and KV
+head), so one 32k-token row beside short ones was walked by one program a layer, 16 MB of K/V
+at one SM's pace, and every row of the step waited for it. As a tile the row's context is read
+by ``CASCADE_SPLITS`` programs at once.
+
 Torch-free: the runner stages the arrays (``tiles``, ``kv_lo``) into its step buffers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,6 +43,27 @@ MIN_PAGES = 4
 EXTRA_TILES = 8
 # How deep the split into ever longer shared prefixes goes.
 MAX_LEVELS = 16
+# A row whose own context (past any shared prefix) is at least this long takes a spare tile: one
+# program walking 4,096 positions reads 2 MB of K/V per KV head and layer (8B, bf16), several
+# times a short row's whole decode.
+LONG_ROW_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class CascadePlan:
+    """One step's plan: ``tiles [num_tiles, 2 + per_tile] int32`` (a row of the group, the shared
+    length in tokens, up to ``per_tile`` rows, -1 padded; unused tiles have length 0), ``kv_lo
+    [B] int32`` (each row's planned length, 0 outside the plan), and how many rows read a prefix
+    shared with others (``shared``) or had their own long context split (``long``)."""
+
+    tiles: np.ndarray
+    kv_lo: np.ndarray
+    shared: int
+    long: int
+
+    @property
+    def rows(self) -> int:
+        return self.shared + self.long
 
 
 def rows_per_tile(num_heads: int, num_kv_heads: int) -> int:
@@ -84,39 +114,40 @@ def _best(tables: np.ndarray, full: np.ndarray, rows: np.ndarray, depth: int, pe
 
 
 def plan_cascade(tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, block_size: int,
-                 per_tile: int, num_tiles: int, min_pages: int = MIN_PAGES) -> tuple[np.ndarray, np.ndarray, int]:
-    """The plan of one step: ``(tiles [num_tiles, 2 + per_tile] int32, kv_lo [B] int32, rows)``.
-
-    ``tables[B, W]`` are the step's block tables, ``seq_lens`` / ``q_lens`` each row's context
-    length after the step and its query length. A tile is (a row of the group, the shared length
-    in tokens, up to ``per_tile`` rows, -1 padded); unused tiles have length 0. ``rows``: how
-    many rows read a shared prefix.
-    """
+                 per_tile: int, num_tiles: int, min_pages: int = MIN_PAGES,
+                 long_row_tokens: int = LONG_ROW_TOKENS) -> CascadePlan:
+    """The plan of one step. ``tables[B, W]`` are the step's block tables, ``seq_lens`` /
+    ``q_lens`` each row's context length after the step and its query length. Shared prefixes
+    first; the tiles left go to rows of at least ``long_row_tokens`` of their own."""
     b = len(seq_lens)
     tiles = np.full((num_tiles, 2 + per_tile), -1, dtype=np.int32)
     tiles[:, 1] = 0
     kv_lo = np.zeros(b, dtype=np.int32)
     full = (np.asarray(seq_lens, dtype=np.int64) - 1) // block_size
     cand = np.flatnonzero((np.asarray(q_lens) == 1) & (full >= min_pages))
-    if len(cand) < 2:
-        return tiles, kv_lo, 0
+    t = shared = 0
     first = np.sort(tables[cand, 0])
-    if not (first[1:] == first[:-1]).any():  # no two rows share a first page: nothing to plan
-        return tiles, kv_lo, 0
-    # the root: rows agree on no page yet; its children are split by their first page
-    _, groups = _best(tables, full, cand, 0, per_tile, min_pages)
-    groups.sort(key=lambda g: (len(g[0]) - -(-len(g[0]) // per_tile)) * g[1], reverse=True)
-    t = planned = 0
-    for rows, pages in groups:
-        need = -(-len(rows) // per_tile)
-        if t + need > num_tiles:
-            continue
-        members = np.full(need * per_tile, -1, dtype=np.int32)  # the group's rows in order, -1 after
-        members[:len(rows)] = rows
-        tiles[t:t + need, 2:] = members.reshape(need, per_tile)
-        tiles[t:t + need, 0] = rows[0]
-        tiles[t:t + need, 1] = pages * block_size
-        t += need
-        kv_lo[rows] = pages * block_size
-        planned += len(rows)
-    return tiles, kv_lo, planned
+    if len(cand) >= 2 and (first[1:] == first[:-1]).any():  # two rows share a first page
+        # the root: rows agree on no page yet; its children are split by their first page
+        _, groups = _best(tables, full, cand, 0, per_tile, min_pages)
+        groups.sort(key=lambda g: (len(g[0]) - -(-len(g[0]) // per_tile)) * g[1], reverse=True)
+        for rows, pages in groups:
+            need = -(-len(rows) // per_tile)
+            if t + need > num_tiles:
+                continue
+            members = np.full(need * per_tile, -1, dtype=np.int32)  # the group's rows in order, -1 after
+            members[:len(rows)] = rows
+            tiles[t:t + need, 2:] = members.reshape(need, per_tile)
+            tiles[t:t + need, 0] = rows[0]
+            tiles[t:t + need, 1] = pages * block_size
+            t += need
+            kv_lo[rows] = pages * block_size
+            shared += len(rows)
+    own = full[cand] * block_size
+    keep = (kv_lo[cand] == 0) & (own >= long_row_tokens)
+    long = cand[keep][np.argsort(-own[keep], kind="stable")][:num_tiles - t]
+    for r in long:
+        tiles[t, 0] = tiles[t, 2] = r
+        tiles[t, 1] = kv_lo[r] = full[r] * block_size
+        t += 1
+    return CascadePlan(tiles, kv_lo, shared, len(long))

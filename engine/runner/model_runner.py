@@ -115,6 +115,7 @@ class ModelRunner:
                                 cfg.vocab_size, per_tile)
         self.cascade_rows = 0  # rows that read a shared prefix through a cascade tile
         self.cascade_steps = 0  # steps with a cascade plan
+        self.long_rows = 0  # rows whose own long context a cascade tile split (engine/runner/cascade.py)
         self.streams = StepStreams(dev, stream_pool) if self._pin else None
         # Two pinned id buffers (and events), alternating, so step N+1 can launch before N is collected.
         self._ids_host = [torch.empty(self.max_seqs, dtype=i64).pin_memory() for _ in range(2)] if self._pin else []
@@ -317,14 +318,15 @@ class ModelRunner:
         num_tiles = bufs.cascade_tiles_for(rows)
         if not num_tiles:
             return None
-        tiles, kv_lo, planned = plan_cascade(tables, seq_lens, q_lens, self.block_size, bufs.cascade_rows, num_tiles)
-        if not planned:
+        plan = plan_cascade(tables, seq_lens, q_lens, self.block_size, bufs.cascade_rows, num_tiles)
+        if not plan.rows:
             return None
-        self.cascade_rows += planned
-        self.cascade_steps += planned > 0
+        self.cascade_rows += plan.shared
+        self.long_rows += plan.long
+        self.cascade_steps += 1
         kv_all = np.zeros(rows, dtype=np.int32)
-        kv_all[:len(kv_lo)] = kv_lo
-        return bufs.inputs.stage("cascade_tiles", tiles), bufs.inputs.stage("kv_lo", kv_all)
+        kv_all[:len(plan.kv_lo)] = plan.kv_lo
+        return bufs.inputs.stage("cascade_tiles", plan.tiles), bufs.inputs.stage("kv_lo", kv_all)
 
     def _placeholders(self, out: SchedulerOutput, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Token positions of the step's placeholder inputs (decode rows: row i is token i) and

@@ -54,7 +54,8 @@ async def single(session: Any, url: str, model: str, lengths: list[int], out: in
     return rows
 
 
-_STEP_FIGURES = ("steps", "decode_graph_steps", "mixed_graph_steps", "host_s", "wait_s")
+_STEP_FIGURES = ("steps", "decode_graph_steps", "mixed_graph_steps", "host_s", "wait_s", "cascade_steps",
+                 "cascade_long_rows")
 
 
 def _engine_figures(url: str, model: str, token: str) -> dict | None:
@@ -79,7 +80,10 @@ def _step_split(before: dict | None, after: dict | None, seconds: float) -> dict
     return {"steps": n, "step_ms": round(seconds / n * 1000, 2),
             "decode_graph_share": round(d["decode_graph_steps"] / n, 3),
             "mixed_graph_share": round(d["mixed_graph_steps"] / n, 3),
-            "host_ms_per_step": round(d["host_s"] / n * 1000, 3), "wait_ms_per_step": round(d["wait_s"] / n * 1000, 3)}
+            "host_ms_per_step": round(d["host_s"] / n * 1000, 3), "wait_ms_per_step": round(d["wait_s"] / n * 1000, 3),
+            # steps with a cascade plan, and the long rows split by one a step (engine/runner/cascade.py)
+            "cascade_share": round(d["cascade_steps"] / n, 3),
+            "long_rows_per_step": round(d["cascade_long_rows"] / n, 3)}
 
 
 async def mixed(session: Any, url: str, model: str, a: argparse.Namespace, vocab: int, token: str = "") -> dict:

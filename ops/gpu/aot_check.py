@@ -40,12 +40,12 @@ from engine.kernels import norm_triton as nrm  # noqa: E402
 from engine.kernels import rope_triton as rop  # noqa: E402
 from engine.kernels import sample_triton as smp  # noqa: E402
 
-NO_HINT = {"s_bt", "PART", "NUM_SPLITS", "NUM_SEQS", "V", "eps", "qk_scale", "M"}  # runtime values, not specialised
+NO_HINT = {"s_bt", "NUM_SPLITS", "NUM_SEQS", "V", "eps", "qk_scale", "M"}  # runtime values, not specialised
 
 
 def attn_types(dt: str) -> dict:
     t = {n: "i32" for n in ("s_qn", "s_qh", "s_on", "s_oh", "s_kp", "s_kb", "s_kh", "s_vp", "s_vb", "s_vh",
-                            "s_bt", "PART", "NUM_SPLITS", "NUM_SEQS")}
+                            "s_bt", "NUM_SPLITS", "NUM_SEQS")}
     t.update(q_ptr=dt, kc_ptr=dt, vc_ptr=dt, out_ptr=dt, po_ptr="*fp32", plse_ptr="*fp32", qsl_ptr="*i32",
              sl_ptr="*i32", bt_ptr="*i32", lo_ptr="*i32", cpo_ptr="*fp32", cplse_ptr="*fp32", tiles_ptr="*i32",
              qk_scale="fp32")
@@ -109,7 +109,7 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                     dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, R=16, BLOCK_M=bm,
                          BLOCK_N=32 if prec == "ieee" else 64, CS=att.CASCADE_SPLITS, DOT_PREC=prec, ASM_V=asm_v),
                     dict(num_warps=4, num_stages=2)))
-    out.append(("reduce", att._reduce_kernel, attn_types("*bf16"), dict(HQ=32, D=128, BLOCK_D=128, BLOCK_S=8, CS=att.CASCADE_SPLITS, CASC=True),
+    out.append(("reduce", att._reduce_kernel, attn_types("*bf16"), dict(HQ=32, D=128, BLOCK_D=128, BLOCK_N=64, BLOCK_S=8, CS=att.CASCADE_SPLITS, CASC=True),
                 dict(num_warps=4)))
     st = dict(logits_ptr="*fp32", temp_ptr="*fp32", topk_ptr="*i32", topp_ptr="*fp32", minp_ptr="*fp32",
               seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64", cand_ptr="*fp32", keep_ptr="*i8", s_row="i32",

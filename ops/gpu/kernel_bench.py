@@ -103,7 +103,7 @@ def bench_decode(results, name, batch, ctx, copy_gbs, splits_variants=(None,), c
     paged_attention_triton(q, kc, vc, qsl, sl, tables, scale, 1, ctx, out=out)
     err = rel_err(out, attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, scale))
     nbytes = 2 * batch * ctx * HKV * D * 2 + 2 * q.numel() * 2
-    auto = decode_splits(batch, HKV, ctx, 64, sm_count())[0]
+    auto = decode_splits(batch, HKV, ctx, 64, sm_count())
     variants = [(s, {}) for s in splits_variants] + [(None, c) for c in configs if c]
     for s, cfg in variants:
         ms = median_ms(lambda: paged_attention_triton(q, kc, vc, qsl, sl, tables, scale, 1, ctx, num_splits=s,

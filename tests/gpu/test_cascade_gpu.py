@@ -37,18 +37,31 @@ def _forks(rows: int, groups: int, shared_pages: int, block: int, seed: int):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("rows,splits", [(48, None), (200, None), (24, 4)])
-def test_cascade_kernels_match_the_reference(kv_dtype, rows, splits):
+@pytest.mark.parametrize("rows,splits,long_rows", [(48, None, 0), (200, None, 0), (24, 4, 0), (48, None, 3)])
+def test_cascade_kernels_match_the_reference(kv_dtype, rows, splits, long_rows):
+    """Forks of three prompts (and, with ``long_rows``, rows of 5,000 positions of their own,
+    which the plan's spare tiles split) against the reference and the plain kernels."""
     from engine.kernels.attention import paged_attention_ref
     from engine.kernels.attention_triton import paged_attention_triton
     from engine.runner.cascade import max_tiles, plan_cascade, rows_per_tile
 
     hq, hkv, d, block = 32, 8, 128, 16
     bt, sl, pages = _forks(rows, 3, 64, block, rows)
+    if long_rows:  # the last rows get long tables of fresh pages
+        n = -(-5000 // block)
+        wide = torch.zeros(rows, max(bt.shape[1], n), dtype=torch.int32)
+        wide[:, :bt.shape[1]] = bt
+        for i in range(rows - long_rows, rows):
+            wide[i] = 0
+            wide[i, :n] = torch.arange(pages, pages + n, dtype=torch.int32)
+            sl[i] = 5000
+            pages += n
+        bt = wide
     per_tile = rows_per_tile(hq, hkv)
-    tiles, kv_lo, planned = plan_cascade(bt.numpy(), sl.numpy(), torch.ones(rows).numpy(), block, per_tile,
-                                         max_tiles(rows, per_tile))
-    assert planned >= rows // 2
+    plan = plan_cascade(bt.numpy(), sl.numpy(), torch.ones(rows).numpy(), block, per_tile,
+                        max_tiles(rows, per_tile))
+    tiles, kv_lo = plan.tiles, plan.kv_lo
+    assert plan.shared >= (rows - long_rows) // 2 and plan.long == long_rows
     g = torch.Generator(device="cuda").manual_seed(0)
     kc = torch.randn(pages, block, hkv, d, device="cuda", generator=g).to(kv_dtype)
     vc = torch.randn(pages, block, hkv, d, device="cuda", generator=g).to(kv_dtype)

@@ -136,7 +136,7 @@ def test_the_decode_warm_up_picks_one_bucket_per_decode_form(make_tiny_model, mo
     got = DecodeGraphs._cascade_warm(fake, planned)
     forms = {}
     for b in planned:
-        splits, _ = attention_triton.decode_splits(b, k.shape[2], 2048, 64, 132)
+        splits = attention_triton.decode_splits(b, k.shape[2], 2048, 64, 132)
         forms.setdefault(splits == 1 or attention_triton.triton.next_power_of_2(splits), b)
     assert got == sorted(forms.values(), reverse=True) and len(got) >= 2
     assert DecodeGraphs._cascade_warm(fake, []) == []

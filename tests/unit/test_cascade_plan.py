@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from engine.runner.cascade import MIN_PAGES, max_tiles, plan_cascade, rows_per_tile
+from engine.runner.cascade import LONG_ROW_TOKENS, MIN_PAGES, max_tiles, plan_cascade, rows_per_tile
 
 BS = 16
 
@@ -19,6 +19,13 @@ def _batch(rows: list[list[int]], seq_lens: list[int], width: int = 40):
     for i, pages in enumerate(rows):
         tables[i, :len(pages)] = pages
     return tables, np.asarray(seq_lens, dtype=np.int64)
+
+
+def _plan(*args, **kw):
+    """(tiles, kv_lo, rows sharing a prefix) of a plan that split no long row."""
+    plan = plan_cascade(*args, **kw)
+    assert plan.long == 0
+    return plan.tiles, plan.kv_lo, plan.shared
 
 
 def _check(tables, seq_lens, q_lens, tiles, kv_lo, per_tile):
@@ -47,7 +54,7 @@ def test_rows_that_share_a_system_prompt_form_one_group():
     rows = [shared + [200 + 3 * i, 201 + 3 * i] for i in range(20)] + [[900, 901, 902, 903, 904, 905]]
     tables, lens = _batch(rows, [64 * BS + 20] * 20 + [90], width=70)
     q = np.ones(21, dtype=np.int64)
-    tiles, kv_lo, planned = plan_cascade(tables, lens, q, BS, 16, max_tiles(21, 16))
+    tiles, kv_lo, planned = _plan(tables, lens, q, BS, 16, max_tiles(21, 16))
     assert planned == 20
     assert (kv_lo[:20] == 64 * BS).all() and kv_lo[20] == 0
     active = tiles[tiles[:, 1] > 0]
@@ -64,7 +71,7 @@ def test_two_prompts_under_a_common_header_are_two_groups_not_one():
     rows = [a + [100 + i] for i in range(8)] + [b + [200 + i] for i in range(8)]
     tables, lens = _batch(rows, [22 * BS - 3] * 16)
     q = np.ones(16, dtype=np.int64)
-    tiles, kv_lo, planned = plan_cascade(tables, lens, q, BS, 16, max_tiles(16, 16))
+    tiles, kv_lo, planned = _plan(tables, lens, q, BS, 16, max_tiles(16, 16))
     assert planned == 16 and (kv_lo == 21 * BS).all()
     assert sorted(int(t[0]) < 8 for t in tiles if t[1]) == [False, True]
     _check(tables, lens, q, tiles, kv_lo, 16)
@@ -76,13 +83,13 @@ def test_the_page_being_written_and_short_prefixes_are_never_shared():
     pages = list(range(30, 36))
     tables, lens = _batch([pages, pages], [6 * BS, 5 * BS + 1])
     q = np.ones(2, dtype=np.int64)
-    tiles, kv_lo, planned = plan_cascade(tables, lens, q, BS, 16, max_tiles(2, 16))
+    tiles, kv_lo, planned = _plan(tables, lens, q, BS, 16, max_tiles(2, 16))
     assert planned == 2 and (kv_lo == 5 * BS).all()
     _check(tables, lens, q, tiles, kv_lo, 16)
     # fewer than MIN_PAGES shared pages: no plan
     short = list(range(MIN_PAGES - 1))
     tables, lens = _batch([short + [50], short + [60]], [MIN_PAGES * BS + 3] * 2)
-    assert plan_cascade(tables, lens, q, BS, 16, 9)[2] == 0
+    assert _plan(tables, lens, q, BS, 16, 9)[2] == 0
 
 
 def test_prefill_rows_are_not_planned_and_the_tile_budget_holds():
@@ -90,10 +97,10 @@ def test_prefill_rows_are_not_planned_and_the_tile_budget_holds():
     rows = [shared + [200 + i] for i in range(6)]
     tables, lens = _batch(rows, [11 * BS - 1] * 6)
     q = np.array([1, 1, 5, 1, 1, 1])  # row 2 is a prefill chunk: the prefill kernel's
-    tiles, kv_lo, planned = plan_cascade(tables, lens, q, BS, 2, 3)  # 5 rows need 3 tiles of 2
+    tiles, kv_lo, planned = _plan(tables, lens, q, BS, 2, 3)  # 5 rows need 3 tiles of 2
     assert planned == 5 and kv_lo[2] == 0
     _check(tables, lens, q, tiles, kv_lo, 2)
-    tiles, kv_lo, planned = plan_cascade(tables, lens, q, BS, 2, 2)  # no room: nothing planned
+    tiles, kv_lo, planned = _plan(tables, lens, q, BS, 2, 2)  # no room: nothing planned
     assert planned == 0 and not kv_lo.any() and not tiles[:, 1].any()
 
 
@@ -124,7 +131,7 @@ def test_random_batches_give_safe_plans(data):
     tables, seq_lens = _batch(rows, lens, width=40)
     q_lens = np.asarray(q)
     num_tiles = max_tiles(n, per_tile)
-    tiles, kv_lo, planned = plan_cascade(tables, seq_lens, q_lens, BS, per_tile, num_tiles)
+    tiles, kv_lo, planned = _plan(tables, seq_lens, q_lens, BS, per_tile, num_tiles)
     assert tiles.shape == (num_tiles, 2 + per_tile)
     _check(tables, seq_lens, q_lens, tiles, kv_lo, per_tile)
     assert planned == int((kv_lo > 0).sum())
@@ -150,6 +157,50 @@ def test_a_chain_of_nested_prefixes_does_not_recurse_row_by_row():
         tables[i, :len(pages)] = pages
         lens[i] = (len(pages) - 1) * BS + 3
     q = np.ones(n, dtype=np.int64)
-    tiles, kv_lo, planned = plan_cascade(tables, lens, q, BS, 16, max_tiles(n, 16))
+    tiles, kv_lo, planned = _plan(tables, lens, q, BS, 16, max_tiles(n, 16))
     assert planned > 0
     _check(tables, lens, q, tiles, kv_lo, 16)
+
+
+def test_a_long_row_beside_short_ones_gets_a_tile_of_its_own():
+    """Rows that share nothing: those with a context of LONG_ROW_TOKENS of their own take the
+    spare tiles, longest first, their full pages as the tile's length (the page being written
+    stays the decode kernel's); short rows and prefill chunks are left alone."""
+    long_pages = LONG_ROW_TOKENS // BS
+    fresh = iter(range(1, 100_000))
+    rows = [[next(fresh) for _ in range(n)] for n in (3, long_pages + 1, 2, 2 * long_pages + 1, long_pages, 5)]
+    lens = [(len(p) - 1) * BS + 7 for p in rows]
+    tables, seq_lens = _batch(rows, lens, width=2 * long_pages + 2)
+    q = np.array([1, 1, 1, 1, 1, 3])
+    plan = plan_cascade(tables, seq_lens, q, BS, 16, max_tiles(6, 16))
+    assert plan.shared == 0 and plan.long == 2
+    assert plan.kv_lo[1] == long_pages * BS and plan.kv_lo[3] == 2 * long_pages * BS
+    assert plan.kv_lo[[0, 2, 5]].tolist() == [0, 0, 0]
+    # row 4 holds LONG_ROW_TOKENS positions, one page of them being written: not long enough
+    assert plan.kv_lo[4] == 0
+    active = plan.tiles[plan.tiles[:, 1] > 0]
+    assert [int(t[0]) for t in active] == [3, 1]  # longest first
+    assert all(int(t[2]) == int(t[0]) and (t[3:] == -1).all() for t in active)
+    _check(tables, seq_lens, q, plan.tiles, plan.kv_lo, 16)
+    # one spare tile: the longest row takes it
+    plan = plan_cascade(tables, seq_lens, q, BS, 16, 1)
+    assert plan.long == 1 and plan.kv_lo[3] > 0 and plan.kv_lo[1] == 0
+
+
+def test_shared_prefixes_come_before_long_rows():
+    """A group saves reads; a long row's tile only splits it. With one tile, the group takes it
+    and the long row, though it has more positions, runs unplanned; a long row already in a
+    group is not given a second tile."""
+    long_pages = LONG_ROW_TOKENS // BS
+    shared = list(range(1, 9))
+    rows = [shared + [100], shared + [101], list(range(200, 200 + 2 * long_pages + 1)),
+            shared + list(range(5000, 5000 + long_pages + 1))]
+    lens = [(len(p) - 1) * BS + 3 for p in rows]
+    tables, seq_lens = _batch(rows, lens, width=2 * long_pages + 2)
+    q = np.ones(4, dtype=np.int64)
+    plan = plan_cascade(tables, seq_lens, q, BS, 16, 1)
+    assert plan.shared == 3 and plan.long == 0 and plan.kv_lo[2] == 0
+    plan = plan_cascade(tables, seq_lens, q, BS, 16, 2)
+    assert plan.shared == 3 and plan.long == 1 and plan.kv_lo[2] == 2 * long_pages * BS
+    assert plan.kv_lo[3] == len(shared) * BS  # the group's, not a tile of its own
+    _check(tables, seq_lens, q, plan.tiles, plan.kv_lo, 16)

@@ -13,7 +13,7 @@ from tests.records import model_stats
 BASE = ["running", "waiting", "kv_pages_used", "kv_pages_total", "device_bytes", "parked", "parked_s", "steps",
         "decode_graph_steps", "mixed_graph_steps", "host_s", "wait_s"]
 PREFIX = ["prefix_cached_pages", "prefix_queried_tokens", "prefix_hit_tokens"]
-CASCADE = ["cascade_rows", "cascade_steps"]
+CASCADE = ["cascade_rows", "cascade_steps", "cascade_long_rows"]
 GRAMMAR = ["grammar_compiles", "grammar_cache_hits", "grammar_compile_s", "grammar_mask_s", "grammar_masked_rows",
            "grammar_masked_steps"]
 

@@ -143,10 +143,30 @@ def test_paged_attention_decode(dtype, splits):
 
 
 def test_decode_split_heuristic():
-    assert decode_splits(1, 8, 8192, 64, 132)[0] > 8  # batch 1: spread the context over the chip
-    assert decode_splits(256, 8, 2048, 64, 132)[0] == 1  # big batch: one pass, no reduce
-    n, part = decode_splits(3, 2, 1000, 64, 4)
-    assert part % 64 == 0 and n * part >= 1000 and (n - 1) * part < 1000
+    assert decode_splits(1, 8, 8192, 64, 132) > 8  # batch 1: spread the context over the chip
+    assert decode_splits(256, 8, 2048, 64, 132) == 1  # big batch: one pass, no reduce
+    assert decode_splits(1, 8, 100, 64, 132) == 2  # never more splits than KV tiles
+    assert decode_splits(3, 2, 131072, 64, 4) == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_of_every_length_are_exact_with_each_row_split_over_its_own_context(dtype):
+    """The splits partition each row's own context, not the bound (a graph's 131,072 would give
+    a 3,000-token row one program of 64k positions): a long row beside short ones, one-token
+    and one-tile rows, and more splits than a row has tiles all merge exactly."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(2)
+    block, hq, hkv, d = 16, 4, 1, 32
+    seq_lens = [3000, 20, 1, 700]
+    pages = sum((s + block - 1) // block for s in seq_lens) + 2
+    _, kc, vc = make_pool(pages, 1, block, hkv, d, dtype, layer=0)
+    tables, _, qsl, sl = build_batch([1] * 4, seq_lens, block, pages, gen)
+    q = torch.randn(4, hq, d).to(dtype)
+    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.2)
+    for splits in (None, 5, 64):
+        out = torch.full_like(q, float("nan"))
+        paged_attention_triton(q, kc, vc, qsl, sl, tables, 0.2, 1, 131072, num_splits=splits, out=out)
+        assert rel_err(out, ref) < TOL[dtype], splits
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -351,24 +371,31 @@ def _shared_batch(seed: int, dtype: torch.dtype, block: int = 4):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("per_tile", [2, 16])
-def test_cascade_attention_is_the_same_attention(dtype, splits, per_tile):
+@pytest.mark.parametrize("long_rows", [False, True])
+def test_cascade_attention_is_the_same_attention(dtype, splits, per_tile, long_rows):
     """With a cascade plan (engine/runner/cascade.py) the rows that share pages read them once a
     tile and merge that partial into their own: the output is the reference's, in one-split
     programs and through the reduce alike, whatever the tile height (2: groups over several
-    tiles). The prefill row of the batch is untouched by the plan."""
-    from engine.runner.cascade import max_tiles, plan_cascade
+    tiles). The prefill row of the batch is untouched by the plan. ``long_rows``: the spare
+    tiles split rows of a long context of their own (here 16 tokens is long), row 8 among them."""
+    from engine.runner.cascade import LONG_ROW_TOKENS, max_tiles, plan_cascade
 
     torch.manual_seed(0)
     block = 4
     tables, sl, q_lens, q, qsl, kc, vc = _shared_batch(1, dtype, block)
-    tiles, kv_lo, planned = plan_cascade(tables.numpy(), sl.numpy(), q_lens.numpy(), block, per_tile,
-                                         max_tiles(len(sl), per_tile), min_pages=2)
-    assert kv_lo[8] == 0 and kv_lo[9] == 0
+    plan = plan_cascade(tables.numpy(), sl.numpy(), q_lens.numpy(), block, per_tile, max_tiles(len(sl), per_tile),
+                        min_pages=2, long_row_tokens=16 if long_rows else LONG_ROW_TOKENS)
+    kv_lo = plan.kv_lo
+    assert kv_lo[9] == 0
     if per_tile == 2:  # rows 5-7 in one group would need two tiles: rows 5 and 6 alone save more
-        assert planned == 7 and kv_lo[5:8].tolist() == [7 * block, 7 * block, 0]
+        assert plan.shared == 7 and kv_lo[5:7].tolist() == [7 * block, 7 * block]
     else:
-        assert planned == 8 and kv_lo[5:8].tolist() == [5 * block] * 3
-    cascade = (torch.from_numpy(tiles), torch.from_numpy(kv_lo))
+        assert plan.shared == 8 and kv_lo[5:8].tolist() == [5 * block] * 3
+    if long_rows:
+        assert kv_lo[8] == (int(sl[8]) - 1) // block * block and plan.long == 1 + (per_tile == 2)
+    else:
+        assert kv_lo[8] == 0 and plan.long == 0
+    cascade = (torch.from_numpy(plan.tiles), torch.from_numpy(kv_lo))
     ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.3)
     out = torch.full_like(q, float("nan"))
     paged_attention_triton(q, kc, vc, qsl, sl, tables, 0.3, 5, 64, num_splits=splits, out=out, cascade=cascade)
@@ -380,10 +407,10 @@ def test_cascade_attention_over_an_fp8_cache():
 
     tables, sl, q_lens, q, qsl, kc, vc = _shared_batch(2, torch.float32)
     kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-    tiles, kv_lo, planned = plan_cascade(tables.numpy(), sl.numpy(), q_lens.numpy(), 4, 16, max_tiles(10, 16),
-                                         min_pages=2)
-    assert planned == 8
+    plan = plan_cascade(tables.numpy(), sl.numpy(), q_lens.numpy(), 4, 16, max_tiles(10, 16), min_pages=2,
+                        long_row_tokens=16)
+    assert plan.shared == 8 and plan.long == 1
     out = paged_attention_triton(q, kc8, vc8, qsl, sl, tables, 0.3, 5, 64,
-                                 cascade=(torch.from_numpy(tiles), torch.from_numpy(kv_lo)))
+                                 cascade=(torch.from_numpy(plan.tiles), torch.from_numpy(plan.kv_lo)))
     ref = attention.paged_attention_ref(q, kc8, vc8, qsl, sl, tables, 0.3)
     assert rel_err(out, ref) < TOL[torch.float32]
