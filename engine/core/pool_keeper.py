@@ -234,7 +234,7 @@ class PoolKeeper:
         self._changed_at = time.monotonic()
         model, kv, runner = slot.model, slot.kv, slot.runner
         slot.model = slot.kv = slot.runner = None  # the vacancy's alone: a resize must find no other view
-        if self.cuda_graphs and self.decode_buckets and runner.graphs is None and not slot.config.num_experts:
+        if self.cuda_graphs and self.decode_buckets and runner.graphs is None:
             kv = runner = None  # an eager stand-in after a failed capture: the next model gets real graphs
         else:
             runner.vacate()
@@ -438,8 +438,6 @@ class PoolKeeper:
         else:  # padded pages: per-layer views whose page stride is the whole page
             kv = KVCache.from_views(spec, self.pool.kv_views(name))
         graphs = self.cuda_graphs if cuda_graphs is None else cuda_graphs
-        if cfg.num_experts:
-            graphs = False  # the experts' reference path groups tokens on the host (engine/models/llama.py)
         return kv, ModelRunner(model, kv, self.max_num_batched_tokens, max_num_seqs, max_model_len,
                                decode_buckets=self.decode_buckets if graphs else (), cuda_graphs=graphs,
                                mixed_buckets=self.mixed_buckets, stream_pool=self.streams)

@@ -1,5 +1,5 @@
-"""The mixture-of-experts reference path on the GPU in bf16 against transformers (eager: a model
-with experts captures no graph). Skipped without CUDA.
+"""The mixture-of-experts path on the GPU in bf16 against transformers, through the engine's CUDA
+graphs as served, and graphed against eager step for step. Skipped without CUDA.
 
 Tolerance: the last prompt position's top-5 logprobs, max |engine - hf_fp32| <= 3 * max
 |hf_bf16 - hf_fp32| + 2e-3, as tests/gpu/test_engine_gpu.py holds dense models."""
@@ -19,7 +19,7 @@ PROMPT = list(range(30, 75))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_moe_logprobs_within_bf16_and_no_graphs(arch, tmp_path):
+def test_moe_logprobs_within_bf16_through_graphs(arch, tmp_path):
     transformers = pytest.importorskip("transformers")
     from engine.core.engine_core import EngineCore
     from modelgen.make import make_model
@@ -28,7 +28,8 @@ def test_moe_logprobs_within_bf16_and_no_graphs(arch, tmp_path):
     core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, block_size=16, seed=0),
                       device="cuda")
     core.load_model(LoadSpec("m", str(d), max_model_len=256, max_num_seqs=8))
-    assert core.slots.get("m").runner.graphs is None
+    runner = core.slots.get("m").runner
+    assert runner.graphs is not None and runner.mixed is not None  # experts capture graphs as dense models do
     core.add_request("r", "m", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5))
     outs = []
     while core.has_unfinished_requests():
@@ -47,18 +48,17 @@ def test_moe_logprobs_within_bf16_and_no_graphs(arch, tmp_path):
 
 
 def test_a_graphed_moe_forward_gives_the_eager_ones_tokens(tmp_path):
-    """What turning CUDA graphs on for models with experts waits for (PoolKeeper.new_runner
-    keeps them eager): the routing, the pairs' alignment and the grouped GEMMs have static
-    shapes, so a runner capturing decode and mixed-step graphs over the same weights and KV
-    must pick the eager runner's tokens, step for step (top-1 logprobs within bf16's noise
-    where a near-tie tips a pick)."""
+    """Why models with experts may capture graphs: the routing, the pairs' alignment and the
+    grouped GEMMs have static shapes, so a runner capturing decode and mixed-step graphs over
+    the same weights and KV picks the eager runner's tokens, step for step (top-1 logprobs
+    within bf16's noise where a near-tie tips a pick)."""
     from engine.core.engine_core import EngineCore
     from engine.runner.model_runner import ModelRunner
     from modelgen.make import make_model
 
     d = make_model(tmp_path / "qwen3_moe", "qwen3_moe", "small", seed=0)
-    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=256, block_size=16, seed=0),
-                      device="cuda")
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=256, block_size=16, seed=0,
+                                    cuda_graphs=False), device="cuda")
     core.load_model(LoadSpec("m", str(d), max_model_len=256, max_num_seqs=8))
     slot = core.slots.get("m")
     eager = slot.runner
