@@ -64,8 +64,8 @@ class Experts(nn.Module):
     The experts' weights are stacked ([E, 2I, H] gate-up, [E, H, I] down) and filled from the
     checkpoint's one-tensor-per-expert layout by row ranges of a flat view. The computation is
     engine/kernels/moe.py: pairs grouped into one-expert tiles at fixed shapes, two grouped GEMMs
-    (Triton on CUDA). Until that path has run on a GPU, a model with experts captures no CUDA
-    graph (engine/core/pool_keeper.py; docs/engine.md, "Mixture of experts").
+    (Triton on CUDA). No shape depends on the routing, so its steps are captured in CUDA graphs
+    like a dense model's (tests/gpu/test_moe_gpu.py; docs/engine.md, "Mixture of experts").
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
