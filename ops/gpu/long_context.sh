@@ -4,7 +4,8 @@
 # kernels: ops/gpu/prefill_bench.py (4k-32k, launch-shape sweep; torch's flash backend beside it);
 # daemon: ops/bench/long_context_bench.py on the 8B (TTFT at 8k-120k; eight 32k prompts beside a
 # c64 short stream); c200: the sharegpt-like daemon bench at concurrency 200 in this tree, with 10 %
-# penalised requests, and in the tree at $OLD (the "not below" check); old-daemon: the long-context
+# penalised requests, and in the tree at $OLD (the "not below" check); c200ab: the same without the
+# penalised run; old-daemon: the long-context
 # bench in $OLD; steps: the mixed phase alone at each of $STEPS (decode_step_tokens; default
 # "512 768 1024"): the decodes' TPOT against the long prompts' TTFT; tests: tests/gpu (the kernel
 # files first).
@@ -40,6 +41,7 @@ for phase in "$@"; do
              echo "steps $b rc=$?" >> "$OUT/runs.txt"; stop
            done ;;
     c200) serve plain 0; serve penalised10 0.1; serve plain_old 0 "${OLD:?set OLD}" ;;
+    c200ab) serve plain 0; serve plain_old 0 "${OLD:?set OLD}" ;;
     tests) timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py tests/gpu \
              > "$OUT/tests_gpu.txt" 2>&1; echo "tests rc=$?" >> "$OUT/runs.txt" ;;
   esac
