@@ -35,6 +35,7 @@ from typing import Any
 
 from agent.http import sse
 from ops.bench.engine_bench import _commit, save_result
+from ops.bench.gauge_sampler import GaugeSampler, scrape
 from ops.bench.workload import percentile
 from ops.bench.workload import NAME as WORKLOAD, sharegpt_like, summary
 
@@ -324,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
                     "lazily compiled kernels are done before it (default: the concurrency; 0: none)")
     ap.add_argument("--profile", help="folder: py-spy samples of the agent and the worker over the run "
                                       "(collapsed stacks, <part>.txt, and the top functions, profile.json)")
+    ap.add_argument("--scrape-gauges", type=float, default=0.0, metavar="SECONDS",
+                    help="scrape the gateway protocol's gauges from /metrics this often over the window, as "
+                         "the inference gateway's picker does (it polls every 0.05 s); 0: off")
     ap.add_argument("--profile-native", action="store_true", help="with --profile: C frames too (pauses the "
                                                                     "processes at each sample: slower)")
     a = ap.parse_args(argv)
@@ -331,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give exactly one of --concurrency N or --rate R")
     if not 0.0 <= a.penalised_fraction <= 1.0:
         ap.error("--penalised-fraction is a share, 0 to 1")
+    if not (a.scrape_gauges == 0 or 0.01 <= a.scrape_gauges <= 60):
+        ap.error("--scrape-gauges is 0 (off) or 0.01 to 60 seconds")
     with contextlib.ExitStack() as stack:
         proc = None
         if a.url:
@@ -353,10 +359,16 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(2.0)
         spies = start_profile(Path(a.profile), {"agent": agent_pid, "worker": worker_pid},
                               a.profile_native) if a.profile else {}
+        sampler = GaugeSampler(url, a.scrape_gauges).start() if a.scrape_gauges else None
         before = tree_cpu_seconds(tree_pids(agent_pid, worker_pid))
         results, wall = asyncio.run(drive(url, model, reqs, a.concurrency, a.rate, a.api_key, a.seed,
                                           a.penalised_fraction))
         cpu = tree_cpu_delta(before, tree_cpu_seconds(tree_pids(agent_pid, worker_pid)))
+        gauges = None
+        if sampler is not None:
+            sampler.stop()
+            time.sleep(1.5)  # the worker's status (what the gauges read) refreshes every 0.25 s
+            gauges = sampler.summary(scrape(url))
         if spies:
             stop_profile(Path(a.profile), spies)
     if a.concurrency:
@@ -372,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": model, "workload": {"name": WORKLOAD, **summary(reqs), "seed": a.seed, "vocab_size": vocab},
         "mode": mode, "warmup_requests": warmup, "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
         **report(results, wall, cpu),
+        # with --scrape-gauges: the node's protocol gauges over the window and after it
+        "gateway_gauges": gauges,
     }
     if a.no_save:
         print(json.dumps(result, indent=2))

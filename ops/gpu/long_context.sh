@@ -5,7 +5,8 @@
 # daemon: ops/bench/long_context_bench.py on the 8B (TTFT at 8k-120k; eight 32k prompts beside a
 # c64 short stream); c200: the sharegpt-like daemon bench at concurrency 200 in this tree, with 10 %
 # penalised requests, and in the tree at $OLD (the "not below" check); c200ab: the same without the
-# penalised run; old-daemon: the long-context
+# penalised run; gauges: c200 with the gateway protocol's gauges scraped every 50 ms (issue 39);
+# old-daemon: the long-context
 # bench in $OLD; steps: the mixed phase alone at each of $STEPS (decode_step_tokens; default
 # "512 768 1024"): the decodes' TPOT against the long prompts' TTFT; tests: tests/gpu (the kernel
 # files first).
@@ -19,12 +20,13 @@ in_tree() {  # in_tree DIR CMD...: a command in another checkout (its engine, it
   local tree; tree=$(cd "$1" && pwd); shift
   (cd "$tree" && PYTHONPATH="${PYTHONPATH%%:*}:$tree" INFIRE_COMMIT=$(cat "$tree/COMMIT" 2>/dev/null || echo "") "$@")
 }
-serve() {  # serve NAME FRACTION [TREE]
+serve() {  # serve NAME FRACTION [TREE [BENCH ARGS...]]
   model
-  in_tree "${3:-.}" timeout 240 python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 200 \
-    --num-requests 1000 --max-model-len 4096 --max-num-seqs 256 --penalised-fraction "$2" \
-    --out "$OUT/serve_$1.json" > "$OUT/serve_$1.txt" 2>&1
-  echo "$1 rc=$?" >> "$OUT/runs.txt"; stop
+  local name=$1 frac=$2 tree=${3:-.}; shift; shift; shift || true
+  in_tree "$tree" timeout 240 python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 200 \
+    --num-requests 1000 --max-model-len 4096 --max-num-seqs 256 --penalised-fraction "$frac" "$@" \
+    --out "$OUT/serve_$name.json" > "$OUT/serve_$name.txt" 2>&1
+  echo "$name rc=$?" >> "$OUT/runs.txt"; stop
 }
 for phase in "$@"; do
   case $phase in
@@ -42,6 +44,7 @@ for phase in "$@"; do
            done ;;
     c200) serve plain 0; serve penalised10 0.1; serve plain_old 0 "${OLD:?set OLD}" ;;
     c200ab) serve plain 0; serve plain_old 0 "${OLD:?set OLD}" ;;
+    gauges) serve gauges 0 . --scrape-gauges 0.05 ;;
     tests) timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py tests/gpu \
              > "$OUT/tests_gpu.txt" 2>&1; echo "tests rc=$?" >> "$OUT/runs.txt" ;;
   esac

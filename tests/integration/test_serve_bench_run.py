@@ -17,7 +17,8 @@ def test_serve_bench_runs_against_a_real_daemon(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "INFIRE_ENGINE__SANDBOX": "false"}
     r = subprocess.run([sys.executable, "-m", "ops.bench.serve_bench", "--arch", "llama", "--preset", "tiny",
                         "--device", "cpu", "--num-requests", "6", "--concurrency", "3",
-                        "--max-num-seqs", "4", "--penalised-fraction", "0.5", "--out", str(out)],
+                        "--max-num-seqs", "4", "--penalised-fraction", "0.5", "--scrape-gauges", "0.05",
+                        "--out", str(out)],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     report = json.loads(out.read_text())
@@ -26,6 +27,13 @@ def test_serve_bench_runs_against_a_real_daemon(tmp_path) -> None:
     # half of them (seeded) carry the penalties the engine applies on the device; both kinds served
     assert 0 < report["penalised_requests"] < 6 and report["errors"] == 0, report
     assert report["tpot_ms_p50_penalised"] > 0 and report["tpot_ms_p50_plain"] > 0
+    # the gateway's gauges as its picker scrapes them: requests ran and held pages in the window
+    # (never more running than the model's max_num_seqs), and nothing is left once it drained
+    g = report["gateway_gauges"]
+    assert g["samples"] > 5 and g["failures"] == 0, g
+    assert 1 <= g["running"]["max"] <= 4 and 0 < g["kv_usage"]["max"] <= 1, g
+    assert g["after"] == {"waiting": 0, "running": 0, "kv_usage": 0}, g
+    assert g["cache_config"]["block_size"] == "16" and int(g["cache_config"]["num_gpu_blocks"]) > 0, g
 
 
 def test_long_context_bench_runs_against_a_real_daemon(tmp_path) -> None:
