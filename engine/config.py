@@ -284,8 +284,6 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
     bos = cfg.get("bos_token_id")
     layers = _int(cfg, "num_hidden_layers")
     moe = _experts(cfg, family, layers)
-    if moe and fp8_checkpoint is not None:
-        raise ModelConfigError("config.json: a pre-quantized FP8 mixture-of-experts checkpoint is not supported yet")
     return ModelConfig(
         family=family,
         vocab_size=_int(cfg, "vocab_size"),

@@ -139,9 +139,6 @@ def check_quantization(quantization: str | None, cfg: ModelConfig, device: torch
     ok, why = fp8_supported(device)
     if not ok:
         raise LoadOptionError(f"quantization {quantization!r}: {why}")
-    if cfg.num_experts:
-        raise LoadOptionError(f"quantization {quantization!r}: not built for mixture-of-experts models yet "
-                              f"({cfg.family}); load it without quantization")
     for key, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
                    ("num_attention_heads * head_dim", cfg.q_size), ("num_key_value_heads * head_dim", cfg.kv_size)):
         if v % 16:

@@ -25,6 +25,16 @@ BLOCK_M = 16  # pairs per tile: tl.dot's smallest height; the H200 tuning may ra
 
 
 @dataclass(frozen=True)
+class ExpertStack:
+    """One projection of every expert: ``w`` [E, N, K] in the activations' dtype, or e4m3 with
+    ``scale`` [E, N] float32, each expert's multiplier per output channel (FP8 experts: the
+    weights are widened tile by tile in the GEMM, the scale applied once to its sums)."""
+
+    w: torch.Tensor
+    scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class Routing:
     """The pairs of a step grouped by expert.
 
@@ -74,10 +84,11 @@ def align(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, block_
     return Routing(pair_ids, tile_expert, weights.reshape(-1).float().contiguous(), k, block_m)
 
 
-def grouped_gemm_ref(a: torch.Tensor, w: torch.Tensor, r: Routing, per_pair_input: bool,
+def grouped_gemm_ref(a: torch.Tensor, stack: ExpertStack, r: Routing, per_pair_input: bool,
                      apply_weights: bool) -> torch.Tensor:
     """out[pair] = a[row] @ w[expert].T (times the pair's weight when ``apply_weights``); ``row``
     is the pair's token (``a`` [N, K]) or the pair itself (``per_pair_input``, ``a`` [N*k, K])."""
+    w, scale = stack.w, stack.scale
     pairs = r.weights.shape[0]
     out = torch.zeros((pairs, w.shape[1]), dtype=a.dtype, device=a.device)
     ids = r.pair_ids.long()
@@ -88,30 +99,36 @@ def grouped_gemm_ref(a: torch.Tensor, w: torch.Tensor, r: Routing, per_pair_inpu
         p = p[p < pairs]
         rows = p if per_pair_input else p // r.top_k
         y = a.index_select(0, rows).float() @ w[e].float().T
+        if scale is not None:
+            y = y * scale[e]
         if apply_weights:
             y = y * r.weights[p, None]
         out[p] = y.to(a.dtype)
     return out
 
 
-def grouped_gemm(a: torch.Tensor, w: torch.Tensor, r: Routing, per_pair_input: bool,
+def grouped_gemm(a: torch.Tensor, stack: ExpertStack, r: Routing, per_pair_input: bool,
                  apply_weights: bool) -> torch.Tensor:
+    w, scale = stack.w, stack.scale
     check(a.dim() == 2 and w.dim() == 3 and a.shape[1] == w.shape[2],
           f"a [rows, K] and w [E, N, K] must agree, got {tuple(a.shape)} and {tuple(w.shape)}")
+    check(scale is None or (scale.shape == w.shape[:2] and scale.dtype == torch.float32),
+          f"an FP8 stack's scale must be [E, N] float32, got {None if scale is None else tuple(scale.shape)}")
+    check((scale is None) == (w.dtype != torch.float8_e4m3fn), "e4m3 expert weights need their scales, and only they")
     if use_triton(a, w):
         from engine.kernels.moe_triton import grouped_gemm_triton
 
         return grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m,
-                                   per_pair_input, apply_weights)
-    return grouped_gemm_ref(a, w, r, per_pair_input, apply_weights)
+                                   per_pair_input, apply_weights, scale)
+    return grouped_gemm_ref(a, stack, r, per_pair_input, apply_weights)
 
 
-def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, router_logits: torch.Tensor,
+def fused_experts(x: torch.Tensor, gate_up: ExpertStack, down: ExpertStack, router_logits: torch.Tensor,
                   top_k: int, renormalize: bool) -> torch.Tensor:
     """The experts' output [N, H] for ``x`` [N, H]: ``gate_up`` [E, 2I, H], ``down`` [E, H, I]."""
     n = x.shape[0]
     weights, experts = route(router_logits, top_k, renormalize)
-    r = align(experts, weights, gate_up.shape[0])
+    r = align(experts, weights, gate_up.w.shape[0])
     gu = grouped_gemm(x, gate_up, r, per_pair_input=False, apply_weights=False)  # [N*k, 2I]
     y = grouped_gemm(silu_and_mul(gu), down, r, per_pair_input=True, apply_weights=True)  # [N*k, H]
     return y.view(n, top_k, -1).float().sum(dim=1).to(x.dtype)

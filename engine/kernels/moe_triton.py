@@ -2,7 +2,9 @@
 tiles); a tile's ``BLOCK_M`` pairs share one expert, so its rows gather the inputs (a token's
 hidden row, or the pair's own row) and multiply them by that expert's weights, float32
 accumulation, the routing weight applied before the store; padding slots and tiles past the last
-used one store nothing. Launch sizes are fixed defaults until the H200 tuning table (issue 37)."""
+used one store nothing. FP8 experts (``SCALED``): e4m3 weights widened to the inputs' dtype tile
+by tile, each output column times its expert's channel scale once after the sum. Launch sizes
+are fixed defaults until the H200 tuning table (issue 37)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from engine.kernels._launch import CachedLauncher, pdl_entry
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ids_ptr, tile_expert_ptr, weights_ptr,
+def _grouped_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, pair_ids_ptr, tile_expert_ptr, weights_ptr,
                          num_pairs, n_out, k_in, s_a, s_we, s_wn, s_o,
-                         TOP_K: tl.constexpr, PER_PAIR: tl.constexpr, APPLY_WEIGHTS: tl.constexpr,
+                         TOP_K: tl.constexpr, PER_PAIR: tl.constexpr, APPLY_WEIGHTS: tl.constexpr, SCALED: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     tile = tl.program_id(0)
@@ -40,7 +42,11 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, pair_ids_ptr, tile_expert_ptr, w
         k_ok = ks < k_in
         a = tl.load(a_ptr + rows[:, None] * s_a + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + cols[None, :] * s_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if SCALED:
+            w = w.to(a.dtype)
         acc += tl.dot(a, w)
+    if SCALED:  # the expert's scale of each output channel ([E, N] float32, contiguous)
+        acc = acc * tl.load(ws_ptr + expert.to(tl.int64) * n_out + cols, mask=col_ok, other=0.0)[None, :]
     if APPLY_WEIGHTS:
         acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + pairs[:, None] * s_o + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -52,8 +58,9 @@ _GROUPED_GEMM_LAUNCH = CachedLauncher(_grouped_gemm_kernel, pdl=True)
 
 def grouped_gemm_triton(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor, tile_expert: torch.Tensor,
                         weights: torch.Tensor, top_k: int, block_m: int, per_pair_input: bool,
-                        apply_weights: bool) -> torch.Tensor:
-    """The grouped GEMM of engine/kernels/moe.py (its ``Routing``'s tensors passed one by one)."""
+                        apply_weights: bool, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped GEMM of engine/kernels/moe.py (its ``Routing``'s tensors passed one by one);
+    ``w_scale`` [E, N] float32 with e4m3 ``w``."""
     if a.stride(1) != 1:
         a = a.contiguous()
     if w.stride(2) != 1:
@@ -64,8 +71,11 @@ def grouped_gemm_triton(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor
     block_n = min(128, max(16, triton.next_power_of_2(n_out)))
     block_k = min(64, max(16, triton.next_power_of_2(k_in)))
     grid = (tile_expert.shape[0], triton.cdiv(n_out, block_n))
-    _GROUPED_GEMM_LAUNCH.launch(grid, a, w, out, pair_ids, tile_expert, weights, num_pairs, n_out, k_in,
-                                a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                                TOP_K=top_k, PER_PAIR=per_pair_input, APPLY_WEIGHTS=apply_weights,
+    scaled = w_scale is not None
+    if scaled and not w_scale.is_contiguous():
+        w_scale = w_scale.contiguous()
+    _GROUPED_GEMM_LAUNCH.launch(grid, a, w, w_scale if scaled else weights, out, pair_ids, tile_expert, weights,
+                                num_pairs, n_out, k_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+                                TOP_K=top_k, PER_PAIR=per_pair_input, APPLY_WEIGHTS=apply_weights, SCALED=scaled,
                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out

@@ -24,7 +24,7 @@ from engine import kernels
 from engine.config import ModelConfig
 from engine.kernels.fp8 import fp8_linear, quantize_rows
 from engine.kernels.fp8_format import FP8
-from engine.kernels.moe import fused_experts
+from engine.kernels.moe import ExpertStack, fused_experts
 from engine.kv.kv_cache import KVCache
 
 QUANTIZATIONS = ("fp8",)
@@ -68,23 +68,37 @@ class Experts(nn.Module):
     like a dense model's (tests/gpu/test_moe_gpu.py; docs/engine.md, "Mixture of experts").
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fp8: bool = False) -> None:
         super().__init__()
         e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
         self.num_experts, self.top_k, self.inter, self.norm_topk = e, cfg.experts_per_token, inter, cfg.norm_topk_prob
-        self.router_w = _empty(e, h, dtype=dtype, device=device)
-        self.gate_up_w = _empty(e, 2 * inter, h, dtype=dtype, device=device)
-        self.down_w = _empty(e, h, inter, dtype=dtype, device=device)
+        wdt = FP8 if fp8 else dtype
+        self.router_w = _empty(e, h, dtype=dtype, device=device)  # the router stays in the model's dtype
+        self.gate_up_w = _empty(e, 2 * inter, h, dtype=wdt, device=device)
+        self.down_w = _empty(e, h, inter, dtype=wdt, device=device)
+        # FP8: a float32 scale per expert and output channel, filled with the codes at load
+        self.gate_up_s = _empty(e, 2 * inter, dtype=torch.float32, device=device) if fp8 else None
+        self.down_s = _empty(e, h, dtype=torch.float32, device=device) if fp8 else None
+        # The stacks as the checkpoint's rows: one view each, made once, so that the loader finds
+        # an FP8 stack's scales by the view's identity (row_scales)
+        self.gate_up_rows = self.gate_up_w.data.view(e * 2 * inter, h)
+        self.down_rows = self.down_w.data.view(e * h, inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, self.gate_up_w, self.down_w, nn.functional.linear(x, self.router_w),
-                            self.top_k, self.norm_topk)
+        return fused_experts(x, ExpertStack(self.gate_up_w, self.gate_up_s), ExpertStack(self.down_w, self.down_s),
+                             nn.functional.linear(x, self.router_w), self.top_k, self.norm_topk)
+
+    def row_scales(self) -> dict[int, torch.Tensor]:
+        """An FP8 stack's scales as rows of the checkpoint's layout, by ``id`` of its row view
+        (empty without FP8): see :meth:`LlamaModel.row_scales`."""
+        if self.gate_up_s is None:
+            return {}
+        return {id(self.gate_up_rows): self.gate_up_s.data.view(-1), id(self.down_rows): self.down_s.data.view(-1)}
 
     def weight_slots(self, prefix: str, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, int, int]]:
         """The checkpoint's names of this layer's router and experts → row ranges of the stacks."""
         h, inter = cfg.hidden_size, self.inter
-        gu = self.gate_up_w.data.view(self.num_experts * 2 * inter, h)
-        down = self.down_w.data.view(self.num_experts * h, inter)
+        gu, down = self.gate_up_rows, self.down_rows
         if cfg.family == "mixtral":
             block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")  # gate, up, down
         else:
@@ -123,9 +137,7 @@ class DecoderLayer(nn.Module):
         self.post_norm = _empty(h, dtype=dtype, device=device)
         self.experts: Experts | None = None
         if sparse:  # the MLP is the routed experts (the dense MLP's parameters are absent)
-            if self.fp8:
-                raise ValueError("FP8 mixture-of-experts layers are not built yet")
-            self.experts = Experts(cfg, dtype, device)
+            self.experts = Experts(cfg, dtype, device, self.fp8)
             self.gate_up_w = self.gate_up_s = self.gate_up_b = self.down_w = self.down_s = self.down_b = None
         else:
             self.gate_up_w = _empty(2 * inter, h, dtype=wdt, device=device)
@@ -209,7 +221,9 @@ class LlamaModel(nn.Module):
             if mlp_out is not None:
                 h, residual = kernels.fused_add_rms_norm(mlp_out, residual, layer.input_norm, eps, quant=fp8)
             attn_out = layer.attention(h, positions, kv.k(i), kv.v(i), meta, self.cos_sin)
-            h, residual = kernels.fused_add_rms_norm(attn_out, residual, layer.post_norm, eps, quant=fp8)
+            # experts take their inputs in the model's dtype (their e4m3 weights are widened)
+            h, residual = kernels.fused_add_rms_norm(attn_out, residual, layer.post_norm, eps,
+                                                     quant=fp8 and layer.experts is None)
             mlp_out = layer.mlp(h)
         h, _ = kernels.fused_add_rms_norm(mlp_out, residual, self.norm, eps)
         return h
@@ -269,6 +283,8 @@ class LlamaModel(nn.Module):
                          (layer.down_w, layer.down_s)):
                 if s is not None and w is not None:
                     out[id(w)] = s
+            if layer.experts is not None:
+                out.update(layer.experts.row_scales())
         return out
 
     @property

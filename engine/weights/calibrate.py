@@ -187,6 +187,9 @@ def _preflight(model_dir: str | Path, token_ids: list[int], device: str) -> None
     cfg = load_model_config(model_dir)
     if cfg.fp8_checkpoint is not None:
         raise CalibrationError(f"{model_dir} is already quantized (FP8, {cfg.fp8_checkpoint})")
+    if cfg.num_experts:
+        raise CalibrationError(f"{model_dir} is a mixture-of-experts model ({cfg.family}): calibration covers dense "
+                               "projections only; load it with quantization = fp8 (each expert rounded to nearest)")
     bad = next((t for t in token_ids if not 0 <= t < cfg.vocab_size), None)
     if bad is not None:
         raise CalibrationError(f"calibration token {bad} is outside the vocabulary (0..{cfg.vocab_size - 1})")

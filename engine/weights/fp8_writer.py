@@ -10,9 +10,9 @@ Layouts (what engine/weights/fp8_checkpoint.py reads):
 - ``block128``: ``quant_method: "fp8"``, ``weight_block_size [128, 128]``: ``P.weight`` e4m3 and
   ``P.weight_scale_inv`` [ceil(N/128), ceil(K/128)], the multiplier of each block.
 
-Only the decoder projections are quantized (embeddings, norms, biases and the LM head stay as
-they are, listed in ``ignore`` as the hub's checkpoints do). Written next to ``out`` and renamed
-into place, so a failure leaves nothing under the final name.
+Only the decoder projections are quantized, the experts' too (embeddings, norms, biases, the
+routers and the LM head stay as they are, listed in ``ignore`` as the hub's checkpoints do).
+Written next to ``out`` and renamed into place, so a failure leaves nothing under the final name.
 """
 
 from __future__ import annotations
@@ -29,10 +29,14 @@ from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE
 
 LAYOUTS = ("channel", "tensor", "block128")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_PROJECTIONS = ("w1", "w2", "w3")  # Mixtral's experts' gate, down, up (its router, "gate", stays)
 
 
 def _is_projection(name: str) -> bool:
-    return name.startswith("model.layers.") and name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS
+    if not (name.startswith("model.layers.") and name.endswith(".weight")):
+        return False
+    part = name.split(".")[-2]
+    return part in PROJECTIONS or (".experts." in name and part in EXPERT_PROJECTIONS)
 
 
 def quantize_tensor(w: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:

@@ -145,12 +145,14 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                 dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64), dict(num_warps=4)))
     out.append(("silu_and_mul", act._silu_mul_kernel, dict(x_ptr=bf, out_ptr=bf, s_x="i32", s_o="i32"),
                 dict(I=14336, BLOCK=2048), dict(num_warps=4)))
-    mt = dict(a_ptr=bf, w_ptr=bf, out_ptr=bf, pair_ids_ptr="*i32", tile_expert_ptr="*i32", weights_ptr="*fp32",
-              num_pairs="i32", n_out="i32", k_in="i32", s_a="i32", s_we="i32", s_wn="i32", s_o="i32")
+    mt = dict(a_ptr=bf, w_ptr=bf, ws_ptr="*fp32", out_ptr=bf, pair_ids_ptr="*i32", tile_expert_ptr="*i32",
+              weights_ptr="*fp32", num_pairs="i32", n_out="i32", k_in="i32", s_a="i32", s_we="i32", s_wn="i32", s_o="i32")
     for per_pair in (False, True):  # Qwen3-30B-A3B: 128 experts, top 8; gate-up then down
-        out.append((f"moe grouped gemm per_pair={per_pair}", moe._grouped_gemm_kernel, mt,
-                    dict(TOP_K=8, PER_PAIR=per_pair, APPLY_WEIGHTS=per_pair, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64),
-                    dict(num_warps=4)))
+        for fp8_w in (False, True):  # FP8 experts: e4m3 weights widened in the kernel
+            out.append((f"moe grouped gemm per_pair={per_pair}" + (" fp8" if fp8_w else ""), moe._grouped_gemm_kernel,
+                        {**mt, "w_ptr": "*fp8e4nv"} if fp8_w else mt,
+                        dict(TOP_K=8, PER_PAIR=per_pair, APPLY_WEIGHTS=per_pair, SCALED=fp8_w, BLOCK_M=16, BLOCK_N=128,
+                             BLOCK_K=64), dict(num_warps=4)))
     kt = {n: "i32" for n in kvw._kv_write_kernel.arg_names}
     kt.update(k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, slot_ptr="*i64")
     out.append(("write_kv", kvw._kv_write_kernel, kt, dict(H=8, D=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,

@@ -148,12 +148,88 @@ def test_the_ledger_books_every_expert(moe_model):
     assert core.memory().models["m"].weights == params * 4  # float32, every expert counted once
 
 
-def test_fp8_and_tensor_parallel_are_refused_with_the_reason(moe_model):
-    core = EngineCore(EngineOptions(max_num_batched_tokens=256, seed=0), device="cpu")
-    with pytest.raises(EngineError, match="mixture-of-experts"):
-        core.load_model(LoadSpec("m", str(moe_model("mixtral")), max_model_len=128, max_num_seqs=8,
-                                 quantization="fp8"))
-    assert "m" not in core.models()
+def _fp8_experts_of(core: EngineCore) -> list:
+    return [layer.experts for layer in core.slots.get("m").model.layers if layer.experts is not None]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_experts_are_quantized_at_load_and_track_the_unquantized_model(arch, moe_model, make_tiny_model):
+    """quantization = "fp8" on an unquantized checkpoint: every expert's gate-up and down rows
+    become e4m3 with a scale per expert and channel, exactly as quantizing each checkpoint
+    tensor by itself gives (a row landing in another expert's rows, or a scale in another's,
+    shows); the router stays unquantized; the experts compute what their dequantized weights
+    compute (the same logits to the bit); the ledger books the smaller bytes; and the model's
+    logits follow the unquantized model's (on the plain weights: the sharpened copies amplify
+    the dense projections' per-token rounding of the activations to ~0.9 cosine for Mixtral)."""
+    from safetensors.torch import load_file
+
+    from engine.kernels.fp8 import quantize_weight
+    from ops.bench.fp8_accuracy import prefill_logits
+
+    d = moe_model(arch)
+    ref, q = _core(d), _core(d, quantization="fp8")
+    experts = _fp8_experts_of(q)
+    assert experts and all(e.gate_up_w.dtype == torch.float8_e4m3fn and e.router_w.dtype == torch.float32
+                           for e in experts)
+    tensors = {}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        tensors.update(load_file(f))
+    layer = next(i for i, x in enumerate(q.slots.get("m").model.layers) if x.experts is not None)
+    ex = q.slots.get("m").model.layers[layer].experts
+    name = {"mixtral": f"model.layers.{layer}.block_sparse_moe.experts.1.w2.weight",
+            "qwen3_moe": f"model.layers.{layer}.mlp.experts.1.down_proj.weight"}[arch]
+    codes, scale = quantize_weight(tensors[name])
+    assert torch.equal(ex.down_w[1].view(torch.uint8), codes.view(torch.uint8))
+    torch.testing.assert_close(ex.down_s[1], scale)
+    up = {"mixtral": f"model.layers.{layer}.block_sparse_moe.experts.2.w3.weight",
+          "qwen3_moe": f"model.layers.{layer}.mlp.experts.2.up_proj.weight"}[arch]
+    codes, scale = quantize_weight(tensors[up])  # the second half of expert 2's gate-up rows
+    assert torch.equal(ex.gate_up_w[2, ex.inter:].view(torch.uint8), codes.view(torch.uint8))
+    torch.testing.assert_close(ex.gate_up_s[2, ex.inter:], scale)
+    assert q.memory().models["m"].weights < ref.memory().models["m"].weights
+    fp8 = prefill_logits(q, "m", PROMPTS[:3])
+    for e in experts:  # the same values, widened ahead of time
+        e.gate_up_w = torch.nn.Parameter(e.gate_up_w.float() * e.gate_up_s[..., None], requires_grad=False)
+        e.down_w = torch.nn.Parameter(e.down_w.float() * e.down_s[..., None], requires_grad=False)
+        e.gate_up_s = e.down_s = None
+    torch.testing.assert_close(prefill_logits(q, "m", PROMPTS[:3]), fp8, atol=1e-5, rtol=1e-5)
+    plain = make_tiny_model(arch)
+    ref, q = _core(plain), _core(plain, quantization="fp8")
+    cos = torch.nn.functional.cosine_similarity(prefill_logits(ref, "m", PROMPTS[:3]),
+                                                prefill_logits(q, "m", PROMPTS[:3]), dim=-1)
+    assert cos.min().item() >= 0.99, cos
+    out = _greedy(q, PROMPTS[:3], 6)
+    assert all(len(v) == 6 for v in out.values())
+
+
+@pytest.mark.parametrize("arch,layout", [("mixtral", "channel"), ("qwen3_moe", "block128")])
+def test_an_fp8_moe_checkpoint_loads_its_experts_codes_and_scales(arch, layout, moe_model, tmp_path):
+    """A folder written as a pre-quantized FP8 checkpoint (``channel``: the derived artifact's
+    layout; ``block128``: the hub's Qwen3 FP8 releases): its experts' e4m3 codes and scales land
+    in their rows (block scales turned into the engine's channel scales as for dense
+    projections), and the model gives the logits of the same model quantized at load."""
+    from engine.weights.fp8_writer import quantize_folder
+    from ops.bench.fp8_accuracy import prefill_logits
+
+    d = quantize_folder(moe_model(arch), tmp_path / "fp8", layout)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == ("fp8" if layout == "block128" else "compressed-tensors")
+    ckpt, at_load = _core(d, quantization="fp8"), _core(moe_model(arch), quantization="fp8")
+    for e1, e2 in zip(_fp8_experts_of(ckpt), _fp8_experts_of(at_load)):
+        if layout == "channel":  # the engine's own scheme: codes and scales copied as written
+            assert torch.equal(e1.gate_up_w.view(torch.uint8), e2.gate_up_w.view(torch.uint8))
+            torch.testing.assert_close(e1.down_s, e2.down_s)
+        else:  # 128 x 128 blocks, then each band re-quantized per row: rounded at the block's scale
+            for w1, s1, w2, s2 in ((e1.gate_up_w, e1.gate_up_s, e2.gate_up_w, e2.gate_up_s),
+                                   (e1.down_w, e1.down_s, e2.down_w, e2.down_s)):
+                a, b = w1.float() * s1[..., None], w2.float() * s2[..., None]
+                for x, y in zip(a, b):  # expert by expert
+                    assert (x - y).abs().max() <= 0.13 * y.abs().max()  # two roundings of half a step
+    a, b = prefill_logits(ckpt, "m", PROMPTS[:2]), prefill_logits(at_load, "m", PROMPTS[:2])
+    if layout == "channel":
+        torch.testing.assert_close(a, b)
+    else:
+        assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item() >= 0.97
 
 
 def _broken_copy(src: Path, dst: Path, edit) -> Path:

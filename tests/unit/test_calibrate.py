@@ -73,8 +73,9 @@ def test_a_calibrated_checkpoint_is_compressed_tensors_and_serves_close_to_the_u
     assert cos.min() > 0.98, cos.min()
 
 
-@pytest.mark.parametrize("case", ["few tokens", "outside the vocabulary", "out exists", "quantized", "memory"])
-def test_bad_calibration_inputs_are_refused_and_nothing_is_written(tiny_llama_dir, tmp_path, case, monkeypatch):
+@pytest.mark.parametrize("case", ["few tokens", "outside the vocabulary", "out exists", "quantized", "memory", "experts"])
+def test_bad_calibration_inputs_are_refused_and_nothing_is_written(tiny_llama_dir, tmp_path, case, monkeypatch,
+                                                                   make_tiny_model):
     from engine.weights import calibrate as mod
     from engine.weights.fp8_writer import quantize_folder
 
@@ -87,6 +88,8 @@ def test_bad_calibration_inputs_are_refused_and_nothing_is_written(tiny_llama_di
         out.mkdir()
     elif case == "memory":  # more than any host has
         monkeypatch.setattr(mod, "calibration_bytes", lambda cfg: 1 << 60)
+    elif case == "experts":  # calibration covers dense projections only
+        model = make_tiny_model("qwen3_moe")
     else:
         model = quantize_folder(tiny_llama_dir, tmp_path / "fp8", "channel")
     with pytest.raises(CalibrationError):

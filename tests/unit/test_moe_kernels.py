@@ -17,7 +17,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"  # read when the @triton.jit module is imported
 
 from engine.kernels import _dispatch  # noqa: E402
-from engine.kernels.moe import BLOCK_M, align, fused_experts, grouped_gemm_ref, route  # noqa: E402
+from engine.kernels.moe import BLOCK_M, ExpertStack, align, fused_experts, grouped_gemm_ref, route  # noqa: E402
 from engine.kernels.moe_triton import grouped_gemm_triton  # noqa: E402
 
 if _INTERPRET is None:
@@ -72,7 +72,7 @@ def test_the_triton_grouped_gemm_matches_its_reference(per_pair, apply_weights, 
     g = torch.Generator().manual_seed(1)
     a = torch.randn((n * k if per_pair else n, h), generator=g)
     w = torch.randn((e, out, h), generator=g) * 0.1
-    want = grouped_gemm_ref(a, w, r, per_pair, apply_weights)
+    want = grouped_gemm_ref(a, ExpertStack(w), r, per_pair, apply_weights)
     got = grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, per_pair, apply_weights)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -96,5 +96,49 @@ def test_fused_experts_is_the_definition_token_by_token(monkeypatch):
             want[t] += weights[t, j] * (down[ex] @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:]))
     for backend in ("torch", "triton"):
         monkeypatch.setattr(_dispatch, "_forced", backend)
-        got = fused_experts(x, gate_up, down, logits, k, renormalize=False)
+        got = fused_experts(x, ExpertStack(gate_up), ExpertStack(down), logits, k, renormalize=False)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=backend)
+
+
+def _fp8_stack(w: torch.Tensor) -> ExpertStack:
+    """``w`` [E, N, K] as e4m3 codes with a scale per expert and output channel (what the loader
+    makes of a bf16 checkpoint's experts)."""
+    from engine.kernels.fp8 import quantize_weight
+
+    e, n, k = w.shape
+    q, s = quantize_weight(w.reshape(e * n, k))
+    return ExpertStack(q.view(e, n, k), s.view(e, n))
+
+
+@pytest.mark.parametrize("per_pair, apply_weights", [(False, False), (True, True)])
+def test_fp8_experts_are_their_dequantized_weights(per_pair, apply_weights):
+    """An e4m3 stack with channel scales: the Triton GEMM (interpreted) and the reference both
+    give what the dequantized float32 weights give — each column times its own expert's scale,
+    so a scale read from the wrong expert or channel shows."""
+    n, k, e, h, out = 17, 2, 8, 48, 40
+    weights, experts = _routing(n, k, e, seed=5)
+    r = align(experts, weights, e)
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn((n * k if per_pair else n, h), generator=g)
+    # channels and experts of very different magnitudes: their scales differ by 100x
+    w = torch.randn((e, out, h), generator=g) * torch.logspace(-2, 0, e * out).view(e, out, 1)
+    stack = _fp8_stack(w)
+    dequant = stack.w.float() * stack.scale[..., None]
+    want = grouped_gemm_ref(a, ExpertStack(dequant), r, per_pair, apply_weights)
+    torch.testing.assert_close(grouped_gemm_ref(a, stack, r, per_pair, apply_weights), want, atol=1e-4, rtol=1e-4)
+    got = grouped_gemm_triton(a, stack.w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, per_pair,
+                              apply_weights, stack.scale)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_an_fp8_stack_without_its_scales_is_refused():
+    from engine.kernels._dispatch import KernelError
+    from engine.kernels.moe import grouped_gemm
+
+    weights, experts = _routing(3, 1, 2)
+    r = align(experts, weights, 2)
+    stack = _fp8_stack(torch.randn(2, 16, 16))
+    with pytest.raises(KernelError, match="scales"):
+        grouped_gemm(torch.randn(3, 16), ExpertStack(stack.w), r, False, False)
+    with pytest.raises(KernelError, match="scale"):
+        grouped_gemm(torch.randn(3, 16), ExpertStack(stack.w, stack.scale[:, :8]), r, False, False)
