@@ -18,9 +18,9 @@ rows still agree, and at every node the plan takes whichever is larger: the node
 gain of a group counts page reads saved: ``(rows - tiles) * pages``. A static grid bounds the
 tiles (``max_tiles``); groups that do not fit are dropped, least gain first.
 
-**Long rows.** The tiles a plan leaves go to rows with a long context of their own, longest
-first: a tile of one row, its full pages as the "prefix". That saves no reads; it splits the
-row. A batch of 33 rows and more runs the decode kernel unsplit (one program per row and KV
+**Long rows.** The tiles a plan leaves go to rows with a long context of their own (past any
+prefix they share), longest first: a tile of one row, its full pages as the "prefix" (a row of
+a group leaves it). That saves no reads; it splits the row. A batch of 33 rows and more runs the decode kernel unsplit (one program per row and KV
 head), so one 32k-token row beside short ones was walked by one program a layer, 16 MB of K/V
 at one SM's pace, and every row of the step waited for it. As a tile the row's context is read
 by ``CASCADE_SPLITS`` programs at once.
@@ -143,11 +143,19 @@ def plan_cascade(tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, b
             t += need
             kv_lo[rows] = pages * block_size
             shared += len(rows)
-    own = full[cand] * block_size
-    keep = (kv_lo[cand] == 0) & (own >= long_row_tokens)
+    # a row's own context: past its group's prefix (a 32k conversation under a shared system
+    # prompt is as long a walk as one without); a grouped row taking a tile of its own leaves a
+    # hole (-1) in its group's tile, and its tile reads the shared pages again (the prefix is
+    # short beside what it splits)
+    own = full[cand] * block_size - kv_lo[cand]
+    keep = own >= long_row_tokens
     long = cand[keep][np.argsort(-own[keep], kind="stable")][:num_tiles - t]
     for r in long:
+        if kv_lo[r]:
+            tiles[:t, 2:][tiles[:t, 2:] == r] = -1
+            shared -= 1
         tiles[t, 0] = tiles[t, 2] = r
         tiles[t, 1] = kv_lo[r] = full[r] * block_size
         t += 1
+    tiles[(tiles[:, 2:] < 0).all(axis=1), 1] = 0  # a group tile whose every row took its own: unused
     return CascadePlan(tiles, kv_lo, shared, len(long))

@@ -130,18 +130,26 @@ def test_random_batches_give_safe_plans(data):
         q.append(data.draw(st.sampled_from([1, 1, 1, 3])))
     tables, seq_lens = _batch(rows, lens, width=40)
     q_lens = np.asarray(q)
-    num_tiles = max_tiles(n, per_tile)
-    tiles, kv_lo, planned = _plan(tables, seq_lens, q_lens, BS, per_tile, num_tiles)
+    num_tiles = data.draw(st.sampled_from([1, 2, max_tiles(n, per_tile)]))
+    # long rows: none (the default bound), or rows of 4+ pages of their own split by spare tiles
+    long_tokens = data.draw(st.sampled_from([LONG_ROW_TOKENS, 4 * BS]))
+    plan = plan_cascade(tables, seq_lens, q_lens, BS, per_tile, num_tiles, long_row_tokens=long_tokens)
+    tiles, kv_lo, planned = plan.tiles, plan.kv_lo, plan.shared
     assert tiles.shape == (num_tiles, 2 + per_tile)
     _check(tables, seq_lens, q_lens, tiles, kv_lo, per_tile)
-    assert planned == int((kv_lo > 0).sum())
+    assert plan.rows == int((kv_lo > 0).sum()) and int((tiles[:, 1] > 0).sum()) <= num_tiles
+    solo = [t for t in tiles if t[1] > 0 and t[2] >= 0 and (t[3:] < 0).all() and t[0] == t[2]
+            and t[1] == (seq_lens[t[0]] - 1) // BS * BS]
+    assert plan.long <= len(solo)
+    if long_tokens == LONG_ROW_TOKENS:
+        assert plan.long == 0
     full = (seq_lens - 1) // BS
     one = [i for i in range(n) if q_lens[i] == 1]
     shares = any(min(full[i], full[j]) >= MIN_PAGES
                  and (tables[i, :MIN_PAGES] == tables[j, :MIN_PAGES]).all()
                  for i in one for j in one if i < j)
-    if per_tile >= 2 and shares:  # a tile of one row saves nothing, so none is planned
-        assert planned >= 2
+    if per_tile >= 2 and shares and num_tiles == max_tiles(n, per_tile) and plan.long == 0:
+        assert planned >= 2  # a tile of one row saves nothing, so no group of one is planned
 
 
 def test_a_chain_of_nested_prefixes_does_not_recurse_row_by_row():
@@ -157,7 +165,7 @@ def test_a_chain_of_nested_prefixes_does_not_recurse_row_by_row():
         tables[i, :len(pages)] = pages
         lens[i] = (len(pages) - 1) * BS + 3
     q = np.ones(n, dtype=np.int64)
-    tiles, kv_lo, planned = _plan(tables, lens, q, BS, 16, max_tiles(n, 16))
+    tiles, kv_lo, planned = _plan(tables, lens, q, BS, 16, max_tiles(n, 16), long_row_tokens=1 << 30)  # sharing only
     assert planned > 0
     _check(tables, lens, q, tiles, kv_lo, 16)
 
@@ -188,19 +196,38 @@ def test_a_long_row_beside_short_ones_gets_a_tile_of_its_own():
 
 
 def test_shared_prefixes_come_before_long_rows():
-    """A group saves reads; a long row's tile only splits it. With one tile, the group takes it
-    and the long row, though it has more positions, runs unplanned; a long row already in a
-    group is not given a second tile."""
+    """A group saves reads; a long row's tile only splits it. With one tile the group takes it
+    and the long rows run unplanned. Spare tiles go to the longest own contexts: an unshared
+    row first, then a row of the group whose context past the shared prompt is long (a 4k
+    conversation under a system prompt): it leaves its group for a tile of its own."""
     long_pages = LONG_ROW_TOKENS // BS
     shared = list(range(1, 9))
     rows = [shared + [100], shared + [101], list(range(200, 200 + 2 * long_pages + 1)),
             shared + list(range(5000, 5000 + long_pages + 1))]
     lens = [(len(p) - 1) * BS + 3 for p in rows]
-    tables, seq_lens = _batch(rows, lens, width=2 * long_pages + 2)
+    tables, seq_lens = _batch(rows, lens, width=2 * long_pages + 10)
     q = np.ones(4, dtype=np.int64)
     plan = plan_cascade(tables, seq_lens, q, BS, 16, 1)
-    assert plan.shared == 3 and plan.long == 0 and plan.kv_lo[2] == 0
+    assert plan.shared == 3 and plan.long == 0 and plan.kv_lo[2] == 0 and plan.kv_lo[3] == len(shared) * BS
     plan = plan_cascade(tables, seq_lens, q, BS, 16, 2)
     assert plan.shared == 3 and plan.long == 1 and plan.kv_lo[2] == 2 * long_pages * BS
-    assert plan.kv_lo[3] == len(shared) * BS  # the group's, not a tile of its own
+    assert plan.kv_lo[3] == len(shared) * BS  # still the group's: no tile left for it
+    _check(tables, seq_lens, q, plan.tiles, plan.kv_lo, 16)
+    plan = plan_cascade(tables, seq_lens, q, BS, 16, 3)
+    assert plan.shared == 2 and plan.long == 2
+    assert plan.kv_lo[3] == (len(shared) + long_pages) * BS  # its whole context, in a tile of its own
+    group = plan.tiles[0]
+    assert sorted(int(r) for r in group[2:] if r >= 0) == [0, 1]
+    _check(tables, seq_lens, q, plan.tiles, plan.kv_lo, 16)
+
+
+def test_a_group_whose_every_row_is_long_leaves_no_tile_behind():
+    long_pages = LONG_ROW_TOKENS // BS
+    shared = list(range(1, 9))
+    rows = [shared + list(range(1000 * k, 1000 * k + long_pages + 1)) for k in (1, 2)]
+    tables, seq_lens = _batch(rows, [(len(p) - 1) * BS + 3 for p in rows], width=long_pages + 10)
+    q = np.ones(2, dtype=np.int64)
+    plan = plan_cascade(tables, seq_lens, q, BS, 16, 3)
+    assert plan.shared == 0 and plan.long == 2
+    assert int((plan.tiles[:, 1] > 0).sum()) == 2
     _check(tables, seq_lens, q, plan.tiles, plan.kv_lo, 16)

@@ -150,7 +150,7 @@ def test_decode_split_heuristic():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_of_every_length_are_exact_with_each_row_split_over_its_own_context(dtype):
+def test_rows_of_every_length_are_exact_whatever_the_bound_and_the_split_count(dtype):
     """The splits partition each row's own context, not the bound (a graph's 131,072 would give
     a 3,000-token row one program of 64k positions): a long row beside short ones, one-token
     and one-tile rows, and more splits than a row has tiles all merge exactly."""
@@ -399,6 +399,38 @@ def test_cascade_attention_is_the_same_attention(dtype, splits, per_tile, long_r
     ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.3)
     out = torch.full_like(q, float("nan"))
     paged_attention_triton(q, kc, vc, qsl, sl, tables, 0.3, 5, 64, num_splits=splits, out=out, cascade=cascade)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [3, 5])
+def test_planned_rows_with_long_tails_merge_every_partition(dtype, splits):
+    """Rows of a group whose own tails (40-300 positions) span several of their partitions: the
+    decode kernel and the reduce each cut the tail past ``kv_lo`` themselves and must agree (a
+    reduce that partitioned the whole context instead dropped partials: 0.1 error)."""
+    from engine.runner.cascade import max_tiles, plan_cascade
+
+    gen = torch.Generator().manual_seed(splits)
+    block, hq, hkv, d = 16, 4, 2, 16
+    shared = list(range(1, 5))
+    fresh = iter(range(10, 400))
+    tails = [41, 76, 150, 300, 9, 120]
+    rows = [shared + [next(fresh) for _ in range(-(-t // block))] for t in tails]
+    seq_lens = [len(shared) * block + t for t in tails]
+    tables = torch.zeros(len(rows), 30, dtype=torch.int32)
+    for i, p in enumerate(rows):
+        tables[i, :len(p)] = torch.tensor(p, dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    q_lens = torch.ones(len(rows), dtype=torch.int64)
+    plan = plan_cascade(tables.numpy(), sl.numpy(), q_lens.numpy(), block, 16, max_tiles(len(rows), 16), min_pages=2)
+    assert plan.shared == len(rows) and (plan.kv_lo == len(shared) * block).all()
+    _, kc, vc = make_pool(400, 1, block, hkv, d, dtype, layer=0)
+    q = torch.randn(len(rows), hq, d, generator=gen).to(dtype)
+    qsl = torch.arange(len(rows) + 1, dtype=torch.int32)
+    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.3)
+    out = torch.full_like(q, float("nan"))
+    paged_attention_triton(q, kc, vc, qsl, sl, tables, 0.3, 1, 1024, num_splits=splits, out=out,
+                           cascade=(torch.from_numpy(plan.tiles), torch.from_numpy(plan.kv_lo)))
     assert rel_err(out, ref) < TOL[dtype]
 
 
