@@ -5,7 +5,8 @@
 # daemon: ops/bench/long_context_bench.py on the 8B (TTFT at 8k-120k; eight 32k prompts beside a
 # c64 short stream); c200: the sharegpt-like daemon bench at concurrency 200 in this tree, with 10 %
 # penalised requests, and in the tree at $OLD (the "not below" check); c200ab: the same without the
-# penalised run; gauges: c200 with the gateway protocol's gauges scraped every 50 ms (issue 39);
+# penalised run; gauges: c200 with the gateway protocol's gauges scraped every $GAUGE_S (0.05 s,
+# the picker's default; issue 39); c200old: the c200 run in $OLD alone;
 # old-daemon: the long-context
 # bench in $OLD; steps: the mixed phase alone at each of $STEPS (decode_step_tokens; default
 # "512 768 1024"): the decodes' TPOT against the long prompts' TTFT; tests: tests/gpu (the kernel
@@ -44,7 +45,8 @@ for phase in "$@"; do
            done ;;
     c200) serve plain 0; serve penalised10 0.1; serve plain_old 0 "${OLD:?set OLD}" ;;
     c200ab) serve plain 0; serve plain_old 0 "${OLD:?set OLD}" ;;
-    gauges) serve gauges 0 . --scrape-gauges 0.05 ;;
+    gauges) serve gauges 0 . --scrape-gauges "${GAUGE_S:-0.05}" ;;
+    c200old) serve plain_old 0 "${OLD:?set OLD}" ;;
     tests) timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py tests/gpu \
              > "$OUT/tests_gpu.txt" 2>&1; echo "tests rc=$?" >> "$OUT/runs.txt" ;;
   esac
