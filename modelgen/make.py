@@ -336,22 +336,7 @@ def make_model(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        cfg = model_config(arch, preset, vocab, specials)
-        _write_json(tmp / "config.json", cfg)
-        _write_json(
-            tmp / "generation_config.json",
-            {
-                "bos_token_id": cfg["bos_token_id"],
-                "eos_token_id": cfg["eos_token_id"],
-                "pad_token_id": cfg["pad_token_id"],
-            },
-        )
-        tok.save(str(tmp / "tokenizer.json"))
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config(tok, shape.max_position))
-        _write_json(
-            tmp / "special_tokens_map.json",
-            {"bos_token": BOS_TOKEN, "eos_token": EOT_TOKEN, "pad_token": PAD_TOKEN},
-        )
+        _write_metadata(tmp, arch, preset, tok, vocab, specials, shape.max_position)
         chunks = _chunk_source(seed, dev)
         for shard, name in zip(shards, names):
             say(f"writing {name} ({size_text(sum(s.nbytes for s in shard))})")
@@ -364,6 +349,34 @@ def make_model(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return out
+
+
+def _write_metadata(folder: Path, arch: str, preset: str, tok, vocab: int, specials, max_position: int) -> None:
+    """config.json, generation_config.json and the tokenizer's files of a generated model."""
+    cfg = model_config(arch, preset, vocab, specials)
+    _write_json(folder / "config.json", cfg)
+    _write_json(folder / "generation_config.json", {"bos_token_id": cfg["bos_token_id"],
+                                                    "eos_token_id": cfg["eos_token_id"],
+                                                    "pad_token_id": cfg["pad_token_id"]})
+    tok.save(str(folder / "tokenizer.json"))
+    _write_json(folder / "tokenizer_config.json", tokenizer_config(tok, max_position))
+    _write_json(folder / "special_tokens_map.json",
+                {"bos_token": BOS_TOKEN, "eos_token": EOT_TOKEN, "pad_token": PAD_TOKEN})
+
+
+def make_metadata_only(out_dir: str | os.PathLike[str], arch: str, preset: str) -> Path:
+    """A generated model's folder without its weights (config, generation config, tokenizer):
+    for benches that fill the weights on the device (``ops/bench/device_weights.py``) where a
+    full-size checkpoint would not fit the disk. ``out_dir`` must not exist."""
+    shape = _check(arch, preset)
+    out = Path(out_dir)
+    if out.exists():
+        raise ModelGenError(f"output {out} exists")
+    tok = build_tokenizer()
+    vocab = shape.vocab if shape.vocab is not None else -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
+    out.mkdir(parents=True)
+    _write_metadata(out, arch, preset, tok, vocab, special_ids(tok), shape.max_position)
     return out
 
 

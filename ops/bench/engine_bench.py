@@ -32,6 +32,7 @@ figures of both with ``--batch1``) and the bf16 run under ``bf16``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import gc
 import hashlib
@@ -464,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-buckets", help="comma-separated decode batch buckets ('' = none)")
     ap.add_argument("--batch1", action="store_true", help="also time batch-1 decode")
     ap.add_argument("--peer", type=int, default=0, help="run transformers generate_batch on the first N requests")
+    ap.add_argument("--weights-on-device", action="store_true",
+                    help="with --arch/--preset: no checkpoint on disk, random weights made on the device "
+                         "(ops/bench/device_weights.py; full-size shapes the disk cannot hold)")
     ap.add_argument("--profile-steps", type=int, default=0, help="cProfile this many steps after the timed run")
     ap.add_argument("--peer-timeout", type=float, default=900)
     ap.add_argument("--out", help="JSON path (default: docs/perf/<date>-engine-<model>-<commit>.json)")
@@ -491,10 +495,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--quantization both runs one caching mode, unconstrained")
     quants = {"none": (None,), "fp8": ("fp8",), "both": (None, "fp8")}[a.quantization]
 
-    with tempfile.TemporaryDirectory() as tmp:
+    if a.weights_on_device and (a.model_dir or a.peer):
+        ap.error("--weights-on-device makes its own weights: not with --model-dir or --peer")
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model_dir = a.model_dir
         model_name = Path(model_dir).name if model_dir else f"{a.arch}-{a.preset} (random, make-model)"
-        if not model_dir:
+        if a.weights_on_device:
+            from modelgen.make import make_metadata_only
+            from ops.bench.device_weights import filling_on_device
+
+            model_dir = make_metadata_only(Path(tmp) / "model", a.arch, a.preset)
+            model_name = f"{a.arch}-{a.preset} (random, made on the device)"
+            stack.enter_context(filling_on_device())
+        elif not model_dir:
             from modelgen.make import make_model
 
             model_dir = make_model(Path(tmp) / "model", a.arch, a.preset, seed=0)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 37's measurements on the GPU machine (results under $OUT), each phase given the time left:
+#   . ops/gpu/env.sh; bash ops/gpu/moe.sh kernels qwen mixtral dense
+# kernels: ops/gpu/moe_bench.py at both full-size layer shapes (bf16 and FP8 experts by token
+# count: GB/s at decode sizes, TFLOP/s at prefill sizes); qwen: Qwen3-30B-A3B's shape offline,
+# sharegpt-like 1,000 requests, bf16 then FP8 in one process, with batch-1 decode; mixtral:
+# Mixtral-8x7B's shape FP8 offline; dense: the 8B offline in the same run (the reference the
+# issue compares with). The full-size checkpoints do not fit the disk: their weights are random,
+# made on the device (engine_bench --weights-on-device; ops/bench/device_weights.py).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+END=$(( $(date +%s) + ${BUDGET_S:-570} ))
+left() { echo $(( END - $(date +%s) )); }
+offline() {  # offline NAME ARGS...
+  local name=$1; shift
+  local t; t=$(left); [ "$t" -gt 60 ] || { echo "$name: skipped, ${t}s left" >> "$OUT/runs.txt"; return; }
+  timeout "$t" python3 -m ops.bench.engine_bench --device cuda --num-requests "${N:-1000}" \
+    --out "$OUT/engine_$name.json" "$@" > "$OUT/engine_$name.txt" 2>&1
+  echo "$name rc=$?" >> "$OUT/runs.txt"
+}
+for phase in "$@"; do
+  case $phase in
+    kernels) for s in qwen3-30b-a3b mixtral-8x7b; do
+               timeout 120 python3 ops/gpu/moe_bench.py --shape "$s" --out "$OUT/moe_$s.json" > "$OUT/moe_$s.txt" 2>&1
+               echo "kernels $s rc=$?" >> "$OUT/runs.txt"
+             done ;;
+    qwen) offline qwen --arch qwen3_moe --preset qwen3-30b-a3b --weights-on-device --quantization both --batch1 ;;
+    mixtral) offline mixtral --arch mixtral --preset mixtral-8x7b --weights-on-device --quantization fp8 ;;
+    dense) offline dense --arch llama --preset llama-3.1-8b --weights-on-device --quantization both --batch1 ;;
+  esac
+done

@@ -1,0 +1,76 @@
+"""The experts' layer alone on the GPU: ``fused_experts`` (engine/kernels/moe.py: route, align,
+two grouped GEMMs) at a full-size MoE layer's shape, bf16 and FP8 experts, by token count.
+
+Usage: ``python ops/gpu/moe_bench.py [--shape qwen3-30b-a3b|mixtral-8x7b] [--out FILE]``.
+Issue 37's kernel figures: at decode sizes the bytes it must read — the weights of every expert
+the step's tokens route to (random routing touches nearly all of them from 64 tokens on) — over
+its time, against the GPU's HBM bandwidth; at prefill sizes its FLOPs (2 · tokens · top_k ·
+3 · hidden · intermediate) over its time. Router logits are random (uniform routing: the
+balanced case). Timings are medians of ``triton.testing.do_bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from engine.kernels.fp8 import quantize_weight  # noqa: E402
+from engine.kernels.moe import ExpertStack, fused_experts  # noqa: E402
+
+SHAPES = {"qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, inter=768),
+          "mixtral-8x7b": dict(experts=8, top_k=2, hidden=4096, inter=14336)}
+TOKENS = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
+
+
+def stacks(e: int, h: int, inter: int, fp8: bool, gen: torch.Generator) -> tuple[ExpertStack, ExpertStack]:
+    gu = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    down = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    if not fp8:
+        return ExpertStack(gu), ExpertStack(down)
+    out = []
+    for w in (gu, down):
+        q, s = quantize_weight(w.reshape(-1, w.shape[2]))
+        out.append(ExpertStack(q.view(w.shape), s.view(w.shape[:2])))
+    return out[0], out[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
+    a = ap.parse_args()
+    s = SHAPES[a.shape]
+    e, k, h, inter = s["experts"], s["top_k"], s["hidden"], s["inter"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for fp8 in (False, True):
+        gu, down = stacks(e, h, inter, fp8, gen)
+        wbytes = 1 if fp8 else 2
+        for n in TOKENS:
+            x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+            logits = torch.randn(n, e, device="cuda", dtype=torch.bfloat16, generator=gen)
+            touched = int(torch.topk(logits.float().softmax(-1), k, dim=-1).indices.unique().numel())
+            ms = float(do_bench(lambda: fused_experts(x, gu, down, logits, k, True), warmup=20, rep=100,
+                                return_mode="median"))
+            read = touched * 3 * h * inter * wbytes + 2 * n * h * 2  # the routed experts' weights, x in and out
+            flops = 2 * n * k * 3 * h * inter
+            row = {"weights": "fp8" if fp8 else "bf16", "tokens": n, "experts_touched": touched, "ms": round(ms, 4),
+                   "gb_s": round(read / ms / 1e6, 1), "tflop_s": round(flops / ms / 1e9, 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    report = {"shape": a.shape, **s, "gpu": torch.cuda.get_device_name(), "commit": os.environ.get("INFIRE_COMMIT", ""),
+              "rows": rows}
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
