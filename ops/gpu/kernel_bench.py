@@ -37,11 +37,11 @@ from engine.kernels.norm_triton import rms_norm_triton  # noqa: E402
 from engine.kernels.rope_triton import apply_rope_triton  # noqa: E402
 from engine.kernels.sample import sample_ref  # noqa: E402
 from engine.kernels.sample_triton import sample_triton  # noqa: E402
+from ops.gpu.paged_batch import BLOCK, D, HKV, HQ, paged_batch  # noqa: E402
 
 SMOKE = os.environ.get("INFIRE_BENCH_SMOKE") == "1"
 DEV = "cpu" if SMOKE else "cuda"
 BF = torch.float16 if SMOKE else torch.bfloat16  # the interpreter computes bf16 dots wrongly
-HQ, HKV, D, BLOCK = 32, 8, 128, 16
 # launch shapes tried for decode b64x2k besides the default (block_n 64, 4 warps, 3 stages)
 DECODE_CONFIGS = ({"num_stages": 2}, {"num_stages": 4}, {"block_n": 32, "num_stages": 4},
                   {"block_n": 128, "num_stages": 2}, {"num_warps": 8}, {"block_n": 128, "num_warps": 8, "num_stages": 3})
@@ -69,21 +69,7 @@ def rel_err(out, ref) -> float:
 
 
 def attn_setup(q_lens, seq_lens):
-    pages = sum((s + BLOCK - 1) // BLOCK for s in seq_lens) + 4
-    pool = torch.randn(pages, 2, 2, BLOCK, HKV, D, device=DEV, dtype=BF)  # 2-layer pool: strided pages
-    kc, vc = pool[:, 1, 0], pool[:, 1, 1]
-    max_pages = max((s + BLOCK - 1) // BLOCK for s in seq_lens)
-    perm = torch.randperm(pages, device=DEV).to(torch.int32)
-    tables = torch.zeros(len(seq_lens), max_pages, dtype=torch.int32, device=DEV)
-    used = 0
-    for i, s in enumerate(seq_lens):
-        n = (s + BLOCK - 1) // BLOCK
-        tables[i, :n] = perm[used:used + n]
-        used += n
-    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
-    q = torch.randn(sum(q_lens), HQ, D, device=DEV, dtype=BF)
-    return q, kc, vc, qsl, sl, tables
+    return paged_batch(q_lens, seq_lens, device=DEV, dtype=BF)
 
 
 def bench_copy(results, n):

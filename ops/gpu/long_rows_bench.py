@@ -32,31 +32,13 @@ from triton.testing import do_bench  # noqa: E402
 
 from engine.kernels.attention_triton import paged_attention_triton  # noqa: E402
 from engine.runner import cascade as cascade_plans  # noqa: E402
+from paged_batch import BLOCK, D, HKV, HQ, paged_batch  # noqa: E402 - a sibling (run as a script)
 
-HQ, HKV, D, BLOCK, BOUND = 32, 8, 128, 16, 131072
-DEV, BF = "cuda", torch.bfloat16
+BOUND = 131072
+DEV = "cuda"
 SHORT, LONG = 600, 32768
 CASES = {"64 short": [SHORT] * 64, "64 short + 1 long": [SHORT] * 64 + [LONG],
          "64 short + 8 long": [SHORT] * 64 + [LONG] * 8, "8 long": [LONG] * 8, "1 long": [LONG]}
-
-
-def batch(seq_lens, gen):
-    pages = sum((s + BLOCK - 1) // BLOCK for s in seq_lens) + 4
-    pool = torch.randn(pages, 2, 2, BLOCK, HKV, D, device=DEV, dtype=BF, generator=gen)
-    kc, vc = pool[:, 1, 0], pool[:, 1, 1]
-    width = max((s + BLOCK - 1) // BLOCK for s in seq_lens)
-    perm = torch.randperm(pages, device=DEV, generator=gen).to(torch.int32)
-    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32, device=DEV)
-    used = 0
-    for i, s in enumerate(seq_lens):
-        n = (s + BLOCK - 1) // BLOCK
-        tables[i, :n] = perm[used:used + n]
-        used += n
-    b = len(seq_lens)
-    qsl = torch.arange(b + 1, dtype=torch.int32, device=DEV)
-    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
-    q = torch.randn(b, HQ, D, device=DEV, dtype=BF, generator=gen)
-    return q, kc, vc, qsl, sl, tables
 
 
 def plan_of(tables, sl):
@@ -78,7 +60,7 @@ def main() -> None:
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows = []
     for name, lens in CASES.items():
-        q, kc, vc, qsl, sl, tables = batch(lens, gen)
+        q, kc, vc, qsl, sl, tables = paged_batch([1] * len(lens), lens, gen)
         gb = sum(lens) * HKV * D * 2 * 2 / 1e9
         plain = paged_attention_triton(q, kc, vc, qsl, sl, tables, D ** -0.5, 1, BOUND)
         row = {"case": name, "rows": len(lens), "gb": round(gb, 3)}

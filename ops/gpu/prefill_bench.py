@@ -39,9 +39,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from engine.kernels.attention_triton import paged_attention_triton  # noqa: E402
+from paged_batch import BLOCK, D, HKV, HQ, paged_batch  # noqa: E402 - a sibling (run as a script)
 
-HQ, HKV, D, BLOCK = 32, 8, 128, 16
-DEV, BF = "cuda", torch.bfloat16
+DEV = "cuda"
 SWEEP = tuple(dict(zip(("block_m", "block_n", "num_warps", "num_stages"), c)) for c in (
     (128, 128, 8, 3), (128, 32, 4, 4), (256, 64, 8, 2), (256, 64, 8, 4), (256, 32, 8, 3), (256, 32, 8, 4),
     (256, 64, 16, 4), (256, 32, 16, 3), (512, 32, 16, 3), (512, 64, 16, 3), (64, 64, 4, 3), (256, 64, 8, 3)))
@@ -53,24 +53,6 @@ def flops(q_lens, seq_lens) -> float:
 
 def ms_of(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=150, return_mode="median"))
-
-
-def paged_setup(q_lens, seq_lens, gen):
-    pages = sum((s + BLOCK - 1) // BLOCK for s in seq_lens) + 4
-    pool = torch.randn(pages, 2, 2, BLOCK, HKV, D, device=DEV, dtype=BF, generator=gen)
-    kc, vc = pool[:, 1, 0], pool[:, 1, 1]
-    width = max((s + BLOCK - 1) // BLOCK for s in seq_lens)
-    perm = torch.randperm(pages, device=DEV, generator=gen).to(torch.int32)
-    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32, device=DEV)
-    used = 0
-    for i, s in enumerate(seq_lens):
-        n = (s + BLOCK - 1) // BLOCK
-        tables[i, :n] = perm[used:used + n]
-        used += n
-    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
-    q = torch.randn(sum(q_lens), HQ, D, device=DEV, dtype=BF, generator=gen)
-    return q, kc, vc, qsl, sl, tables
 
 
 def contiguous_kv(kc, vc, tables, s):
@@ -97,7 +79,7 @@ def main() -> None:
     for name, q_lens, seq_lens in shapes:
         if max(seq_lens) > args.max_len + 4096:
             continue
-        q, kc, vc, qsl, sl, tables = paged_setup(q_lens, seq_lens, gen)
+        q, kc, vc, qsl, sl, tables = paged_batch(q_lens, seq_lens, gen)
         call = (q, kc, vc, qsl, sl, tables, 1 / math.sqrt(D), max(q_lens), max(seq_lens))
         f = flops(q_lens, seq_lens)
         base = paged_attention_triton(*call)
