@@ -79,10 +79,19 @@ class Experts(nn.Module):
         # FP8: a float32 scale per expert and output channel, filled with the codes at load
         self.gate_up_s = _empty(e, 2 * inter, dtype=torch.float32, device=device) if fp8 else None
         self.down_s = _empty(e, h, dtype=torch.float32, device=device) if fp8 else None
-        # The stacks as the checkpoint's rows: one view each, made once, so that the loader finds
-        # an FP8 stack's scales by the view's identity (row_scales)
-        self.gate_up_rows = self.gate_up_w.data.view(e * 2 * inter, h)
-        self.down_rows = self.down_w.data.view(e * h, inter)
+        self._row_views: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate-up and down stacks as the checkpoint's rows ([E·2I, H], [E·H, I]): the same two
+        view objects every call, so that the loader finds an FP8 stack's scales by the view's
+        identity (:meth:`row_scales`); made again if a stack was replaced (new storage), so a
+        view never writes where the model no longer reads."""
+        v = self._row_views
+        if v is None or v[0].data_ptr() != self.gate_up_w.data_ptr() or v[1].data_ptr() != self.down_w.data_ptr():
+            e, h = self.num_experts, self.down_w.shape[1]
+            v = self._row_views = (self.gate_up_w.data.view(e * 2 * self.inter, h),
+                                   self.down_w.data.view(e * h, self.inter))
+        return v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused_experts(x, ExpertStack(self.gate_up_w, self.gate_up_s), ExpertStack(self.down_w, self.down_s),
@@ -93,12 +102,13 @@ class Experts(nn.Module):
         (empty without FP8): see :meth:`LlamaModel.row_scales`."""
         if self.gate_up_s is None:
             return {}
-        return {id(self.gate_up_rows): self.gate_up_s.data.view(-1), id(self.down_rows): self.down_s.data.view(-1)}
+        gu, down = self.rows()
+        return {id(gu): self.gate_up_s.data.view(-1), id(down): self.down_s.data.view(-1)}
 
     def weight_slots(self, prefix: str, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, int, int]]:
         """The checkpoint's names of this layer's router and experts → row ranges of the stacks."""
         h, inter = cfg.hidden_size, self.inter
-        gu, down = self.gate_up_rows, self.down_rows
+        gu, down = self.rows()
         if cfg.family == "mixtral":
             block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")  # gate, up, down
         else:

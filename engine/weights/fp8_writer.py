@@ -10,8 +10,9 @@ Layouts (what engine/weights/fp8_checkpoint.py reads):
 - ``block128``: ``quant_method: "fp8"``, ``weight_block_size [128, 128]``: ``P.weight`` e4m3 and
   ``P.weight_scale_inv`` [ceil(N/128), ceil(K/128)], the multiplier of each block.
 
-Only the decoder projections are quantized, the experts' too (embeddings, norms, biases, the
-routers and the LM head stay as they are, listed in ``ignore`` as the hub's checkpoints do).
+Only the decoder projections are quantized, the experts' too; embeddings, norms, biases, the
+routers and the LM head stay as they are (``ignore`` lists the LM head, as the hub's checkpoints
+do; the engine reads no ``ignore``: a tensor's dtype says what it is).
 Written next to ``out`` and renamed into place, so a failure leaves nothing under the final name.
 """
 

@@ -7,8 +7,8 @@ hold (Qwen3-30B-A3B in bf16 is 61 GB of a 64 GB disk, beside nothing else).
 N(0, 0.02) — and an FP8 model's projections, experts included, are quantized into their codes and
 scales as a load from files would (the same ``quantize_rows``). Everything else about the load is
 the engine's own: the ledger, the KV pool, the runner, its graphs and the warm-up. A bench that
-uses it says so in its report (``weights: "on device"``): its routing and its outputs are those
-of random weights.
+uses it says so in its report (engine_bench names the model "(random, made on the device)"):
+its routing and its outputs are those of random weights.
 """
 
 from __future__ import annotations

@@ -268,3 +268,22 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_refused_by_name(make_tin
         with pytest.raises(err, match=re.escape(words)):
             core.load_model(LoadSpec(name, str(d), max_model_len=128, max_num_seqs=8))
         assert name not in core.models()
+
+
+def test_the_loaders_row_views_follow_a_replaced_stack(make_tiny_model):
+    """The loader finds an FP8 stack's scales by the identity of the row view weight_slots gave
+    it: both must name the same object, and a stack replaced by new storage gets new views (an
+    old one would fill memory the model no longer reads)."""
+    from engine.config import load_model_config
+    from engine.models.llama import LlamaModel
+
+    cfg = load_model_config(make_tiny_model("qwen3_moe"))
+    model = LlamaModel(cfg, torch.float32, "cpu", "fp8")
+    slots, scales = model.weight_slots(), model.row_scales()
+    ex = next(x.experts for x in model.layers if x.experts is not None)
+    expert_dests = {id(d) for n, (d, _, _) in slots.items() if ".experts." in n}
+    assert expert_dests and expert_dests <= set(scales)
+    ex.gate_up_w = torch.nn.Parameter(torch.empty_like(ex.gate_up_w), requires_grad=False)
+    gu, _ = ex.rows()
+    assert gu.data_ptr() == ex.gate_up_w.data_ptr() and id(gu) in model.row_scales()
+    assert id(gu) in {id(d) for d, _, _ in model.weight_slots().values()}

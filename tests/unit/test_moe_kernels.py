@@ -111,11 +111,13 @@ def _fp8_stack(w: torch.Tensor) -> ExpertStack:
 
 
 @pytest.mark.parametrize("per_pair, apply_weights", [(False, False), (True, True)])
-def test_fp8_experts_are_their_dequantized_weights(per_pair, apply_weights):
+@pytest.mark.parametrize("h, out", [(48, 40), (160, 300)])
+def test_fp8_experts_are_their_dequantized_weights(per_pair, apply_weights, h, out):
     """An e4m3 stack with channel scales: the Triton GEMM (interpreted) and the reference both
     give what the dequantized float32 weights give — each column times its own expert's scale,
-    so a scale read from the wrong expert or channel shows."""
-    n, k, e, h, out = 17, 2, 8, 48, 40
+    so a scale read from the wrong expert or channel shows (160 x 300: three column tiles and
+    three K blocks, so a column tile reading the first tile's scales shows too)."""
+    n, k, e = 17, 2, 8
     weights, experts = _routing(n, k, e, seed=5)
     r = align(experts, weights, e)
     g = torch.Generator().manual_seed(2)
