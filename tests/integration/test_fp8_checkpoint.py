@@ -163,3 +163,30 @@ def test_make_model_writes_each_fp8_layout(tmp_path):
         t = load_file(str(_file(out)))
         assert t[Q0 + ".weight"].dtype == torch.float8_e4m3fn and t["model.norm.weight"].dtype != torch.float8_e4m3fn
         assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_block128_bands_requantized_a_chunk_at_a_time_equal_band_by_band(make_tiny_model, tmp_path, monkeypatch):
+    """block128 rows are re-quantized in chunks of whole 128-row bands (one operation per chunk,
+    not per band). The small preset's projections have 2-4 bands of rows and 2-4 blocks of
+    columns: one band a chunk, two bands a chunk (a ragged last chunk), and the whole tensor in
+    one give the same codes and scales to the bit."""
+    from engine.weights import fp8_checkpoint
+
+    folder = quantize_folder(make_tiny_model("llama", "small"), tmp_path / "b128", "block128")
+
+    def load(chunk_bytes: int):
+        monkeypatch.setattr(fp8_checkpoint, "REQUANT_BYTES", chunk_bytes)
+        core = _core()
+        core.load_model(LoadSpec("ck", folder, max_model_len=128, max_num_seqs=4))
+        return core.slots.get("ck").model
+
+    one_band, chunked = load(1), load(fp8_checkpoint.REQUANT_BYTES)
+    two_bands = load(2 * 128 * 256 * 4)  # gate and up (256 columns): 2 chunks of 2 bands; down (512): 1 a chunk
+    for a, b in zip(one_band.layers, two_bands.layers):
+        assert torch.equal(a.gate_up_w.view(torch.uint8), b.gate_up_w.view(torch.uint8))
+        assert torch.equal(a.down_s, b.down_s)
+    assert one_band.layers[0].gate_up_w.shape[0] >= 4 * 128
+    for a, b in zip(one_band.layers, chunked.layers):
+        for w, s in (("qkv_w", "qkv_s"), ("o_w", "o_s"), ("gate_up_w", "gate_up_s"), ("down_w", "down_s")):
+            assert torch.equal(getattr(a, w).view(torch.uint8), getattr(b, w).view(torch.uint8)), w
+            assert torch.equal(getattr(a, s), getattr(b, s)), s
