@@ -4,7 +4,7 @@ hidden row, or the pair's own row) and multiply them by that expert's weights, f
 accumulation, the routing weight applied before the store; padding slots and tiles past the last
 used one store nothing. FP8 experts (``SCALED``): e4m3 weights widened to the inputs' dtype tile
 by tile, each output column times its expert's channel scale once after the sum. Launch sizes
-are fixed defaults until the H200 tuning table (issue 37)."""
+come from the tuned tables of engine/kernels/moe_configs.py (defaults where none is kept)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._launch import CachedLauncher, pdl_entry
+from engine.kernels.moe_configs import GemmShape, launch_shape, weights_name
 
 
 
@@ -56,11 +57,17 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, pair_ids_ptr, tile_exper
 _GROUPED_GEMM_LAUNCH = CachedLauncher(_grouped_gemm_kernel, pdl=True)
 
 
+def _gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def grouped_gemm_triton(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor, tile_expert: torch.Tensor,
                         weights: torch.Tensor, top_k: int, block_m: int, per_pair_input: bool,
-                        apply_weights: bool, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        apply_weights: bool, w_scale: torch.Tensor | None = None,
+                        shape: GemmShape | None = None) -> torch.Tensor:
     """The grouped GEMM of engine/kernels/moe.py (its ``Routing``'s tensors passed one by one);
-    ``w_scale`` [E, N] float32 with e4m3 ``w``."""
+    ``w_scale`` [E, N] float32 with e4m3 ``w``. ``shape``: a launch shape to use (the tuner's
+    candidates), else the tuned table's for this step's token count."""
     if a.stride(1) != 1:
         a = a.contiguous()
     if w.stride(2) != 1:
@@ -68,14 +75,15 @@ def grouped_gemm_triton(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor
     num_pairs = weights.shape[0]
     n_out, k_in = w.shape[1], w.shape[2]
     out = torch.empty((num_pairs, n_out), dtype=a.dtype, device=a.device)
-    block_n = min(128, max(16, triton.next_power_of_2(n_out)))
-    block_k = min(64, max(16, triton.next_power_of_2(k_in)))
-    grid = (tile_expert.shape[0], triton.cdiv(n_out, block_n))
+    if shape is None:
+        shape = launch_shape(w.shape[0], n_out, k_in, weights_name(w.dtype), _gpu_name(a.device), num_pairs // top_k)
+    grid = (tile_expert.shape[0], triton.cdiv(n_out, shape.block_n))
     scaled = w_scale is not None
     if scaled and not w_scale.is_contiguous():
         w_scale = w_scale.contiguous()
     _GROUPED_GEMM_LAUNCH.launch(grid, a, w, w_scale if scaled else weights, out, pair_ids, tile_expert, weights,
                                 num_pairs, n_out, k_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
                                 TOP_K=top_k, PER_PAIR=per_pair_input, APPLY_WEIGHTS=apply_weights, SCALED=scaled,
-                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+                                BLOCK_M=block_m, BLOCK_N=shape.block_n, BLOCK_K=shape.block_k,
+                                num_warps=shape.num_warps, num_stages=shape.num_stages)
     return out

@@ -144,3 +144,33 @@ def test_an_fp8_stack_without_its_scales_is_refused():
         grouped_gemm(torch.randn(3, 16), ExpertStack(stack.w), r, False, False)
     with pytest.raises(KernelError, match="scale"):
         grouped_gemm(torch.randn(3, 16), ExpertStack(stack.w, stack.scale[:, :8]), r, False, False)
+
+
+def test_a_tuned_table_gives_each_token_count_its_shape_and_none_gives_the_default(tmp_path, monkeypatch):
+    """engine/kernels/moe_configs.py: a step of n tokens takes the entry of the smallest tuned
+    count at or above n (the largest beyond the last); a shape or GPU without a table runs the
+    default; a tuned shape computes what the default does."""
+    import json
+
+    from engine.kernels import moe_configs as mc
+
+    monkeypatch.setattr(mc, "TABLES", tmp_path)
+    mc._table.cache_clear()
+    assert mc.launch_shape(8, 40, 48, "float32", "cpu", 17) == mc.default_shape(40, 48) == mc.GemmShape(64, 64, 4, 3)
+    small, big = {"block_n": 16, "block_k": 16, "num_warps": 2, "num_stages": 2}, {"block_n": 32, "block_k": 32,
+                                                                                    "num_warps": 4, "num_stages": 3}
+    (tmp_path / mc.table_name(8, 40, 48, "float32", "cpu")).write_text(json.dumps({"entries": {"8": small, "64": big}}))
+    mc._table.cache_clear()
+    got = [mc.launch_shape(8, 40, 48, "float32", "cpu", n) for n in (1, 8, 9, 64, 1000)]
+    assert got == [mc.GemmShape(**small)] * 2 + [mc.GemmShape(**big)] * 3
+    assert mc.launch_shape(8, 40, 48, "float32", "NVIDIA H200", 8) == mc.default_shape(40, 48)  # another GPU's
+    # the kernel (interpreted) under the table's shape: the reference's output
+    weights, experts = _routing(17, 2, 8, seed=9)
+    r = align(experts, weights, 8)
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn((17, 48), generator=g)
+    w = torch.randn((8, 40, 48), generator=g) * 0.1
+    want = grouped_gemm_ref(a, ExpertStack(w), r, False, False)
+    got = grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, False, False)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    mc._table.cache_clear()
