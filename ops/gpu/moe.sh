@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 37's measurements on the GPU machine (results under $OUT), each phase given the time left:
 #   . ops/gpu/env.sh; bash ops/gpu/moe.sh tune kernels qwen mixtral dense
-# tune: ops/gpu/moe_tune.py at both shapes (tables into engine/kernels/moe_configs/, copied to
-# $OUT/moe_configs: commit them); kernels: ops/gpu/moe_bench.py at both full-size layer shapes (bf16 and FP8 experts by token
+# tune: ops/gpu/moe_tune.py at both shapes (tables into engine/kernels/moe_configs/, returned as
+# $OUT/moe_configs.tgz: unpack into engine/kernels and commit them); kernels: ops/gpu/moe_bench.py at both full-size layer shapes (bf16 and FP8 experts by token
 # count: GB/s at decode sizes, TFLOP/s at prefill sizes); qwen: Qwen3-30B-A3B's shape offline,
 # sharegpt-like 1,000 requests, bf16 then FP8 in one process, with batch-1 decode; mixtral:
 # Mixtral-8x7B's shape FP8 offline; dense: the 8B offline in the same run (the reference the
@@ -25,7 +25,7 @@ for phase in "$@"; do
             timeout "$(left)" python3 ops/gpu/moe_tune.py --shape "$s" > "$OUT/tune_$s.txt" 2>&1
             echo "tune $s rc=$?" >> "$OUT/runs.txt"
           done
-          mkdir -p "$OUT/moe_configs" && cp engine/kernels/moe_configs/*.json "$OUT/moe_configs/" 2>/dev/null ;;
+          tar -czf "$OUT/moe_configs.tgz" -C engine/kernels moe_configs ;;  # one file: a call returns ~8
     kernels) for s in qwen3-30b-a3b mixtral-8x7b; do
                timeout 120 python3 ops/gpu/moe_bench.py --shape "$s" --out "$OUT/moe_$s.json" > "$OUT/moe_$s.txt" 2>&1
                echo "kernels $s rc=$?" >> "$OUT/runs.txt"
