@@ -11,8 +11,8 @@ Layouts (what engine/weights/fp8_checkpoint.py reads):
   ``P.weight_scale_inv`` [ceil(N/128), ceil(K/128)], the multiplier of each block.
 
 Only the decoder projections are quantized, the experts' too; embeddings, norms, biases, the
-routers and the LM head stay as they are (``ignore`` lists the LM head, as the hub's checkpoints
-do; the engine reads no ``ignore``: a tensor's dtype says what it is).
+routers and the LM head stay as they are (``ignore`` lists the LM head and the routers, as the
+hub's checkpoints do; the engine reads no ``ignore``: a tensor's dtype says what it is).
 Written next to ``out`` and renamed into place, so a failure leaves nothing under the final name.
 """
 
@@ -57,11 +57,14 @@ def quantize_tensor(w: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
     return {"weight": q.to(FP8), "weight_scale_inv": s}
 
 
-def quantization_config(layout: str, static_input: bool) -> dict:
+def quantization_config(layout: str, static_input: bool, ignore: tuple[str, ...] = ()) -> dict:
+    """The config.json entry of ``layout``; ``ignore``: the Linear modules left unquantized
+    beside the LM head (the routers of a model with experts), as the hub's checkpoints list them."""
+    skip = ["lm_head", *ignore]
     if layout == "block128":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static" if static_input else "dynamic",
-                "weight_block_size": [128, 128], "ignore": ["lm_head"]}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                "weight_block_size": [128, 128], "ignore": skip}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": skip,
             "config_groups": {"group_0": {
                 "targets": ["Linear"],
                 "weights": {"num_bits": 8, "type": "float", "strategy": layout, "dynamic": False, "symmetric": True},
@@ -87,6 +90,8 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
     try:
         weight_map: dict[str, str] = {}
         used: set[str] = set()
+        routers: set[str] = set()  # Linear modules kept unquantized (listed in ``ignore``)
+        config = None
         for f in sorted(src.iterdir()):
             if f.suffix == ".safetensors":
                 tensors = {}
@@ -105,16 +110,19 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
                             tensors[f"{base}.input_scale"] = torch.ones(1)
                     else:
                         tensors[name] = t
+                        if name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+                            routers.add(name[: -len(".weight")])
                 save_file(tensors, str(tmp / f.name), metadata={"format": "pt"})
                 weight_map.update({n: f.name for n in tensors})
             elif f.name == "config.json":
-                cfg = json.loads(f.read_text())
-                cfg["quantization_config"] = quantization_config(layout, static_input)
-                (tmp / f.name).write_text(json.dumps(cfg, indent=2) + "\n")
+                config = json.loads(f.read_text())  # written once every tensor's name is known
             elif f.name == "model.safetensors.index.json":
                 continue  # written below, with the new tensor names
             elif f.is_file():
                 shutil.copy2(f, tmp / f.name)
+        if config is not None:
+            config["quantization_config"] = quantization_config(layout, static_input, tuple(sorted(routers)))
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if replace is not None and set(replace) != used:
             raise ValueError(f"calibrated tensors for names the checkpoint lacks: {sorted(set(replace) - used)[:3]}")
         if (src / "model.safetensors.index.json").exists():

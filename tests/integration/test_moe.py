@@ -214,6 +214,9 @@ def test_an_fp8_moe_checkpoint_loads_its_experts_codes_and_scales(arch, layout, 
     d = quantize_folder(moe_model(arch), tmp_path / "fp8", layout)
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == ("fp8" if layout == "block128" else "compressed-tensors")
+    routers = {"mixtral": "block_sparse_moe.gate", "qwen3_moe": "mlp.gate"}[arch]
+    ignore = cfg["quantization_config"]["ignore"]  # the routers stay unquantized, and say so
+    assert ignore[0] == "lm_head" and ignore[1:] and all(n.endswith(routers) for n in ignore[1:])
     ckpt, at_load = _core(d, quantization="fp8"), _core(moe_model(arch), quantization="fp8")
     for e1, e2 in zip(_fp8_experts_of(ckpt), _fp8_experts_of(at_load)):
         if layout == "channel":  # the engine's own scheme: codes and scales copied as written
