@@ -531,7 +531,7 @@ class EngineCore:
                 cascade=cascade,
                 cascade_rows=runner.cascade_rows if cascade else 0,
                 cascade_steps=runner.cascade_steps if cascade else 0,
-                cascade_long_rows=runner.long_rows if cascade else 0,
+                cascade_long_rows=runner.cascade_long_rows if cascade else 0,
                 constrained=constrained,
                 grammar_compiles=grammar.compiled if constrained else 0,
                 grammar_cache_hits=grammar.hits if constrained else 0,

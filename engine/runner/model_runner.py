@@ -115,7 +115,7 @@ class ModelRunner:
                                 cfg.vocab_size, per_tile)
         self.cascade_rows = 0  # rows that read a shared prefix through a cascade tile
         self.cascade_steps = 0  # steps with a cascade plan
-        self.long_rows = 0  # rows whose own long context a cascade tile split (engine/runner/cascade.py)
+        self.cascade_long_rows = 0  # rows whose own long context a cascade tile split (engine/runner/cascade.py)
         self.streams = StepStreams(dev, stream_pool) if self._pin else None
         # Two pinned id buffers (and events), alternating, so step N+1 can launch before N is collected.
         self._ids_host = [torch.empty(self.max_seqs, dtype=i64).pin_memory() for _ in range(2)] if self._pin else []
@@ -322,7 +322,7 @@ class ModelRunner:
         if not plan.rows:
             return None
         self.cascade_rows += plan.shared
-        self.long_rows += plan.long
+        self.cascade_long_rows += plan.long
         self.cascade_steps += 1
         kv_all = np.zeros(rows, dtype=np.int32)
         kv_all[:len(plan.kv_lo)] = plan.kv_lo
