@@ -50,6 +50,7 @@ def table_name(experts: int, n_out: int, k_in: int, weights: str, gpu: str) -> s
 
 @functools.lru_cache(maxsize=64)
 def _table(name: str) -> tuple[tuple[int, GemmShape], ...]:
+    """A table's entries, read once per process (a model's layers all ask for the same two)."""
     path = TABLES / name
     if not path.is_file():
         return ()
@@ -57,8 +58,10 @@ def _table(name: str) -> tuple[tuple[int, GemmShape], ...]:
     return tuple(sorted((int(n), GemmShape(**cfg)) for n, cfg in entries.items()))
 
 
+@functools.lru_cache(maxsize=4096)
 def launch_shape(experts: int, n_out: int, k_in: int, weights: str, gpu: str, tokens: int) -> GemmShape:
-    """The tuned shape for a step of ``tokens`` tokens, or the default without a table."""
+    """The tuned shape for a step of ``tokens`` tokens, or the default without a table. Cached:
+    eager steps ask for it twice a layer, so the lookup is a dict hit, not a file name built."""
     table = _table(table_name(experts, n_out, k_in, weights, gpu))
     if not table:
         return default_shape(n_out, k_in)

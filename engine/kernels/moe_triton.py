@@ -8,6 +8,8 @@ come from the tuned tables of engine/kernels/moe_configs.py (defaults where none
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -57,7 +59,9 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, pair_ids_ptr, tile_exper
 _GROUPED_GEMM_LAUNCH = CachedLauncher(_grouped_gemm_kernel, pdl=True)
 
 
+@functools.lru_cache(maxsize=16)
 def _gpu_name(device: torch.device) -> str:
+    """The name the tuned tables are kept under (asked once per device, not per GEMM)."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 

@@ -155,12 +155,12 @@ def test_a_tuned_table_gives_each_token_count_its_shape_and_none_gives_the_defau
     from engine.kernels import moe_configs as mc
 
     monkeypatch.setattr(mc, "TABLES", tmp_path)
-    mc._table.cache_clear()
+    mc._table.cache_clear(), mc.launch_shape.cache_clear()
     assert mc.launch_shape(8, 40, 48, "float32", "cpu", 17) == mc.default_shape(40, 48) == mc.GemmShape(64, 64, 4, 3)
     small, big = {"block_n": 16, "block_k": 16, "num_warps": 2, "num_stages": 2}, {"block_n": 32, "block_k": 32,
                                                                                     "num_warps": 4, "num_stages": 3}
     (tmp_path / mc.table_name(8, 40, 48, "float32", "cpu")).write_text(json.dumps({"entries": {"8": small, "64": big}}))
-    mc._table.cache_clear()
+    mc._table.cache_clear(), mc.launch_shape.cache_clear()
     got = [mc.launch_shape(8, 40, 48, "float32", "cpu", n) for n in (1, 8, 9, 64, 1000)]
     assert got == [mc.GemmShape(**small)] * 2 + [mc.GemmShape(**big)] * 3
     assert mc.launch_shape(8, 40, 48, "float32", "NVIDIA H200", 8) == mc.default_shape(40, 48)  # another GPU's
@@ -173,4 +173,4 @@ def test_a_tuned_table_gives_each_token_count_its_shape_and_none_gives_the_defau
     want = grouped_gemm_ref(a, ExpertStack(w), r, False, False)
     got = grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, False, False)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    mc._table.cache_clear()
+    mc._table.cache_clear(), mc.launch_shape.cache_clear()
