@@ -32,6 +32,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from engine.kernels.attention_triton import paged_attention_triton  # noqa: E402
 from engine.runner import cascade as cascade_plans  # noqa: E402
+from ops.bench.engine_bench import _commit  # noqa: E402 - the tree's (INFIRE_COMMIT on the GPU machine)
 from paged_batch import BLOCK, D, HKV, HQ, paged_batch  # noqa: E402 - a sibling (run as a script)
 
 BOUND = 131072
@@ -78,7 +79,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     report = {"label": args.label, "tree": args.tree, "gpu": torch.cuda.get_device_name(),
-              "commit": os.environ.get("INFIRE_COMMIT", ""), "max_seq_len": BOUND, "rows": rows}
+              "commit": _commit(), "max_seq_len": BOUND, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -24,6 +24,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from engine.kernels.fp8 import quantize_weight  # noqa: E402
 from engine.kernels.moe import ExpertStack, fused_experts  # noqa: E402
+from ops.bench.engine_bench import _commit  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, inter=768),
           "mixtral-8x7b": dict(experts=8, top_k=2, hidden=4096, inter=14336)}
@@ -66,7 +67,7 @@ def main() -> None:
                    "gb_s": round(read / ms / 1e6, 1), "tflop_s": round(flops / ms / 1e9, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    report = {"shape": a.shape, **s, "gpu": torch.cuda.get_device_name(), "commit": os.environ.get("INFIRE_COMMIT", ""),
+    report = {"shape": a.shape, **s, "gpu": torch.cuda.get_device_name(), "commit": _commit(),
               "rows": rows}
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
