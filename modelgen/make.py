@@ -324,8 +324,7 @@ def make_model(
 
     tok = build_tokenizer()
     specials = special_ids(tok)
-    tok_size = tok.get_vocab_size(with_added_tokens=True)
-    vocab = shape.vocab if shape.vocab is not None else -(-tok_size // 64) * 64
+    vocab = _vocab(shape, tok)
     specs = tensor_specs(arch, preset, vocab)
     shards = plan_shards(specs, max_shard_bytes)
     names = shard_file_names(len(shards))
@@ -352,6 +351,11 @@ def make_model(
     return out
 
 
+def _vocab(shape: Shape, tok) -> int:
+    """The preset's vocabulary, or the tokenizer's rounded up to a multiple of 64."""
+    return shape.vocab if shape.vocab is not None else -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
+
+
 def _write_metadata(folder: Path, arch: str, preset: str, tok, vocab: int, specials, max_position: int) -> None:
     """config.json, generation_config.json and the tokenizer's files of a generated model."""
     cfg = model_config(arch, preset, vocab, specials)
@@ -374,7 +378,7 @@ def make_metadata_only(out_dir: str | os.PathLike[str], arch: str, preset: str) 
     if out.exists():
         raise ModelGenError(f"output {out} exists")
     tok = build_tokenizer()
-    vocab = shape.vocab if shape.vocab is not None else -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
+    vocab = _vocab(shape, tok)
     out.mkdir(parents=True)
     _write_metadata(out, arch, preset, tok, vocab, special_ids(tok), shape.max_position)
     return out
