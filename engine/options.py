@@ -31,8 +31,9 @@ class EngineOptions:
     ``decode_step_tokens``: the most work one step takes while it carries decodes (prompt
     chunks costed by their attention, engine/sched/scheduler.py): a running request's time per
     token while prompts prefill beside it. 1024: ~25 ms of an 8B's matmuls; beside eight 32k
-    prompts on the H200 the decodes' TPOT p50 was 52 ms at 60b2616 (177 ms before; issue 38
-    asks 40: ops/gpu/long_context.sh's ``steps`` phase sweeps it; docs/perf.md).
+    prompts the decodes' TPOT p50 was 38 ms on an H100 at 9a28399 (55 ms before long rows were
+    split; 177 ms at 9871be8 on the H200; ops/gpu/long_context.sh's ``steps`` phase sweeps it:
+    512 / 768 gave 42 / 46 ms before the split, docs/perf.md).
     ``page_bytes``: the shared KV pool's page size; None: the first load sets it to its
     ``block_size`` tokens of that model.
     ``cuda_graphs``: capture CUDA graphs (decode and mixed steps); False: every step runs eagerly.
