@@ -150,13 +150,16 @@ def plan_cascade(tables: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, b
     # short beside what it splits)
     own = full[cand] * block_size - kv_lo[cand]
     keep = own >= long_row_tokens
+    if t == num_tiles or not keep.any():  # (most steps: nothing more to plan)
+        return CascadePlan(tiles, kv_lo, shared, 0)
     long = cand[keep][np.argsort(-own[keep], kind="stable")][:num_tiles - t]
+    grouped = t
     for r in long:
         if kv_lo[r]:
-            tiles[:t, 2:][tiles[:t, 2:] == r] = -1
+            tiles[:grouped, 2:][tiles[:grouped, 2:] == r] = -1
             shared -= 1
         tiles[t, 0] = tiles[t, 2] = r
         tiles[t, 1] = kv_lo[r] = full[r] * block_size
         t += 1
-    tiles[(tiles[:, 2:] < 0).all(axis=1), 1] = 0  # a group tile whose every row took its own: unused
+    tiles[(tiles[:grouped, 2:] < 0).all(axis=1).nonzero()[0], 1] = 0  # a group whose every row took its own
     return CascadePlan(tiles, kv_lo, shared, len(long))
