@@ -13,7 +13,10 @@ head_dim. An e4m3 cache (``kv_cache_dtype="fp8"``) is widened tile by tile as it
   the group's heads share each K/V tile read. Online softmax in base 2, causal mask from the
   absolute positions (chunked prefill and prefix hits: the first ``seq_len - q_len`` positions
   are cached context), applied only on the diagonal band (:func:`_prefill_tile`); the launch
-  shape by :func:`prefill_shape`.
+  shape by :func:`prefill_shape`. Chunked local attention (``chunk`` > 0, ``CHUNKED``): a query
+  tile's keys begin at its first row's chunk; the key tiles up to the first one inside every
+  row's chunk take the mask with each row's lower bound, then come the unmasked tiles and the
+  band as without chunks.
 - ``_decode_kernel`` (every one-token query, in decode and mixed steps alike): flash-decoding. grid (B, Hkv, splits); each
   program reads one partition of the context once for all G heads of its KV head and writes a
   partial (normalised output, log2-sum-exp); ``_reduce_kernel`` merges the splits. The split count
@@ -21,7 +24,11 @@ head_dim. An e4m3 cache (``kv_cache_dtype="fp8"``) is widened tile by tile as it
   device data (CUDA-graph safe); each row cuts its own context into that many partitions
   (:func:`_partition`), so a long row beside short ones is read by all of its programs. The
   split count is a runtime argument, not a constexpr: a new max_seq_len must not cost a
-  recompile in the middle of serving.
+  recompile in the middle of serving. Chunked local attention (``CHUNKED``): a row's context
+  begins at its chunk, ``((seq_len - 1) // chunk) * chunk``, and the splits partition it from
+  there (:func:`_row_lo`, shared with the reduce). ``chunk`` is a runtime int, not specialised,
+  and ``CHUNKED`` a constexpr: an unchunked model's kernels compile to the instructions they had
+  before chunks existed (one unused parameter more).
 - ``_cascade_kernel`` (cascade attention; with a plan from engine/runner/cascade.py): one-token
   queries whose block tables begin with the same pages (a system prompt or a history served
   from the prefix cache) read those pages once per *tile* of rows instead of once per row.
@@ -131,13 +138,15 @@ def _load_tile(ptr, offs, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, kvh,
+def _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, qlo, kvh,
                   s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, d, dm, qk_scale,
-                  BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, ASM_V: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CHUNKED: tl.constexpr, DOT_PREC: tl.constexpr,
+                  ASM_V: tl.constexpr):
     """One K/V tile of the prefill kernel's online softmax (base 2). ``MASKED`` tiles are the
     diagonal band and the ragged end: positions past ``kv_end`` and after a row's ``qpos`` are
-    masked out. Unmasked tiles lie wholly before every row of the query tile and (head_dim a
-    power of two) load and score without a mask or a select: most of a long prompt's tiles."""
+    masked out, with ``CHUNKED`` those before a row's ``qlo`` (its chunk's start) too. Unmasked
+    tiles lie wholly before every row of the query tile (and in every row's chunk) and (head_dim
+    a power of two) load and score without a mask or a select: most of a long prompt's tiles."""
     jm = j < kv_end
     page = _table_pages(bt_ptr, b, s_bt, j, jm, BLOCK_SIZE, MASKED)  # one table read for K and V
     slot = (j % BLOCK_SIZE).to(tl.int64)
@@ -146,14 +155,25 @@ def _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, 
     k = _load_tile(kc_ptr, koff[None, :] + d[:, None], jm[None, :] & dm[:, None], MASKED).to(q.dtype)
     s = tl.dot(q, k, input_precision=DOT_PREC)
     if MASKED:
-        s = tl.where(jm[None, :] & (j[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
+        seen = jm[None, :] & (j[None, :] <= qpos[:, None])
+        if CHUNKED:
+            seen = seen & (j[None, :] >= qlo[:, None])
+        s = tl.where(seen, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
+        if CHUNKED:
+            # a row may have seen no key yet (its chunk begins past this tile, in a query tile that
+            # straddles a chunk boundary): its max is still -inf, and exp2(-inf - -inf) is NaN.
+            # Offset by 0 instead, so its p and alpha are 0; the max itself stays -inf.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        p = tl.exp2(s - m_ref[:, None])
     else:
         # the scale folded into the exponent's operand: one multiply-add a score
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        m_ref = m_new
         p = tl.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = _widen_v(_load_tile(vc_ptr, voff[:, None] + d[None, :], jm[:, None] & dm[None, :], MASKED), q, ASM_V)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
@@ -162,11 +182,11 @@ def _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, 
 
 # Runtime ints that change with the batch are not specialised (==1, %16): a new block-table
 # width or split count must never trigger a compile while serving.
-@triton.jit(do_not_specialize=["s_bt", "NUM_SEQS"])
+@triton.jit(do_not_specialize=["s_bt", "NUM_SEQS", "chunk"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
-                    s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, NUM_SEQS,
-                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TPT: tl.constexpr,
+                    s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, NUM_SEQS, chunk,
+                    CHUNKED: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TPT: tl.constexpr,
                     DOT_PREC: tl.constexpr, MIN_Q: tl.constexpr, ASM_V: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     # grid (Hkv, items): the KV heads of one item are neighbours in launch order. Work item i:
@@ -205,22 +225,46 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kv_end = tl.minimum(seq_len, ctx + tl.minimum(q_len, (tile + 1) * TPT))
+        first = ctx + tile * TPT  # the tile's first query position (kv_end - 1 its last)
+        # CHUNKED: a row sees its own chunk only, positions qlo ..= qpos. The tile's keys begin at
+        # its first row's chunk start, rounded down to a key tile (kv_start); from `full`, the
+        # first key tile at or after its last row's chunk start (so at or after every row's), up
+        # to `band` they are every row's again. The tiles before `full` take the mask, with each
+        # row's lower bound.
+        qlo = qpos
+        kv_start = 0
+        full = 0
+        if CHUNKED:
+            qlo = (qpos // chunk) * chunk
+            kv_start = ((first // chunk) * chunk // BLOCK_N) * BLOCK_N
+            full = tl.cdiv(((kv_end - 1) // chunk) * chunk, BLOCK_N) * BLOCK_N
         # keys before the tile's first query position are every row's: no mask (a power-of-two
         # head_dim only; otherwise every tile masks its columns)
-        band = 0
+        band = kv_start
         if BLOCK_D == D:
-            band = ((ctx + tile * TPT) // BLOCK_N) * BLOCK_N
-        for start in range(0, band, BLOCK_N):
+            band = (first // BLOCK_N) * BLOCK_N
+        if CHUNKED:
+            full = tl.minimum(full, band)
+            # not software-pipelined: it is at most one tile except in a query tile that straddles
+            # a chunk boundary, and pipelined it cost the kernel registers (sm_90, 256-row tile,
+            # G = 5: 408 bytes of spills against 248; the unchunked kernel's: 304)
+            for start in tl.range(kv_start, full, BLOCK_N, num_stages=1):
+                j = start + tl.arange(0, BLOCK_N)
+                m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, qlo,
+                                              kvh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, d, dm, qk_scale,
+                                              BLOCK_SIZE, True, CHUNKED, DOT_PREC, ASM_V)
+        for start in range(full, band, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, kvh,
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, qlo, kvh,
                                           s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, d, dm, qk_scale,
-                                          BLOCK_SIZE, False, DOT_PREC, ASM_V)
-        # position `band` is visible to every row, so the running max is finite after its tile
+                                          BLOCK_SIZE, False, CHUNKED, DOT_PREC, ASM_V)
+        # unchunked, position `band` is visible to every row, so the running max is finite after
+        # its tile; chunked, a row may see none of the first tiles (_prefill_tile guards that)
         for start in range(band, kv_end, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, kvh,
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, qlo, kvh,
                                           s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, d, dm, qk_scale,
-                                          BLOCK_SIZE, True, DOT_PREC, ASM_V)
+                                          BLOCK_SIZE, True, CHUNKED, DOT_PREC, ASM_V)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_safe[:, None]
         tl.store(out_ptr + tok[:, None] * s_on + head[:, None] * s_oh + d[None, :],
@@ -255,11 +299,26 @@ def _partition(length, NUM_SPLITS, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(length, BLOCK_N), NUM_SPLITS) * BLOCK_N
 
 
-@triton.jit(do_not_specialize=["s_bt", "NUM_SPLITS"])
+@triton.jit
+def _row_lo(lo_ptr, b, seq_len, chunk, CASC: tl.constexpr, CHUNKED: tl.constexpr):
+    """The first position of a one-token row that its splits read (the decode kernel and the
+    reduce partition ``[lo, seq_len)`` alike): ``CASC``, the row's ``kv_lo`` (the positions before
+    it were the cascade kernel's); ``CHUNKED``, the start of the chunk of the row's token at
+    ``seq_len - 1`` (it sees nothing before); else 0."""
+    tl.static_assert(not (CASC and CHUNKED), "a cascade plan is not for chunked attention")
+    lo = 0
+    if CASC:
+        lo = tl.load(lo_ptr + b)
+    if CHUNKED:
+        lo = ((seq_len - 1) // chunk) * chunk
+    return lo
+
+
+@triton.jit(do_not_specialize=["s_bt", "NUM_SPLITS", "chunk"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, bt_ptr, lo_ptr, cpo_ptr, cplse_ptr,
-                   s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, NUM_SPLITS,
-                   CASC: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, NUM_SPLITS, chunk,
+                   CASC: tl.constexpr, CHUNKED: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    SINGLE: tl.constexpr, DOT_PREC: tl.constexpr, ASM_V: tl.constexpr, CS: tl.constexpr,
                    PDL: tl.constexpr):
     pdl_entry(PDL)
@@ -269,11 +328,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, qsl_ptr, sl
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     seq_len = tl.load(sl_ptr + b)
-    # CASC: the row's first kv_lo positions were the cascade kernel's; the splits partition the
-    # rest. A compile-time switch: as a runtime flag its dead merge cost plain steps 3 % (H200).
-    kv_lo = 0
-    if CASC:
-        kv_lo = tl.load(lo_ptr + b)
+    # CASC: the row's first kv_lo positions were the cascade kernel's; CHUNKED: they lie before the
+    # row's chunk. The splits partition the rest. Compile-time switches: as a runtime flag the
+    # cascade's dead merge cost plain steps 3 % (H200), and the chunk size, a runtime int, costs
+    # an unchunked model nothing.
+    kv_lo = _row_lo(lo_ptr, b, seq_len, chunk, CASC, CHUNKED)
     part = _partition(seq_len - kv_lo, NUM_SPLITS, BLOCK_N)
     lo = kv_lo + split * part
     if (q_len == 1) & (lo < seq_len):  # longer queries of a mixed step are the prefill kernel's
@@ -370,10 +429,11 @@ def _cascade_kernel(q_ptr, kc_ptr, vc_ptr, cpo_ptr, cplse_ptr, qsl_ptr, bt_ptr, 
 _CASCADE_LAUNCH = CachedLauncher(_cascade_kernel, pdl=True)
 
 
-@triton.jit(do_not_specialize=["NUM_SPLITS"])
+@triton.jit(do_not_specialize=["NUM_SPLITS", "chunk"])
 def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, lo_ptr, cpo_ptr, cplse_ptr, s_on, s_oh,
-                   NUM_SPLITS, CASC: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, CS: tl.constexpr, PDL: tl.constexpr):
+                   NUM_SPLITS, chunk, CASC: tl.constexpr, CHUNKED: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, CS: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_entry(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -381,9 +441,7 @@ def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, lo_ptr, cpo_ptr, 
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if q_len == 1:
         seq_len = tl.load(sl_ptr + b)
-        kv_lo = 0
-        if CASC:
-            kv_lo = tl.load(lo_ptr + b)
+        kv_lo = _row_lo(lo_ptr, b, seq_len, chunk, CASC, CHUNKED)
         part = _partition(seq_len - kv_lo, NUM_SPLITS, BLOCK_N)
         n_active = (seq_len - kv_lo + part - 1) // part
         sp = tl.arange(0, BLOCK_S)
@@ -502,10 +560,10 @@ def _cascade(q, k_cache, v_cache, query_start_loc, block_tables, tiles, common, 
 
 
 def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, common, cfg, num_splits,
-                 max_seq_len, b, hq, hkv, g, d, block_d, dot_prec, asm_v, cascade) -> None:
+                 max_seq_len, b, hq, hkv, g, d, block_d, dot_prec, asm_v, cascade, chunk) -> None:
     """Flash-decoding of every one-token query (all rows of a decode step; the decode rows of a
     mixed step, whose other sequences the kernels skip). ``cascade``: (tiles, kv_lo) of a plan,
-    or None."""
+    or None; ``chunk``: the chunk size of chunked attention, or 0."""
     block_n = cfg.get("block_n", _decode_block_n(d, q.dtype))
     block_g = max(16, triton.next_power_of_2(g))
     if num_splits is None:
@@ -525,7 +583,7 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
     casc = cascade is not None
     _DECODE_LAUNCH.launch((b, hkv, splits),
         q, k_cache, v_cache, out, po, plse, query_start_loc, seq_lens, block_tables, kv_lo, cpo, cplse, *common,
-        splits, CASC=casc,
+        splits, chunk, CASC=casc, CHUNKED=chunk > 0,
         HQ=hq, G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_N=block_n,
         SINGLE=splits == 1, DOT_PREC=dot_prec, ASM_V=asm_v, CS=CASCADE_SPLITS, num_warps=cfg.get("num_warps", 4),
         # two stages: ahead of three at every batch from 64 rows, bf16 (5 %) and e4m3 (18 %) caches
@@ -534,16 +592,19 @@ def _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tabl
     )
     if splits > 1:
         _REDUCE_LAUNCH.launch((b, hq), out, po, plse, query_start_loc, seq_lens, kv_lo, cpo, cplse,
-                                out.stride(0), out.stride(1), splits, CASC=casc, HQ=hq, D=d, BLOCK_D=block_d, BLOCK_N=block_n,
+                                out.stride(0), out.stride(1), splits, chunk, CASC=casc, CHUNKED=chunk > 0, HQ=hq, D=d,
+                                BLOCK_D=block_d, BLOCK_N=block_n,
                                 BLOCK_S=triton.next_power_of_2(splits), CS=CASCADE_SPLITS, num_warps=4)
 
 
 def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                            max_query_len, max_seq_len, num_splits: int | None = None, out=None,
-                           config: dict | None = None, cascade: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """See attention.paged_attention. For benchmarks and tests: ``num_splits`` overrides the decode
-    split heuristic, ``config`` the launch shape (``block_n``, ``num_warps``, ``num_stages``) and
-    ``out`` supplies a (poisoned) output buffer."""
+                           config: dict | None = None, cascade: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           chunk: int = 0):
+    """See attention.paged_attention (which validates; a cascade plan with ``chunk`` > 0 fails to
+    compile here). For benchmarks and tests: ``num_splits`` overrides the decode split heuristic,
+    ``config`` the launch shape (``block_n``, ``num_warps``, ``num_stages``) and ``out`` supplies a
+    (poisoned) output buffer."""
     cfg = config or {}
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -560,7 +621,7 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     # ``config`` tunes the kernel a benchmark times: the decode kernel's on decode steps only
     _decode_rows(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, common,
                  cfg if max_query_len <= 1 else {}, num_splits, max_seq_len, b, hq, hkv, g, d, block_d, dot_prec, asm_v,
-                 cascade)
+                 cascade, chunk)
     if max_query_len <= 1:
         return out
     shape = prefill_shape(n, g, hkv, q.dtype == torch.float32 or d > 128, block_d, _sm_count(q.device))
@@ -572,7 +633,7 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     # row in a prefill tile would use G of its BLOCK_M rows and read its context unsplit
     grid = (hkv, triton.cdiv(n, tpt) + b)
     _PREFILL_LAUNCH.launch(grid,
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common, b,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common, b, chunk, CHUNKED=chunk > 0,
         G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
         DOT_PREC=dot_prec, MIN_Q=2, ASM_V=asm_v, num_warps=cfg.get("num_warps", shape[2]),
         num_stages=cfg.get("num_stages", shape[3]),

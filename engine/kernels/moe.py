@@ -1,6 +1,7 @@
 """Mixture-of-experts MLP on the device: route, group the (token, expert) pairs into tiles of one
 expert each, two grouped GEMMs with the SiLU·mul between, the routing weights applied in the
-second, the k outputs of a token summed.
+second (or, for a sigmoid router, to each pair's input in the first), the k outputs of a token
+summed.
 
 Every shape is fixed by the step's token count (``N``), the experts (``E``), ``top_k`` and the
 tile height (``BLOCK_M``), never by the routing: the pairs are laid out expert by expert, each
@@ -35,6 +36,25 @@ class ExpertStack:
 
 
 @dataclass(frozen=True)
+class Router:
+    """How a token picks its experts: ``top_k`` of them, scored by
+
+    - ``"softmax"`` (Qwen3-MoE, Mixtral): softmax over every expert, the k best, renormalised
+      to sum to 1 when ``renormalize``; the weights scale the experts' outputs;
+    - ``"sigmoid"`` (Llama 4): the k largest logits, each one's sigmoid — rounded to the
+      activations' dtype, as the reference model rounds it — scaling the token on its way *into*
+      the expert (the SiLU-gated MLP is not linear, so this is not the same as scaling its output).
+    """
+
+    top_k: int
+    renormalize: bool = False
+    scoring: str = "softmax"
+
+    def __post_init__(self) -> None:
+        check(self.scoring in ("softmax", "sigmoid"), f"router scoring must be softmax or sigmoid, got {self.scoring!r}")
+
+
+@dataclass(frozen=True)
 class Routing:
     """The pairs of a step grouped by expert.
 
@@ -49,12 +69,14 @@ class Routing:
     block_m: int
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [N, k] float32, experts [N, k] int64): softmax over every expert, the k best,
-    renormalised to sum to 1 when asked (Qwen3-MoE's ``norm_topk_prob``, Mixtral)."""
+def route(router_logits: torch.Tensor, router: Router) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k] float32, experts [N, k] int64) of each token's chosen experts (:class:`Router`)."""
+    if router.scoring == "sigmoid":
+        values, experts = router_logits.topk(router.top_k, dim=-1)
+        return torch.sigmoid(values.float()).to(router_logits.dtype).float(), experts
     probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, experts = probs.topk(top_k, dim=-1)
-    if renormalize:
+    weights, experts = probs.topk(router.top_k, dim=-1)
+    if router.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
 
@@ -84,10 +106,16 @@ def align(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, block_
     return Routing(pair_ids, tile_expert, weights.reshape(-1).float().contiguous(), k, block_m)
 
 
+# Where a grouped GEMM applies each pair's routing weight: nowhere, to its output row, or to its
+# input row (scaled and rounded to the inputs' dtype before the product: a sigmoid router's).
+WEIGHTS = ("none", "output", "input")
+
+
 def grouped_gemm_ref(a: torch.Tensor, stack: ExpertStack, r: Routing, per_pair_input: bool,
-                     apply_weights: bool) -> torch.Tensor:
-    """out[pair] = a[row] @ w[expert].T (times the pair's weight when ``apply_weights``); ``row``
-    is the pair's token (``a`` [N, K]) or the pair itself (``per_pair_input``, ``a`` [N*k, K])."""
+                     weights: str) -> torch.Tensor:
+    """out[pair] = a[row] @ w[expert].T, the pair's weight applied where ``weights`` says
+    (:data:`WEIGHTS`); ``row`` is the pair's token (``a`` [N, K]) or the pair itself
+    (``per_pair_input``, ``a`` [N*k, K])."""
     w, scale = stack.w, stack.scale
     pairs = r.weights.shape[0]
     out = torch.zeros((pairs, w.shape[1]), dtype=a.dtype, device=a.device)
@@ -98,37 +126,44 @@ def grouped_gemm_ref(a: torch.Tensor, stack: ExpertStack, r: Routing, per_pair_i
         p = ids[t * r.block_m:(t + 1) * r.block_m]
         p = p[p < pairs]
         rows = p if per_pair_input else p // r.top_k
-        y = a.index_select(0, rows).float() @ w[e].float().T
+        x = a.index_select(0, rows)
+        if weights == "input":
+            x = (x.float() * r.weights[p, None]).to(a.dtype)
+        y = x.float() @ w[e].float().T
         if scale is not None:
             y = y * scale[e]
-        if apply_weights:
+        if weights == "output":
             y = y * r.weights[p, None]
         out[p] = y.to(a.dtype)
     return out
 
 
 def grouped_gemm(a: torch.Tensor, stack: ExpertStack, r: Routing, per_pair_input: bool,
-                 apply_weights: bool) -> torch.Tensor:
+                 weights: str) -> torch.Tensor:
     w, scale = stack.w, stack.scale
     check(a.dim() == 2 and w.dim() == 3 and a.shape[1] == w.shape[2],
           f"a [rows, K] and w [E, N, K] must agree, got {tuple(a.shape)} and {tuple(w.shape)}")
     check(scale is None or (scale.shape == w.shape[:2] and scale.dtype == torch.float32),
           f"an FP8 stack's scale must be [E, N] float32, got {None if scale is None else tuple(scale.shape)}")
     check((scale is None) == (w.dtype != torch.float8_e4m3fn), "e4m3 expert weights need their scales, and only they")
+    check(weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {weights!r}")
     if use_triton(a, w):
         from engine.kernels.moe_triton import grouped_gemm_triton
 
         return grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m,
-                                   per_pair_input, apply_weights, scale)
-    return grouped_gemm_ref(a, stack, r, per_pair_input, apply_weights)
+                                   per_pair_input, weights, scale)
+    return grouped_gemm_ref(a, stack, r, per_pair_input, weights)
 
 
 def fused_experts(x: torch.Tensor, gate_up: ExpertStack, down: ExpertStack, router_logits: torch.Tensor,
-                  top_k: int, renormalize: bool) -> torch.Tensor:
+                  router: Router) -> torch.Tensor:
     """The experts' output [N, H] for ``x`` [N, H]: ``gate_up`` [E, 2I, H], ``down`` [E, H, I]."""
     n = x.shape[0]
-    weights, experts = route(router_logits, top_k, renormalize)
+    weights, experts = route(router_logits, router)
     r = align(experts, weights, gate_up.w.shape[0])
-    gu = grouped_gemm(x, gate_up, r, per_pair_input=False, apply_weights=False)  # [N*k, 2I]
-    y = grouped_gemm(silu_and_mul(gu), down, r, per_pair_input=True, apply_weights=True)  # [N*k, H]
-    return y.view(n, top_k, -1).float().sum(dim=1).to(x.dtype)
+    on_input = router.scoring == "sigmoid"
+    gu = grouped_gemm(x, gate_up, r, per_pair_input=False, weights="input" if on_input else "none")  # [N*k, 2I]
+    y = grouped_gemm(silu_and_mul(gu), down, r, per_pair_input=True, weights="none" if on_input else "output")
+    if router.top_k == 1:
+        return y
+    return y.view(n, router.top_k, -1).float().sum(dim=1).to(x.dtype)

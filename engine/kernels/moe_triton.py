@@ -2,7 +2,9 @@
 tiles); a tile's ``BLOCK_M`` pairs share one expert, so its rows gather the inputs (a token's
 hidden row, or the pair's own row) and multiply them by that expert's weights, float32
 accumulation, the routing weight applied before the store; padding slots and tiles past the last
-used one store nothing. FP8 experts (``SCALED``): e4m3 weights widened to the inputs' dtype tile
+used one store nothing. A sigmoid router's weights (``WEIGH_INPUT``) scale each gathered input
+row instead, rounded to the inputs' dtype before the dot, as the reference model rounds its
+scaled token. FP8 experts (``SCALED``): e4m3 weights widened to the inputs' dtype tile
 by tile, each output column times its expert's channel scale once after the sum. Launch sizes
 come from the tuned tables of engine/kernels/moe_configs.py (defaults where none is kept)."""
 
@@ -23,7 +25,7 @@ from engine.kernels.moe_configs import GemmShape, launch_shape, weights_name
 def _grouped_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, pair_ids_ptr, tile_expert_ptr, weights_ptr,
                          num_pairs, n_out, k_in, s_a, s_we, s_wn, s_o,
                          TOP_K: tl.constexpr, PER_PAIR: tl.constexpr, APPLY_WEIGHTS: tl.constexpr, SCALED: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                         WEIGH_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
@@ -39,11 +41,15 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, pair_ids_ptr, tile_exper
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if WEIGH_INPUT:
+        rw = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
     w_base = w_ptr + expert.to(tl.int64) * s_we
     for k0 in range(0, k_in, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_in
         a = tl.load(a_ptr + rows[:, None] * s_a + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if WEIGH_INPUT:
+            a = (a.to(tl.float32) * rw[:, None]).to(a_ptr.dtype.element_ty)
         w = tl.load(w_base + cols[None, :] * s_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if SCALED:
             w = w.to(a.dtype)
@@ -67,10 +73,10 @@ def _gpu_name(device: torch.device) -> str:
 
 def grouped_gemm_triton(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor, tile_expert: torch.Tensor,
                         weights: torch.Tensor, top_k: int, block_m: int, per_pair_input: bool,
-                        apply_weights: bool, w_scale: torch.Tensor | None = None,
+                        weights_at: str, w_scale: torch.Tensor | None = None,
                         shape: GemmShape | None = None) -> torch.Tensor:
-    """The grouped GEMM of engine/kernels/moe.py (its ``Routing``'s tensors passed one by one);
-    ``w_scale`` [E, N] float32 with e4m3 ``w``. ``shape``: a launch shape to use (the tuner's
+    """The grouped GEMM of engine/kernels/moe.py (its ``Routing``'s tensors passed one by one;
+    ``weights_at``: one of moe.WEIGHTS); ``w_scale`` [E, N] float32 with e4m3 ``w``. ``shape``: a launch shape to use (the tuner's
     candidates), else the tuned table's for this step's token count."""
     if a.stride(1) != 1:
         a = a.contiguous()
@@ -87,7 +93,8 @@ def grouped_gemm_triton(a: torch.Tensor, w: torch.Tensor, pair_ids: torch.Tensor
         w_scale = w_scale.contiguous()
     _GROUPED_GEMM_LAUNCH.launch(grid, a, w, w_scale if scaled else weights, out, pair_ids, tile_expert, weights,
                                 num_pairs, n_out, k_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                                TOP_K=top_k, PER_PAIR=per_pair_input, APPLY_WEIGHTS=apply_weights, SCALED=scaled,
+                                TOP_K=top_k, PER_PAIR=per_pair_input, APPLY_WEIGHTS=weights_at == "output",
+                                SCALED=scaled, WEIGH_INPUT=weights_at == "input",
                                 BLOCK_M=block_m, BLOCK_N=shape.block_n, BLOCK_K=shape.block_k,
                                 num_warps=shape.num_warps, num_stages=shape.num_stages)
     return out

@@ -40,12 +40,12 @@ from engine.kernels import norm_triton as nrm  # noqa: E402
 from engine.kernels import rope_triton as rop  # noqa: E402
 from engine.kernels import sample_triton as smp  # noqa: E402
 
-NO_HINT = {"s_bt", "NUM_SPLITS", "NUM_SEQS", "V", "eps", "qk_scale", "M"}  # runtime values, not specialised
+NO_HINT = {"s_bt", "NUM_SPLITS", "NUM_SEQS", "chunk", "V", "eps", "qk_scale", "M"}  # runtime values, not specialised
 
 
 def attn_types(dt: str) -> dict:
     t = {n: "i32" for n in ("s_qn", "s_qh", "s_on", "s_oh", "s_kp", "s_kb", "s_kh", "s_vp", "s_vb", "s_vh",
-                            "s_bt", "NUM_SPLITS", "NUM_SEQS")}
+                            "s_bt", "NUM_SPLITS", "NUM_SEQS", "chunk")}
     t.update(q_ptr=dt, kc_ptr=dt, vc_ptr=dt, out_ptr=dt, po_ptr="*fp32", plse_ptr="*fp32", qsl_ptr="*i32",
              sl_ptr="*i32", bt_ptr="*i32", lo_ptr="*i32", cpo_ptr="*fp32", cplse_ptr="*fp32", tiles_ptr="*i32",
              qk_scale="fp32")
@@ -57,7 +57,7 @@ def attn_types(dt: str) -> dict:
 # 374 for the spill-free 128 x 128 (H100, G = 4, docs/perf.md 2026-12-06; G = 7 not measured).
 # Each bound sits a little above what was seen, so that growth shows.
 SPILLS = {"prefill bf16 G=4 D=128 256-row": 192, "prefill bf16 G=7 D=128 256-row": 288,
-          "prefill fp8-kv G=4 D=128 256-row": 136}
+          "prefill fp8-kv G=4 D=128 256-row": 136, "prefill bf16 G=5 D=128 256-row chunked": 264}
 
 
 def spill_bound(name: str) -> int:
@@ -77,7 +77,7 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                 out.append((f"decode {dt[1:]} G={g} D={d} single={single}", att._decode_kernel, attn_types(dt),
                             dict(HQ=hq, G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_G=max(16, triton.next_power_of_2(g)),
                                  BLOCK_N=bn, SINGLE=single, DOT_PREC=prec, ASM_V=False, CS=att.CASCADE_SPLITS,
-                                 CASC=False),
+                                 CASC=False, CHUNKED=False),
                             dict(num_warps=4, num_stages=2)))
             # the launch shapes prefill_shape picks: a big step's, and a few chunks'
             for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, g, hq // g, dt == "*fp32", bd, 132)
@@ -85,23 +85,25 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                 pm = max(pm, triton.next_power_of_2(g))
                 out.append((f"prefill {dt[1:]} G={g} D={d} {pm}-row", att._prefill_kernel, attn_types(dt),
                             dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // g,
-                                 DOT_PREC=prec, MIN_Q=2, ASM_V=False),
+                                 DOT_PREC=prec, MIN_Q=2, ASM_V=False, CHUNKED=False),
                             dict(num_warps=warps, num_stages=stages)))
         if dt == "*fp32":
             break
     fp8_kv = {**attn_types("*bf16"), "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
     out.append(("decode fp8-kv G=4 D=128", att._decode_kernel, fp8_kv,
                 dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=False,
-                     DOT_PREC="tf32", ASM_V=True, CS=att.CASCADE_SPLITS, CASC=False), dict(num_warps=4, num_stages=2)))
+                     DOT_PREC="tf32", ASM_V=True, CS=att.CASCADE_SPLITS, CASC=False, CHUNKED=False),
+                dict(num_warps=4, num_stages=2)))
     for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, 4, 8, False, 128, 132) for n in (4096, 256)):
         out.append((f"prefill fp8-kv G=4 D=128 {pm}-row", att._prefill_kernel, fp8_kv,
                     dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // 4, DOT_PREC="tf32",
-                         MIN_Q=2, ASM_V=True),
+                         MIN_Q=2, ASM_V=True, CHUNKED=False),
                     dict(num_warps=warps, num_stages=stages)))
     for single in (True, False):
         out.append((f"decode bf16 G=4 D=128 single={single} cascade", att._decode_kernel, attn_types("*bf16"),
                     dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=single,
-                         DOT_PREC="tf32", ASM_V=False, CS=att.CASCADE_SPLITS, CASC=True), dict(num_warps=4, num_stages=2)))
+                         DOT_PREC="tf32", ASM_V=False, CS=att.CASCADE_SPLITS, CASC=True, CHUNKED=False),
+                    dict(num_warps=4, num_stages=2)))
     for name, types, asm_v, prec, bm in (("cascade bf16 G=4 D=128", attn_types("*bf16"), False, "tf32", 64),
                                          ("cascade fp8-kv G=4 D=128", fp8_kv, True, "tf32", 64),
                                          ("cascade fp32 G=4 D=128", attn_types("*fp32"), False, "ieee", 64)):
@@ -109,7 +111,22 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                     dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, R=16, BLOCK_M=bm,
                          BLOCK_N=32 if prec == "ieee" else 64, CS=att.CASCADE_SPLITS, DOT_PREC=prec, ASM_V=asm_v),
                     dict(num_warps=4, num_stages=2)))
-    out.append(("reduce", att._reduce_kernel, attn_types("*bf16"), dict(HQ=32, D=128, BLOCK_D=128, BLOCK_N=64, BLOCK_S=8, CS=att.CASCADE_SPLITS, CASC=True),
+    out.append(("reduce", att._reduce_kernel, attn_types("*bf16"), dict(HQ=32, D=128, BLOCK_D=128, BLOCK_N=64, BLOCK_S=8, CS=att.CASCADE_SPLITS, CASC=True, CHUNKED=False),
+                dict(num_warps=4)))
+    # chunked local attention (Llama 4's attention_chunk_size): G = 5, head_dim 128 (Scout's 40 / 8 heads)
+    for single in (True, False):
+        out.append((f"decode bf16 G=5 D=128 single={single} chunked", att._decode_kernel, attn_types("*bf16"),
+                    dict(HQ=40, G=5, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=single,
+                         DOT_PREC="tf32", ASM_V=False, CS=att.CASCADE_SPLITS, CASC=False, CHUNKED=True),
+                    dict(num_warps=4, num_stages=2)))
+    for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, 5, 8, False, 128, 132) for n in (4096, 256)):
+        pm = max(pm, 8)
+        out.append((f"prefill bf16 G=5 D=128 {pm}-row chunked", att._prefill_kernel, attn_types("*bf16"),
+                    dict(G=5, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // 5, DOT_PREC="tf32",
+                         MIN_Q=2, ASM_V=False, CHUNKED=True),
+                    dict(num_warps=warps, num_stages=stages)))
+    out.append(("reduce chunked", att._reduce_kernel, attn_types("*bf16"),
+                dict(HQ=40, D=128, BLOCK_D=128, BLOCK_N=64, BLOCK_S=8, CS=att.CASCADE_SPLITS, CASC=False, CHUNKED=True),
                 dict(num_warps=4)))
     st = dict(logits_ptr="*fp32", temp_ptr="*fp32", topk_ptr="*i32", topp_ptr="*fp32", minp_ptr="*fp32",
               seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64", cand_ptr="*fp32", keep_ptr="*i8", s_row="i32",
@@ -142,7 +159,10 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                              K_PER_SPLIT=kps), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
     out.append(("rope", rop._rope_kernel, dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cs_ptr="*fp32", s_qn="i32",
                                               s_qh="i32", s_kn="i32", s_kh="i32", s_cs="i32"),
-                dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64), dict(num_warps=4)))
+                dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64, INTERLEAVED=False), dict(num_warps=4)))
+    out.append(("rope interleaved", rop._rope_kernel, dict(q_ptr=bf, k_ptr=bf, pos_ptr="*i64", cs_ptr="*fp32",
+                                                          s_qn="i32", s_qh="i32", s_kn="i32", s_kh="i32", s_cs="i32"),
+                dict(HQ=40, HK=8, HALF=64, BLOCK_HQ=64, BLOCK_HK=8, BLOCK_HALF=64, INTERLEAVED=True), dict(num_warps=4)))
     out.append(("silu_and_mul", act._silu_mul_kernel, dict(x_ptr=bf, out_ptr=bf, s_x="i32", s_o="i32"),
                 dict(I=14336, BLOCK=2048), dict(num_warps=4)))
     mt = dict(a_ptr=bf, w_ptr=bf, ws_ptr="*fp32", out_ptr=bf, pair_ids_ptr="*i32", tile_expert_ptr="*i32",
@@ -151,8 +171,13 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
         for fp8_w in (False, True):  # FP8 experts: e4m3 weights widened in the kernel
             out.append((f"moe grouped gemm per_pair={per_pair}" + (" fp8" if fp8_w else ""), moe._grouped_gemm_kernel,
                         {**mt, "w_ptr": "*fp8e4nv"} if fp8_w else mt,
-                        dict(TOP_K=8, PER_PAIR=per_pair, APPLY_WEIGHTS=per_pair, SCALED=fp8_w, BLOCK_M=16, BLOCK_N=128,
-                             BLOCK_K=64), dict(num_warps=4)))
+                        dict(TOP_K=8, PER_PAIR=per_pair, APPLY_WEIGHTS=per_pair, SCALED=fp8_w, WEIGH_INPUT=False,
+                             BLOCK_M=16, BLOCK_N=128, BLOCK_K=64), dict(num_warps=4)))
+    for fp8_w in (False, True):  # Llama 4 Scout's gate-up: 16 experts, top 1, the sigmoid score on the input
+        out.append(("moe grouped gemm weigh_input" + (" fp8" if fp8_w else ""), moe._grouped_gemm_kernel,
+                    {**mt, "w_ptr": "*fp8e4nv"} if fp8_w else mt,
+                    dict(TOP_K=1, PER_PAIR=False, APPLY_WEIGHTS=False, SCALED=fp8_w, WEIGH_INPUT=True, BLOCK_M=16,
+                         BLOCK_N=128, BLOCK_K=64), dict(num_warps=4)))
     kt = {n: "i32" for n in kvw._kv_write_kernel.arg_names}
     kt.update(k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, slot_ptr="*i64")
     out.append(("write_kv", kvw._kv_write_kernel, kt, dict(H=8, D=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from engine.kernels.fp8 import quantize_weight  # noqa: E402
-from engine.kernels.moe import ExpertStack, fused_experts  # noqa: E402
+from engine.kernels.moe import ExpertStack, Router, fused_experts  # noqa: E402
 from ops.bench.engine_bench import _commit  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, inter=768),
@@ -59,7 +59,7 @@ def main() -> None:
             x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=gen)
             logits = torch.randn(n, e, device="cuda", dtype=torch.bfloat16, generator=gen)
             touched = int(torch.topk(logits.float().softmax(-1), k, dim=-1).indices.unique().numel())
-            ms = float(do_bench(lambda: fused_experts(x, gu, down, logits, k, True), warmup=20, rep=100,
+            ms = float(do_bench(lambda: fused_experts(x, gu, down, logits, Router(k, renormalize=True)), warmup=20, rep=100,
                                 return_mode="median"))
             read = touched * 3 * h * inter * wbytes + 2 * n * h * 2  # the routed experts' weights, x in and out
             flops = 2 * n * k * 3 * h * inter

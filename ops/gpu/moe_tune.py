@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from engine.kernels.fp8 import quantize_weight  # noqa: E402
-from engine.kernels.moe import align, route  # noqa: E402
+from engine.kernels.moe import Router, align, route  # noqa: E402
 from engine.kernels.moe_configs import TABLES, GemmShape, default_shape, table_name, weights_name  # noqa: E402
 from engine.kernels.moe_triton import grouped_gemm_triton  # noqa: E402
 
@@ -45,13 +45,13 @@ def tune_one(experts: int, top_k: int, n_out: int, k_in: int, fp8: bool, tokens:
     entries, report = {}, {}
     for n in tokens:
         logits = torch.randn(n, experts, device="cuda", generator=gen)
-        weights, chosen = route(logits, top_k, True)
+        weights, chosen = route(logits, Router(top_k, renormalize=True))
         r = align(chosen, weights, experts)
         a = torch.randn(n * top_k if per_pair else n, k_in, device="cuda", dtype=torch.bfloat16, generator=gen)
 
         def run(shape: GemmShape):
             return grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, per_pair,
-                                       per_pair, scale, shape=shape)
+                                       "output" if per_pair else "none", scale, shape=shape)
 
         base_shape = default_shape(n_out, k_in)
         want = run(base_shape).float()

@@ -40,19 +40,21 @@ def build_batch(q_lens, seq_lens, block, num_pages, gen):
     return tables, torch.tensor(slots, dtype=torch.int64), qsl, torch.tensor(seq_lens, dtype=torch.int32)
 
 
-def dense_attention(q, keys, vals, q_lens, seq_lens, scale):
-    """Per query token, per head, in float64: the plainest definition."""
+def dense_attention(q, keys, vals, q_lens, seq_lens, scale, chunk=0):
+    """Per query token, per head, in float64: the plainest definition (``chunk``: the token at
+    ``pos`` sees the positions of its own chunk up to itself)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     hq, hkv = q.shape[1], keys[0].shape[1]
     row = 0
     for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
         for j in range(ql):
             pos = sl - ql + j
+            lo = pos - pos % chunk if chunk else 0
             for h in range(hq):
                 kv = h // (hq // hkv)
-                kk = keys[b][: pos + 1, kv].double()
+                kk = keys[b][lo: pos + 1, kv].double()
                 s = (kk @ q[row, h].double()) * scale
-                out[row, h] = torch.softmax(s, 0) @ vals[b][: pos + 1, kv].double()
+                out[row, h] = torch.softmax(s, 0) @ vals[b][lo: pos + 1, kv].double()
             row += 1
     return out
 
@@ -80,6 +82,66 @@ def test_paged_attention_ref_matches_dense(block):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     # the other layer's halves of the pool were not touched
     assert not torch.isnan(pool).any()
+
+
+def _paged_batch(block, hq, hkv, d, q_lens, seq_lens, seed):
+    """A batch whose whole context is written into shuffled pages of a float32 pool: q, caches,
+    tables, metadata and the per-sequence keys and values."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    num_pages = sum((s + block - 1) // block for s in seq_lens) + 3
+    _, kc, vc = make_pool(num_pages, 2, block, hkv, d, torch.float32)
+    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, num_pages, gen)
+    keys = [torch.randn(s, hkv, d) for s in seq_lens]
+    vals = [torch.randn(s, hkv, d) for s in seq_lens]
+    for b, s in enumerate(seq_lens):
+        pos = torch.arange(s)
+        write_kv_ref(keys[b], vals[b], kc, vc, tables[b, pos // block].long() * block + pos % block)
+    q = torch.randn(sum(q_lens), hq, d)
+    return q, kc, vc, qsl, sl, tables, keys, vals
+
+
+@pytest.mark.parametrize("block", [1, 16])
+@pytest.mark.parametrize("chunk", [1, 4, 7, 16])
+def test_chunked_attention_ref_matches_dense(block, chunk):
+    """Chunked local attention: a token sees its own chunk up to itself. A prompt over several
+    chunks, decode rows on and just past a chunk boundary, a chunk of a prompt over cached
+    context that starts mid-chunk, a one-token sequence."""
+    q_lens, seq_lens = [37, 1, 1, 1, 9, 1], [37, 32, 33, 50, 40, 1]
+    hq, hkv, d = 4, 2, 8
+    q, kc, vc, qsl, sl, tables, keys, vals = _paged_batch(block, hq, hkv, d, q_lens, seq_lens, seed=chunk)
+    scale = 1 / math.sqrt(d)
+    out = paged_attention_ref(q, kc, vc, qsl, sl, tables, scale, chunk=chunk)
+    ref = dense_attention(q, keys, vals, q_lens, seq_lens, scale, chunk=chunk)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert (out - paged_attention_ref(q, kc, vc, qsl, sl, tables, scale)).abs().max() > 0.1  # not causal
+
+
+def test_chunk_bounds_of_the_reference():
+    """chunk 1: each token sees only itself (its value, whatever q); a chunk no shorter than every
+    context is causal attention exactly; chunk 0 is causal attention."""
+    q_lens, seq_lens = [12, 1, 5], [12, 30, 21]
+    q, kc, vc, qsl, sl, tables, keys, vals = _paged_batch(16, 4, 2, 8, q_lens, seq_lens, seed=3)
+    own = torch.cat([vals[b][s - n:].repeat_interleave(2, dim=1) for b, (n, s) in enumerate(zip(q_lens, seq_lens))])
+    torch.testing.assert_close(paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.3, chunk=1), own)
+    causal = paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.3)
+    assert torch.equal(paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.3, chunk=30), causal)
+    assert torch.equal(paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.3, chunk=0), causal)
+
+
+def test_chunked_attention_refuses_a_cascade_plan_and_a_negative_chunk():
+    """A cascade plan reads the shared pages for every row of a group, which a chunked row may
+    not see: refused rather than silently wrong (the model passes no plan in chunked layers)."""
+    from engine.kernels import paged_attention
+
+    q, kc, vc, qsl, sl, tables, _, _ = _paged_batch(16, 4, 2, 8, [1, 1], [20, 9], seed=4)
+    plan = (torch.tensor([[0, 16, 0, 1]], dtype=torch.int32), torch.tensor([16, 0], dtype=torch.int32))
+    with pytest.raises(KernelError, match="cascade"):
+        paged_attention(q, kc, vc, qsl, sl, tables, 0.3, 1, 20, cascade=plan, chunk=8)
+    with pytest.raises(KernelError, match="chunk"):
+        paged_attention(q, kc, vc, qsl, sl, tables, 0.3, 1, 20, chunk=-8)
+    out = paged_attention(q, kc, vc, qsl, sl, tables, 0.3, 1, 20, chunk=8)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.3, chunk=8))
 
 
 def test_write_kv_ref_skips_padding_and_keeps_other_layers():
@@ -132,11 +194,68 @@ def test_rope_matches_transformers(scaling):
     torch.testing.assert_close(k2, kr[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
+def complex_rope(x, positions, inv_freq):
+    """Llama 4's rotation, written as its reference writes it: x as complex numbers
+    ``x[2i] + 1j * x[2i + 1]`` times ``e^(1j * p * f_i)``, in float32, cast back to x's dtype."""
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
+    rot = torch.polar(torch.ones_like(angles), angles)[:, None]  # [N, 1, D/2]
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
+
+
+SCOUT_ROPE = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+              "original_max_position_embeddings": 8192}  # Llama 4 Scout's: no smoothing band
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling", [None, SCOUT_ROPE])
+def test_interleaved_rope_is_the_complex_rotation(dtype, scaling):
+    """``interleaved=True`` rotates the pairs (2i, 2i + 1) by the cache's angle i: Llama 4's
+    complex-number rotation, from the same cos/sin cache as the rotate_half form."""
+    from engine.kernels.rope import rope_inv_freq
+
+    d, theta = 32, 500000.0
+    cache = build_cos_sin_cache(d, 40000, theta, scaling, "cpu")
+    inv = rope_inv_freq(d, theta, scaling)
+    pos = torch.tensor([0, 1, 7, 100, 8191, 8192, 39999])
+    q, k = torch.randn(7, 4, d).to(dtype), torch.randn(7, 2, d).to(dtype)
+    q2, k2 = apply_rope_ref(q.clone(), k.clone(), pos, cache, interleaved=True)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(q2, complex_rope(q, pos, inv), **tol)
+    torch.testing.assert_close(k2, complex_rope(k, pos, inv), **tol)
+    # and it is the rotate_half rotation of the de-interleaved vector
+    perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    q3, _ = apply_rope_ref(q[..., perm].clone(), k[..., perm].clone(), pos, cache)
+    torch.testing.assert_close(q2[..., perm], q3, atol=0, rtol=0)
+
+
+def test_interleaved_rope_at_llama_4_scouts_own_shape_matches_transformers():
+    """Llama 4 Scout's rope (head_dim 128, theta 500000, llama3 scaling with low and high
+    frequency factors both 1, i.e. no smoothing band) as transformers' Llama 4 applies it."""
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextRotaryEmbedding, apply_rotary_emb
+
+    d, theta = 128, 500000.0
+    cfg = Llama4TextConfig(hidden_size=5120, num_attention_heads=40, num_key_value_heads=8, head_dim=d,
+                           max_position_embeddings=65536, rope_scaling=dict(SCOUT_ROPE, rope_theta=theta))
+    emb = Llama4TextRotaryEmbedding(cfg)
+    pos = torch.tensor([0, 1, 8191, 8192, 20000, 65535])
+    freqs_cis = emb(torch.zeros(1), pos[None])  # [1, N, D/2] complex
+    q, k = torch.randn(6, 40, d), torch.randn(6, 8, d)
+    qr, kr = apply_rotary_emb(q[None], k[None], freqs_cis)
+    cache = build_cos_sin_cache(d, 65536, theta, SCOUT_ROPE, "cpu")
+    q2, k2 = apply_rope_ref(q.clone(), k.clone(), pos, cache, interleaved=True)
+    torch.testing.assert_close(q2, qr[0], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(k2, kr[0], atol=1e-4, rtol=1e-5)
+
+
 def test_rope_bad_scaling():
     with pytest.raises(KernelError):
         build_cos_sin_cache(8, 4, 1e4, {"rope_type": "yarn", "factor": 2.0}, "cpu")
     with pytest.raises(KernelError):
         build_cos_sin_cache(8, 4, 1e4, {"rope_type": "llama3", "factor": 2.0}, "cpu")
+    with pytest.raises(KernelError):  # high below low: no wavelength band is defined
+        build_cos_sin_cache(8, 4, 1e4, dict(SCOUT_ROPE, high_freq_factor=0.5), "cpu")
 
 
 def _params(b, t=1.0, k=0, p=1.0, mp=0.0):

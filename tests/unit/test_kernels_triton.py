@@ -69,18 +69,30 @@ def test_write_kv(dtype, block):
     assert torch.equal(pool.nan_to_num(0), ref_pool.nan_to_num(0))
 
 
-def _prefill_error(dtype, block, hq, hkv, d, q_lens, seq_lens, seed):
+def _prefill_error(dtype, block, hq, hkv, d, q_lens, seq_lens, seed, chunk=0, num_splits=None, poison=False):
     """The relative error of the kernel against the reference on a random batch of ``q_lens``
-    queries over ``seq_lens`` contexts in shuffled pages (a NaN-poisoned output)."""
+    queries over ``seq_lens`` contexts in shuffled pages (a NaN-poisoned output). ``poison``
+    (with ``chunk``): after the reference ran, the K/V of each sequence's positions before its
+    first new token's chunk (rounded down to 64, a whole key tile of every launch shape here)
+    become NaN: a kernel that loads them writes NaN, even where it masks their scores (the
+    probability 0 meets the NaN value in the PV dot)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     pages = sum((s + block - 1) // block for s in seq_lens) + 2
     _, kc, vc = make_pool(pages, 2, block, hkv, d, dtype)
     tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
     q = torch.randn(sum(q_lens), hq, d).to(dtype)
+    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d), chunk=chunk)
+    if poison:
+        for b, (ql, sl_b) in enumerate(zip(q_lens, seq_lens)):
+            first = sl_b - ql
+            for pos in range((first - first % chunk) // 64 * 64):
+                kc[tables[b, pos // block], pos % block] = float("nan")
+                vc[tables[b, pos // block], pos % block] = float("nan")
     out = torch.full_like(q, float("nan"))
-    paged_attention_triton(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d), max(q_lens), max(seq_lens), out=out)
-    return rel_err(out, attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d)))
+    paged_attention_triton(q, kc, vc, qsl, sl, tables, 1 / math.sqrt(d), max(q_lens), max(seq_lens), out=out,
+                           chunk=chunk, num_splits=num_splits)
+    return rel_err(out, ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -108,6 +120,105 @@ def test_a_long_prefill_reads_its_unmasked_tiles_and_its_band_alike(dtype, d, le
     dim that is not a power of two masks every tile. Each query tile must see exactly the keys
     at or before each of its rows, whichever path read them, in whichever order the tiles ran."""
     assert _prefill_error(dtype, 16, 8, 2, d, *lens, seed=d) < TOL[dtype]  # prompt, deep chunk, decode, chunk
+
+
+# Chunked local attention over mixed steps: a prompt over several chunks, decode rows on, just
+# past and deep into chunks, a chunk of a prompt over cached context that starts mid-chunk and
+# one that crosses into the next chunk, an empty query.
+CHUNKED_LENS = ([150, 1, 1, 60, 0, 1, 45, 1], [150, 200, 64, 130, 9, 65, 300, 101])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [16, 24])
+# key tiles of 32 (float32) and 64 (float16) positions: chunks of a whole number of tiles, of
+# none, and shorter than a query tile (10 tokens in float32, 42 in float16: tiles straddle)
+@pytest.mark.parametrize("chunk", [7, 32, 40, 64, 100])
+def test_chunked_attention_matches_the_reference(dtype, d, chunk):
+    """Chunked local attention in both kernels: each token sees its own chunk up to itself, the
+    prefill rows through the lower-bound-masked, unmasked and band tiles, the decode rows split
+    three ways over their chunk (the reduce partitions it as the decode kernel did); head_dim 24
+    masks every tile. GQA group of 3, 16-token pages."""
+    assert _prefill_error(dtype, 16, 6, 2, d, *CHUNKED_LENS, seed=chunk, chunk=chunk, num_splits=3) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk", [32, 100])
+def test_chunked_attention_on_one_token_pages(dtype, chunk):
+    """Block size 1: every key position its own page, chunk boundaries anywhere in a tile."""
+    assert _prefill_error(dtype, 1, 4, 2, 32, *CHUNKED_LENS, seed=1, chunk=chunk) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk", [64, 100, 128])
+def test_chunked_attention_reads_no_key_before_a_rows_chunk(dtype, chunk):
+    """The point of chunked attention: a row reads nothing before its chunk (a 32k prompt in 8k
+    chunks scores a quarter of the pairs causal attention scores). The positions before each
+    sequence's first new token's chunk are NaN in the cache: a kernel that loads any of them,
+    masked score or not, writes NaN."""
+    lens = ([200, 1, 1, 90, 1], [450, 300, 129, 220, 1000])
+    assert _prefill_error(dtype, 16, 4, 2, 32, *lens, seed=5, chunk=chunk, poison=True) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_query_tile_across_a_chunk_boundary_has_no_nan(dtype):
+    """One KV head (a query tile is 32 tokens in float32, 128 in float16): a tile whose later rows
+    begin a new chunk sees, for those rows, no key in its first key tiles; their running max
+    stays -inf there, and exp2(-inf - -inf) must not reach the output."""
+    torch.manual_seed(6)
+    gen = torch.Generator().manual_seed(6)
+    block, hq, hkv, d = 16, 2, 2, 16
+    q_lens, seq_lens = [300, 50], [300, 170]
+    pages = sum(-(-s // block) for s in seq_lens) + 2
+    _, kc, vc = make_pool(pages, 1, block, hkv, d, dtype, layer=0)
+    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
+    q = torch.randn(sum(q_lens), hq, d).to(dtype)
+    for chunk in (40, 100):  # float32 tile 1 (tokens 32-63) straddles 40; float16 tile 0 straddles 100
+        out = torch.full_like(q, float("nan"))
+        paged_attention_triton(q, kc, vc, qsl, sl, tables, 0.25, 300, 300, out=out, chunk=chunk)
+        assert not out.isnan().any(), chunk
+        ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.25, chunk=chunk)
+        assert rel_err(out, ref) < TOL[dtype], chunk
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunk_zero_and_a_chunk_longer_than_every_context_are_causal_attention(dtype):
+    """chunk=0 is the causal path as it was; a chunk no shorter than every context runs the
+    chunked kernels over the same tiles in the same order, so it gives the very same bits."""
+    torch.manual_seed(7)
+    gen = torch.Generator().manual_seed(7)
+    block, hq, hkv, d = 16, 6, 2, 16
+    q_lens, seq_lens = [45, 1, 21, 1], [45, 40, 50, 70]
+    pages = sum(-(-s // block) for s in seq_lens) + 2
+    _, kc, vc = make_pool(pages, 1, block, hkv, d, dtype, layer=0)
+    tables, _, qsl, sl = build_batch(q_lens, seq_lens, block, pages, gen)
+    q = torch.randn(sum(q_lens), hq, d).to(dtype)
+    causal = paged_attention_triton(q, kc, vc, qsl, sl, tables, 0.25, 45, 70, num_splits=3)
+    assert torch.equal(paged_attention_triton(q, kc, vc, qsl, sl, tables, 0.25, 45, 70, num_splits=3, chunk=0), causal)
+    assert torch.equal(paged_attention_triton(q, kc, vc, qsl, sl, tables, 0.25, 45, 70, num_splits=3, chunk=70),
+                       causal)
+    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.25)
+    assert rel_err(causal, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk", [64, 100])
+def test_chunked_decode_rows_split_their_chunk_whatever_the_bound(dtype, chunk):
+    """Decode rows only, a graph's bound of 131,072: each row's chunk, however short (a row on
+    the first position of a chunk sees one key), is cut into the split count's partitions by
+    the decode kernel and the reduce alike, with more splits than the chunk has tiles too."""
+    torch.manual_seed(8)
+    gen = torch.Generator().manual_seed(8)
+    block, hq, hkv, d = 16, 4, 1, 32
+    seq_lens = [3000, 20, 1, 700, 128, 129, 201]
+    pages = sum(-(-s // block) for s in seq_lens) + 2
+    _, kc, vc = make_pool(pages, 1, block, hkv, d, dtype, layer=0)
+    tables, _, qsl, sl = build_batch([1] * len(seq_lens), seq_lens, block, pages, gen)
+    q = torch.randn(len(seq_lens), hq, d).to(dtype)
+    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.2, chunk=chunk)
+    for splits in (None, 2, 5, 64):
+        out = torch.full_like(q, float("nan"))
+        paged_attention_triton(q, kc, vc, qsl, sl, tables, 0.2, 1, 131072, num_splits=splits, out=out, chunk=chunk)
+        assert rel_err(out, ref) < TOL[dtype], splits
 
 
 def test_the_prefill_shape_fills_the_gpu_before_it_grows_its_tiles():
@@ -190,6 +301,31 @@ def test_silu_and_mul(dtype):
     out = torch.full((3, 100), float("nan"), dtype=dtype)
     silu_and_mul_triton(x, out=out)
     torch.testing.assert_close(out, activation.silu_and_mul_ref(x), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [16, 24])
+def test_interleaved_rope_in_place_on_strided_views(dtype, d):
+    """Llama 4's pairs (2i, 2i + 1): the kernel rotates q and k, views of a fused qkv projection
+    (row stride q + 2 kv), as the complex-number rotation does, and leaves v alone; head_dim 24
+    masks half of its 16 columns of pairs."""
+    from tests.unit.test_kernels_ref import SCOUT_ROPE, complex_rope
+
+    scaling = dict(SCOUT_ROPE, original_max_position_embeddings=32)
+    cache = rope.build_cos_sin_cache(d, 128, 5e5, scaling, "cpu")
+    inv = rope.rope_inv_freq(d, 5e5, scaling)
+    qkv = torch.randn(5, (6 + 2 + 2) * d).to(dtype)
+    q, k = qkv[:, :6 * d].view(5, 6, d), qkv[:, 6 * d:8 * d].view(5, 2, d)
+    v_before = qkv[:, 8 * d:].clone()
+    pos = torch.tensor([0, 1, 31, 64, 127])
+    q_ref, k_ref = complex_rope(q, pos, inv), complex_rope(k, pos, inv)
+    q_ref2, k_ref2 = rope.apply_rope_ref(q.clone(), k.clone(), pos, cache, interleaved=True)
+    apply_rope_triton(q, k, pos, cache, interleaved=True)
+    torch.testing.assert_close(q, q_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k, k_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(q, q_ref2, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k, k_ref2, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(qkv[:, 8 * d:], v_before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -344,6 +480,33 @@ def test_bf16_queries_over_an_fp8_cache_run_float16_dots(decode):
     q[0, 0, 0] = float("nan")
     out = paged_attention_triton(q, kc8, vc8, qsl, sl, tables, 0.25, max(q_lens), max(seq_lens))
     assert out[0, 0].float().isnan().all() and not out[0, 1:].float().isnan().any()  # that head only
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_chunked_attention_over_an_fp8_cache(decode):
+    """Chunked local attention over an e4m3 cache: the kernels give the reference's attention over
+    the same cache (prompt and chunk rows across chunk boundaries, or decode rows in 3 splits)."""
+    q_lens, seq_lens = ([1, 1, 1, 1], [5, 40, 17, 90]) if decode else ([47, 1, 30], [47, 33, 70])
+    q, kc8, vc8, tables, qsl, sl = _e4m3_batch(9, q_lens, seq_lens, hq=6)
+    for chunk in (16, 20):
+        out = torch.full_like(q, float("nan"))
+        paged_attention_triton(q, kc8, vc8, qsl, sl, tables, 0.25, max(q_lens), max(seq_lens), out=out,
+                               num_splits=3, chunk=chunk)
+        ref = attention.paged_attention_ref(q, kc8, vc8, qsl, sl, tables, 0.25, chunk=chunk)
+        assert rel_err(out, ref) < TOL[torch.float32], chunk
+
+
+def test_public_api_runs_chunked_attention_in_the_kernels(monkeypatch):
+    """Through ``paged_attention`` with the Triton backend forced: the chunk reaches the kernels."""
+    monkeypatch.setenv("INFIRE_KERNELS", "triton")
+    monkeypatch.setattr(_dispatch, "_forced", None)
+    q_lens, seq_lens = [30, 1], [50, 61]
+    q, kc8, vc8, tables, qsl, sl = _e4m3_batch(10, q_lens, seq_lens, hq=4)
+    kc, vc = kc8.float(), vc8.float()  # a float32 cache
+    out = attention.paged_attention(q, kc, vc, qsl, sl, tables, 0.25, 30, 61, chunk=24)
+    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.25, chunk=24)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    assert rel_err(attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, 0.25), ref) > 0.1
 
 
 def _shared_batch(seed: int, dtype: torch.dtype, block: int = 4):

@@ -17,7 +17,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"  # read when the @triton.jit module is imported
 
 from engine.kernels import _dispatch  # noqa: E402
-from engine.kernels.moe import BLOCK_M, ExpertStack, align, fused_experts, grouped_gemm_ref, route  # noqa: E402
+from engine.kernels._dispatch import KernelError  # noqa: E402
+from engine.kernels.moe import BLOCK_M, ExpertStack, Router, align, fused_experts, grouped_gemm, grouped_gemm_ref, route  # noqa: E402
 from engine.kernels.moe_triton import grouped_gemm_triton  # noqa: E402
 
 if _INTERPRET is None:
@@ -38,7 +39,7 @@ def _routing(n: int, k: int, e: int, seed: int = 0, skew: bool = False):
     logits = torch.randn((n, e), generator=g)
     if skew:  # most tokens to expert 0: one long run, others empty
         logits[:, 0] += 10.0
-    return route(logits, k, renormalize=True)
+    return route(logits, Router(k, renormalize=True))
 
 
 @pytest.mark.parametrize("n, k, e, skew", [(1, 1, 4, False), (5, 2, 8, False), (33, 2, 8, True), (40, 4, 16, False)])
@@ -64,16 +65,16 @@ def test_every_pair_lands_once_in_a_tile_of_its_expert(n, k, e, skew):
     assert torch.allclose(r.weights.view(n, k).sum(-1), torch.ones(n))
 
 
-@pytest.mark.parametrize("per_pair, apply_weights", [(False, False), (True, True)])
+@pytest.mark.parametrize("per_pair, weights_at", [(False, "none"), (True, "output"), (False, "input")])
 @pytest.mark.parametrize("n, k, e, h, out", [(5, 2, 8, 32, 48), (33, 2, 4, 64, 16), (17, 4, 16, 48, 40)])
-def test_the_triton_grouped_gemm_matches_its_reference(per_pair, apply_weights, n, k, e, h, out):
+def test_the_triton_grouped_gemm_matches_its_reference(per_pair, weights_at, n, k, e, h, out):
     weights, experts = _routing(n, k, e, seed=n)
     r = align(experts, weights, e)
     g = torch.Generator().manual_seed(1)
     a = torch.randn((n * k if per_pair else n, h), generator=g)
     w = torch.randn((e, out, h), generator=g) * 0.1
-    want = grouped_gemm_ref(a, ExpertStack(w), r, per_pair, apply_weights)
-    got = grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, per_pair, apply_weights)
+    want = grouped_gemm_ref(a, ExpertStack(w), r, per_pair, weights_at)
+    got = grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, per_pair, weights_at)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -87,7 +88,7 @@ def test_fused_experts_is_the_definition_token_by_token(monkeypatch):
     gate_up = torch.randn((e, 2 * inter, h), generator=g) * 0.2
     down = torch.randn((e, h, inter), generator=g) * 0.2
     logits = torch.randn((n, e), generator=g)
-    weights, experts = route(logits, k, renormalize=False)
+    weights, experts = route(logits, Router(k))
     want = torch.zeros(n, h)
     for t in range(n):
         for j in range(k):
@@ -96,8 +97,52 @@ def test_fused_experts_is_the_definition_token_by_token(monkeypatch):
             want[t] += weights[t, j] * (down[ex] @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:]))
     for backend in ("torch", "triton"):
         monkeypatch.setattr(_dispatch, "_forced", backend)
-        got = fused_experts(x, ExpertStack(gate_up), ExpertStack(down), logits, k, renormalize=False)
+        got = fused_experts(x, ExpertStack(gate_up), ExpertStack(down), logits, Router(k))
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=backend)
+
+
+def test_a_sigmoid_router_scales_each_token_into_its_expert(monkeypatch):
+    """Llama 4's routing: the top-k logits, each one's sigmoid rounded to the activations' dtype,
+    the token scaled by it (and rounded) *before* the expert's MLP; the outputs summed unweighted.
+    A weight applied to the output instead gives another answer (the MLP is not linear)."""
+    n, e, h, inter = 11, 4, 32, 16
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn((n, h), generator=g).to(torch.float16)
+    gate_up = (torch.randn((e, 2 * inter, h), generator=g) * 0.2).to(torch.float16)
+    down = (torch.randn((e, h, inter), generator=g) * 0.2).to(torch.float16)
+    logits = torch.randn((n, e), generator=g).to(torch.float16)
+    for k in (1, 2):
+        weights, experts = route(logits, Router(k, scoring="sigmoid"))
+        top, idx = logits.topk(k, dim=-1)
+        assert torch.equal(experts, idx)
+        assert torch.equal(weights, torch.sigmoid(top.float()).to(torch.float16).float())
+        want = torch.zeros(n, h)
+        on_output = torch.zeros(n, h)
+        for t in range(n):
+            for j in range(k):
+                ex = experts[t, j]
+                xin = (x[t].float() * weights[t, j]).to(torch.float16).float()
+                gu = gate_up[ex].float() @ xin
+                want[t] += down[ex].float() @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:])
+                gu = gate_up[ex].float() @ x[t].float()
+                on_output[t] += weights[t, j] * (down[ex].float() @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:]))
+        assert (want - on_output).abs().max() > 1e-2  # the test tells the two placements apart
+        for backend in ("torch", "triton"):
+            monkeypatch.setattr(_dispatch, "_forced", backend)
+            got = fused_experts(x, ExpertStack(gate_up), ExpertStack(down), logits, Router(k, scoring="sigmoid"))
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2, msg=f"{backend} k={k}")
+
+
+def test_a_grouped_gemm_is_told_where_the_weights_go_by_name():
+    weights, experts = _routing(4, 1, 4)
+    r = align(experts, weights, 4)
+    with pytest.raises(KernelError, match="weights must be one of"):
+        grouped_gemm(torch.randn(4, 16), ExpertStack(torch.randn(4, 8, 16)), r, False, True)
+
+
+def test_a_router_of_an_unknown_scoring_is_refused():
+    with pytest.raises(KernelError, match="softmax or sigmoid"):
+        Router(1, scoring="relu")
 
 
 def _fp8_stack(w: torch.Tensor) -> ExpertStack:
@@ -110,9 +155,9 @@ def _fp8_stack(w: torch.Tensor) -> ExpertStack:
     return ExpertStack(q.view(e, n, k), s.view(e, n))
 
 
-@pytest.mark.parametrize("per_pair, apply_weights", [(False, False), (True, True)])
+@pytest.mark.parametrize("per_pair, weights_at", [(False, "none"), (True, "output")])
 @pytest.mark.parametrize("h, out", [(48, 40), (160, 300)])
-def test_fp8_experts_are_their_dequantized_weights(per_pair, apply_weights, h, out):
+def test_fp8_experts_are_their_dequantized_weights(per_pair, weights_at, h, out):
     """An e4m3 stack with channel scales: the Triton GEMM (interpreted) and the reference both
     give what the dequantized float32 weights give — each column times its own expert's scale,
     so a scale read from the wrong expert or channel shows (160 x 300: three column tiles and
@@ -126,24 +171,23 @@ def test_fp8_experts_are_their_dequantized_weights(per_pair, apply_weights, h, o
     w = torch.randn((e, out, h), generator=g) * torch.logspace(-2, 0, e * out).view(e, out, 1)
     stack = _fp8_stack(w)
     dequant = stack.w.float() * stack.scale[..., None]
-    want = grouped_gemm_ref(a, ExpertStack(dequant), r, per_pair, apply_weights)
-    torch.testing.assert_close(grouped_gemm_ref(a, stack, r, per_pair, apply_weights), want, atol=1e-4, rtol=1e-4)
+    want = grouped_gemm_ref(a, ExpertStack(dequant), r, per_pair, weights_at)
+    torch.testing.assert_close(grouped_gemm_ref(a, stack, r, per_pair, weights_at), want, atol=1e-4, rtol=1e-4)
     got = grouped_gemm_triton(a, stack.w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, per_pair,
-                              apply_weights, stack.scale)
+                              weights_at, stack.scale)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_an_fp8_stack_without_its_scales_is_refused():
     from engine.kernels._dispatch import KernelError
-    from engine.kernels.moe import grouped_gemm
 
     weights, experts = _routing(3, 1, 2)
     r = align(experts, weights, 2)
     stack = _fp8_stack(torch.randn(2, 16, 16))
     with pytest.raises(KernelError, match="scales"):
-        grouped_gemm(torch.randn(3, 16), ExpertStack(stack.w), r, False, False)
+        grouped_gemm(torch.randn(3, 16), ExpertStack(stack.w), r, False, "none")
     with pytest.raises(KernelError, match="scale"):
-        grouped_gemm(torch.randn(3, 16), ExpertStack(stack.w, stack.scale[:, :8]), r, False, False)
+        grouped_gemm(torch.randn(3, 16), ExpertStack(stack.w, stack.scale[:, :8]), r, False, "none")
 
 
 def test_a_tuned_table_gives_each_token_count_its_shape_and_none_gives_the_default(tmp_path, monkeypatch):
@@ -170,7 +214,7 @@ def test_a_tuned_table_gives_each_token_count_its_shape_and_none_gives_the_defau
     g = torch.Generator().manual_seed(4)
     a = torch.randn((17, 48), generator=g)
     w = torch.randn((8, 40, 48), generator=g) * 0.1
-    want = grouped_gemm_ref(a, ExpertStack(w), r, False, False)
-    got = grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, False, False)
+    want = grouped_gemm_ref(a, ExpertStack(w), r, False, "none")
+    got = grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, False, "none")
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     mc._table.cache_clear(), mc.launch_shape.cache_clear()
