@@ -4,8 +4,9 @@ Reads both spellings in the wild: as model hubs publish it (``rope_theta``, ``ro
 ``torch_dtype``) and as transformers 5 writes it (``rope_parameters`` holding the theta and the
 scaling, ``dtype``). Refuses remote code (``auto_map``), quantized checkpoints other than the
 FP8 layouts :func:`_fp8_checkpoint` names, and anything outside Llama 3.x / Mistral / Qwen2 /
-Qwen3 and the mixtures of experts Qwen3-MoE and Mixtral, with a :class:`ModelConfigError` naming
-the key.
+Qwen3, the mixtures of experts Qwen3-MoE and Mixtral, and Llama 4's text model (its own
+checkpoint, or the language model inside a Llama 4 image-and-text checkpoint, whose vision
+tower is not loaded), with a :class:`ModelConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from engine.errors import ModelConfigError
@@ -28,9 +30,22 @@ _ARCHS = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Llama4ForCausalLM": "llama4",
+    "Llama4ForConditionalGeneration": "llama4",
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "llama4_text": "llama4", "llama4": "llama4"}
+# A Llama 4 image-and-text checkpoint: its text model's config and tensors live under these names.
+_LLAMA4_WRAPPER = "Llama4ForConditionalGeneration"
+LLAMA4_TEXT_PREFIX = "language_model."
+# What transformers' Llama4TextConfig assumes for a key its config.json leaves out, where that
+# differs from the other families' defaults below (a config without rope_theta must not run at
+# 10000): applied before anything is read.
+_LLAMA4_DEFAULTS = MappingProxyType({
+    "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "head_dim": 128, "max_position_embeddings": 131072,
+    "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_local_experts": 16, "num_experts_per_tok": 1,
+    "attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192.0, "attn_scale": 0.1,
+    "use_qk_norm": True, "no_rope_layer_interval": 4, "interleave_moe_layer_step": 1})
 MAX_EXPERTS = 512
 _DTYPES = {"bfloat16", "float16", "float32"}
 _ROPE_TYPES = {"default", "linear", "llama3"}
@@ -38,7 +53,7 @@ _ROPE_TYPES = {"default", "linear", "llama3"}
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
+    family: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral | llama4
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -70,6 +85,27 @@ class ModelConfig:
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     sparse_layers: tuple[int, ...] = ()
+    # How the router weighs an expert: "softmax" (softmax over all experts, the top k, weights on
+    # the experts' outputs) or "sigmoid" (Llama 4: the top k logits, each one's sigmoid scaling
+    # the token *into* its expert). Llama 4's sparse layers also run a dense shared expert of
+    # this intermediate size (0: none) beside the routed ones.
+    router: str = "softmax"
+    shared_expert_intermediate_size: int = 0
+    # Llama 4's attention: layers without rotary embeddings ("NoPE"), whose queries are scaled
+    # by ``log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1`` when ``attn_temperature`` is
+    # (floor_scale, attn_scale); layers whose attention stays inside chunks of
+    # ``attention_chunk`` positions; rope on interleaved pairs; a weightless RMS norm of q and k
+    # after rope in the layers that rotate.
+    nope_layers: tuple[int, ...] = ()
+    attn_temperature: tuple[float, float] | None = None
+    chunked_layers: tuple[int, ...] = ()
+    attention_chunk: int = 0
+    interleaved_rope: bool = False
+    qk_l2_norm: bool = False
+    # where the checkpoint keeps the text model's tensors ("" or "language_model.") and the
+    # top-level tensor names it holds that are not loaded (a vision tower)
+    checkpoint_prefix: str = ""
+    skipped_prefixes: tuple[str, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -98,7 +134,8 @@ def attention_pair_cost(cfg: ModelConfig) -> float:
     h = cfg.hidden_size
     attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
     dense = 3 * h * cfg.intermediate_size
-    routed = cfg.experts_per_token * 3 * h * cfg.expert_intermediate_size + h * cfg.num_experts
+    routed = (cfg.experts_per_token * 3 * h * cfg.expert_intermediate_size + h * cfg.num_experts
+              + 3 * h * cfg.shared_expert_intermediate_size)
     sparse = set(cfg.sparse_layers) if cfg.num_experts else set()
     linear = sum(attn + (routed if i in sparse else dense) for i in range(cfg.num_layers))
     return ATTENTION_FLOP_TIME * 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim / (2 * linear)
@@ -246,6 +283,18 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         raise ModelConfigError("config.json: auto_map asks for remote code, which this engine never runs")
     fp8_checkpoint = _fp8_checkpoint(cfg.get("quantization_config"))
     family = _family(cfg)
+    outer = cfg
+    wrapped = family == "llama4" and (_LLAMA4_WRAPPER in (cfg.get("architectures") or [])
+                                      or cfg.get("model_type") == "llama4")
+    if wrapped:
+        cfg = cfg.get("text_config")
+        if not isinstance(cfg, dict):
+            raise ModelConfigError("config.json: a Llama 4 image-and-text checkpoint needs a text_config object")
+    if family == "llama4":
+        # rope_parameters (transformers 5) carries its own theta: the default must not shadow it
+        defaults = {k: v for k, v in _LLAMA4_DEFAULTS.items()
+                    if not (k == "rope_theta" and isinstance(cfg.get("rope_parameters"), dict))}
+        cfg = {**defaults, **cfg}
     hidden = _int(cfg, "hidden_size")
     heads = _int(cfg, "num_attention_heads")
     kv_heads = _int(cfg, "num_key_value_heads", default=heads)
@@ -261,7 +310,7 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         raise ModelConfigError(f"config.json: head_dim {head_dim} must be even (rotary embeddings)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
-    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or outer.get("dtype") or outer.get("torch_dtype") or "bfloat16"
     if dtype not in _DTYPES:
         raise ModelConfigError(f"config.json: dtype {dtype!r} is not supported ({sorted(_DTYPES)})")
     theta, scaling = _rope(cfg)
@@ -284,11 +333,13 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
     bos = cfg.get("bos_token_id")
     layers = _int(cfg, "num_hidden_layers")
     moe = _experts(cfg, family, layers)
+    llama4 = _llama4(cfg, layers, wrapped) if family == "llama4" else {}
     return ModelConfig(
         family=family,
         vocab_size=_int(cfg, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=_int(cfg, "intermediate_size"),
+        # Llama 4 names its dense layers' MLP size intermediate_size_mlp (intermediate_size is an expert's)
+        intermediate_size=_int(cfg, "intermediate_size_mlp" if family == "llama4" else "intermediate_size"),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -308,7 +359,8 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         eos_token_ids=eos,
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         **moe,
-        raw=cfg,
+        **llama4,
+        raw=outer,
     )
 
 
@@ -326,6 +378,13 @@ def _experts(cfg: dict, family: str, layers: int) -> dict[str, Any]:
     elif family == "mixtral":
         n, inter, norm = _int(cfg, "num_local_experts"), _int(cfg, "intermediate_size"), True
         sparse = tuple(range(layers))
+    elif family == "llama4":
+        n, inter, norm = _int(cfg, "num_local_experts"), _int(cfg, "intermediate_size"), False
+        if cfg.get("moe_layers") is not None:
+            sparse = tuple(sorted(set(_layer_list(cfg, "moe_layers", layers))))
+        else:
+            step = _int(cfg, "interleave_moe_layer_step")
+            sparse = tuple(range(step - 1, layers, step))
     else:
         return {}
     k = _int(cfg, "num_experts_per_tok")
@@ -335,8 +394,62 @@ def _experts(cfg: dict, family: str, layers: int) -> dict[str, Any]:
         raise ModelConfigError(f"config.json: num_experts_per_tok {k} is more than the {n} experts")
     if not isinstance(norm, bool):
         raise ModelConfigError("config.json: norm_topk_prob must be true or false")
-    return {"num_experts": n, "experts_per_token": k, "expert_intermediate_size": inter, "norm_topk_prob": norm,
-            "sparse_layers": sparse}
+    moe = {"num_experts": n, "experts_per_token": k, "expert_intermediate_size": inter, "norm_topk_prob": norm,
+           "sparse_layers": sparse}
+    if family == "llama4":  # a sigmoid router and a shared expert of the experts' size
+        moe.update(router="sigmoid", shared_expert_intermediate_size=inter)
+    return moe
+
+
+def _layer_list(cfg: dict, key: str, layers: int) -> list[int]:
+    v = cfg.get(key)
+    if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in v):
+        raise ModelConfigError(f"config.json: {key} must be a list of layer indices below {layers}")
+    return v
+
+
+def _flags(cfg: dict, key: str, layers: int) -> list[int] | None:
+    """A list of one 0/1 flag a layer (Llama 4's no_rope_layers), or None when absent."""
+    v = cfg.get(key)
+    if v is None or v == []:
+        return None
+    if not isinstance(v, list) or len(v) != layers or any(x not in (0, 1) or isinstance(x, bool) for x in v):
+        raise ModelConfigError(f"config.json: {key} must list one 0 or 1 for each of the {layers} layers")
+    return v
+
+
+def _llama4(cfg: dict, layers: int, wrapped: bool) -> dict[str, Any]:
+    """Llama 4's per-layer attention (see ModelConfig), read as transformers does: a layer rotates
+    where ``no_rope_layers`` holds 1 (by default every layer but each ``no_rope_layer_interval``-th),
+    its attention is chunked where ``layer_types`` says ``chunked_attention`` (by default: the
+    layers that rotate, when ``attention_chunk_size`` is set)."""
+    rope = _flags(cfg, "no_rope_layers", layers)
+    if rope is None:
+        every = _int(cfg, "no_rope_layer_interval")
+        rope = [int((i + 1) % every != 0) for i in range(layers)]
+    chunk = cfg["attention_chunk_size"]
+    if chunk is not None:
+        chunk = _int({"attention_chunk_size": chunk}, "attention_chunk_size")
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        kinds = ["chunked_attention" if r and chunk is not None else "full_attention" for r in rope]
+    if (not isinstance(kinds, list) or len(kinds) != layers
+            or any(k not in ("chunked_attention", "full_attention") for k in kinds)):
+        raise ModelConfigError(f"config.json: layer_types must list chunked_attention or full_attention for each "
+                               f"of the {layers} layers")
+    chunked = tuple(i for i, k in enumerate(kinds) if k == "chunked_attention")
+    if chunked and chunk is None:
+        raise ModelConfigError("config.json: layer_types asks for chunked attention but attention_chunk_size is null")
+    temperature = None
+    if cfg["attn_temperature_tuning"]:  # a truthy number counts, as readers of the hub's configs take it
+        temperature = (_float(cfg, "floor_scale"), _float(cfg, "attn_scale"))
+    qk = cfg["use_qk_norm"]
+    if not isinstance(qk, bool):
+        raise ModelConfigError("config.json: use_qk_norm must be true or false")
+    return {"nope_layers": tuple(i for i, r in enumerate(rope) if not r), "attn_temperature": temperature,
+            "chunked_layers": chunked, "attention_chunk": chunk if chunked else 0, "interleaved_rope": True,
+            "qk_l2_norm": qk, "checkpoint_prefix": LLAMA4_TEXT_PREFIX if wrapped else "",
+            "skipped_prefixes": ("vision_model.", "multi_modal_projector.") if wrapped else ()}
 
 
 def _read_json(path: Path) -> Any:

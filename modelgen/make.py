@@ -40,8 +40,8 @@ from modelgen.tokenizer import (
     tokenizer_config,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
-PRESETS = ("tiny", "small", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "llama4")
+PRESETS = ("tiny", "small", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b", "llama4-scout")
 INIT_STD = 0.02
 
 # Elements drawn per chunk: bounds host memory for the 8B preset's big matrices. Part of
@@ -55,13 +55,20 @@ _ARCH_CLASS = MappingProxyType({
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "llama4": ("Llama4ForCausalLM", "llama4_text"),
 })
 # Mixture-of-experts presets (tiny and small only): experts, experts per token, each expert's
-# intermediate size. qwen3_moe's layers alternate (decoder_sparse_step 2): layer 0 keeps the
-# dense MLP, so both kinds of layer are exercised; mixtral's are all sparse.
+# intermediate size. qwen3_moe's and llama4's layers alternate (decoder_sparse_step /
+# interleave_moe_layer_step 2): layer 0 keeps the dense MLP, so both kinds of layer are
+# exercised; mixtral's are all sparse. Llama 4 sends a token to one expert (and its shared one).
 _EXPERTS = MappingProxyType({"tiny": (8, 2, 64), "small": (16, 4, 128), "qwen3-30b-a3b": (128, 8, 768),
-                             "mixtral-8x7b": (8, 2, 14336)})
-SPARSE_STEP = {"qwen3_moe": 2, "mixtral": 1}
+                             "mixtral-8x7b": (8, 2, 14336), "llama4-scout": (16, 1, 8192)})
+SPARSE_STEP = {"qwen3_moe": 2, "mixtral": 1, "llama4": 2}
+# Llama 4's attention at the test presets: chunks and a temperature floor small enough that
+# short prompts cross chunk boundaries and change the NoPE layers' query scale; the last layer
+# of each test preset is a NoPE one (tiny has two layers: rope, then NoPE).
+_LLAMA4_TEST_CHUNK = 16
+_LLAMA4_TEST_FLOOR = 8
 
 
 class ModelGenError(ValueError):
@@ -91,10 +98,13 @@ _PRESETS = MappingProxyType({
     # the real models' shapes (their dense intermediate sizes; the experts' below)
     "qwen3-30b-a3b": Shape(2048, 48, 32, 4, 6144, 40960, 151936, "bfloat16", 128),
     "mixtral-8x7b": Shape(4096, 32, 32, 8, 14336, 32768, 32000, "bfloat16", 128),
+    # Llama 4 Scout's text model (intermediate: its dense MLP size, intermediate_size_mlp)
+    "llama4-scout": Shape(5120, 48, 40, 8, 16384, 10485760, 202048, "bfloat16", 128),
 })
 # Each full-size preset is one architecture's; tiny and small fit every architecture.
 _PRESET_ARCH = MappingProxyType({"llama-3.1-8b": ("llama", "qwen2", "qwen3", "mistral"),
-                                 "qwen3-30b-a3b": ("qwen3_moe",), "mixtral-8x7b": ("mixtral",)})
+                                 "qwen3-30b-a3b": ("qwen3_moe",), "mixtral-8x7b": ("mixtral",),
+                                 "llama4-scout": ("llama4",)})
 
 
 def _check(arch: str, preset: str) -> Shape:
@@ -116,11 +126,11 @@ def head_dim(arch: str, preset: str) -> int:
 
 
 def sparse_step(arch: str, preset: str) -> int:
-    """Every how many layers one has experts (0: none): the test presets of qwen3_moe alternate,
-    the real Qwen3-30B-A3B has them in every layer."""
+    """Every how many layers one has experts (0: none): the test presets of qwen3_moe and llama4
+    alternate, the real Qwen3-30B-A3B and Llama 4 Scout have them in every layer."""
     if arch not in SPARSE_STEP:
         return 0
-    return 1 if preset == "qwen3-30b-a3b" else SPARSE_STEP[arch]
+    return 1 if preset in ("qwen3-30b-a3b", "llama4-scout") else SPARSE_STEP[arch]
 
 
 def sparse_layer(arch: str, preset: str, i: int) -> bool:
@@ -176,6 +186,20 @@ def model_config(arch: str, preset: str, vocab_size: int, specials: dict[str, in
         cfg["attention_bias"] = False
         cfg["mlp_bias"] = False
         cfg["pretraining_tp"] = 1
+    elif arch == "llama4":
+        n, _, inter = _EXPERTS[preset]
+        full = preset == "llama4-scout"
+        cfg.update(intermediate_size=inter, intermediate_size_mlp=shape.intermediate, num_local_experts=n,
+                   num_experts_per_tok=1, interleave_moe_layer_step=sparse_step(arch, preset),
+                   rope_theta=500000.0, attention_bias=False, use_qk_norm=True, attn_temperature_tuning=True,
+                   attention_chunk_size=8192 if full else _LLAMA4_TEST_CHUNK,
+                   floor_scale=8192 if full else _LLAMA4_TEST_FLOOR, attn_scale=0.1,
+                   no_rope_layers=[int((i + 1) % 4 != 0 and (full or i != shape.layers - 1))
+                                   for i in range(shape.layers)],
+                   router_aux_loss_coef=0.001, router_jitter_noise=0.0, output_router_logits=False)
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 16.0 if full else 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 1.0 if full else 4.0,
+                               "original_max_position_embeddings": 8192 if full else shape.max_position // 16}
     elif arch in ("mistral", "mixtral"):
         cfg["rope_theta"] = 1000000.0
         cfg["sliding_window"] = None
@@ -231,6 +255,9 @@ def tensor_specs(arch: str, preset: str, vocab_size: int) -> list[TensorSpec]:
             w(p + "self_attn.o_proj.weight", h, q),
             w(p + "post_attention_layernorm.weight", h, init="ones"),
         ]
+        if arch == "llama4":
+            specs += _llama4_mlp(p, i, preset, h, shape.intermediate, w)
+            continue
         if sparse_layer(arch, preset, i):
             n, _, inter = _EXPERTS[preset]
             block, (g, u, dn) = ((p + "block_sparse_moe.", ("w1", "w3", "w2")) if arch == "mixtral"
@@ -249,6 +276,19 @@ def tensor_specs(arch: str, preset: str, vocab_size: int) -> list[TensorSpec]:
     if not ties_embeddings(arch, preset):
         specs.append(w("lm_head.weight", vocab_size, h))
     return specs
+
+
+def _llama4_mlp(p: str, i: int, preset: str, h: int, dense: int, w) -> list[TensorSpec]:
+    """A Llama 4 layer's MLP as its checkpoints keep it: the dense MLP under ``feed_forward``, or
+    the router, every expert's gate-up [E, H, 2I] and down [E, I, H] in one tensor each, and the
+    shared expert."""
+    f = p + "feed_forward."
+    if not sparse_layer("llama4", preset, i):
+        return [w(f + "gate_proj.weight", dense, h), w(f + "up_proj.weight", dense, h), w(f + "down_proj.weight", h, dense)]
+    n, _, inter = _EXPERTS[preset]
+    return [w(f + "router.weight", n, h), w(f + "experts.gate_up_proj", n, h, 2 * inter),
+            w(f + "experts.down_proj", n, inter, h), w(f + "shared_expert.gate_proj.weight", inter, h),
+            w(f + "shared_expert.up_proj.weight", inter, h), w(f + "shared_expert.down_proj.weight", h, inter)]
 
 
 def _tensor_seed(seed: int, name: str) -> int:

@@ -8,8 +8,8 @@ import sys
 
 from agent.units import parse_size
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
-PRESETS = ("tiny", "small", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "llama4")
+PRESETS = ("tiny", "small", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b", "llama4-scout")
 
 
 def _shard_size(text: str) -> int:

@@ -139,8 +139,12 @@ def check_quantization(quantization: str | None, cfg: ModelConfig, device: torch
     ok, why = fp8_supported(device)
     if not ok:
         raise LoadOptionError(f"quantization {quantization!r}: {why}")
-    for key, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
-                   ("num_attention_heads * head_dim", cfg.q_size), ("num_key_value_heads * head_dim", cfg.kv_size)):
+    sizes = [("hidden_size", cfg.hidden_size),
+             ("intermediate_size_mlp" if cfg.family == "llama4" else "intermediate_size", cfg.intermediate_size),
+             ("num_attention_heads * head_dim", cfg.q_size), ("num_key_value_heads * head_dim", cfg.kv_size)]
+    if cfg.shared_expert_intermediate_size:  # the shared expert is a dense FP8 MLP of the experts' size
+        sizes.append(("intermediate_size", cfg.shared_expert_intermediate_size))
+    for key, v in sizes:
         if v % 16:
             raise LoadOptionError(f"quantization {quantization!r}: {key} = {v} is not a multiple of 16 (FP8 GEMMs need it)")
 

@@ -1,10 +1,19 @@
-"""One decoder for Llama 3.x, Mistral, Qwen2 and Qwen3, over the paged KV cache.
+"""One decoder for Llama 3.x, Mistral, Qwen2, Qwen3, their mixtures of experts (Qwen3-MoE,
+Mixtral) and Llama 4's text model, over the paged KV cache.
 
 Inputs are flat: N new tokens of B sequences, one after the other, with their positions and
 the attention metadata of docs/architecture.md. The model knows nothing of pages except
 through :func:`paged_attention_step`, which writes the new K/V into the cache and attends over
 it. Weights are fused where the matmuls allow: one QKV projection (with Qwen2's bias) and one
 gate-up projection; the loader fills their row ranges in place (:meth:`LlamaModel.weight_slots`).
+
+Llama 4 differs per layer (engine.config.ModelConfig): most layers rotate q and k (on
+interleaved pairs), normalise them after rope (weightless RMS) and attend only inside their
+chunk of ``attention_chunk`` positions; every fourth ("NoPE") layer does not rotate, scales its
+queries by a temperature that grows with the position, and attends to everything before it. Its
+sparse layers route each token to one expert by a sigmoid score that scales the token on its way
+in, beside a dense shared expert; its checkpoint names the MLP ``feed_forward`` and may keep
+each projection of every expert in one transposed tensor (:meth:`LlamaModel.fused_tensors`).
 
 ``quantization="fp8"``: the four projections of every layer hold e4m3 weights with one float32
 scale per output channel (``*_s``), and the norms and the SiLU-mul hand them per-token
@@ -24,8 +33,9 @@ from engine import kernels
 from engine.config import ModelConfig
 from engine.kernels.fp8 import fp8_linear, quantize_rows
 from engine.kernels.fp8_format import FP8
-from engine.kernels.moe import ExpertStack, fused_experts
+from engine.kernels.moe import ExpertStack, Router, fused_experts
 from engine.kv.kv_cache import KVCache
+from engine.weights.slots import CheckpointMap, FusedExperts
 
 QUANTIZATIONS = ("fp8",)
 
@@ -45,11 +55,14 @@ class AttentionMetadata:
 
 
 def paged_attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend q over cached + new tokens."""
+                         v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, chunk: int) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend q over cached + new tokens (inside
+    chunks of ``chunk`` positions when it is set: a cascade plan's shared prefix is then not
+    every row's, so such a layer reads each row's own context)."""
     kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                   meta.block_tables, scale, meta.max_query_len, meta.max_seq_len, meta.cascade)
+                                   meta.block_tables, scale, meta.max_query_len, meta.max_seq_len,
+                                   None if chunk else meta.cascade, chunk=chunk)
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -57,12 +70,13 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class Experts(nn.Module):
-    """A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts
-    (softmax over all experts, then the k best, renormalised to sum to 1 where the config says
-    so), each expert is a SiLU-gated MLP, and their outputs are summed with those weights.
+    """A mixture-of-experts MLP (Qwen3-MoE, Mixtral, Llama 4): a router picks each token's top-k
+    experts (engine.kernels.moe.Router: softmax weights on the outputs, or Llama 4's sigmoid
+    scores on the inputs), each expert is a SiLU-gated MLP, and their outputs are summed.
 
     The experts' weights are stacked ([E, 2I, H] gate-up, [E, H, I] down) and filled from the
-    checkpoint's one-tensor-per-expert layout by row ranges of a flat view. The computation is
+    checkpoint's one-tensor-per-expert layout by row ranges of a flat view, or from Llama 4's
+    one tensor a projection by transposing copies (:meth:`fused_tensors`). The computation is
     engine/kernels/moe.py: pairs grouped into one-expert tiles at fixed shapes, two grouped GEMMs
     (Triton on CUDA). No shape depends on the routing, so its steps are captured in CUDA graphs
     like a dense model's (tests/gpu/test_moe_gpu.py; docs/engine.md, "Mixture of experts").
@@ -71,7 +85,8 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, fp8: bool = False) -> None:
         super().__init__()
         e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
-        self.num_experts, self.top_k, self.inter, self.norm_topk = e, cfg.experts_per_token, inter, cfg.norm_topk_prob
+        self.num_experts, self.inter = e, inter
+        self.router = Router(cfg.experts_per_token, cfg.norm_topk_prob, cfg.router)
         wdt = FP8 if fp8 else dtype
         self.router_w = _empty(e, h, dtype=dtype, device=device)  # the router stays in the model's dtype
         self.gate_up_w = _empty(e, 2 * inter, h, dtype=wdt, device=device)
@@ -95,7 +110,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused_experts(x, ExpertStack(self.gate_up_w, self.gate_up_s), ExpertStack(self.down_w, self.down_s),
-                             nn.functional.linear(x, self.router_w), self.top_k, self.norm_topk)
+                             nn.functional.linear(x, self.router_w), self.router)
 
     def row_scales(self) -> dict[int, torch.Tensor]:
         """An FP8 stack's scales as rows of the checkpoint's layout, by ``id`` of its row view
@@ -109,11 +124,9 @@ class Experts(nn.Module):
         """The checkpoint's names of this layer's router and experts → row ranges of the stacks."""
         h, inter = cfg.hidden_size, self.inter
         gu, down = self.rows()
-        if cfg.family == "mixtral":
-            block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")  # gate, up, down
-        else:
-            block, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
-        slots = {block + "gate.weight": (self.router_w, 0, self.num_experts)}
+        block, names = self._names(prefix, cfg)
+        router = block + ("router.weight" if cfg.family == "llama4" else "gate.weight")
+        slots = {router: (self.router_w, 0, self.num_experts)}
         for j in range(self.num_experts):
             x = f"{block}experts.{j}."
             slots[x + names[0] + ".weight"] = (gu, j * 2 * inter, inter)
@@ -121,12 +134,36 @@ class Experts(nn.Module):
             slots[x + names[2] + ".weight"] = (down, j * h, h)
         return slots
 
+    @staticmethod
+    def _names(prefix: str, cfg: ModelConfig) -> tuple[str, tuple[str, str, str]]:
+        """The experts' block and their gate, up and down projections' names in the checkpoint."""
+        if cfg.family == "mixtral":
+            return prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+        if cfg.family == "llama4":
+            return prefix + "feed_forward.", ("gate_proj", "up_proj", "down_proj")
+        return prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+
+    def fused_tensors(self, prefix: str, cfg: ModelConfig) -> dict[str, FusedExperts]:
+        """Llama 4's one-tensor forms of the experts (engine.weights.slots): ``experts.gate_up_proj``
+        [E, H, 2I] (gate then up along the last axis) and ``experts.down_proj`` [E, I, H]."""
+        if cfg.family != "llama4":
+            return {}
+        block, names = self._names(prefix, cfg)
+        x = [f"{block}experts.{j}." for j in range(self.num_experts)]
+        return {block + "experts.gate_up_proj": FusedExperts(self.gate_up_w, self.gate_up_s, tuple(
+                    n for p in x for n in (p + names[0] + ".weight", p + names[1] + ".weight"))),
+                block + "experts.down_proj": FusedExperts(self.down_w, self.down_s,
+                                                          tuple(p + names[2] + ".weight" for p in x))}
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 quantization: str | None = None, sparse: bool = False) -> None:
+                 quantization: str | None, index: int) -> None:
         super().__init__()
-        h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+        sparse = index in cfg.sparse_layers
+        # a sparse layer's dense MLP, where it has one, is its shared expert (Llama 4)
+        inter = cfg.shared_expert_intermediate_size if sparse else cfg.intermediate_size
         self.cfg = cfg
         self.dtype = dtype
         self.fp8 = quantization == "fp8"
@@ -145,9 +182,15 @@ class DecoderLayer(nn.Module):
         self.o_s = scales(h)
         self.o_b = _empty(h, dtype=dtype, device=device) if cfg.o_bias else None
         self.post_norm = _empty(h, dtype=dtype, device=device)
+        self.rope = index not in cfg.nope_layers
+        self.chunk = cfg.attention_chunk if index in cfg.chunked_layers else 0
+        # Llama 4's weightless q/k norm after rope: an RMS norm with unit weights (not a checkpoint tensor)
+        self.register_buffer("qk_l2", torch.ones(cfg.head_dim, dtype=dtype, device=device)
+                             if cfg.qk_l2_norm and self.rope else None, persistent=False)
         self.experts: Experts | None = None
-        if sparse:  # the MLP is the routed experts (the dense MLP's parameters are absent)
+        if sparse:  # the routed experts (and, with a shared expert, the dense MLP beside them)
             self.experts = Experts(cfg, dtype, device, self.fp8)
+        if sparse and not inter:
             self.gate_up_w = self.gate_up_s = self.gate_up_b = self.down_w = self.down_s = self.down_b = None
         else:
             self.gate_up_w = _empty(2 * inter, h, dtype=wdt, device=device)
@@ -164,8 +207,9 @@ class DecoderLayer(nn.Module):
         return fp8_linear(x, w, s, b, out_dtype=self.dtype)
 
     def attention(self, x, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
-        """``x``: the normed hidden rows (Fp8Rows in an FP8 layer)."""
+                  meta: AttentionMetadata, cos_sin: torch.Tensor, q_temperature: torch.Tensor | None) -> torch.Tensor:
+        """``x``: the normed hidden rows (Fp8Rows in an FP8 layer). ``q_temperature`` [N] float32:
+        Llama 4's query scale by position, for the layers that do not rotate."""
         cfg = self.cfg
         n = x.shape[0]
         qkv = self._linear(x, self.qkv_w, self.qkv_s, self.qkv_b)
@@ -179,15 +223,26 @@ class DecoderLayer(nn.Module):
             k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, cfg.rms_norm_eps).view_as(k)
         # Otherwise q, k and v stay views of qkv (row stride q + 2 kv): rope rotates q and k in
         # place there, the KV write and attention read them through their strides.
-        q, k = kernels.apply_rope(q, k, positions, cos_sin)
-        out = paged_attention_step(q, k, v, k_cache, v_cache, meta, self.scale).reshape(n, cfg.q_size)
+        if self.rope:
+            q, k = kernels.apply_rope(q, k, positions, cos_sin, interleaved=cfg.interleaved_rope)
+            if self.qk_l2 is not None:
+                q = kernels.rms_norm(q.reshape(-1, cfg.head_dim), self.qk_l2, cfg.rms_norm_eps).view_as(q)
+                k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), self.qk_l2, cfg.rms_norm_eps).view_as(k)
+        elif q_temperature is not None:
+            q.mul_(q_temperature[:, None, None])  # in float32, rounded once, as the reference does
+        out = paged_attention_step(q, k, v, k_cache, v_cache, meta, self.scale, self.chunk).reshape(n, cfg.q_size)
         return self._linear(quantize_rows(out) if self.fp8 else out, self.o_w, self.o_s, self.o_b)
 
     def mlp(self, x) -> torch.Tensor:
-        if self.experts is not None:
-            return self.experts(x)
-        gu = self._linear(x, self.gate_up_w, self.gate_up_s, self.gate_up_b)
-        return self._linear(kernels.silu_and_mul(gu, quant=self.fp8), self.down_w, self.down_s, self.down_b)
+        """``x``: the normed hidden rows (Fp8Rows in an FP8 dense layer; the experts take them in
+        the model's dtype, and so does a shared expert beside them, quantized here)."""
+        routed = None if self.experts is None else self.experts(x)
+        if self.gate_up_w is None:
+            return routed
+        dense_in = quantize_rows(x) if self.fp8 and routed is not None else x
+        gu = self._linear(dense_in, self.gate_up_w, self.gate_up_s, self.gate_up_b)
+        out = self._linear(kernels.silu_and_mul(gu, quant=self.fp8), self.down_w, self.down_s, self.down_b)
+        return out if routed is None else out.add_(routed)
 
 
 class LlamaModel(nn.Module):
@@ -205,9 +260,7 @@ class LlamaModel(nn.Module):
         self.device = device
         self.quantization = quantization
         self.embed = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        sparse = set(cfg.sparse_layers)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, quantization, i in sparse)
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, quantization, i) for i in range(cfg.num_layers))
         self.norm = _empty(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.cos_sin: torch.Tensor | None = None
@@ -226,11 +279,15 @@ class LlamaModel(nn.Module):
         fp8 = self.quantization == "fp8"
         residual = nn.functional.embedding(input_ids, self.embed)
         h = kernels.rms_norm(residual, self.layers[0].input_norm, eps, quant=fp8)
+        q_temperature = None
+        if self.cfg.attn_temperature is not None and self.cfg.nope_layers:
+            floor_scale, attn_scale = self.cfg.attn_temperature
+            q_temperature = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
         mlp_out = None
         for i, layer in enumerate(self.layers):
             if mlp_out is not None:
                 h, residual = kernels.fused_add_rms_norm(mlp_out, residual, layer.input_norm, eps, quant=fp8)
-            attn_out = layer.attention(h, positions, kv.k(i), kv.v(i), meta, self.cos_sin)
+            attn_out = layer.attention(h, positions, kv.k(i), kv.v(i), meta, self.cos_sin, q_temperature)
             # experts take their inputs in the model's dtype (their e4m3 weights are widened)
             h, residual = kernels.fused_add_rms_norm(attn_out, residual, layer.post_norm, eps,
                                                      quant=fp8 and layer.experts is None)
@@ -248,17 +305,20 @@ class LlamaModel(nn.Module):
         """Checkpoint tensor name (HF naming) → (destination, first row, row count).
 
         Fused weights appear once per part: q/k/v go to row ranges of ``qkv_w``, gate/up to
-        halves of ``gate_up_w``. A tied LM head has no slot of its own.
+        halves of ``gate_up_w``. A tied LM head has no slot of its own. Experts appear one
+        tensor an expert (see :meth:`fused_tensors` for Llama 4's other form).
         """
         cfg = self.cfg
-        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-        slots: dict[str, tuple[torch.Tensor, int, int]] = {"model.embed_tokens.weight": (self.embed, 0, cfg.vocab_size),
-                                                           "model.norm.weight": (self.norm, 0, cfg.hidden_size)}
+        top = cfg.checkpoint_prefix
+        q, kv = cfg.q_size, cfg.kv_size
+        slots: dict[str, tuple[torch.Tensor, int, int]] = {
+            top + "model.embed_tokens.weight": (self.embed, 0, cfg.vocab_size),
+            top + "model.norm.weight": (self.norm, 0, cfg.hidden_size)}
         if not cfg.tie_word_embeddings:
-            slots["lm_head.weight"] = (self.lm_head, 0, cfg.vocab_size)
+            slots[top + "lm_head.weight"] = (self.lm_head, 0, cfg.vocab_size)
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
+            p = f"{top}model.layers.{i}."
+            a = p + "self_attn."
             slots[p + "input_layernorm.weight"] = (layer.input_norm, 0, cfg.hidden_size)
             slots[p + "post_attention_layernorm.weight"] = (layer.post_norm, 0, cfg.hidden_size)
             for part, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
@@ -273,7 +333,13 @@ class LlamaModel(nn.Module):
                 slots[a + "k_norm.weight"] = (layer.k_norm, 0, cfg.head_dim)
             if layer.experts is not None:
                 slots.update(layer.experts.weight_slots(p, cfg))
+            if layer.gate_up_w is None:
                 continue
+            if cfg.family == "llama4":
+                m = p + ("feed_forward.shared_expert." if layer.experts is not None else "feed_forward.")
+            else:
+                m = p + "mlp."
+            inter = layer.gate_up_w.shape[0] // 2
             slots[m + "gate_proj.weight"] = (layer.gate_up_w, 0, inter)
             slots[m + "up_proj.weight"] = (layer.gate_up_w, inter, inter)
             if layer.gate_up_b is not None:
@@ -283,6 +349,21 @@ class LlamaModel(nn.Module):
             if layer.down_b is not None:
                 slots[m + "down_proj.bias"] = (layer.down_b, 0, cfg.hidden_size)
         return slots
+
+    def fused_tensors(self) -> dict[str, FusedExperts]:
+        """Checkpoint tensors that hold one projection of every expert at once (Llama 4's
+        ``experts.gate_up_proj`` / ``down_proj``; engine.weights.slots), by name; each stands for
+        the per-expert names of :meth:`weight_slots` it covers."""
+        out: dict[str, FusedExperts] = {}
+        for i, layer in enumerate(self.layers):
+            if layer.experts is not None:
+                out.update(layer.experts.fused_tensors(f"{self.cfg.checkpoint_prefix}model.layers.{i}.", self.cfg))
+        return out
+
+    def checkpoint_map(self) -> CheckpointMap:
+        """Everything the loader needs of the checkpoint's names (engine.weights.slots)."""
+        return CheckpointMap(self.weight_slots(), self.fused_tensors(), self.cfg.skipped_prefixes,
+                             self.cfg.checkpoint_prefix)
 
     def row_scales(self) -> dict[int, torch.Tensor]:
         """Each FP8 weight's per-output-channel scales, by ``id`` of the weight parameter (empty

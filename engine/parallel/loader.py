@@ -29,6 +29,7 @@ import torch
 
 from engine.errors import WeightsError
 from engine.weights.loader import checked_tensors, weight_files
+from engine.weights.slots import CheckpointMap
 from engine.parallel.shard import TPModel
 from engine.weights.weight_stream import CopyJob, stream_to_device
 
@@ -75,7 +76,7 @@ def load_shard(model: TPModel, model_dir: str | Path, *, threads: int = 4, strea
     jobs: list[CopyJob] = []
     strided: list[tuple] = []
     for path in weight_files(model_dir):
-        for info, slot in checked_tensors(path, slots, filled):
+        for info, slot in checked_tensors(path, CheckpointMap(slots, {}), filled):
             name = info.name
             dest, start, rows = slot
             tail = tuple(dest.shape[1:])

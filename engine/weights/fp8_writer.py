@@ -11,7 +11,10 @@ Layouts (what engine/weights/fp8_checkpoint.py reads):
   ``P.weight_scale_inv`` [ceil(N/128), ceil(K/128)], the multiplier of each block.
 
 Only the decoder projections are quantized, the experts' too; embeddings, norms, biases, the
-routers and the LM head stay as they are (``ignore`` lists the LM head and the routers, as the
+routers and the LM head stay as they are. Experts kept in one tensor a projection (Llama 4's
+``experts.gate_up_proj`` [E, H, 2I] and ``experts.down_proj`` [E, I, H]) are written one tensor an
+expert, ``experts.{j}.gate_proj`` / ``up_proj`` / ``down_proj``, as the hub's FP8 checkpoints of
+such models keep them (``ignore`` lists the LM head and the routers, as the
 hub's checkpoints do; the engine reads no ``ignore``: a tensor's dtype says what it is).
 Written next to ``out`` and renamed into place, so a failure leaves nothing under the final name.
 """
@@ -33,11 +36,33 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 EXPERT_PROJECTIONS = ("w1", "w2", "w3")  # Mixtral's experts' gate, down, up (its router, "gate", stays)
 
 
+# where a checkpoint's decoder layers are: a text model's, or the one inside an image-and-text
+# checkpoint (whose vision tower's projections are not the engine's and stay as they are)
+_DECODER = ("model.layers.", "language_model.model.layers.")
+_ROUTERS = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".feed_forward.router.weight")
+
+
 def _is_projection(name: str) -> bool:
-    if not (name.startswith("model.layers.") and name.endswith(".weight")):
+    if not (name.startswith(_DECODER) and name.endswith(".weight")):
         return False
     part = name.split(".")[-2]
     return part in PROJECTIONS or (".experts." in name and part in EXPERT_PROJECTIONS)
+
+
+def unfused(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor as the per-expert [N, K] weights it holds, if it holds every expert's
+    projection at once (see the module docstring); else itself."""
+    if not name.startswith(_DECODER) or t.dim() != 3:
+        return [(name, t)]
+    if name.endswith(".experts.gate_up_proj"):
+        base, inter = name[: -len("gate_up_proj")], t.shape[2] // 2
+        return [(f"{base}{j}.{part}.weight", t[j, :, cols].t())
+                for j in range(t.shape[0]) for part, cols in (("gate_proj", slice(0, inter)),
+                                                             ("up_proj", slice(inter, None)))]
+    if name.endswith(".experts.down_proj"):
+        base = name[: -len("down_proj")]
+        return [(f"{base}{j}.down_proj.weight", t[j].t()) for j in range(t.shape[0])]
+    return [(name, t)]
 
 
 def quantize_tensor(w: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
@@ -57,10 +82,11 @@ def quantize_tensor(w: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
     return {"weight": q.to(FP8), "weight_scale_inv": s}
 
 
-def quantization_config(layout: str, static_input: bool, ignore: tuple[str, ...] = ()) -> dict:
-    """The config.json entry of ``layout``; ``ignore``: the Linear modules left unquantized
-    beside the LM head (the routers of a model with experts), as the hub's checkpoints list them."""
-    skip = ["lm_head", *ignore]
+def quantization_config(layout: str, static_input: bool, ignore: tuple[str, ...]) -> dict:
+    """The config.json entry of ``layout``; ``ignore``: the Linear modules left unquantized (the
+    LM head, the routers of a model with experts, a vision tower's as ``re:`` patterns), as the
+    hub's checkpoints list them."""
+    skip = list(ignore)
     if layout == "block128":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static" if static_input else "dynamic",
                 "weight_block_size": [128, 128], "ignore": skip}
@@ -90,12 +116,12 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
     try:
         weight_map: dict[str, str] = {}
         used: set[str] = set()
-        routers: set[str] = set()  # Linear modules kept unquantized (listed in ``ignore``)
+        kept: set[str] = set()  # Linear modules left unquantized (listed in ``ignore``)
         config = None
         for f in sorted(src.iterdir()):
             if f.suffix == ".safetensors":
                 tensors = {}
-                for name, t in load_file(str(f)).items():
+                for name, t in (one for item in load_file(str(f)).items() for one in unfused(*item)):
                     if _is_projection(name):
                         base = name[: -len(".weight")]
                         if replace is None:
@@ -110,8 +136,10 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
                             tensors[f"{base}.input_scale"] = torch.ones(1)
                     else:
                         tensors[name] = t
-                        if name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
-                            routers.add(name[: -len(".weight")])
+                        if name.endswith(_ROUTERS) or name.endswith("lm_head.weight"):
+                            kept.add(name[: -len(".weight")])
+                        elif not name.startswith(_DECODER) and name.split(".")[0] not in ("model", "language_model"):
+                            kept.add(f"re:{name.split('.')[0]}\\..*")  # a vision tower or projector, whole
                 save_file(tensors, str(tmp / f.name), metadata={"format": "pt"})
                 weight_map.update({n: f.name for n in tensors})
             elif f.name == "config.json":
@@ -121,7 +149,10 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
             elif f.is_file():
                 shutil.copy2(f, tmp / f.name)
         if config is not None:
-            config["quantization_config"] = quantization_config(layout, static_input, tuple(sorted(routers)))
+            # a tied head has no tensor of its own, but it is a Linear module left as it is
+            wrapped = any(n.startswith("language_model.") for n in weight_map)
+            kept.add(("language_model." if wrapped else "") + "lm_head")
+            config["quantization_config"] = quantization_config(layout, static_input, tuple(sorted(kept)))
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if replace is not None and set(replace) != used:
             raise ValueError(f"calibrated tensors for names the checkpoint lacks: {sorted(set(replace) - used)[:3]}")

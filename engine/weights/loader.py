@@ -28,6 +28,7 @@ from cache.errors import SafetensorsError
 from cache.safetensors_check import check_file
 from engine.errors import WeightsError
 from engine.weights import fp8_checkpoint
+from engine.weights.slots import CheckpointMap, FusedExperts
 from engine.weights.warm_tier import WarmTier, WarmTierError
 from engine.weights.weight_stream import CopyJob, stream_to_device
 
@@ -75,14 +76,17 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     raise WeightsError(f"{d}: no *.safetensors weight files")
 
 
-def checked_tensors(path: Path, slots: dict, filled: set[str], scales: dict[str, dict[str, tuple]] | None = None):
+def checked_tensors(path: Path, names: CheckpointMap, filled: set[str],
+                    scales: dict[str, dict[str, tuple]] | None = None):
     """Validate one file's header, then yield ``(info, slot)`` for each tensor this model takes.
 
     Refuses (WeightsError, naming file and tensor) a bad header, an unexpected or repeated
     tensor and a dtype other than F32/F16/BF16 (F8_E4M3 for an FP8 model's projection weights);
     marks each yielded name in ``filled``. ``scales`` (an FP8 checkpoint's): its scale tensors are
-    collected there (weight name → kind → (path, info)) instead of refused. Shapes are the
-    caller's to check: a tensor-parallel shard expects slices, not the whole tensor.
+    collected there (weight name → kind → (path, info)) instead of refused. A fused experts tensor
+    (engine.weights.slots) is yielded with its :class:`FusedExperts` as the slot and marks the
+    names it covers; tensors under a skipped prefix are passed over. Shapes are the caller's to
+    check: a tensor-parallel shard expects slices, not the whole tensor.
     """
     try:
         header = check_file(path)
@@ -90,9 +94,10 @@ def checked_tensors(path: Path, slots: dict, filled: set[str], scales: dict[str,
         raise WeightsError(f"{path.name}: {e}") from None
     for info in header.tensors:
         name = info.name
-        if name.endswith(_IGNORED_SUFFIXES):
+        slots = names.slots
+        if name.endswith(_IGNORED_SUFFIXES) or (names.skipped and name.startswith(names.skipped)):
             continue
-        if name == "lm_head.weight" and name not in slots:
+        if name == names.prefix + "lm_head.weight" and name not in slots:
             continue  # a tied head saved anyway: the embedding is the head
         target = fp8_checkpoint.scale_target(name)
         if target is not None and target[0] in slots:
@@ -103,6 +108,18 @@ def checked_tensors(path: Path, slots: dict, filled: set[str], scales: dict[str,
             if target[1] in kinds:
                 raise WeightsError(f"{path.name}: tensor {name!r} appears twice in the checkpoint")
             kinds[target[1]] = (path, info)
+            continue
+        group = names.fused.get(name)
+        if group is not None:
+            if info.dtype not in _ST_DTYPES:
+                raise WeightsError(f"{path.name}: tensor {name!r} has dtype {info.dtype}, expected F32/F16/BF16 "
+                                   f"(a checkpoint with e4m3 experts keeps one tensor an expert)")
+            if name in filled or any(c in filled for c in group.covers):
+                raise WeightsError(f"{path.name}: tensor {name!r} appears twice in the checkpoint "
+                                   f"(fused, and one tensor an expert)")
+            filled.add(name)
+            filled.update(group.covers)
+            yield info, group
             continue
         slot = slots.get(name)
         if slot is None:
@@ -117,13 +134,31 @@ def checked_tensors(path: Path, slots: dict, filled: set[str], scales: dict[str,
         yield info, slot
 
 
-def _file_jobs(path: Path, slots: dict[str, tuple[torch.Tensor, int, int]], filled: set[str],
-               scales: dict[int, torch.Tensor] | None = None, fp8: _Fp8Files | None = None) -> list[CopyJob]:
+def _fused_jobs(path: Path, info, group: FusedExperts) -> list[CopyJob]:
+    """One transposing copy job an expert of a fused experts tensor."""
+    if tuple(info.shape) != group.file_shape:
+        raise WeightsError(f"{path.name}: tensor {info.name!r} has shape {list(info.shape)}, "
+                           f"expected {list(group.file_shape)}")
+    src = _ST_DTYPES[info.dtype]
+    stack = group.stack.data
+    each = (info.end - info.begin) // stack.shape[0]
+    return [CopyJob(path, info.begin + e * each, each, stack[e], src_dtype=None if src == stack.dtype else src,
+                    scale=None if group.scale is None else group.scale.data[e], transposed=True)
+            for e in range(stack.shape[0])]
+
+
+def _file_jobs(path: Path, names: CheckpointMap, filled: set[str], scales: dict[int, torch.Tensor] | None = None,
+               fp8: _Fp8Files | None = None) -> list[CopyJob]:
     """One copy job per tensor of the file (a row range of its slot), shapes checked. ``scales``
     (``LlamaModel.row_scales``): a slot found there is quantized to FP8 as it lands, unless the
-    file's tensor is e4m3 already (``fp8``: an FP8 checkpoint's; its scales come from the file)."""
+    file's tensor is e4m3 already (``fp8``: an FP8 checkpoint's; its scales come from the file).
+    A fused experts tensor: one transposing job an expert."""
     jobs = []
-    for info, (dest, start, rows) in checked_tensors(path, slots, filled, fp8.scales if fp8 else None):
+    for info, slot in checked_tensors(path, names, filled, fp8.scales if fp8 else None):
+        if isinstance(slot, FusedExperts):
+            jobs.extend(_fused_jobs(path, info, slot))
+            continue
+        dest, start, rows = slot
         want = (rows, *dest.shape[1:])
         if tuple(info.shape) != want:
             raise WeightsError(f"{path.name}: tensor {info.name!r} has shape {list(info.shape)}, expected {list(want)}")
@@ -167,15 +202,15 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, *, threads: int 
     one :func:`stream_to_device` call moves all files' ranges straight into the (fused) weights.
     ``cancel`` set stops the copy at its next chunk (:class:`WeightStreamError`).
     """
-    slots = model.weight_slots()
+    names = model.checkpoint_map()
     scales = model.row_scales()
     layout = getattr(model.cfg, "fp8_checkpoint", None)
     fp8 = _Fp8Files(layout) if layout and scales else None
     filled: set[str] = set()
     jobs: list[CopyJob] = []
     for path in weight_files(model_dir):
-        jobs.extend(_file_jobs(path, slots, filled, scales, fp8))
-    missing = sorted(set(slots) - filled)
+        jobs.extend(_file_jobs(path, names, filled, scales, fp8))
+    missing = sorted(set(names.slots) - filled)
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise WeightsError(f"{model_dir}: missing weights {', '.join(missing[:3])}{more}")

@@ -52,6 +52,8 @@ class CopyJob:
     (the copy then casts); by default the bytes are ``dst``'s own dtype. ``scale`` ([rows],
     float32, with an e4m3 ``dst`` of [rows, ...] and a ``src_dtype``): the rows are quantized
     (engine.kernels.fp8.quantize_rows) into ``dst`` and their scales into ``scale``.
+    ``transposed``: the file holds ``dst``'s transpose ([K, N] bytes for a [N, K] ``dst``: one
+    expert of a fused experts tensor); the bytes are staged and written transposed.
     """
 
     path: str | os.PathLike
@@ -60,16 +62,23 @@ class CopyJob:
     dst: torch.Tensor
     src_dtype: torch.dtype | None = None
     scale: torch.Tensor | None = None
+    transposed: bool = False
+
+    @property
+    def staged(self) -> bool:
+        """Whether the bytes go through a staging buffer (a cast or a transpose) before ``dst``."""
+        return self.transposed or self.src_dtype not in (None, self.dst.dtype)
 
     def finish(self, staged: torch.Tensor) -> None:
-        """Write the staged file bytes (``src_dtype``) into the destination: cast or quantize."""
-        src = staged.view(self.src_dtype).view(self.dst.shape)
+        """Write the staged file bytes (``src_dtype``) into the destination: cast, transpose or quantize."""
+        src = staged.view(self.src_dtype or self.dst.dtype)
+        src = src.view(self.dst.shape[1], self.dst.shape[0]).t() if self.transposed else src.view(self.dst.shape)
         with torch.no_grad():
             if self.scale is None:
                 self.dst.copy_(src)
             else:
                 n = self.dst.shape[0]
-                quantize_rows(src.reshape(n, -1), Fp8Rows(self.dst.view(n, -1), self.scale.view(n, 1)))
+                quantize_rows(src.reshape(n, -1).contiguous(), Fp8Rows(self.dst.view(n, -1), self.scale.view(n, 1)))
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,8 @@ def _validate(jobs: list[CopyJob]) -> dict[str, int]:
                                     or j.scale.device != j.dst.device or not j.scale.is_contiguous()):
             raise WeightStreamError(f"{where}: a quantizing job needs an e4m3 destination, a source dtype and "
                                     f"float32 scales of one per row on the destination's device")
+        if j.transposed and j.dst.dim() != 2:
+            raise WeightStreamError(f"{where}: a transposing job needs a 2-D destination")
         if j.scale is None and j.dst.dtype == FP8 and src_dtype != FP8:
             raise WeightStreamError(f"{where}: an e4m3 destination of {src_dtype} bytes needs scales")
         want = j.dst.numel() * torch.empty((), dtype=src_dtype).element_size()
@@ -190,8 +201,7 @@ def _cpu_stream(jobs: list[CopyJob], threads: int, chunk_bytes: int, cancel: thr
     readers = _Readers(jobs, threads)
     work: queue.SimpleQueue = queue.SimpleQueue()
     chunks = _chunks(jobs, chunk_bytes)
-    staging = {i: torch.empty(j.nbytes, dtype=torch.uint8) for i, j in enumerate(jobs)
-               if j.src_dtype not in (None, j.dst.dtype)}
+    staging = {i: torch.empty(j.nbytes, dtype=torch.uint8) for i, j in enumerate(jobs) if j.staged}
     for c in chunks:
         work.put(c)
     for _ in range(threads):
@@ -265,7 +275,7 @@ def _ring_stream(jobs: list[CopyJob], threads: int, ring_bytes: int, chunk_bytes
     for s in streams:
         if s is not None:
             s.wait_stream(torch.cuda.current_stream(device))  # see the module's docstring
-    cast_stream: dict[int, int] = {}
+    staged_stream: dict[int, int] = {}
     staging: dict[int, torch.Tensor] = {}
     remaining = {i: (j.nbytes + chunk_bytes - 1) // chunk_bytes for i, j in enumerate(jobs)}
     inflight: deque = deque()  # (event, slot), in issue order
@@ -286,14 +296,14 @@ def _ring_stream(jobs: list[CopyJob], threads: int, ring_bytes: int, chunk_bytes
                     if inflight and free.qsize() == 0:
                         inflight[0][0].synchronize()  # readers are starved: wait for the oldest copy
             j = jobs[c.job]
-            cast = j.src_dtype not in (None, j.dst.dtype)
-            if cast:
-                si = cast_stream.setdefault(c.job, c.job % nstreams)  # one stream per cast job
+            staged = j.staged
+            if staged:
+                si = staged_stream.setdefault(c.job, c.job % nstreams)  # one stream per staged job
             else:
                 si, rr = rr, (rr + 1) % nstreams
             s = streams[si]
             with torch.cuda.stream(s) if cuda else contextlib.nullcontext():
-                if cast:
+                if staged:
                     if c.job not in staging:
                         staging[c.job] = torch.empty(j.nbytes, dtype=torch.uint8, device=device)
                     dst = staging[c.job]
@@ -301,11 +311,11 @@ def _ring_stream(jobs: list[CopyJob], threads: int, ring_bytes: int, chunk_bytes
                     dst = _byte_view(j.dst)
                 dst[c.start:c.start + c.length].copy_(ring[slot][:c.length], non_blocking=True)
                 remaining[c.job] -= 1
-                if cast and remaining[c.job] == 0:
+                if staged and remaining[c.job] == 0:
                     buf = staging.pop(c.job)
                     j.finish(buf)
                     if cuda:
-                        buf.record_stream(s)  # freed here, reused only after this stream's cast
+                        buf.record_stream(s)  # freed here, reused only after this stream's finish
                 ev = torch.cuda.Event() if cuda else _DoneEvent()
                 ev.record(s)
             inflight.append((ev, slot))

@@ -173,3 +173,89 @@ def test_the_early_cuda_context_is_only_for_a_cuda_device() -> None:
     assert [cuda_index(d) for d in ("auto", "cuda", "cuda:0", "cuda:3", "cpu", "cuda:x", "meta")] == [
         0, 0, 0, 3, None, None, None]
     assert open_cuda_context("cpu") is None
+
+
+# Llama 4 Scout's text config as the hub publishes it (inside an image-and-text config there)
+SCOUT_TEXT = {
+    "model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+    "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 10485760,
+    "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "use_qk_norm": True,
+    "attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+    "no_rope_layers": [], "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008], "hidden_act": "silu",
+    "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+}
+
+
+def test_llama4_scouts_image_and_text_config_gives_its_language_model():
+    cfg = parse_config({"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+                        "text_config": SCOUT_TEXT, "vision_config": {"hidden_size": 1408}})
+    assert cfg.family == "llama4" and cfg.checkpoint_prefix == "language_model."
+    assert cfg.skipped_prefixes == ("vision_model.", "multi_modal_projector.")
+    assert cfg.sparse_layers == tuple(range(48)) and cfg.num_experts == 16 and cfg.experts_per_token == 1
+    assert cfg.router == "sigmoid" and cfg.shared_expert_intermediate_size == cfg.expert_intermediate_size == 8192
+    assert cfg.intermediate_size == 16384
+    assert cfg.nope_layers == tuple(range(3, 48, 4))  # no_rope_layers [] → every fourth layer
+    assert cfg.chunked_layers == tuple(i for i in range(48) if i % 4 != 3) and cfg.attention_chunk == 8192
+    assert cfg.attn_temperature == (8192.0, 0.1) and cfg.interleaved_rope and cfg.qk_l2_norm
+    text = parse_config({**SCOUT_TEXT, "architectures": ["Llama4ForCausalLM"]})
+    assert text.checkpoint_prefix == "" and text.skipped_prefixes == ()
+    assert text.sparse_layers == cfg.sparse_layers and text.nope_layers == cfg.nope_layers
+    # Maverick's interleaving: every other layer sparse
+    assert parse_config({**SCOUT_TEXT, "interleave_moe_layer_step": 2}).sparse_layers == tuple(range(1, 48, 2))
+
+
+@pytest.mark.parametrize(
+    "patch,match",
+    [
+        ({"no_rope_layers": [1, 0]}, "no_rope_layers"),
+        ({"no_rope_layers": [2] * 48}, "no_rope_layers"),
+        ({"layer_types": ["sliding_attention"] * 48}, "layer_types"),
+        ({"attention_chunk_size": None, "layer_types": ["chunked_attention"] * 48}, "attention_chunk_size"),
+        ({"attention_chunk_size": 0}, "attention_chunk_size"),
+        ({"moe_layers": [48]}, "moe_layers"),
+        ({"num_local_experts": 1024}, "experts"),
+        ({"use_qk_norm": "yes"}, "use_qk_norm"),
+        ({"floor_scale": 0}, "floor_scale"),
+    ],
+)
+def test_bad_llama4_configs_are_refused_with_the_key_named(patch, match):
+    with pytest.raises(ModelConfigError, match=match):
+        parse_config({**SCOUT_TEXT, "architectures": ["Llama4ForCausalLM"], **patch})
+
+
+def test_an_image_and_text_llama4_config_without_its_text_config_is_refused():
+    with pytest.raises(ModelConfigError, match="text_config"):
+        parse_config({"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4"})
+
+
+def test_llama4s_attention_pair_cost_counts_its_shared_expert():
+    cfg = parse_config({**SCOUT_TEXT, "architectures": ["Llama4ForCausalLM"]})
+    no_shared = parse_config({**SCOUT_TEXT, "architectures": ["Llama4ForCausalLM"]})
+    object.__setattr__(no_shared, "shared_expert_intermediate_size", 0)
+    assert attention_pair_cost(cfg) < attention_pair_cost(no_shared)  # more matmul work a token
+
+
+def test_a_llama4_config_that_leaves_keys_out_gets_transformers_defaults_not_other_families():
+    """transformers' Llama4TextConfig assumes theta 500000, eps 1e-5 and head_dim 128 where a key
+    is missing; taking the Llama family's 10000 would run the wrong rope silently."""
+    sparse = {k: v for k, v in SCOUT_TEXT.items() if k not in (
+        "rope_theta", "rope_scaling", "rms_norm_eps", "head_dim", "intermediate_size_mlp", "attention_chunk_size",
+        "floor_scale", "attn_scale", "max_position_embeddings", "num_experts_per_tok")}
+    cfg = parse_config({**sparse, "architectures": ["Llama4ForCausalLM"], "num_attention_heads": 32})
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.head_dim) == (500000.0, 1e-5, 128)
+    assert cfg.intermediate_size == 16384 and cfg.attention_chunk == 8192 and cfg.attn_temperature == (8192.0, 0.1)
+    assert cfg.max_position_embeddings == 131072 and cfg.experts_per_token == 1
+    # transformers 5's rope_parameters keeps its own theta, which the default does not shadow
+    tf5_form = parse_config({**sparse, "architectures": ["Llama4ForCausalLM"],
+                             "rope_parameters": {"rope_type": "default", "rope_theta": 250000.0}})
+    assert tf5_form.rope_theta == 250000.0
+
+
+def test_llama4s_temperature_flag_is_read_as_the_hub_writes_it():
+    """Scout's published config says ``"attn_temperature_tuning": 4``: a truthy number turns it on."""
+    on = parse_config({**SCOUT_TEXT, "architectures": ["Llama4ForCausalLM"], "attn_temperature_tuning": 4})
+    off = parse_config({**SCOUT_TEXT, "architectures": ["Llama4ForCausalLM"], "attn_temperature_tuning": False})
+    assert on.attn_temperature == (8192.0, 0.1) and off.attn_temperature is None

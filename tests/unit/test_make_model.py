@@ -24,6 +24,7 @@ _HF_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "llama4": "Llama4ForCausalLM",
 }
 MOE = ("qwen3_moe", "mixtral")
 
@@ -95,7 +96,7 @@ def test_arch_specific_fields(make_tiny_model, arch):
     assert torch.equal(sd["model.norm.weight"], torch.ones_like(sd["model.norm.weight"]))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b"])
+@pytest.mark.parametrize("preset", ["tiny", "small", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b", "llama4-scout"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_specs_match_transformers_module(arch, preset):
     """Names and shapes equal those of the transformers model built from our config (its experts
@@ -103,9 +104,9 @@ def test_specs_match_transformers_module(arch, preset):
     concatenated)."""
     tok = build_tokenizer()
     vocab = 128256 if preset == "llama-3.1-8b" else 512
-    vocab = {"qwen3-30b-a3b": 151936, "mixtral-8x7b": 32000}.get(preset, vocab)
+    vocab = {"qwen3-30b-a3b": 151936, "mixtral-8x7b": 32000, "llama4-scout": 202048}.get(preset, vocab)
     own = {"llama-3.1-8b": ("llama", "qwen2", "qwen3", "mistral"), "qwen3-30b-a3b": ("qwen3_moe",),
-           "mixtral-8x7b": ("mixtral",)}
+           "mixtral-8x7b": ("mixtral",), "llama4-scout": ("llama4",)}
     if preset in own and arch not in own[preset]:
         with pytest.raises(ModelGenError, match="preset"):
             model_config(arch, preset, vocab, special_ids(tok))

@@ -61,6 +61,36 @@ def test_dtype_cast_on_copy(shard, ring):
     assert torch.equal(q32, tensors["q"].float())
 
 
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("file_dtype, dst_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                   (torch.bfloat16, torch.bfloat16)])
+def test_transposed_jobs_land_each_experts_weight_transposed(tmp_path, ring, file_dtype, dst_dtype):
+    """A fused experts tensor [E, K, N] into a stack [E, N, K], one job an expert: staged (even
+    with no cast, where an untransposed job would copy straight in) and written transposed; with
+    scales, each expert's rows quantized as a per-expert tensor would be."""
+    from engine.kernels.fp8 import quantize_weight
+
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(3, 256, 96, generator=g).to(file_dtype)  # [E, K, N] as a checkpoint keeps it
+    path = tmp_path / "e.safetensors"
+    save_file({"experts": src}, str(path))
+    info = check_file(path).tensors[0]
+    each = (info.end - info.begin) // 3
+    dst = torch.full((3, 96, 256), float("nan"), dtype=dst_dtype)
+    jobs = [CopyJob(path, info.begin + e * each, each, dst[e], None if file_dtype == dst_dtype else file_dtype,
+                    transposed=True) for e in range(3)]
+    stream_to_device(jobs, threads=2, ring_bytes=8192, chunk_bytes=4096, use_ring=ring)
+    assert torch.equal(dst, src.transpose(1, 2).to(dst_dtype))
+    codes = torch.zeros(3, 96, 256, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(3, 96)
+    jobs = [CopyJob(path, info.begin + e * each, each, codes[e], file_dtype, scale=scales[e], transposed=True)
+            for e in range(3)]
+    stream_to_device(jobs, threads=2, ring_bytes=8192, chunk_bytes=4096, use_ring=ring)
+    for e in range(3):
+        want, want_s = quantize_weight(src[e].t().float())
+        assert torch.equal(codes[e].view(torch.uint8), want.view(torch.uint8)) and torch.equal(scales[e], want_s)
+
+
 def test_bad_jobs_are_refused_before_any_write(shard, tmp_path):
     path, tensors, infos = shard
     dst = torch.zeros(64, 48, dtype=torch.bfloat16)
