@@ -1,5 +1,6 @@
 """The mixture-of-experts path on the GPU in bf16 against transformers, through the engine's CUDA
-graphs as served, and graphed against eager step for step. Skipped without CUDA.
+graphs as served (Llama 4's small preset too: chunked and NoPE layers, the sigmoid router and the
+shared expert in compiled kernels), and graphed against eager step for step. Skipped without CUDA.
 
 Tolerance: the last prompt position's top-5 logprobs, max |engine - hf_fp32| <= 3 * max
 |hf_bf16 - hf_fp32| + 2e-3, as tests/gpu/test_engine_gpu.py holds dense models."""
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 PROMPT = list(range(30, 75))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "llama4"])
 def test_moe_logprobs_within_bf16_through_graphs(arch, tmp_path):
     transformers = pytest.importorskip("transformers")
     from engine.core.engine_core import EngineCore
