@@ -6,7 +6,8 @@
 # count: GB/s at decode sizes, TFLOP/s at prefill sizes); qwen: Qwen3-30B-A3B's shape offline,
 # sharegpt-like 1,000 requests, bf16 then FP8 in one process, with batch-1 decode; mixtral:
 # Mixtral-8x7B's shape FP8 offline; dense: the 8B offline in the same run (the reference the
-# issue compares with). The full-size checkpoints do not fit the disk: their weights are random,
+# issue compares with); scout: Llama 4 Scout's text model in FP8 offline (an H200 only: ~109 GB of
+# weights; the report's memory figures say how much KV the budget left). The full-size checkpoints do not fit the disk: their weights are random,
 # made on the device (engine_bench --weights-on-device; ops/bench/device_weights.py).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,5 +34,6 @@ for phase in "$@"; do
     qwen) offline qwen --arch qwen3_moe --preset qwen3-30b-a3b --weights-on-device --quantization both --batch1 ;;
     mixtral) offline mixtral --arch mixtral --preset mixtral-8x7b --weights-on-device --quantization fp8 ;;
     dense) offline dense --arch llama --preset llama-3.1-8b --weights-on-device --quantization both --batch1 ;;
+    scout) offline scout --arch llama4 --preset llama4-scout --weights-on-device --quantization fp8 --batch1 ;;
   esac
 done
