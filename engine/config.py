@@ -130,7 +130,8 @@ def attention_pair_cost(cfg: ModelConfig) -> float:
     The scheduler costs prefill chunks by it (SchedulerConfig.attention_cost), so it is a ratio of
     times: the FLOPs' ratio (~3.8e-5 for Llama-3.1-8B) times ``ATTENTION_FLOP_TIME``, what an
     attention FLOP costs in time against a matmul FLOP: a token ~15.6k positions deep takes as
-    long in attention as in its matmuls."""
+    long in attention as in its matmuls. Layers that attend inside chunks (Llama 4's) read at
+    most a chunk of keys a token whatever its depth, so only the others' pairs grow with it."""
     h = cfg.hidden_size
     attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
     dense = 3 * h * cfg.intermediate_size
@@ -138,7 +139,8 @@ def attention_pair_cost(cfg: ModelConfig) -> float:
               + 3 * h * cfg.shared_expert_intermediate_size)
     sparse = set(cfg.sparse_layers) if cfg.num_experts else set()
     linear = sum(attn + (routed if i in sparse else dense) for i in range(cfg.num_layers))
-    return ATTENTION_FLOP_TIME * 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim / (2 * linear)
+    full = cfg.num_layers - len(cfg.chunked_layers)
+    return ATTENTION_FLOP_TIME * 4 * full * cfg.num_heads * cfg.head_dim / (2 * linear)
 
 
 def usable_len(cfg: ModelConfig, max_model_len: int | None) -> int:

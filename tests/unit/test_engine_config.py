@@ -231,11 +231,14 @@ def test_an_image_and_text_llama4_config_without_its_text_config_is_refused():
         parse_config({"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4"})
 
 
-def test_llama4s_attention_pair_cost_counts_its_shared_expert():
+def test_llama4s_attention_pair_cost_counts_its_shared_expert_and_only_its_unchunked_layers():
+    import dataclasses
+
     cfg = parse_config({**SCOUT_TEXT, "architectures": ["Llama4ForCausalLM"]})
-    no_shared = parse_config({**SCOUT_TEXT, "architectures": ["Llama4ForCausalLM"]})
-    object.__setattr__(no_shared, "shared_expert_intermediate_size", 0)
-    assert attention_pair_cost(cfg) < attention_pair_cost(no_shared)  # more matmul work a token
+    assert attention_pair_cost(dataclasses.replace(cfg, shared_expert_intermediate_size=0)) > attention_pair_cost(cfg)
+    # 36 of 48 layers attend inside 8k chunks: a deep token's attention grows in the other 12 only
+    unchunked = dataclasses.replace(cfg, chunked_layers=())
+    assert attention_pair_cost(cfg) == pytest.approx(attention_pair_cost(unchunked) * 12 / 48)
 
 
 def test_a_llama4_config_that_leaves_keys_out_gets_transformers_defaults_not_other_families():
