@@ -128,7 +128,8 @@ class TPModel(nn.Module):
         for i, layer in enumerate(m.layers):
             if mlp_out is not None:
                 h, residual = kernels.fused_add_rms_norm(mlp_out, residual, layer.input_norm, eps)
-            attn_out = self.group.all_reduce(layer.attention(h, positions, kv.k(i), kv.v(i), meta, m.cos_sin))
+            # no query temperature: Llama 4, the one family with it, has experts, which TP refuses
+            attn_out = self.group.all_reduce(layer.attention(h, positions, kv.k(i), kv.v(i), meta, m.cos_sin, None))
             h, residual = kernels.fused_add_rms_norm(attn_out, residual, layer.post_norm, eps)
             mlp_out = self.group.all_reduce(layer.mlp(h))
         h, _ = kernels.fused_add_rms_norm(mlp_out, residual, m.norm, eps)
