@@ -22,7 +22,17 @@ import torch
 from engine.kernels._dispatch import check, use_triton
 from engine.kernels.activation import silu_and_mul
 
-BLOCK_M = 16  # pairs per tile: tl.dot's smallest height; the H200 tuning may raise it
+BLOCK_M = 16  # pairs per tile at decode sizes: tl.dot's smallest height
+TALL_BLOCK_M = 64  # pairs per tile once the average expert gets that many (prefill steps)
+
+
+def tile_rows(pairs: int, num_experts: int) -> int:
+    """The tile height for a step of ``pairs`` (token, expert) pairs. At decode sizes most experts
+    get a few pairs and a taller tile would be padding, so 16. Once the average expert gets 64,
+    a 64-row tile makes each weight tile it reads serve four times the rows: with 16-row tiles a
+    prefill-sized Qwen3-30B-A3B layer ran at 119 TFLOP/s on an H100 (docs/perf.md, moe_bench),
+    an eighth of the tensor cores. A graph's bucket fixes ``pairs``, so a replay never changes it."""
+    return TALL_BLOCK_M if pairs >= TALL_BLOCK_M * num_experts else BLOCK_M
 
 
 @dataclass(frozen=True)
@@ -160,7 +170,7 @@ def fused_experts(x: torch.Tensor, gate_up: ExpertStack, down: ExpertStack, rout
     """The experts' output [N, H] for ``x`` [N, H]: ``gate_up`` [E, 2I, H], ``down`` [E, H, I]."""
     n = x.shape[0]
     weights, experts = route(router_logits, router)
-    r = align(experts, weights, gate_up.w.shape[0])
+    r = align(experts, weights, gate_up.w.shape[0], tile_rows(n * router.top_k, gate_up.w.shape[0]))
     on_input = router.scoring == "sigmoid"
     gu = grouped_gemm(x, gate_up, r, per_pair_input=False, weights="input" if on_input else "none")  # [N*k, 2I]
     y = grouped_gemm(silu_and_mul(gu), down, r, per_pair_input=True, weights="none" if on_input else "output")

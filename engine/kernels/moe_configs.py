@@ -7,8 +7,9 @@ weights' dtype (``bf16``, ``fp8``), the GPU's name; its entries map a token coun
 are spelled as torch names them (``bfloat16``, ``float8_e4m3fn``). A step of ``n``
 tokens takes the entry of the smallest tuned count at or above ``n`` (the largest beyond the
 last): a CUDA graph's bucket fixes ``n``, so a replay never changes shape. Without a table for the
-shape and GPU the kernel's fixed defaults run (:data:`DEFAULT`); the tile height (``BLOCK_M``, the
-routing's alignment, engine/kernels/moe.py) is not tuned here.
+shape and GPU the kernel's fixed defaults run (:func:`default_shape`); the tile height (the
+routing's alignment, ``moe.tile_rows``: 16 or 64 rows by the step's pairs) is not tuned here, but
+a count's entry was timed at the height that count runs with.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from engine.kernels.fp8 import quantize_weight  # noqa: E402
-from engine.kernels.moe import Router, align, route  # noqa: E402
+from engine.kernels.moe import Router, align, route, tile_rows  # noqa: E402
 from engine.kernels.moe_configs import TABLES, GemmShape, default_shape, table_name, weights_name  # noqa: E402
 from engine.kernels.moe_triton import grouped_gemm_triton  # noqa: E402
 
@@ -46,7 +46,7 @@ def tune_one(experts: int, top_k: int, n_out: int, k_in: int, fp8: bool, tokens:
     for n in tokens:
         logits = torch.randn(n, experts, device="cuda", generator=gen)
         weights, chosen = route(logits, Router(top_k, renormalize=True))
-        r = align(chosen, weights, experts)
+        r = align(chosen, weights, experts, tile_rows(n * top_k, experts))
         a = torch.randn(n * top_k if per_pair else n, k_in, device="cuda", dtype=torch.bfloat16, generator=gen)
 
         def run(shape: GemmShape):

@@ -18,7 +18,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when the @triton.jit module is impo
 
 from engine.kernels import _dispatch  # noqa: E402
 from engine.kernels._dispatch import KernelError  # noqa: E402
-from engine.kernels.moe import BLOCK_M, ExpertStack, Router, align, fused_experts, grouped_gemm, grouped_gemm_ref, route  # noqa: E402
+from engine.kernels.moe import (  # noqa: E402
+    BLOCK_M, TALL_BLOCK_M, ExpertStack, Router, align, fused_experts, grouped_gemm, grouped_gemm_ref, route, tile_rows)
 from engine.kernels.moe_triton import grouped_gemm_triton  # noqa: E402
 
 if _INTERPRET is None:
@@ -66,10 +67,11 @@ def test_every_pair_lands_once_in_a_tile_of_its_expert(n, k, e, skew):
 
 
 @pytest.mark.parametrize("per_pair, weights_at", [(False, "none"), (True, "output"), (False, "input")])
-@pytest.mark.parametrize("n, k, e, h, out", [(5, 2, 8, 32, 48), (33, 2, 4, 64, 16), (17, 4, 16, 48, 40)])
-def test_the_triton_grouped_gemm_matches_its_reference(per_pair, weights_at, n, k, e, h, out):
+@pytest.mark.parametrize("n, k, e, h, out, block_m", [(5, 2, 8, 32, 48, BLOCK_M), (33, 2, 4, 64, 16, BLOCK_M),
+                                                      (17, 4, 16, 48, 40, BLOCK_M), (150, 2, 4, 32, 48, TALL_BLOCK_M)])
+def test_the_triton_grouped_gemm_matches_its_reference(per_pair, weights_at, n, k, e, h, out, block_m):
     weights, experts = _routing(n, k, e, seed=n)
-    r = align(experts, weights, e)
+    r = align(experts, weights, e, block_m)
     g = torch.Generator().manual_seed(1)
     a = torch.randn((n * k if per_pair else n, h), generator=g)
     w = torch.randn((e, out, h), generator=g) * 0.1
@@ -131,6 +133,33 @@ def test_a_sigmoid_router_scales_each_token_into_its_expert(monkeypatch):
             monkeypatch.setattr(_dispatch, "_forced", backend)
             got = fused_experts(x, ExpertStack(gate_up), ExpertStack(down), logits, Router(k, scoring="sigmoid"))
             torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2, msg=f"{backend} k={k}")
+
+
+def test_tiles_grow_tall_once_the_average_expert_gets_their_height():
+    assert tile_rows(1, 128) == tile_rows(64 * 128 - 1, 128) == BLOCK_M  # decode sizes: a few pairs an expert
+    assert tile_rows(64 * 128, 128) == tile_rows(16384 * 8, 128) == TALL_BLOCK_M  # prefill sizes
+
+
+def test_a_prefill_sized_step_runs_tall_tiles_and_gives_the_same_experts_output(monkeypatch):
+    """Enough pairs that ``fused_experts`` aligns them in 64-row tiles: the Triton GEMMs
+    (interpreted) and the reference agree with 16-row tiles of the same routing."""
+    n, k, e, h, inter = 160, 2, 4, 32, 16
+    assert tile_rows(n * k, e) == TALL_BLOCK_M
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn((n, h), generator=g)
+    gate_up = torch.randn((e, 2 * inter, h), generator=g) * 0.2
+    down = torch.randn((e, h, inter), generator=g) * 0.2
+    logits = torch.randn((n, e), generator=g)
+    weights, chosen = route(logits, Router(k, renormalize=True))
+    short = align(chosen, weights, e, BLOCK_M)
+    gu = grouped_gemm_ref(x, ExpertStack(gate_up), short, False, "none")
+    from engine.kernels.activation import silu_and_mul
+
+    want = grouped_gemm_ref(silu_and_mul(gu), ExpertStack(down), short, True, "output").view(n, k, -1).sum(1)
+    for backend in ("torch", "triton"):
+        monkeypatch.setattr(_dispatch, "_forced", backend)
+        got = fused_experts(x, ExpertStack(gate_up), ExpertStack(down), logits, Router(k, renormalize=True))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=backend)
 
 
 def test_a_grouped_gemm_is_told_where_the_weights_go_by_name():
