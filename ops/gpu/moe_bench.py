@@ -6,7 +6,9 @@ Issue 37's kernel figures: at decode sizes the bytes it must read — the weight
 the step's tokens route to (random routing touches nearly all of them from 64 tokens on) — over
 its time, against the GPU's HBM bandwidth; at prefill sizes its FLOPs (2 · tokens · top_k ·
 3 · hidden · intermediate) over its time. Router logits are random (uniform routing: the
-balanced case). Timings are medians of ``triton.testing.do_bench``.
+balanced case). Timings are medians of ``triton.testing.do_bench``: ``ms`` of the layer replayed
+from a CUDA graph, as the engine serves it (the figures above are from it), ``eager_ms`` of the same
+launched op by op (at decode sizes mostly the host's launches: ~0.5 ms for any step on an H100).
 """
 
 from __future__ import annotations
@@ -43,6 +45,20 @@ def stacks(e: int, h: int, inter: int, fp8: bool, gen: torch.Generator) -> tuple
     return out[0], out[1]
 
 
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (after warm-up runs on a side stream); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -59,11 +75,13 @@ def main() -> None:
             x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=gen)
             logits = torch.randn(n, e, device="cuda", dtype=torch.bfloat16, generator=gen)
             touched = int(torch.topk(logits.float().softmax(-1), k, dim=-1).indices.unique().numel())
-            ms = float(do_bench(lambda: fused_experts(x, gu, down, logits, Router(k, renormalize=True)), warmup=20, rep=100,
-                                return_mode="median"))
+            layer = lambda: fused_experts(x, gu, down, logits, Router(k, renormalize=True))  # noqa: E731
+            eager_ms = float(do_bench(layer, warmup=20, rep=100, return_mode="median"))
+            ms = float(do_bench(graphed(layer), warmup=20, rep=100, return_mode="median"))
             read = touched * 3 * h * inter * wbytes + 2 * n * h * 2  # the routed experts' weights, x in and out
             flops = 2 * n * k * 3 * h * inter
             row = {"weights": "fp8" if fp8 else "bf16", "tokens": n, "experts_touched": touched, "ms": round(ms, 4),
+                   "eager_ms": round(eager_ms, 4),
                    "gb_s": round(read / ms / 1e6, 1), "tflop_s": round(flops / ms / 1e9, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
