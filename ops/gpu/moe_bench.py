@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -85,7 +86,8 @@ def main() -> None:
                    "gb_s": round(read / ms / 1e6, 1), "tflop_s": round(flops / ms / 1e9, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    report = {"shape": a.shape, **s, "gpu": torch.cuda.get_device_name(), "commit": _commit(),
+    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "shape": a.shape, **s,
+              "gpu": torch.cuda.get_device_name(), "commit": _commit(),
               "rows": rows}
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
