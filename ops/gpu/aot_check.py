@@ -173,6 +173,10 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                         {**mt, "w_ptr": "*fp8e4nv"} if fp8_w else mt,
                         dict(TOP_K=8, PER_PAIR=per_pair, APPLY_WEIGHTS=per_pair, SCALED=fp8_w, WEIGH_INPUT=False,
                              BLOCK_M=16, BLOCK_N=128, BLOCK_K=64), dict(num_warps=4)))
+    for per_pair in (False, True):  # prefill-sized steps: 64-row tiles (moe.tile_rows)
+        out.append((f"moe grouped gemm per_pair={per_pair} tall", moe._grouped_gemm_kernel, mt,
+                    dict(TOP_K=8, PER_PAIR=per_pair, APPLY_WEIGHTS=per_pair, SCALED=False, WEIGH_INPUT=False,
+                         BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), dict(num_warps=4)))
     for fp8_w in (False, True):  # Llama 4 Scout's gate-up: 16 experts, top 1, the sigmoid score on the input
         out.append(("moe grouped gemm weigh_input" + (" fp8" if fp8_w else ""), moe._grouped_gemm_kernel,
                     {**mt, "w_ptr": "*fp8e4nv"} if fp8_w else mt,
