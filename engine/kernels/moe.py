@@ -24,6 +24,9 @@ from engine.kernels.activation import silu_and_mul
 
 BLOCK_M = 16  # pairs per tile at decode sizes: tl.dot's smallest height
 TALL_BLOCK_M = 64  # pairs per tile once the average expert gets that many (prefill steps)
+# The most pairs the one-program alignment takes (engine/kernels/moe_align_triton.py): it holds
+# them all at once; past this a step is big enough that the torch formulation's launches are not its cost.
+MAX_ALIGN_PAIRS = 1024
 
 
 def tile_rows(pairs: int, num_experts: int) -> int:
@@ -92,9 +95,16 @@ def route(router_logits: torch.Tensor, router: Router) -> tuple[torch.Tensor, to
 
 
 def align(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> Routing:
-    """Group the pairs of ``experts`` [N, k] by expert into tiles of ``block_m`` (see the module)."""
+    """Group the pairs of ``experts`` [N, k] by expert into tiles of ``block_m`` (see the module).
+    Decode-sized steps on CUDA take one Triton program (engine/kernels/moe_align_triton.py: the
+    same slots, the same arrays), the rest the torch formulation below."""
     check(experts.dim() == 2 and experts.shape == weights.shape, "experts and weights must be [N, top_k]")
     n, k = experts.shape
+    if n * k <= MAX_ALIGN_PAIRS and use_triton(experts):
+        from engine.kernels.moe_align_triton import align_triton
+
+        pair_ids, tile_expert = align_triton(experts, num_experts, block_m)
+        return Routing(pair_ids, tile_expert, weights.reshape(-1).float().contiguous(), k, block_m)
     dev = experts.device
     pairs = n * k
     slots = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m

@@ -66,6 +66,42 @@ def test_every_pair_lands_once_in_a_tile_of_its_expert(n, k, e, skew):
     assert torch.allclose(r.weights.view(n, k).sum(-1), torch.ones(n))
 
 
+@pytest.mark.parametrize("n, k, e, block_m, skew", [(1, 8, 128, BLOCK_M, False), (5, 2, 8, BLOCK_M, False),
+                                                    (33, 2, 8, BLOCK_M, True), (128, 8, 128, BLOCK_M, False),
+                                                    (40, 4, 16, BLOCK_M, True), (9, 1, 16, TALL_BLOCK_M, False),
+                                                    (100, 2, 8, TALL_BLOCK_M, True), (3, 2, 5, BLOCK_M, False)])
+def test_the_one_program_alignment_lays_the_pairs_out_as_the_torch_one_does(n, k, e, block_m, skew, monkeypatch):
+    """Decode-sized steps on the Triton path align in one program (interpreted here): the same
+    pair_ids and tile_expert, slot for slot, as the torch formulation, skewed routing (one long
+    run, empty experts) and an expert count that is not a power of two included."""
+    from engine.kernels.moe import MAX_ALIGN_PAIRS
+
+    weights, experts = _routing(n, k, e, seed=n + e, skew=skew)
+    assert n * k <= MAX_ALIGN_PAIRS
+    monkeypatch.setattr(_dispatch, "_forced", "torch")
+    want = align(experts, weights, e, block_m)
+    monkeypatch.setattr(_dispatch, "_forced", "triton")
+    got = align(experts, weights, e, block_m)
+    assert torch.equal(got.pair_ids, want.pair_ids) and torch.equal(got.tile_expert, want.tile_expert)
+    assert torch.equal(got.weights, want.weights)
+
+
+def test_a_step_past_the_one_programs_pairs_aligns_the_torch_way(monkeypatch):
+    from engine.kernels import moe_align_triton
+    from engine.kernels.moe import MAX_ALIGN_PAIRS
+
+    calls = []
+    real = moe_align_triton.align_triton
+    monkeypatch.setattr(moe_align_triton, "align_triton", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(_dispatch, "_forced", "triton")
+    weights, experts = _routing(MAX_ALIGN_PAIRS // 2 + 1, 2, 8)
+    r = align(experts, weights, 8)
+    assert not calls and sorted(r.pair_ids[r.pair_ids < experts.numel()].tolist()) == list(range(experts.numel()))
+    weights, experts = _routing(MAX_ALIGN_PAIRS // 2, 2, 8)
+    align(experts, weights, 8)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("per_pair, weights_at", [(False, "none"), (True, "output"), (False, "input")])
 @pytest.mark.parametrize("n, k, e, h, out, block_m", [(5, 2, 8, 32, 48, BLOCK_M), (33, 2, 4, 64, 16, BLOCK_M),
                                                       (17, 4, 16, 48, 40, BLOCK_M), (150, 2, 4, 32, 48, TALL_BLOCK_M)])
