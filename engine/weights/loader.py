@@ -92,9 +92,9 @@ def checked_tensors(path: Path, names: CheckpointMap, filled: set[str],
         header = check_file(path)
     except SafetensorsError as e:
         raise WeightsError(f"{path.name}: {e}") from None
+    slots = names.slots
     for info in header.tensors:
         name = info.name
-        slots = names.slots
         if name.endswith(_IGNORED_SUFFIXES) or (names.skipped and name.startswith(names.skipped)):
             continue
         if name == names.prefix + "lm_head.weight" and name not in slots:
