@@ -181,6 +181,11 @@ def test_a_prefill_sized_step_runs_tall_tiles_and_gives_the_same_experts_output(
     (interpreted) and the reference agree with 16-row tiles of the same routing."""
     n, k, e, h, inter = 160, 2, 4, 32, 16
     assert tile_rows(n * k, e) == TALL_BLOCK_M
+    from engine.kernels import moe
+
+    heights = []
+    real_align = moe.align
+    monkeypatch.setattr(moe, "align", lambda *a: heights.append(a[3]) or real_align(*a))
     g = torch.Generator().manual_seed(9)
     x = torch.randn((n, h), generator=g)
     gate_up = torch.randn((e, 2 * inter, h), generator=g) * 0.2
@@ -196,6 +201,7 @@ def test_a_prefill_sized_step_runs_tall_tiles_and_gives_the_same_experts_output(
         monkeypatch.setattr(_dispatch, "_forced", backend)
         got = fused_experts(x, ExpertStack(gate_up), ExpertStack(down), logits, Router(k, renormalize=True))
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=backend)
+    assert heights == [TALL_BLOCK_M, TALL_BLOCK_M]  # the step ran 64-row tiles, both backends
 
 
 def test_a_grouped_gemm_is_told_where_the_weights_go_by_name():
@@ -203,6 +209,20 @@ def test_a_grouped_gemm_is_told_where_the_weights_go_by_name():
     r = align(experts, weights, 4)
     with pytest.raises(KernelError, match="weights must be one of"):
         grouped_gemm(torch.randn(4, 16), ExpertStack(torch.randn(4, 8, 16)), r, False, True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_sigmoid_weight_scales_the_input_and_the_product_is_rounded_before_the_dot(backend, monkeypatch):
+    """Llama 4 rounds the scaled token to the activations' dtype before its expert: with x = 1 +
+    2^-10 in float16, weight 0.75 and W = 3·I, that rounding gives 2.25390625 where scaling the
+    float32 sums instead would give 2.251953125."""
+    n, e, h = 8, 2, 16
+    x = torch.full((n, h), 1 + 2 ** -10, dtype=torch.float16)
+    r = align(torch.zeros(n, 1, dtype=torch.int64), torch.full((n, 1), 0.75), e, BLOCK_M)
+    w = (3 * torch.eye(h, dtype=torch.float16))[None].repeat(e, 1, 1)
+    monkeypatch.setattr(_dispatch, "_forced", backend)
+    got = grouped_gemm(x, ExpertStack(w), r, False, "input")
+    assert torch.equal(got, torch.full((n, h), 2.25390625, dtype=torch.float16))
 
 
 def test_a_router_of_an_unknown_scoring_is_refused():
