@@ -6,9 +6,10 @@ Issue 37's kernel figures: at decode sizes the bytes it must read — the weight
 the step's tokens route to (random routing touches nearly all of them from 64 tokens on) — over
 its time, against the GPU's HBM bandwidth; at prefill sizes its FLOPs (2 · tokens · top_k ·
 3 · hidden · intermediate) over its time. Router logits are random (uniform routing: the
-balanced case). Timings are medians of ``triton.testing.do_bench``: ``ms`` of the layer replayed
-from a CUDA graph, as the engine serves it (the figures above are from it), ``eager_ms`` of the same
-launched op by op (at decode sizes mostly the host's launches: ~0.5 ms for any step on an H100).
+balanced case). ``ms``: the layer replayed from a CUDA graph, as the engine serves it (the figures
+above are from it; ``fp8_bench.graph_ms``, the mean of ``triton.testing.do_bench``); ``eager_ms``:
+the same launched op by op, a median (at decode sizes mostly the host's launches: ~0.5 ms for any
+step on an H100).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from triton.testing import do_bench  # noqa: E402
 from engine.kernels.fp8 import quantize_weight  # noqa: E402
 from engine.kernels.moe import ExpertStack, Router, fused_experts  # noqa: E402
 from ops.bench.engine_bench import _commit  # noqa: E402
+from ops.gpu.fp8_bench import graph_ms  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, inter=768),
           "mixtral-8x7b": dict(experts=8, top_k=2, hidden=4096, inter=14336)}
@@ -44,20 +46,6 @@ def stacks(e: int, h: int, inter: int, fp8: bool, gen: torch.Generator) -> tuple
         q, s = quantize_weight(w.reshape(-1, w.shape[2]))
         out.append(ExpertStack(q.view(w.shape), s.view(w.shape[:2])))
     return out[0], out[1]
-
-
-def graphed(fn):
-    """``fn`` captured in a CUDA graph (after warm-up runs on a side stream); returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def main() -> None:
@@ -78,7 +66,7 @@ def main() -> None:
             touched = int(torch.topk(logits.float().softmax(-1), k, dim=-1).indices.unique().numel())
             layer = lambda: fused_experts(x, gu, down, logits, Router(k, renormalize=True))  # noqa: E731
             eager_ms = float(do_bench(layer, warmup=20, rep=100, return_mode="median"))
-            ms = float(do_bench(graphed(layer), warmup=20, rep=100, return_mode="median"))
+            ms = float(graph_ms(layer, reps=100))
             read = touched * 3 * h * inter * wbytes + 2 * n * h * 2  # the routed experts' weights, x in and out
             flops = 2 * n * k * 3 * h * inter
             row = {"weights": "fp8" if fp8 else "bf16", "tokens": n, "experts_touched": touched, "ms": round(ms, 4),

@@ -20,11 +20,8 @@ import pytest
 import torch
 
 from engine.config import load_model_config
-from engine.core.engine_core import EngineCore
 from engine.errors import WeightsError
-from engine.load_spec import LoadSpec
-from engine.options import EngineOptions
-from engine.sampling import SamplingParams
+from tests.engine_run import cpu_core, greedy, hf_float32
 from tests.sharp import sharpen
 
 LOGITS_ATOL = 1e-4
@@ -53,26 +50,7 @@ def llama4(make_tiny_model, tmp_path_factory) -> Path:
     return _sharp(make_tiny_model("llama4"), tmp_path_factory.mktemp("llama4") / "sharp")
 
 
-def _hf(model_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-
-def _core(model_dir, **kw) -> EngineCore:
-    core = EngineCore(EngineOptions(max_num_batched_tokens=kw.pop("budget", 256), block_size=4,
-                                    max_prefill_chunk=kw.pop("chunk", None), seed=0), device="cpu")
-    core.load_model(LoadSpec("m", str(model_dir), max_model_len=128, max_num_seqs=8, **kw))
-    return core
-
-
-def _greedy(core: EngineCore, prompts, n: int) -> dict[str, list[int]]:
-    for i, p in enumerate(prompts):
-        core.add_request(f"r{i}", "m", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while core.has_unfinished_requests():
-        for o in core.step():
-            out[o.req_id] += o.new_token_ids
-    return out
 
 
 def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -86,7 +64,7 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 def _prefill_logits(model_dir, prompts) -> torch.Tensor:
     from ops.bench.fp8_accuracy import prefill_logits
 
-    return prefill_logits(_core(model_dir), "m", prompts)
+    return prefill_logits(cpu_core(model_dir), "m", prompts)
 
 
 def _assert_prefill_matches(model_dir, hf, prompts=PROMPTS) -> None:
@@ -103,7 +81,7 @@ def _assert_prefill_matches(model_dir, hf, prompts=PROMPTS) -> None:
 def test_the_config_reads_as_transformers_does(make_tiny_model):
     d = make_tiny_model("llama4")
     cfg = load_model_config(d)
-    hf_cfg = _hf(d).config
+    hf_cfg = hf_float32(d).config
     assert cfg.family == "llama4" and cfg.router == "sigmoid" and cfg.experts_per_token == 1
     assert cfg.sparse_layers == tuple(hf_cfg.moe_layers) == (1,)
     assert cfg.nope_layers == tuple(i for i, r in enumerate(hf_cfg.no_rope_layers) if not r) == (1,)
@@ -116,27 +94,27 @@ def test_the_config_reads_as_transformers_does(make_tiny_model):
 
 
 def test_every_prefill_position_matches_transformers(llama4):
-    _assert_prefill_matches(llama4, _hf(llama4))
+    _assert_prefill_matches(llama4, hf_float32(llama4))
 
 
 def test_greedy_tokens_match_transformers_past_chunk_boundaries(llama4):
-    hf = _hf(llama4)
-    got = _greedy(_core(llama4), PROMPTS, 12)
+    hf = hf_float32(llama4)
+    got = greedy(cpu_core(llama4), PROMPTS, 12)
     for i, p in enumerate(PROMPTS):
         assert got[f"r{i}"] == _hf_greedy(hf, p, 12), i
 
 
 def test_chunked_prefill_and_prefix_caching_give_the_same_tokens(llama4):
-    whole = _greedy(_core(llama4), PROMPTS, 8)
-    assert _greedy(_core(llama4, chunk=5, budget=16), PROMPTS, 8) == whole
-    cached = _core(llama4, prefix_caching=True)
-    _greedy(cached, PROMPTS, 8)
-    assert _greedy(cached, PROMPTS, 8) == whole  # the second round reads its prefixes from the cache
+    whole = greedy(cpu_core(llama4), PROMPTS, 8)
+    assert greedy(cpu_core(llama4, chunk=5, budget=16), PROMPTS, 8) == whole
+    cached = cpu_core(llama4, prefix_caching=True)
+    greedy(cached, PROMPTS, 8)
+    assert greedy(cached, PROMPTS, 8) == whole  # the second round reads its prefixes from the cache
 
 
 def test_the_ledger_books_every_weight(llama4):
-    params = sum(p.numel() for p in _hf(llama4).parameters())
-    assert _core(llama4).memory().models["m"].weights == params * 4  # float32, each expert once
+    params = sum(p.numel() for p in hf_float32(llama4).parameters())
+    assert cpu_core(llama4).memory().models["m"].weights == params * 4  # float32, each expert once
 
 
 def _per_expert(src: Path, dst: Path) -> Path:
@@ -182,7 +160,7 @@ def test_a_checkpoint_with_both_forms_of_one_layers_experts_is_refused(llama4, t
     t.update({n: v.contiguous() for n, v in unfused(fused, t[fused])[:1]})
     save_file(t, f, metadata={"format": "pt"})
     with pytest.raises(WeightsError, match="appears twice"):
-        _core(d)
+        cpu_core(d)
 
 
 def test_a_fused_experts_tensor_of_the_wrong_shape_is_refused_naming_it(llama4, tmp_path):
@@ -195,7 +173,7 @@ def test_a_fused_experts_tensor_of_the_wrong_shape_is_refused_naming_it(llama4, 
     t[fused] = t[fused].transpose(1, 2).contiguous()  # the engine's orientation, not the checkpoint's
     save_file(t, f, metadata={"format": "pt"})
     with pytest.raises(WeightsError, match="gate_up_proj.*shape"):
-        _core(d)
+        cpu_core(d)
 
 
 def test_the_language_model_of_an_image_and_text_checkpoint_loads_without_its_vision_tower(llama4, tmp_path):
@@ -213,7 +191,7 @@ def test_fp8_quantized_at_load_tracks_the_unquantized_model(make_tiny_model):
     from engine.kernels.fp8 import quantize_weight
 
     d = make_tiny_model("llama4")
-    ref, q = _core(d), _core(d, quantization="fp8")
+    ref, q = cpu_core(d), cpu_core(d, quantization="fp8")
     layer = q.slots.get("m").model.layers[1]
     assert layer.experts.gate_up_w.dtype == torch.float8_e4m3fn and layer.gate_up_w.dtype == torch.float8_e4m3fn
     from safetensors.torch import load_file
@@ -241,8 +219,8 @@ def test_the_fp8_writer_keeps_one_tensor_an_expert_and_it_loads_as_quantized_at_
     assert not any("gate_up_proj" in n for n in names)
     assert "model.layers.1.feed_forward.router" in json.loads((out / "config.json").read_text())[
         "quantization_config"]["ignore"]
-    torch.testing.assert_close(prefill_logits(_core(out, quantization="fp8"), "m", PROMPTS[:3]),
-                               prefill_logits(_core(d, quantization="fp8"), "m", PROMPTS[:3]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(prefill_logits(cpu_core(out, quantization="fp8"), "m", PROMPTS[:3]),
+                               prefill_logits(cpu_core(d, quantization="fp8"), "m", PROMPTS[:3]), atol=1e-5, rtol=1e-5)
 
 
 def _wrap(src: Path, dst: Path, tie: bool = False) -> Path:
@@ -272,7 +250,7 @@ def _wrap(src: Path, dst: Path, tie: bool = False) -> Path:
 
 def test_a_tied_image_and_text_checkpoint_may_carry_its_head_anyway(llama4, tmp_path):
     d = _wrap(llama4, tmp_path / "tied", tie=True)
-    core = _core(d)
+    core = cpu_core(d)
     model = core.slots.get("m").model
     assert model.lm_head is model.embed
 

@@ -23,7 +23,7 @@ from engine.core.engine_core import EngineCore
 from engine.errors import EngineError, ModelConfigError, WeightsError
 from engine.load_spec import LoadSpec
 from engine.options import EngineOptions
-from engine.sampling import SamplingParams
+from tests.engine_run import cpu_core, greedy, hf_float32
 from tests.sharp import sharpen
 
 ARCHS = ["qwen3_moe", "mixtral"]
@@ -58,26 +58,7 @@ def moe_model(make_tiny_model, tmp_path_factory):
     return get
 
 
-def _hf(model_dir):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-
-def _core(model_dir, **kw) -> EngineCore:
-    core = EngineCore(EngineOptions(max_num_batched_tokens=kw.pop("budget", 256), block_size=4,
-                                    max_prefill_chunk=kw.pop("chunk", None), seed=0), device="cpu")
-    core.load_model(LoadSpec("m", str(model_dir), max_model_len=128, max_num_seqs=8, **kw))
-    return core
-
-
-def _greedy(core: EngineCore, prompts, n: int) -> dict[str, list[int]]:
-    for i, p in enumerate(prompts):
-        core.add_request(f"r{i}", "m", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while core.has_unfinished_requests():
-        for o in core.step():
-            out[o.req_id] += o.new_token_ids
-    return out
 
 
 def _hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
@@ -102,14 +83,14 @@ def test_the_config_reads_as_transformers_does(arch, make_tiny_model):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_logits_and_greedy_tokens_match_transformers(arch, moe_model):
     d = moe_model(arch)
-    hf = _hf(d)
-    core = _core(d)
+    hf = hf_float32(d)
+    core = cpu_core(d)
     # every prefill position: a prompt alone in a step, the engine's logits of all its rows
     runner = core.slots.get("m").runner
     seen = []
     orig = runner.forward_logits
     runner.forward_logits = lambda step: seen.append(step) or orig(step)
-    got = _greedy(core, PROMPTS, 10)
+    got = greedy(core, PROMPTS, 10)
     for i, p in enumerate(PROMPTS):
         want, first = _hf_greedy(hf, p, 10)
         assert got[f"r{i}"] == want, (arch, i)
@@ -121,8 +102,8 @@ def test_every_prefill_position_matches(arch, moe_model):
     from ops.bench.fp8_accuracy import prefill_logits
 
     d = moe_model(arch)
-    hf = _hf(d)
-    logits = prefill_logits(_core(d), "m", PROMPTS[:3])
+    hf = hf_float32(d)
+    logits = prefill_logits(cpu_core(d), "m", PROMPTS[:3])
     start = 0
     for p in PROMPTS[:3]:
         with torch.no_grad():
@@ -134,17 +115,17 @@ def test_every_prefill_position_matches(arch, moe_model):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_and_prefix_caching_give_the_same_tokens(arch, moe_model):
     d = moe_model(arch)
-    whole = _greedy(_core(d), PROMPTS, 8)
-    assert _greedy(_core(d, chunk=4, budget=16), PROMPTS, 8) == whole
-    cached = _core(d, prefix_caching=True)
-    _greedy(cached, PROMPTS, 8)
-    assert _greedy(cached, PROMPTS, 8) == whole  # the second round reads its prefixes from the cache
+    whole = greedy(cpu_core(d), PROMPTS, 8)
+    assert greedy(cpu_core(d, chunk=4, budget=16), PROMPTS, 8) == whole
+    cached = cpu_core(d, prefix_caching=True)
+    greedy(cached, PROMPTS, 8)
+    assert greedy(cached, PROMPTS, 8) == whole  # the second round reads its prefixes from the cache
 
 
 def test_the_ledger_books_every_expert(moe_model):
     d = moe_model("qwen3_moe")
-    core = _core(d)
-    params = sum(p.numel() for p in _hf(d).parameters())
+    core = cpu_core(d)
+    params = sum(p.numel() for p in hf_float32(d).parameters())
     assert core.memory().models["m"].weights == params * 4  # float32, every expert counted once
 
 
@@ -167,7 +148,7 @@ def test_fp8_experts_are_quantized_at_load_and_track_the_unquantized_model(arch,
     from ops.bench.fp8_accuracy import prefill_logits
 
     d = moe_model(arch)
-    ref, q = _core(d), _core(d, quantization="fp8")
+    ref, q = cpu_core(d), cpu_core(d, quantization="fp8")
     experts = _fp8_experts_of(q)
     assert experts and all(e.gate_up_w.dtype == torch.float8_e4m3fn and e.router_w.dtype == torch.float32
                            for e in experts)
@@ -194,11 +175,11 @@ def test_fp8_experts_are_quantized_at_load_and_track_the_unquantized_model(arch,
         e.gate_up_s = e.down_s = None
     torch.testing.assert_close(prefill_logits(q, "m", PROMPTS[:3]), fp8, atol=1e-5, rtol=1e-5)
     plain = make_tiny_model(arch)
-    ref, q = _core(plain), _core(plain, quantization="fp8")
+    ref, q = cpu_core(plain), cpu_core(plain, quantization="fp8")
     cos = torch.nn.functional.cosine_similarity(prefill_logits(ref, "m", PROMPTS[:3]),
                                                 prefill_logits(q, "m", PROMPTS[:3]), dim=-1)
     assert cos.min().item() >= 0.99, cos
-    out = _greedy(q, PROMPTS[:3], 6)
+    out = greedy(q, PROMPTS[:3], 6)
     assert all(len(v) == 6 for v in out.values())
 
 
@@ -217,7 +198,7 @@ def test_an_fp8_moe_checkpoint_loads_its_experts_codes_and_scales(arch, layout, 
     routers = {"mixtral": "block_sparse_moe.gate", "qwen3_moe": "mlp.gate"}[arch]
     ignore = cfg["quantization_config"]["ignore"]  # the routers stay unquantized, and say so
     assert ignore[0] == "lm_head" and ignore[1:] and all(n.endswith(routers) for n in ignore[1:])
-    ckpt, at_load = _core(d, quantization="fp8"), _core(moe_model(arch), quantization="fp8")
+    ckpt, at_load = cpu_core(d, quantization="fp8"), cpu_core(moe_model(arch), quantization="fp8")
     for e1, e2 in zip(_fp8_experts_of(ckpt), _fp8_experts_of(at_load)):
         if layout == "channel":  # the engine's own scheme: codes and scales copied as written
             assert torch.equal(e1.gate_up_w.view(torch.uint8), e2.gate_up_w.view(torch.uint8))
