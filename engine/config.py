@@ -38,6 +38,7 @@ _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3
 # A Llama 4 image-and-text checkpoint: its text model's config and tensors live under these names.
 _LLAMA4_WRAPPER = "Llama4ForConditionalGeneration"
 LLAMA4_TEXT_PREFIX = "language_model."
+LLAMA4_SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")  # its vision tower, never loaded
 # What transformers' Llama4TextConfig assumes for a key its config.json leaves out, where that
 # differs from the other families' defaults below (a config without rope_theta must not run at
 # 10000): applied before anything is read.
@@ -102,11 +103,15 @@ class ModelConfig:
     attention_chunk: int = 0
     interleaved_rope: bool = False
     qk_l2_norm: bool = False
-    # where the checkpoint keeps the text model's tensors ("" or "language_model.") and the
-    # top-level tensor names it holds that are not loaded (a vision tower)
+    # where the checkpoint keeps the text model's tensors ("" or "language_model.")
     checkpoint_prefix: str = ""
-    skipped_prefixes: tuple[str, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def skipped_prefixes(self) -> tuple[str, ...]:
+        """Top-level tensor names the checkpoint holds that are not loaded: an image-and-text
+        checkpoint's vision tower beside its language model."""
+        return LLAMA4_SKIPPED_PREFIXES if self.checkpoint_prefix == LLAMA4_TEXT_PREFIX else ()
 
     @property
     def q_size(self) -> int:
@@ -450,8 +455,7 @@ def _llama4(cfg: dict, layers: int, wrapped: bool) -> dict[str, Any]:
         raise ModelConfigError("config.json: use_qk_norm must be true or false")
     return {"nope_layers": tuple(i for i, r in enumerate(rope) if not r), "attn_temperature": temperature,
             "chunked_layers": chunked, "attention_chunk": chunk if chunked else 0, "interleaved_rope": True,
-            "qk_l2_norm": qk, "checkpoint_prefix": LLAMA4_TEXT_PREFIX if wrapped else "",
-            "skipped_prefixes": ("vision_model.", "multi_modal_projector.") if wrapped else ()}
+            "qk_l2_norm": qk, "checkpoint_prefix": LLAMA4_TEXT_PREFIX if wrapped else ""}
 
 
 def _read_json(path: Path) -> Any:

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
+from engine.config import LLAMA4_SKIPPED_PREFIXES, LLAMA4_TEXT_PREFIX
 from engine.kernels.fp8 import quantize_weight
 from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE
 
@@ -38,7 +40,7 @@ EXPERT_PROJECTIONS = ("w1", "w2", "w3")  # Mixtral's experts' gate, down, up (it
 
 # where a checkpoint's decoder layers are: a text model's, or the one inside an image-and-text
 # checkpoint (whose vision tower's projections are not the engine's and stay as they are)
-_DECODER = ("model.layers.", "language_model.model.layers.")
+_DECODER = ("model.layers.", LLAMA4_TEXT_PREFIX + "model.layers.")
 _ROUTERS = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".feed_forward.router.weight")
 
 
@@ -138,8 +140,8 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
                         tensors[name] = t
                         if name.endswith(_ROUTERS) or name.endswith("lm_head.weight"):
                             kept.add(name[: -len(".weight")])
-                        elif not name.startswith(_DECODER) and name.split(".")[0] not in ("model", "language_model"):
-                            kept.add(f"re:{name.split('.')[0]}\\..*")  # a vision tower or projector, whole
+                        elif name.startswith(LLAMA4_SKIPPED_PREFIXES):  # a vision tower or projector, whole
+                            kept.add(f"re:{re.escape(name.split('.')[0] + '.')}.*")
                 save_file(tensors, str(tmp / f.name), metadata={"format": "pt"})
                 weight_map.update({n: f.name for n in tensors})
             elif f.name == "config.json":
@@ -150,8 +152,8 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
                 shutil.copy2(f, tmp / f.name)
         if config is not None:
             # a tied head has no tensor of its own, but it is a Linear module left as it is
-            wrapped = any(n.startswith("language_model.") for n in weight_map)
-            kept.add(("language_model." if wrapped else "") + "lm_head")
+            wrapped = any(n.startswith(LLAMA4_TEXT_PREFIX) for n in weight_map)
+            kept.add((LLAMA4_TEXT_PREFIX if wrapped else "") + "lm_head")
             config["quantization_config"] = quantization_config(layout, static_input, tuple(sorted(kept)))
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if replace is not None and set(replace) != used:
