@@ -9,8 +9,10 @@ expert's run padded to a multiple of ``BLOCK_M`` inside a buffer of ``N * top_k 
 1)`` slots (the most padding there can be), so a CUDA graph can capture it. Counting uses a
 scatter-add, not ``bincount`` (whose output size makes it read the device).
 
-:func:`align` is plain torch (any device); the GEMMs are Triton (engine/kernels/moe_triton.py)
-on CUDA and under ``TRITON_INTERPRET=1``, with :func:`grouped_gemm_ref` as their reference.
+:func:`route` and :func:`align` are plain torch on any device and one Triton kernel each on CUDA
+(engine/kernels/moe_route_triton.py, moe_align_triton.py: decode-sized steps); the GEMMs are
+Triton (engine/kernels/moe_triton.py) on CUDA and under ``TRITON_INTERPRET=1``, with
+:func:`grouped_gemm_ref` as their reference.
 """
 
 from __future__ import annotations
@@ -83,7 +85,13 @@ class Routing:
 
 
 def route(router_logits: torch.Tensor, router: Router) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [N, k] float32, experts [N, k] int64) of each token's chosen experts (:class:`Router`)."""
+    """(weights [N, k] float32, experts [N, k] int64) of each token's chosen experts (:class:`Router`):
+    one Triton kernel on CUDA (engine/kernels/moe_route_triton.py), the torch formulation below
+    elsewhere."""
+    if router_logits.shape[0] > 0 and use_triton(router_logits):
+        from engine.kernels.moe_route_triton import route_triton
+
+        return route_triton(router_logits, router.top_k, router.scoring == "softmax", router.renormalize)
     if router.scoring == "sigmoid":
         values, experts = router_logits.topk(router.top_k, dim=-1)
         return torch.sigmoid(values.float()).to(router_logits.dtype).float(), experts

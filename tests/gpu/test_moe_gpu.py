@@ -106,3 +106,28 @@ def test_fp8_experts_on_the_gpu_follow_the_bf16_model(arch, tmp_path):
     while core.has_unfinished_requests():
         out += core.step()
     assert sum(len(o.new_token_ids) for o in out) == 16
+
+
+@pytest.mark.parametrize("n, e, k, scoring", [(1, 128, 8, "softmax"), (300, 128, 8, "softmax"), (7, 8, 2, "softmax"),
+                                              (1, 16, 1, "sigmoid"), (300, 16, 1, "sigmoid")])
+def test_the_compiled_routing_is_the_torch_formulations(n, e, k, scoring, monkeypatch):
+    """engine/kernels/moe_route_triton.py compiled, on bfloat16 logits as served: the chosen
+    experts' logits are the top k (a tie may go to either expert), the softmax weights within
+    float32 rounding of softmax → top-k → renormalise, a sigmoid router's weights the bfloat16
+    rounding of each sigmoid exactly (the interpreter's cast truncates; the GPU's rounds)."""
+    from engine.kernels import _dispatch
+    from engine.kernels.moe import Router, route
+
+    logits = (torch.randn((n, e), device="cuda", generator=torch.Generator("cuda").manual_seed(n)) * 2).bfloat16()
+    router = Router(k, renormalize=scoring == "softmax", scoring=scoring)
+    monkeypatch.setattr(_dispatch, "_forced", "torch")
+    want_w, want_e = route(logits, router)
+    monkeypatch.setattr(_dispatch, "_forced", "")
+    got_w, got_e = route(logits, router)
+    assert torch.equal(logits.gather(1, got_e), logits.gather(1, want_e))
+    same = (got_e == want_e).all(dim=1)  # rows whose ties (if any) went the same way
+    assert same.float().mean() > 0.9
+    if scoring == "sigmoid":
+        assert torch.equal(got_w[same], want_w[same])
+    else:
+        torch.testing.assert_close(got_w[same], want_w[same], atol=1e-6, rtol=1e-5)

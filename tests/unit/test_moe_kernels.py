@@ -303,3 +303,42 @@ def test_a_tuned_table_gives_each_token_count_its_shape_and_none_gives_the_defau
     got = grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, False, "none")
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     mc._table.cache_clear(), mc.launch_shape.cache_clear()
+
+
+@pytest.mark.parametrize("n, e, k, renormalize", [(1, 128, 8, True), (37, 128, 8, False), (5, 8, 2, True),
+                                                  (20, 5, 2, False), (3, 16, 1, False), (70, 16, 6, True)])
+def test_the_one_kernel_routing_picks_and_weighs_as_the_torch_one(n, e, k, renormalize, monkeypatch):
+    """Softmax routing on the Triton path (interpreted): the same experts in the same order and
+    the same weights as softmax → top-k → renormalise, across programs (n past a program's
+    rows), an expert count that is not a power of two and a k that is not one."""
+    logits = torch.randn((n, e), generator=torch.Generator().manual_seed(n * e + k))
+    router = Router(k, renormalize=renormalize)
+    monkeypatch.setattr(_dispatch, "_forced", "torch")
+    want_w, want_e = route(logits, router)
+    monkeypatch.setattr(_dispatch, "_forced", "triton")
+    got_w, got_e = route(logits, router)
+    assert got_e.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_e, want_e)
+    torch.testing.assert_close(got_w, want_w, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_one_kernel_sigmoid_routing_rounds_its_weights_to_the_logits_dtype(dtype, k, monkeypatch):
+    """Llama 4's router on the Triton path: the k largest logits, each one's sigmoid rounded to
+    the logits' dtype — the torch formulation's weights exactly. Half-precision logits tie often
+    (16 experts, 64 tokens), so a tie may go to another expert of the same logit: the chosen
+    logits are the top k all the same."""
+    logits = (torch.randn((64, 16), generator=torch.Generator().manual_seed(k)) * 3).to(dtype)
+    router = Router(k, scoring="sigmoid")
+    monkeypatch.setattr(_dispatch, "_forced", "torch")
+    want_w, want_e = route(logits, router)
+    monkeypatch.setattr(_dispatch, "_forced", "triton")
+    got_w, got_e = route(logits, router)
+    assert torch.equal(logits.gather(1, got_e), logits.gather(1, want_e))
+    if dtype == torch.float16:
+        assert torch.equal(got_w, want_w)
+    else:  # the interpreter's float32 -> bfloat16 cast truncates (the GPU's rounds: tests/gpu/test_moe_gpu.py)
+        ulp = 2.0 ** (torch.floor(torch.log2(want_w)) - 7)
+        assert ((got_w - want_w).abs() <= ulp).all()
+    assert got_w.unique().numel() > 8  # the weights are the logits' own, not one value
