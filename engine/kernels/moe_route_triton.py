@@ -34,7 +34,11 @@ def _route_kernel(logits_ptr, weights_ptr, experts_ptr, n_tokens, s_l,
     # a row past the last reads the last row's logits (its results are not stored): no -inf rows
     src = tl.minimum(rows, n_tokens - 1).to(tl.int64)
     raw = tl.load(logits_ptr + src[:, None] * s_l + e[None, :], mask=(e < E)[None, :], other=-float("inf"))
+    # a NaN logit ranks first, as torch.topk ranks it: the arg-max below must always find a lane
+    # (a step's warm-up runs on whatever the buffers hold; an expert index past E would be a
+    # write out of bounds in the alignment)
     x = raw.to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)
     if SOFTMAX:
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         p = p / tl.sum(p, axis=1)[:, None]
