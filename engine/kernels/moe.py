@@ -1,6 +1,6 @@
 """Mixture-of-experts MLP on the device: route, group the (token, expert) pairs into tiles of one
-expert each, two grouped GEMMs with the SiLU·mul between, the routing weights applied in the
-second (or, for a sigmoid router, to each pair's input in the first), the k outputs of a token
+expert each, two grouped GEMMs (the first, gate-up, storing SiLU(gate) · up: ``gated``), the
+routing weights applied in the second (or, for a sigmoid router, to each pair's input in the first), the k outputs of a token
 summed.
 
 Every shape is fixed by the step's token count (``N``), the experts (``E``), ``top_k`` and the
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels._dispatch import check, use_triton
-from engine.kernels.activation import silu_and_mul
+from engine.kernels.activation import silu_and_mul_ref
 
 BLOCK_M = 16  # pairs per tile at decode sizes: tl.dot's smallest height
 TALL_BLOCK_M = 64  # pairs per tile once the average expert gets that many (prefill steps)
@@ -140,10 +140,13 @@ WEIGHTS = ("none", "output", "input")
 
 
 def grouped_gemm_ref(a: torch.Tensor, stack: ExpertStack, r: Routing, per_pair_input: bool,
-                     weights: str) -> torch.Tensor:
+                     weights: str, gated: bool = False) -> torch.Tensor:
     """out[pair] = a[row] @ w[expert].T, the pair's weight applied where ``weights`` says
     (:data:`WEIGHTS`); ``row`` is the pair's token (``a`` [N, K]) or the pair itself
-    (``per_pair_input``, ``a`` [N*k, K])."""
+    (``per_pair_input``, ``a`` [N*k, K]). ``gated``: ``w`` is a gate-up stack [E, 2I, K] and the
+    output SiLU(gate) · up [pairs, I], of the product rounded to ``a``'s dtype."""
+    if gated:
+        return silu_and_mul_ref(grouped_gemm_ref(a, stack, r, per_pair_input, weights))
     w, scale = stack.w, stack.scale
     pairs = r.weights.shape[0]
     out = torch.zeros((pairs, w.shape[1]), dtype=a.dtype, device=a.device)
@@ -167,7 +170,7 @@ def grouped_gemm_ref(a: torch.Tensor, stack: ExpertStack, r: Routing, per_pair_i
 
 
 def grouped_gemm(a: torch.Tensor, stack: ExpertStack, r: Routing, per_pair_input: bool,
-                 weights: str) -> torch.Tensor:
+                 weights: str, gated: bool = False) -> torch.Tensor:
     w, scale = stack.w, stack.scale
     check(a.dim() == 2 and w.dim() == 3 and a.shape[1] == w.shape[2],
           f"a [rows, K] and w [E, N, K] must agree, got {tuple(a.shape)} and {tuple(w.shape)}")
@@ -175,12 +178,14 @@ def grouped_gemm(a: torch.Tensor, stack: ExpertStack, r: Routing, per_pair_input
           f"an FP8 stack's scale must be [E, N] float32, got {None if scale is None else tuple(scale.shape)}")
     check((scale is None) == (w.dtype != torch.float8_e4m3fn), "e4m3 expert weights need their scales, and only they")
     check(weights in WEIGHTS, f"weights must be one of {WEIGHTS}, got {weights!r}")
+    check(not gated or (w.shape[1] % 2 == 0 and weights != "output"),
+          "a gated stack has gate and up rows ([E, 2I, K]) and no weights on its output")
     if use_triton(a, w):
         from engine.kernels.moe_triton import grouped_gemm_triton
 
         return grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m,
-                                   per_pair_input, weights, scale)
-    return grouped_gemm_ref(a, stack, r, per_pair_input, weights)
+                                   per_pair_input, weights, scale, gated)
+    return grouped_gemm_ref(a, stack, r, per_pair_input, weights, gated)
 
 
 def fused_experts(x: torch.Tensor, gate_up: ExpertStack, down: ExpertStack, router_logits: torch.Tensor,
@@ -190,8 +195,8 @@ def fused_experts(x: torch.Tensor, gate_up: ExpertStack, down: ExpertStack, rout
     weights, experts = route(router_logits, router)
     r = align(experts, weights, gate_up.w.shape[0], tile_rows(n * router.top_k, gate_up.w.shape[0]))
     on_input = router.scoring == "sigmoid"
-    gu = grouped_gemm(x, gate_up, r, per_pair_input=False, weights="input" if on_input else "none")  # [N*k, 2I]
-    y = grouped_gemm(silu_and_mul(gu), down, r, per_pair_input=True, weights="none" if on_input else "output")
+    h = grouped_gemm(x, gate_up, r, per_pair_input=False, weights="input" if on_input else "none", gated=True)  # [N*k, I]
+    y = grouped_gemm(h, down, r, per_pair_input=True, weights="none" if on_input else "output")
     if router.top_k == 1:
         return y
     return y.view(n, router.top_k, -1).float().sum(dim=1).to(x.dtype)

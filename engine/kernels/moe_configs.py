@@ -32,11 +32,12 @@ class GemmShape:
     num_stages: int
 
 
-def default_shape(n_out: int, k_in: int) -> GemmShape:
-    """The untuned launch: column tiles up to 128, K steps up to 64, four warps, Triton's default
-    three stages."""
-    return GemmShape(min(128, max(16, triton.next_power_of_2(n_out))), min(64, max(16, triton.next_power_of_2(k_in))),
-                     4, 3)
+def default_shape(n_out: int, k_in: int, gated: bool = False) -> GemmShape:
+    """The untuned launch: column tiles up to 128 (64 for a gated gate-up stack, whose programs
+    keep two accumulators), K steps up to 64, four warps, Triton's default three stages."""
+    cols = n_out // 2 if gated else n_out
+    return GemmShape(min(64 if gated else 128, max(16, triton.next_power_of_2(cols))),
+                     min(64, max(16, triton.next_power_of_2(k_in))), 4, 3)
 
 
 def weights_name(dtype) -> str:
@@ -60,12 +61,15 @@ def _table(name: str) -> tuple[tuple[int, GemmShape], ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def launch_shape(experts: int, n_out: int, k_in: int, weights: str, gpu: str, tokens: int) -> GemmShape:
-    """The tuned shape for a step of ``tokens`` tokens, or the default without a table. Cached:
-    eager steps ask for it twice a layer, so the lookup is a dict hit, not a file name built."""
+def launch_shape(experts: int, n_out: int, k_in: int, weights: str, gpu: str, tokens: int,
+                 gated: bool = False) -> GemmShape:
+    """The tuned shape for a step of ``tokens`` tokens, or the default without a table. ``n_out``
+    is the stack's rows (2I for a gate-up stack, whose table the tuner times gated, as the
+    engine runs it). Cached: eager steps ask for it twice a layer, so the lookup is a dict hit,
+    not a file name built."""
     table = _table(table_name(experts, n_out, k_in, weights, gpu))
     if not table:
-        return default_shape(n_out, k_in)
+        return default_shape(n_out, k_in, gated)
     for n, shape in table:
         if n >= tokens:
             return shape

@@ -342,3 +342,55 @@ def test_the_one_kernel_sigmoid_routing_rounds_its_weights_to_the_logits_dtype(d
         ulp = 2.0 ** (torch.floor(torch.log2(want_w)) - 7)
         assert ((got_w - want_w).abs() <= ulp).all()
     assert got_w.unique().numel() > 8  # the weights are the logits' own, not one value
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("weights_at, block_m", [("none", BLOCK_M), ("input", BLOCK_M), ("none", TALL_BLOCK_M)])
+def test_a_gated_gate_up_gemm_stores_the_activation_of_its_two_products(fp8, weights_at, block_m):
+    """The gate-up GEMM as served (``gated``): each program multiplies by the gate's and the up
+    projection's columns of its tile and stores SiLU(gate) · up — the unfused product's rows
+    (rounded to the inputs' dtype) through the activation. 2I = 2·40 over column tiles of 32
+    (a partial one) and, FP8, the up half's scales read 40 channels past the gate's."""
+    n, k, e, h, inter = 37, 2, 4, 48, 40
+    weights, experts = _routing(n, k, e, seed=11)
+    r = align(experts, weights, e, block_m)
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn((n, h), generator=g)
+    w = torch.randn((e, 2 * inter, h), generator=g) * torch.logspace(-1, 0, e * 2 * inter).view(e, 2 * inter, 1)
+    stack = _fp8_stack(w) if fp8 else ExpertStack(w)
+    from engine.kernels.activation import silu_and_mul_ref
+    from engine.kernels.moe_configs import GemmShape
+
+    want = silu_and_mul_ref(grouped_gemm_ref(a, stack, r, False, weights_at))
+    torch.testing.assert_close(grouped_gemm_ref(a, stack, r, False, weights_at, gated=True), want)
+    got = grouped_gemm_triton(a, stack.w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, False,
+                              weights_at, stack.scale, gated=True, shape=GemmShape(32, 16, 4, 2))
+    assert got.shape == (n * k, inter)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_gated_stack_refuses_weights_on_its_output():
+    weights, experts = _routing(4, 1, 4)
+    r = align(experts, weights, 4)
+    with pytest.raises(KernelError, match="gated"):
+        grouped_gemm(torch.randn(4, 16), ExpertStack(torch.randn(4, 8, 16)), r, False, "output", gated=True)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_a_nan_logit_is_routed_first_as_torch_ranks_it_never_past_the_experts(scoring, monkeypatch):
+    """A step's warm-up may route garbage: a NaN logit goes first (torch.topk's order), every
+    index stays below E (an index past E is a write out of bounds in the alignment)."""
+    logits = torch.randn((6, 16), generator=torch.Generator().manual_seed(2))
+    logits[1, 5] = float("nan")
+    logits[3] = float("nan")
+    router = Router(4, renormalize=scoring == "softmax", scoring=scoring)
+    monkeypatch.setattr(_dispatch, "_forced", "triton")
+    _, got_e = route(logits, router)
+    assert got_e.min() >= 0 and got_e.max() < 16
+    assert got_e[1, 0] == 5
+    monkeypatch.setattr(_dispatch, "_forced", "torch")
+    _, want_e = route(logits, router)
+    clean = torch.tensor([0, 2, 4, 5])  # torch's picks in a softmax over a NaN are anyone's
+    assert torch.equal(got_e[clean], want_e[clean])
+    if scoring == "sigmoid":  # top-k of the logits themselves: torch puts the NaN first too
+        assert want_e[1, 0] == 5
