@@ -2,7 +2,8 @@
 (engine/kernels/moe_configs/, engine/kernels/moe_configs.py).
 
 Usage: ``python3 ops/gpu/moe_tune.py [--shape qwen3-30b-a3b|mixtral-8x7b] [--tokens 1,8,...]``.
-For each of the layer's two GEMMs (gate-up: N = 2I, K = H; down: N = H, K = I), bf16 and FP8
+For each of the layer's two GEMMs (gate-up: N = 2I, K = H, timed gated as the engine runs it,
+SiLU(gate) · up stored; down: N = H, K = I), bf16 and FP8
 weights, and each token count, every candidate (block_n, block_k, warps, stages) is timed on the
 step's own routing (random router logits, top-k as the model routes) with
 ``triton.testing.do_bench``; a candidate whose output differs from the default's beyond float
@@ -51,9 +52,9 @@ def tune_one(experts: int, top_k: int, n_out: int, k_in: int, fp8: bool, tokens:
 
         def run(shape: GemmShape):
             return grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, per_pair,
-                                       "output" if per_pair else "none", scale, shape=shape)
+                                       "output" if per_pair else "none", scale, gated=not per_pair, shape=shape)
 
-        base_shape = default_shape(n_out, k_in)
+        base_shape = default_shape(n_out, k_in, gated=not per_pair)
         want = run(base_shape).float()
         base = float(do_bench(lambda: run(base_shape), warmup=10, rep=50, return_mode="median"))
         best, best_ms = base_shape, base
