@@ -32,7 +32,7 @@ from engine.kernels.moe_triton import grouped_gemm_triton  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, inter=768),
           "mixtral-8x7b": dict(experts=8, top_k=2, hidden=4096, inter=14336)}
-CANDIDATES = [GemmShape(n, k, w, s) for n, k, w, s in itertools.product((32, 64, 128, 256), (32, 64, 128), (4, 8),
+CANDIDATES = [GemmShape(n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64, 128, 256), (32, 64, 128), (4, 8),
                                                                           (2, 3, 4))]
 
 
