@@ -199,4 +199,4 @@ def fused_experts(x: torch.Tensor, gate_up: ExpertStack, down: ExpertStack, rout
     y = grouped_gemm(h, down, r, per_pair_input=True, weights="none" if on_input else "output")
     if router.top_k == 1:
         return y
-    return y.view(n, router.top_k, -1).float().sum(dim=1).to(x.dtype)
+    return y.view(n, router.top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)  # no float32 copy of y first
