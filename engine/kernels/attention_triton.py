@@ -50,6 +50,7 @@ import triton.language as tl
 
 from engine.kernels._launch import CachedLauncher, pdl_entry
 from engine.kernels.fp8_format import FP8
+from engine.kernels.fp8_triton import f16_dot_operand
 
 LOG2E = 1.4426950408889634
 
@@ -72,14 +73,11 @@ def _kv_tile_offsets(bt_ptr, b, s_bt, j, jm, kvh, s_p, s_b, s_h, BLOCK_SIZE: tl.
 
 @triton.jit
 def _dot_dtype_q(q, kc_ptr):
-    """q in the dtype the dots run in: its own, or float16 for bf16 q over an e4m3 cache. e4m3
-    widens to float16 exactly in one instruction a pair, to bfloat16 only by way of float32: with
-    bf16 dots the e4m3 decode kernel spent its time converting and read 1.5 TB/s, slower than
-    over a bf16 cache of twice the bytes (docs/perf.md, the attention sweep row). bf16 q loses nothing in
-    float16 but range (clamped to its 65504; q entries that large do not occur in practice)."""
+    """q in the dtype the dots run in: its own, or float16 for bf16 q over an e4m3 cache
+    (:func:`engine.kernels.fp8_triton.f16_dot_operand`: with bf16 dots the e4m3 decode kernel
+    spent its time converting and read 1.5 TB/s, slower than over a bf16 cache of twice the bytes)."""
     if kc_ptr.dtype.element_ty == tl.float8e4nv:
-        if q.dtype == tl.bfloat16:
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
+        q = f16_dot_operand(q)
     return q
 
 

@@ -23,6 +23,19 @@ E4M3_MAX_C = tl.constexpr(E4M3_MAX)
 MIN_SCALE_C = tl.constexpr(MIN_SCALE)
 
 
+
+@triton.jit
+def f16_dot_operand(x):
+    """``x`` in the dtype of a dot against widened e4m3 values: bfloat16 goes to float16, because
+    e4m3 widens to float16 in one instruction a pair and to bfloat16 only by way of float32 (with
+    bf16 dots the e4m3 decode attention spent its time converting: docs/perf.md, the attention
+    sweep row). A bfloat16 value loses nothing in float16's normal range (float16 has the more
+    mantissa); past ±65504 it is clamped (activations that large do not occur in practice), below
+    2^-14 it keeps fewer bits. Other dtypes stay as they are."""
+    if x.dtype == tl.bfloat16:
+        x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
+    return x
+
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, s_x, s_q, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_entry(PDL)

@@ -1,7 +1,7 @@
 """Mixture-of-experts MLP on the device: route, group the (token, expert) pairs into tiles of one
 expert each, two grouped GEMMs (the first, gate-up, storing SiLU(gate) · up: ``gated``), the
-routing weights applied in the second (or, for a sigmoid router, to each pair's input in the first), the k outputs of a token
-summed.
+routing weights applied in the second (or, for a sigmoid router, to each pair's input in the
+first), the k outputs of a token summed.
 
 Every shape is fixed by the step's token count (``N``), the experts (``E``), ``top_k`` and the
 tile height (``BLOCK_M``), never by the routing: the pairs are laid out expert by expert, each
@@ -67,6 +67,8 @@ class Router:
 
     def __post_init__(self) -> None:
         check(self.scoring in ("softmax", "sigmoid"), f"router scoring must be softmax or sigmoid, got {self.scoring!r}")
+        check(not (self.renormalize and self.scoring == "sigmoid"),
+              "a sigmoid router's weights are each token's own scores, never renormalised")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Triton routing of a mixture-of-experts layer (engine/kernels/moe.py ``route``) in one kernel:
 each program takes ``BLOCK_N`` tokens' logits over every expert, scores them (softmax, or the
-raw logits for a sigmoid router), picks the ``top_k`` best by repeated arg-max and writes their
-weights (float32) and experts. The torch formulation is five to seven kernels a sparse layer
-(cast, softmax, top-k, the renormalising sum and division, or the sigmoid and its rounding); at
-batch 1 a CUDA graph's node costs a few microseconds however little it does, so at 48 sparse
-layers that was ~1 ms of a token's time spent on launches.
+raw logits for a sigmoid router), picks the ``top_k`` best by repeated arg-max over the experts
+not chosen yet and writes their weights (float32) and experts. The torch formulation is five to
+seven kernels a sparse layer (cast, softmax, top-k, the renormalising sum and division, or the
+sigmoid and its rounding); at batch 1 a CUDA graph's node costs a few microseconds however
+little it does, so at 48 sparse layers that was ~1 ms of a token's time spent on launches.
 
 Selection is on the logits (float32), which orders the experts as their softmax does; two equal
 logits go to the lower expert index (``torch.topk`` leaves ties unspecified). The weights are
@@ -37,23 +37,27 @@ def _route_kernel(logits_ptr, weights_ptr, experts_ptr, n_tokens, s_l,
     # a NaN logit ranks first, as torch.topk ranks it: the arg-max below must always find a lane
     # (a step's warm-up runs on whatever the buffers hold; an expert index past E would be a
     # write out of bounds in the alignment)
-    x = raw.to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)
+    xr = raw.to(tl.float32)
+    x = tl.where(xr != xr, float("inf"), xr)
     if SOFTMAX:
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         p = p / tl.sum(p, axis=1)[:, None]
     kk = tl.arange(0, BLOCK_K)
     chosen = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
     weight = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    free = tl.broadcast_to((e < E)[None, :], (BLOCK_N, BLOCK_E))  # not chosen yet: every expert, at first
     for j in tl.static_range(TOP_K):
-        best = tl.max(x, axis=1)
-        idx = tl.min(tl.where(x == best[:, None], e[None, :], BLOCK_E), axis=1)  # the lowest holding it
+        left = tl.where(free, x, -float("inf"))
+        best = tl.max(left, axis=1)
+        # the lowest free expert holding it (a row of fewer than k finite logits still gets k
+        # different experts: a chosen lane is no longer free, whatever its value)
+        idx = tl.min(tl.where(free & (left == best[:, None]), e[None, :], BLOCK_E), axis=1)
         hit = e[None, :] == idx[:, None]
         if SOFTMAX:
             w = tl.sum(tl.where(hit, p, 0.0), axis=1)
-        else:
-            w = tl.sigmoid(best).to(raw.dtype).to(tl.float32)
-        x = tl.where(hit, -float("inf"), x)
+        else:  # of the logit itself: a NaN stays NaN, as torch's weight for it is
+            w = tl.sigmoid(tl.sum(tl.where(hit, xr, 0.0), axis=1)).to(raw.dtype).to(tl.float32)
+        free = free & (hit == 0)
         chosen = tl.where(kk[None, :] == j, idx[:, None], chosen)
         weight = tl.where(kk[None, :] == j, w[:, None], weight)
     if RENORMALIZE:

@@ -4,13 +4,13 @@ hidden row, or the pair's own row) and multiply them by that expert's weights, f
 accumulation, the routing weight applied before the store; padding slots and tiles past the last
 used one store nothing. A sigmoid router's weights (``WEIGH_INPUT``) scale each gathered input
 row instead, rounded to the inputs' dtype before the dot, as the reference model rounds its
-scaled token. FP8 experts (``SCALED``): e4m3 weights widened tile by tile (to float16 with
-bfloat16 inputs, which then run float16 dots: :func:`_dot_operand`), each output column times its
-expert's channel scale once after the sum. A gate-up
-stack runs ``GATED``: each program multiplies its rows by the gate's and the up projection's
-columns of one tile at once and stores SiLU(gate) · up, so the [pairs, 2I] product is never
-written and read back, and the activation is not a kernel of its own. Launch sizes
-come from the tuned tables of engine/kernels/moe_configs.py (defaults where none is kept)."""
+scaled token. FP8 experts (``SCALED``): e4m3 weights widened tile by tile (to float16 under
+bfloat16 inputs, which then run float16 dots: ``fp8_triton.f16_dot_operand``), each output
+column times its expert's channel scale once after the sum. A gate-up stack runs ``GATED``:
+each program multiplies its rows by the gate's and the up projection's columns of one tile at
+once and stores SiLU(gate) · up, so the [pairs, 2I] product is never written and read back, and
+the activation is not a kernel of its own. Launch sizes come from the tuned tables of
+engine/kernels/moe_configs.py (defaults where none is kept)."""
 
 from __future__ import annotations
 
@@ -21,20 +21,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels._launch import CachedLauncher, pdl_entry
+from engine.kernels.fp8_triton import f16_dot_operand
 from engine.kernels.moe_configs import GemmShape, launch_shape, weights_name
-
-
-
-@triton.jit
-def _dot_operand(a):
-    """The activations' tile in the dtype FP8 experts' dots run in: bfloat16 goes to float16,
-    because e4m3 widens to float16 in one instruction a pair and to bfloat16 only by way of
-    float32 (the attention kernels' finding: docs/kernels.md). Exact for every bfloat16 value in
-    float16's normal range (float16 has the more mantissa); clamped to its ±65504 (activations
-    that large do not occur in practice). Other dtypes stay as they are."""
-    if a.dtype == tl.bfloat16:
-        a = tl.clamp(a.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
-    return a
 
 
 @triton.jit
@@ -70,7 +58,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, pair_ids_ptr, tile_exper
         if WEIGH_INPUT:
             a = (a.to(tl.float32) * rw[:, None]).to(a_ptr.dtype.element_ty)
         if SCALED:
-            a = _dot_operand(a)
+            a = f16_dot_operand(a)
         w_ptrs = w_base + cols[None, :] * s_wn + ks[:, None]
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if SCALED:

@@ -167,16 +167,27 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                 dict(I=14336, BLOCK=2048), dict(num_warps=4)))
     mt = dict(a_ptr=bf, w_ptr=bf, ws_ptr="*fp32", out_ptr=bf, pair_ids_ptr="*i32", tile_expert_ptr="*i32",
               weights_ptr="*fp32", num_pairs="i32", n_out="i32", k_in="i32", s_a="i32", s_we="i32", s_wn="i32", s_o="i32")
-    for per_pair in (False, True):  # Qwen3-30B-A3B: 128 experts, top 8; gate-up then down
+    # Qwen3-30B-A3B: 128 experts, top 8; gate-up (gated: two accumulators, 64 columns by default)
+    # then down
+    for per_pair in (False, True):
         for fp8_w in (False, True):  # FP8 experts: e4m3 weights widened in the kernel
             out.append((f"moe grouped gemm per_pair={per_pair}" + (" fp8" if fp8_w else ""), moe._grouped_gemm_kernel,
                         {**mt, "w_ptr": "*fp8e4nv"} if fp8_w else mt,
                         dict(TOP_K=8, PER_PAIR=per_pair, APPLY_WEIGHTS=per_pair, SCALED=fp8_w, WEIGH_INPUT=False,
-                             BLOCK_M=16, BLOCK_N=128, BLOCK_K=64), dict(num_warps=4)))
+                             GATED=not per_pair, BLOCK_M=16, BLOCK_N=128 if per_pair else 64, BLOCK_K=64),
+                        dict(num_warps=4)))
     for per_pair in (False, True):  # prefill-sized steps: 64-row tiles (moe.tile_rows)
         out.append((f"moe grouped gemm per_pair={per_pair} tall", moe._grouped_gemm_kernel, mt,
                     dict(TOP_K=8, PER_PAIR=per_pair, APPLY_WEIGHTS=per_pair, SCALED=False, WEIGH_INPUT=False,
-                         BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), dict(num_warps=4)))
+                         GATED=not per_pair, BLOCK_M=64, BLOCK_N=128 if per_pair else 64, BLOCK_K=64),
+                    dict(num_warps=4)))
+    from engine.kernels import moe_route_triton as mrt
+
+    for e, k, softmax in ((128, 8, True), (8, 2, True), (16, 1, False)):  # Qwen3-30B-A3B, Mixtral, Llama 4
+        out.append((f"moe route E={e} k={k}", mrt._route_kernel,
+                    dict(logits_ptr=bf, weights_ptr="*fp32", experts_ptr="*i64", n_tokens="i32", s_l="i32"),
+                    dict(E=e, TOP_K=k, SOFTMAX=softmax, RENORMALIZE=softmax, BLOCK_N=min(16, 4096 // e), BLOCK_E=e,
+                         BLOCK_K=k), dict(num_warps=4)))
     from engine.kernels import moe_align_triton as mal
 
     for pairs, e in ((8, 128), (1024, 128), (2, 8)):  # batch 1 and 128 of Qwen3-30B-A3B, batch 1 of Mixtral
@@ -190,8 +201,8 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
     for fp8_w in (False, True):  # Llama 4 Scout's gate-up: 16 experts, top 1, the sigmoid score on the input
         out.append(("moe grouped gemm weigh_input" + (" fp8" if fp8_w else ""), moe._grouped_gemm_kernel,
                     {**mt, "w_ptr": "*fp8e4nv"} if fp8_w else mt,
-                    dict(TOP_K=1, PER_PAIR=False, APPLY_WEIGHTS=False, SCALED=fp8_w, WEIGH_INPUT=True, BLOCK_M=16,
-                         BLOCK_N=128, BLOCK_K=64), dict(num_warps=4)))
+                    dict(TOP_K=1, PER_PAIR=False, APPLY_WEIGHTS=False, SCALED=fp8_w, WEIGH_INPUT=True, GATED=True,
+                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=64), dict(num_warps=4)))
     kt = {n: "i32" for n in kvw._kv_write_kernel.arg_names}
     kt.update(k_ptr=bf, v_ptr=bf, kc_ptr=bf, vc_ptr=bf, slot_ptr="*i64")
     out.append(("write_kv", kvw._kv_write_kernel, kt, dict(H=8, D=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128,

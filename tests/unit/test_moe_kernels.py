@@ -5,6 +5,7 @@ against a token-by-token definition."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -228,6 +229,8 @@ def test_a_sigmoid_weight_scales_the_input_and_the_product_is_rounded_before_the
 def test_a_router_of_an_unknown_scoring_is_refused():
     with pytest.raises(KernelError, match="softmax or sigmoid"):
         Router(1, scoring="relu")
+    with pytest.raises(KernelError, match="never renormalised"):
+        Router(1, renormalize=True, scoring="sigmoid")
 
 
 def _fp8_stack(w: torch.Tensor) -> ExpertStack:
@@ -385,9 +388,11 @@ def test_a_nan_logit_is_routed_first_as_torch_ranks_it_never_past_the_experts(sc
     logits[3] = float("nan")
     router = Router(4, renormalize=scoring == "softmax", scoring=scoring)
     monkeypatch.setattr(_dispatch, "_forced", "triton")
-    _, got_e = route(logits, router)
+    got_w, got_e = route(logits, router)
     assert got_e.min() >= 0 and got_e.max() < 16
     assert got_e[1, 0] == 5
+    if scoring == "sigmoid":  # the NaN's weight is NaN, as torch's is, not the sigmoid of a stand-in
+        assert torch.isnan(got_w[1, 0]) and torch.isfinite(got_w[1, 1:]).all()
     monkeypatch.setattr(_dispatch, "_forced", "torch")
     _, want_e = route(logits, router)
     clean = torch.tensor([0, 2, 4, 5])  # torch's picks in a softmax over a NaN are anyone's
@@ -418,3 +423,35 @@ def test_bf16_inputs_over_fp8_experts_dot_in_float16_and_lose_nothing(gated):
     # within a few bfloat16 roundings: the interpreter's float16 dot sums in float16 (compiled, the
     # sums are float32: tests/gpu/test_moe_gpu.py holds FP8 experts to the bf16 model)
     torch.testing.assert_close(got[rows].float(), want[rows].float(), atol=3e-2, rtol=2e-2)
+
+
+def test_the_one_kernel_routing_breaks_ties_low_and_never_picks_an_expert_twice(monkeypatch):
+    """Equal logits go to the lower expert, in order; a row with fewer finite logits than k still
+    gets k different experts (a chosen expert is out of the running whatever its logit)."""
+    logits = torch.tensor([[0.0, 1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 2.0],
+                           [1.0, -float("inf"), -float("inf"), -float("inf"), -float("inf"), 0.5,
+                            -float("inf"), -float("inf")]])
+    monkeypatch.setattr(_dispatch, "_forced", "triton")
+    w, ex = route(logits, Router(3, renormalize=True))
+    assert ex[0].tolist() == [3, 7, 1]
+    assert ex[1, :2].tolist() == [0, 5] and len(set(ex[1].tolist())) == 3
+    torch.testing.assert_close(w[1], torch.tensor([1 / (1 + math.exp(-0.5)), math.exp(-0.5) / (1 + math.exp(-0.5)), 0.0]))
+
+
+def test_the_gated_product_is_rounded_before_the_activation_exactly():
+    """SiLU(gate) · up reads each product rounded to the inputs' dtype, as the unfused product's
+    stored rows were: float16 inputs whose dots are exact integers, so the kernel's output is
+    the reference's bit for bit (an unrounded product gives other bits)."""
+    n, k, e, h, inter = 8, 2, 4, 16, 16
+    weights, experts = _routing(n, k, e, seed=21)
+    r = align(experts, weights, e)
+    g = torch.Generator().manual_seed(8)
+    a = torch.randint(-4, 5, (n, h), generator=g).to(torch.float16)
+    gate = torch.randint(-256, 257, (e, inter, h), generator=g).float()
+    up = torch.randint(-256, 257, (e, inter, h), generator=g).float() / 4096
+    w = torch.cat([gate, up], dim=1).to(torch.float16)
+    want = grouped_gemm_ref(a, ExpertStack(w), r, False, "none", gated=True)
+    got = grouped_gemm_triton(a, w, r.pair_ids, r.tile_expert, r.weights, r.top_k, r.block_m, False, "none",
+                              gated=True)
+    assert torch.equal(got, want)
+
