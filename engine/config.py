@@ -48,6 +48,37 @@ _LLAMA4_DEFAULTS = MappingProxyType({
     "attention_chunk_size": 8192, "attn_temperature_tuning": True, "floor_scale": 8192.0, "attn_scale": 0.1,
     "use_qk_norm": True, "no_rope_layer_interval": 4, "interleave_moe_layer_step": 1})
 MAX_EXPERTS = 512
+
+
+@dataclass(frozen=True)
+class MlpNames:
+    """Where a family's checkpoint keeps a decoder layer's MLP, under ``model.layers.<i>.``: a
+    dense layer's block; a sparse layer's experts' block, its router, each expert's gate, up and
+    down projections (``experts.<j>.<name>.weight``), and the block of the dense shared expert
+    beside them, where the family has one."""
+
+    dense: str = "mlp."
+    experts: str = "mlp."
+    router: str = "gate.weight"
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared: str = ""
+
+
+_MLP_NAMES = MappingProxyType({
+    "mixtral": MlpNames(experts="block_sparse_moe.", projections=("w1", "w3", "w2")),
+    # Llama 4 may also keep each projection of every expert in one tensor (engine.weights.slots)
+    "llama4": MlpNames(dense="feed_forward.", experts="feed_forward.", router="router.weight",
+                       shared="feed_forward.shared_expert."),
+})
+
+
+def mlp_names(family: str) -> MlpNames:
+    """A family's :class:`MlpNames` (the dense families' and Qwen3-MoE's are the default)."""
+    return _MLP_NAMES.get(family, MlpNames())
+
+
+# Every family's router tensor, by the end of its name (the FP8 writer leaves routers unquantized)
+ROUTER_SUFFIXES = tuple(sorted({"." + n.experts + n.router for n in (MlpNames(), *_MLP_NAMES.values())}))
 _DTYPES = {"bfloat16", "float16", "float32"}
 _ROPE_TYPES = {"default", "linear", "llama3"}
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from engine import kernels
-from engine.config import ModelConfig
+from engine.config import ModelConfig, mlp_names
 from engine.kernels.fp8 import fp8_linear, quantize_rows
 from engine.kernels.fp8_format import FP8
 from engine.kernels.moe import ExpertStack, Router, fused_experts
@@ -124,36 +124,28 @@ class Experts(nn.Module):
         """The checkpoint's names of this layer's router and experts → row ranges of the stacks."""
         h, inter = cfg.hidden_size, self.inter
         gu, down = self.rows()
-        block, names = self._names(prefix, cfg)
-        router = block + ("router.weight" if cfg.family == "llama4" else "gate.weight")
-        slots = {router: (self.router_w, 0, self.num_experts)}
+        names = mlp_names(cfg.family)
+        block, (g, u, d) = prefix + names.experts, names.projections
+        slots = {block + names.router: (self.router_w, 0, self.num_experts)}
         for j in range(self.num_experts):
             x = f"{block}experts.{j}."
-            slots[x + names[0] + ".weight"] = (gu, j * 2 * inter, inter)
-            slots[x + names[1] + ".weight"] = (gu, j * 2 * inter + inter, inter)
-            slots[x + names[2] + ".weight"] = (down, j * h, h)
+            slots[x + g + ".weight"] = (gu, j * 2 * inter, inter)
+            slots[x + u + ".weight"] = (gu, j * 2 * inter + inter, inter)
+            slots[x + d + ".weight"] = (down, j * h, h)
         return slots
-
-    @staticmethod
-    def _names(prefix: str, cfg: ModelConfig) -> tuple[str, tuple[str, str, str]]:
-        """The experts' block and their gate, up and down projections' names in the checkpoint."""
-        if cfg.family == "mixtral":
-            return prefix + "block_sparse_moe.", ("w1", "w3", "w2")
-        if cfg.family == "llama4":
-            return prefix + "feed_forward.", ("gate_proj", "up_proj", "down_proj")
-        return prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
 
     def fused_tensors(self, prefix: str, cfg: ModelConfig) -> dict[str, FusedExperts]:
         """Llama 4's one-tensor forms of the experts (engine.weights.slots): ``experts.gate_up_proj``
         [E, H, 2I] (gate then up along the last axis) and ``experts.down_proj`` [E, I, H]."""
         if cfg.family != "llama4":
             return {}
-        block, names = self._names(prefix, cfg)
+        names = mlp_names(cfg.family)
+        block, (g, u, d) = prefix + names.experts, names.projections
         x = [f"{block}experts.{j}." for j in range(self.num_experts)]
         return {block + "experts.gate_up_proj": FusedExperts(self.gate_up_w, self.gate_up_s, tuple(
-                    n for p in x for n in (p + names[0] + ".weight", p + names[1] + ".weight"))),
+                    n for p in x for n in (p + g + ".weight", p + u + ".weight"))),
                 block + "experts.down_proj": FusedExperts(self.down_w, self.down_s,
-                                                          tuple(p + names[2] + ".weight" for p in x))}
+                                                          tuple(p + d + ".weight" for p in x))}
 
 
 class DecoderLayer(nn.Module):
@@ -335,10 +327,8 @@ class LlamaModel(nn.Module):
                 slots.update(layer.experts.weight_slots(p, cfg))
             if layer.gate_up_w is None:
                 continue
-            if cfg.family == "llama4":
-                m = p + ("feed_forward.shared_expert." if layer.experts is not None else "feed_forward.")
-            else:
-                m = p + "mlp."
+            names = mlp_names(cfg.family)
+            m = p + (names.shared if layer.experts is not None else names.dense)  # a sparse layer's: its shared expert
             inter = layer.gate_up_w.shape[0] // 2
             slots[m + "gate_proj.weight"] = (layer.gate_up_w, 0, inter)
             slots[m + "up_proj.weight"] = (layer.gate_up_w, inter, inter)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import LLAMA4_SKIPPED_PREFIXES, LLAMA4_TEXT_PREFIX
+from engine.config import LLAMA4_SKIPPED_PREFIXES, LLAMA4_TEXT_PREFIX, ROUTER_SUFFIXES
 from engine.kernels.fp8 import quantize_weight
 from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE
 
@@ -41,7 +41,6 @@ EXPERT_PROJECTIONS = ("w1", "w2", "w3")  # Mixtral's experts' gate, down, up (it
 # where a checkpoint's decoder layers are: a text model's, or the one inside an image-and-text
 # checkpoint (whose vision tower's projections are not the engine's and stay as they are)
 _DECODER = ("model.layers.", LLAMA4_TEXT_PREFIX + "model.layers.")
-_ROUTERS = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".feed_forward.router.weight")
 
 
 def _is_projection(name: str) -> bool:
@@ -138,7 +137,7 @@ def quantize_folder(src: str | os.PathLike, out: str | os.PathLike, layout: str,
                             tensors[f"{base}.input_scale"] = torch.ones(1)
                     else:
                         tensors[name] = t
-                        if name.endswith(_ROUTERS) or name.endswith("lm_head.weight"):
+                        if name.endswith(ROUTER_SUFFIXES) or name.endswith("lm_head.weight"):
                             kept.add(name[: -len(".weight")])
                         elif name.startswith(LLAMA4_SKIPPED_PREFIXES):  # a vision tower or projector, whole
                             kept.add(f"re:{re.escape(name.split('.')[0] + '.')}.*")
