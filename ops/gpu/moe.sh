@@ -22,8 +22,9 @@ offline() {  # offline NAME ARGS...
 }
 for phase in "$@"; do
   case $phase in
-    tune) for s in qwen3-30b-a3b mixtral-8x7b; do
-            timeout "$(left)" python3 ops/gpu/moe_tune.py --shape "$s" > "$OUT/tune_$s.txt" 2>&1
+    tune) n=2; for s in qwen3-30b-a3b mixtral-8x7b; do  # the time left shared by the shapes to go
+            t=$(left); timeout "$t" python3 ops/gpu/moe_tune.py --shape "$s" --budget-s $(( t / n - 15 )) \
+              > "$OUT/tune_$s.txt" 2>&1; n=$(( n - 1 ))
             echo "tune $s rc=$?" >> "$OUT/runs.txt"
           done
           tar -czf "$OUT/moe_configs.tgz" -C engine/kernels moe_configs ;;  # one file: a call returns ~8
