@@ -77,5 +77,6 @@ def align_triton(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple
     _ALIGN_LAUNCH.launch((1,), experts.reshape(-1), pair_ids, tile_expert, scratch, pairs, num_experts, slots, tiles,
                          BLOCK_P=max(16, triton.next_power_of_2(pairs)), BLOCK_E=block_e,
                          BLOCK_T=triton.next_power_of_2(tiles), BLOCK_S=triton.next_power_of_2(slots),
-                         BLOCK_M=block_m, SEARCH_STEPS=num_experts.bit_length() + 1, num_warps=4)
+                         BLOCK_M=block_m, SEARCH_STEPS=num_experts.bit_length() + 1,
+                         num_warps=4 if pairs <= 1024 else 8)  # past 1,024 pairs: more threads to sort them
     return pair_ids, tile_expert

@@ -190,14 +190,14 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                          BLOCK_K=k), dict(num_warps=4)))
     from engine.kernels import moe_align_triton as mal
 
-    for pairs, e in ((8, 128), (1024, 128), (2, 8)):  # batch 1 and 128 of Qwen3-30B-A3B, batch 1 of Mixtral
+    for pairs, e in ((8, 128), (1024, 128), (4096, 128), (2, 8)):  # batch 1, 128, 512 of Qwen3-30B-A3B; 1 of Mixtral
         block_e, slots = triton.next_power_of_2(e), -(-(pairs + e * 15) // 16) * 16
         out.append((f"moe align pairs={pairs} E={e}", mal._align_kernel,
                     dict(experts_ptr="*i64", pair_ids_ptr="*i32", tile_expert_ptr="*i32", scratch_ptr="*i32", P="i32",
                          E="i32", SLOTS="i32", TILES="i32"),
                     dict(BLOCK_P=max(16, triton.next_power_of_2(pairs)), BLOCK_E=block_e,
                          BLOCK_T=triton.next_power_of_2(slots // 16), BLOCK_S=triton.next_power_of_2(slots), BLOCK_M=16,
-                         SEARCH_STEPS=e.bit_length() + 1), dict(num_warps=4)))
+                         SEARCH_STEPS=e.bit_length() + 1), dict(num_warps=4 if pairs <= 1024 else 8)))
     for fp8_w in (False, True):  # Llama 4 Scout's gate-up: 16 experts, top 1, the sigmoid score on the input
         out.append(("moe grouped gemm weigh_input" + (" fp8" if fp8_w else ""), moe._grouped_gemm_kernel,
                     {**mt, "w_ptr": "*fp8e4nv"} if fp8_w else mt,

@@ -70,7 +70,8 @@ def test_every_pair_lands_once_in_a_tile_of_its_expert(n, k, e, skew):
 @pytest.mark.parametrize("n, k, e, block_m, skew", [(1, 8, 128, BLOCK_M, False), (5, 2, 8, BLOCK_M, False),
                                                     (33, 2, 8, BLOCK_M, True), (128, 8, 128, BLOCK_M, False),
                                                     (40, 4, 16, BLOCK_M, True), (9, 1, 16, TALL_BLOCK_M, False),
-                                                    (100, 2, 8, TALL_BLOCK_M, True), (3, 2, 5, BLOCK_M, False)])
+                                                    (100, 2, 8, TALL_BLOCK_M, True), (3, 2, 5, BLOCK_M, False),
+                                                    (512, 8, 128, BLOCK_M, False), (300, 8, 128, BLOCK_M, True)])
 def test_the_one_program_alignment_lays_the_pairs_out_as_the_torch_one_does(n, k, e, block_m, skew, monkeypatch):
     """Decode-sized steps on the Triton path align in one program (interpreted here): the same
     pair_ids and tile_expert, slot for slot, as the torch formulation, skewed routing (one long
