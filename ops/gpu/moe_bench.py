@@ -1,7 +1,9 @@
 """The experts' layer alone on the GPU: ``fused_experts`` (engine/kernels/moe.py: route, align,
 two grouped GEMMs) at a full-size MoE layer's shape, bf16 and FP8 experts, by token count.
 
-Usage: ``python ops/gpu/moe_bench.py [--shape qwen3-30b-a3b|mixtral-8x7b] [--out FILE]``.
+Usage: ``python ops/gpu/moe_bench.py [--shape qwen3-30b-a3b|mixtral-8x7b] [--out FILE] [--align]``.
+``--align``: the alignment alone instead, the one-program kernel against the torch formulation
+at each decode bucket's pair count (graph replays; the slots checked equal).
 Issue 37's kernel figures: at decode sizes the bytes it must read — the weights of every expert
 the step's tokens route to (random routing touches nearly all of them from 64 tokens on) — over
 its time, against the GPU's HBM bandwidth; at prefill sizes its FLOPs (2 · tokens · top_k ·
@@ -27,7 +29,8 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from engine.kernels.fp8 import quantize_weight  # noqa: E402
-from engine.kernels.moe import ExpertStack, Router, fused_experts  # noqa: E402
+from engine.kernels import _dispatch  # noqa: E402
+from engine.kernels.moe import BLOCK_M, ExpertStack, Router, align, fused_experts, route  # noqa: E402
 from ops.bench.engine_bench import _commit  # noqa: E402
 from ops.gpu.fp8_bench import graph_ms  # noqa: E402
 
@@ -48,16 +51,37 @@ def stacks(e: int, h: int, inter: int, fp8: bool, gen: torch.Generator) -> tuple
     return out[0], out[1]
 
 
+def align_rows(e: int, k: int, gen: torch.Generator) -> list[dict]:
+    """The alignment alone by decode bucket: the one-program kernel and the torch formulation."""
+    rows = []
+    for n in (1, 8, 32, 64, 128, 256, 512):
+        weights, experts = route(torch.randn(n, e, device="cuda", generator=gen), Router(k, renormalize=True))
+        row = {"tokens": n, "pairs": n * k}
+        for backend in ("triton", "torch"):
+            _dispatch._forced = backend  # the kernels' backend, read at each call
+            got = align(experts, weights, e, BLOCK_M)
+            row[f"{backend}_ms"] = round(float(graph_ms(lambda: align(experts, weights, e, BLOCK_M), reps=100)), 4)
+            row[f"{backend}_slots"] = got.pair_ids
+        _dispatch._forced = None
+        same = torch.equal(row.pop("triton_slots"), row.pop("torch_slots"))
+        rows.append({**row, "same_slots": same})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
+    ap.add_argument("--align", action="store_true", help="the alignment alone (see the module)")
     a = ap.parse_args()
     s = SHAPES[a.shape]
     e, k, h, inter = s["experts"], s["top_k"], s["hidden"], s["inter"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for fp8 in (False, True):
+    if a.align:
+        rows = align_rows(e, k, gen)
+    for fp8 in () if a.align else (False, True):
         gu, down = stacks(e, h, inter, fp8, gen)
         wbytes = 1 if fp8 else 2
         for n in TOKENS:
