@@ -200,8 +200,9 @@ def fused_experts(x: torch.Tensor, gate_up: ExpertStack, down: ExpertStack, rout
     weights, experts = route(router_logits, router)
     r = align(experts, weights, gate_up.w.shape[0], tile_rows(n * router.top_k, gate_up.w.shape[0]))
     on_input = router.scoring == "sigmoid"
-    h = grouped_gemm(x, gate_up, r, per_pair_input=False, weights="input" if on_input else "none", gated=True)  # [N*k, I]
+    h = grouped_gemm(x, gate_up, r, per_pair_input=False, weights="input" if on_input else "none",
+                     gated=True)  # [N*k, I]
     y = grouped_gemm(h, down, r, per_pair_input=True, weights="none" if on_input else "output")
     if router.top_k == 1:
         return y
-    return y.view(n, router.top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)  # no float32 copy of y first
+    return y.view(n, router.top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)  # no float32 copy of y
