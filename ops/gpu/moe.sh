@@ -3,7 +3,8 @@
 #   . ops/gpu/env.sh; bash ops/gpu/moe.sh tune kernels qwen mixtral dense
 # tune: ops/gpu/moe_tune.py at both shapes (tables into engine/kernels/moe_configs/, returned as
 # $OUT/moe_configs.tgz: unpack into engine/kernels and commit them); kernels: ops/gpu/moe_bench.py at both full-size layer shapes (bf16 and FP8 experts by token
-# count: GB/s at decode sizes, TFLOP/s at prefill sizes); qwen: Qwen3-30B-A3B's shape offline,
+# count: GB/s at decode sizes, TFLOP/s at prefill sizes); align: the one-program alignment against
+# the torch one by decode bucket (moe_bench --align); qwen: Qwen3-30B-A3B's shape offline,
 # sharegpt-like 1,000 requests, bf16 then FP8 in one process, with batch-1 decode; mixtral:
 # Mixtral-8x7B's shape FP8 offline; dense: the 8B offline in the same run (the reference the
 # issue compares with); scout: Llama 4 Scout's text model in FP8 offline (an H200 only: ~109 GB of
@@ -32,6 +33,8 @@ for phase in "$@"; do
                timeout 120 python3 ops/gpu/moe_bench.py --shape "$s" --out "$OUT/moe_$s.json" > "$OUT/moe_$s.txt" 2>&1
                echo "kernels $s rc=$?" >> "$OUT/runs.txt"
              done ;;
+    align) timeout 120 python3 ops/gpu/moe_bench.py --align --out "$OUT/moe_align.json" > "$OUT/moe_align.txt" 2>&1
+           echo "align rc=$?" >> "$OUT/runs.txt" ;;
     qwen) offline qwen --arch qwen3_moe --preset qwen3-30b-a3b --weights-on-device --quantization both --batch1 ;;
     mixtral) offline mixtral --arch mixtral --preset mixtral-8x7b --weights-on-device --quantization fp8 ;;
     dense) offline dense --arch llama --preset llama-3.1-8b --weights-on-device --quantization both --batch1 ;;
