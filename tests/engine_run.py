@@ -46,3 +46,14 @@ def hf_float32(model_dir: Any) -> Any:
 
     transformers = pytest.importorskip("transformers")
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def assert_chunks_and_cache_keep_tokens(model_dir: Any, prompts: list[list[int]], chunk: int) -> None:
+    """Greedy tokens of ``prompts`` are the same whole, in prefill chunks of ``chunk`` under a
+    16-token step budget, and with prefix caching on a second round that reads its prefixes
+    from the cache."""
+    whole = greedy(cpu_core(model_dir), prompts, 8)
+    assert greedy(cpu_core(model_dir, chunk=chunk, budget=16), prompts, 8) == whole
+    cached = cpu_core(model_dir, prefix_caching=True)
+    greedy(cached, prompts, 8)
+    assert greedy(cached, prompts, 8) == whole  # the second round reads its prefixes from the cache

@@ -23,7 +23,6 @@ E4M3_MAX_C = tl.constexpr(E4M3_MAX)
 MIN_SCALE_C = tl.constexpr(MIN_SCALE)
 
 
-
 @triton.jit
 def f16_dot_operand(x):
     """``x`` in the dtype of a dot against widened e4m3 values: bfloat16 goes to float16, because
@@ -35,6 +34,7 @@ def f16_dot_operand(x):
     if x.dtype == tl.bfloat16:
         x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
     return x
+
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, s_x, s_q, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):

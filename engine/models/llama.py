@@ -308,6 +308,7 @@ class LlamaModel(nn.Module):
             top + "model.norm.weight": (self.norm, 0, cfg.hidden_size)}
         if not cfg.tie_word_embeddings:
             slots[top + "lm_head.weight"] = (self.lm_head, 0, cfg.vocab_size)
+        names = mlp_names(cfg.family)
         for i, layer in enumerate(self.layers):
             p = f"{top}model.layers.{i}."
             a = p + "self_attn."
@@ -327,7 +328,6 @@ class LlamaModel(nn.Module):
                 slots.update(layer.experts.weight_slots(p, cfg))
             if layer.gate_up_w is None:
                 continue
-            names = mlp_names(cfg.family)
             m = p + (names.shared if layer.experts is not None else names.dense)  # a sparse layer's: its shared expert
             inter = layer.gate_up_w.shape[0] // 2
             slots[m + "gate_proj.weight"] = (layer.gate_up_w, 0, inter)

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-from engine.config import LLAMA4_SKIPPED_PREFIXES, LLAMA4_TEXT_PREFIX, ROUTER_SUFFIXES
+from engine.config import LLAMA4_SKIPPED_PREFIXES, LLAMA4_TEXT_PREFIX, ROUTER_SUFFIXES, mlp_names
 from engine.kernels.fp8 import quantize_weight
 from engine.kernels.fp8_format import E4M3_MAX, FP8, MIN_SCALE
 
 LAYOUTS = ("channel", "tensor", "block128")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-EXPERT_PROJECTIONS = ("w1", "w2", "w3")  # Mixtral's experts' gate, down, up (its router, "gate", stays)
+EXPERT_PROJECTIONS = mlp_names("mixtral").projections  # w1, w3, w2: gate, up, down (its router, "gate", stays)
 
 
 # where a checkpoint's decoder layers are: a text model's, or the one inside an image-and-text

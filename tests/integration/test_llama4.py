@@ -21,7 +21,7 @@ import torch
 
 from engine.config import load_model_config
 from engine.errors import WeightsError
-from tests.engine_run import cpu_core, greedy, hf_float32
+from tests.engine_run import assert_chunks_and_cache_keep_tokens, cpu_core, greedy, hf_float32
 from tests.sharp import sharpen
 
 LOGITS_ATOL = 1e-4
@@ -105,11 +105,7 @@ def test_greedy_tokens_match_transformers_past_chunk_boundaries(llama4):
 
 
 def test_chunked_prefill_and_prefix_caching_give_the_same_tokens(llama4):
-    whole = greedy(cpu_core(llama4), PROMPTS, 8)
-    assert greedy(cpu_core(llama4, chunk=5, budget=16), PROMPTS, 8) == whole
-    cached = cpu_core(llama4, prefix_caching=True)
-    greedy(cached, PROMPTS, 8)
-    assert greedy(cached, PROMPTS, 8) == whole  # the second round reads its prefixes from the cache
+    assert_chunks_and_cache_keep_tokens(llama4, PROMPTS, chunk=5)
 
 
 def test_the_ledger_books_every_weight(llama4):

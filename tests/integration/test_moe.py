@@ -23,7 +23,7 @@ from engine.core.engine_core import EngineCore
 from engine.errors import EngineError, ModelConfigError, WeightsError
 from engine.load_spec import LoadSpec
 from engine.options import EngineOptions
-from tests.engine_run import cpu_core, greedy, hf_float32
+from tests.engine_run import assert_chunks_and_cache_keep_tokens, cpu_core, greedy, hf_float32
 from tests.sharp import sharpen
 
 ARCHS = ["qwen3_moe", "mixtral"]
@@ -114,12 +114,7 @@ def test_every_prefill_position_matches(arch, moe_model):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_and_prefix_caching_give_the_same_tokens(arch, moe_model):
-    d = moe_model(arch)
-    whole = greedy(cpu_core(d), PROMPTS, 8)
-    assert greedy(cpu_core(d, chunk=4, budget=16), PROMPTS, 8) == whole
-    cached = cpu_core(d, prefix_caching=True)
-    greedy(cached, PROMPTS, 8)
-    assert greedy(cached, PROMPTS, 8) == whole  # the second round reads its prefixes from the cache
+    assert_chunks_and_cache_keep_tokens(moe_model(arch), PROMPTS, chunk=4)
 
 
 def test_the_ledger_books_every_expert(moe_model):
