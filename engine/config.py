@@ -55,20 +55,23 @@ class MlpNames:
     """Where a family's checkpoint keeps a decoder layer's MLP, under ``model.layers.<i>.``: a
     dense layer's block; a sparse layer's experts' block, its router, each expert's gate, up and
     down projections (``experts.<j>.<name>.weight``), and the block of the dense shared expert
-    beside them, where the family has one."""
+    beside them, where the family has one; ``dense_size_key``: the config.json field of a dense
+    layer's MLP size."""
 
     dense: str = "mlp."
     experts: str = "mlp."
     router: str = "gate.weight"
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared: str = ""
+    dense_size_key: str = "intermediate_size"
 
 
 _MLP_NAMES = MappingProxyType({
     "mixtral": MlpNames(experts="block_sparse_moe.", projections=("w1", "w3", "w2")),
-    # Llama 4 may also keep each projection of every expert in one tensor (engine.weights.slots)
+    # Llama 4 may also keep each projection of every expert in one tensor (engine.weights.slots);
+    # its intermediate_size is an expert's
     "llama4": MlpNames(dense="feed_forward.", experts="feed_forward.", router="router.weight",
-                       shared="feed_forward.shared_expert."),
+                       shared="feed_forward.shared_expert.", dense_size_key="intermediate_size_mlp"),
 })
 
 
@@ -376,8 +379,7 @@ def parse_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None =
         family=family,
         vocab_size=_int(cfg, "vocab_size"),
         hidden_size=hidden,
-        # Llama 4 names its dense layers' MLP size intermediate_size_mlp (intermediate_size is an expert's)
-        intermediate_size=_int(cfg, "intermediate_size_mlp" if family == "llama4" else "intermediate_size"),
+        intermediate_size=_int(cfg, mlp_names(family).dense_size_key),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import ModelConfig, attention_pair_cost, load_model_config, usable_len
+from engine.config import ModelConfig, attention_pair_cost, load_model_config, mlp_names, usable_len
 from engine.core.fair_share import FairSharePicker
 from engine.core.ledger import LoadPlan
 from engine.core.load_notes import LoadNotes
@@ -140,7 +140,7 @@ def check_quantization(quantization: str | None, cfg: ModelConfig, device: torch
     if not ok:
         raise LoadOptionError(f"quantization {quantization!r}: {why}")
     sizes = [("hidden_size", cfg.hidden_size),
-             ("intermediate_size_mlp" if cfg.family == "llama4" else "intermediate_size", cfg.intermediate_size),
+             (mlp_names(cfg.family).dense_size_key, cfg.intermediate_size),
              ("num_attention_heads * head_dim", cfg.q_size), ("num_key_value_heads * head_dim", cfg.kv_size)]
     if cfg.shared_expert_intermediate_size:  # the shared expert is a dense FP8 MLP of the experts' size
         sizes.append(("intermediate_size", cfg.shared_expert_intermediate_size))
