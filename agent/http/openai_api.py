@@ -17,6 +17,7 @@ and the ``finally`` aborts the request in the engine before the next step. Every
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 from aiohttp import web
@@ -29,7 +30,7 @@ from agent.http.api_keys import ApiKeys
 from agent.http.decoding import plan_decoding
 from agent.http.openai_format import OpenAIFormatter, model_object
 from agent.http.openai_schema import ChatCompletionRequest, CompletionRequest, first_error
-from agent.http.prompt_ids import prompt_ids, prompts_ids
+from agent.http.prompt_ids import prompt_logprob_entries, prompt_ids, prompts_ids
 from agent.http.request_body import BODY_BYTES, BodyReader, off_loop
 from agent.http.sse import EventStream
 from agent.http.structured import StructuredOutputError
@@ -178,13 +179,19 @@ class OpenAIApi:
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 return await self._stream(request, gen, fmt, include_usage, rid)
-            resp = await self._collect(gen, fmt, sum(len(ids) for ids in prompts))
+            n_prompt = sum(len(ids) for ids in prompts)
+            # an answer with prompt logprobs is built and serialized in a body thread (~30 bytes
+            # an entry: megabytes of JSON would hold the loop, and /livez with it, for seconds)
+            weight = 32 * prompt_logprob_entries(req, n_prompt) if isinstance(req, CompletionRequest) else 0
+            resp = await self._collect(gen, fmt, n_prompt, weight)
             resp.headers["X-Request-Id"] = rid
             return resp
         finally:
             gen.close()
 
-    async def _collect(self, gen: Generation, fmt: OpenAIFormatter, n_prompt: int) -> web.Response:
+    async def _collect(self, gen: Generation, fmt: OpenAIFormatter, n_prompt: int, weight: int) -> web.Response:
+        """The whole answer once the generation ends; ``weight``: its size as
+        request_body.off_loop weighs work (bytes), which puts a heavy one in a thread."""
         try:
             await gen.finish()
         except WorkerError as e:
@@ -192,7 +199,8 @@ class OpenAIApi:
         usage = gen.usage()
         usage["prompt_tokens"] = usage["prompt_tokens"] or n_prompt
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return web.json_response(fmt.full(list(gen.choices.values()), usage))
+        choices = list(gen.choices.values())
+        return web.json_response(text=await off_loop(weight, lambda: json.dumps(fmt.full(choices, usage))))
 
     async def _stream(self, request: web.Request, gen: Generation, fmt: OpenAIFormatter, include_usage: bool,
                       rid: str) -> web.StreamResponse:

@@ -31,6 +31,10 @@ MAX_MESSAGE_CHARS = 1_000_000
 MAX_CONTENT_PARTS = 64
 MAX_PROMPT_CHARS = 4_000_000
 MAX_PROMPT_TOKENS = 1 << 20
+# Prompt logprob entries in one answer (prompt tokens x n x (top N + 1)): ~15 MB of JSON. Each
+# costs a client only its prompt's prefill but the agent a dict to build and serialize; 64
+# prompts of 4,096 tokens at lm-eval's logprobs 1 are 524,288.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
 MAX_JSON_DEPTH = 32
 MAX_SCHEMA_BYTES = 64 << 10
 MAX_SCHEMA_DEPTH = 24  # dicts and lists: a dozen nested objects (each is "properties" then the object)
