@@ -103,7 +103,7 @@ def schema_bounds(schema: object, param: str) -> None:
     """Refuse (:class:`StructuredOutputError` naming ``param``) a schema whose grammar would cost
     the worker too much to compile or to mask with: ``multipleOf`` values adding up to over
     ``MAX_MULTIPLE_OF``, a literal (``const``, ``enum`` member, property name) or a counted
-    repetition in a ``pattern`` over ``MAX_LITERAL_CHARS``. Iterative (the schema is at most 64 KiB
+    repetition in a ``pattern`` over ``MAX_LITERAL_CHARS``, an integer bound beyond 64 bits. Iterative (the schema is at most 64 KiB
     and 24 levels deep by then, but a tool list may hold many)."""
     total = 0
     todo: list[object] = [schema]
@@ -129,6 +129,8 @@ def schema_bounds(schema: object, param: str) -> None:
                                                            f"to enforce (at most {MAX_LITERAL_CHARS})")
             elif key == "pattern" and isinstance(value, str):
                 _pattern_bounds(value, param)
+            elif key in _BOUND_KEYS:
+                _bound_value(key, value, param)
             if key in _SCHEMA_MAPS and isinstance(value, dict):  # names to schemas: the names are no keywords
                 for name, sub in value.items():
                     if key == "properties" and len(name) > MAX_LITERAL_CHARS:
@@ -139,6 +141,120 @@ def schema_bounds(schema: object, param: str) -> None:
                     todo.append(sub)
             elif isinstance(value, (dict, list)) and key not in _NOT_SCHEMAS:
                 todo.append(value)
+
+
+# An integer bound beyond 64 bits is clamped by the grammar (10**300 as a minimum let
+# 9223372036854775807 through): refused instead.
+_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+# Visits the finiteness check may make (ref chains can make its search exponential); past them the
+# schema is taken, and the engine ends a request whose grammar allows no token with an error.
+MAX_FINITE_VISITS = 100_000
+
+
+def _bound_value(key: str, value: object, param: str) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value <= _INT64[1]:
+        raise StructuredOutputError(param, f"{param}: {key} {value:.3g} is beyond what the grammar can enforce "
+                                           f"(integer bounds of 64 bits: {_INT64[0]} to {_INT64[1]})")
+
+
+def finite_value_check(schema: object, param: str) -> None:
+    """Refuse (:class:`StructuredOutputError` naming ``param``) a schema no finite JSON value
+    satisfies because of its references: ``{"$ref": "#"}``, two definitions referring to each
+    other, an object that requires a property of its own type. Such a grammar compiles and then
+    allows no token (or only an endless value), which would end an answer as invalid JSON.
+
+    A node has a finite value when its ``$ref`` target, every ``allOf`` member, one ``anyOf`` /
+    ``oneOf`` member, an object's required properties (``type`` "object") and an array's first
+    ``minItems`` items (``type`` "array") do. A minimal value never holds a node inside the same
+    node, so a node met again while it is being decided counts as having none on that path; only
+    "has one" is remembered (a "has none" decided with something on the stack may be wrong
+    elsewhere). Everything else (keywords, unresolvable references) counts as finite: the check
+    only refuses what it proves, and gives up after :data:`MAX_FINITE_VISITS`."""
+    visits = 0
+    finite: set[int] = set()
+
+    def resolve(ref: str) -> object:
+        if ref == "#":
+            return schema
+        if not ref.startswith("#/"):
+            return True  # not ours to follow (refused or decided by the grammar)
+        node: object = schema
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return True
+        return node
+
+    def ends(node: object, stack: set[int]) -> bool:
+        nonlocal visits
+        if not isinstance(node, dict):
+            return node is not False
+        key = id(node)
+        if key in finite:
+            return True
+        if key in stack:
+            return False
+        visits += 1
+        if visits > MAX_FINITE_VISITS:
+            raise _GiveUp
+        stack.add(key)
+        try:
+            ok = _node_ends(node, lambda sub: ends(sub, stack), resolve)
+        finally:
+            stack.discard(key)
+        if ok:
+            finite.add(key)
+        return ok
+
+    try:
+        if not ends(schema, set()):
+            raise StructuredOutputError(param, f"{param}: no finite JSON value satisfies the schema: its references "
+                                               "go round a cycle that every value must follow again (a $ref to "
+                                               "itself, or a required property of its own type)")
+    except _GiveUp:
+        return
+    except RecursionError:  # a reference chain deeper than the stack: the engine's own end holds
+        return
+
+
+class _GiveUp(Exception):
+    pass
+
+
+def _node_ends(node: dict[str, Any], ends, resolve) -> bool:
+    """Whether the object schema ``node`` has a finite value, given ``ends`` for its subschemas."""
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ends(resolve(ref)):
+        return False
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and not all(ends(sub) for sub in all_of):
+        return False
+    for key in ("anyOf", "oneOf"):
+        some = node.get(key)
+        if isinstance(some, list) and some and not any(ends(sub) for sub in some):
+            return False
+    kind = node.get("type")
+    if kind == "object":
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        extra = node.get("additionalProperties", True)
+        for name in node.get("required") or []:
+            if isinstance(name, str) and not ends(props.get(name, extra)):
+                return False
+    elif kind == "array":
+        least = node.get("minItems", 0)
+        if isinstance(least, int) and least > 0:
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            items = node.get("items", True)
+            if not all(ends(sub) for sub in prefix[:least]):
+                return False
+            if least > len(prefix) and not ends(items if not isinstance(items, list) else True):
+                return False
+    return True
 
 
 def _pattern_bounds(pattern: str, param: str) -> None:
@@ -161,6 +277,7 @@ def json_grammar(schema: dict[str, Any] | None, strict: bool, param: str) -> str
 
     if schema is not None:
         schema_bounds(schema, param)
+        finite_value_check(schema, param)
 
     text = json.dumps({"type": "object"} if schema is None else closed_objects(schema), separators=(",", ":"))
     try:
@@ -225,6 +342,7 @@ def tool_call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], parallel: bo
 
     for t in tools:
         schema_bounds(t.get("parameters") or {}, "tools")
+        finite_value_check(t.get("parameters") or {}, "tools")
     key = fmt.args_key
     options = {**_COMPACT, "lenient": not strict}
     calls = [{"type": "object",

@@ -46,28 +46,32 @@ def _shared_executor():
 class RequestGrammar:
     """A compiled matcher advanced by the request's tokens (a copy of the compiler's)."""
 
-    __slots__ = ("matcher", "rejected", "watched", "mask_excess", "error")
+    __slots__ = ("matcher", "watched", "mask_excess", "error")
 
     def __init__(self, matcher) -> None:
         self.matcher = matcher
-        self.rejected = False
         self.watched = False  # filled and timed on its own (its batch went over budget)
         self.mask_excess = 0.0  # seconds its masks took beyond MASK_ROW_BUDGET_S a step
-        self.error: str | None = None  # over its mask budget: the request ends with this
+        self.error: str | None = None  # the grammar failed: the request ends with this error
 
     def accept(self, token: int) -> bool:
-        """Advance by one sampled token; False when the grammar refuses it (a bug upstream: the
-        mask allowed it) and from then on, which ends the request."""
-        if self.rejected:
+        """Advance by one sampled token; False, with ``error`` set, when the grammar refuses it.
+        The mask allowed only tokens it takes, so a refusal, or a matcher in error (whose
+        mask allows the end of text alone, and which then takes it), means the grammar had no
+        way on: a schema with no finite value that the agent's check did not prove, llguidance's
+        own failure. The answer so far is not a value, so the request ends with an error, never
+        as a finished answer."""
+        if self.error is not None:
             return False
-        if not self.matcher.consume_token(int(token)):
-            self.rejected = True
-        return not self.rejected
+        if not self.matcher.consume_token(int(token)) or self.matcher.is_error():
+            self.error = ("the response format allows no further token: its grammar has no way to "
+                          "complete the value (a schema no finite value satisfies?)")
+        return self.error is None
 
     @property
     def finished(self) -> bool:
         """Nothing but the end may follow (the value is complete), or the grammar failed."""
-        return self.rejected or self.error is not None or self.matcher.is_stopped()
+        return self.error is not None or self.matcher.is_stopped()
 
     def _charge(self, seconds: float) -> None:
         """Book one step's mask time; a request over its budget gets ``error``."""

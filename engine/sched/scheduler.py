@@ -480,15 +480,17 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         p = seq.params
+        # A grammar ends its request once its value is complete; one that failed (over its mask
+        # budget, or without a way on: engine/grammar/matcher.py) aborts it, and the core
+        # reports its error. It sees every token first: a failed grammar's mask lets through the
+        # end of text alone, which must not end the request as a finished answer.
+        if seq.grammar is not None:
+            if seq.grammar.error is not None or not seq.grammar.accept(tok):
+                return FinishReason.ABORT
+            if seq.grammar.finished:
+                return FinishReason.STOP
         if (not p.ignore_eos and tok in self._eos) or tok in p.stop_token_ids:
             return FinishReason.STOP
-        # A grammar ends its request once its value is complete (or it refused a token); one over
-        # its mask budget (engine/grammar/matcher.py) aborts it, the core reports its error.
-        if seq.grammar is not None:
-            if seq.grammar.error is not None:
-                return FinishReason.ABORT
-            if not seq.grammar.accept(tok) or seq.grammar.finished:
-                return FinishReason.STOP
         if self._ends_at(seq, seq.num_tokens):
             return FinishReason.LENGTH
         return None

@@ -102,6 +102,14 @@ def test_free_requests_are_unchanged_beside_constrained_ones(client) -> None:
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
      "response_format.json_schema.schema"),
     ({"type": "xml"}, "response_format.type"),
+    # no finite value satisfies these: once a 200 with "" or "{" and finish_reason "stop"
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "strict": False, "schema": {
+        "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+        "$ref": "#/$defs/a"}}}, "response_format.json_schema.schema"),
+    # an integer bound past 64 bits was clamped: 9223372036854775807 came back as "strict" output
+    ({"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "integer", "minimum": 10 ** 300, "maximum": 10 ** 300 + 5}}}, "response_format.json_schema.schema"),
 ])
 def test_bad_formats_are_400s_naming_the_parameter(client, fmt, param) -> None:
     with pytest.raises(openai.BadRequestError) as e:

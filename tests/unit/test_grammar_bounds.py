@@ -224,3 +224,94 @@ def test_the_engine_ends_a_request_over_its_mask_budget_with_its_error(make_tiny
                 finish[o.req_id] = o.finish_reason
     assert finish == {"c": "abort", "f": "length"} and len(toks["f"]) == 6
     assert "too costly" in core.grammar_errors["c"]
+
+
+# Schemas no finite value satisfies: llguidance compiles them, then allows no token (or only an
+# endless value), and the answer ended as "stop" with "" or "{" (a second attacker's finding).
+NO_FINITE_VALUE = {
+    "itself": {"$ref": "#"},
+    "a-pair-of-definitions": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    "a-required-property-of-its-own-type": {
+        "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+        "$ref": "#/$defs/a"},
+    "a-non-empty-array-of-itself": {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    "every-branch-a-cycle": {"anyOf": [{"$ref": "#"}, {"allOf": [{"$ref": "#"}]}]},
+}
+FINITE_RECURSION = {
+    "a-tree": {"$defs": {"n": {"type": "object", "required": ["kids"],
+                               "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
+               "$ref": "#/$defs/n"},
+    "an-optional-property-of-its-own-type": {"type": "object", "properties": {"x": {"$ref": "#"}}},
+    "a-branch-out": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+    "a-linked-list": {"$defs": {"l": {"anyOf": [{"type": "null"}, {"type": "object", "required": ["next"],
+                                                                  "properties": {"next": {"$ref": "#/$defs/l"}}}]}},
+                      "$ref": "#/$defs/l"},
+}
+
+
+@pytest.mark.parametrize("schema", NO_FINITE_VALUE.values(), ids=NO_FINITE_VALUE.keys())
+def test_a_schema_no_finite_value_satisfies_is_refused(schema) -> None:
+    for strict in (True, False):
+        with pytest.raises(StructuredOutputError, match="no finite JSON value") as e:
+            json_grammar(schema, strict, PARAM)
+        assert e.value.param == PARAM
+
+
+def test_a_tools_parameters_no_finite_value_satisfies_are_refused() -> None:
+    params = NO_FINITE_VALUE["a-required-property-of-its-own-type"]
+    with pytest.raises(StructuredOutputError, match="no finite JSON value") as e:
+        tool_call_grammar(ToolFormat("hermes", False), [{"name": "f", "parameters": params}], False, True)
+    assert e.value.param == "tools"
+
+
+@pytest.mark.parametrize("schema", FINITE_RECURSION.values(), ids=FINITE_RECURSION.keys())
+def test_recursive_schemas_with_a_way_out_are_taken(schema) -> None:
+    assert json_grammar(schema, True, PARAM)
+
+
+def test_a_reference_chain_built_to_be_exponential_is_given_up_on_not_searched() -> None:
+    # each definition refers to the next twice, the last to the first: 2^40 paths
+    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}]} for i in range(40)}
+    defs["d40"] = {"$ref": "#/$defs/d0"}
+    t0 = time.perf_counter()
+    from agent.http.structured import finite_value_check
+    finite_value_check({"$defs": defs, "$ref": "#/$defs/d0"}, PARAM)  # taken: the engine's end holds
+    assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize("bound", ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"])
+def test_integer_bounds_beyond_64_bits_are_refused_not_clamped(bound) -> None:
+    # 10**300 as a minimum let 9223372036854775807 through as a "strict" answer
+    with pytest.raises(StructuredOutputError, match="64 bits") as e:
+        json_grammar({"type": "integer", bound: 10 ** 300}, True, PARAM)
+    assert e.value.param == PARAM
+    with pytest.raises(StructuredOutputError, match="64 bits"):
+        json_grammar({"type": "integer", bound: -(1 << 63) - 1}, True, PARAM)
+    assert json_grammar({"type": "integer", bound: 10 ** 12}, True, PARAM)
+
+
+def test_the_engine_ends_a_request_whose_grammar_allows_no_token_with_an_error(make_tiny_model) -> None:
+    """Past the agent's check (a cycle it gave up on, llguidance's own failure), the engine
+    never reports a value the grammar did not complete as a finished answer."""
+    import llguidance
+
+    from engine.core.engine_core import EngineCore
+    from engine.load_spec import LoadSpec
+    from engine.options import EngineOptions
+    from text.tokenizer import Tokenizer
+
+    model_dir = make_tiny_model("llama")
+    core = EngineCore(EngineOptions(), device="cpu")
+    core.load_model(LoadSpec("m", model_dir, max_model_len=256, max_num_seqs=4))
+    prompt = Tokenizer.from_dir(model_dir).encode("hi")
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(NO_FINITE_VALUE["itself"]))
+    core.add_request("c", "m", prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=30),
+                     grammar=core.compile_grammar("m", grammar).result())
+    core.add_request("f", "m", prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True))
+    finish = {}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            if o.finish_reason:
+                finish[o.req_id] = o.finish_reason
+    assert finish == {"c": "abort", "f": "length"}
+    assert "allows no further token" in core.grammar_errors["c"]
