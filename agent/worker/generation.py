@@ -30,7 +30,9 @@ from engine.worker import protocol as P
 
 @dataclass
 class Delta:
-    """New output of one choice since the last delta."""
+    """New output of one choice since the last delta. With logprobs, ``token_ids``,
+    ``logprobs`` and ``pieces`` are the tokens whose text the text given so far holds (see
+    ``Choice._release``), not the step's new tokens."""
 
     index: int
     text: str
@@ -83,6 +85,11 @@ class Choice:
     # none for the first prompt token.
     prompt_logprobs: list[Any] | None = None
     echo_sent: bool = False  # the prompt went out with a streamed delta
+    # With logprobs: the tokens given to deltas so far, the characters their pieces hold, and the
+    # characters of text given (a token goes out once the text holds its piece: see push)
+    sent: int = 0
+    sent_chars: int = 0
+    text_chars: int = 0
 
     def push(self, out: P.TokenOutput) -> Delta:
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
@@ -124,7 +131,34 @@ class Choice:
             emit += self.matcher.flush()  # nothing more can complete a stop string
         self.finish_reason = finish
         self.text.append(emit)
-        return Delta(self.index, emit, ids, out.logprobs or None, finish, pieces, shown, echo_lp)
+        if pieces is None:
+            return Delta(self.index, emit, ids, out.logprobs or None, finish, None, shown, echo_lp)
+        sent_ids, sent_lps, sent_pieces = self._release(len(emit), stopped)
+        return Delta(self.index, emit, sent_ids, sent_lps, finish, sent_pieces, shown, echo_lp)
+
+    def _release(self, emitted: int, stopped: bool) -> tuple[list[int], list[Any] | None, list[str]]:
+        """The tokens (ids, logprobs, pieces) a delta that gives ``emitted`` more characters of
+        text carries: those whose pieces the text given so far holds. The stop matcher holds back
+        text that may start a stop string; its tokens wait with it, so a streamed answer's
+        ``"".join(tokens)`` is its text, as the whole answer's is. At a stop string the pieces
+        are cut where the text ends (the token it lands in keeps what it kept, later ones are
+        dropped, as agent/http/logprobs.completion_logprobs cuts a whole answer)."""
+        self.text_chars += emitted
+        if stopped:
+            limit, offset = self.text_chars, 0
+            for k, piece in enumerate(self.pieces):
+                if offset + len(piece) > limit:
+                    self.pieces[k:] = [piece[: max(0, limit - offset)]]
+                    break
+                offset += len(piece)
+        end = self.sent
+        while end < len(self.pieces) and (self.finish_reason is not None
+                                          or self.sent_chars + len(self.pieces[end]) <= self.text_chars):
+            self.sent_chars += len(self.pieces[end])
+            end += 1
+        part = slice(self.sent, end)
+        self.sent = end
+        return self.token_ids[part], self.logprobs[part] or None, self.pieces[part]
 
 
 class Generation:
@@ -200,10 +234,11 @@ class Generation:
             choice = self.choices.get(item.req_id)
             if choice is None or choice.finish_reason is not None:
                 return
+            made = len(choice.token_ids)
             delta = choice.push(item)
             if delta.finish_reason == "stop" and item.finish_reason is None:
                 self.worker.abort(choice.req_id)  # a stop string ended it: free the engine now
-            self._observe(len(delta.token_ids))
+            self._observe(len(choice.token_ids) - made)
             if self.on_delta is not None:
                 self.on_delta(delta)
         except WorkerError as e:

@@ -216,6 +216,26 @@ def test_streamed_completion_text_offset_counts_from_the_answers_start(client) -
     assert offsets == whole.logprobs.text_offset == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_logprobs_end_where_a_stop_string_cuts_the_text(client, echo) -> None:
+    """The token a stop string lands in shows the text it kept (as in the whole answer), and no
+    token after it: ``"".join(tokens) == text`` streamed too (a second attacker's finding: the
+    last chunk had text "" and tokens ["en"])."""
+    stopped = 0
+    for seed in range(12):
+        kw = dict(model=MODEL, prompt="hello world", max_tokens=30, temperature=1.0, seed=seed, logprobs=1,
+                  echo=echo, stop=["e", "a "])
+        whole = client.completions.create(**kw).choices[0]
+        chunks = list(client.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+        assert text == whole.text and "".join(tokens) == text == "".join(whole.logprobs.tokens)
+        assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+        stopped += whole.finish_reason == "stop"
+    assert stopped >= 6  # the stop strings did cut most answers
+
+
 # --- item 10: errors in the client's words -------------------------------------------------------------
 
 
