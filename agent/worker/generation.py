@@ -85,6 +85,9 @@ class Choice:
     # none for the first prompt token.
     prompt_logprobs: list[Any] | None = None
     echo_sent: bool = False  # the prompt went out with a streamed delta
+    # Stop strings are looked for in the text of a step that brings the answer past min_tokens
+    # and later ones, as vLLM does (the engine holds back the end of text and stop ids as well)
+    min_tokens: int = 0
     # With logprobs: the tokens given to deltas so far, the characters their pieces hold, and the
     # characters of text given (a token goes out once the text holds its piece: see push)
     sent: int = 0
@@ -124,7 +127,10 @@ class Choice:
                 self.pieces[-1] += tail
         if pieces is not None:
             self.pieces.extend(pieces)
-        emit, stopped = self.matcher.push(new_text) if self.matcher is not None else (new_text, False)
+        if self.matcher is None or len(self.token_ids) <= self.min_tokens:
+            emit, stopped = new_text, False  # vLLM's min_tokens: stop strings wait for them too
+        else:
+            emit, stopped = self.matcher.push(new_text)
         if stopped:
             finish = "stop"
         elif finish is not None and self.matcher is not None:
@@ -212,7 +218,8 @@ class Generation:
                 detok = self._make_detok(self.tokenizer, context_ids=prompt_token_ids[-8:])
                 self._requests.append(self.worker.add(req_id, self.model, prompt_token_ids, sampling, queue=self,
                                                       grammar=grammar))
-                self.choices[req_id] = Choice(i, req_id, detok, matcher, prompt=p, echo=shown)
+                self.choices[req_id] = Choice(i, req_id, detok, matcher, prompt=p, echo=shown,
+                                              min_tokens=sampling.min_tokens)
 
     @property
     def done(self) -> bool:

@@ -203,6 +203,36 @@ def test_penalties_bias_min_tokens_and_best_of_are_served(client, daemon) -> Non
     _refused(daemon, "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_stop_strings_back_as_vllm_does(client, stream) -> None:
+    """vLLM looks for stop strings only from the step that passes min_tokens on: a stop string in
+    the first min_tokens tokens' text does not end the answer (once one token and "")."""
+    kw = dict(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=12, temperature=0, logprobs=1, extra_body=EOS)
+    free = client.completions.create(**kw).choices[0]
+    tokens = free.logprobs.tokens
+    first = next(t for t in tokens[:4] if t.strip())  # a stop string in the text of the first tokens
+    stop = first.strip()[:1]
+    at = next(k for k, t in enumerate(tokens) if stop in t)
+
+    def answer(min_tokens: int):
+        extra = {**EOS, "min_tokens": min_tokens} if min_tokens else EOS
+        r = client.completions.create(stop=[stop], stream=stream, **{**kw, "extra_body": extra})
+        if not stream:
+            return r.choices[0].text, r.choices[0].finish_reason
+        chunks = list(r)
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+    text, finish = answer(0)
+    assert finish == "stop" and text == "".join(tokens[:at]) + tokens[at].split(stop)[0]
+    later = [k for k, t in enumerate(tokens) if k > at and stop in t]
+    text, finish = answer(at + 1)  # past the token that held it: no stop there
+    assert text.startswith("".join(tokens[:at + 1]))
+    if later:
+        assert finish == "stop" and len(text) < len(free.text)
+    else:
+        assert finish == "length" and text == free.text
+
+
 # --- item 5: streamed text_offset -------------------------------------------------------------------
 
 
