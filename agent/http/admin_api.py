@@ -4,7 +4,10 @@ Served on the TCP listener behind a bearer token (``server.admin_token``, compar
 time; with no token configured, admin over TCP is refused) and on the admin unix socket without
 one: the socket's file mode (0660) is the access control there. Load, unload and pull run in the
 background: the answer is 202 with the model's state to poll, or, with ``?wait=true``, the final
-state once the operation has finished. The JSON shapes are agent/http/admin_view.py's.
+state once the operation has finished. Asking again for what is under way joins it (a load
+during a load or an autoload, an unload during a drain); a load during an unload, a pull or a
+verify runs once that ends. A 409 is left for what contradicts the operation under way (an
+unload during a load, a load with other options). The JSON shapes are agent/http/admin_view.py's.
 """
 
 from __future__ import annotations

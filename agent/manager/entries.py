@@ -145,6 +145,7 @@ class ModelEntry:
     demand_at: float = 0.0
     load_seconds: float | None = None
     task: asyncio.Task[None] | None = None
+    op: str = ""  # what ``task`` does: pull, load, unload, evict, idle, broken, verify, reload
     want_loaded: bool = False  # reload after a worker restart
     pinned: bool = False  # pinned in the disk cache (loaded or loading), not the user's pin
     pin_override: bool | None = None  # set through the admin API; None: settings.pin

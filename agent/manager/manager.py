@@ -98,6 +98,11 @@ DRAINING_LOADS_MAX = 2
 ROOM_PATIENCE_S = 3.0
 
 
+# Operations that end loaded or on the way out: asking for the same again joins them
+_LOADS = frozenset({"load", "reload"})
+_UNLOADS = frozenset({"unload", "evict", "idle", "broken"})
+
+
 class ModelManager:
     """The models' registry and their operations: start them (``pull``, ``load``, ``unload``,
     ``verify_files``: each returns the operation's task), admit requests (``admit``,
@@ -115,6 +120,7 @@ class ModelManager:
         self._log = get_logger("manager")
         self._room = asyncio.Lock()  # plan → evict → load, one load at a time (not held over room waits)
         self._drains: dict[str, str] = {}  # a model drained for a load's room → that load's model
+        self._chained: set[asyncio.Task[None]] = set()  # operations waiting for one to end (_after)
         self._planner = RoomPlanner(self.models)
         self._keep_alive: asyncio.Task[None] | None = None
         for m in settings.models:
@@ -199,6 +205,7 @@ class ModelManager:
             async with e.lock:
                 await op(*args)
 
+        e.op = kind
         e.task = asyncio.create_task(locked(), name=f"{kind}-{e.name}")
         e.task.add_done_callback(lambda _: e.signal_change())
         return e.task
@@ -254,6 +261,15 @@ class ModelManager:
             return None
         asked = {k: v for k, v in (("quantization", quantization), ("kv_cache_dtype", kv_cache_dtype))
                  if v is not ... and v != getattr(e.settings, k)}
+        if e.busy and e.op in _LOADS:
+            # A load on its way (an operator's, a request's autoload, a reload): asking again joins it
+            if asked:
+                now = ", ".join(f"{k} {getattr(e.settings, k) or 'none'}" for k in asked)
+                raise ManagerError(f"{name} is loading with {now}; ask for others after an unload", retry_after=1.0)
+            assert e.task is not None
+            return e.task
+        if e.busy:  # an unload, a pull or a verify first: the load follows it
+            return self._after(e, lambda: self.load(name, quantization=quantization, kv_cache_dtype=kv_cache_dtype))
         if asked and e.state in (State.ABSENT, State.CACHED, State.FAILED):
             e.settings = e.settings.model_copy(update=asked)
         if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
@@ -578,9 +594,35 @@ class ModelManager:
             return None
         if e.state in (State.CACHED, State.ABSENT):
             return None
+        if e.busy and e.op in _UNLOADS:  # on its way out already: asking again joins it
+            assert e.task is not None
+            return e.task
         if e.state is not State.READY:
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
         return self._run(e, "unload", self._unload, e, drain_s, "", state=State.DRAINING)
+
+    def _after(self, e: ModelEntry, then: Callable[[], asyncio.Task[None] | None]) -> asyncio.Task[None]:
+        """A task that waits for ``e``'s running operation to end, however it ends, then starts
+        ``then()`` and waits for that: what an operator's load during an unload, a pull or a
+        verify answers with (their ``?wait`` waits for both). A refusal then (the model was
+        forgotten, asked for other options meanwhile) ends it with the entry's state as it is."""
+        before = e.task
+
+        async def chained() -> None:
+            if before is not None:
+                await asyncio.wait([before])  # never cancels ``before``, unlike awaiting it
+            try:
+                task = then()
+            except ManagerError as ex:
+                self._log.info("chained_operation_refused", model=e.name, error=str(ex))
+                return
+            if task is not None:
+                await asyncio.wait([task])
+
+        task = asyncio.create_task(chained(), name=f"after-{e.op}-{e.name}")
+        self._chained.add(task)
+        task.add_done_callback(self._chained.discard)
+        return task
 
     async def _unload(self, e: ModelEntry, drain_s: float | None, reason: str) -> None:
         """Drain (up to ``drain_s``), unload from the engine, give back what the load gave."""
@@ -795,6 +837,9 @@ class ModelManager:
         if self._keep_alive is not None:
             self._keep_alive.cancel()
             await asyncio.gather(self._keep_alive, return_exceptions=True)
+        for task in list(self._chained):  # first: none may start an operation while those end
+            task.cancel()
+        await asyncio.gather(*self._chained, return_exceptions=True)
         for e in self.models.values():
             if e.busy:
                 e.task.cancel()

@@ -142,12 +142,48 @@ async def test_one_models_operations_are_serialised(monkeypatch, tmp_path) -> No
     with pytest.raises(ManagerError) as ex:
         mgr.unload("x")
     assert ex.value.retry_after and "loading" in str(ex.value)
-    with pytest.raises(ManagerError):
-        mgr.load("x")  # already loading: refused, not queued behind
+    assert mgr.load("x") is task  # already loading: asking again joins that load, no second one
+    with pytest.raises(ManagerError, match="loading with quantization none"):
+        mgr.load("x", quantization="fp8")  # but not with other options
     await task
     assert mgr.get("x").lock.locked() is False
     await mgr.unload("x")
     assert mgr.get("x").state is State.CACHED and w.loaded == []
+
+
+async def test_asking_again_joins_an_operation_and_a_load_follows_an_unload(monkeypatch, tmp_path) -> None:
+    """What an operator's automation meets (a second attacker's finding: every one was a 409):
+    an unload during its drain joins it; a load during an unload (or a pull) runs once that ends;
+    a load during an autoload joins it."""
+    w = FakeWorker(load_s=0.2)
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "x"}]', ["x"])
+    await mgr.load("x")
+    held = mgr.admit("x")
+    held.__enter__()  # a request in flight: the unload drains
+    out = mgr.unload("x", drain_s=5.0)
+    assert mgr.get("x").state is State.DRAINING and mgr.unload("x") is out
+    back = mgr.load("x")  # after the unload, loaded again
+    assert back is not None and not back.done() and mgr.get("x").state is State.DRAINING
+    held.__exit__(None, None, None)
+    await out
+    assert mgr.get("x").state in (State.CACHED, State.LOADING)
+    await back
+    assert mgr.get("x").state is State.READY and len(w.offers) == 2
+    # a load while an operator's pull runs follows it; during a load's own pull, joins it
+    await mgr.unload("x")
+    pulling = mgr.pull("x")
+    assert pulling is not None and mgr.get("x").state is State.PULLING
+    follows = mgr.load("x")
+    assert follows is not pulling
+    await follows
+    assert pulling.done() and mgr.get("x").state is State.READY and len(w.offers) == 3
+    await mgr.unload("x")
+    mgr.get("x").needs_repair = True
+    own = mgr.load("x")
+    assert mgr.get("x").state is State.PULLING and mgr.load("x") is own
+    await own
+    assert mgr.get("x").state is State.READY and len(w.offers) == 4
+    await mgr.close()
 
 
 async def test_eviction_offers_idle_unpinned_lru_then_drains_the_lru_busy_one(monkeypatch, tmp_path) -> None:
