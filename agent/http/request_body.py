@@ -49,8 +49,24 @@ BODY_TIMEOUT_S = 30.0  # a client trickling its body holds a connection, not the
 _CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
 def inflate(raw: bytes, coding: str, limit: int) -> bytes:
-    """``raw`` decoded from ``coding``; ApiError past ``limit`` bytes or when it is not that coding."""
+    """``raw`` decoded from ``coding``; ApiError past ``limit`` bytes or when it is not that
+    coding. A gzip body may be several members one after another (RFC 1952: their texts join);
+    anything else after the data is an error, not ignored."""
+    out, rest = _inflate_one(raw, coding, limit)
+    while rest and coding != "deflate" and rest.startswith(_GZIP_MAGIC):
+        more, rest = _inflate_one(rest, coding, limit - len(out))
+        out += more
+    if rest:
+        raise ApiError(400, f"the {coding} body has {len(rest)} bytes after its data", code="invalid_encoding")
+    return out
+
+
+def _inflate_one(raw: bytes, coding: str, limit: int) -> tuple[bytes, bytes]:
+    """The first member of ``raw`` decoded, and the bytes after it."""
     wbits = _CODINGS[coding]
     try:
         d = zlib.decompressobj(wbits)
@@ -67,7 +83,7 @@ def inflate(raw: bytes, coding: str, limit: int) -> bytes:
         raise ApiError(413, f"the decoded body is larger than {limit} bytes", code="body_too_large")
     if not d.eof:
         raise ApiError(400, f"the {coding} body is truncated", code="invalid_encoding")
-    return out
+    return out, d.unused_data
 
 
 class DuplicateKey(ValueError):

@@ -172,6 +172,18 @@ def test_gzip_and_deflate_bodies_are_served_and_bombs_refused(daemon) -> None:
     assert code == 413 and _openai_error(raw)["code"] == "body_too_large"
     code, _, raw = _post_raw(daemon, b"not gzip at all", {"Content-Encoding": "gzip"})
     assert code == 400 and _openai_error(raw)["code"] == "invalid_encoding"
+    # several gzip members are one body (RFC 1952), and their sizes add up against the limit
+    half = len(data) // 2
+    code, _, raw = _post_raw(daemon, gzip.compress(data[:half]) + gzip.compress(data[half:]),
+                             {"Content-Encoding": "gzip"})
+    assert code == 200, raw[:300]
+    code, _, raw = _post_raw(daemon, gzip.compress(b" " * (6 << 20)) * 2 + gzip.compress(data),
+                             {"Content-Encoding": "gzip"})
+    assert code == 413 and _openai_error(raw)["code"] == "body_too_large"
+    # bytes after the data are an error, not ignored
+    for encoding, packed in [("gzip", gzip.compress(data)), ("deflate", zlib.compress(data))]:
+        code, _, raw = _post_raw(daemon, packed + b"trailing", {"Content-Encoding": encoding})
+        assert code == 400 and "8 bytes after its data" in _openai_error(raw)["message"], raw[:300]
 
 
 def _post_raw(daemon: Daemon, data: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
