@@ -440,11 +440,14 @@ _BLAMED = re.compile(r"([a-z_]+): ")
 
 
 def first_error(err: ValidationError) -> tuple[str, str]:
-    """(param, message) of the first validation error, in words a client can act on."""
-    e = err.errors()[0]
-    loc = [str(p) for p in e["loc"] if not str(p).startswith(("function-", "constrained-"))]
-    # Pydantic names union branches in loc ("str", "list[...]"); they mean nothing to a client.
-    loc = [p for p in loc if not (p in ("str", "int", "float", "bool", "list") or p.startswith(("list[", "dict[", "tagged-union")))]
+    """(param, message) of the first validation error, in words a client can act on. Of a
+    union's errors (one a branch), the one of the branch the value's type took: ``stop: [""]``
+    is an empty string in a list, not "must be a string"."""
+    errors = err.errors()
+    e = errors[0]
+    field = _where(e)[:1]
+    e = next((x for x in errors if _where(x)[:1] == field and x["type"] not in _TYPE_MISMATCH), e)
+    loc = _where(e)
     param = ".".join(loc) if loc else None
     msg = e["msg"].removeprefix("Value error, ")
     # A check across fields says which one it blames first ("tool_choice: ..."): that field.
@@ -464,13 +467,27 @@ def first_error(err: ValidationError) -> tuple[str, str]:
     return param or "body", f"{param}: {msg}" if param else msg
 
 
+def _where(e: Any) -> list[str]:
+    """An error's location as a client names it: pydantic's names of union branches ("str",
+    "list[...]", "literal[...]", a model's class) and validators left out."""
+    return [p for p in map(str, e["loc"])
+            if not (p in ("str", "int", "float", "bool", "list") or p.startswith(_BRANCH_TAGS) or _MODEL_TAG.fullmatch(p))]
+
+
+_BRANCH_TAGS = ("function-", "constrained-", "list[", "dict[", "literal[", "tagged-union")
+_MODEL_TAG = re.compile(r"[A-Z][A-Za-z]+")  # a union branch that is a model (fields are snake_case)
+# A value of the wrong type for a union's branch: another branch's error says more.
+_TYPE_MISMATCH = frozenset({"string_type", "list_type", "dict_type", "model_type", "model_attributes_type",
+                            "int_type", "float_type", "bool_type", "literal_error", "is_instance_of"})
+
 # Errors of types whose pydantic wording is not the client's (strict types: no coercion).
 _WORDS = {
     "extra_forbidden": "unknown or unsupported parameter",
     "int_type": "must be an integer", "int_parsing": "must be an integer", "int_from_float": "must be an integer",
     "bool_type": "must be true or false (a JSON boolean)", "bool_parsing": "must be true or false (a JSON boolean)",
     "float_type": "must be a number", "float_parsing": "must be a number", "finite_number": "must be a finite number",
-    "string_type": "must be a string", "dict_type": "must be an object", "list_type": "must be an array",
+    "string_type": "must be a string", "string_unicode": "must be valid Unicode text (no lone surrogates)",
+    "dict_type": "must be an object", "list_type": "must be an array",
     "model_type": "must be an object", "model_attributes_type": "must be an object",
 }
 

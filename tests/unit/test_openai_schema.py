@@ -51,6 +51,22 @@ def _error(cls, body: dict) -> tuple[str, str]:
     return first_error(e.value)
 
 
+def test_a_unions_error_is_the_one_of_the_branch_the_value_took() -> None:
+    """A second attacker's findings: every one of these said "must be a string" or named
+    pydantic's branch (``tool_choice.literal['none','auto','required']``)."""
+    msg = "must be a string"
+    assert _error(CompletionRequest, {"prompt": "x", "stop": [""]}) == ("stop.0", "stop.0: should have at least 1 character")
+    assert _error(CompletionRequest, {"prompt": "x", "stop": ["\ud800"]})[1] == \
+        "stop.0: must be valid Unicode text (no lone surrogates)"
+    assert _error(CompletionRequest, {"prompt": "x", "stop": 5}) == ("stop", f"stop: {msg}")  # no branch took it
+    chat = {"messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    assert _error(ChatCompletionRequest, chat) == ("messages.0.content.0.text", "messages.0.content.0.text: required")
+    hi = [{"role": "user", "content": "hi"}]
+    assert _error(ChatCompletionRequest, {"messages": hi, "tool_choice": "foo"}) == \
+        ("tool_choice", "tool_choice: must be 'none', 'auto' or 'required'")
+    assert _error(ChatCompletionRequest, {"messages": hi, "tool_choice": {"type": "function"}})[0] == "tool_choice.function"
+
+
 def test_errors_are_in_the_clients_words() -> None:
     param, msg = _error(CompletionRequest, {"prompt": "x", "logit_bias": {"fifty": 5}})
     assert param == "logit_bias" and "keys are token ids" in msg, msg
