@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from agent.log import get_logger
 from agent.worker.mailbox import Mailbox
-from agent.worker.spawn import Spawned, spawn_worker
+from agent.worker.spawn import Spawned, forget_worker, spawn_worker
 from cache.triton_cache import sweep_triton_cache, triton_cache_dir
 from engine.load_spec import LoadSpec
 from engine.sampling import SamplingParams
@@ -199,6 +199,7 @@ class WorkerClient:
             except asyncio.TimeoutError:
                 proc.kill()
                 await exited
+            forget_worker(self.options, proc.pid)
         if self._supervisor is not None:
             self._supervisor.cancel()
             try:

@@ -10,6 +10,8 @@ ones with the same function in a thread.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import socket
@@ -58,6 +60,15 @@ def spawn_worker(options: dict[str, Any], engine: str, env: dict[str, str] | Non
     if pid_file is not None:
         notes += _write_pid(pid_file, proc.pid)
     return Spawned(proc, parent, spawn_at, spawned_at, notes)
+
+
+def forget_worker(options: dict[str, Any], pid: int) -> None:
+    """The worker ``pid`` has exited for good (the agent stopped it): its pid file goes, if it
+    still names it (a later agent's worker may have written its own)."""
+    path = _pid_file(options)
+    if path is not None and _read_pid(path) == pid:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _pid_file(options: dict[str, Any]) -> Path | None:

@@ -168,6 +168,7 @@ def test_a_previous_worker_still_alive_is_waited_for_before_ours_starts(tmp_path
     reaper.start()
     spawned = uvloop.run(first())
     assert spawned - t0 >= 1.0  # it waited for the old one's exit
+    assert not (run / ws.PID_FILE).exists()  # stopped by its agent: nothing left to wait on
     # Garbage, or a live process that is not a worker of this runtime dir: no wait at all.
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
