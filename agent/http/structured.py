@@ -129,7 +129,7 @@ def schema_bounds(schema: object, param: str) -> None:
                                                            f"to enforce (at most {MAX_LITERAL_CHARS})")
             elif key == "pattern" and isinstance(value, str):
                 _pattern_bounds(value, param)
-            elif key in _BOUND_KEYS:
+            elif key in _LOWER_BOUNDS or key in _UPPER_BOUNDS:
                 _bound_value(key, value, param)
             if key in _SCHEMA_MAPS and isinstance(value, dict):  # names to schemas: the names are no keywords
                 for name, sub in value.items():
@@ -143,19 +143,25 @@ def schema_bounds(schema: object, param: str) -> None:
                 todo.append(value)
 
 
-# An integer bound beyond 64 bits is clamped by the grammar (10**300 as a minimum let
-# 9223372036854775807 through): refused instead.
-_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# The grammar clamps an integer bound to 64 bits. Clamping a maximum down or a minimum up only
+# narrows what it allows (a uint64 field's maximum is served), but a lower bound past the top (or
+# an upper one past the bottom) widens it: 10**300 as a minimum let 9223372036854775807 through.
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
 # Visits the finiteness check may make (ref chains can make its search exponential); past them the
 # schema is taken, and the engine ends a request whose grammar allows no token with an error.
 MAX_FINITE_VISITS = 100_000
 
 
 def _bound_value(key: str, value: object, param: str) -> None:
-    if isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value <= _INT64[1]:
-        raise StructuredOutputError(param, f"{param}: {key} {value:.3g} is beyond what the grammar can enforce "
-                                           f"(integer bounds of 64 bits: {_INT64[0]} to {_INT64[1]})")
+    if not isinstance(value, int) or isinstance(value, bool):
+        return
+    if (key in _LOWER_BOUNDS and value > _INT64[1]) or (key in _UPPER_BOUNDS and value < _INT64[0]):
+        digits = str(value)  # not as a float: 10**400 has none
+        shown = digits if len(digits) <= 24 else f"{digits[:12]}... ({len(digits)} digits)"
+        raise StructuredOutputError(param, f"{param}: {key} {shown} is beyond what the grammar can enforce "
+                                           f"(integers of 64 bits: {_INT64[0]} to {_INT64[1]})")
 
 
 def finite_value_check(schema: object, param: str) -> None:
@@ -241,7 +247,9 @@ def _node_ends(node: dict[str, Any], ends, resolve) -> bool:
     kind = node.get("type")
     if kind == "object":
         props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        extra = node.get("additionalProperties", True)
+        # a required key not among the properties is taken by a pattern's schema (not followed
+        # here: counted finite) or else by additionalProperties
+        extra = True if node.get("patternProperties") else node.get("additionalProperties", True)
         for name in node.get("required") or []:
             if isinstance(name, str) and not ends(props.get(name, extra)):
                 return False

@@ -107,7 +107,7 @@ def test_free_requests_are_unchanged_beside_constrained_ones(client) -> None:
     ({"type": "json_schema", "json_schema": {"name": "x", "strict": False, "schema": {
         "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
         "$ref": "#/$defs/a"}}}, "response_format.json_schema.schema"),
-    # an integer bound past 64 bits was clamped: 9223372036854775807 came back as "strict" output
+    # a lower bound past 64 bits was clamped: 9223372036854775807 came back as "strict" output
     ({"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
         "type": "integer", "minimum": 10 ** 300, "maximum": 10 ** 300 + 5}}}, "response_format.json_schema.schema"),
 ])

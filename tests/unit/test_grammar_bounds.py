@@ -279,15 +279,27 @@ def test_a_reference_chain_built_to_be_exponential_is_given_up_on_not_searched()
     assert time.perf_counter() - t0 < 5.0
 
 
-@pytest.mark.parametrize("bound", ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"])
-def test_integer_bounds_beyond_64_bits_are_refused_not_clamped(bound) -> None:
-    # 10**300 as a minimum let 9223372036854775807 through as a "strict" answer
+@pytest.mark.parametrize("bound, past", [("minimum", 1), ("exclusiveMinimum", 1), ("maximum", -1),
+                                         ("exclusiveMaximum", -1)])
+def test_integer_bounds_the_grammar_would_widen_are_refused(bound, past) -> None:
+    # 10**300 as a minimum let 9223372036854775807 through as a "strict" answer: a lower bound past
+    # 64 bits' top (an upper one past the bottom) would be clamped to a wider range
     with pytest.raises(StructuredOutputError, match="64 bits") as e:
-        json_grammar({"type": "integer", bound: 10 ** 300}, True, PARAM)
-    assert e.value.param == PARAM
+        json_grammar({"type": "integer", bound: past * 10 ** 300}, True, PARAM)
+    assert e.value.param == PARAM and "digits) is beyond" in e.value.message
+    with pytest.raises(StructuredOutputError, match="64 bits"):  # past a float's range too: no float in the message
+        json_grammar({"type": "integer", bound: past * 10 ** 400}, True, PARAM)
     with pytest.raises(StructuredOutputError, match="64 bits"):
-        json_grammar({"type": "integer", bound: -(1 << 63) - 1}, True, PARAM)
-    assert json_grammar({"type": "integer", bound: 10 ** 12}, True, PARAM)
+        json_grammar({"type": "integer", bound: past * (1 << 63) + (0 if past > 0 else -1)}, True, PARAM)
+    assert json_grammar({"type": "integer", bound: past * 10 ** 12}, True, PARAM)
+    # the other way the clamp narrows, and is served: a uint64 field
+    assert json_grammar({"type": "integer", "minimum": 0, "maximum": (1 << 64) - 1}, True, PARAM)
+
+
+def test_a_required_key_a_pattern_takes_is_finite() -> None:
+    schema = {"type": "object", "required": ["x"], "patternProperties": {"^x$": {"type": "string"}},
+              "additionalProperties": False}
+    assert json_grammar(schema, True, PARAM)
 
 
 def test_the_engine_ends_a_request_whose_grammar_allows_no_token_with_an_error(make_tiny_model) -> None:
