@@ -143,11 +143,8 @@ class AdminApi:
         except ManagerError as ex:
             return _error(ex.status, str(ex), ex.code, ex.retry_after)
         e = mgr.models.get(name)
-        if task is not None and wait:
-            try:
-                await asyncio.wait_for(asyncio.shield(task), timeout)
-            except asyncio.TimeoutError:
-                pass
+        if task is not None and wait:  # neither cancels it nor raises when it was (a queued load an unload called off)
+            await asyncio.wait([task], timeout=timeout)
         if e is None or mgr.models.get(name) is not e:
             # Not in the store (nor configured or cached): forgotten, nothing left of it.
             why = (e.reason if e is not None else "") or f"the model {name!r} does not exist"

@@ -172,6 +172,6 @@ class OpenAIFormatter:
     def _logprobs(self, token_ids: list[int], pieces: list[str], entries: list[Any],
                   text: str | None = None) -> dict[str, Any]:
         assert self.tok is not None  # a request with logprobs is formatted with its tokenizer
-        if self.chat:
-            return chat_logprobs(self.tok, token_ids, entries)
+        if self.chat:  # the tokens with text in the answer: a stop string cuts the pieces (generation.Choice)
+            return chat_logprobs(self.tok, token_ids[:len(pieces)], entries[:len(pieces)])
         return completion_logprobs(self.tok, token_ids, pieces, entries, text)

@@ -15,7 +15,8 @@ import asyncio
 from collections.abc import Callable
 
 from agent.http.api_error import ApiError
-from agent.http.openai_schema import (MAX_PROMPT_LOGPROB_ENTRIES, MAX_PROMPT_TOKENS, ChatCompletionRequest,
+from agent.http.openai_schema import (MAX_PROMPT_LOGPROB_ENTRIES, MAX_PROMPT_TOKENS,
+                                      MAX_STREAMED_PROMPT_LOGPROB_ENTRIES, ChatCompletionRequest,
                                       CompletionRequest)
 from agent.http.request_body import off_loop
 from text.chat_prompt import ChatPrompt
@@ -46,18 +47,20 @@ async def prompt_ids(req: ChatCompletionRequest | CompletionRequest, tok: Tokeni
 async def prompts_ids(req: CompletionRequest, tok: Tokenizer, vocab_size: int, ctx_len: int) -> list[list[int]]:
     """The ids of each of a completion's prompts (one, or a list), each as :func:`prompt_ids`
     checks it, and together at most :data:`MAX_PROMPT_TOKENS`, with at most
-    :data:`MAX_PROMPT_LOGPROB_ENTRIES` prompt logprobs to answer with."""
+    :data:`MAX_PROMPT_LOGPROB_ENTRIES` prompt logprobs to answer with
+    (:data:`MAX_STREAMED_PROMPT_LOGPROB_ENTRIES` streamed)."""
     out = [_checked(await _completion_ids(p, tok, vocab_size, ctx_len), ctx_len, False) for p in req.prompts()]
     total = sum(len(ids) for ids in out)
     if total > MAX_PROMPT_TOKENS:
         raise ApiError(400, f"the prompts have {total} tokens together; at most {MAX_PROMPT_TOKENS}", param="prompt",
                        code="context_length_exceeded")
     entries = prompt_logprob_entries(req, total)
-    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+    bound = MAX_STREAMED_PROMPT_LOGPROB_ENTRIES if req.stream else MAX_PROMPT_LOGPROB_ENTRIES
+    if entries > bound:
         top = req.wants_prompt_logprobs()
         raise ApiError(400, f"the answer would hold {entries} prompt logprobs ({total} prompt tokens x n={req.n} x "
-                            f"{top} top + the token's own); at most {MAX_PROMPT_LOGPROB_ENTRIES} in one request: "
-                            "send fewer or shorter prompts, or ask for fewer top logprobs",
+                            f"{top} top + the token's own); at most {bound} in one {'streamed ' if req.stream else ''}"
+                            "request: send fewer or shorter prompts, or ask for fewer top logprobs",
                        param="logprobs" if req.echo and req.logprobs is not None else "prompt_logprobs")
     return out
 

@@ -120,7 +120,9 @@ class ModelManager:
         self._log = get_logger("manager")
         self._room = asyncio.Lock()  # plan → evict → load, one load at a time (not held over room waits)
         self._drains: dict[str, str] = {}  # a model drained for a load's room → that load's model
-        self._chained: set[asyncio.Task[None]] = set()  # operations waiting for one to end (_after)
+        # loads waiting for their model's operation under way to end (_load_after), by model
+        self._queued_loads: dict[str, asyncio.Task[None]] = {}
+        self._closing = False
         self._planner = RoomPlanner(self.models)
         self._keep_alive: asyncio.Task[None] | None = None
         for m in settings.models:
@@ -268,8 +270,11 @@ class ModelManager:
                 raise ManagerError(f"{name} is loading with {now}; ask for others after an unload", retry_after=1.0)
             assert e.task is not None
             return e.task
-        if e.busy:  # an unload, a pull or a verify first: the load follows it
-            return self._after(e, lambda: self.load(name, quantization=quantization, kv_cache_dtype=kv_cache_dtype))
+        if e.busy:  # an unload, a pull or a verify first: the load follows it (one queued load a model)
+            queued = self._queued_loads.get(name)
+            if queued is not None:
+                return queued
+            return self._load_after(e, lambda: self.load(name, quantization=quantization, kv_cache_dtype=kv_cache_dtype))
         if asked and e.state in (State.ABSENT, State.CACHED, State.FAILED):
             e.settings = e.settings.model_copy(update=asked)
         if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
@@ -592,6 +597,9 @@ class ModelManager:
             e.refusal = {}
             e.move(e.at_rest, "unloaded after a failure")
             return None
+        queued = self._queued_loads.pop(name, None)
+        if queued is not None:  # the later word wins: a load waiting for this model's operation is off
+            queued.cancel()
         if e.state in (State.CACHED, State.ABSENT):
             return None
         if e.busy and e.op in _UNLOADS:  # on its way out already: asking again joins it
@@ -601,27 +609,33 @@ class ModelManager:
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
         return self._run(e, "unload", self._unload, e, drain_s, "", state=State.DRAINING)
 
-    def _after(self, e: ModelEntry, then: Callable[[], asyncio.Task[None] | None]) -> asyncio.Task[None]:
-        """A task that waits for ``e``'s running operation to end, however it ends, then starts
-        ``then()`` and waits for that: what an operator's load during an unload, a pull or a
-        verify answers with (their ``?wait`` waits for both). A refusal then (the model was
-        forgotten, asked for other options meanwhile) ends it with the entry's state as it is."""
+    def _load_after(self, e: ModelEntry, load: Callable[[], asyncio.Task[None] | None]) -> asyncio.Task[None]:
+        """A load queued behind ``e``'s operation under way (an unload, a pull, a verify): a task
+        that waits for it to end, however it ends, then starts ``load()`` and waits for that;
+        their ``?wait`` waits for both. An unload meanwhile cancels it (the later word wins), as
+        does the manager's close; a refusal then (the model forgotten, asked for other options
+        meanwhile) ends it with the entry's state as it is."""
         before = e.task
 
-        async def chained() -> None:
-            if before is not None:
-                await asyncio.wait([before])  # never cancels ``before``, unlike awaiting it
+        async def queued() -> None:
             try:
-                task = then()
-            except ManagerError as ex:
-                self._log.info("chained_operation_refused", model=e.name, error=str(ex))
+                if before is not None:
+                    await asyncio.wait([before])  # never cancels ``before``, unlike awaiting it
+            finally:
+                if self._queued_loads.get(e.name) is task:
+                    del self._queued_loads[e.name]
+            if self._closing:
                 return
-            if task is not None:
-                await asyncio.wait([task])
+            try:
+                started = load()
+            except ManagerError as ex:
+                self._log.info("queued_load_refused", model=e.name, error=str(ex))
+                return
+            if started is not None:
+                await asyncio.wait([started])
 
-        task = asyncio.create_task(chained(), name=f"after-{e.op}-{e.name}")
-        self._chained.add(task)
-        task.add_done_callback(self._chained.discard)
+        task = asyncio.create_task(queued(), name=f"load-after-{e.op}-{e.name}")
+        self._queued_loads[e.name] = task
         return task
 
     async def _unload(self, e: ModelEntry, drain_s: float | None, reason: str) -> None:
@@ -837,9 +851,11 @@ class ModelManager:
         if self._keep_alive is not None:
             self._keep_alive.cancel()
             await asyncio.gather(self._keep_alive, return_exceptions=True)
-        for task in list(self._chained):  # first: none may start an operation while those end
+        self._closing = True
+        queued = list(self._queued_loads.values())
+        for task in queued:  # first: none may start a load while the operations end
             task.cancel()
-        await asyncio.gather(*self._chained, return_exceptions=True)
+        await asyncio.gather(*queued, return_exceptions=True)
         for e in self.models.values():
             if e.busy:
                 e.task.cancel()

@@ -187,8 +187,11 @@ class WorkerClient:
         self._stopping = True
         if self._first is not None:  # never supervised (stopped before the supervisor ran)
             _discard_spawned(self._first)
+            forget_worker(self.options, self._first.proc.pid)
             self._first = None
         proc, exited = self._proc, self._exited
+        if proc is not None and (exited is None or exited.done()):  # gone already (a restart was pending)
+            forget_worker(self.options, proc.pid)
         if proc is not None and exited is not None and not exited.done():
             try:
                 self._send(P.Shutdown())

@@ -183,7 +183,25 @@ async def test_asking_again_joins_an_operation_and_a_load_follows_an_unload(monk
     assert mgr.get("x").state is State.PULLING and mgr.load("x") is own
     await own
     assert mgr.get("x").state is State.READY and len(w.offers) == 4
+    # the later word wins: an unload called after a load queued behind a drain calls it off
+    held = mgr.admit("x")
+    held.__enter__()
+    out = mgr.unload("x", drain_s=5.0)
+    queued = mgr.load("x")
+    assert mgr.load("x") is queued  # one queued load a model
+    assert mgr.unload("x") is out
+    held.__exit__(None, None, None)
+    await out
+    await asyncio.wait([queued])
+    assert queued.cancelled() and mgr.get("x").state is State.CACHED and len(w.offers) == 4
+    # the manager's close calls off what is queued; nothing starts after it
+    await mgr.load("x")
+    held = mgr.admit("x")
+    held.__enter__()
+    out = mgr.unload("x", drain_s=0.2)
+    queued = mgr.load("x")
     await mgr.close()
+    assert queued.cancelled() and len(w.offers) == 5
 
 
 async def test_eviction_offers_idle_unpinned_lru_then_drains_the_lru_busy_one(monkeypatch, tmp_path) -> None:

@@ -266,6 +266,21 @@ def test_streamed_logprobs_end_where_a_stop_string_cuts_the_text(client, echo) -
     assert stopped >= 6  # the stop strings did cut most answers
 
 
+def test_streamed_chat_logprobs_equal_the_whole_answers_at_a_stop_string(client) -> None:
+    stopped = 0
+    for seed in range(8):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=30, temperature=1.0,
+                  seed=seed, logprobs=True, top_logprobs=1, stop=["e", "a "])
+        whole = client.chat.completions.create(**kw).choices[0]
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs
+                    for t in c.choices[0].logprobs.content]
+        assert streamed == [t.token for t in whole.logprobs.content]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.message.content
+        stopped += whole.finish_reason == "stop"
+    assert stopped >= 4
+
+
 # --- item 10: errors in the client's words -------------------------------------------------------------
 
 

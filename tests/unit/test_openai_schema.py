@@ -65,6 +65,9 @@ def test_a_unions_error_is_the_one_of_the_branch_the_value_took() -> None:
     assert _error(ChatCompletionRequest, {"messages": hi, "tool_choice": "foo"}) == \
         ("tool_choice", "tool_choice: must be 'none', 'auto' or 'required'")
     assert _error(ChatCompletionRequest, {"messages": hi, "tool_choice": {"type": "function"}})[0] == "tool_choice.function"
+    # a client's own CamelCase key is named, not taken for a branch
+    assert _error(CompletionRequest, {"prompt": "x", "Temperature": 1}) == \
+        ("Temperature", "Temperature: unknown or unsupported parameter")
 
 
 def test_errors_are_in_the_clients_words() -> None:

@@ -37,6 +37,11 @@ def test_prompt_logprobs_are_bounded_by_the_entries_the_answer_would_hold() -> N
     # n multiplies: every choice carries its prompt's logprobs
     with pytest.raises(ApiError):
         _ids({"prompt": [[5] * 4096] * 32, "n": 2, "max_tokens": 0, "echo": True, "logprobs": 2})
+    # streamed, the first chunk is built on the loop: a quarter of the bound
+    with pytest.raises(ApiError) as e:
+        _ids({**lm_eval, "stream": True})
+    assert "at most 131072 in one streamed request" in e.value.message
+    assert len(_ids({**lm_eval, "prompt": [[5] * 4096] * 16, "stream": True})) == 16
     # no prompt logprobs asked (echo alone, or logprobs without echo): no bound but the tokens'
     assert len(_ids({"prompt": [[5] * 2000] * 64, "echo": True})) == 64
     assert len(_ids({"prompt": [[5] * 2000] * 64, "logprobs": 20})) == 64
