@@ -31,13 +31,14 @@ class ApiError(Exception):
         return web.json_response(self.body(), status=self.status, headers=headers)
 
 
-def stream_error(e: WorkerError) -> ApiError:
+def stream_error(e: WorkerError, grammar_param: str = "response_format") -> ApiError:
     """A failure after the request was sent: refused by the engine (400), engine gone or
-    shutting down (503), anything else (500)."""
+    shutting down (503), anything else (500). ``grammar_param``: the field a grammar's failure
+    names (``response_format``, or ``tools`` for a forced call)."""
     if e.code in ("EngineError", "RequestError", "SamplingParamsError"):
         return ApiError(400, str(e), code="invalid_request")
-    if e.code == "GrammarError":  # the format passed the agent's check but not this model's vocabulary
-        return ApiError(400, str(e), param="response_format", code="invalid_value")
+    if e.code == "GrammarError":  # passed the agent's check, not this model's vocabulary or the mask budget
+        return ApiError(400, str(e), param=grammar_param, code="invalid_value")
     unavailable = isinstance(e, WorkerDied) or e.code in ("shutting_down", "aborted")
     return ApiError(503 if unavailable else 500, str(e), code=e.code)
 

@@ -25,6 +25,11 @@ class Decoding:
     constraint: ResponseFormat | ForcedCall | None  # what the grammar enforces; None: free text
     echo_only: bool = False  # max_tokens 0 with echo: the one token the engine samples is not sent
 
+    @property
+    def grammar_param(self) -> str:
+        """The request field a grammar's failure in the engine is about."""
+        return "tools" if isinstance(self.constraint, ForcedCall) else "response_format"
+
 
 def plan_decoding(req: ChatCompletionRequest | CompletionRequest, n_prompt: int, ctx_len: int,
                   tool_fmt: ToolFormat | None) -> Decoding:

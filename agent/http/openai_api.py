@@ -178,24 +178,25 @@ class OpenAIApi:
             fmt = OpenAIFormatter(base_id, entry.name, chat, tok, tools)
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                return await self._stream(request, gen, fmt, include_usage, rid)
+                return await self._stream(request, gen, fmt, include_usage, rid, plan.grammar_param)
             n_prompt = sum(len(ids) for ids in prompts)
             # an answer with prompt logprobs is built and serialized in a body thread (~30 bytes
             # an entry: megabytes of JSON would hold the loop, and /livez with it, for seconds)
             weight = 32 * prompt_logprob_entries(req, n_prompt) if isinstance(req, CompletionRequest) else 0
-            resp = await self._collect(gen, fmt, n_prompt, weight)
+            resp = await self._collect(gen, fmt, n_prompt, weight, plan.grammar_param)
             resp.headers["X-Request-Id"] = rid
             return resp
         finally:
             gen.close()
 
-    async def _collect(self, gen: Generation, fmt: OpenAIFormatter, n_prompt: int, weight: int) -> web.Response:
+    async def _collect(self, gen: Generation, fmt: OpenAIFormatter, n_prompt: int, weight: int,
+                       grammar_param: str) -> web.Response:
         """The whole answer once the generation ends; ``weight``: its size as
         request_body.off_loop weighs work (bytes), which puts a heavy one in a thread."""
         try:
             await gen.finish()
         except WorkerError as e:
-            raise stream_error(e) from None
+            raise stream_error(e, grammar_param) from None
         usage = gen.usage()
         usage["prompt_tokens"] = usage["prompt_tokens"] or n_prompt
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -203,7 +204,7 @@ class OpenAIApi:
         return web.json_response(text=await off_loop(weight, lambda: json.dumps(fmt.full(choices, usage))))
 
     async def _stream(self, request: web.Request, gen: Generation, fmt: OpenAIFormatter, include_usage: bool,
-                      rid: str) -> web.StreamResponse:
+                      rid: str, grammar_param: str) -> web.StreamResponse:
         """SSE: the events are written by ``EventStream.push`` as the generation makes them (from
         before the first await: nothing made meanwhile is missed); this task writes what that
         held back (the first events, a slow reader's backlog) and the end."""
@@ -230,7 +231,7 @@ class OpenAIApi:
             tail = fmt.sse([fmt.usage_chunk(gen.usage())]) if include_usage else b""
             await stream.write(tail + b"data: [DONE]\n\n")
         except WorkerError as e:
-            err = stream_error(e)
+            err = stream_error(e, grammar_param)
             self._log.warning("stream_failed", status=err.status, code=err.code, error=err.message)
             await stream.write(fmt.sse([err.body()]))
         except (ConnectionResetError, ConnectionError):

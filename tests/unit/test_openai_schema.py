@@ -152,6 +152,25 @@ def test_a_grammar_the_worker_cannot_compile_is_a_400_naming_response_format() -
     assert stream_error(WorkerError("boom", "RuntimeError")).status == 500
 
 
+def test_a_forced_calls_grammar_failure_names_tools() -> None:
+    """A second attacker's finding: a forced call's grammar over its mask budget was refused
+    naming ``response_format``, which the request did not have."""
+    from agent.http.api_error import stream_error
+    from agent.http.decoding import plan_decoding
+    from agent.worker.client import WorkerError
+    from text.tool_calls import ToolFormat
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    fmt = ToolFormat("hermes", False)
+    forced = plan_decoding(ChatCompletionRequest.model_validate({**base, "tool_choice": "required"}), 4, 256, fmt)
+    shaped = plan_decoding(ChatCompletionRequest.model_validate(
+        {**base, "response_format": {"type": "json_object"}}), 4, 256, fmt)
+    failed = WorkerError("the response format is too costly to enforce", "GrammarError")
+    assert stream_error(failed, forced.grammar_param).param == "tools"
+    assert stream_error(failed, shaped.grammar_param).param == "response_format"
+
+
 @pytest.mark.parametrize("fmt, param", [
     ({"type": "json_schema"}, "response_format.json_schema"),
     ({"type": "text", "json_schema": {"name": "a", "schema": {}}}, "response_format.json_schema"),
