@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -232,7 +233,7 @@ class _GiveUp(Exception):
     pass
 
 
-def _node_ends(node: dict[str, Any], ends, resolve) -> bool:
+def _node_ends(node: dict[str, Any], ends: Callable[[object], bool], resolve: Callable[[str], object]) -> bool:
     """Whether the object schema ``node`` has a finite value, given ``ends`` for its subschemas."""
     ref = node.get("$ref")
     if isinstance(ref, str) and not ends(resolve(ref)):
