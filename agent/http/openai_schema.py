@@ -484,9 +484,12 @@ def _is_model_name(name: str) -> bool:
     """A union branch that is one of this module's models (a client's own key may be CamelCase)."""
     obj = globals().get(name)
     return isinstance(obj, type) and issubclass(obj, BaseModel)
+
+
 # A value of the wrong type for a union's branch: another branch's error says more.
 _TYPE_MISMATCH = frozenset({"string_type", "list_type", "dict_type", "model_type", "model_attributes_type",
                             "int_type", "float_type", "bool_type", "literal_error", "is_instance_of"})
+
 
 # Errors of types whose pydantic wording is not the client's (strict types: no coercion).
 _WORDS = {

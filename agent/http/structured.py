@@ -104,8 +104,9 @@ def schema_bounds(schema: object, param: str) -> None:
     """Refuse (:class:`StructuredOutputError` naming ``param``) a schema whose grammar would cost
     the worker too much to compile or to mask with: ``multipleOf`` values adding up to over
     ``MAX_MULTIPLE_OF``, a literal (``const``, ``enum`` member, property name) or a counted
-    repetition in a ``pattern`` over ``MAX_LITERAL_CHARS``, an integer bound beyond 64 bits. Iterative (the schema is at most 64 KiB
-    and 24 levels deep by then, but a tool list may hold many)."""
+    repetition in a ``pattern`` over ``MAX_LITERAL_CHARS``, an integer bound the grammar's 64-bit
+    clamp would widen. Iterative (the schema is at most 64 KiB and 24 levels deep by then, but a
+    tool list may hold many)."""
     total = 0
     todo: list[object] = [schema]
     while todo:
