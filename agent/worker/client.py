@@ -190,8 +190,6 @@ class WorkerClient:
             forget_worker(self.options, self._first.proc.pid)
             self._first = None
         proc, exited = self._proc, self._exited
-        if proc is not None and (exited is None or exited.done()):  # gone already (a restart was pending)
-            forget_worker(self.options, proc.pid)
         if proc is not None and exited is not None and not exited.done():
             try:
                 self._send(P.Shutdown())
@@ -202,6 +200,7 @@ class WorkerClient:
             except asyncio.TimeoutError:
                 proc.kill()
                 await exited
+        if proc is not None:  # gone now, or already (a restart was pending)
             forget_worker(self.options, proc.pid)
         if self._supervisor is not None:
             self._supervisor.cancel()

@@ -28,9 +28,10 @@ BLOCK_M = 16  # pairs per tile at decode sizes: tl.dot's smallest height
 TALL_BLOCK_M = 64  # pairs per tile once the average expert gets that many (prefill steps)
 # The most pairs the one-program alignment takes (engine/kernels/moe_align_triton.py): it holds
 # them all at once. 4,096 covers every decode bucket of Qwen3-30B-A3B (512 rows × top 8): at 1,024
-# its buckets past 128 rows aligned the torch way, some 25 kernels a sparse layer, and its graph
-# steps spent 7.0 ms of host time against Mixtral's 1.5 (docs/perf.md, 2026-12-06). Past it a step
-# is a prefill, big enough that those launches are not its cost.
+# its buckets past 128 rows aligned the torch way, some 25 kernels a sparse layer; the program is
+# faster at every bucket (0.086 against 0.101 ms at 4,096 pairs on an H100: docs/perf.md,
+# 2026-12-06), though it did not move the 6.8 ms of host time Qwen's graph steps take. Past it a
+# step is a prefill, big enough that those launches are not its cost.
 MAX_ALIGN_PAIRS = 4096
 
 

@@ -64,6 +64,11 @@ def _align_kernel(experts_ptr, pair_ids_ptr, tile_expert_ptr, scratch_ptr, P, E,
 _ALIGN_LAUNCH = CachedLauncher(_align_kernel, pdl=True)
 
 
+def align_warps(pairs: int) -> int:
+    """The warps of the one program: past 1,024 pairs, more threads to sort them."""
+    return 4 if pairs <= 1024 else 8
+
+
 def align_triton(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair_ids, tile_expert) of ``align`` for experts [N, k] (at most ``moe.MAX_ALIGN_PAIRS`` pairs)."""
     pairs = experts.numel()
@@ -78,5 +83,5 @@ def align_triton(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple
                          BLOCK_P=max(16, triton.next_power_of_2(pairs)), BLOCK_E=block_e,
                          BLOCK_T=triton.next_power_of_2(tiles), BLOCK_S=triton.next_power_of_2(slots),
                          BLOCK_M=block_m, SEARCH_STEPS=num_experts.bit_length() + 1,
-                         num_warps=4 if pairs <= 1024 else 8)  # past 1,024 pairs: more threads to sort them
+                         num_warps=align_warps(pairs))
     return pair_ids, tile_expert

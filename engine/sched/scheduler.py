@@ -485,7 +485,7 @@ class Scheduler:
         # reports its error. It sees every token first: a failed grammar's mask lets through the
         # end of text alone, which must not end the request as a finished answer.
         if seq.grammar is not None:
-            if seq.grammar.error is not None or not seq.grammar.accept(tok):
+            if not seq.grammar.accept(tok):  # False once it has failed, too
                 return FinishReason.ABORT
             if seq.grammar.finished:
                 return FinishReason.STOP

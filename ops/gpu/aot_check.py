@@ -197,7 +197,7 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                          E="i32", SLOTS="i32", TILES="i32"),
                     dict(BLOCK_P=max(16, triton.next_power_of_2(pairs)), BLOCK_E=block_e,
                          BLOCK_T=triton.next_power_of_2(slots // 16), BLOCK_S=triton.next_power_of_2(slots), BLOCK_M=16,
-                         SEARCH_STEPS=e.bit_length() + 1), dict(num_warps=4 if pairs <= 1024 else 8)))
+                         SEARCH_STEPS=e.bit_length() + 1), dict(num_warps=mal.align_warps(pairs))))
     for fp8_w in (False, True):  # Llama 4 Scout's gate-up: 16 experts, top 1, the sigmoid score on the input
         out.append(("moe grouped gemm weigh_input" + (" fp8" if fp8_w else ""), moe._grouped_gemm_kernel,
                     {**mt, "w_ptr": "*fp8e4nv"} if fp8_w else mt,
