@@ -261,6 +261,7 @@ def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | 
     async def metrics_handler(request: web.Request) -> web.Response:
         metrics.worker_up.set(1 if ctx.worker.alive else 0)
         metrics.refresh_engine(ctx.worker.state.models)
+        metrics.refresh_warm_tier(ctx.worker.state.warm_tier)
         metrics.ready.set(1 if health.ready()[0] else 0)
         if ctx.manager is not None:
             admitted = {e.name: Admitted(e.in_flight, e.load_waiters, e.info.block_size if e.info is not None else None)

@@ -15,7 +15,7 @@ from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from agent.gateway_metrics import GatewayCollector
-from engine.stats import ModelStats
+from engine.stats import ModelStats, WarmTierStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -126,6 +126,10 @@ class Metrics:
                                           registry=r)
         self.gpu_budget = Gauge("infire_gpu_budget_bytes", "Device memory budget", registry=r)
         self.gpu_used = Gauge("infire_gpu_used_bytes", "Device memory in use by models", registry=r)
+        self.warm_tier = Gauge("infire_warm_tier_bytes", "The warm tier's host memory: its budget, the share a "
+                               "put may take now (page-locked so far) and what stored models hold", ["kind"],
+                               registry=r)
+        self.warm_tier_models = Gauge("infire_warm_tier_models", "Models stored in the warm tier", registry=r)
         self.model_state = Gauge("infire_model_state", "1 for the model's current state", ["model", "state"], registry=r)
         self.load_seconds = Histogram("infire_model_load_seconds", "Model load time", ["model"],
                                       buckets=_LOAD_BUCKETS, registry=r)
@@ -170,6 +174,16 @@ class Metrics:
             self.gpu_memory.labels(model=model).set(s.device_bytes)
             used += s.device_bytes
         self.gpu_used.set(used)
+
+    def refresh_warm_tier(self, tier: WarmTierStats | None) -> None:
+        """Mirror the worker's last ``WarmTier.stats()``; no series without a warm tier."""
+        if tier is None:
+            self.warm_tier.clear()
+            self.warm_tier_models.set(0)
+            return
+        for kind, value in (("budget", tier.budget), ("ready", tier.ready), ("used", tier.used)):
+            self.warm_tier.labels(kind=kind).set(value)
+        self.warm_tier_models.set(tier.models)
 
     def forget_model(self, model: str) -> None:
         """Drop per-model engine gauges after an unload, so dashboards do not show ghosts."""

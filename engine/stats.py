@@ -1,6 +1,7 @@
-"""What the engine holds, per model and in memory: :class:`ModelStats` (``EngineCore.stats()``)
-and :class:`MemoryStats` (``EngineCore.memory()``), torch-free records the worker's ``Status``
-carries to the agent.
+"""What the engine holds, per model, in device memory and in its warm tier: :class:`ModelStats`
+(``EngineCore.stats()``), :class:`MemoryStats` (``EngineCore.memory()``) and
+:class:`WarmTierStats` (``WarmTier.stats()``), torch-free records the worker's ``Status`` carries
+to the agent.
 
 Every field is always present. A figure of a feature a model does not use is 0, and a flag says
 whether it uses it (``prefix_caching``, ``cascade``, ``constrained``): a view that shows those
@@ -109,3 +110,17 @@ class MemoryStats:
         names = sorted(self.models, key=lambda m: -self.models[m].weights)
         return dataclasses.replace(self, models={m: self.models[m] for m in names[:n]},
                                    models_omitted=self.models_omitted + max(0, len(names) - n))
+
+
+@dataclass(frozen=True)
+class WarmTierStats:
+    """The warm tier's host memory (engine/weights/warm_tier.py), in bytes. ``ready``: what a put
+    may take now. With pinning on (CUDA) that is the arena's page-locked prefix, which grows from
+    0 to ``budget`` in the background after the worker starts: until it covers a model, an
+    unload keeps nothing there (so a node's first swaps after a start are from the page cache).
+    Without pinning it is the whole budget."""
+
+    budget: int
+    ready: int
+    used: int  # the stored models' bytes
+    models: int  # how many are stored

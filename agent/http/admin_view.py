@@ -124,7 +124,9 @@ def status_view(ctx: AgentContext, ready: bool) -> dict[str, Any]:
         "engine": {"models": {name: engine_row(s) for name, s in w.models.items()},
                    "kv_pages_used": sum(s.kv_pages_used for s in w.models.values()),
                    # the ledger's split in bytes (Status.memory)
-                   "memory": dataclasses.asdict(w.memory) if w.memory is not None else None},
+                   "memory": dataclasses.asdict(w.memory) if w.memory is not None else None,
+                   # the warm tier's host bytes (Status.warm_tier): budget, ready (pinned so far), used
+                   "warm_tier": dataclasses.asdict(w.warm_tier) if w.warm_tier is not None else None},
         # The start from exec to ready by phase, seconds since the agent's exec (agent/startup.py).
         "startup": ctx.startup_record(),
     }

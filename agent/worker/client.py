@@ -23,7 +23,7 @@ from agent.worker.spawn import Spawned, forget_worker, spawn_worker
 from cache.triton_cache import sweep_triton_cache, triton_cache_dir
 from engine.load_spec import LoadSpec
 from engine.sampling import SamplingParams
-from engine.stats import MemoryStats, ModelStats
+from engine.stats import MemoryStats, ModelStats, WarmTierStats
 from engine.worker import protocol as P
 
 HELLO_TIMEOUT_S = 120.0  # importing torch and initialising CUDA on a cold node is slow
@@ -93,6 +93,7 @@ class WorkerState:
     last_progress: float = 0.0
     models: dict[str, ModelStats] = field(default_factory=dict)  # the engine's, per model (Status.models)
     memory: MemoryStats | None = None  # the engine's ledger split (Status.memory); None: none known
+    warm_tier: WarmTierStats | None = None  # the warm tier's host memory (Status.warm_tier); None: none
     # Models loaded or unloaded since the last Status: their rows there describe the load before
     # (a model's own view reads its Loaded info instead until the next Status).
     stale_models: set[str] = field(default_factory=set)
@@ -376,6 +377,7 @@ class WorkerClient:
             if msg.steps != st.steps:
                 st.last_progress = now
             st.steps, st.busy, st.models, st.memory = msg.steps, msg.busy, msg.models, msg.memory
+            st.warm_tier = msg.warm_tier
             st.stale_models = set()
         elif isinstance(msg, P.Hello):
             st.startup, st.hello_at = P.unpack_startup(msg), now  # a bad record: a protocol error

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import EngineError
+from engine.stats import WarmTierStats
 
 _ALIGN = 256  # each tensor starts on a 256-byte boundary of the packed buffer
 PIN_CHUNK_BYTES = 64 << 20  # one registration, ~30 ms on the H200: the longest a step or load waits for pinning
@@ -238,6 +239,17 @@ class WarmTier:
     def used_bytes(self) -> int:
         with self._lock:
             return sum(e.nbytes for e in self._entries.values())
+
+    def stats(self) -> WarmTierStats:
+        """Its budget, what a put may take now (the pinned prefix while pinning goes on) and
+        what the stored models hold."""
+        with self._lock:
+            if not self.pin:
+                ready = self.budget_bytes
+            else:
+                ready = self._arena.limit if self._arena is not None else 0
+            return WarmTierStats(budget=self.budget_bytes, ready=ready,
+                                 used=sum(e.nbytes for e in self._entries.values()), models=len(self._entries))
 
     def models(self) -> list[str]:
         """Stored model names, least recently used first."""

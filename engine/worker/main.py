@@ -344,7 +344,9 @@ class Worker:
         self._last_status = now
         models = self.core.stats() if self.core is not None else {}
         memory = self.core.memory().largest(P.STATUS_MEMORY_MODELS) if self.core is not None else None
-        self.conn.send(P.Status(steps=self.steps, busy=busy, models=models, memory=memory))
+        tier = self.core.loader.warm_tier if self.core is not None else None
+        self.conn.send(P.Status(steps=self.steps, busy=busy, models=models, memory=memory,
+                                warm_tier=tier.stats() if tier is not None else None))
 
     def run(self) -> int:
         sel = selectors.DefaultSelector()

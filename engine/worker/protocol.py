@@ -40,7 +40,7 @@ from engine.errors import EngineError
 from engine.load_spec import LoadSpec
 from engine.model_info import ModelInfo
 from engine.sampling import SamplingParams
-from engine.stats import MemoryStats, ModelStats
+from engine.stats import MemoryStats, ModelStats, WarmTierStats
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a 1M-token prompt as int32-ish msgpack fits with room
@@ -360,6 +360,9 @@ class Status(Message):
     # EngineCore.memory(), at most STATUS_MEMORY_MODELS model rows (MemoryStats.largest): the budget
     # and who holds it, in bytes. None: no engine; optional within version 1 (an older peer sends none).
     memory: MemoryStats | None = None
+    # WarmTier.stats(): the host tier's budget, pinned share and contents. None: no warm tier
+    # (or no engine); optional within version 1.
+    warm_tier: WarmTierStats | None = None
 
 
 @_register

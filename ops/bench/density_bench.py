@@ -71,6 +71,7 @@ from typing import Any
 
 import numpy as np
 
+from agent.units import parse_size
 from ops.bench.engine_bench import REPO, _commit, save_result
 from ops.bench.workload import ID_MARGIN, percentile, sharegpt_like
 
@@ -423,6 +424,24 @@ def start_daemon(root: Path, cfg: Path) -> subprocess.Popen[bytes]:
                             start_new_session=True)
 
 
+def wait_warm_tier(url: str, timeout: float) -> tuple[float, dict[str, int] | None]:
+    """Until the worker's warm tier is ready whole (page-locked, on CUDA, in the background after
+    the start: a node's steady state) or ``timeout`` seconds; returns the seconds waited and its
+    last stats (None: no warm tier reported)."""
+    t0 = time.monotonic()
+    tier = None
+    while time.monotonic() - t0 < timeout:
+        try:
+            code, st = _http(url + "/admin/v1/status", timeout=5)
+        except OSError:
+            code, st = 0, None
+        tier = ((st.get("engine") or {}).get("warm_tier") if code == 200 and isinstance(st, dict) else None) or tier
+        if tier is not None and tier["ready"] >= tier["budget"]:
+            break
+        time.sleep(POLL_S)
+    return round(time.monotonic() - t0, 3), tier
+
+
 def wait_worker(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> dict:
     """Until the agent answers and its worker is up; returns the status."""
     deadline = time.monotonic() + timeout
@@ -773,6 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--budget", help="gpu.memory_budget: a fraction (0.9) or bytes (60GiB); default the daemon's")
     ap.add_argument("--warm-tier-bytes", default="0", help="gpu.warm_tier_bytes (e.g. 64GiB)")
+    ap.add_argument("--warm-tier-wait", type=float, default=180.0,
+                    help="with a warm tier, seconds at most to wait before the window for it to be ready whole")
     ap.add_argument("--quantization", choices=["none", "fp8"], default="none")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -886,6 +907,9 @@ def main(argv: list[str] | None = None) -> int:
 
             asyncio.run(warm())
             time.sleep(1.0)
+        tier_wait = tier = None
+        if parse_size(a.warm_tier_bytes):  # the window measures a tier that is ready, as on a node up for minutes
+            tier_wait, tier = wait_warm_tier(url, a.warm_tier_wait)
         loads0 = metric_counts(url, "infire_model_load_seconds_count")
         log0 = log_path.stat().st_size
         resizes0 = monitor.pool_resizes_now
@@ -941,6 +965,8 @@ def main(argv: list[str] | None = None) -> int:
         "models": a.models, "model_dirs": sorted({str(d) for d in model_dirs}),
         "distinct_bytes": len(set(model_dirs)), "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
         "warm_tier_bytes": a.warm_tier_bytes, "budget_setting": a.budget or "default",
+        # seconds waited before the window for the tier to be ready whole, and its stats then
+        "warm_tier_wait_s": tier_wait, "warm_tier_at_start": tier,
         "workload": a.workload if a.workload == "sharegpt" else f"fixed {a.prompt_len} in / {a.gen_len} out",
         "rate_per_model": a.rate_per_model, "rate": a.rate, "zipf": a.zipf, "duration_s": a.duration,
         "seed": a.seed, "max_model_len": max_len, "max_num_seqs": a.max_num_seqs, "keep_alive_s": a.keep_alive,

@@ -49,7 +49,10 @@ def test_only_the_errors_a_drill_causes_by_design_are_forgiven() -> None:
 
 
 def test_density_bench_runs_against_a_real_daemon(tmp_path) -> None:
-    r, rep = _bench(tmp_path, "--models", "3", "--duration", "4")
+    r, rep = _bench(tmp_path, "--models", "3", "--duration", "4", "--warm-tier-bytes", "64MiB")
+    # the window starts once the warm tier is ready whole (off CUDA: at once, nothing to pin)
+    assert rep["warm_tier_at_start"]["budget"] == rep["warm_tier_at_start"]["ready"] == 64 << 20, rep
+    assert 0 <= rep["warm_tier_wait_s"] < 60
     for key in ("date", "gpu", "commit", "command", "models", "errors", "worker_restarts", "nvml_peak_bytes",
                 "budget_bytes", "max_resident", "swaps", "evictions", "overall", "per_model"):
         assert key in rep, key

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.stats import WarmTierStats
 from engine.weights.warm_tier import WarmTier, WarmTierError
 
 
@@ -298,3 +299,29 @@ def test_a_failed_registration_leaves_nothing_pinned_and_the_tier_stores_nothing
     tier.prepin()
     assert calls.count("unregister") == 2  # the two that were registered, undone
     assert tier._arena.limit == 0 and not tier.put("a", m)
+
+
+def test_stats_show_the_pinned_share_grow_to_the_budget_and_what_is_stored(monkeypatch):
+    """What an operator (and the density bench, before a warm window) reads: ``ready`` is 0 before
+    the start-up pinning, grows a piece at a time to the budget, and drops to 0 again when a
+    registration fails; without pinning the whole budget is ready at once."""
+    fail = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: type("D", (), {
+        "cudaHostRegister": lambda self, p, n, f: 2 if fail else 0, "cudaHostUnregister": lambda self, p: 0})())
+    m = model(5)
+    budget = 3 * nbytes(m)
+    tier = WarmTier(budget, pin=True, pin_chunk_bytes=4096)
+    assert tier.stats() == WarmTierStats(budget=budget, ready=0, used=0, models=0)
+    seen = []
+    tier.prepin(lambda: seen.append(tier.stats().ready))
+    assert seen[0] == 0 and seen == sorted(seen) and len(set(seen)) == len(seen) > 2  # one piece a turn
+    assert tier.put("a", m) and tier.stats() == WarmTierStats(budget=budget, ready=budget, used=nbytes(m), models=1)
+
+    fail.append(1)
+    broken = WarmTier(budget, pin=True, pin_chunk_bytes=4096)
+    broken.prepin()
+    assert broken.stats().ready == 0
+
+    plain = WarmTier(budget, pin=False)
+    assert plain.stats() == WarmTierStats(budget=budget, ready=budget, used=0, models=0)
+    assert plain.put("b", m) and plain.stats().used == nbytes(m)
