@@ -409,13 +409,14 @@ class ModelManager:
                     # engine load, instead of queueing behind its wait, but a queue of loads
                     # does not drain every resident model at once. Every change that may make
                     # room wakes it (a model leaving for another load too: that load's end
-                    # changes who drains next); refused at once only when nothing could ever
-                    # make room, and never after draining on a pass past its deadline.
+                    # changes who drains next); refused at once when nothing could ever make
+                    # room (no model that may leave, or a load larger than the budget less the
+                    # pinned models), and never after draining on a pass past its deadline.
                     # A colder model on its way is waited on too, until the patience runs out
                     # (then every model is a candidate again).
                     waits = self._planner.may_free(exclude=e.name, coming=colder)
                     left = deadline - time.monotonic()
-                    if not waits or left <= 0:
+                    if not waits or left <= 0 or self._planner.never_fits(plan.details, exclude=e.name):
                         raise plan.refusal(e.name) from None
                     if len(self._planner.loads_draining(self._drains, exclude=e.name)) < DRAINING_LOADS_MAX:
                         for v in self._planner.to_drain(plan.details["short"], exclude=e.name,

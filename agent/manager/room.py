@@ -31,9 +31,12 @@ def refusal_reason(model: str, d: dict[str, Any]) -> str:
     def b(k: str) -> str:
         return human_bytes(d.get(k) or 0)
 
-    return (f"no room to load {model!r}: needs {b('needed')} ({d.get('needed')} B), {b('free')} free of a "
+    line = (f"no room to load {model!r}: needs {b('needed')} ({d.get('needed')} B), {b('free')} free of a "
             f"{b('budget')} budget; idle models that may be evicted free {b('evictable')}; short by {b('short')} "
             f"({d.get('short')} B)")
+    if isinstance(d.get("needed"), int) and isinstance(d.get("budget"), int) and d["needed"] > d["budget"]:
+        line += "; more than the whole budget: it cannot be loaded under it"
+    return line
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,18 @@ class RoomPlanner:
         out = [e for e in self._models.values() if e.name != exclude and e.name not in evictable and (
             (e.state is State.READY and not e.pin) or e.state in (State.DRAINING, State.UNLOADING))]
         return out + [c for c in coming if c not in out]
+
+    def never_fits(self, refusal: Mapping[str, Any], exclude: str = "") -> bool:
+        """Whether no model leaving could make room for a refused load: it needs more than the
+        budget less what pinned models hold (a pinned model never leaves for a load). Then
+        draining a busy model only unloads it for nobody (its streams cut at the drain's
+        timeout, its next request waiting for a reload), so the load is refused at once."""
+        needed, budget = refusal.get("needed"), refusal.get("budget")
+        if not isinstance(needed, int) or not isinstance(budget, int) or budget <= 0:
+            return False  # an older peer's refusal without the figures: no proof
+        pinned = sum(e.info.device_bytes for e in self._models.values()
+                     if e.name != exclude and e.pin and e.state is State.READY and e.info is not None)
+        return needed > budget - pinned
 
     def to_drain(self, short: int | None, exclude: str = "", tokens_to_go: Mapping[str, int] | None = None,
                  promised: Mapping[str, str] | None = None, most: float | None = None) -> list[ModelEntry]:

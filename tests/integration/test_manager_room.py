@@ -9,24 +9,32 @@ import time
 
 import pytest
 
+from cache.publish import publish_model
+from cache.store import open_store
 from tests.integration.agent_harness import Daemon, publish_tiny
 from tests.integration.manager_helpers import (
     CTX, SEQS, TOKEN, admin, budget_for_two, complete, model, open_stream, read_stream, wait_engine_empty,
     wait_state,
 )
 
-NAMES = ("m-a", "m-b", "m-c", "m-k", "m-auto")
+NAMES = ("m-a", "m-b", "m-c", "m-k", "m-auto", "m-huge")
 
 
 @pytest.fixture(scope="module")
 def daemon(make_tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("manager-room")
     src = make_tiny_model("llama")
-    publish_tiny(make_tiny_model, tmp / "store", NAMES)
+    publish_tiny(make_tiny_model, tmp / "store", NAMES[:-1])
+    store = open_store((tmp / "store").as_uri())
+    try:  # a model larger than the whole budget (the small preset: ~4x a tiny one)
+        publish_model(store, make_tiny_model("llama", "small"), "m-huge")
+    finally:
+        store.close()
     # autoload off but for m-auto: these tests drive loads through the admin API
     base = {"max_model_len": CTX, "max_num_seqs": SEQS, "keep_alive": -1, "autoload": False}
     models = [{**base, "name": "m-a", "pin": True}, {**base, "name": "m-b"}, {**base, "name": "m-c"},
-              {**base, "name": "m-k", "keep_alive": "1s"}, {**base, "name": "m-auto", "autoload": True}]
+              {**base, "name": "m-k", "keep_alive": "1s"}, {**base, "name": "m-auto", "autoload": True},
+              {**base, "name": "m-huge", "autoload": True}]
     d = Daemon(tmp, models=models, env={"INFIRE_GPU__CPU_MEMORY_BUDGET": str(budget_for_two(src)),
                                         "INFIRE_SERVER__AUTOLOAD_TIMEOUT": "20s"})
     d.start(timeout=120)
@@ -154,8 +162,8 @@ def test_autoload_waits_then_serves_and_503_when_it_cannot(daemon) -> None:
     _reset(daemon)
     code, body = daemon.get("/v1/models")  # what a request may name: ready, or loaded when asked for
     listed = {m["id"]: m["state"] for m in body["data"]}
-    assert code == 200 and listed["m-auto"] == "cached", listed
-    assert all(state == "ready" for name, state in listed.items() if name != "m-auto"), listed
+    assert code == 200 and listed["m-auto"] == listed["m-huge"] == "cached", listed
+    assert all(state == "ready" for name, state in listed.items() if name not in ("m-auto", "m-huge")), listed
     assert daemon.get("/v1/models/m-auto")[1]["state"] == "cached"
     code, body = complete(daemon, "m-c")  # autoload is off for m-c
     assert code == 503 and body["error"]["code"] == "model_not_ready"
@@ -197,3 +205,29 @@ def test_unload_past_its_drain_deadline_aborts_and_frees(daemon) -> None:
     wait_engine_empty(daemon, gone=("m-c",))
     logs = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
     assert any(r.get("event") == "drain_timeout" and r.get("model") == "m-c" for r in logs)
+
+
+def test_a_model_larger_than_the_budget_is_refused_at_once_without_draining_busy_models(daemon) -> None:
+    """No model leaving could ever make room for it: the busy models keep serving (a drain would
+    unload them for nobody, its streams cut at the drain's timeout), and the request for it is
+    answered at once with the numbers, through the admin API and through autoload alike."""
+    _reset(daemon)
+    _load(daemon, "m-b")
+    _load(daemon, "m-c")
+    conns = [open_stream(daemon, n) for n in ("m-b", "m-c")]
+    t = time.monotonic()
+    code, body = admin(daemon, "m-huge", "load")
+    assert code == 507 and body["error"]["code"] == "no_room", body
+    d = body["error"]["details"]
+    assert d["needed"] > d["budget"] and "more than the whole budget" in body["error"]["message"], body
+    code, body = daemon.post("/v1/completions", {"model": "m-huge", "prompt": "hi", "max_tokens": 2})
+    assert code == 503 and "more than the whole budget" in body["error"]["message"], body
+    assert time.monotonic() - t < 10  # not the autoload_timeout's 20 s, and no drain's
+    for n in ("m-b", "m-c"):
+        assert model(daemon, n)["state"] == "ready", model(daemon, n)  # never drained
+    for conn, resp in conns:
+        chunks, done = read_stream(resp)
+        conn.close()
+        assert done and chunks[-1]["choices"][0]["finish_reason"] == "length"  # never cut
+    logs = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
+    assert not [r for r in logs if r.get("event") == "drain_for_load" and r.get("load") == "m-huge"]
