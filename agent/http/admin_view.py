@@ -54,6 +54,11 @@ def model_view(mgr: ModelManager, e: ModelEntry) -> dict[str, Any]:
         "idle_s": round(e.idle_for(time.monotonic()), 3) if e.state is State.READY else None,
         "unload_in_s": _unload_in(e),
         "refusal": e.refusal or None,
+        # loads in a row that failed on their own, and the seconds before a request may retry
+        # (LOAD_RETRY_S; an operator's load goes at once)
+        "failed_loads": e.failed_loads,
+        "retry_in_s": (round(e.retry_at - time.monotonic(), 3) if e.state is State.FAILED
+                       and e.retry_at > time.monotonic() else None),
         "snapshot": str(e.snapshot) if e.snapshot is not None else None,
         "pull": mgr.source.pull_progress(e.name) if e.state is State.PULLING and mgr.source else None,
     }

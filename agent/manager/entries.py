@@ -94,6 +94,16 @@ class NoRoom(ManagerError):
 # restart: one bad model must not keep taking the worker (and every other model) down.
 CRASH_LOOP_LOADS = 2
 
+# A load that failed on its own (bad weights or config, a canary that decodes nothing, a capture
+# error) is not started again by a request before LOAD_RETRY_S, doubling with each failure in a
+# row up to LOAD_RETRY_MAX_S (an operator's load goes at once): without it, every request for
+# such a model ran a whole load, and took its room from a healthy model first (evicted, or
+# drained with its streams cut) — a CPU churn pass saw one healthy model evicted and reloaded
+# for each of ten requests. Room refusals and the worker's own failures are not the model's.
+LOAD_RETRY_S = 5.0
+LOAD_RETRY_MAX_S = 300.0
+TRANSIENT_LOAD_CODES = frozenset({"worker_died", "worker_down", "no_engine", "busy"})
+
 # Worker error codes of a load that mean its files may be wrong (the next load re-verifies every
 # sha256); any other failure (no room, out of memory, a capture error) leaves the bytes trusted.
 BYTES_SUSPECT_CODES = frozenset({"WeightsError", "ModelConfigError", "SafetensorError", "HeaderTooLarge"})
@@ -155,6 +165,10 @@ class ModelEntry:
     # Workers that died while this model's load was in flight; at CRASH_LOOP_LOADS it is failed
     # and not reloaded automatically (an operator's load resets it).
     crashed_loads: int = 0
+    # Loads in a row that failed on their own, and when a request may start the next one
+    # (monotonic; LOAD_RETRY_S); a load that reaches ready clears both.
+    failed_loads: int = 0
+    retry_at: float = 0.0
     # Its drain for a load's room is called off (that load ended without needing it): the unload
     # stops waiting and the model serves again, never having left the engine. Cleared by any
     # move out of draining (a drain cut short by the worker's death leaves nothing behind).

@@ -46,6 +46,9 @@ from agent.log import get_logger
 from agent.manager.entries import (
     BYTES_SUSPECT_CODES,
     CRASH_LOOP_LOADS,
+    LOAD_RETRY_MAX_S,
+    LOAD_RETRY_S,
+    TRANSIENT_LOAD_CODES,
     Admission,
     CacheBusy,
     ManagerError,
@@ -338,6 +341,7 @@ class ModelManager:
         except Exception as ex:
             e.in_worker = False
             e.want_loaded = False
+            repairs = e.needs_repair
             if isinstance(ex, NoRoom):
                 e.refusal = dict(ex.details)
             if isinstance(ex, WorkerError) and ex.code in BYTES_SUSPECT_CODES and e.derived_load:
@@ -350,6 +354,12 @@ class ModelManager:
                 except WorkerError:
                     pass
             self._forget_load(e)
+            if not isinstance(ex, NoRoom) and not (isinstance(ex, WorkerError) and ex.code in TRANSIENT_LOAD_CODES):
+                if e.needs_repair and not repairs:
+                    e.retry_at = 0.0  # its bytes are suspect: the next load repairs them, at once
+                else:
+                    e.failed_loads += 1
+                    e.retry_at = time.monotonic() + min(LOAD_RETRY_MAX_S, LOAD_RETRY_S * 2 ** (e.failed_loads - 1))
             failure = ex if isinstance(ex, ManagerError) else None
             e.move(State.FAILED, str(ex) if failure is not None else f"load failed: {ex}", failure)
             return
@@ -360,7 +370,8 @@ class ModelManager:
                        phases={k: round(b - a, 3) for k, (a, b) in e.phases.items()},
                        engine={k: round(v, 3) for k, v in engine_timings.items()})
         e.touch()  # keep_alive and LRU count from the load, not from an older use
-        e.crashed_loads = 0
+        e.crashed_loads = e.failed_loads = 0
+        e.retry_at = 0.0
         e.move(State.READY)
 
     def _tokenizer(self, e: ModelEntry) -> Any:
@@ -736,9 +747,8 @@ class ModelManager:
     async def on_worker_down(self) -> None:
         for e in self.models.values():
             if e.state in (State.READY, State.DRAINING, State.UNLOADING) or (e.state is State.LOADING and e.want_loaded):
-                # its load (or the canary's first decode) was in the worker when it died
-                # its load (or the canary's decode) was in the worker when it died; one waiting
-                # for the worker or the room lock was not
+                # its load (or the canary's first decode) was in the worker when it died; one
+                # waiting for the worker or the room lock was not
                 in_engine_load = e.in_worker
                 if e.busy:
                     e.task.cancel()
@@ -832,6 +842,10 @@ class ModelManager:
         while e.state is not State.READY:
             if e.state is State.FAILED and e.crashed_loads >= CRASH_LOOP_LOADS:
                 return  # admit refuses it with its reason
+            wait = e.retry_at - time.monotonic()
+            if e.state is State.FAILED and wait > 0:  # its last load failed on its own: not again yet
+                raise ModelNotReady(f"the model {name!r} could not be loaded ({e.reason}); a request retries it "
+                                    f"in {wait:.0f} s (an operator's load goes at once)", retry_after=max(1.0, wait))
             if not e.busy:
                 startable = e.state is State.CACHED or (e.state in (State.ABSENT, State.FAILED) and (
                     self.source is not None or (e.snapshot is not None and e.state is State.FAILED)))

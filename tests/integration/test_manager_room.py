@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -17,24 +19,26 @@ from tests.integration.manager_helpers import (
     wait_state,
 )
 
-NAMES = ("m-a", "m-b", "m-c", "m-k", "m-auto", "m-huge")
+NAMES = ("m-a", "m-b", "m-c", "m-k", "m-auto", "m-huge", "m-nan")
 
 
 @pytest.fixture(scope="module")
 def daemon(make_tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("manager-room")
     src = make_tiny_model("llama")
-    publish_tiny(make_tiny_model, tmp / "store", NAMES[:-1])
+    publish_tiny(make_tiny_model, tmp / "store", NAMES[:-2])
     store = open_store((tmp / "store").as_uri())
-    try:  # a model larger than the whole budget (the small preset: ~4x a tiny one)
+    try:  # a model larger than the whole budget (the small preset: ~4x a tiny one), and one
+        # that loads but decodes nothing (every norm weight NaN: the canary refuses it)
         publish_model(store, make_tiny_model("llama", "small"), "m-huge")
+        publish_model(store, _nan_norms(src, tmp / "nan"), "m-nan")
     finally:
         store.close()
     # autoload off but for m-auto: these tests drive loads through the admin API
     base = {"max_model_len": CTX, "max_num_seqs": SEQS, "keep_alive": -1, "autoload": False}
     models = [{**base, "name": "m-a", "pin": True}, {**base, "name": "m-b"}, {**base, "name": "m-c"},
               {**base, "name": "m-k", "keep_alive": "1s"}, {**base, "name": "m-auto", "autoload": True},
-              {**base, "name": "m-huge", "autoload": True}]
+              {**base, "name": "m-huge", "autoload": True}, {**base, "name": "m-nan", "autoload": True}]
     d = Daemon(tmp, models=models, env={"INFIRE_GPU__CPU_MEMORY_BUDGET": str(budget_for_two(src)),
                                         "INFIRE_SERVER__AUTOLOAD_TIMEOUT": "20s"})
     d.start(timeout=120)
@@ -42,6 +46,21 @@ def daemon(make_tiny_model, tmp_path_factory):
         assert admin(d, n, "pull")[0] == 200
     yield d
     d.stop()
+
+
+def _nan_norms(src, dst):
+    """A copy of ``src`` whose norm weights are all NaN: it loads, and decodes nothing."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        t = load_file(f)
+        save_file({k: torch.full_like(v, float("nan")) if "norm" in k else v for k, v in t.items()}, f,
+                  metadata={"format": "pt"})
+    return dst
 
 
 def _reset(d: Daemon) -> None:
@@ -163,7 +182,7 @@ def test_autoload_waits_then_serves_and_503_when_it_cannot(daemon) -> None:
     code, body = daemon.get("/v1/models")  # what a request may name: ready, or loaded when asked for
     listed = {m["id"]: m["state"] for m in body["data"]}
     assert code == 200 and listed["m-auto"] == listed["m-huge"] == "cached", listed
-    assert all(state == "ready" for name, state in listed.items() if name not in ("m-auto", "m-huge")), listed
+    assert all(state == "ready" for name, state in listed.items() if name not in ("m-auto", "m-huge", "m-nan")), listed
     assert daemon.get("/v1/models/m-auto")[1]["state"] == "cached"
     code, body = complete(daemon, "m-c")  # autoload is off for m-c
     assert code == 503 and body["error"]["code"] == "model_not_ready"
@@ -231,3 +250,37 @@ def test_a_model_larger_than_the_budget_is_refused_at_once_without_draining_busy
         assert done and chunks[-1]["choices"][0]["finish_reason"] == "length"  # never cut
     logs = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
     assert not [r for r in logs if r.get("event") == "drain_for_load" and r.get("load") == "m-huge"]
+
+
+def test_a_model_whose_load_fails_is_not_loaded_again_by_every_request(daemon) -> None:
+    """Its load fails on its own (here the canary: it decodes nothing). The next requests are
+    answered at once with the reason and a Retry-After until LOAD_RETRY_S has passed, and take
+    no room meanwhile: the healthy model its first load evicted is not evicted again for it. An
+    operator's load still goes at once."""
+    _reset(daemon)
+    _load(daemon, "m-b")
+    _load(daemon, "m-c")
+    assert complete(daemon, "m-c")[0] == 200  # m-b the least recently used
+    code, body = complete(daemon, "m-nan")
+    assert code == 503 and "could not decode a token" in body["error"]["message"], body
+    assert model(daemon, "m-b")["state"] == "cached"  # its room went to m-nan's (failed) load
+    _load(daemon, "m-b")
+    for _ in range(3):
+        t = time.monotonic()
+        req = urllib.request.Request(daemon.base + "/v1/completions", method="POST",
+                                     data=json.dumps({"model": "m-nan", "prompt": "hi", "max_tokens": 2}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as ex:
+            urllib.request.urlopen(req, timeout=30)
+        body = json.loads(ex.value.read())
+        assert ex.value.code == 503 and "retries it in" in body["error"]["message"], body
+        assert time.monotonic() - t < 2 and 1 <= float(ex.value.headers["Retry-After"]) <= 5, ex.value.headers
+    assert {model(daemon, n)["state"] for n in ("m-b", "m-c")} == {"ready"}  # nothing evicted for it
+    m = model(daemon, "m-nan")
+    assert m["state"] == "failed" and m["failed_loads"] == 1 and 0 < m["retry_in_s"] <= 5, m
+    logs = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
+    evicts = [r for r in logs if r.get("event") == "evict" and "m-nan" in r.get("reason", "")]
+    assert len(evicts) == 1, evicts
+    code, body = admin(daemon, "m-nan", "load")  # an operator's load: at once, and it fails again
+    assert code != 200 and model(daemon, "m-nan")["failed_loads"] == 2, body
+    assert 5 < model(daemon, "m-nan")["retry_in_s"] <= 10
