@@ -202,7 +202,7 @@ async def _notify_loop(ctx: AgentContext) -> None:
         mgr = ctx.manager
         if mgr is not None:
             ctx.metrics.worker_up.set(1 if ctx.worker.alive else 0)
-            ctx.metrics.refresh_engine(ctx.worker.state.models)
+            ctx.metrics.refresh_engine(ctx.worker.state.models, ctx.worker.state.stale_models)
             status = _status_line(ctx)
             preload = [mgr.models[m.name] for m in ctx.settings.models if m.preload]
             settled = ctx.worker.alive and all(e.state.value in ("ready", "failed") for e in preload)
@@ -260,7 +260,7 @@ def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | 
 
     async def metrics_handler(request: web.Request) -> web.Response:
         metrics.worker_up.set(1 if ctx.worker.alive else 0)
-        metrics.refresh_engine(ctx.worker.state.models)
+        metrics.refresh_engine(ctx.worker.state.models, ctx.worker.state.stale_models)
         metrics.refresh_warm_tier(ctx.worker.state.warm_tier)
         metrics.ready.set(1 if health.ready()[0] else 0)
         if ctx.manager is not None:

@@ -8,6 +8,7 @@ never share counters. Gauges that mirror engine or manager state are refreshed b
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -144,16 +145,25 @@ class Metrics:
         # The inference gateway's model-server protocol, under vLLM's names (agent/gateway_metrics.py)
         self.gateway = GatewayCollector()
         r.register(self.gateway)
+        self._engine_models: set[str] = set()  # models whose engine series refresh_engine set last
 
     def set_model_state(self, model: str, state: str) -> None:
         for s in MODEL_STATES:
             self.model_state.labels(model=model, state=s).set(1.0 if s == state else 0.0)
 
-    def refresh_engine(self, stats: dict[str, ModelStats]) -> None:
+    def refresh_engine(self, stats: Mapping[str, ModelStats], stale: Collection[str] = ()) -> None:
         """Mirror the worker's last ``EngineCore.stats()``: the cascade and grammar series only
-        for a model that uses them (the prefix ones read 0 without a prefix cache)."""
+        for a model that uses them (the prefix ones read 0 without a prefix cache). ``stale``:
+        models loaded or unloaded since that Status (``WorkerState.stale_models``), whose rows
+        describe the load before: left out. A model no longer mirrored loses its series, so an
+        unloaded model leaves no ghost (set again from a stale row after the manager's
+        ``forget_model``, they once outlived it for good: per-model bytes summing past the budget)."""
+        live = {m: s for m, s in stats.items() if m not in stale}
+        for gone in self._engine_models - live.keys():
+            self.forget_model(gone)
+        self._engine_models = set(live)
         used = 0
-        for model, s in stats.items():
+        for model, s in live.items():
             self.queue_depth.labels(model=model).set(s.waiting)
             self.running.labels(model=model).set(s.running)
             self.kv_used.labels(model=model).set(s.kv_pages_used)
