@@ -39,8 +39,14 @@ def stream_error(e: WorkerError, grammar_param: str = "response_format") -> ApiE
         return ApiError(400, str(e), code="invalid_request")
     if e.code == "GrammarError":  # passed the agent's check, not this model's vocabulary or the mask budget
         return ApiError(400, str(e), param=grammar_param, code="invalid_value")
-    unavailable = isinstance(e, WorkerDied) or e.code in ("shutting_down", "aborted")
-    return ApiError(503 if unavailable else 500, str(e), code=e.code)
+    # The same transient conditions a request meets one step earlier as a 503 with Retry-After
+    # (send_error, the manager's refusals): the worker restarts in ~2 s, a drained model is
+    # reloaded by the next request.
+    if isinstance(e, WorkerDied) or e.code == "aborted":
+        return ApiError(503, str(e), code=e.code, retry_after=2)
+    if e.code == "shutting_down":
+        return ApiError(503, str(e), code=e.code, retry_after=5)
+    return ApiError(500, str(e), code=e.code)
 
 
 def send_error(e: WorkerError) -> ApiError:

@@ -152,6 +152,19 @@ def test_a_grammar_the_worker_cannot_compile_is_a_400_naming_response_format() -
     assert stream_error(WorkerError("boom", "RuntimeError")).status == 500
 
 
+def test_a_request_cut_by_the_workers_death_or_a_drain_is_a_503_with_retry_after() -> None:
+    """As when the same condition is met one step earlier (the send, the manager's refusal): a
+    CPU churn pass found all 29 such answers without the header."""
+    from agent.http.api_error import send_error, stream_error
+    from agent.worker.client import WorkerDied, WorkerError
+
+    for e in (WorkerDied("the engine worker exited"), WorkerError("drained", "aborted"),
+              WorkerError("the agent is stopping", "shutting_down")):
+        got = stream_error(e)
+        assert got.status == 503 and got.retry_after and got.retry_after >= 1, (e, got)
+    assert send_error(WorkerDied("gone")).retry_after == stream_error(WorkerDied("gone")).retry_after
+
+
 def test_a_forced_calls_grammar_failure_names_tools() -> None:
     """A second attacker's finding: a forced call's grammar over its mask budget was refused
     naming ``response_format``, which the request did not have."""
