@@ -10,6 +10,8 @@ FINAL=${OUT:-./gpu_out}; mkdir -p "$FINAL"
 OUT=$(mktemp -d /tmp/issue21.XXXX)
 M=${M8B:-/tmp/m8b}
 TOK=${GRAMMAR_TOKENIZER:-.whl/smollm2-tokenizer.json}
+# made here, before the call: python -m modelgen.smollm2 && cp ~/.cache/infire-agent/fixtures/smollm2-135m-instruct-bf16/tokenizer.json .whl/smollm2-tokenizer.json
+[ -f "$TOK" ] || { echo "no $TOK: make it before the call (see above)" | tee "$FINAL/summary.txt"; exit 1; }
 status=0
 [ -f "$M/config.json" ] || timeout 120 python3 -m agent.cli make-model --arch llama --preset llama-3.1-8b --out "$M" \
   --device cuda > "$OUT/make_model.txt" 2>&1 || status=1
