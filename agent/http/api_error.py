@@ -31,6 +31,12 @@ class ApiError(Exception):
         return web.json_response(self.body(), status=self.status, headers=headers)
 
 
+# Retry-After of a 503 the agent's own recovery causes: the worker restarts in ~2 s (a drained
+# model is reloaded by the next request as soon); a shutting-down agent is gone longer.
+WORKER_RETRY_S = 2
+SHUTDOWN_RETRY_S = 5
+
+
 def stream_error(e: WorkerError, grammar_param: str = "response_format") -> ApiError:
     """A failure after the request was sent: refused by the engine (400), engine gone or
     shutting down (503), anything else (500). ``grammar_param``: the field a grammar's failure
@@ -40,19 +46,18 @@ def stream_error(e: WorkerError, grammar_param: str = "response_format") -> ApiE
     if e.code == "GrammarError":  # passed the agent's check, not this model's vocabulary or the mask budget
         return ApiError(400, str(e), param=grammar_param, code="invalid_value")
     # The same transient conditions a request meets one step earlier as a 503 with Retry-After
-    # (send_error, the manager's refusals): the worker restarts in ~2 s, a drained model is
-    # reloaded by the next request.
+    # (send_error, the manager's refusals).
     if isinstance(e, WorkerDied) or e.code == "aborted":
-        return ApiError(503, str(e), code=e.code, retry_after=2)
+        return ApiError(503, str(e), code=e.code, retry_after=WORKER_RETRY_S)
     if e.code == "shutting_down":
-        return ApiError(503, str(e), code=e.code, retry_after=5)
+        return ApiError(503, str(e), code=e.code, retry_after=SHUTDOWN_RETRY_S)
     return ApiError(500, str(e), code=e.code)
 
 
 def send_error(e: WorkerError) -> ApiError:
     """A failure to send the request: the worker is gone (503, retry soon) or refused it (400)."""
     if isinstance(e, WorkerDied):
-        return ApiError(503, str(e), code="engine_unavailable", retry_after=2)
+        return ApiError(503, str(e), code="engine_unavailable", retry_after=WORKER_RETRY_S)
     return ApiError(400, str(e), code=e.code)
 
 

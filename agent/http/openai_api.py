@@ -25,7 +25,7 @@ from aiohttp.http import HttpVersion11
 from pydantic import ValidationError
 
 from agent.context import AgentContext
-from agent.http.api_error import ApiError, manager_error, send_error, stream_error
+from agent.http.api_error import SHUTDOWN_RETRY_S, ApiError, manager_error, send_error, stream_error
 from agent.http.api_keys import ApiKeys
 from agent.http.decoding import plan_decoding
 from agent.http.openai_format import OpenAIFormatter, model_object
@@ -110,7 +110,7 @@ class OpenAIApi:
         try:
             self._keys.check(request)
             if self.ctx.draining:
-                raise ApiError(503, "the server is shutting down", code="shutting_down", retry_after=5)
+                raise ApiError(503, "the server is shutting down", code="shutting_down", retry_after=SHUTDOWN_RETRY_S)
             body = await self._bodies.read_json(request)
             size = request.get(BODY_BYTES, 0)
             try:

@@ -301,6 +301,7 @@ class ModelManager:
 
     async def _load_steps(self, e: ModelEntry) -> None:
         e.phases = {}
+        repairing = e.needs_repair  # this load verifies every sha256 and fetches what is wrong
         if e.snapshot is None or not e.snapshot.exists() or e.needs_repair:
             t = time.monotonic()
             await self._pull(e)
@@ -341,7 +342,6 @@ class ModelManager:
         except Exception as ex:
             e.in_worker = False
             e.want_loaded = False
-            repairs = e.needs_repair
             if isinstance(ex, NoRoom):
                 e.refusal = dict(ex.details)
             if isinstance(ex, WorkerError) and ex.code in BYTES_SUSPECT_CODES and e.derived_load:
@@ -354,12 +354,13 @@ class ModelManager:
                 except WorkerError:
                     pass
             self._forget_load(e)
-            if not isinstance(ex, NoRoom) and not (isinstance(ex, WorkerError) and ex.code in TRANSIENT_LOAD_CODES):
-                if e.needs_repair and not repairs:
+            if self._own_failure(e, ex):
+                if e.needs_repair and not repairing:
                     e.retry_at = 0.0  # its bytes are suspect: the next load repairs them, at once
                 else:
                     e.failed_loads += 1
-                    e.retry_at = time.monotonic() + min(LOAD_RETRY_MAX_S, LOAD_RETRY_S * 2 ** (e.failed_loads - 1))
+                    e.retry_at = time.monotonic() + min(LOAD_RETRY_MAX_S,
+                                                        LOAD_RETRY_S * 2.0 ** min(e.failed_loads - 1, 16))
             failure = ex if isinstance(ex, ManagerError) else None
             e.move(State.FAILED, str(ex) if failure is not None else f"load failed: {ex}", failure)
             return
@@ -373,6 +374,16 @@ class ModelManager:
         e.crashed_loads = e.failed_loads = 0
         e.retry_at = 0.0
         e.move(State.READY)
+
+    def _own_failure(self, e: ModelEntry, ex: Exception) -> bool:
+        """Whether a failed load failed on its own (LOAD_RETRY_S: a request does not start the
+        next one at once): not a room refusal that traffic may cure, not the worker's or the
+        cache lock's doing; a load larger than the budget can ever hold is its own."""
+        if isinstance(ex, NoRoom):
+            return self._planner.never_fits(ex.details, exclude=e.name)
+        if isinstance(ex, CacheBusy):
+            return False
+        return not (isinstance(ex, WorkerError) and ex.code in TRANSIENT_LOAD_CODES)
 
     def _tokenizer(self, e: ModelEntry) -> Any:
         t = time.monotonic()
@@ -860,7 +871,9 @@ class ModelManager:
                                     f"(it is {e.state.value}){why}", retry_after=max(1.0, limit / 4))
             await e.wait_change(left)  # a transition, or the operation's end (it may leave no trace)
             if e.state is State.FAILED:
-                raise ModelNotReady(f"the model {name!r} could not be loaded: {e.reason}", retry_after=max(1.0, limit / 4))
+                wait = e.retry_at - time.monotonic()
+                raise ModelNotReady(f"the model {name!r} could not be loaded: {e.reason}",
+                                    retry_after=max(1.0, wait if wait > 0 else limit / 4))
 
     async def close(self) -> None:
         if self._keep_alive is not None:

@@ -109,8 +109,11 @@ class RoomPlanner:
         needed, budget = refusal.get("needed"), refusal.get("budget")
         if not isinstance(needed, int) or not isinstance(budget, int) or budget <= 0:
             return False  # an older peer's refusal without the figures: no proof
+        # in the engine: ready, or loading past its engine load (its info is set then; the
+        # tokenizer and the canary still to come, the room lock free meanwhile)
         pinned = sum(e.info.device_bytes for e in self._models.values()
-                     if e.name != exclude and e.pin and e.state is State.READY and e.info is not None)
+                     if e.name != exclude and e.pin and e.info is not None
+                     and e.state in (State.READY, State.LOADING))
         return needed > budget - pinned
 
     def to_drain(self, short: int | None, exclude: str = "", tokens_to_go: Mapping[str, int] | None = None,

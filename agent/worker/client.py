@@ -309,6 +309,9 @@ class WorkerClient:
     async def _reap(self, proc: subprocess.Popen, read_task: asyncio.Task[None], up_task: Any) -> None:
         was_alive = self.state.alive
         self.state.alive = False
+        # What the dead worker last said it held is held no more: mirrored on, it re-created the
+        # per-model series the manager forgot and the node's bytes, until the respawn's Status.
+        self.state.models, self.state.memory, self.state.warm_tier = {}, None, None
         self._up.clear()
         assert self._exited is not None
         if not self._exited.done():

@@ -19,26 +19,28 @@ from tests.integration.manager_helpers import (
     wait_state,
 )
 
-NAMES = ("m-a", "m-b", "m-c", "m-k", "m-auto", "m-huge", "m-nan")
+NAMES = ("m-a", "m-b", "m-c", "m-k", "m-auto", "m-huge", "m-nan", "m-badcfg")
 
 
 @pytest.fixture(scope="module")
 def daemon(make_tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("manager-room")
     src = make_tiny_model("llama")
-    publish_tiny(make_tiny_model, tmp / "store", NAMES[:-2])
+    publish_tiny(make_tiny_model, tmp / "store", NAMES[:-3])
     store = open_store((tmp / "store").as_uri())
     try:  # a model larger than the whole budget (the small preset: ~4x a tiny one), and one
         # that loads but decodes nothing (every norm weight NaN: the canary refuses it)
         publish_model(store, make_tiny_model("llama", "small"), "m-huge")
         publish_model(store, _nan_norms(src, tmp / "nan"), "m-nan")
+        publish_model(store, _bad_heads(src, tmp / "badcfg"), "m-badcfg")  # refused by its config, as published
     finally:
         store.close()
     # autoload off but for m-auto: these tests drive loads through the admin API
     base = {"max_model_len": CTX, "max_num_seqs": SEQS, "keep_alive": -1, "autoload": False}
     models = [{**base, "name": "m-a", "pin": True}, {**base, "name": "m-b"}, {**base, "name": "m-c"},
               {**base, "name": "m-k", "keep_alive": "1s"}, {**base, "name": "m-auto", "autoload": True},
-              {**base, "name": "m-huge", "autoload": True}, {**base, "name": "m-nan", "autoload": True}]
+              {**base, "name": "m-huge", "autoload": True}, {**base, "name": "m-nan", "autoload": True},
+              {**base, "name": "m-badcfg", "autoload": True}]
     d = Daemon(tmp, models=models, env={"INFIRE_GPU__CPU_MEMORY_BUDGET": str(budget_for_two(src)),
                                         "INFIRE_SERVER__AUTOLOAD_TIMEOUT": "20s"})
     d.start(timeout=120)
@@ -60,6 +62,17 @@ def _nan_norms(src, dst):
         t = load_file(f)
         save_file({k: torch.full_like(v, float("nan")) if "norm" in k else v for k, v in t.items()}, f,
                   metadata={"format": "pt"})
+    return dst
+
+
+def _bad_heads(src, dst):
+    """A copy of ``src`` whose config asks for one attention head more than its KV heads divide."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["num_attention_heads"] = 2 * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) + 1
+    (dst / "config.json").write_text(json.dumps(cfg))
     return dst
 
 
@@ -182,7 +195,8 @@ def test_autoload_waits_then_serves_and_503_when_it_cannot(daemon) -> None:
     code, body = daemon.get("/v1/models")  # what a request may name: ready, or loaded when asked for
     listed = {m["id"]: m["state"] for m in body["data"]}
     assert code == 200 and listed["m-auto"] == listed["m-huge"] == "cached", listed
-    assert all(state == "ready" for name, state in listed.items() if name not in ("m-auto", "m-huge", "m-nan")), listed
+    assert all(state == "ready" for name, state in listed.items()
+               if name not in ("m-auto", "m-huge", "m-nan", "m-badcfg")), listed
     assert daemon.get("/v1/models/m-auto")[1]["state"] == "cached"
     code, body = complete(daemon, "m-c")  # autoload is off for m-c
     assert code == 503 and body["error"]["code"] == "model_not_ready"
@@ -284,3 +298,22 @@ def test_a_model_whose_load_fails_is_not_loaded_again_by_every_request(daemon) -
     code, body = admin(daemon, "m-nan", "load")  # an operator's load: at once, and it fails again
     assert code != 200 and model(daemon, "m-nan")["failed_loads"] == 2, body
     assert 5 < model(daemon, "m-nan")["retry_in_s"] <= 10
+
+
+def test_a_model_whose_published_files_fail_is_repaired_once_then_backed_off(daemon) -> None:
+    """A load failing on its files (its config, here) marks them suspect: the next request's load
+    verifies every sha256 and fetches what is wrong, at once. When the bytes as published are
+    what fails, that repair fails too, and from then on requests back off like any failure of
+    the model's own: the review of the first version found every such load re-verifying the
+    whole snapshot, request after request."""
+    _reset(daemon)
+    code, body = complete(daemon, "m-badcfg")
+    assert code == 503 and "could not be loaded" in body["error"]["message"], body
+    m = model(daemon, "m-badcfg")
+    assert m["state"] == "failed" and m["failed_loads"] == 0 and m["retry_in_s"] is None, m  # repair next
+    code, body = complete(daemon, "m-badcfg")  # the repair load: it verifies, and fails the same way
+    assert code == 503, body
+    m = model(daemon, "m-badcfg")
+    assert m["failed_loads"] == 1 and 0 < m["retry_in_s"] <= 5, m
+    code, body = complete(daemon, "m-badcfg")
+    assert code == 503 and "retries it in" in body["error"]["message"], body

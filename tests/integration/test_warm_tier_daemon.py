@@ -59,7 +59,11 @@ def test_without_a_warm_tier_there_is_no_series(make_tiny_model, tmp_path):
     publish_tiny(make_tiny_model, tmp_path / "store", "tiny")
     d = Daemon(tmp_path, models=[{"name": "tiny", "max_model_len": CTX, "max_num_seqs": SEQS}]).start(timeout=120)
     try:
-        time.sleep(1.0)  # a Status or two
+        assert complete(d, "tiny")[0] == 200
+        deadline = time.monotonic() + 20
+        while 'infire_gpu_memory_bytes{model="tiny"}' not in d.get("/metrics")[1]:  # a Status mirrored
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
         assert _tier_metrics(d) == {"models": 0}
         assert d.engine_status()["engine"]["warm_tier"] is None
     finally:

@@ -105,3 +105,28 @@ def test_a_recall_belongs_to_the_drain_under_way(mgr: ModelManager) -> None:
     assert e.recalled
     e.move(State.UNLOADING, "the engine worker exited")
     assert not e.recalled
+
+
+def test_a_load_never_fits_when_it_needs_more_than_the_budget_less_the_pinned_models(monkeypatch) -> None:
+    """``RoomPlanner.never_fits``: a pinned model in the engine (ready, or loading past its engine
+    load: its info is set) never leaves for a load, so what it holds is out of any load's reach;
+    an unpinned one, a pinned one not in the engine, or the load's own entry are not counted."""
+    from types import SimpleNamespace
+
+    from agent.manager.room import RoomPlanner
+
+    monkeypatch.setenv("INFIRE_MODELS", '[{"name": "p", "pin": true}, {"name": "q"}, {"name": "x"}]')
+    mgr = ModelManager(load_settings(), WorkerClient({}, engine="none"), None, Metrics(), lambda p: None)
+    p, q = mgr.get("p"), mgr.get("q")
+    for e in (p, q):
+        e.state, e.info = State.READY, SimpleNamespace(device_bytes=40)
+    planner = RoomPlanner(mgr.models)
+    refusal = {"needed": 61, "free": 0, "evictable": 0, "budget": 100, "short": 61}
+    assert planner.never_fits(refusal, exclude="x")  # 61 > 100 - 40 (p), whatever q frees
+    assert not planner.never_fits({**refusal, "needed": 60}, exclude="x")
+    p.state = State.LOADING  # its engine load done, the canary to come: still in the engine
+    assert planner.never_fits(refusal, exclude="x")
+    p.info = None  # loading before its engine load: nothing held yet
+    assert not planner.never_fits(refusal, exclude="x")
+    assert planner.never_fits({**refusal, "needed": 101}, exclude="x")  # past the budget itself
+    assert not planner.never_fits({"needed": None, "budget": 100}, exclude="x")  # no figures: no proof

@@ -305,9 +305,14 @@ def test_stats_show_the_pinned_share_grow_to_the_budget_and_what_is_stored(monke
     """What an operator (and the density bench, before a warm window) reads: ``ready`` is 0 before
     the start-up pinning, grows a piece at a time to the budget, and drops to 0 again when a
     registration fails; without pinning the whole budget is ready at once."""
-    fail = []
+    calls, fail_at = [], []
+
+    def register(self, p, n, f):  # the fail_at-th registration fails (out of lockable memory)
+        calls.append(n)
+        return 2 if fail_at and len(calls) == fail_at[0] else 0
+
     monkeypatch.setattr(torch.cuda, "cudart", lambda: type("D", (), {
-        "cudaHostRegister": lambda self, p, n, f: 2 if fail else 0, "cudaHostUnregister": lambda self, p: 0})())
+        "cudaHostRegister": register, "cudaHostUnregister": lambda self, p: 0})())
     m = model(5)
     budget = 3 * nbytes(m)
     tier = WarmTier(budget, pin=True, pin_chunk_bytes=4096)
@@ -317,10 +322,13 @@ def test_stats_show_the_pinned_share_grow_to_the_budget_and_what_is_stored(monke
     assert seen[0] == 0 and seen == sorted(seen) and len(set(seen)) == len(seen) > 2  # one piece a turn
     assert tier.put("a", m) and tier.stats() == WarmTierStats(budget=budget, ready=budget, used=nbytes(m), models=1)
 
-    fail.append(1)
+    calls.clear()
+    fail_at.append(3)
     broken = WarmTier(budget, pin=True, pin_chunk_bytes=4096)
-    broken.prepin()
-    assert broken.stats().ready == 0
+    grew = []
+    broken.prepin(lambda: grew.append(broken.stats().ready))
+    assert grew[:3] == sorted(grew[:3]) and grew[2] > 0  # two pieces were ready ...
+    assert broken.stats().ready == 0  # ... and none is once the third failed (all undone)
 
     plain = WarmTier(budget, pin=False)
     assert plain.stats() == WarmTierStats(budget=budget, ready=budget, used=0, models=0)
