@@ -70,8 +70,12 @@ its runner does): they hold the buffers, the model and its KV cache.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +100,41 @@ DEFAULT_MIXED_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640,
 
 class CudaGraphError(EngineError):
     """Capturing or replaying a step graph failed."""
+
+
+class _CollectorHold:
+    """Python's cycle collector held off while any capture records. A collection runs on whichever
+    thread allocates past its threshold, the capturing one included, and runs the finalizers of
+    what it frees there: a warm tier's arena unregistering its pages (``cudaHostUnregister``), a
+    graph or stream of an unloaded model. Such a call on a capturing thread invalidates the
+    capture ("operation failed due to a previous error during capture"), at random, as the
+    thresholds fall: tests/gpu failed once so (docs/perf.md, 2d889af) where the same test had
+    passed an hour before. Counted, because captures run on two threads (the loop's deferred
+    ones, a load thread's runner build); the collector's own state before the first hold is
+    restored after the last. Garbage waits a capture's length (milliseconds)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holds = 0
+        self._was_enabled = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._holds == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                if self._holds == 0 and self._was_enabled:
+                    gc.enable()
+
+
+no_collection = _CollectorHold()
 
 
 def _stop_recording(device: torch.device, pool) -> None:
@@ -183,7 +222,7 @@ class GraphSet:
 
     def _capture_one(self, b: int, cascade: bool = False, staged: bool = False) -> None:
         """One graph into the shared pool. Unlike ``torch.cuda.graph`` no synchronize, gc or
-        empty_cache per graph: the inputs are written on the current stream before the capture
+        empty_cache per graph (the cycle collector is held off instead: :data:`no_collection`): the inputs are written on the current stream before the capture
         stream starts recording, and nothing executes while it records. Thread-local mode: other
         threads' CUDA calls (a load thread's copies, NCCL's watchdog polling its events under
         tensor parallelism) must neither fail nor abort the capture; only this thread's work is
@@ -201,7 +240,7 @@ class GraphSet:
         # allocator recording into its pool, and only the id lets that be undone.
         pool = self._pool if self._pool is not None else torch.cuda.graph_pool_handle()
         self._capture_stream().wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream), no_collection():
             g.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 outputs = self._forward(self.bufs, self.model, self.kv, b, cascade)

@@ -145,6 +145,45 @@ def test_a_model_loaded_into_a_vacancy_replays_its_graphs_on_its_own_weights(qua
         del core
 
 
+def test_a_collection_never_runs_a_finalizer_inside_a_capture(sharp_model, monkeypatch):
+    """Every captured forward leaves cyclic garbage whose finalizer synchronizes the device (as a
+    warm tier's arena unregisters its pages, or a freed graph is destroyed), with collector
+    thresholds that collect at every allocation: the load's captures all succeed (no_collection
+    holds the collector off while one records), and the finalizers run after them. Without the
+    hold, the collection inside a capture invalidated it ("operation failed due to a previous
+    error during capture"): tests/gpu failed once so at 2d889af."""
+    import gc
+
+    from engine.runner.cuda_graphs import DecodeGraphs
+
+    ran = []
+
+    class Unsafe:
+        def __del__(self) -> None:
+            torch.cuda.synchronize()  # never allowed on a thread that is capturing
+            ran.append(1)
+
+    forward = DecodeGraphs._forward
+
+    def forward_leaving_garbage(*args):
+        a, b = Unsafe(), Unsafe()
+        a.other, b.other = b, a
+        return forward(*args)
+
+    monkeypatch.setattr(DecodeGraphs, "_forward", staticmethod(forward_leaving_garbage))
+    old = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(1, 1, 1)
+    try:
+        core = _engine(sharp_model("llama"), True, monkeypatch)
+        graphs = core.slots.get("m").runner.graphs
+        assert not graphs.failed and sorted(graphs.graphs) == [1, 2, 4, 8, 16], graphs.failed
+    finally:
+        gc.set_threshold(*old)
+    gc.collect()
+    assert ran and len(ran) % 2 == 0  # every pair finalized, after the captures
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_graph_decode_matches_eager(arch, sharp_model, monkeypatch):
     from engine.sampling import SamplingParams
