@@ -330,8 +330,9 @@ class ModelManager:
                 raise
             e.phases["load"] = (t0, time.monotonic())
             in_engine = True
+            e.info = loaded.info  # in the engine from here: its room is held (RoomPlanner.may_free)
             e.tokenizer = await tok_task
-            e.info, e.load_seconds = loaded.info, time.monotonic() - t0
+            e.load_seconds = time.monotonic() - t0
             engine_timings = loaded.timings
             t = time.monotonic()
             if self.verify is not None and not await self.verify(e):
@@ -771,6 +772,7 @@ class ModelManager:
                     e.move(State.FAILED, f"the engine worker died during {e.crashed_loads} of its loads; "
                                          "not reloaded automatically (load it to try again)")
                 elif e.want_loaded:
+                    e.info = None  # the new worker holds nothing of it until its reload's engine load
                     e.move(State.LOADING, "the engine worker restarted; reloading")
                 else:  # it was on its way out anyway: finish the unload's bookkeeping
                     e.move(State.UNLOADING, "the engine worker exited")

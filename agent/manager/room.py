@@ -94,11 +94,16 @@ class RoomPlanner:
 
     def may_free(self, exclude: str = "", coming: list[ModelEntry] | tuple = ()) -> list[ModelEntry]:
         """Models not evictable now whose next change may make room: ready and unpinned but busy
-        (requests in flight, an operation running), or on their way out (draining, unloading);
-        then those of ``coming`` (:meth:`colder_coming`) not among them."""
+        (requests in flight, an operation running), on their way out (draining, unloading), or
+        unpinned and loading past their engine load (their room is held; ready next, evictable
+        once idle: two loads racing for the last room, the second was refused at once while
+        the first was in its canary); then those of ``coming`` (:meth:`colder_coming`) not among
+        them. A load still waiting for room itself is none of these (two such loads would wait
+        on each other)."""
         evictable = set(self.evictable(exclude))
         out = [e for e in self._models.values() if e.name != exclude and e.name not in evictable and (
-            (e.state is State.READY and not e.pin) or e.state in (State.DRAINING, State.UNLOADING))]
+            (e.state is State.READY and not e.pin) or e.state in (State.DRAINING, State.UNLOADING)
+            or (e.state is State.LOADING and not e.pin and e.info is not None))]
         return out + [c for c in coming if c not in out]
 
     def never_fits(self, refusal: Mapping[str, Any], exclude: str = "") -> bool:

@@ -130,3 +130,23 @@ def test_a_load_never_fits_when_it_needs_more_than_the_budget_less_the_pinned_mo
     assert not planner.never_fits(refusal, exclude="x")
     assert planner.never_fits({**refusal, "needed": 101}, exclude="x")  # past the budget itself
     assert not planner.never_fits({"needed": None, "budget": 100}, exclude="x")  # no figures: no proof
+
+
+def test_a_load_waits_for_a_model_loading_past_its_engine_load(monkeypatch) -> None:
+    """``RoomPlanner.may_free``: an unpinned model whose engine load is done (its info set; the
+    tokenizer and canary to come) holds room it will give up once ready and idle, so a load short
+    of room waits for it; before, the second of two loads racing for the last room was refused at
+    once while the first was in its canary. A load still waiting for room itself (no info yet) or
+    a pinned one is not waited for (two such loads would wait on each other)."""
+    from types import SimpleNamespace
+
+    from agent.manager.room import RoomPlanner
+
+    monkeypatch.setenv("INFIRE_MODELS", '[{"name": "a"}, {"name": "b"}, {"name": "p", "pin": true}]')
+    mgr = ModelManager(load_settings(), WorkerClient({}, engine="none"), None, Metrics(), lambda p: None)
+    a, p = mgr.get("a"), mgr.get("p")
+    planner = RoomPlanner(mgr.models)
+    a.state = p.state = State.LOADING
+    assert planner.may_free(exclude="b") == []  # neither holds room yet
+    a.info = p.info = SimpleNamespace(device_bytes=40)
+    assert [e.name for e in planner.may_free(exclude="b")] == ["a"]  # a pinned one never leaves
