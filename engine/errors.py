@@ -16,6 +16,11 @@ class RequestError(EngineError):
         self.param = param
 
 
+class ModelNotLoaded(RequestError):
+    """The request names a model that is not loaded: never loaded, or unloaded since the agent
+    admitted the request (an unload's drain that ended, or a grammar compile the unload cut)."""
+
+
 class ModelConfigError(EngineError):
     """config.json is missing, malformed, or describes a model this engine does not run."""
 

@@ -47,6 +47,8 @@ def stream_error(e: WorkerError, grammar_param: str = "response_format") -> ApiE
         return ApiError(400, str(e), param=grammar_param, code="invalid_value")
     # The same transient conditions a request meets one step earlier as a 503 with Retry-After
     # (send_error, the manager's refusals).
+    if e.code == "ModelNotLoaded":  # admitted, then unloaded before it reached the engine
+        return ApiError(503, str(e), param="model", code="model_not_ready", retry_after=WORKER_RETRY_S)
     if isinstance(e, WorkerDied) or e.code == "aborted":
         return ApiError(503, str(e), code=e.code, retry_after=WORKER_RETRY_S)
     if e.code == "shutting_down":

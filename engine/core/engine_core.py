@@ -44,7 +44,7 @@ from engine.core.model_table import ModelTable
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot, RequestOutput
 from engine.core.step_policy import StepPolicy
-from engine.errors import EngineError, RequestError
+from engine.errors import EngineError, ModelNotLoaded, RequestError
 from engine.grammar.compiler import GrammarCompiler
 from engine.grammar.matcher import RequestGrammar
 from engine.load_spec import LoadSpec
@@ -243,10 +243,10 @@ class EngineCore:
     def compile_grammar(self, model: str, grammar: str) -> Future[RequestGrammar]:
         """A matcher of ``grammar`` over ``model``'s vocabulary, compiled on that model's grammar
         thread (engine/grammar/compiler.py), for :meth:`add_request`; the future raises
-        ``GrammarError``. Raises :class:`RequestError` when the model is not loaded."""
+        ``GrammarError``. Raises :class:`ModelNotLoaded` when the model is not loaded."""
         slot = self.slots.find(model)
         if slot is None:
-            raise RequestError(f"model {model!r} is not loaded", "model")
+            raise ModelNotLoaded(f"model {model!r} is not loaded", "model")
         if slot.grammar is None:
             slot.grammar = GrammarCompiler(Path(slot.model_dir) / "tokenizer.json", slot.config.vocab_size,
                                            list(slot.config.eos_token_ids))
@@ -262,7 +262,7 @@ class EngineCore:
             raise RequestError(f"request {req_id!r} is already in flight", "req_id")
         slot = self.slots.find(model)
         if slot is None:
-            raise RequestError(f"model {model!r} is not loaded", "model")
+            raise ModelNotLoaded(f"model {model!r} is not loaded", "model")
         if slot.broken:
             raise EngineError(f"model {model!r} cannot run: {slot.broken}")
         if not isinstance(params, SamplingParams):  # valid once made (engine/sampling.py)

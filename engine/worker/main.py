@@ -32,7 +32,7 @@ from collections import deque
 from typing import Any
 
 from engine.core import heap
-from engine.errors import EngineError
+from engine.errors import EngineError, ModelNotLoaded
 from engine.model_info import ModelInfo
 from engine.worker import protocol as P
 from engine.worker.step_waiter import StepWaiter
@@ -196,6 +196,10 @@ class Worker:
                 continue  # aborted while compiling
             del self._compiling[msg.req_id]
             del self._compile_futures[msg.req_id]
+            if future.cancelled():  # the model's grammar pool shut with its unload
+                self._add_failed(msg, ModelNotLoaded(f"model {msg.model!r} was unloaded while the request's "
+                                                     "grammar compiled", "model"))
+                continue
             try:
                 self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids,
                                       msg.sampling, grammar=future.result())
