@@ -466,14 +466,22 @@ class ModelManager:
         would unload a busy model for nobody (its requests waiting for a reload, the room going
         to whichever load comes next); recalled, it serves again from where it was."""
         for name in [v for v, owner in self._drains.items() if owner == load]:
-            del self._drains[name]
             v = self.models.get(name)
-            if v is not None and v.state is State.DRAINING and v.busy:
-                self._log.info("drain_recalled", model=name, load=load, in_flight=v.in_flight)
-                v.recalled = True
-                v.want_loaded = True  # a worker death before the unload resumes reloads it
-                self.worker.expedite(name, on=False)
-                v.signal_change()
+            if v is None:
+                del self._drains[name]
+            else:
+                self._recall(v, load=load)
+
+    def _recall(self, v: ModelEntry, **why: str) -> None:
+        """Call off ``v``'s drain for room (a load's, or an eviction's) while it still waits for
+        its requests: it serves again from where it was, never having left the engine."""
+        self._drains.pop(v.name, None)
+        if v.state is State.DRAINING and v.busy and v.op == "evict":
+            self._log.info("drain_recalled", model=v.name, in_flight=v.in_flight, **why)
+            v.recalled = True
+            v.want_loaded = True  # a worker death before the unload resumes reloads it
+            self.worker.expedite(v.name, on=False)
+            v.signal_change()
 
     async def _load_or_evict(self, e: ModelEntry, spec: Any, asked: float,
                              most: float | None) -> tuple[Any, Eviction | None]:
@@ -692,6 +700,8 @@ class ModelManager:
         e = self.get(name)
         e.pin_override = pinned
         self._log.info("model_pin", model=name, pinned=e.pin)
+        if e.pin:  # never evicted: a drain for room under way is called off (an operator's unload is not)
+            self._recall(e, pinned="true")
         return e
 
     async def drop_prefix_cache(self, name: str) -> int:

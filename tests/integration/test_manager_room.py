@@ -317,3 +317,29 @@ def test_a_model_whose_published_files_fail_is_repaired_once_then_backed_off(dae
     assert m["failed_loads"] == 1 and 0 < m["retry_in_s"] <= 5, m
     code, body = complete(daemon, "m-badcfg")
     assert code == 503 and "retries it in" in body["error"]["message"], body
+
+
+def test_pinning_a_model_drained_for_room_calls_the_drain_off(daemon) -> None:
+    """A pin means never evicted: pinned while it drains for another model's room, the model
+    serves again (its stream runs to its end, it stays ready) and the load that wanted its room
+    is refused, instead of the pinned model being unloaded and /readyz left 503 for it."""
+    _reset(daemon)
+    _load(daemon, "m-a")  # pinned in the config
+    _load(daemon, "m-c")
+    conn, resp = open_stream(daemon, "m-c")
+    code, body = admin(daemon, "m-b", "load", wait=False)
+    assert code == 202, body
+    wait_state(daemon, "m-c", {"draining"})
+    code, body = daemon.post("/admin/v1/models/m-c/pin", headers=TOKEN)
+    assert code == 200 and body["model"]["pinned"] is True, body
+    try:
+        assert wait_state(daemon, "m-c", {"ready"})["state"] == "ready"
+        chunks, done = read_stream(resp)
+        assert done and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        b = wait_state(daemon, "m-b", {"failed"})
+        assert "no room" in b["reason"], b
+        time.sleep(1.0)
+        assert model(daemon, "m-c")["state"] == "ready"  # and it stays so
+    finally:
+        conn.close()
+        assert daemon.post("/admin/v1/models/m-c/unpin", headers=TOKEN)[0] == 200
