@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from agent.commands._admin import EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_common, client
 from agent.commands._local_model import NAME_HELP, looks_like_folder
+
+if TYPE_CHECKING:
+    from agent.admin_client import AdminClient
 
 DESCRIPTIONS = {
     "load": "Load a model on the running agent and wait until it is ready: pulled from the store into the "
@@ -42,8 +46,9 @@ def run(args: argparse.Namespace, op: str) -> int:
     from agent.admin_client import AgentDown
     from agent.config import MODEL_NAME_RE
 
+    changed = False
     if op == "load" and looks_like_folder(args.name):
-        code = _publish_folder(args)
+        code, changed = _publish_folder(args)
         if code is not None:
             return code
     if not MODEL_NAME_RE.fullmatch(args.name):
@@ -53,6 +58,10 @@ def run(args: argparse.Namespace, op: str) -> int:
     if c is None:
         return EXIT_USAGE
     try:
+        if changed:
+            code = _take_new_bytes(c, args.name, args.wait_timeout)
+            if code is not None:
+                return code
         status, body = c.operate(args.name, op, wait=not args.no_wait, timeout=args.wait_timeout,
                                  quantization=getattr(args, "quantization", None),
                                  kv_cache_dtype=getattr(args, "kv_cache_dtype", None))
@@ -68,9 +77,32 @@ def run(args: argparse.Namespace, op: str) -> int:
     return EXIT_OK
 
 
-def _publish_folder(args: argparse.Namespace) -> int | None:
+def _take_new_bytes(c: AdminClient, name: str, timeout: float) -> int | None:
+    """The store holds other bytes for ``name`` than before the publish: a copy the agent has
+    loaded is unloaded and a cached one pulled, so the load that follows serves the folder just
+    published, not the bytes the agent had (a load of a cached model reads its cache: it once
+    answered "ready" over the old weights, and a model mended in the store failed again on its
+    old files). None: go on loading; else an exit code."""
+    m = next((m for m in c.models() if m.get("name") == name), None)
+    state = (m or {}).get("state", "absent")
+    if state == "absent":
+        return None  # nothing of it here: the load pulls the new version
+    steps = (["unload"] if state in ("ready", "loading", "draining") else []) + ["pull"]
+    if steps[0] == "unload":
+        print(f"load: {name} is {state} with its previous bytes: unloading it first", file=sys.stderr, flush=True)
+    for step in steps:
+        status, body = c.operate(name, step, wait=True, timeout=timeout)
+        if status >= 400:
+            err = (body.get("error") or {}).get("message") or body
+            print(f"load {name}: {step} of the previous version failed: {err}", file=sys.stderr)
+            return EXIT_FAIL
+    return None
+
+
+def _publish_folder(args: argparse.Namespace) -> tuple[int | None, bool]:
     """``load DIR``: publish the folder into the running agent's store and set ``args.name`` to
-    its name (None: go on loading it); with no agent, say how to serve a folder (an exit code)."""
+    its name ((None, whether the store's version changed): go on loading it); with no agent, say
+    how to serve a folder ((an exit code, False))."""
     from pydantic import ValidationError
 
     from agent.admin_client import AdminError, AgentDown
@@ -82,10 +114,10 @@ def _publish_folder(args: argparse.Namespace) -> int | None:
         name = model_name(folder, args.as_name)
     except LocalModelError as e:
         print(f"load: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_USAGE, False
     c = client(args)
     if c is None:
-        return EXIT_USAGE
+        return EXIT_USAGE, False
     named = "" if args.as_name is None else f" --name {name}"
     try:
         store = StoreSettings.model_validate(c.status().get("store")).model_dump()
@@ -93,12 +125,12 @@ def _publish_folder(args: argparse.Namespace) -> int | None:
         print(f"load: {folder} is a model folder and no agent answers to load it into ({e}).\n"
               f"Serve it in one command (publishes it, loads it, serves it as {name!r}):\n"
               f"  infire-agent serve {folder}{named}", file=sys.stderr)
-        return EXIT_FAIL
+        return EXIT_FAIL, False
     print(f"load: publishing {folder} as {name} to {store['url']}", file=sys.stderr, flush=True)
     try:
-        publish_folder(folder, name, store)
+        changed = publish_folder(folder, name, store)
     except LocalModelError as e:
         print(f"load: {e}", file=sys.stderr)
-        return EXIT_FAIL
+        return EXIT_FAIL, False
     args.name = name
-    return None
+    return None, changed

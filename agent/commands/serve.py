@@ -115,6 +115,27 @@ def _folder(arg: str, name: str | None) -> tuple[Any, str] | None:
         return None
 
 
+def _forget_cached(settings: Any, name: str) -> None:
+    """The store now holds other bytes for ``name`` than before: a copy in the disk cache is
+    dropped, so the start pulls the folder just published (a cached model loads from its cache:
+    it would serve the old weights). Raises LocalModelError when the cache refuses (another
+    agent has the model loaded)."""
+    import asyncio
+
+    from agent.commands._local_model import LocalModelError
+    from cache.disk_cache import DiskCache
+    from cache.errors import CacheError
+
+    cache = DiskCache(settings.cache.dir, settings.cache.max_bytes)
+    if cache.manifest(name) is None:
+        return
+    print(f"serve: dropping the cached previous version of {name}", file=sys.stderr, flush=True)
+    try:
+        asyncio.run(cache.remove(name))
+    except CacheError as e:
+        raise LocalModelError(f"the cache keeps the previous {name}: {e}") from None
+
+
 def _publish(settings: Any, folder: Any, name: str) -> Any:
     """The settings serving ``folder`` as ``name``, published first; None (message printed)."""
     from agent.commands._local_model import LocalModelError, publish_folder, serve_settings
@@ -123,7 +144,8 @@ def _publish(settings: Any, folder: Any, name: str) -> Any:
     configure_logging(settings.log_format, "warning")  # the publish's own log lines: problems only
     print(f"serve: publishing {folder} as {name} to {settings.store.url}", file=sys.stderr, flush=True)
     try:
-        publish_folder(folder, name, settings.store.model_dump())
+        if publish_folder(folder, name, settings.store.model_dump()):
+            _forget_cached(settings, name)
     except LocalModelError as e:
         print(f"serve: {e}", file=sys.stderr)
         return None

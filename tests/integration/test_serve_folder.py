@@ -92,6 +92,43 @@ def test_serve_a_model_folder_in_one_command(tmp_path: Path) -> None:
         again = _cli(env, "load", str(folder), "--name", "second")
         assert again.returncode == 0 and "second: ready" in again.stdout, again.stdout + again.stderr
         assert " 0 B/s" not in again.stderr, again.stderr
+        # another folder under a name the agent has loaded: it serves the new bytes, not the old
+        # (a cached model loads from its cache: "ready" once came over the previous weights)
+        other = tmp_path / "Other"
+        made = _cli(env, "make-model", "--arch", "llama", "--preset", "tiny", "--seed", "1", "--out", str(other),
+                    "--device", "cpu")
+        assert made.returncode == 0, made.stderr
+        replaced = _cli(env, "load", str(other), "--name", "second")
+        assert replaced.returncode == 0 and "second: ready" in replaced.stdout, replaced.stdout + replaced.stderr
+        assert "unloading it first" in replaced.stderr, replaced.stderr
+        cache_dir = Path(json.loads(_cli(env, "status", "--json").stdout)["cache"]["dir"])
+        cached = json.loads((cache_dir / "models" / "second" / "manifest.json").read_text())
+        published = json.loads((store / "models" / "second" / "manifest.json").read_text())
+        assert cached["files"] == published["files"], (cached, published)
+        first = json.loads((store / "models" / "tiny-folder" / "manifest.json").read_text())
+        assert cached["files"] != first["files"]  # the other folder's bytes (seed 1), not the first's
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+    # the folder changed and served again: the cached previous version is dropped, the start
+    # pulls the new one
+    made = _cli(env, "make-model", "--arch", "llama", "--preset", "tiny", "--seed", "2", "--out", str(folder),
+                "--device", "cpu", "--force")
+    assert made.returncode == 0, made.stderr
+    log = open(tmp_path / "serve2.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "serve", str(folder)], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not _ready(port):
+            assert proc.poll() is None, (tmp_path / "serve2.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, (tmp_path / "serve2.log").read_text()[-4000:]
+            time.sleep(0.2)
+        assert "dropping the cached previous version of tiny-folder" in (tmp_path / "serve2.log").read_text()
+        cached = json.loads((cache_dir / "models" / "tiny-folder" / "manifest.json").read_text())
+        published = json.loads((store / "models" / "tiny-folder" / "manifest.json").read_text())
+        assert cached["files"] == published["files"] != first["files"]
     finally:
         proc.terminate()
         proc.wait(60)
