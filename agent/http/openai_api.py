@@ -151,6 +151,10 @@ class OpenAIApi:
         ctx_len = entry.info.max_model_len  # admitted: loaded, so the engine has said
         tool_fmt = tool_format(tok.chat_template) if chat else None
         vocab_size = entry.info.vocab_size
+        past = [t for t, _ in req.logit_bias_pairs() if t >= vocab_size]
+        if past:  # before the prompt and a grammar cost anything (the engine would refuse it too)
+            raise ApiError(400, f"logit_bias: token {past[0]} is past the model's vocabulary ({vocab_size} tokens)",
+                           param="logit_bias", code="invalid_value")
         if isinstance(req, ChatCompletionRequest):
             prompts = [await prompt_ids(req, tok, vocab_size, ctx_len, tool_fmt, request.get(BODY_BYTES, 0))]
         else:  # one prompt or a list: each with its n choices

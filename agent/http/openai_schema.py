@@ -419,6 +419,11 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"tool_choice: no tool named {choice.function.name!r}")
         if self.forces_call and self.response_format is not None and self.response_format.constrained:
             raise ValueError("response_format: cannot be combined with a tool_choice that forces a call")
+        if self.logprobs and self.stream and self.uses_tools:
+            # a streamed answer that offers tools holds text back until it knows whether a call
+            # starts there, and its chunks carried no logprobs (served whole, or with tool_choice none)
+            raise ValueError("logprobs: not streamed when tools are offered (ask without stream, or with "
+                             "tool_choice none)")
         return self
 
     @property
@@ -449,7 +454,11 @@ def first_error(err: ValidationError) -> tuple[str, str]:
     errors = err.errors()
     e = errors[0]
     field = _where(e)[:1]
-    e = next((x for x in errors if _where(x)[:1] == field and x["type"] not in _TYPE_MISMATCH), e)
+    # An object whose ``type`` we do not serve (an image part, a custom tool): its ``type`` is the
+    # error, not the fields its kind lacks ("content.0.text: required" for an image_url part).
+    kind = next((x for x in errors if x["type"] == "literal_error" and _where(x)[:1] == field
+                 and _where(x)[-1:] == ["type"]), None)
+    e = kind or next((x for x in errors if _where(x)[:1] == field and x["type"] not in _TYPE_MISMATCH), e)
     loc = _where(e)
     param = ".".join(loc) if loc else None
     msg = e["msg"].removeprefix("Value error, ")

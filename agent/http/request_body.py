@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -177,11 +178,50 @@ class BodyReader:
         return await asyncio.to_thread(inflate, raw, coding, self.max_bytes)
 
 
+class _NonFinite:
+    """Where the body had ``NaN``, ``Infinity``, ``-Infinity`` or a number past a double's range
+    (``1e400``): none is JSON (RFC 8259), though Python's parser takes them. Parsed as this marker
+    and refused naming where it was: a ``NaN`` temperature was told "must be <= 2", one in a
+    tool's schema reached the prompt as ``Infinity``."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _number(text: str) -> float | _NonFinite:
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
+
+
+def _non_finite_at(obj: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], _NonFinite] | None:
+    """The first marker in ``obj`` and its path (iterative: the body's nesting is bounded, but a
+    list of a million ids is long)."""
+    stack = [(obj, path)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, _NonFinite):
+            return where, value
+        if isinstance(value, dict):
+            stack.extend((v, (*where, str(k))) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((v, (*where, str(i))) for i, v in reversed(list(enumerate(value)))
+                         if isinstance(v, (dict, list, _NonFinite)))
+    return None
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object of bounded nesting; ApiError otherwise. Blocking (a large body
     runs it in the body threads: :func:`off_loop`)."""
+    odd: list[_NonFinite] = []  # any marker made: only then is the body walked for it
+
+    def mark(value: float | _NonFinite) -> float | _NonFinite:
+        if isinstance(value, _NonFinite):
+            odd.append(value)
+        return value
+
     try:
-        obj = json.loads(raw, object_pairs_hook=_unique_keys)
+        obj = json.loads(raw, object_pairs_hook=_unique_keys, parse_constant=lambda t: mark(_NonFinite(t)),
+                         parse_float=lambda t: mark(_number(t)))
     except DuplicateKey as e:
         raise ApiError(400, f"the JSON body has the key {e.key[:64]!r} twice in one object",
                        param=e.key[:64], code="invalid_json") from None
@@ -193,4 +233,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, "the JSON body nests too deeply", code="invalid_json")
     if not isinstance(obj, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    found = _non_finite_at(obj) if odd else None
+    if found is not None:
+        where, value = found
+        param = ".".join(where)
+        raise ApiError(400, f"{param}: must be a finite number ({value.text[:32]} is not JSON)", param=param,
+                       code="invalid_value")
     return obj

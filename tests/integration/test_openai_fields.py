@@ -199,6 +199,8 @@ def test_penalties_bias_min_tokens_and_best_of_are_served(client, daemon) -> Non
     assert [c.finish_reason for c in r.choices] == ["length", "length"] and r.usage.completion_tokens == 12
     code, body = daemon.post("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"999999": 1}})
     assert code == 400 and "logit_bias" in body["error"]["message"], body
+    # named as the field it is, as every other logit_bias refusal (it once came back param null)
+    assert (body["error"]["param"], body["error"]["code"]) == ("logit_bias", "invalid_value"), body
     assert _refused(daemon, "/v1/completions", {"prompt": "x", "best_of": 3}, "best_of").startswith("best_of: only")
     _refused(daemon, "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens")
 

@@ -28,6 +28,35 @@ def test_first_error_names_the_param() -> None:
     assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "best_of": 2, "n": 2}).n == 2
 
 
+def test_an_object_of_a_kind_not_served_is_refused_for_its_type() -> None:
+    """A fourth attacker pass: an image part was told its ``text`` was required, a custom tool
+    its ``function``; the ``type`` is what is wrong."""
+    user = {"role": "user", "content": "hi"}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert _error(ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}) == (
+        "messages.0.content.0.type", "messages.0.content.0.type: must be 'text'")
+    assert _error(ChatCompletionRequest, {"messages": [user], "tools": [{"type": "custom", "custom": {}}]})[0] == \
+        "tools.0.type"
+    assert _error(ChatCompletionRequest, {"messages": [user], "tools": tools,
+                                          "tool_choice": {"type": "allowed_tools", "allowed_tools": {}}})[0] == \
+        "tool_choice.type"
+    # a part of the served kind still names the field it lacks
+    assert _error(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text"}]}]})[0] == \
+        "messages.0.content.0.text"
+
+
+def test_streamed_logprobs_with_tools_are_refused_not_dropped() -> None:
+    """Its chunks carried ``logprobs: null`` with no signal (a fourth attacker pass): a field whose
+    effect is not served is a 400 naming it."""
+    base = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+            "tools": [{"type": "function", "function": {"name": "f"}}]}
+    param, msg = _error(ChatCompletionRequest, {**base, "stream": True})
+    assert param == "logprobs" and "not streamed when tools are offered" in msg
+    for ok in ({**base}, {**base, "stream": True, "tool_choice": "none"}):
+        ChatCompletionRequest.model_validate({"model": "m", **ok})
+
+
 def test_prompt_shapes() -> None:
     assert CompletionRequest.model_validate({"model": "m", "prompt": ["hi"]}).prompt == "hi"
     assert CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2]]}).prompt == [1, 2]
