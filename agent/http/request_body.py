@@ -193,7 +193,7 @@ def _number(text: str) -> float | _NonFinite:
     return value if math.isfinite(value) else _NonFinite(text)
 
 
-def _non_finite_at(obj: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], _NonFinite] | None:
+def _non_finite_at(obj: object, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], _NonFinite] | None:
     """The first marker in ``obj`` and its path (iterative: the body's nesting is bounded, but a
     list of a million ids is long)."""
     stack = [(obj, path)]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 from tests.integration.agent_harness import REPO, free_port
 
@@ -58,6 +59,19 @@ def _ready(port: int) -> bool:
         return False
 
 
+def _serve(env: dict[str, str], folder: Path, port: int, log_path: Path) -> tuple[subprocess.Popen, IO[bytes]]:
+    """``infire-agent serve folder`` started, once its model answers /readyz; (process, its log file)."""
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "serve", str(folder)], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while not _ready(port):
+        assert proc.poll() is None, log_path.read_text()[-4000:]
+        assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+        time.sleep(0.2)
+    return proc, log
+
+
 def test_serve_a_model_folder_in_one_command(tmp_path: Path) -> None:
     port = free_port()
     env = _env(tmp_path, port)
@@ -67,15 +81,8 @@ def test_serve_a_model_folder_in_one_command(tmp_path: Path) -> None:
     load = _cli(env, "load", str(folder))  # no agent yet: it says how to serve a folder
     assert load.returncode != 0 and f"infire-agent serve {folder}" in load.stderr, load.stderr
     assert "Traceback" not in load.stderr and "not a model name" not in load.stderr, load.stderr
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "serve", str(folder)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc, log = _serve(env, folder, port, tmp_path / "serve.log")
     try:
-        deadline = time.monotonic() + 180
-        while not _ready(port):
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-4000:]
-            time.sleep(0.2)
         code, body = _post(port, "/v1/chat/completions", {"model": "tiny-folder", "max_tokens": 4,
                                                           "messages": [{"role": "user", "content": "hi"}]})
         assert code == 200 and body["choices"][0]["message"]["role"] == "assistant", body
@@ -116,15 +123,8 @@ def test_serve_a_model_folder_in_one_command(tmp_path: Path) -> None:
     made = _cli(env, "make-model", "--arch", "llama", "--preset", "tiny", "--seed", "2", "--out", str(folder),
                 "--device", "cpu", "--force")
     assert made.returncode == 0, made.stderr
-    log = open(tmp_path / "serve2.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "serve", str(folder)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc, log = _serve(env, folder, port, tmp_path / "serve2.log")
     try:
-        deadline = time.monotonic() + 180
-        while not _ready(port):
-            assert proc.poll() is None, (tmp_path / "serve2.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, (tmp_path / "serve2.log").read_text()[-4000:]
-            time.sleep(0.2)
         assert "dropping the cached previous version of tiny-folder" in (tmp_path / "serve2.log").read_text()
         cached = json.loads((cache_dir / "models" / "tiny-folder" / "manifest.json").read_text())
         published = json.loads((store / "models" / "tiny-folder" / "manifest.json").read_text())

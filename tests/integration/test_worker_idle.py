@@ -5,9 +5,11 @@ step. A real worker loop (in a thread) over a real socketpair, on a CPU engine."
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 from engine.core.engine_core import EngineCore
 from engine.options import EngineOptions
@@ -44,7 +46,9 @@ class Agent:
         raise AssertionError(f"no {kind.__name__} {match} in {len(self.got)} messages")
 
 
-def test_idle_only_while_the_engine_has_nothing_to_do(make_tiny_model):
+@contextlib.contextmanager
+def worker_loop() -> Iterator[tuple[Worker, EngineCore, Agent]]:
+    """A CPU engine's worker loop in a thread over a socketpair, and the agent's end; shut down after."""
     ours, theirs = socket.socketpair()
     core = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=0), device="cpu", budget=64 << 20)
     worker = Worker(_Conn(theirs), core)
@@ -52,6 +56,15 @@ def test_idle_only_while_the_engine_has_nothing_to_do(make_tiny_model):
     loop.start()
     agent = Agent(ours)
     try:
+        yield worker, core, agent
+    finally:
+        agent.send(P.Shutdown())
+        loop.join(30)
+        ours.close()
+
+
+def test_idle_only_while_the_engine_has_nothing_to_do(make_tiny_model):
+    with worker_loop() as (worker, core, agent):
         assert worker.idle.wait(5)  # nothing to do yet
         # While a model loads, never idle: sampled all along until Loaded arrives.
         agent.send(P.Load(spec=LoadSpec("m", str(make_tiny_model("llama")), max_model_len=128, max_num_seqs=4)))
@@ -72,7 +85,3 @@ def test_idle_only_while_the_engine_has_nothing_to_do(make_tiny_model):
             assert not worker.idle.is_set() or not core.has_unfinished_requests()
             time.sleep(0.001)
         assert worker.idle.wait(5)
-    finally:
-        agent.send(P.Shutdown())
-        loop.join(30)
-        ours.close()

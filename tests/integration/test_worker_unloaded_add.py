@@ -5,31 +5,20 @@ churn pass saw for 32 of 72 such requests. A real worker loop over a socketpair,
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from concurrent.futures import Future
 
 from agent.http.api_error import stream_error
 from agent.worker.client import WorkerError
-from engine.core.engine_core import EngineCore
-from engine.options import EngineOptions
 from engine.sampling import SamplingParams
 from engine.worker import protocol as P
-from engine.worker.main import Worker, _Conn
-from tests.integration.test_worker_idle import Agent
+from tests.integration.test_worker_idle import worker_loop
 
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
 def test_an_add_for_a_model_gone_or_cut_while_compiling_is_model_not_loaded(monkeypatch):
-    ours, theirs = socket.socketpair()
-    core = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=0), device="cpu", budget=64 << 20)
-    worker = Worker(_Conn(theirs), core)
-    loop = threading.Thread(target=worker.run, daemon=True)
-    loop.start()
-    agent = Agent(ours)
-    try:
+    with worker_loop() as (worker, core, agent):
         agent.send(P.Add(req_id="gone", model="m", prompt_token_ids=[5, 9], sampling=PARAMS))
         err = agent.wait_for(P.Error, req_id="gone")
         assert err.code == "ModelNotLoaded" and "not loaded" in err.message
@@ -48,7 +37,3 @@ def test_an_add_for_a_model_gone_or_cut_while_compiling_is_model_not_loaded(monk
 
         api = stream_error(WorkerError(err.message, err.code))
         assert (api.status, api.code, api.param) == (503, "model_not_ready", "model") and api.retry_after >= 1
-    finally:
-        agent.send(P.Shutdown())
-        loop.join(30)
-        ours.close()
