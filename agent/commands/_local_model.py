@@ -48,13 +48,11 @@ def check_folder(arg: str) -> Path:
     return folder
 
 
-def publish_folder(folder: Path, name: str, store: dict[str, Any], quiet: bool = False) -> bool:
+def publish_folder(folder: Path, name: str, store: dict[str, Any], quiet: bool = False) -> str:
     """Publish ``folder`` as ``name`` into the store described by ``store`` (url, endpoint_url,
-    region, path_style); whether that changed the store's version of ``name`` (other bytes, or
-    none before). Raises LocalModelError with the store's or the folder's problem."""
-    from cache import manifest as mf
+    region, path_style); the published version (its manifest's digest, what a cache's copy is
+    compared with). Raises LocalModelError with the store's or the folder's problem."""
     from cache.errors import CacheError
-    from cache.object_store import manifest_key
     from cache.progress import BarPrinter, Progress
     from cache.publish import publish_model
     from cache.store import open_store
@@ -64,22 +62,16 @@ def publish_folder(folder: Path, name: str, store: dict[str, Any], quiet: bool =
         s = open_store(store["url"], store.get("endpoint_url") or None, store.get("region", "auto"),
                        store.get("path_style", False))
         try:
-            before = None
-            if s.exists(manifest_key(name)) is not None:
-                try:
-                    before = mf.parse(s.get_bytes(manifest_key(name), mf.MAX_MANIFEST_BYTES), name).digest()
-                except CacheError:
-                    before = None  # unreadable: this publish replaces it
             if quiet:
-                after = publish_model(s, folder, name, progress)
+                manifest = publish_model(s, folder, name, progress)
             else:
                 with BarPrinter(progress, sys.stderr):
-                    after = publish_model(s, folder, name, progress)
+                    manifest = publish_model(s, folder, name, progress)
         finally:
             s.close()
     except CacheError as e:  # ManifestError and SafetensorsError included: the folder's problem
         raise LocalModelError(f"cannot publish {folder} as {name}: {e}") from None
-    return after.digest() != before
+    return manifest.digest()
 
 
 def serve_settings(settings: Any, folder: Path, name: str) -> Any:

@@ -46,9 +46,9 @@ def run(args: argparse.Namespace, op: str) -> int:
     from agent.admin_client import AgentDown
     from agent.config import MODEL_NAME_RE
 
-    changed = False
+    version = None
     if op == "load" and looks_like_folder(args.name):
-        code, changed = _publish_folder(args)
+        code, version = _publish_folder(args)
         if code is not None:
             return code
     if not MODEL_NAME_RE.fullmatch(args.name):
@@ -58,8 +58,8 @@ def run(args: argparse.Namespace, op: str) -> int:
     if c is None:
         return EXIT_USAGE
     try:
-        if changed:
-            code = _take_new_bytes(c, args.name, args.wait_timeout)
+        if version is not None:
+            code = _take_version(c, args.name, version, args.wait_timeout)
             if code is not None:
                 return code
         status, body = c.operate(args.name, op, wait=not args.no_wait, timeout=args.wait_timeout,
@@ -77,32 +77,42 @@ def run(args: argparse.Namespace, op: str) -> int:
     return EXIT_OK
 
 
-def _take_new_bytes(c: AdminClient, name: str, timeout: float) -> int | None:
-    """The store holds other bytes for ``name`` than before the publish: a copy the agent has
-    loaded is unloaded and a cached one pulled, so the load that follows serves the folder just
-    published, not the bytes the agent had (a load of a cached model reads its cache: it once
-    answered "ready" over the old weights, and a model mended in the store failed again on its
-    old files). None: go on loading; else an exit code."""
-    m = next((m for m in c.models() if m.get("name") == name), None)
-    state = (m or {}).get("state", "absent")
-    if state == "absent":
-        return None  # nothing of it here: the load pulls the new version
-    steps = (["unload"] if state in ("ready", "loading", "draining") else []) + ["pull"]
-    if steps[0] == "unload":
-        print(f"load: {name} is {state} with its previous bytes: unloading it first", file=sys.stderr, flush=True)
+def _take_version(c: AdminClient, name: str, version: str, timeout: float) -> int | None:
+    """The agent's cache holds another version of ``name`` than the ``version`` just published (a
+    load of a cached model reads its cache: "ready" once came over the old weights, and a model
+    mended in the store failed again on its old files). A pull takes the new version now, or,
+    while the model is in use, makes its next load pull first (any load: an autoload between
+    these steps too); a model in use is then unloaded (a load under way finished first), so the
+    load that follows serves the folder. None: go on loading; else an exit code."""
+    from agent.admin_client import AdminError
+
+    try:
+        m = next((m for m in c.models() if m.get("name") == name), None)
+    except AdminError as e:
+        print(f"load {name}: the agent did not list its models: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    if m is None or m.get("version") in (None, version):
+        return None  # none cached (the load pulls), or this version already
+    state = m.get("state")
+    steps = ["pull"]
+    if state in ("loading", "ready", "draining", "unloading"):
+        print(f"load: {name} is {state} with another version: unloading it first", file=sys.stderr, flush=True)
+        steps += ["load", "unload"] if state == "loading" else ["unload"]
     for step in steps:
         status, body = c.operate(name, step, wait=True, timeout=timeout)
-        if status >= 400:
-            err = (body.get("error") or {}).get("message") or body
-            print(f"load {name}: {step} of the previous version failed: {err}", file=sys.stderr)
+        after = (body.get("model") or {}).get("state")
+        if status != 200 or (step == "unload" and after not in ("cached", "absent")):
+            err = (body.get("error") or {}).get("message") or f"it is {after}"
+            print(f"load {name}: {step} before taking the new version failed ({err}); its next load takes "
+                  "the new version", file=sys.stderr)
             return EXIT_FAIL
     return None
 
 
-def _publish_folder(args: argparse.Namespace) -> tuple[int | None, bool]:
+def _publish_folder(args: argparse.Namespace) -> tuple[int | None, str | None]:
     """``load DIR``: publish the folder into the running agent's store and set ``args.name`` to
-    its name ((None, whether the store's version changed): go on loading it); with no agent, say
-    how to serve a folder ((an exit code, False))."""
+    its name ((None, the published version): go on loading it); with no agent, say how to serve
+    a folder ((an exit code, None))."""
     from pydantic import ValidationError
 
     from agent.admin_client import AdminError, AgentDown
@@ -114,10 +124,10 @@ def _publish_folder(args: argparse.Namespace) -> tuple[int | None, bool]:
         name = model_name(folder, args.as_name)
     except LocalModelError as e:
         print(f"load: {e}", file=sys.stderr)
-        return EXIT_USAGE, False
+        return EXIT_USAGE, None
     c = client(args)
     if c is None:
-        return EXIT_USAGE, False
+        return EXIT_USAGE, None
     named = "" if args.as_name is None else f" --name {name}"
     try:
         store = StoreSettings.model_validate(c.status().get("store")).model_dump()
@@ -125,12 +135,12 @@ def _publish_folder(args: argparse.Namespace) -> tuple[int | None, bool]:
         print(f"load: {folder} is a model folder and no agent answers to load it into ({e}).\n"
               f"Serve it in one command (publishes it, loads it, serves it as {name!r}):\n"
               f"  infire-agent serve {folder}{named}", file=sys.stderr)
-        return EXIT_FAIL, False
+        return EXIT_FAIL, None
     print(f"load: publishing {folder} as {name} to {store['url']}", file=sys.stderr, flush=True)
     try:
-        changed = publish_folder(folder, name, store)
+        version = publish_folder(folder, name, store)
     except LocalModelError as e:
         print(f"load: {e}", file=sys.stderr)
-        return EXIT_FAIL, False
+        return EXIT_FAIL, None
     args.name = name
-    return None, changed
+    return None, version

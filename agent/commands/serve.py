@@ -115,11 +115,11 @@ def _folder(arg: str, name: str | None) -> tuple[Any, str] | None:
         return None
 
 
-def _forget_cached(settings: Any, name: str) -> None:
-    """The store now holds other bytes for ``name`` than before: a copy in the disk cache is
-    dropped, so the start pulls the folder just published (a cached model loads from its cache:
-    it would serve the old weights). Raises LocalModelError when the cache refuses (another
-    agent has the model loaded)."""
+def _forget_cached(settings: Any, name: str, version: str) -> None:
+    """A copy of ``name`` in the disk cache other than the ``version`` just published is dropped,
+    so the start pulls the folder (a cached model loads from its cache: it would serve the old
+    weights). Raises LocalModelError when the cache refuses (another agent has the model loaded);
+    a later ``serve`` compares again, whatever the store held before it."""
     import asyncio
 
     from agent.commands._local_model import LocalModelError
@@ -127,7 +127,8 @@ def _forget_cached(settings: Any, name: str) -> None:
     from cache.errors import CacheError
 
     cache = DiskCache(settings.cache.dir, settings.cache.max_bytes)
-    if cache.manifest(name) is None:
+    cached = cache.manifest(name)
+    if cached is None or cached.digest() == version:
         return
     print(f"serve: dropping the cached previous version of {name}", file=sys.stderr, flush=True)
     try:
@@ -144,8 +145,7 @@ def _publish(settings: Any, folder: Any, name: str) -> Any:
     configure_logging(settings.log_format, "warning")  # the publish's own log lines: problems only
     print(f"serve: publishing {folder} as {name} to {settings.store.url}", file=sys.stderr, flush=True)
     try:
-        if publish_folder(folder, name, settings.store.model_dump()):
-            _forget_cached(settings, name)
+        _forget_cached(settings, name, publish_folder(folder, name, settings.store.model_dump()))
     except LocalModelError as e:
         print(f"serve: {e}", file=sys.stderr)
         return None

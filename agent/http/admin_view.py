@@ -60,6 +60,10 @@ def model_view(mgr: ModelManager, e: ModelEntry) -> dict[str, Any]:
         "retry_in_s": (round(e.retry_at - time.monotonic(), 3) if e.state is State.FAILED
                        and e.retry_at > time.monotonic() else None),
         "snapshot": str(e.snapshot) if e.snapshot is not None else None,
+        # which published version the cache holds (its manifest's digest; None: none cached),
+        # and whether its next load pulls first (a pull was asked while it was loaded)
+        "version": mgr.source.version(e.name) if mgr.source is not None else None,
+        "needs_pull": e.needs_pull,
         "pull": mgr.source.pull_progress(e.name) if e.state is State.PULLING and mgr.source else None,
     }
 

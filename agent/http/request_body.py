@@ -202,7 +202,8 @@ def _non_finite_at(obj: object, path: tuple[str, ...] = ()) -> tuple[tuple[str, 
         if isinstance(value, _NonFinite):
             return where, value
         if isinstance(value, dict):
-            stack.extend((v, (*where, str(k))) for k, v in reversed(value.items()))
+            stack.extend((v, (*where, str(k)[:64])) for k, v in reversed(value.items())
+                         if isinstance(v, (dict, list, _NonFinite)))
         elif isinstance(value, list):
             stack.extend((v, (*where, str(i))) for i, v in reversed(list(enumerate(value)))
                          if isinstance(v, (dict, list, _NonFinite)))
@@ -236,7 +237,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     found = _non_finite_at(obj) if odd else None
     if found is not None:
         where, value = found
-        param = ".".join(where)
+        param = ".".join(where)[:256]  # keys cut at 64 characters each, as the duplicate-key error does
         raise ApiError(400, f"{param}: must be a finite number ({value.text[:32]} is not JSON)", param=param,
                        code="invalid_value")
     return obj

@@ -221,6 +221,7 @@ class ModelManager:
             raise ManagerError("no model store is configured")
         e = self._entry(name)
         if e.state in (State.LOADING, State.READY, State.DRAINING, State.UNLOADING):
+            e.needs_pull = True  # its files are in use: its next load pulls first
             return None
         if e.state is State.PULLING:
             raise ManagerError(f"{name} is being pulled", retry_after=1.0)
@@ -244,7 +245,7 @@ class ModelManager:
             self.metrics.pull_failures.labels(model=e.name).inc()
             e.move(State.FAILED, f"pull failed: {type(ex).__name__}: {ex}")
             return
-        e.needs_repair = False
+        e.needs_repair = e.needs_pull = False
         self.metrics.pull_seconds.labels(model=e.name).observe(time.monotonic() - t0)
         e.move(State.CACHED)
 
@@ -282,7 +283,7 @@ class ModelManager:
             e.settings = e.settings.model_copy(update=asked)
         if e.state not in (State.ABSENT, State.CACHED, State.FAILED):
             raise ManagerError(f"{name} is {e.state.value}", retry_after=1.0)
-        files_ok = e.snapshot is not None and e.snapshot.exists() and not e.needs_repair
+        files_ok = e.snapshot is not None and e.snapshot.exists() and not e.needs_repair and not e.needs_pull
         task = self._run(e, "load", self._load, e, state=State.LOADING if files_ok else State.PULLING)
         e.crashed_loads = 0  # asked for again (an operator, a preload, a request): a fresh count
         return task
@@ -302,7 +303,7 @@ class ModelManager:
     async def _load_steps(self, e: ModelEntry) -> None:
         e.phases = {}
         repairing = e.needs_repair  # this load verifies every sha256 and fetches what is wrong
-        if e.snapshot is None or not e.snapshot.exists() or e.needs_repair:
+        if e.snapshot is None or not e.snapshot.exists() or e.needs_repair or e.needs_pull:
             t = time.monotonic()
             await self._pull(e)
             e.phases["pull"] = (t, time.monotonic())

@@ -45,6 +45,12 @@ class CacheSource:
     def cached_names(self) -> list[str]:
         return self.cache.model_names()
 
+    def version(self, name: str) -> str | None:
+        """The digest of the cached manifest of ``name`` (which published version the cache
+        holds); None when it holds none."""
+        m = self.cache.manifest(name)
+        return m.digest() if m is not None else None
+
     async def pull(self, name: str, verify: bool = False) -> Path:
         return await self.cache.pull(self.store, name, verify=verify)
 

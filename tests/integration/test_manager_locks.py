@@ -81,6 +81,9 @@ class FakeSource:
     def cached_names(self) -> list[str]:
         return sorted(self.cached)
 
+    def version(self, name: str) -> str | None:
+        return "v1" if name in self.cached else None
+
     async def pull(self, name: str, verify: bool = False) -> Path:
         await asyncio.sleep(self.pull_s)
         (self.root / name).mkdir(parents=True, exist_ok=True)

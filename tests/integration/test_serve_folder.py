@@ -114,6 +114,18 @@ def test_serve_a_model_folder_in_one_command(tmp_path: Path) -> None:
         assert cached["files"] == published["files"], (cached, published)
         first = json.loads((store / "models" / "tiny-folder" / "manifest.json").read_text())
         assert cached["files"] != first["files"]  # the other folder's bytes (seed 1), not the first's
+        same = _cli(env, "load", str(other), "--name", "second")  # the version it has: nothing replaced
+        assert same.returncode == 0 and "unloading" not in same.stderr, same.stderr
+        # the store given a third version first (publish alone, or an earlier try that stopped
+        # halfway): what counts is what the agent holds, not what the store held before
+        third = tmp_path / "Third"
+        assert _cli(env, "make-model", "--arch", "llama", "--preset", "tiny", "--seed", "3", "--out", str(third),
+                    "--device", "cpu").returncode == 0
+        assert _cli(env, "publish", str(third), "--name", "second").returncode == 0
+        again = _cli(env, "load", str(third), "--name", "second")
+        assert again.returncode == 0 and "unloading it first" in again.stderr, again.stderr
+        cached = json.loads((cache_dir / "models" / "second" / "manifest.json").read_text())
+        assert cached["files"] == json.loads((store / "models" / "second" / "manifest.json").read_text())["files"]
     finally:
         proc.terminate()
         proc.wait(60)

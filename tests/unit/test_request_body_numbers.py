@@ -28,3 +28,9 @@ def test_a_number_json_does_not_have_is_refused_where_it_is(raw: bytes, param: s
 def test_finite_numbers_and_long_id_lists_pass() -> None:
     body = parse_json(b'{"t": 1.5, "big": 1e308, "small": -1e-320, "prompt": [' + b",".join([b"7"] * 100_000) + b"]}")
     assert body["t"] == 1.5 and body["big"] == 1e308 and len(body["prompt"]) == 100_000
+
+
+def test_the_param_of_a_long_key_is_bounded() -> None:
+    with pytest.raises(ApiError) as e:
+        parse_json(b'{"' + b"k" * 100_000 + b'": NaN}')
+    assert e.value.param == "k" * 64 and len(e.value.message) < 200
