@@ -160,7 +160,10 @@ async def test_event_loop_stays_free_during_a_pull(tmp_path, proxy, bucket):
     await cache.scan(rehash=True)
     tick.cancel()
     assert len(lags) > 10
-    assert max(lags) < 0.25, sorted(lags)[-5:]  # generous: the box is shared
+    # One stall is the shared box's (a 0.53 s one came in a CI run of a 2-core box, with the
+    # in-process S3 server's thread and the loop taking turns at the GIL); work done on the loop
+    # stalls it at every part.
+    assert sorted(lags)[-2] < 0.25 and max(lags) < 2.0, sorted(lags)[-5:]
     store.close()
 
 
