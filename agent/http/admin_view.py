@@ -57,8 +57,7 @@ def model_view(mgr: ModelManager, e: ModelEntry) -> dict[str, Any]:
         # loads in a row that failed on their own, and the seconds before a request may retry
         # (LOAD_RETRY_S; an operator's load goes at once)
         "failed_loads": e.failed_loads,
-        "retry_in_s": (round(e.retry_at - time.monotonic(), 3) if e.state is State.FAILED
-                       and e.retry_at > time.monotonic() else None),
+        "retry_in_s": round(e.retry_in(), 3) or None,
         "snapshot": str(e.snapshot) if e.snapshot is not None else None,
         # which published version the cache holds (its manifest's digest; None: none cached),
         # and whether its next load pulls first (a pull was asked while it was loaded)

@@ -189,6 +189,10 @@ class ModelEntry:
     # Set (and replaced) on every change a waiter may care about: a transition, an operation's end.
     _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
+    def retry_in(self) -> float:
+        """Seconds before a request may start its next load (LOAD_RETRY_S); 0 when it may now."""
+        return max(0.0, self.retry_at - time.monotonic()) if self.state is State.FAILED else 0.0
+
     def move(self, state: State, reason: str = "", failure: ManagerError | None = None) -> None:
         """Go to ``state`` (ManagerError if ``NEXT_STATES`` has no such step), recording why and,
         when failed, the typed failure the APIs answer with. Staying in a state updates the reason."""

@@ -866,8 +866,8 @@ class ModelManager:
         while e.state is not State.READY:
             if e.state is State.FAILED and e.crashed_loads >= CRASH_LOOP_LOADS:
                 return  # admit refuses it with its reason
-            wait = e.retry_at - time.monotonic()
-            if e.state is State.FAILED and wait > 0:  # its last load failed on its own: not again yet
+            wait = e.retry_in()
+            if wait > 0:  # its last load failed on its own: not again yet
                 raise ModelNotReady(f"the model {name!r} could not be loaded ({e.reason}); a request retries it "
                                     f"in {wait:.0f} s (an operator's load goes at once)", retry_after=max(1.0, wait))
             if not e.busy:
@@ -884,7 +884,7 @@ class ModelManager:
                                     f"(it is {e.state.value}){why}", retry_after=max(1.0, limit / 4))
             await e.wait_change(left)  # a transition, or the operation's end (it may leave no trace)
             if e.state is State.FAILED:
-                wait = e.retry_at - time.monotonic()
+                wait = e.retry_in()
                 raise ModelNotReady(f"the model {name!r} could not be loaded: {e.reason}",
                                     retry_after=max(1.0, wait if wait > 0 else limit / 4))
 

@@ -222,8 +222,9 @@ class GraphSet:
 
     def _capture_one(self, b: int, cascade: bool = False, staged: bool = False) -> None:
         """One graph into the shared pool. Unlike ``torch.cuda.graph`` no synchronize, gc or
-        empty_cache per graph (the cycle collector is held off instead: :data:`no_collection`): the inputs are written on the current stream before the capture
-        stream starts recording, and nothing executes while it records. Thread-local mode: other
+        empty_cache per graph (the cycle collector is held off instead: :data:`no_collection`):
+        the inputs are written on the current stream before the capture stream starts
+        recording, and nothing executes while it records. Thread-local mode: other
         threads' CUDA calls (a load thread's copies, NCCL's watchdog polling its events under
         tensor parallelism) must neither fail nor abort the capture; only this thread's work is
         recorded in either mode. ``staged``: a step's inputs are in the buffers, left as they are

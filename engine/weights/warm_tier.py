@@ -238,7 +238,11 @@ class WarmTier:
     @property
     def used_bytes(self) -> int:
         with self._lock:
-            return sum(e.nbytes for e in self._entries.values())
+            return self._used()
+
+    def _used(self) -> int:
+        """(Lock held.) The stored models' bytes."""
+        return sum(e.nbytes for e in self._entries.values())
 
     def stats(self) -> WarmTierStats:
         """Its budget, what a put may take now (the pinned prefix while pinning goes on) and
@@ -249,7 +253,7 @@ class WarmTier:
             else:
                 ready = self._arena.limit if self._arena is not None else 0
             return WarmTierStats(budget=self.budget_bytes, ready=ready,
-                                 used=sum(e.nbytes for e in self._entries.values()), models=len(self._entries))
+                                 used=self._used(), models=len(self._entries))
 
     def models(self) -> list[str]:
         """Stored model names, least recently used first."""
