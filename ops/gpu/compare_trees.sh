@@ -6,6 +6,7 @@
 # and carried):
 #   . ops/gpu/env.sh; OLD=.old/C bash ops/gpu/compare_trees.sh engine   # offline bench + load, x2
 #   . ops/gpu/env.sh; OLD=.old/C [LOAD=1] bash ops/gpu/compare_trees.sh serve    # tests/gpu, daemon c200 [, load]
+#   . ops/gpu/env.sh; OLD=.old/C [ROUNDS=n] bash ops/gpu/compare_trees.sh load    # the load bench, n rounds
 set -u
 phase=${1:-engine}
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"
@@ -28,9 +29,10 @@ engine_bench() {  # engine_bench DIR NAME ROUND
   in_tree "$1" 150 python3 -m ops.bench.engine_bench --model-dir "$M" --device cuda \
     --out "$OUT/engine_$2_$3.json" > "$OUT/engine_$2_$3.txt" 2>&1 || status=1
 }
-load_bench() {  # load_bench DIR NAME
-  in_tree "$1" 120 python3 ops/gpu/engine_load_bench.py "$M" "$OUT/load_$2.json" --device cuda --skip-dropped \
-    --no-overlap > "$OUT/load_$2.txt" 2>&1 || status=1
+load_bench() {  # load_bench DIR NAME [ROUND]
+  local f=load_$2${3:+_$3}
+  in_tree "$1" 120 python3 ops/gpu/engine_load_bench.py "$M" "$OUT/$f.json" --device cuda --skip-dropped \
+    --no-overlap > "$OUT/$f.txt" 2>&1 || status=1
 }
 serve_bench() {  # serve_bench DIR NAME
   in_tree "$1" 200 python3 -m ops.bench.serve_bench --model-dir "$M" --device cuda --concurrency 200 \
@@ -43,6 +45,8 @@ if [ "$phase" = engine ]; then
   engine_bench "$OLD" old 1; engine_bench "$NEW" new 1
   load_bench "$OLD" old; load_bench "$NEW" new
   if [ "${ROUNDS:-2}" -gt 1 ]; then engine_bench "$NEW" new 2; engine_bench "$OLD" old 2; fi
+elif [ "$phase" = load ]; then  # the load bench alone, alternating old and new, ROUNDS times
+  for r in $(seq "${ROUNDS:-2}"); do load_bench "$OLD" old "$r"; load_bench "$NEW" new "$r"; done
 else
   in_tree "$NEW" "${TESTS_TIMEOUT:-260}" python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.txt" 2>&1 || status=1
   serve_bench "$OLD" old; serve_bench "$NEW" new
