@@ -137,6 +137,8 @@ class Metrics:
         self.pull_seconds = Histogram("infire_pull_seconds", "Model pull time", ["model"],
                                       buckets=_LOAD_BUCKETS, registry=r)
         self.pull_failures = Counter("infire_pull_failures", "Failed pulls", ["model"], registry=r)
+        self.preemptions = Counter("infire_preemptions", "Requests preempted for another model's room (each "
+                                   "resumes once its model is back)", ["model"], registry=r)
         self.worker_restarts = Counter("infire_worker_restarts", "Engine worker restarts", registry=r)
         self.worker_up = Gauge("infire_worker_up", "1 while the engine worker is up", registry=r)
         self.ready = Gauge("infire_ready", "1 while /readyz answers 200", registry=r)

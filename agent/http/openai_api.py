@@ -168,8 +168,10 @@ class OpenAIApi:
             self.ctx.metrics.constrained_requests.labels(model=entry.name).inc()
 
         base_id = ("chatcmpl-" if chat else "cmpl-") + uid
+        manager = self.ctx.manager
         gen = Generation(self.ctx.worker, self.ctx.metrics, entry.name, base_id, tok,
-                         req.stop_list(), IncrementalDetokenizer, StopMatcher)
+                         req.stop_list(), IncrementalDetokenizer, StopMatcher,
+                         comeback=lambda choices: manager.wait_back(entry.name, choices))
         try:
             try:
                 echo = isinstance(req, CompletionRequest) and req.echo

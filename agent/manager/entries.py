@@ -146,6 +146,7 @@ class ModelEntry:
     info: ModelInfo | None = None  # the engine's, from its Loaded (None: never loaded, or unloaded)
     tokenizer: Any = None
     in_flight: int = 0
+    preempted: int = 0  # of in_flight, engine requests waiting for it to come back (ModelManager.wait_back)
     load_waiters: int = 0  # engine requests (prompts x n) waiting for this model's (auto)load, not admitted yet
     load_requests: int = 0  # the HTTP requests among them (what demand counts: ``claim``)
     last_used: float | None = None  # wall clock, for humans

@@ -53,6 +53,15 @@ class WorkerError(Exception):
         self.details = dict(details or {})
 
 
+class Preempted(WorkerError):
+    """A request's model was preempted for another's room (:meth:`WorkerClient.preempt`): the
+    request left the engine and resumes once the model is back (agent/worker/generation.py)."""
+
+    def __init__(self, req_id: str, model: str) -> None:
+        super().__init__(f"the model {model!r} was preempted for another model's room", "preempted")
+        self.req_id = req_id
+
+
 class WorkerDied(WorkerError):
     """The worker exited (or is not running) while the command or request was in flight."""
 
@@ -75,6 +84,8 @@ class EngineRequest:
     model: str
     queue: OutputSink = field(default_factory=Mailbox)
     finished: bool = False
+    resumable: bool = False  # its sink takes Preempted and sends it again (Generation)
+    tokens_left: int = 0  # its max_tokens less the tokens received: how far it is from its end
 
 
 @dataclass
@@ -370,6 +381,7 @@ class WorkerClient:
                     continue  # aborted on our side already
                 if out.new_token_ids:
                     self.last_decode[req.model] = now
+                    req.tokens_left -= len(out.new_token_ids)
                 if out.finish_reason is not None:
                     req.finished = True
                     del self._streams[out.req_id]
@@ -441,19 +453,53 @@ class WorkerClient:
         return {n: s.tokens_to_go for n, s in st.models.items() if n not in st.stale_models}
 
     def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
-            queue: OutputSink | None = None, grammar: str = "") -> EngineRequest:
+            queue: OutputSink | None = None, grammar: str = "", output_token_ids: list[int] | None = None,
+            resumable: bool = False) -> EngineRequest:
         """Send one request to the engine; raises WorkerDied when no worker is up.
 
         Requests may share one ``queue`` (the choices of one HTTP request); outputs carry req_id.
         ``grammar``: constrains the output (agent/http/structured.py); "" for free text.
+        ``output_token_ids``: the output it had when its model was preempted (it resumes after
+        them); ``resumable``: its ``queue`` takes :class:`Preempted` and resumes it (:meth:`preempt`).
         """
         if req_id in self._streams:
             raise WorkerError(f"duplicate request id {req_id!r}", "duplicate")
         self._send(P.Add(req_id=req_id, model=model, prompt_token_ids=prompt_token_ids, sampling=sampling,
-                         grammar=grammar))
+                         grammar=grammar, output_token_ids=list(output_token_ids or ())))
         req = EngineRequest(req_id, model) if queue is None else EngineRequest(req_id, model, queue)
+        req.resumable = resumable
+        req.tokens_left = sampling.max_tokens - len(output_token_ids or ())
         self._streams[req_id] = req
         return req
+
+    def preemptible(self, model: str, min_tokens_left: int = 0) -> int:
+        """How many of ``model``'s requests are in the engine when every one of them may be
+        preempted (:meth:`preempt`) and one of them may still produce more than
+        ``min_tokens_left`` tokens (this client's count: the engine's status may be a period
+        old), else 0."""
+        mine = [r for r in self._streams.values() if r.model == model]
+        if not all(r.resumable for r in mine) or max((r.tokens_left for r in mine), default=0) <= min_tokens_left:
+            return 0
+        return len(mine)
+
+    def preempt(self, model: str) -> int:
+        """Take every request of ``model`` out of the engine (aborted there; the outputs it sent
+        meanwhile are dropped: each resumes from what its sink had) and give each sink
+        :class:`Preempted`; nothing when one of them cannot resume (:meth:`preemptible`). The
+        requests preempted."""
+        if not self.preemptible(model):
+            return 0
+        mine = [r for r in self._streams.values() if r.model == model]
+        for r in mine:
+            del self._streams[r.req_id]
+            r.finished = True
+        try:
+            self._send(P.Abort(req_ids=[r.req_id for r in mine]))  # before any Add that resumes one
+        except WorkerDied:
+            pass  # nothing left to abort; the sinks resume on the next worker
+        for r in mine:
+            r.queue.put_nowait(Preempted(r.req_id, model))
+        return len(mine)
 
     def abort(self, req_id: str) -> None:
         """Abort in the engine (no-op when finished). Aborts of one loop turn share one frame."""

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from agent.metrics import Metrics
-from agent.worker.client import EngineRequest, WorkerClient, WorkerError
+from agent.worker.client import EngineRequest, Preempted, WorkerClient, WorkerError
 from engine.sampling import SamplingParams
 from engine.worker import protocol as P
 
@@ -93,10 +93,16 @@ class Choice:
     sent: int = 0
     sent_chars: int = 0
     text_chars: int = 0
+    # What sends it again after its model was preempted (Generation._resume): its prompt and
+    # sampling, and how often it was preempted.
+    prompt_ids: list[int] = field(default_factory=list)
+    sampling: SamplingParams | None = None
+    preemptions: int = 0
 
     def push(self, out: P.TokenOutput) -> Delta:
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
-        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
+        if not self.preemptions:  # a resumption's cache hits are of the output it had too
+            self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = [None, *out.prompt_logprobs]
         shown = None if self.echo is None or self.echo_sent else self.echo  # the first delta shows the prompt
@@ -167,11 +173,22 @@ class Choice:
         return self.token_ids[part], self.logprobs[part] or None, self.pieces[part]
 
 
+Comeback = Callable[[int], Awaitable[None]]
+
+
 class Generation:
-    """Drives the choices of one request through the worker; always abort with ``close()``."""
+    """Drives the choices of one request through the worker; always abort with ``close()``.
+
+    ``comeback``: when given, a choice whose model is preempted for another's room
+    (:class:`~agent.worker.client.Preempted`) is not a failure: the generation awaits
+    ``comeback(choices)`` (the manager's :meth:`~agent.manager.manager.ModelManager.wait_back`:
+    the model ready again) and sends it again with the output it had, which the engine computes
+    again and goes on from (seeded sampling, penalties and grammar included); the stream pauses.
+    A choice with prompt logprobs is not resumable (they come with its first prefill only)."""
 
     def __init__(self, worker: WorkerClient, metrics: Metrics, model: str, base_id: str,
-                 tokenizer: Any, stops: list[str], make_detok: Any, make_matcher: Any) -> None:
+                 tokenizer: Any, stops: list[str], make_detok: Any, make_matcher: Any,
+                 comeback: Comeback | None = None) -> None:
         self.worker = worker
         self.metrics = metrics
         self.model = model
@@ -190,6 +207,10 @@ class Generation:
         self.failure: WorkerError | None = None  # how the request failed (it then takes nothing more)
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
+        self._comeback = comeback
+        self._grammar = ""
+        self._preempted: list[Choice] = []  # waiting for their model to come back
+        self._resuming: asyncio.Task[None] | None = None
         # Labelled children looked up once: observing them happens once per streamed step.
         self._ttft = metrics.ttft.labels(model=model)
         self._itl = metrics.itl.labels(model=model)
@@ -208,6 +229,7 @@ class Generation:
         """:meth:`start` for several prompts, each with the choices of ``samplings``: choice
         ``j`` of prompt ``i`` has index ``i * len(samplings) + j``, as OpenAI orders them.
         ``echo``: each choice shows its prompt first (``echo_only``: and nothing else)."""
+        self._grammar = grammar
         for p, prompt_token_ids in enumerate(prompts):
             shown = Echo.of(self.tokenizer, prompt_token_ids, self._make_detok, echo_only) if echo else None
             for j, sampling in enumerate(samplings):
@@ -216,10 +238,12 @@ class Generation:
                 matcher = self._make_matcher(self.stops) if self.stops else None
                 # The prompt's tail gives non-byte-level detokenizers their leading-space context.
                 detok = self._make_detok(self.tokenizer, context_ids=prompt_token_ids[-8:])
+                resumable = self._comeback is not None and sampling.prompt_logprobs is None
                 self._requests.append(self.worker.add(req_id, self.model, prompt_token_ids, sampling, queue=self,
-                                                      grammar=grammar))
+                                                      grammar=grammar, resumable=resumable))
                 self.choices[req_id] = Choice(i, req_id, detok, matcher, prompt=p, echo=shown,
-                                              min_tokens=sampling.min_tokens)
+                                              min_tokens=sampling.min_tokens, prompt_ids=prompt_token_ids,
+                                              sampling=sampling)
 
     @property
     def done(self) -> bool:
@@ -236,6 +260,9 @@ class Generation:
         if self._closed or self.failure is not None:
             return
         try:
+            if isinstance(item, Preempted):
+                self._preempt(item.req_id)
+                return
             if isinstance(item, Exception):
                 raise item if isinstance(item, WorkerError) else WorkerError(str(item))
             choice = self.choices.get(item.req_id)
@@ -254,6 +281,44 @@ class Generation:
             self.failure = WorkerError(f"{type(e).__name__}: {e}")
         if self.over:
             self.notify()
+
+    def _preempt(self, req_id: str) -> None:
+        """A choice's model was preempted: it waits for the model's comeback (one task for the
+        choices preempted together), then resumes."""
+        choice = self.choices.get(req_id)
+        if choice is None or choice.finish_reason is not None or self._comeback is None:
+            return
+        choice.preemptions += 1
+        self._preempted.append(choice)
+        if self._resuming is None:
+            self._resuming = asyncio.get_running_loop().create_task(self._resume(), name=f"resume-{self.base_id}")
+
+    async def _resume(self) -> None:
+        """Wait for the model (one wait for the choices preempted together), then send each
+        choice again with its output so far; a model that does not come back fails the request
+        (``model_not_ready``: 503 before its first byte, an error event in a stream)."""
+        assert self._comeback is not None
+        try:
+            while self._preempted and not self._closed:
+                waiting = len(self._preempted)
+                await self._comeback(waiting)
+                if self._closed:
+                    return
+                now, self._preempted = self._preempted[:waiting], self._preempted[waiting:]
+                for c in now:
+                    assert c.sampling is not None
+                    self._requests.append(self.worker.add(
+                        c.req_id, self.model, c.prompt_ids, c.sampling, queue=self, grammar=self._grammar,
+                        output_token_ids=c.token_ids, resumable=True))
+        except WorkerError as e:
+            self.failure = e
+        except Exception as e:  # noqa: BLE001 - the manager's refusal (ModelNotReady ...): the request's end
+            self.failure = WorkerError(f"the model {self.model!r} did not come back after it was preempted: {e}",
+                                       "ModelNotLoaded")
+        finally:
+            self._resuming = None
+            if self.failure is not None:
+                self.notify()
 
     def notify(self) -> None:
         """Wake the handler waiting in :meth:`wait`."""
@@ -307,6 +372,8 @@ class Generation:
     def close(self) -> None:
         """Abort whatever is still running in the engine and record token counts."""
         self._closed, self.on_delta = True, None
+        if self._resuming is not None:
+            self._resuming.cancel()
         for c in self.choices.values():
             if c.finish_reason is None:
                 self.worker.abort(c.req_id)

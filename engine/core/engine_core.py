@@ -253,9 +253,12 @@ class EngineCore:
         return slot.grammar.compile(grammar)
 
     def add_request(self, req_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams,
-                    grammar: RequestGrammar | None = None) -> None:
+                    grammar: RequestGrammar | None = None, output_token_ids: list[int] | tuple[int, ...] = ()) -> None:
         """Queue a request; raises :class:`RequestError` (an EngineError naming ``param``) on bad input.
-        ``grammar``: from :meth:`compile_grammar`, constrains the output (one request's own)."""
+        ``grammar``: from :meth:`compile_grammar`, constrains the output (one request's own).
+        ``output_token_ids``: output it had before its model was preempted for another's room
+        (the agent resumes it): computed again with the prompt, counted as output (``max_tokens``,
+        ``min_tokens``, penalties, the seeded sampler's step), accepted by ``grammar`` first."""
         if not isinstance(req_id, str) or not req_id:
             raise RequestError("req_id must be a non-empty string", "req_id")
         if req_id in self._req_model:
@@ -274,17 +277,28 @@ class EngineCore:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise RequestError(f"prompt token {t!r} is not an id of this model (0 <= id < {vocab})",
                                    "prompt_token_ids")
+        if not isinstance(output_token_ids, (list, tuple)):
+            raise RequestError("output_token_ids must be a list of token ids", "output_token_ids")
+        for t in output_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise RequestError(f"output token {t!r} is not an id of this model (0 <= id < {vocab})",
+                                   "output_token_ids")
+        if len(output_token_ids) >= params.max_tokens:
+            raise RequestError(f"{len(output_token_ids)} output tokens already: nothing left of max_tokens="
+                               f"{params.max_tokens}", "output_token_ids")
         for t, _ in params.logit_bias:
             if t >= vocab:
                 raise RequestError(f"logit_bias names token {t}, not an id of this model (0 <= id < {vocab})",
                                    "logit_bias")
         max_len = slot.scheduler.config.max_model_len
-        if len(prompt_token_ids) >= max_len:
-            raise RequestError(f"prompt of {len(prompt_token_ids)} tokens does not fit max_model_len={max_len} "
-                               f"with room for one generated token", "prompt_token_ids")
+        if len(prompt_token_ids) + len(output_token_ids) >= max_len:
+            raise RequestError(f"prompt of {len(prompt_token_ids) + len(output_token_ids)} tokens does not fit "
+                               f"max_model_len={max_len} with room for one generated token", "prompt_token_ids")
+        if grammar is not None and not all(grammar.accept(t) for t in output_token_ids):
+            raise RequestError("the output to resume from is not in the request's grammar", "output_token_ids")
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(63))
-        slot.scheduler.add(req_id, list(prompt_token_ids), params, grammar)
+        slot.scheduler.add(req_id, list(prompt_token_ids), params, grammar, output_token_ids=list(output_token_ids))
         self._req_model[req_id] = model
         slot.last_request_t = time.perf_counter()
 

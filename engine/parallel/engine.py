@@ -225,13 +225,13 @@ class TPEngineCore(EngineCore):
         self.channel.send({"op": "unload", "model": name})
 
     def add_request(self, req_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams,
-                    grammar: Any = None) -> None:
+                    grammar: Any = None, output_token_ids: list[int] | tuple[int, ...] = ()) -> None:
         """As EngineCore's; prompt logprobs are refused: the other ranks would have to run the
         same eager step and LM head for them, which the step message does not carry."""
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             raise RequestError("prompt_logprobs (echo with logprobs) are not served by a tensor-parallel model",
                                "prompt_logprobs")
-        super().add_request(req_id, model, prompt_token_ids, params, grammar)
+        super().add_request(req_id, model, prompt_token_ids, params, grammar, output_token_ids)
 
     def close(self) -> None:
         """Tell the followers to return from :meth:`Follower.serve` (idempotent)."""

@@ -165,21 +165,26 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------------
     def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            grammar: Grammar | None = None) -> Sequence:
+            grammar: Grammar | None = None, output_token_ids: list[int] | None = None) -> Sequence:
         """Queue a request. The caller validated ids and params; lengths are checked here.
         ``grammar`` (constrained decoding) accepts every token the request gets; the request
-        stops once it is finished."""
+        stops once it is finished. ``output_token_ids``: output it already has (a request resumed
+        after its model was preempted for another's room): it waits as a sequence this scheduler
+        preempted does, its tokens to compute again, counted as output."""
         if req_id in self._seqs:
             raise ValueError(f"request id {req_id!r} is already live")
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
-        if len(prompt_token_ids) >= self.config.max_model_len:
+        out = list(output_token_ids or ())
+        if len(prompt_token_ids) + len(out) >= self.config.max_model_len:
             raise ValueError(
-                f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate "
+                f"prompt of {len(prompt_token_ids) + len(out)} tokens leaves no room to generate "
                 f"(max_model_len={self.config.max_model_len})"
             )
+        if len(out) >= params.max_tokens:
+            raise ValueError(f"{len(out)} output tokens already: nothing left of max_tokens={params.max_tokens}")
         seq = Sequence(self._next_seq_id, req_id, list(prompt_token_ids), params, arrival=self._next_seq_id,
-                       grammar=grammar)
+                       token_ids=[*prompt_token_ids, *out], grammar=grammar)
         self._next_seq_id += 1
         self._seqs[req_id] = seq
         self.waiting.append(seq)

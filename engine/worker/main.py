@@ -181,7 +181,8 @@ class Worker:
                 self._compile_futures[msg.req_id] = future
                 future.add_done_callback(lambda f: (self._compiled.append((msg, f)), self._wake()))
                 return
-            self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids, msg.sampling)
+            self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids, msg.sampling,
+                                  output_token_ids=msg.output_token_ids)
         except Exception as e:  # EngineError: the request's fault, not ours
             self._add_failed(msg, e)
 
@@ -202,7 +203,7 @@ class Worker:
                 continue
             try:
                 self.core.add_request(msg.req_id, msg.model, msg.prompt_token_ids,
-                                      msg.sampling, grammar=future.result())
+                                      msg.sampling, grammar=future.result(), output_token_ids=msg.output_token_ids)
             except Exception as e:  # GrammarError, or the model went away meanwhile
                 self._add_failed(msg, e)
 

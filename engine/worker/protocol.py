@@ -157,7 +157,9 @@ class Expedite(Message):
 class Add(Message):
     """Admit one request; ``sampling`` is a record (its bounds are checked as it is decoded);
     ``grammar``, when not empty, constrains its output (an llguidance grammar,
-    agent/http/structured.py)."""
+    agent/http/structured.py). ``output_token_ids``: the output a request already had when its
+    model was preempted for another's room (agent/worker/generation.py): it resumes after them,
+    as the scheduler resumes a sequence it preempted (recomputed, counted as output)."""
 
     TAG: ClassVar[str] = "add"
     req_id: str
@@ -166,6 +168,7 @@ class Add(Message):
     sampling: SamplingParams
     # Optional within version 1: an older peer sends none.
     grammar: str = ""
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @_register

@@ -277,15 +277,16 @@ def load_breakdown(events: list[dict]) -> dict[str, Any]:
 
 
 def swap_ledger(events: list[dict]) -> dict[str, Any]:
-    """Per model, the window's loads that ended ready, drains for another load's room and idle
-    evictions; and how long each state lasted, p50 / p90 / max seconds, from the agent's own
+    """Per model, the window's loads that ended ready, drains and preemptions for another load's
+    room and idle evictions; and how long each state lasted, p50 / p90 / max seconds, from the agent's own
     ``model_state`` timestamps (the status poll sees 0.5 s steps)."""
     per: dict[str, dict[str, int]] = {}
     for ev in events:
-        kind = {"model_loaded": "loads", "drain_for_load": "drains", "evict": "evictions",
-                "drain_recalled": "recalled"}.get(ev.get("event", ""))
+        kind = {"model_loaded": "loads", "drain_for_load": "drains", "preempt_for_load": "preemptions",
+                "evict": "evictions", "drain_recalled": "recalled"}.get(ev.get("event", ""))
         if kind and isinstance(ev.get("model"), str):
-            per.setdefault(ev["model"], {"loads": 0, "drains": 0, "evictions": 0, "recalled": 0})[kind] += 1
+            per.setdefault(ev["model"], {"loads": 0, "drains": 0, "preemptions": 0, "evictions": 0,
+                                         "recalled": 0})[kind] += 1
     since: dict[tuple[str, str], float] = {}
     spans: dict[str, list[float]] = {}
     for ev in events:
@@ -390,7 +391,7 @@ def write_config(a: argparse.Namespace, root: Path, store_url: str, port: int, n
                  extra: dict[str, tuple[str, str]]) -> Path:
     """The daemon's TOML: the d models, then ``extra`` (the drills' models) with autoload off."""
     lines = ["[server]", f"port = {port}", f'runtime_dir = "{root / "run"}"', f'admin_token = "{ADMIN_TOKEN}"',
-             "autoload = true"]
+             "autoload = true", f"preempt_for_room = {'false' if a.no_preempt else 'true'}"]
     if a.worker_hang_timeout is not None:
         lines.append(f"worker_hang_timeout = {a.worker_hang_timeout}")
     lines += ["", "[store]", f'url = "{store_url}"', "", "[cache]", f'dir = "{root / "cache"}"',
@@ -792,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--budget", help="gpu.memory_budget: a fraction (0.9) or bytes (60GiB); default the daemon's")
     ap.add_argument("--warm-tier-bytes", default="0", help="gpu.warm_tier_bytes (e.g. 64GiB)")
+    ap.add_argument("--no-preempt", action="store_true", help="server.preempt_for_room off: loads drain busy "
+                    "models for room instead of preempting them (an A/B in one device run)")
     ap.add_argument("--warm-tier-wait", type=float, default=180.0,
                     help="with a warm tier, seconds at most to wait before the window for it to be ready whole")
     ap.add_argument("--quantization", choices=["none", "fp8"], default="none")
@@ -965,6 +968,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": a.models, "model_dirs": sorted({str(d) for d in model_dirs}),
         "distinct_bytes": len(set(model_dirs)), "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
         "warm_tier_bytes": a.warm_tier_bytes, "budget_setting": a.budget or "default",
+        "preempt_for_room": not a.no_preempt,
         # seconds waited before the window for the tier to be ready whole, and its stats then
         "warm_tier_wait_s": tier_wait, "warm_tier_at_start": tier,
         "workload": a.workload if a.workload == "sharegpt" else f"fixed {a.prompt_len} in / {a.gen_len} out",
@@ -995,6 +999,9 @@ def main(argv: list[str] | None = None) -> int:
         # load waited for a busy model, and the KV pool re-creations (each rebuilds every runner)
         "load_breakdown": load_breakdown(events),
         "room_waits": sum(1 for ev in events if ev.get("event") == "room_wait"),
+        # busy models taken out for a load's room at once (their requests resumed later), and drained
+        "preemptions": sum(1 for ev in events if ev.get("event") == "preempt_for_load"),
+        "drains": sum(1 for ev in events if ev.get("event") == "drain_for_load"),
         # who was swapped how often (the most wanted model should rarely be), how long states lasted
         "swap_ledger": swap_ledger(events),
         "pool_resizes": resizes1[0] - resizes0[0], "pool_resize_s": round(resizes1[1] - resizes0[1], 3),

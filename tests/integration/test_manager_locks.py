@@ -65,6 +65,13 @@ class FakeWorker:
     def tokens_to_go(self) -> dict[str, int]:
         return {n: m.tokens_to_go for n, m in self.state.models.items()}
 
+    def preemptible(self, name: str, min_tokens_left: int = 0) -> int:
+        return 0  # admissions here never reach an engine: a busy model is drained (preemption:
+        # test_manager_room.py, through a real worker)
+
+    def preempt(self, name: str) -> int:
+        return 0
+
     def broken_models(self) -> dict[str, str]:
         return {}
 

@@ -4,8 +4,10 @@ unload, keep_alive and autoload."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
+from typing import Any
 import urllib.error
 import urllib.request
 
@@ -343,3 +345,74 @@ def test_pinning_a_model_drained_for_room_calls_the_drain_off(daemon) -> None:
     finally:
         conn.close()
         assert daemon.post("/admin/v1/models/m-c/unpin", headers=TOKEN)[0] == 200
+
+
+def _seeded(d: Daemon, name: str, stream: bool) -> Any:
+    """The same seeded completion, streamed (the open connection and response, after its first
+    chunk) or whole (its text)."""
+    body = {"model": name, "prompt": "go on", "max_tokens": 200, "temperature": 1.0, "seed": 11,
+            "ignore_eos": True, "stream": stream}
+    if not stream:
+        code, out = d.post("/v1/completions", body, timeout=60)
+        assert code == 200, out
+        return out["choices"][0]["text"]
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    assert resp.readline().startswith(b"data: ")
+    return conn, resp
+
+
+def test_a_load_preempts_a_busy_model_whose_requests_resume_where_they_were(daemon) -> None:
+    """A load that needs a busy model's room takes it at once when the model's requests can
+    resume (autoload on): they leave the engine, the load goes ahead, and once the model is back
+    (here: evicting the idle model that took its room) each goes on from the output it had —
+    a seeded stream's text is the text of the same request run alone."""
+    _reset(daemon)
+    _load(daemon, "m-a")  # pinned in the config: the budget's other model is m-auto's, then m-b's
+    _load(daemon, "m-auto")
+    alone = _seeded(daemon, "m-auto", stream=False)
+    seen = len(daemon.logs().splitlines())  # this test's log lines come after
+    conn, resp = _seeded(daemon, "m-auto", stream=True)
+    try:
+        code, body = admin(daemon, "m-b", "load")  # waits: ready long before the stream could end
+        assert code == 200 and body["model"]["state"] == "ready", body
+        chunks, done = read_stream(resp)
+    finally:
+        conn.close()
+    assert done and chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-2:]
+    # the first chunk (read by _seeded) held the first token's text; the rest came after
+    rest = "".join(c["choices"][0]["text"] for c in chunks)
+    assert alone.endswith(rest) and len(rest) > len(alone) // 2, (alone, rest)
+    logs = [json.loads(line) for line in daemon.logs().splitlines()[seen:] if line.startswith("{")]
+    preempts = [r for r in logs if r.get("event") == "preempt_for_load" and r.get("load") == "m-b"]
+    assert [r["model"] for r in preempts] == ["m-auto"], [r for r in logs if "m-b" in str(r.values())]
+    assert not [r for r in logs if r.get("event") == "drain_for_load" and r.get("load") == "m-b"]
+    assert model(daemon, "m-auto")["state"] == "ready" and model(daemon, "m-b")["state"] == "cached"
+    _, metrics = daemon.get("/metrics")
+    assert 'infire_preemptions_total{model="m-auto"} 1.0' in metrics
+    assert model(daemon, "m-auto")["in_flight"] == 0
+
+
+def test_a_preempted_request_whose_model_cannot_come_back_ends_with_the_reason(daemon) -> None:
+    """Preempted for a pinned model's room beside another pinned one, the model can never come
+    back: its stream ends with an error event naming why (model_not_ready), not silence."""
+    _reset(daemon)
+    _load(daemon, "m-a")  # pinned in the config
+    _load(daemon, "m-auto")
+    assert daemon.post("/admin/v1/models/m-b/pin", headers=TOKEN)[0] == 200
+    try:
+        conn, resp = _seeded(daemon, "m-auto", stream=True)
+        try:
+            code, body = admin(daemon, "m-b", "load")
+            assert code == 200 and body["model"]["state"] == "ready", body
+            chunks, done = read_stream(resp)
+        finally:
+            conn.close()
+        assert not done and chunks, chunks[-2:]
+        err = chunks[-1].get("error")
+        assert err and err["code"] == "model_not_ready" and "m-auto" in err["message"], chunks[-1]
+        assert model(daemon, "m-auto")["in_flight"] == 0
+    finally:
+        assert daemon.post("/admin/v1/models/m-b/unpin", headers=TOKEN)[0] == 200

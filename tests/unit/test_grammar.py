@@ -17,6 +17,7 @@ pytest.importorskip("llguidance")
 
 from agent.http.structured import json_grammar  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.errors import RequestError  # noqa: E402
 from engine.options import EngineOptions  # noqa: E402
 from engine.grammar.compiler import GrammarCompiler, GrammarError  # noqa: E402
 from engine.grammar.matcher import fill_masks  # noqa: E402
@@ -185,3 +186,29 @@ def test_steps_and_neighbours_do_not_change_tokens(make_tiny_model) -> None:
     _, _, _, alone, _ = _run(model_dir, True, False, range(6))
     assert sync == asyn
     assert {k: v for k, v in asyn.items() if k.startswith("f")} == alone
+
+
+def test_a_constrained_request_resumed_mid_value_finishes_the_same_valid_value(make_tiny_model) -> None:
+    """A request preempted mid-answer resumes with the output it had (``output_token_ids``): its
+    grammar takes that output first, so the seeded answer is the uninterrupted one, still valid;
+    output the grammar would not have allowed is refused, naming the field."""
+    model_dir = make_tiny_model("llama")
+    core, tok, eos, toks, finish = _run(model_dir, True, True, range(3))
+    grammar = json_grammar(SCHEMA, True, "x")
+    prompt = tok.encode("give me a record")
+    for i in range(3):
+        whole = toks[f"c{i}"]
+        cut = len(whole) // 2
+        core.add_request(f"r{i}", "m", prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=300),
+                         grammar=core.compile_grammar("m", grammar).result(), output_token_ids=whole[:cut])
+        rest: list[int] = []
+        while core.has_unfinished_requests():
+            for o in core.step():
+                rest.extend(o.new_token_ids)
+        assert whole[:cut] + rest == whole
+        jsonschema.validate(json.loads(tok.decode([t for t in whole if t not in eos])), SCHEMA)
+    not_json = tok.encode("}}")
+    with pytest.raises(RequestError) as e:
+        core.add_request("bad", "m", prompt, SamplingParams(max_tokens=300),
+                         grammar=core.compile_grammar("m", grammar).result(), output_token_ids=not_json)
+    assert e.value.param == "output_token_ids"
