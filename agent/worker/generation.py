@@ -184,7 +184,9 @@ class Generation:
     ``comeback(choices)`` (the manager's :meth:`~agent.manager.manager.ModelManager.wait_back`:
     the model ready again) and sends it again with the output it had, which the engine computes
     again and goes on from (seeded sampling, penalties and grammar included); the stream pauses.
-    A choice with prompt logprobs is not resumable (they come with its first prefill only)."""
+    A choice is preempted once at most (resumed, it is not resumable again: a model serving it
+    is drained for room, so no request waits through one comeback after another), and one with
+    prompt logprobs never (they come with its first prefill only)."""
 
     def __init__(self, worker: WorkerClient, metrics: Metrics, model: str, base_id: str,
                  tokenizer: Any, stops: list[str], make_detok: Any, make_matcher: Any,
@@ -307,9 +309,10 @@ class Generation:
                 now, self._preempted = self._preempted[:waiting], self._preempted[waiting:]
                 for c in now:
                     assert c.sampling is not None
+                    # preempted once at most: its model is drained the next time (never starved)
                     self._requests.append(self.worker.add(
                         c.req_id, self.model, c.prompt_ids, c.sampling, queue=self, grammar=self._grammar,
-                        output_token_ids=c.token_ids, resumable=True))
+                        output_token_ids=c.token_ids, resumable=False))
         except WorkerError as e:
             self.failure = e
         except Exception as e:  # noqa: BLE001 - the manager's refusal (ModelNotReady ...): the request's end
