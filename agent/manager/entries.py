@@ -293,5 +293,5 @@ class Admission:
     def __exit__(self, *exc: Any) -> None:
         self.entry.in_flight -= self.choices
         self.entry.touch()
-        if self.entry.in_flight == 0:
-            self.entry.signal_change()  # a drain waits for the last one out
+        if self.entry.in_flight <= self.entry.preempted:
+            self.entry.signal_change()  # a drain waits for the last one out (of those in the engine)

@@ -899,6 +899,7 @@ class ModelManager:
             await self._wait_ready(e, name, limit, time.monotonic() + limit)
         finally:
             e.preempted -= choices
+            e.signal_change()
         if e.state is not State.READY:
             why = f" ({e.reason})" if e.reason else ""
             raise ModelNotReady(f"the model {name!r} is {e.state.value}{why}", retry_after=max(1.0, limit / 4))
