@@ -309,6 +309,8 @@ async def _drain(ctx: AgentContext, timeout: float) -> None:
     log = get_logger("serve")
     in_flight = lambda: sum(e.in_flight for e in ctx.manager.models.values()) if ctx.manager else 0  # noqa: E731
     log.info("draining", in_flight=in_flight(), deadline_s=timeout)
+    if ctx.manager is not None:
+        ctx.manager.end_comebacks()
     deadline = time.monotonic() + timeout
     while in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

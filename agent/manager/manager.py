@@ -130,6 +130,7 @@ class ModelManager:
         # loads waiting for their model's operation under way to end (_load_after), by model
         self._queued_loads: dict[str, asyncio.Task[None]] = {}
         self._closing = False
+        self._no_comebacks = False  # shutting down: preempted requests end instead of waiting (end_comebacks)
         self._planner = RoomPlanner(self.models)
         self._keep_alive: asyncio.Task[None] | None = None
         for m in settings.models:
@@ -896,18 +897,35 @@ class ModelManager:
         e.preempted += choices
         e.signal_change()  # its unload waits for the requests in flight less these
         try:
-            await self._wait_ready(e, name, limit, time.monotonic() + limit)
+            if not self._no_comebacks:
+                await self._wait_ready(e, name, limit, time.monotonic() + limit)
+        except ModelNotReady:
+            if not self._no_comebacks:
+                raise
         finally:
             e.preempted -= choices
             e.signal_change()
+        if self._no_comebacks:
+            raise WorkerError(f"the server is shutting down; the request, preempted for another model's room, "
+                              f"was not resumed", "shutting_down")
         if e.state is not State.READY:
             why = f" ({e.reason})" if e.reason else ""
             raise ModelNotReady(f"the model {name!r} is {e.state.value}{why}", retry_after=max(1.0, limit / 4))
 
+    def end_comebacks(self) -> None:
+        """Shutting down: requests preempted for room stop waiting for their models (each ends
+        with ``shutting_down``) and start no load; the drain then waits only for the others."""
+        self._no_comebacks = True
+        for e in self.models.values():
+            if e.preempted:
+                e.signal_change()
+
     async def _wait_ready(self, e: ModelEntry, name: str, limit: float, deadline: float) -> None:
         """``admit_wait``'s wait: until ``e`` is ready (loading it as needed), the deadline, or a
-        state ``admit`` refuses with its reason."""
+        state ``admit`` refuses with its reason (``ModelNotReady`` too once comebacks end)."""
         while e.state is not State.READY:
+            if self._no_comebacks:
+                raise ModelNotReady(f"the model {name!r} is {e.state.value}: the server is shutting down")
             if e.state is State.FAILED and e.crashed_loads >= CRASH_LOOP_LOADS:
                 return  # admit refuses it with its reason
             wait = e.retry_in()

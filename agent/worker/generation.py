@@ -101,7 +101,7 @@ class Choice:
 
     def push(self, out: P.TokenOutput) -> Delta:
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
-        if not self.preemptions:  # a resumption's cache hits are of the output it had too
+        if not self.preemptions or not self.token_ids:  # a resumption's hits count the output it had too
             self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = [None, *out.prompt_logprobs]
@@ -200,6 +200,9 @@ class Generation:
         self._make_detok = make_detok
         self._make_matcher = make_matcher
         self.choices: dict[str, Choice] = {}
+        # Each choice by its request id in the engine now: a resumed choice has a new one (the
+        # abort of its old one may still be on its way back, and must not end the new)
+        self._live: dict[str, Choice] = {}
         self._requests: list[EngineRequest] = []
         self.started = time.monotonic()
         self.first_token_at: float | None = None
@@ -243,9 +246,9 @@ class Generation:
                 resumable = self._comeback is not None and sampling.prompt_logprobs is None
                 self._requests.append(self.worker.add(req_id, self.model, prompt_token_ids, sampling, queue=self,
                                                       grammar=grammar, resumable=resumable))
-                self.choices[req_id] = Choice(i, req_id, detok, matcher, prompt=p, echo=shown,
-                                              min_tokens=sampling.min_tokens, prompt_ids=prompt_token_ids,
-                                              sampling=sampling)
+                self.choices[req_id] = self._live[req_id] = Choice(
+                    i, req_id, detok, matcher, prompt=p, echo=shown, min_tokens=sampling.min_tokens,
+                    prompt_ids=prompt_token_ids, sampling=sampling)
 
     @property
     def done(self) -> bool:
@@ -267,7 +270,7 @@ class Generation:
                 return
             if isinstance(item, Exception):
                 raise item if isinstance(item, WorkerError) else WorkerError(str(item))
-            choice = self.choices.get(item.req_id)
+            choice = self._live.get(item.req_id)
             if choice is None or choice.finish_reason is not None:
                 return
             made = len(choice.token_ids)
@@ -287,7 +290,7 @@ class Generation:
     def _preempt(self, req_id: str) -> None:
         """A choice's model was preempted: it waits for the model's comeback (one task for the
         choices preempted together), then resumes."""
-        choice = self.choices.get(req_id)
+        choice = self._live.pop(req_id, None)
         if choice is None or choice.finish_reason is not None or self._comeback is None:
             return
         choice.preemptions += 1
@@ -309,10 +312,12 @@ class Generation:
                 now, self._preempted = self._preempted[:waiting], self._preempted[waiting:]
                 for c in now:
                     assert c.sampling is not None
+                    c.req_id = f"{self.base_id}-{c.index}.r{c.preemptions}"
                     # preempted once at most: its model is drained the next time (never starved)
                     self._requests.append(self.worker.add(
                         c.req_id, self.model, c.prompt_ids, c.sampling, queue=self, grammar=self._grammar,
                         output_token_ids=c.token_ids, resumable=False))
+                    self._live[c.req_id] = c
         except WorkerError as e:
             self.failure = e
         except Exception as e:  # noqa: BLE001 - the manager's refusal (ModelNotReady ...): the request's end

@@ -921,3 +921,32 @@ async def test_an_unreadable_fp8_checkpoint_is_dropped_not_the_snapshot_flagged(
     assert e.state is State.FAILED and not e.needs_repair and not (tmp_path / "q.fp8-channel").exists()
     await mgr.load("q")  # from the snapshot again (quantized as it loads), and asks for a new build
     assert e.state is State.READY and mgr.source.wanted == [("q", "fp8-channel")]
+
+
+async def test_a_preempted_requests_wait_ends_at_shutdown_and_a_drain_does_not_wait_for_it(monkeypatch,
+                                                                                             tmp_path) -> None:
+    """Requests preempted for room wait (admitted) for their model's comeback: the unload that
+    preempted them does not wait for them, and at shutdown (``end_comebacks``) each wait ends
+    with ``shutting_down`` at once, not when the comeback's load or the drain's deadline ends."""
+    w = FakeWorker(load_s=0.01)
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "x"}]', ["x"])
+    await mgr.load("x")
+    held = mgr.admit("x")
+    held.__enter__()  # x's request, preempted below: it waits for x, still admitted
+    x = mgr.get("x")
+    w.load_s = 5.0  # x's comeback is slow
+    t = time.monotonic()
+    unloading = mgr.unload("x")  # draining: it waits for requests in the engine only
+    waiting = asyncio.ensure_future(mgr.wait_back("x", 1))  # as the preempted request's generation does
+    await unloading
+    assert time.monotonic() - t < 1.0, "the unload waited for a preempted request"
+    await asyncio.sleep(0.3)
+    assert x.preempted == 1 and not waiting.done() and x.state is State.LOADING  # its comeback
+    t = time.monotonic()
+    mgr.end_comebacks()
+    with pytest.raises(WorkerError) as ex:
+        await asyncio.wait_for(waiting, 2.0)
+    assert ex.value.code == "shutting_down" and time.monotonic() - t < 1.0
+    assert x.preempted == 0
+    held.__exit__(None, None, None)
+    await mgr.close()

@@ -347,6 +347,12 @@ def test_pinning_a_model_drained_for_room_calls_the_drain_off(daemon) -> None:
         assert daemon.post("/admin/v1/models/m-c/unpin", headers=TOKEN)[0] == 200
 
 
+def _preemptions(d: Daemon, name: str) -> float:
+    _, text = d.get("/metrics")
+    line = next((ln for ln in text.splitlines() if ln.startswith(f'infire_preemptions_total{{model="{name}"}}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
 def _seeded(d: Daemon, name: str, stream: bool) -> Any:
     """The same seeded completion, streamed (the open connection and response, after its first
     chunk) or whole (its text)."""
@@ -375,6 +381,7 @@ def test_a_load_preempts_a_busy_model_whose_requests_resume_where_they_were(daem
     _load(daemon, "m-auto")
     alone = _seeded(daemon, "m-auto", stream=False)
     seen = len(daemon.logs().splitlines())  # this test's log lines come after
+    before = _preemptions(daemon, "m-auto")
     conn, resp = _seeded(daemon, "m-auto", stream=True)
     try:
         code, body = admin(daemon, "m-b", "load")  # waits: ready long before the stream could end
@@ -397,8 +404,7 @@ def test_a_load_preempts_a_busy_model_whose_requests_resume_where_they_were(daem
              and r.get("load") == "m-b"]
     assert taken == [("preempt_for_load", "m-auto"), ("drain_for_load", "m-auto")], taken
     assert model(daemon, "m-auto")["state"] == "cached"
-    _, metrics = daemon.get("/metrics")
-    assert 'infire_preemptions_total{model="m-auto"} 1.0' in metrics
+    assert _preemptions(daemon, "m-auto") == before + 1
     assert model(daemon, "m-auto")["in_flight"] == 0
 
 

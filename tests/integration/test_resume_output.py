@@ -40,7 +40,7 @@ def _tokens(core, rid: str, prompt: list[int], p: SamplingParams, out: list[int]
 @pytest.mark.parametrize("cut", [1, 5, 11])
 def test_a_resumed_request_goes_on_exactly_where_it_was(sharp_llama, params, cut):
     whole = _tokens(cpu_core(sharp_llama), "a", PROMPT, params)
-    assert len(whole) == 12 or params.min_tokens  # greedy may end on its end of text after min_tokens
+    assert len(whole) == 12 or (params.min_tokens and len(whole) >= params.min_tokens)  # greedy may end after them
     if cut >= len(whole):
         pytest.skip("the answer ended before the cut")
     rest = _tokens(cpu_core(sharp_llama), "a", PROMPT, params, whole[:cut])
@@ -57,6 +57,16 @@ def test_a_resumed_request_reports_its_own_prompt_and_only_new_tokens(sharp_llam
     assert sum(len(o.new_token_ids) for o in outs) == 3  # max_tokens counts the output it had
     assert outs[-1].finish_reason == "length"
     assert {o.num_prompt_tokens for o in outs if o.num_prompt_tokens} == {len(PROMPT)}
+
+
+def test_a_resumption_at_the_limits_is_taken(make_tiny_model):
+    """One token left of max_tokens, and prompt + output one short of max_model_len (128): each
+    gets exactly its last token."""
+    core = cpu_core(make_tiny_model("llama"))
+    assert len(_tokens(core, "a", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       [1, 2, 3])) == 1
+    out = [1] * (127 - len(PROMPT))
+    assert len(_tokens(core, "b", PROMPT, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), out)) == 1
 
 
 def test_bad_resumptions_are_refused_naming_the_field(make_tiny_model):
