@@ -267,8 +267,9 @@ class ModelEntry:
     def claim(self, now: float) -> float:
         """What a load of this model asks room for: its demand so far and the requests waiting
         for the load (not admitted yet, so not in ``wanted``; counted as ``wanted`` counts them,
-        one per HTTP request whatever its prompts x n)."""
-        return self.wanted(now) + self.load_requests
+        one per HTTP request whatever its prompts x n), and those preempted from it, paused
+        mid-answer (counted again: a comeback must not queue behind colder loads)."""
+        return self.wanted(now) + self.load_requests + self.preempted
 
     def note_request(self, now: float) -> None:
         self.demand, self.demand_at = self.wanted(now) + 1.0, now

@@ -552,11 +552,13 @@ class ModelManager:
         """Whether ``v``'s requests may be preempted for ``load``'s room: preemption on
         (``server.preempt_for_room``); each request it admitted in the engine and resumable (none
         still on its way there, none with prompt logprobs); the requests bring it back (autoload
-        on); not near idle (``PREEMPT_MIN_TOKENS``); and ``load`` is not itself coming back for
+        on) as it is (no pull asked meanwhile: the output goes on with the same weights); not
+        near idle (``PREEMPT_MIN_TOKENS``); and ``load`` is not itself coming back for
         requests preempted from it — a model that returns drains, so two models never preempt
         each other in turn."""
         back = self.models.get(load)
         return (self.settings.server.preempt_for_room and self.autoload_enabled(v) and v.in_flight > 0
+                and not v.needs_pull  # its comeback would pull first: maybe another version's weights
                 and self.worker.preemptible(v.name, PREEMPT_MIN_TOKENS) == v.in_flight
                 and (back is None or back.preempted == 0))
 
