@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from agent.manager.entries import ManagerError
+from agent.manager.entries import SHUTDOWN_RETRY_S, ManagerError
 from agent.worker.client import WorkerDied, WorkerError
 
 # OpenAI's error type for each status we answer with.
@@ -32,9 +32,9 @@ class ApiError(Exception):
 
 
 # Retry-After of a 503 the agent's own recovery causes: the worker restarts in ~2 s (a drained
-# model is reloaded by the next request as soon); a shutting-down agent is gone longer.
+# model is reloaded by the next request as soon); a shutting-down agent is gone longer
+# (SHUTDOWN_RETRY_S, with the manager's ShuttingDown).
 WORKER_RETRY_S = 2
-SHUTDOWN_RETRY_S = 5
 
 
 def stream_error(e: WorkerError, grammar_param: str = "response_format") -> ApiError:

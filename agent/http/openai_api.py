@@ -25,7 +25,7 @@ from aiohttp.http import HttpVersion11
 from pydantic import ValidationError
 
 from agent.context import AgentContext
-from agent.http.api_error import SHUTDOWN_RETRY_S, ApiError, manager_error, send_error, stream_error
+from agent.http.api_error import ApiError, manager_error, send_error, stream_error
 from agent.http.api_keys import ApiKeys
 from agent.http.decoding import plan_decoding
 from agent.http.openai_format import OpenAIFormatter, model_object
@@ -35,7 +35,7 @@ from agent.http.request_body import BODY_BYTES, BodyReader, off_loop
 from agent.http.sse import EventStream
 from agent.http.structured import StructuredOutputError
 from agent.log import bind_request_id, get_logger, new_request_id
-from agent.manager.entries import ManagerError, ModelEntry
+from agent.manager.entries import SHUTDOWN_RETRY_S, ManagerError, ModelEntry
 from agent.worker.client import WorkerError
 from agent.worker.generation import Generation
 from text.detokenizer import IncrementalDetokenizer, StopMatcher

@@ -66,6 +66,14 @@ class ModelNotReady(ManagerError):
     status, code = 503, "model_not_ready"
 
 
+# Retry-After of a 503 because the agent is shutting down: it is gone for longer than a worker restart.
+SHUTDOWN_RETRY_S = 5
+
+
+class ShuttingDown(ManagerError):
+    status, code = 503, "shutting_down"
+
+
 class QueueFull(ManagerError):
     status, code = 503, "queue_full"
 

@@ -48,6 +48,7 @@ from agent.manager.entries import (
     CRASH_LOOP_LOADS,
     LOAD_RETRY_MAX_S,
     LOAD_RETRY_S,
+    SHUTDOWN_RETRY_S,
     TRANSIENT_LOAD_CODES,
     Admission,
     CacheBusy,
@@ -57,6 +58,7 @@ from agent.manager.entries import (
     ModelSource,
     NoRoom,
     QueueFull,
+    ShuttingDown,
     SnapshotBroken,
     State,
     UnknownModel,
@@ -412,7 +414,7 @@ class ModelManager:
         spec = e.settings.load_spec(model_dir)
         e.derived_load = model_dir != e.snapshot
         asked = time.monotonic()
-        deadline = asked + self.settings.server.autoload_timeout
+        deadline = asked + self.comeback_s() if e.preempted else asked + self.settings.server.autoload_timeout
         # Sparing the more wanted ends in time for the rest of the deadline to take any model.
         spare_until = asked + min(ROOM_PATIENCE_S, (deadline - asked) / 2)
         try:
@@ -890,20 +892,27 @@ class ModelManager:
                 e.signal_change()  # the last waiter in: a load waiting on it may drain it now
         return self.admit(name, choices)
 
+    def comeback_s(self) -> float:
+        """How long a preempted model's comeback may take: an autoload's time and a drain's on
+        top, since it never preempts (it drains, up to ``server.drain_timeout``) — a request that
+        would have finished had its model been drained must not time out because it was
+        preempted."""
+        return self.settings.server.autoload_timeout + self.settings.server.drain_timeout
+
     async def wait_back(self, name: str, choices: int) -> None:
         """Wait until ``name``, preempted for another model's room (``choices`` of its admitted
-        engine requests waiting), is ready again, loading it as a request's autoload does, at most
-        ``server.autoload_timeout``; raises ModelNotReady then, or when it cannot be loaded."""
+        engine requests waiting), is ready again, loading it as a request's autoload does (its
+        room waited for up to :meth:`comeback_s`, not the autoload's time); raises ModelNotReady
+        then, or when it cannot be loaded."""
         e = self.get(name)
-        limit = self.settings.server.autoload_timeout
+        limit = self.comeback_s()
         e.preempted += choices
         e.signal_change()  # its unload waits for the requests in flight less these
         try:
             if not self._no_comebacks:
                 await self._wait_ready(e, name, limit, time.monotonic() + limit)
-        except ModelNotReady:
-            if not self._no_comebacks:
-                raise
+        except ShuttingDown:
+            pass
         finally:
             e.preempted -= choices
             e.signal_change()
@@ -927,7 +936,8 @@ class ModelManager:
         state ``admit`` refuses with its reason (``ModelNotReady`` too once comebacks end)."""
         while e.state is not State.READY:
             if self._no_comebacks:
-                raise ModelNotReady(f"the model {name!r} is {e.state.value}: the server is shutting down")
+                raise ShuttingDown(f"the server is shutting down; the model {name!r} is {e.state.value}",
+                                   retry_after=SHUTDOWN_RETRY_S)
             if e.state is State.FAILED and e.crashed_loads >= CRASH_LOOP_LOADS:
                 return  # admit refuses it with its reason
             wait = e.retry_in()
