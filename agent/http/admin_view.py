@@ -46,6 +46,7 @@ def model_view(mgr: ModelManager, e: ModelEntry) -> dict[str, Any]:
                          if e.settings.prefix_caching else {"enabled": False}),
         "running": s.running if live else 0, "waiting": s.waiting if live else 0,
         "in_flight": e.in_flight, "last_used": e.last_used, "load_seconds": e.load_seconds,
+        "preempted": e.preempted,  # of in_flight: paused, waiting for this model's comeback
         "max_model_len": info.max_model_len if info is not None else e.settings.max_model_len,
         "quantization": e.effective("quantization"), "kv_cache_dtype": e.effective("kv_cache_dtype"),
         "vocab_size": info.vocab_size if info is not None else None,

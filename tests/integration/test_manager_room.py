@@ -424,6 +424,7 @@ def test_a_preempted_request_whose_model_cannot_come_back_ends_with_the_reason(d
         finally:
             conn.close()
         assert not done and chunks, chunks[-2:]
+        assert model(daemon, "m-auto")["preempted"] == 0  # its wait ended with the error
         err = chunks[-1].get("error")
         assert err and err["code"] == "model_not_ready" and "m-auto" in err["message"], chunks[-1]
         assert model(daemon, "m-auto")["in_flight"] == 0
