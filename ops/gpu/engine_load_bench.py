@@ -84,6 +84,8 @@ def dd_rate(path: Path, files: list[Path]) -> dict:
 
 def load_once(core: EngineCore, model_dir: str, max_num_seqs: int = 256) -> dict:
     sync(core)
+    pool = core.pools.pool
+    pages0, resizes0 = (pool.num_pages if pool is not None else 0), core.pools.resizes
     t0 = time.perf_counter()
     info = core.load_model(LoadSpec("m", model_dir, max_model_len=4096, max_num_seqs=max_num_seqs))
     sync(core)
@@ -95,7 +97,11 @@ def load_once(core: EngineCore, model_dir: str, max_num_seqs: int = 256) -> dict
     g = core.slots.get("m").runner.graphs
     return {"load_s": t1 - t0, "to_first_token_s": t2 - t0, "device_gb": info.device_bytes / 1e9,
             "graph_capture_s": g.capture_seconds if g else None, "graph_warmup_s": g.warmup_seconds if g else None,
-            "timings": dict(core.loader.last_load_timings)}
+            "timings": dict(core.loader.last_load_timings),
+            # the KV pool before and after (a re-creation rebuilds the runner) and the workspace
+            # booked: a reload that books the workspace measured at the first load resizes once
+            "pool_pages": [pages0, core.pools.pool.num_pages], "pool_resizes": core.pools.resizes - resizes0,
+            "workspace_bytes": core.slots.get("m").workspace_bytes}
 
 
 def unload(core: EngineCore, res: dict, key: str) -> None:
