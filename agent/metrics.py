@@ -128,9 +128,11 @@ class Metrics:
         self.gpu_budget = Gauge("infire_gpu_budget_bytes", "Device memory budget", registry=r)
         self.gpu_used = Gauge("infire_gpu_used_bytes", "Device memory in use by models", registry=r)
         self.warm_tier = Gauge("infire_warm_tier_bytes", "The warm tier's host memory: its budget, the share a "
-                               "put may take now (page-locked so far) and what stored models hold", ["kind"],
+                               "put may take now (page-locked so far) and what stored copies hold", ["kind"],
                                registry=r)
-        self.warm_tier_models = Gauge("infire_warm_tier_models", "Models stored in the warm tier", registry=r)
+        self.warm_tier_models = Gauge("infire_warm_tier_models",
+                                      "Weight copies stored in the warm tier (names sharing files share one)",
+                                      registry=r)
         self.model_state = Gauge("infire_model_state", "1 for the model's current state", ["model", "state"], registry=r)
         self.load_seconds = Histogram("infire_model_load_seconds", "Model load time", ["model"],
                                       buckets=_LOAD_BUCKETS, registry=r)

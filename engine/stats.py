@@ -122,5 +122,5 @@ class WarmTierStats:
 
     budget: int
     ready: int
-    used: int  # the stored models' bytes
-    models: int  # how many are stored
+    used: int  # the stored copies' bytes
+    models: int  # how many copies are stored (models loading the same files the same way share one)

@@ -311,7 +311,8 @@ class ModelLoader:
         self._settle()  # no step in flight while pages, pool and slots change
         # Its pages registered now, not after the weights: while they load, other models' bursts
         # must not take the pages its minimum needs.
-        key, compute_key = warm_key(name, spec.model_dir, quantization), workspace_key(cfg, quantization)
+        compute_key = workspace_key(cfg, quantization)
+        key = warm_key(spec.model_dir, f"{compute_key}|{dtype}")  # names sharing files share a copy
         shape = self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs)
         vacancy = self._pools.claim(compute_key, shape)  # the others go in book() if it needs their room
         if vacancy is not None:  # booked as the vacancy was: its graph pools are on the device already

@@ -233,17 +233,22 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def warm_key(name: str, model_dir: str | Path, quantization: str | None = None) -> str:
-    """The warm-tier key of a model folder: its name, the identity of its weight files and the
-    quantization its copy was made with (the tier keeps the device's bytes: FP8 ones for FP8).
+def warm_key(model_dir: str | Path, form: str = "") -> str:
+    """The warm-tier key of a model's device bytes: the identity of its weight files and ``form``,
+    what turns those files into the bytes on the device (the loader passes the computation's key,
+    which holds the quantization, and the device dtype). Not the model's name: names that load
+    the same files the same way (aliases of one checkpoint, one set of bytes published under
+    several names) share one copy, as they share the disk cache's blobs and the page cache; an
+    unload of one keeps the copy another left (no second device-to-host copy beside the steps).
 
-    Files are hard links into content-addressed blobs, so (inode, size, mtime) changes when a new
-    version of the model is pulled into the same snapshot path: a stale copy is never restored.
+    Files are hard links into content-addressed blobs, so (device, inode, size, mtime) changes
+    when a new version of the model is pulled into the same snapshot path: a stale copy is never
+    restored.
     """
-    parts = [name] + ([f"quantization={quantization}"] if quantization else [])
+    parts = [form]
     for f in weight_files(model_dir):
         st = f.stat()
-        parts.append(f"{f.name}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}")
+        parts.append(f"{f.name}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}")
     return "|".join(parts)
 
 

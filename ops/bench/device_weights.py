@@ -53,8 +53,8 @@ def filling_on_device(seed: int = 0) -> Iterator[None]:
     def fill(model, model_dir: str | Path, tier=None, key=None, *, cancel=None) -> tuple[int, str]:
         return fill_on_device(model, seed), "device"
 
-    def key(name: str, model_dir: str | Path, quantization: str | None = None) -> str:
-        return f"{name}|on device|{quantization}"  # no files to name the copy by
+    def key(model_dir: str | Path, form: str = "") -> str:
+        return f"on device|{model_dir}|{form}"  # no files to name the copy by: the seed's bytes
 
     loading.load_or_restore, loading.warm_key = fill, key
     try:

@@ -121,16 +121,15 @@ class Bench:
 
     # -- models ----------------------------------------------------------------------------
     def load(self, name: str) -> dict[str, Any]:
-        tier = self.core.loader.warm_tier
-        held = tier is not None and any(k.split("|", 1)[0] == name for k in tier.models())
         kv = self.plan.kv_pages if name in ("A", "B") else None
         t0 = time.perf_counter()
         info = self.core.load_model(LoadSpec(name, self.dirs[name], max_model_len=self.a.max_model_len,
                                              max_num_seqs=self.a.max_num_seqs, num_kv_pages=kv))
         s = time.perf_counter() - t0
+        warm = self.core.loader.last_load_timings.get("warm") == 1.0  # restored from the tier, by its own account
         self.vocab[name], self.block[name] = info.vocab_size, info.block_size
         booked = self.core.memory().models.get(name)
-        return {"s": s, "from": "warm_tier" if held else "files", "kv_pages": info.kv_pages,
+        return {"s": s, "from": "warm_tier" if warm else "files", "kv_pages": info.kv_pages,
                 "tokens_per_page": info.block_size, "workspace_booked": booked.workspace if booked is not None else None}
 
     def unload(self, name: str) -> float:
@@ -366,10 +365,10 @@ class Bench:
         back["total_s"] = back["unload_C_s"] + back["load_A"]["s"]
         tier, self.core.loader.warm_tier = self.core.loader.warm_tier, None
         try:
+            key = self.core.slots.get("A").warm_key
             unload_s = self.unload("A")
-            for key in tier.models() if tier is not None else []:
-                if key.split("|", 1)[0] == "A":  # A's copy may not serve this load by any path
-                    tier.discard(key)
+            if tier is not None and key is not None:  # A's copy may not serve this load by any path
+                tier.discard(key)
             page = {"unload_A_s": unload_s, "load_A": self.load("A")}
         finally:
             self.core.loader.warm_tier = tier

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.options import EngineOptions  # noqa: E402
 from engine.runner.cuda_graphs import DEFAULT_BUCKETS  # noqa: E402
-from engine.weights.loader import warm_key, weight_files  # noqa: E402
+from engine.weights.loader import weight_files  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.load_spec import LoadSpec  # noqa: E402
 
@@ -167,7 +167,6 @@ def main() -> int:
     core = EngineCore(EngineOptions(decode_buckets=DEFAULT_BUCKETS if cuda else (), warmup=True,
                                     warm_tier_bytes=size + (1 << 30), **budget), device=a.device)
     core.loader.warm_tier.prepin()  # page-locked once, as the worker does at start (never on a put)
-    key = warm_key("m", a.model_dir)
     res: dict = {"model_dir": str(a.model_dir), "file_bytes": size,
                  "gpu": torch.cuda.get_device_name() if cuda else a.device}
     if not a.skip_dropped:
@@ -175,6 +174,7 @@ def main() -> int:
     warm(files)
     tier, core.loader.warm_tier = core.loader.warm_tier, None  # no stash (seconds of copying) where none is used
     res["first_load"] = load_once(core, a.model_dir)  # Triton compiles land in the cache
+    key = core.slots.get("m").warm_key  # its copy's key in the tier (the files and their form)
     unload(core, res, "first_unload_s")
     core.loader.warm_tier = tier
     warm(files)

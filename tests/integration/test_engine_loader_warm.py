@@ -43,17 +43,23 @@ def test_files_are_read_without_a_stored_copy_or_after_a_mismatch(make_tiny_mode
     assert torch.equal(m.embed, ref.embed)
 
 
-def test_warm_key_changes_with_the_files(make_tiny_model, tmp_path):
+def test_warm_key_names_the_files_and_their_form_not_the_model(make_tiny_model, tmp_path):
     import shutil
 
     d = make_tiny_model("llama")
     copy = tmp_path / "m"
     shutil.copytree(d, copy)
-    assert warm_key("m", copy) == warm_key("m", copy)
-    assert warm_key("m", copy) != warm_key("other", copy)
-    before = warm_key("m", copy)
+    assert warm_key(copy, "bf16") == warm_key(copy, "bf16")
+    assert warm_key(copy, "bf16") != warm_key(copy, "fp32")  # other device bytes from the same files
+    assert warm_key(copy) != warm_key(d)  # a copy of the bytes is other files (the page cache's view)
+    linked = tmp_path / "alias"  # the disk cache's way: another snapshot hard-linking the same blobs
+    linked.mkdir()
+    for f in copy.iterdir():
+        (linked / f.name).hardlink_to(f)
+    assert warm_key(linked, "bf16") == warm_key(copy, "bf16")
+    before = warm_key(copy)
     for f in copy.glob("*.safetensors"):  # a new version lands under the same path
         data = f.read_bytes()
         f.unlink()
         f.write_bytes(data)
-    assert warm_key("m", copy) != before
+    assert warm_key(copy) != before

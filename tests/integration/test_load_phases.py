@@ -108,6 +108,37 @@ def test_a_warm_reload_builds_its_runner_beside_the_weights(make_tiny_model, mon
     assert _generate(core, "a", "r3") == ref
 
 
+def test_names_on_the_same_files_share_one_warm_copy_and_other_forms_keep_their_own(make_tiny_model, tmp_path):
+    """The tier keeps device bytes, not names: "b", another snapshot hard-linking "a"'s blobs (as
+    the disk cache links one set of bytes published under two names), reloads from the copy "a"
+    left, and its own unload adds no second copy; the same files quantized to FP8 are other
+    bytes, under their own key."""
+    d = make_tiny_model("llama")
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    for f in d.iterdir():
+        (alias / f.name).hardlink_to(f)
+    core = _core(warmup=False, warm_tier_bytes=1 << 30)
+    tier = core.loader.warm_tier
+    core.load_model(LoadSpec("a", d, max_model_len=128, max_num_seqs=4))
+    ref = _generate(core, "a")
+    core.load_model(LoadSpec("b", alias, max_model_len=128, max_num_seqs=4))
+    assert core.slots.get("b").warm_key == core.slots.get("a").warm_key
+    core.unload_model("a")
+    one = tier.stats()
+    assert one.models == 1
+    core.unload_model("b")
+    assert tier.stats() == one  # kept as stored, not copied again
+    core.load_model(LoadSpec("b", alias, max_model_len=128, max_num_seqs=4))
+    assert core.loader.last_load_timings["warm"] == 1.0
+    assert _generate(core, "b", "r2") == ref
+    core.load_model(LoadSpec("q", d, max_model_len=128, max_num_seqs=4, quantization="fp8"))
+    assert core.loader.last_load_timings["warm"] == 0.0
+    assert core.slots.get("q").warm_key != core.slots.get("b").warm_key
+    core.unload_model("q")
+    assert tier.stats().models == 2
+
+
 def test_without_warm_up_nothing_is_skipped(make_tiny_model):
     d = make_tiny_model("llama")
     core = _core(warmup=False, warm_tier_bytes=1 << 30)
