@@ -4,6 +4,17 @@
 # /tmp/site, puts the repo on PYTHONPATH, and keeps Triton's compile cache in the run's folder.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed" >&2
 export PYTHONPATH=/tmp/site:$PWD
+# The registry's newest llguidance for this machine's Python may be older than the project needs
+# (1.6 takes one end-of-text id: every grammar test fails on it); say so before anything runs.
+python3 - <<'PY' >&2
+import importlib.metadata as m
+try:
+    v = m.version("llguidance")
+except m.PackageNotFoundError:
+    v = None
+if v is None or tuple(int(x) for x in v.split(".")[:2]) < (1, 7):
+    print(f"warning: llguidance {v or 'missing'} here; pyproject asks >= 1.7 (carry a newer wheel in .whl/)")
+PY
 # Bytecode for the wheels and the repo, as an installation has it (pip compiles what it installs;
 # the machine's Python does not write bytecode itself): without it every start compiles the
 # agent's imports again (~0.5 s of a restart there). torch's is the worker's own concern
