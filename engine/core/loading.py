@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -50,7 +51,7 @@ from engine.core.model_table import ModelTable
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
 from engine.core.vacancy import Vacancy
-from engine.errors import EngineError, LoadOptionError
+from engine.errors import EngineError, LoadOptionError, WeightsError
 from engine.load_spec import LoadSpec
 from engine.options import DTYPE_NAMES, EngineOptions
 from engine.kernels.fp8 import fp8_supported
@@ -83,6 +84,13 @@ def workspace_key(cfg: ModelConfig, quantization: str | None) -> str:
     layout = None if cfg.fp8_checkpoint in (None, "channel") else cfg.fp8_checkpoint
     doc = repr((fields, quantization, layout))
     return "compute:" + hashlib.sha256(doc.encode()).hexdigest()[:32]
+
+
+def weights_key(model_dir: str | Path, compute_key: str, dtype: torch.dtype) -> str:
+    """The warm-tier key of a load's device bytes: its files' identity, its computation (the
+    quantization in it) and the device dtype (engine/weights/loader.py ``warm_key``); names that
+    load the same files the same way share one copy."""
+    return warm_key(model_dir, f"{compute_key}|{dtype}")
 
 
 # A model loaded at its own context never goes below this many tokens for lack of room (below it
@@ -312,7 +320,7 @@ class ModelLoader:
         # Its pages registered now, not after the weights: while they load, other models' bursts
         # must not take the pages its minimum needs.
         compute_key = workspace_key(cfg, quantization)
-        key = warm_key(spec.model_dir, f"{compute_key}|{dtype}")  # names sharing files share a copy
+        key = weights_key(spec.model_dir, compute_key, dtype)
         shape = self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs)
         vacancy = self._pools.claim(compute_key, shape)  # the others go in book() if it needs their room
         if vacancy is not None:  # booked as the vacancy was: its graph pools are on the device already
@@ -400,6 +408,7 @@ class ModelLoader:
                 nbytes, source = load_or_restore(model, p.spec.model_dir, self.warm_tier, p.key, cancel=p.cancel)
             finally:
                 built = build.result() if build is not None else None  # never left using the model
+            key = p.key if source == "warm" or self._same_files(p) else None
             runner = kept or built  # a vacancy's is checked against the pool's generation at install
             ready = None
             if cuda:
@@ -410,7 +419,19 @@ class ModelLoader:
             p.timings.update(alloc_s=ta - t0, rope_s=tb - ta, weights_s=time.perf_counter() - tb,
                              warm=1.0 if source == "warm" else 0.0,
                              prebuilt_runner_s=build.seconds if build is not None else 0.0)
-            return WeightsReady(model, nbytes, source, ready, runner)
+            return WeightsReady(model, nbytes, source, ready, runner, key)
+
+    @staticmethod
+    def _same_files(p: PendingLoad) -> bool:
+        """Whether the files just read are those the load's key was taken from. A pull commits a
+        new snapshot by renaming it into place (new inodes), so a key taken again after the read
+        differs when that happened in between: stashed under the old key, another version's
+        bytes would be restored to a name still on the old files. (Only a second commit putting
+        the first version's blobs back within one read could hide it.)"""
+        try:
+            return weights_key(p.spec.model_dir, p.compute_key, p.dtype) == p.key
+        except (OSError, WeightsError):  # gone or half-replaced right now
+            return False
 
     def finish_load(self, pending: PendingLoad) -> ModelInfo:
         """Phase 3: wait for the weights (if they are still coming), then install the model on
@@ -510,7 +531,7 @@ class ModelLoader:
         slot = ModelSlot(name, cfg, w.model, None, None, sched, float(spec.weight), w.nbytes,
                          ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids), 0, 0, 0),
                          pages=pages, needs=needs, max_num_seqs=spec.max_num_seqs,
-                         workspace_bytes=needs.workspace_bytes, warm_key=p.key, model_dir=spec.model_dir)
+                         workspace_bytes=needs.workspace_bytes, warm_key=w.key, model_dir=spec.model_dir)
         self._slots.add(slot)
         # A vacancy's workspace was measured (or booked) for this computation at this shape.
         known = p.vacancy.workspace_bytes if p.vacancy is not None else self._known_workspace(

@@ -47,6 +47,9 @@ class WeightsReady:
     source: str  # "warm" | "disk"
     ready: Any  # torch.cuda.Event recorded behind the copies and the rope cache (None on CPU)
     runner: Any = None  # (pool generation, kv, runner) built beside the copies, or None
+    # the warm-tier key of the bytes now in the model; None: its files were replaced while they
+    # were read, so no key names what was read (nothing is stashed for it at unload)
+    key: str | None = None
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

@@ -256,7 +256,7 @@ class WarmTier:
                                  used=self._used(), models=len(self._entries))
 
     def models(self) -> list[str]:
-        """Stored model names, least recently used first."""
+        """Stored keys (the engine's: one per set of device bytes), least recently used first."""
         with self._lock:
             return list(self._entries)
 

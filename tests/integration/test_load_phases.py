@@ -139,6 +139,39 @@ def test_names_on_the_same_files_share_one_warm_copy_and_other_forms_keep_their_
     assert tier.stats().models == 2
 
 
+def test_files_replaced_while_they_are_read_are_not_stashed_under_the_old_key(make_tiny_model, tmp_path,
+                                                                             monkeypatch):
+    """A pull commits a new version of "x" (new files) while x's load reads them: what was read
+    is the new version, so it is not kept under the key taken from the old files, which "y"
+    (another snapshot of the old blobs) still loads by: y reads its own files and answers as
+    the old version does."""
+    old, new = make_tiny_model("llama"), make_tiny_model("llama", seed=1)
+    x, y = tmp_path / "x", tmp_path / "y"
+    for d in (x, y):
+        d.mkdir()
+        for f in old.iterdir():
+            (d / f.name).hardlink_to(f)
+    ref = _core()
+    ref.load_model(LoadSpec("y", y, max_model_len=128, max_num_seqs=4))
+    want = _generate(ref, "y")
+    gate = Gate()
+    monkeypatch.setattr(core_load, "load_or_restore", gate)
+    core = _core(warmup=False, warm_tier_bytes=1 << 30)
+    pending = core.begin_load(LoadSpec("x", x, max_model_len=128, max_num_seqs=4))
+    assert gate.entered.wait(10)
+    for f in new.glob("*.safetensors"):  # the new version's files renamed into place: new inodes
+        (x / f"{f.name}.tmp").write_bytes(f.read_bytes())
+        (x / f"{f.name}.tmp").rename(x / f.name)
+    gate.open.set()
+    core.finish_load(pending)
+    assert core.slots.get("x").warm_key is None
+    core.unload_model("x")
+    assert core.loader.warm_tier.stats().models == 0
+    core.load_model(LoadSpec("y", y, max_model_len=128, max_num_seqs=4))
+    assert core.loader.last_load_timings["warm"] == 0.0
+    assert _generate(core, "y") == want
+
+
 def test_without_warm_up_nothing_is_skipped(make_tiny_model):
     d = make_tiny_model("llama")
     core = _core(warmup=False, warm_tier_bytes=1 << 30)
