@@ -359,9 +359,11 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             if prefix is not None and not seq.num_preemptions:
-                seq.num_cached_tokens = seq.num_computed_tokens
+                # Prompt tokens only: a resumed request's output is found cached too (the K/V of
+                # an earlier answer), and usage's cached_tokens counts the prompt's.
+                seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
                 prefix.queried_tokens += seq.num_prompt_tokens
-                prefix.hit_tokens += seq.num_computed_tokens
+                prefix.hit_tokens += seq.num_cached_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)

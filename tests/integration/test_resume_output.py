@@ -59,6 +59,24 @@ def test_a_resumed_request_reports_its_own_prompt_and_only_new_tokens(sharp_llam
     assert {o.num_prompt_tokens for o in outs if o.num_prompt_tokens} == {len(PROMPT)}
 
 
+def test_a_resumed_request_counts_only_its_prompt_as_cached(sharp_llama):
+    """The prefix cache holds the K/V of an earlier answer's output too, so a resumption's
+    prompt + output can be found cached past its prompt; cached_tokens (usage) stays a count of
+    prompt tokens: a larger one broke the worker protocol's invariant and the agent killed the
+    worker (a CPU churn pass, 404 preemptions, once)."""
+    core = cpu_core(sharp_llama, prefix_caching=True)
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    whole = _tokens(core, "a", PROMPT, p)
+    core.add_request("b", "m", PROMPT, p, output_token_ids=whole[:12])
+    outs = []
+    while core.has_unfinished_requests():
+        outs.extend(core.step())
+    assert whole[:12] + [t for o in outs for t in o.new_token_ids] == whole
+    assert all(0 < o.num_cached_tokens <= o.num_prompt_tokens == len(PROMPT) for o in outs)
+    assert P.unpack_outputs(P.Tokens(0, [[o.req_id, o.new_token_ids, o.finish_reason, None, o.num_prompt_tokens,
+                                            o.num_cached_tokens] for o in outs]))
+
+
 def test_a_resumption_at_the_limits_is_taken(make_tiny_model):
     """One token left of max_tokens, and prompt + output one short of max_model_len (128): each
     gets exactly its last token."""
