@@ -101,7 +101,7 @@ class Choice:
 
     def push(self, out: P.TokenOutput) -> Delta:
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
-        if not self.preemptions or not self.token_ids:  # a resumption's hits count the output it had too
+        if not self.preemptions or not self.token_ids:  # the first admission's hits, not a resumption's recompute
             self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = [None, *out.prompt_logprobs]

@@ -969,6 +969,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = _commit()
     gname = gpu_name() if "cuda" in device else None
     nv = nvml_figures(monitor)
+    ledger = swap_ledger(events)
     result: dict[str, Any] = {
         "date": now.isoformat(timespec="seconds"), "gpu": gname or f"none ({device})", "device": device,
         "commit": commit, "command": "python -m ops.bench.density_bench " + shlex.join(argv if argv is not None
@@ -1008,10 +1009,10 @@ def main(argv: list[str] | None = None) -> int:
         "load_breakdown": load_breakdown(events),
         "room_waits": sum(1 for ev in events if ev.get("event") == "room_wait"),
         # busy models taken out for a load's room at once (their requests resumed later), and drained
-        "preemptions": sum(1 for ev in events if ev.get("event") == "preempt_for_load"),
-        "drains": sum(1 for ev in events if ev.get("event") == "drain_for_load"),
+        "preemptions": sum(m["preemptions"] for m in ledger["per_model"].values()),
+        "drains": sum(m["drains"] for m in ledger["per_model"].values()),
         # who was swapped how often (the most wanted model should rarely be), how long states lasted
-        "swap_ledger": swap_ledger(events),
+        "swap_ledger": ledger,
         "pool_resizes": resizes1[0] - resizes0[0], "pool_resize_s": round(resizes1[1] - resizes0[1], 3),
         "overall": overall, "per_model": per_model,
     }

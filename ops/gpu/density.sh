@@ -34,19 +34,18 @@ bench() {  # bench NAME ARGS... (TREE=dir: that tree's daemon and bench, e.g. an
   [ -f "$K/agent.log" ] && gzip -c "$K/agent.log" > "$OUT/log_$name.gz" && : > "$K/agent.log"
   df -h /tmp >> "$OUT/disk.txt" 2>&1
 }
+# the bf16 workload (twelve 8Bs, Zipf 1.0, 4 req/s in all) and the same with a 64 GiB warm tier
+BF16="--models 12 --rate 4 --zipf 1.0 --duration ${BF16_S:-120} --prompt-len 256 --gen-len 128"
+WARM="--models 12 --rate 4 --zipf 1.0 --duration ${WARM_S:-120} --prompt-len 256 --gen-len 128 --warm-tier-bytes 64GiB"
 for phase in "$@"; do
   case $phase in
     fp8) bench fp8 --models ${FP8_N:-12} --quantization fp8 --kv-cache-dtype fp8 --rate-per-model 0.5 --duration ${FP8_S:-120} \
            --prompt-len 256 --gen-len 128 ;;
-    bf16) bench bf16 --models 12 --rate 4 --zipf 1.0 --duration ${BF16_S:-120} --prompt-len 256 --gen-len 128 ;;
-    bf16old) TREE=${OLD:?set OLD to the older tree} bench bf16old --models 12 --rate 4 --zipf 1.0 --duration ${BF16_S:-120} \
-               --prompt-len 256 --gen-len 128 ;;
-    bf16drain) bench bf16drain --models 12 --rate 4 --zipf 1.0 --duration ${BF16_S:-120} --prompt-len 256 \
-                 --gen-len 128 --no-preempt ;;
-    warm) bench warm --models 12 --rate 4 --zipf 1.0 --duration ${WARM_S:-120} --prompt-len 256 --gen-len 128 \
-            --warm-tier-bytes 64GiB ;;
-    warmdrain) bench warmdrain --models 12 --rate 4 --zipf 1.0 --duration ${WARM_S:-120} --prompt-len 256 \
-                 --gen-len 128 --warm-tier-bytes 64GiB --no-preempt ;;
+    bf16) bench bf16 $BF16 ;;
+    bf16old) TREE=${OLD:?set OLD to the older tree} bench bf16old $BF16 ;;
+    bf16drain) bench bf16drain $BF16 --no-preempt ;;
+    warm) bench warm $WARM ;;
+    warmdrain) bench warmdrain $WARM --no-preempt ;;
     drills) bench drills --models 4 --quantization fp8 --kv-cache-dtype fp8 --rate-per-model 1 --duration 130 \
               --prompt-len 256 --gen-len 128 --worker-hang-timeout 10 --drill-cycles 20 --drill-cycles-at 2 \
               --drill-load-fail-at 70 --drill-oom-at 80 --drill-sigstop-at 100 ;;
