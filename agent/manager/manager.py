@@ -555,11 +555,12 @@ class ModelManager:
         (``server.preempt_for_room``); each request it admitted in the engine and resumable (none
         still on its way there, none with prompt logprobs); the requests bring it back (autoload
         on) as it is (no pull asked meanwhile: the output goes on with the same weights); not
-        near idle (``PREEMPT_MIN_TOKENS``); and ``load`` is not itself coming back for
-        requests preempted from it — a model that returns drains, so two models never preempt
-        each other in turn."""
+        near idle (``PREEMPT_MIN_TOKENS``); not shutting down (:meth:`end_comebacks`); and
+        ``load`` is not itself coming back for requests preempted from it — a model that returns
+        drains, so two models never preempt each other in turn."""
         back = self.models.get(load)
         return (self.settings.server.preempt_for_room and self.autoload_enabled(v) and v.in_flight > 0
+                and not self._no_comebacks  # shutting down: a drain lets them finish, a comeback never comes
                 and not v.needs_pull  # its comeback would pull first: maybe another version's weights
                 and self.worker.preemptible(v.name, PREEMPT_MIN_TOKENS) == v.in_flight
                 and (back is None or back.preempted == 0))
@@ -903,9 +904,12 @@ class ModelManager:
         """Wait until ``name``, preempted for another model's room (``choices`` of its admitted
         engine requests waiting), is ready again, loading it as a request's autoload does (its
         room waited for up to :meth:`comeback_s`, not the autoload's time); raises ModelNotReady
-        then, or when it cannot be loaded."""
+        then, or when it cannot be loaded, or when it came back on other files (a pull or a load
+        from another folder while the requests were paused: their output is not resumed on other
+        weights)."""
         e = self.get(name)
         limit = self.comeback_s()
+        weights = self._weights_of(e)
         e.preempted += choices
         e.signal_change()  # its unload waits for the requests in flight less these
         try:
@@ -922,6 +926,14 @@ class ModelManager:
         if e.state is not State.READY:
             why = f" ({e.reason})" if e.reason else ""
             raise ModelNotReady(f"the model {name!r} is {e.state.value}{why}", retry_after=max(1.0, limit / 4))
+        if self._weights_of(e) != weights:  # pulled or loaded from elsewhere while they were paused
+            raise ModelNotReady(f"the model {name!r} came back with other files than the request began on (a "
+                                f"pull or a load from another folder meanwhile); it was not resumed on them",
+                                retry_after=1.0)
+
+    def _weights_of(self, e: ModelEntry) -> tuple[str | None, Path | None]:
+        """What names the files ``e`` serves: the cache's version of it and its folder."""
+        return (self.source.version(e.name) if self.source is not None else None), e.snapshot
 
     def end_comebacks(self) -> None:
         """Shutting down: requests preempted for room stop waiting for their models (each ends
@@ -933,7 +945,8 @@ class ModelManager:
 
     async def _wait_ready(self, e: ModelEntry, name: str, limit: float, deadline: float) -> None:
         """``admit_wait``'s wait: until ``e`` is ready (loading it as needed), the deadline, or a
-        state ``admit`` refuses with its reason (``ModelNotReady`` too once comebacks end)."""
+        state ``admit`` refuses with its reason; ``ShuttingDown`` once comebacks end
+        (:meth:`end_comebacks`)."""
         while e.state is not State.READY:
             if self._no_comebacks:
                 raise ShuttingDown(f"the server is shutting down; the model {name!r} is {e.state.value}",

@@ -127,7 +127,8 @@ class RoomPlanner:
         cover ``short`` (the refusal's bytes missing beyond the idle models offered) less what
         models already leaving for this load will free (``promised``: drained model → the load it
         was drained for). Candidates: ready, unpinned, requests in flight, none waiting for it, no
-        operation running. Order: those with at most DRAIN_TOKENS_MAX tokens to go first (a drain
+        operation running, none paused for its comeback (``preempted``: just back, their requests not
+        resumed yet; drained now, they would wait for a second comeback). Order: those with at most DRAIN_TOKENS_MAX tokens to go first (a drain
         is stepped ahead of every model: a long generation would hold them all up), then the
         least wanted (``ModelEntry.wanted``, to the nearest request), the nearest to idle
         (``tokens_to_go``, the engine's; a model without a figure after those with one), the
@@ -147,7 +148,7 @@ class RoomPlanner:
             return left > DRAIN_TOKENS_MAX, round(e.wanted(now)), left, e.last_used_mono
 
         for e in sorted((e for e in others if e.state is State.READY and not e.pin and e.in_flight > 0
-                         and e.load_waiters == 0 and not e.busy and not e.lock.locked()
+                         and e.load_waiters == 0 and e.preempted == 0 and not e.busy and not e.lock.locked()
                          and (most is None or (e.wanted(now) <= most and to_go.get(e.name, 0) <= DRAIN_TOKENS_MAX))),
                         key=order):
             if need <= 0:
