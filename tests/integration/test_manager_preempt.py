@@ -39,6 +39,7 @@ class PausingWorker(FakeWorker):
 
 
 def _pausing(monkeypatch, tmp_path, names: list[str], cached: list[str], load_s: float = 0.02):
+    monkeypatch.setenv("INFIRE_SERVER__PREEMPT_FOR_ROOM", "true")  # off by default
     w = PausingWorker(capacity=2, load_s=load_s)
     models = ", ".join(f'{{"name": "{n}"' + (', "pin": true}' if n == "p" else "}") for n in names)
     w.mgr = _manager(monkeypatch, tmp_path, w, f"[{models}]", cached)

@@ -44,7 +44,8 @@ def daemon(make_tiny_model, tmp_path_factory):
               {**base, "name": "m-huge", "autoload": True}, {**base, "name": "m-nan", "autoload": True},
               {**base, "name": "m-badcfg", "autoload": True}]
     d = Daemon(tmp, models=models, env={"INFIRE_GPU__CPU_MEMORY_BUDGET": str(budget_for_two(src)),
-                                        "INFIRE_SERVER__AUTOLOAD_TIMEOUT": "20s"})
+                                        "INFIRE_SERVER__AUTOLOAD_TIMEOUT": "20s",
+                                        "INFIRE_SERVER__PREEMPT_FOR_ROOM": "true"})
     d.start(timeout=120)
     for n in NAMES:
         assert admin(d, n, "pull")[0] == 200
