@@ -391,7 +391,7 @@ def write_config(a: argparse.Namespace, root: Path, store_url: str, port: int, n
                  extra: dict[str, tuple[str, str]]) -> Path:
     """The daemon's TOML: the d models, then ``extra`` (the drills' models) with autoload off."""
     lines = ["[server]", f"port = {port}", f'runtime_dir = "{root / "run"}"', f'admin_token = "{ADMIN_TOKEN}"',
-             "autoload = true", f"preempt_for_room = {'false' if a.no_preempt else 'true'}"]
+             "autoload = true", f"preempt_for_room = {'true' if a.preempt else 'false'}"]
     if a.worker_hang_timeout is not None:
         lines.append(f"worker_hang_timeout = {a.worker_hang_timeout}")
     lines += ["", "[store]", f'url = "{store_url}"', "", "[cache]", f'dir = "{root / "cache"}"',
@@ -801,8 +801,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--budget", help="gpu.memory_budget: a fraction (0.9) or bytes (60GiB); default the daemon's")
     ap.add_argument("--warm-tier-bytes", default="0", help="gpu.warm_tier_bytes (e.g. 64GiB)")
-    ap.add_argument("--no-preempt", action="store_true", help="server.preempt_for_room off: loads drain busy "
-                    "models for room instead of preempting them (an A/B in one device run)")
+    ap.add_argument("--preempt", action="store_true", help="server.preempt_for_room on (off by default, as "
+                    "the daemon's): a load preempts a busy model whose requests can resume instead of draining it")
     ap.add_argument("--warm-tier-wait", type=float, default=180.0,
                     help="with a warm tier, seconds at most to wait before the window for it to be ready whole")
     ap.add_argument("--quantization", choices=["none", "fp8"], default="none")
@@ -977,7 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": a.models, "model_dirs": sorted({str(d) for d in model_dirs}),
         "distinct_bytes": len(set(model_dirs)), "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
         "warm_tier_bytes": a.warm_tier_bytes, "budget_setting": a.budget or "default",
-        "preempt_for_room": not a.no_preempt,
+        "preempt_for_room": a.preempt,
         # seconds waited before the window for the tier to be ready whole, and its stats then
         "warm_tier_wait_s": tier_wait, "warm_tier_at_start": tier,
         "workload": a.workload if a.workload == "sharegpt" else f"fixed {a.prompt_len} in / {a.gen_len} out",

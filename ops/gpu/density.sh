@@ -6,9 +6,9 @@
 # Phases: fp8 (12 x 8B, FP8 weights + KV, 0.5 req/s each), bf16 (12 x 8B, Zipf 1.0, 4 req/s, page
 # cache), warm (the same with a 64 GiB warm tier), drills (four FP8 models serving: 20 load/unload
 # cycles of an FP8 and a plain model, a load that fails in the engine, a load under a neighbour's
-# device-memory grab, a SIGSTOPped worker), gputests (tests/gpu); bf16drain / warmdrain: the bf16 /
-# warm phase with server.preempt_for_room off (busy models drained for room, never preempted: the
-# A/B of preemption in one device run); bf16old: the bf16 phase in the
+# device-memory grab, a SIGSTOPped worker), gputests (tests/gpu); bf16preempt / warmpreempt: the
+# bf16 / warm phase with server.preempt_for_room on (busy models preempted for room when their
+# requests can resume, not drained: the A/B of preemption in one device run); bf16old: the bf16 phase in the
 # tree at $OLD (made here with `git archive C | tar -x -C .old/C && echo C > .old/C/COMMIT`,
 # carried): an A/B in one device run.
 # One kept folder (/tmp/dens) so later phases reuse the store and cache (the disk: 64 GB free
@@ -43,9 +43,9 @@ for phase in "$@"; do
            --prompt-len 256 --gen-len 128 ;;
     bf16) bench bf16 $BF16 ;;
     bf16old) TREE=${OLD:?set OLD to the older tree} bench bf16old $BF16 ;;
-    bf16drain) bench bf16drain $BF16 --no-preempt ;;
+    bf16preempt) bench bf16preempt $BF16 --preempt ;;
     warm) bench warm $WARM ;;
-    warmdrain) bench warmdrain $WARM --no-preempt ;;
+    warmpreempt) bench warmpreempt $WARM --preempt ;;
     drills) bench drills --models 4 --quantization fp8 --kv-cache-dtype fp8 --rate-per-model 1 --duration 130 \
               --prompt-len 256 --gen-len 128 --worker-hang-timeout 10 --drill-cycles 20 --drill-cycles-at 2 \
               --drill-load-fail-at 70 --drill-oom-at 80 --drill-sigstop-at 100 ;;
