@@ -346,6 +346,49 @@ def publish_alias(store: Any, src: str, names: list[str]) -> None:
             store.put_bytes(manifest_key(n), dataclasses.replace(m, name=mf.validate_name(n)).to_json())
 
 
+# A tensor the loader passes over (old checkpoints carry such buffers: engine/weights/loader.py
+# _IGNORED_SUFFIXES), in a shard of each name's own: the name's files differ from every other's.
+TAG_TENSOR, TAG_FILE = "model.rotary_emb.inv_freq", "bench-tag.safetensors"
+
+
+def publish_distinct(store: Any, src: Path, names: list[str], work: Path) -> None:
+    """Publish ``src`` under each of ``names`` as a model of its own files (``--distinct``): the
+    shards are the same blobs (hashed once, stored once), and each name adds a one-tensor shard
+    of its own (``TAG_TENSOR``, ignored at load) and a shard index naming it. To the daemon the
+    names are different models (the disk cache links the shared blobs, but the warm tier and the
+    vacancies key a model's device bytes by its files: twelve names are twelve copies there), as
+    a node of distinct fine-tunes of one size would be; the answers stay the source's."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from cache import manifest as mf
+    from cache.object_store import blob_key, manifest_key
+    from cache.publish import publish_model
+
+    base = publish_model(store, src, names[0])  # the shared blobs (and a first manifest, replaced below)
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        doc = json.loads(index.read_text())
+    else:
+        shard = src / "model.safetensors"
+        with safe_open(str(shard), framework="pt") as f:
+            doc = {"metadata": {}, "weight_map": {k: shard.name for k in f.keys()}}
+    shared = [f for f in base.files if f.path != index.name]
+    for i, name in enumerate(names):
+        own = work / name
+        own.mkdir(parents=True, exist_ok=True)
+        save_file({TAG_TENSOR: torch.full((1,), float(i))}, str(own / TAG_FILE))
+        (own / index.name).write_text(json.dumps({**doc, "weight_map": {**doc["weight_map"], TAG_TENSOR: TAG_FILE}},
+                                                 indent=1, sort_keys=True))
+        files = list(shared)
+        for path in (own / TAG_FILE, own / index.name):
+            size, digest = mf.hash_file(path)
+            store.put_file(blob_key(digest), path)
+            files.append(mf.FileEntry(path.name, size, digest))
+        store.put_bytes(manifest_key(name), mf.build(name, files).to_json())
+
+
 def make_failing_model(src: Path, dst: Path) -> Path:
     """A copy of ``src`` (weights hard-linked, else copied) whose config names one more layer than
     the checkpoint holds: its load fails inside the engine."""
@@ -801,6 +844,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--budget", help="gpu.memory_budget: a fraction (0.9) or bytes (60GiB); default the daemon's")
     ap.add_argument("--warm-tier-bytes", default="0", help="gpu.warm_tier_bytes (e.g. 64GiB)")
+    ap.add_argument("--distinct", action="store_true",
+                    help="each name a model of its own files (the shards shared, a tiny shard of its own: "
+                         "publish_distinct), so the warm tier keeps a copy per name as for distinct models; "
+                         "not with --quantization fp8 (each name would write its own FP8 checkpoint)")
     ap.add_argument("--preempt", action="store_true", help="server.preempt_for_room on (off by default, as "
                     "the daemon's): a load preempts a busy model whose requests can resume instead of draining it")
     ap.add_argument("--warm-tier-wait", type=float, default=180.0,
@@ -846,6 +893,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give exactly one of --rate-per-model R or --rate R")
     if not 1 <= a.models <= 100:
         ap.error("--models must be 1..100")
+    if a.distinct and a.quantization == "fp8":
+        ap.error("--distinct with --quantization fp8: each name would write an FP8 checkpoint of its own")
     if a.drill_cycles is not None and a.drill_cycles < 1:
         ap.error("--drill-cycles must be at least 1")
     if a.drill_oom_at is not None and a.device == "cpu":
@@ -882,7 +931,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for d in dict.fromkeys(model_dirs):  # each folder hashed once, under all its names
                 mine = [n for n, m in zip(names, model_dirs) if m == d and not published(store, n)]
-                if mine:
+                if mine and a.distinct:
+                    publish_distinct(store, d, mine, root / "distinct")
+                elif mine:
                     publish_model(store, d, mine[0], also_as=tuple(mine[1:]))
             publish_alias(store, names[0], [n for n in extra if n != FAIL_MODEL and not published(store, n)])
             if a.drill_load_fail_at is not None and not published(store, FAIL_MODEL):
@@ -975,7 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": commit, "command": "python -m ops.bench.density_bench " + shlex.join(argv if argv is not None
                                                                                      else sys.argv[1:]),
         "models": a.models, "model_dirs": sorted({str(d) for d in model_dirs}),
-        "distinct_bytes": len(set(model_dirs)), "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
+        "distinct_bytes": len(set(model_dirs)), "distinct_files": a.distinct, "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
         "warm_tier_bytes": a.warm_tier_bytes, "budget_setting": a.budget or "default",
         "preempt_for_room": a.preempt,
         # seconds waited before the window for the tier to be ready whole, and its stats then

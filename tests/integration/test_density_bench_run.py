@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from engine.sampling import SamplingParams
 from ops.bench.density_bench import arrivals, main, unexpected_errors, zipf_weights
 from tests.integration.agent_harness import REPO
 
@@ -98,3 +99,42 @@ def test_oom_drill_is_refused_on_cpu(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--device", "cpu", "--rate-per-model", "1", "--drill-oom-at", "5"])
     assert e.value.code == 2 and "--drill-oom-at" in capsys.readouterr().err
+
+
+async def test_distinct_names_share_the_shards_on_disk_and_are_different_models_to_the_engine(
+        tmp_path, make_tiny_model) -> None:
+    """``--distinct``: every name its own files, as distinct models of one size would be, while
+    the store and the disk cache keep the shards once. The warm tier keys a model's device bytes
+    by its files, so the names no longer share one warm copy (the bench's figures then model a
+    node of different models); the weights loaded are the source's, the tag tensor passed over."""
+    from cache.disk_cache import DiskCache
+    from cache.file_store import FileStore
+    from engine.weights.loader import warm_key
+    from ops.bench.density_bench import TAG_FILE, publish_distinct
+    from tests.engine_run import cpu_core
+    from tests.s3_fault_proxy import fast_download
+
+    src = make_tiny_model("llama")
+    store = FileStore(tmp_path / "store")
+    publish_distinct(store, src, ["d00", "d01", "d02"], tmp_path / "work")
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    snaps = [await cache.pull(store, n) for n in ("d00", "d01", "d02")]
+    assert os.path.samefile(snaps[0] / "model.safetensors", snaps[2] / "model.safetensors")  # one blob
+    assert not os.path.samefile(snaps[0] / TAG_FILE, snaps[1] / TAG_FILE)
+    assert len({warm_key(s) for s in snaps}) == 3  # three models to the warm tier
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    answers = []
+    for d in (src, *snaps):
+        core = cpu_core(d)
+        core.add_request("r", "m", [3, 1, 4, 1, 5], params)
+        got = []
+        while core.has_unfinished_requests():
+            got += [t for o in core.step() for t in o.new_token_ids]
+        answers.append(got)
+    assert all(a == answers[0] for a in answers) and len(answers[0]) == 6
+
+
+def test_distinct_names_are_refused_with_fp8_weights(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--distinct", "--quantization", "fp8", "--rate", "1", "--device", "cpu"])
+    assert "--distinct with --quantization fp8" in capsys.readouterr().err
