@@ -835,7 +835,7 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", type=int, default=4, help="model names configured: d00 .. d{N-1}")
+    ap.add_argument("--models", type=int, default=4, help="model names configured: d00 .. d{N-1} (e00 .. with --distinct)")
     ap.add_argument("--model-dir", action="append", default=[],
                     help="model folder (repeat for different bytes, used round robin; default: one generated "
                          "--arch/--preset model published under every name)")
@@ -899,7 +899,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--drill-cycles must be at least 1")
     if a.drill_oom_at is not None and a.device == "cpu":
         ap.error("--drill-oom-at takes device memory: it needs CUDA, not --device cpu")
-    names = [f"d{i:02d}" for i in range(a.models)]
+    # --distinct names differ from the shared ones (e00 ..): a kept store (--keep-dir) holds both kinds
+    names = [f"{'e' if a.distinct else 'd'}{i:02d}" for i in range(a.models)]
     rates = [a.rate_per_model] * a.models if a.rate_per_model is not None else \
         [a.rate * w for w in zipf_weights(a.models, a.zipf)]
     max_len = a.max_model_len or (2048 + 16 if a.workload == "sharegpt" else a.prompt_len + a.gen_len + 16)
