@@ -517,7 +517,8 @@ class Monitor(threading.Thread):
         self.nvml_peak = 0 if nvml else None  # the agent's processes (worker pids as status named them)
         self.nvml_peak_all = 0  # every compute process on the device (pids of another namespace included)
         self.ledger_peak = self.ledger_now = self.device_now = 0
-        self.pool_resizes_now: tuple[int, float] = (0, 0.0)  # the engine's count and seconds, last sampled
+        self.pool_resizes_now: tuple[int, float] = (0, 0.0)  # the engines' count and seconds, last sampled
+        self._resizes_by_pid: dict[int, tuple[int, float]] = {}  # each worker's own (a new one counts from 0)
         self.changes: list[list[Any]] = []  # [s into the window, model, state before, state after]
         # [s into the window, GiB: the ledger's use, the engine's own device figure, NVML]
         self.memory: list[list[float]] = []
@@ -574,7 +575,11 @@ class Monitor(threading.Thread):
             self.budget_bytes = int(b["total_bytes"])
         self.ledger_now = int(b.get("used_bytes") or 0)
         self.device_now = int(b.get("device_bytes") or 0)
-        self.pool_resizes_now = (int(b.get("pool_resizes") or 0), float(b.get("pool_resize_s") or 0.0))
+        if w.get("pid"):  # summed over the workers, so a restart never turns the window's figure negative
+            self._resizes_by_pid[int(w["pid"])] = (int(b.get("pool_resizes") or 0),
+                                                 float(b.get("pool_resize_s") or 0.0))
+            runs = self._resizes_by_pid.values()
+            self.pool_resizes_now = (sum(n for n, _ in runs), sum(t for _, t in runs))
         self.ledger_peak = max(self.ledger_peak, self.ledger_now)
         return st
 

@@ -138,3 +138,42 @@ def test_distinct_names_are_refused_with_fp8_weights(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--distinct", "--quantization", "fp8", "--rate", "1", "--device", "cpu"])
     assert "--distinct with --quantization fp8" in capsys.readouterr().err
+
+
+def test_pool_resizes_are_summed_over_worker_restarts() -> None:
+    """A worker replaced mid-run (the SIGSTOP drill) counts its resizes from 0 again: the window's
+    figure sums each worker's last count, so it never goes negative (it read -1 on the H200)."""
+    import argparse
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from ops.bench.density_bench import Monitor
+
+    answers = iter([(11, 3, 0.6), (11, 4, 0.9), (12, 0, 0.0), (12, 2, 0.5)])  # (worker pid, resizes, seconds)
+
+    class Status(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the handler's name
+            pid, n, s = next(answers)
+            body = json.dumps({"models": [], "worker": {"pid": pid},
+                               "budget": {"pool_resizes": n, "pool_resize_s": s}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Status)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        m = Monitor(f"http://127.0.0.1:{server.server_address[1]}", 0, False, argparse.Namespace())
+        seen = []
+        for _ in range(4):
+            m.poll()
+            seen.append(m.pool_resizes_now)
+    finally:
+        server.shutdown()
+    assert [n for n, _ in seen] == [3, 4, 4, 6]
+    assert seen[-1][1] == pytest.approx(1.4)
