@@ -116,15 +116,22 @@ class VersionedSource(FakeSource):
         return path
 
 
-async def test_requests_paused_on_one_version_are_not_resumed_on_another(monkeypatch, tmp_path):
-    w, mgr = _pausing(monkeypatch, tmp_path, ["p", "x", "a"], ["p", "x", "a"], load_s=0.05)
-    mgr.source = VersionedSource(tmp_path, ["p", "x", "a"], pull_s=0.05)
+async def _x_preempted_for_a(w: PausingWorker, mgr) -> tuple[Any, asyncio.Task[None]]:
+    """p (pinned) and x loaded, x serving a request (its admission, held), a's load under way and
+    x preempted for its room: (the admission, a's load)."""
     for n in ("p", "x"):
         await mgr.load(n)
     held = mgr.admit("x")
     held.__enter__()
     loading = mgr.load("a")
     await _until(lambda: w.preempted == ["x"])
+    return held, loading
+
+
+async def test_requests_paused_on_one_version_are_not_resumed_on_another(monkeypatch, tmp_path):
+    w, mgr = _pausing(monkeypatch, tmp_path, ["p", "x", "a"], ["p", "x", "a"], load_s=0.05)
+    mgr.source = VersionedSource(tmp_path, ["p", "x", "a"], pull_s=0.05)
+    held, loading = await _x_preempted_for_a(w, mgr)
     assert mgr.pull("x") is None and mgr.get("x").needs_pull  # asked while x leaves: its comeback pulls
     await loading
     with pytest.raises(ModelNotReady, match="other files"):
@@ -137,12 +144,7 @@ async def test_requests_paused_on_one_version_are_not_resumed_on_another(monkeyp
 
 async def test_paused_requests_end_with_shutting_down_when_shutdown_begins(monkeypatch, tmp_path):
     w, mgr = _pausing(monkeypatch, tmp_path, ["p", "x", "a"], ["p", "x", "a"], load_s=0.3)
-    for n in ("p", "x"):
-        await mgr.load(n)
-    held = mgr.admit("x")
-    held.__enter__()
-    loading = mgr.load("a")
-    await _until(lambda: w.preempted == ["x"])
+    held, loading = await _x_preempted_for_a(w, mgr)
     mgr.end_comebacks()
     with pytest.raises(WorkerError) as ex:
         await asyncio.wait_for(w.waits[0], 3)
