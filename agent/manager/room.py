@@ -127,9 +127,10 @@ class RoomPlanner:
         cover ``short`` (the refusal's bytes missing beyond the idle models offered) less what
         models already leaving for this load will free (``promised``: drained model → the load it
         was drained for). Candidates: ready, unpinned, requests in flight, none waiting for it, no
-        operation running, none paused for its comeback (``preempted``: just back, their requests not
-        resumed yet; drained now, they would wait for a second comeback). Order: those with at most DRAIN_TOKENS_MAX tokens to go first (a drain
-        is stepped ahead of every model: a long generation would hold them all up), then the
+        operation running, none paused for its comeback (``preempted``: just back, their requests
+        not resumed yet; drained now, they would wait for a second comeback). Order: those with at
+        most DRAIN_TOKENS_MAX tokens to go first (a drain is stepped ahead of every model: a long
+        generation would hold them all up), then the
         least wanted (``ModelEntry.wanted``, to the nearest request), the nearest to idle
         (``tokens_to_go``, the engine's; a model without a figure after those with one), the
         least recently used. ``most``: only those wanted no more than that, and none with a long

@@ -375,10 +375,10 @@ def publish_distinct(store: Any, src: Path, names: list[str], work: Path) -> Non
         with safe_open(str(shard), framework="pt") as f:
             doc = {"metadata": {}, "weight_map": {k: shard.name for k in f.keys()}}
     shared = [f for f in base.files if f.path != index.name]
-    for i, name in enumerate(names):
+    for name in names:
         own = work / name
-        own.mkdir(parents=True, exist_ok=True)
-        save_file({TAG_TENSOR: torch.full((1,), float(i))}, str(own / TAG_FILE))
+        own.mkdir(parents=True, exist_ok=True)  # the tag: the name's own bytes, so no two names share it
+        save_file({TAG_TENSOR: torch.tensor(list(name.encode()), dtype=torch.float32)}, str(own / TAG_FILE))
         (own / index.name).write_text(json.dumps({**doc, "weight_map": {**doc["weight_map"], TAG_TENSOR: TAG_FILE}},
                                                  indent=1, sort_keys=True))
         files = list(shared)
@@ -840,7 +840,8 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", type=int, default=4, help="model names configured: d00 .. d{N-1} (e00 .. with --distinct)")
+    ap.add_argument("--models", type=int, default=4,
+                    help="model names configured: d00 .. d{N-1} (e00 .. with --distinct)")
     ap.add_argument("--model-dir", action="append", default=[],
                     help="model folder (repeat for different bytes, used round robin; default: one generated "
                          "--arch/--preset model published under every name)")
@@ -1032,7 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
         "commit": commit, "command": "python -m ops.bench.density_bench " + shlex.join(argv if argv is not None
                                                                                      else sys.argv[1:]),
         "models": a.models, "model_dirs": sorted({str(d) for d in model_dirs}),
-        "distinct_bytes": len(set(model_dirs)), "distinct_files": a.distinct, "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
+        "distinct_bytes": len(set(model_dirs)), "distinct_files": a.distinct, "quantization": a.quantization,
+        "kv_cache_dtype": a.kv_cache_dtype,
         "warm_tier_bytes": a.warm_tier_bytes, "budget_setting": a.budget or "default",
         "preempt_for_room": a.preempt,
         # seconds waited before the window for the tier to be ready whole, and its stats then
