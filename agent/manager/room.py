@@ -130,10 +130,10 @@ class RoomPlanner:
         operation running, none paused for its comeback (``preempted``: just back, their requests
         not resumed yet; drained now, they would wait for a second comeback). Order: those with at
         most DRAIN_TOKENS_MAX tokens to go first (a drain is stepped ahead of every model: a long
-        generation would hold them all up), then the
-        least wanted (``ModelEntry.wanted``, to the nearest request), the nearest to idle
-        (``tokens_to_go``, the engine's; a model without a figure after those with one), the
-        least recently used. ``most``: only those wanted no more than that, and none with a long
+        generation would hold them all up), then the least wanted (``ModelEntry.wanted``, to the
+        nearest request), the nearest to idle (``tokens_to_go``, the engine's; a model without a
+        figure after those with one), the least recently used. ``most``: only those wanted no more
+        than that, and none with a long
         generation (a load sparing the more wanted waits for a cheap drain, not for a long one).
         Empty when what is leaving covers it or none is busy."""
         to_go, promised = tokens_to_go or {}, promised or {}

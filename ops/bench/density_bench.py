@@ -517,7 +517,6 @@ class Monitor(threading.Thread):
         self.nvml_peak = 0 if nvml else None  # the agent's processes (worker pids as status named them)
         self.nvml_peak_all = 0  # every compute process on the device (pids of another namespace included)
         self.ledger_peak = self.ledger_now = self.device_now = 0
-        self.pool_resizes_now: tuple[int, float] = (0, 0.0)  # the engines' count and seconds, last sampled
         self._resizes_by_pid: dict[int, tuple[int, float]] = {}  # each worker's own (a new one counts from 0)
         self.changes: list[list[Any]] = []  # [s into the window, model, state before, state after]
         # [s into the window, GiB: the ledger's use, the engine's own device figure, NVML]
@@ -546,6 +545,12 @@ class Monitor(threading.Thread):
         self.nvml_peak_all = 0
         self.ledger_peak = 0
         self.restarts_first = self.restarts_last
+
+    @property
+    def pool_resizes_now(self) -> tuple[int, float]:
+        """The engines' pool resizes and their seconds so far, summed over the workers sampled."""
+        runs = self._resizes_by_pid.values()
+        return sum(n for n, _ in runs), sum(t for _, t in runs)
 
     def poll(self) -> dict | None:
         try:
@@ -578,8 +583,6 @@ class Monitor(threading.Thread):
         if w.get("pid"):  # summed over the workers, so a restart never turns the window's figure negative
             self._resizes_by_pid[int(w["pid"])] = (int(b.get("pool_resizes") or 0),
                                                  float(b.get("pool_resize_s") or 0.0))
-            runs = self._resizes_by_pid.values()
-            self.pool_resizes_now = (sum(n for n, _ in runs), sum(t for _, t in runs))
         self.ledger_peak = max(self.ledger_peak, self.ledger_now)
         return st
 
