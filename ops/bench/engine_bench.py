@@ -315,7 +315,12 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
     cpu = time.process_time() - cpu0
     host_ms = (runner.host_seconds - host0) * 1e3 / max(steps, 1)
     wait_ms = (runner.wait_seconds - wait0) * 1e3 / max(steps, 1)
-    graph_steps = runner.graph_steps - graph0 + runner.mixed_graph_steps - mixed0
+    # The runner's counters are read here: _batch1 and _profile step it again, and the unload
+    # below keeps it as a vacancy, which starts its counters over.
+    mixed_steps = runner.mixed_graph_steps - mixed0
+    graph_steps = runner.graph_steps - graph0 + mixed_steps
+    cascade = (runner.cascade_rows - casc0[0], runner.cascade_steps - casc0[1])
+    mask_s, masked_rows, masked_steps = runner.mask_seconds, runner.masked_rows, runner.masked_steps
     host_g = runner.host_graph_seconds - hostg0
     host_e = runner.host_seconds - host0 - host_g
     host_by_kind = {"graph_ms_per_step": host_g * 1e3 / max(graph_steps, 1),
@@ -354,9 +359,8 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         **({"constrained": {"requests": len(constrained), **grammar_info,
                             "latency": times.latency(constrained),
                             "free_latency": times.latency(set(times.first) - constrained),
-                            "mask_s": runner.mask_seconds, "masked_rows": runner.masked_rows,
-                            "masked_steps": runner.masked_steps,
-                            "mask_us_per_row": runner.mask_seconds * 1e6 / max(runner.masked_rows, 1),
+                            "mask_s": mask_s, "masked_rows": masked_rows, "masked_steps": masked_steps,
+                            "mask_us_per_row": mask_s * 1e6 / max(masked_rows, 1),
                             "valid_json": _valid_json(info.eos_token_ids, tokens, constrained, grammar_tokenizer, model_dir)}}
            if constrained_every else {}),
         "outputs_digest": digest,
@@ -369,11 +373,10 @@ def run_bench(model_dir: str | Path, num_requests: int, device: str, max_num_seq
         "profile": prof,
         "cpu_ms_per_step": cpu * 1e3 / max(steps, 1),
         "graph_steps": graph_steps,
-        "mixed_graph_steps": runner.mixed_graph_steps - mixed0,
+        "mixed_graph_steps": mixed_steps,
         # cascade attention (engine/runner/cascade.py): one-token rows that read a shared prefix
         # once a tile, and the steps that had such rows
-        "cascade": {"rows": runner.cascade_rows - casc0[0], "steps": runner.cascade_steps - casc0[1],
-                    "rows_per_output_token": (runner.cascade_rows - casc0[0]) / max(total_out, 1)},
+        "cascade": {"rows": cascade[0], "steps": cascade[1], "rows_per_output_token": cascade[0] / max(total_out, 1)},
         "mixed_capture_s": runner.mixed.capture_seconds if runner.mixed else None,
         "load_s": load_s,
         "graph_capture_s": graphs.capture_seconds if graphs else None,
