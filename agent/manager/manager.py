@@ -63,7 +63,7 @@ from agent.manager.entries import (
     State,
     UnknownModel,
 )
-from agent.manager.room import Eviction, RoomPlanner
+from agent.manager.room import Eviction, RoomPlanner, as_cold
 from agent.metrics import Metrics
 from agent.worker.client import WorkerClient, WorkerError
 from cache.errors import CacheError, ModelNotInStore
@@ -430,7 +430,7 @@ class ModelManager:
                     # While a colder model is on its way to being free, spare the more wanted.
                     now = time.monotonic()
                     colder = self._planner.colder_coming(e, self._drains) if now < spare_until else []
-                    most = e.claim(now) if colder else None
+                    most = as_cold(e.claim(now)) if colder else None
                     # Each model's next change, taken before any await: one that happens while
                     # the Load below is in the worker wakes the wait at once instead of being missed.
                     changed = {m.name: m.next_change() for m in self.models.values()}
@@ -541,22 +541,21 @@ class ModelManager:
         """With ``server.spare_room`` on, while loads have found their room short lately
         (``SPARE_PRESSURE_S``): when the engine's room (free bytes and vacancies) would not take
         the largest of them, evict the least wanted idle model that is no more wanted than the
-        most wanted of those loads, so the next load finds its room at once instead of waiting
+        most wanted of those loads (``as_cold``), so the next load finds its room at once instead of waiting
         for a busy model's drain (the room wait was 0.41 s of a swap's 0.94 s p50 on the H200,
         docs/perf.md 2026-12-07). One at a time, and only on a status that has seen every load
         and unload since (a second eviction on stale figures would free room twice). The model
         evicted, or None."""
         if not self.settings.server.spare_room or not self._short_need or self._closing:
             return None
-        now = time.monotonic()
-        mem, st = self.worker.state.memory, self.worker.state
-        if (now - self._short_at > SPARE_PRESSURE_S or mem is None or st.stale_models or self._room.locked()
+        room = self.worker.room()
+        if (time.monotonic() - self._short_at > SPARE_PRESSURE_S or room is None or self._room.locked()
                 or any(e.op in _UNLOADS and e.busy for e in self.models.values())):
             return None
-        v = self._planner.to_spare(mem.free + mem.vacant, self._short_need, self._short_claim)
+        v = self._planner.to_spare(room, self._short_need, as_cold(self._short_claim))
         if v is not None:
             why = "evicted to keep room for the next load"
-            self._log.info("evict", model=v.name, reason=why, room=mem.free + mem.vacant, need=self._short_need)
+            self._log.info("evict", model=v.name, reason=why, room=room, need=self._short_need)
             self._run(v, "evict", self._unload, v, None, why, state=State.DRAINING, reason=why)
         return v
 

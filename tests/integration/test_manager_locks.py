@@ -679,6 +679,35 @@ async def test_a_colder_model_going_idle_during_a_refused_load_is_seen_at_once(m
         h.__exit__(None, None, None)
 
 
+async def test_a_model_about_as_cold_as_the_load_counts_as_colder(monkeypatch, tmp_path) -> None:
+    """c has just loaded for a request of its own, not admitted yet: it claims that request beside
+    its demand (2, against n's 1), and cannot be drained until the request is in. Compared
+    exactly it was not "colder" than n, so n drained the most wanted h at once (the H100 density
+    run at c3e2d6f: the most wanted model drained six times in 70 s, 9 to 26 requests in flight).
+    Within twice n's claim and one, it is: n spares h, waits for c's request to be in, drains c."""
+    w = FakeWorker(capacity=3, load_s=0.05)
+    mgr, hh, hc = await _hot_and_cold(monkeypatch, tmp_path, w, busy_h=True)
+    w.state.models = {"h": model_stats(running=1, tokens_to_go=5), "c": model_stats(running=1, tokens_to_go=5)}
+    c, n = mgr.get("c"), mgr.get("n")
+    _waiting(c, 1)  # its request waits to be admitted (a loop turn after READY)
+    rn = asyncio.ensure_future(_request(mgr, "n"))
+    await asyncio.sleep(0.3)
+    now = time.monotonic()
+    assert n.claim(now) < c.claim(now) and mgr.get("h").state is State.READY and mgr._drains == {}
+    _waiting(c, 0)  # admitted: c is a drain candidate now
+    c.signal_change()
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if c.state is State.DRAINING:
+            break
+    assert mgr._drains == {"c": "n"} and mgr.get("h").state is State.READY
+    hc.__exit__(None, None, None)
+    hn = await rn
+    assert mgr.get("h").state is State.READY and c.state is State.CACHED and n.state is State.READY
+    for h in (hn, hh):
+        h.__exit__(None, None, None)
+
+
 async def test_a_request_of_many_choices_claims_as_one_request(monkeypatch, tmp_path) -> None:
     """Demand counts HTTP requests (``wanted``): one request of eight choices waiting for n claims
     one, so h (six requests) is still spared for it."""
