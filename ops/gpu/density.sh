@@ -12,7 +12,7 @@
 # the same with server.spare_room on (the least wanted idle model leaves ahead of the next load
 # while loads find their room short); warmdistinct: the warm
 # phase with each name a model of its own files (density_bench --distinct: the tier keeps a copy per
-# name, as for twelve different 8Bs, where one set of bytes shares one copy); bf16old: the bf16 phase in the
+# name, as for twelve different 8Bs, where one set of bytes shares one copy); bf16old / warmold: the bf16 / warm phase in the
 # tree at $OLD (made here with `git archive C | tar -x -C .old/C && echo C > .old/C/COMMIT`,
 # carried): an A/B in one device run.
 # One kept folder (/tmp/dens) so later phases reuse the store and cache (the disk: 64 GB free
@@ -47,6 +47,7 @@ for phase in "$@"; do
            --prompt-len 256 --gen-len 128 ;;
     bf16) bench bf16 $BF16 ;;
     bf16old) TREE=${OLD:?set OLD to the older tree} bench bf16old $BF16 ;;
+    warmold) TREE=${OLD:?set OLD to the older tree} bench warmold $WARM ;;
     bf16preempt) bench bf16preempt $BF16 --preempt ;;
     warm) bench warm $WARM ;;
     warmpreempt) bench warmpreempt $WARM --preempt ;;
