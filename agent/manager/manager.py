@@ -941,13 +941,14 @@ class ModelManager:
         preempted."""
         return self.settings.server.autoload_timeout + self.settings.server.drain_timeout
 
-    async def wait_back(self, name: str, choices: int) -> None:
+    async def wait_back(self, name: str, choices: int) -> int:
         """Wait until ``name``, preempted for another model's room (``choices`` of its admitted
         engine requests waiting), is ready again, loading it as a request's autoload does (its
-        room waited for up to :meth:`comeback_s`, not the autoload's time); raises ModelNotReady
-        then, or when it cannot be loaded, or when it came back on other files (a pull or a load
-        from another folder while the requests were paused: their output is not resumed on other
-        weights)."""
+        room waited for up to :meth:`comeback_s`, counted from the comeback load's start, as the
+        load counts it, not from the preemption); its context length then (a comeback may get a
+        smaller one). Raises ModelNotReady when it is not back by then, or cannot be loaded, or
+        came back on other files (a pull or a load from another folder while the requests were
+        paused: their output is not resumed on other weights)."""
         e = self.get(name)
         limit = self.comeback_s()
         weights = self._weights_of(e)
@@ -955,7 +956,7 @@ class ModelManager:
         e.signal_change()  # its unload waits for the requests in flight less these
         try:
             if not self._no_comebacks:
-                await self._wait_ready(e, name, limit, time.monotonic() + limit)
+                await self._wait_ready(e, name, limit, time.monotonic() + limit, from_load=True)
         except ShuttingDown:
             pass
         finally:
@@ -971,6 +972,8 @@ class ModelManager:
             raise ModelNotReady(f"the model {name!r} came back with other files than the request began on (a "
                                 f"pull or a load from another folder meanwhile); it was not resumed on them",
                                 retry_after=1.0)
+        assert e.info is not None  # ready
+        return e.info.max_model_len
 
     def _weights_of(self, e: ModelEntry) -> tuple[str | None, Path | None]:
         """What names the files ``e`` serves: the cache's version of it and its folder."""
@@ -984,10 +987,13 @@ class ModelManager:
             if e.preempted:
                 e.signal_change()
 
-    async def _wait_ready(self, e: ModelEntry, name: str, limit: float, deadline: float) -> None:
+    async def _wait_ready(self, e: ModelEntry, name: str, limit: float, deadline: float,
+                          from_load: bool = False) -> None:
         """``admit_wait``'s wait: until ``e`` is ready (loading it as needed), the deadline, or a
         state ``admit`` refuses with its reason; ``ShuttingDown`` once comebacks end
-        (:meth:`end_comebacks`)."""
+        (:meth:`end_comebacks`). ``from_load``: the deadline moves to ``limit`` after the model's
+        load is first seen under way, if that is later (a comeback waits as long as its load may)."""
+        load_seen = False
         while e.state is not State.READY:
             if self._no_comebacks:
                 raise ShuttingDown(f"the server is shutting down; the model {name!r} is {e.state.value}",
@@ -1005,6 +1011,9 @@ class ModelManager:
                     return  # nowhere to pull it from: admit refuses it as not ready
                 if startable:
                     self.load(name)  # pulls first when its files are not (all) in the cache
+            if from_load and e.state is State.LOADING and not load_seen:
+                load_seen = True  # its load began (this wait's or another's), at most now
+                deadline = max(deadline, time.monotonic() + limit)
             left = deadline - time.monotonic()
             if left <= 0:
                 why = f" ({e.reason})" if e.reason else ""

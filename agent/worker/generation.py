@@ -173,7 +173,7 @@ class Choice:
         return self.token_ids[part], self.logprobs[part] or None, self.pieces[part]
 
 
-Comeback = Callable[[int], Awaitable[None]]
+Comeback = Callable[[int], Awaitable[int]]  # (choices waiting) -> the context it came back with
 
 
 class Generation:
@@ -182,8 +182,11 @@ class Generation:
     ``comeback``: when given, a choice whose model is preempted for another's room
     (:class:`~agent.worker.client.Preempted`) is not a failure: the generation awaits
     ``comeback(choices)`` (the manager's :meth:`~agent.manager.manager.ModelManager.wait_back`:
-    the model ready again) and sends it again with the output it had, which the engine computes
-    again and goes on from (seeded sampling, penalties and grammar included); the stream pauses.
+    the model ready again, with its context length) and sends it again with the output it had,
+    which the engine computes again and goes on from (seeded sampling, penalties and grammar
+    included); the stream pauses. A choice whose prompt and output no longer leave room for a
+    token in that context (a comeback given a smaller one, room short) ends there, as ``length``,
+    as it would have at its context's end.
     A choice is preempted once at most (resumed, it is not resumable again: a model serving it
     is drained for room, so no request waits through one comeback after another), and one with
     prompt logprobs never (they come with its first prefill only)."""
@@ -306,13 +309,17 @@ class Generation:
         try:
             while self._preempted and not self._closed:
                 waiting = len(self._preempted)
-                await self._comeback(waiting)
+                context = await self._comeback(waiting)
                 if self._closed:
                     return
                 now, self._preempted = self._preempted[:waiting], self._preempted[waiting:]
                 for c in now:
                     assert c.sampling is not None
                     c.req_id = f"{self.base_id}-{c.index}.r{c.preemptions}"
+                    if len(c.prompt_ids) + len(c.token_ids) >= context:
+                        self._live[c.req_id] = c
+                        self.put_nowait(P.TokenOutput(c.req_id, [], "length", None, c.num_prompt_tokens))
+                        continue
                     # preempted once at most: its model is drained the next time (never starved)
                     self._requests.append(self.worker.add(
                         c.req_id, self.model, c.prompt_ids, c.sampling, queue=self, grammar=self._grammar,

@@ -979,3 +979,29 @@ async def test_a_preempted_requests_wait_ends_at_shutdown_and_a_drain_does_not_w
     assert x.preempted == 0
     held.__exit__(None, None, None)
     await mgr.close()
+
+
+async def test_a_preempted_requests_wait_lasts_as_long_as_its_comeback_load_may(monkeypatch, tmp_path) -> None:
+    """The comeback's load waits for room up to ``comeback_s`` from its own start, which comes
+    after the preempted model's unload; the paused request's wait counts from the same start, so
+    it never gives up while the load it waits for may still succeed (here: ready 0.85 s after the
+    preemption, 0.55 s after the load began, against 0.6 s allowed)."""
+    monkeypatch.setenv("INFIRE_SERVER__AUTOLOAD_TIMEOUT", "0.5s")
+    monkeypatch.setenv("INFIRE_SERVER__DRAIN_TIMEOUT", "0.1s")
+
+    class SlowUnload(FakeWorker):
+        async def unload(self, name: str) -> None:
+            await asyncio.sleep(0.3)
+            await super().unload(name)
+
+    w = SlowUnload(load_s=0.01)
+    mgr = _manager(monkeypatch, tmp_path, w, '[{"name": "x"}]', ["x"])
+    await mgr.load("x")
+    assert mgr.comeback_s() == pytest.approx(0.6)
+    w.load_s = 0.55
+    t = time.monotonic()
+    mgr.unload("x")
+    context = await mgr.wait_back("x", 1)  # as the preempted request's generation does
+    assert mgr.get("x").state is State.READY and time.monotonic() - t > 0.6
+    assert context == mgr.get("x").info.max_model_len
+    await mgr.close()
