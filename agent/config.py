@@ -95,10 +95,6 @@ class ServerSettings(_Section):
     # (twelve 8Bs, a 64 GiB warm tier, 4 req/s, docs/perf.md 2026-12-07) every preemption brought
     # a comeback load: 68 loads against 52, TTFT <= 2 s 80.7 % against 86.4 %.
     preempt_for_room: bool = False
-    # On: while loads keep finding their room short (within the last 30 s), the least wanted idle
-    # model is evicted ahead of the next load whenever the room would not take it, so a swap
-    # loads at once instead of waiting for a busy model's drain; one model fewer stays resident.
-    spare_room: bool = False
     # A request for a configured model that is not loaded loads it, pulling it first when it is
     # only in the store (per model: models[].autoload); off, such a request is a 503.
     autoload: bool = True

@@ -105,10 +105,6 @@ ROOM_PATIENCE_S = 3.0
 # for a load's room, not preempted: its last tokens take about as long as its requests' pause
 # and recomputation would (~0.5 s at 30 ms a step).
 PREEMPT_MIN_TOKENS = 16
-# How long after a load found its room short the manager keeps one load's room free ahead of the
-# next (server.spare_room): about as long as the demand it decays by (entries.DEMAND_TAU_S), so
-# a burst of swaps keeps it and a quiet node gets its models back.
-SPARE_PRESSURE_S = 30.0
 
 
 # Operations that end loaded or on the way out: asking for the same again joins them
@@ -138,9 +134,6 @@ class ModelManager:
         self._closing = False
         self._no_comebacks = False  # shutting down: preempted requests end instead of waiting (end_comebacks)
         self._planner = RoomPlanner(self.models)
-        # The loads that found their room short lately (server.spare_room): when the last one was
-        # refused, the most it needed, and the most wanted of them (its claim) in the window
-        self._short_at, self._short_need, self._short_claim = 0.0, 0, 0.0
         self._keep_alive: asyncio.Task[None] | None = None
         for m in settings.models:
             self._entry(m.name)
@@ -519,45 +512,12 @@ class ModelManager:
                 if ex.code != "no_room":
                     raise
                 plan = self._planner.after_refusal(offered, ex.details)
-                self._room_short(e, plan.details)
             if not plan.victims:
                 return None, plan
             self._log.info("evict_for_load", model=e.name, evict=list(plan.victims),
                            needed=plan.details["needed"], free=plan.details["free"])
             for name in plan.victims:
                 await self._evict(self.models[name], f"evicted to make room for {e.name}")
-
-    def _room_short(self, e: ModelEntry, details: dict[str, Any]) -> None:
-        """Note a load refused for room (``details``: the engine's figures): the window in which
-        :meth:`keep_spare_room` acts, and what it keeps room for."""
-        now = time.monotonic()
-        needed = details.get("needed")
-        fresh = now - self._short_at > SPARE_PRESSURE_S
-        self._short_at = now
-        self._short_need = max(0 if fresh else self._short_need, needed if isinstance(needed, int) else 0)
-        self._short_claim = max(0.0 if fresh else self._short_claim, e.claim(now))
-
-    def keep_spare_room(self) -> ModelEntry | None:
-        """With ``server.spare_room`` on, while loads have found their room short lately
-        (``SPARE_PRESSURE_S``): when the engine's room (free bytes and vacancies) would not take
-        the largest of them, evict the least wanted idle model that is no more wanted than the
-        most wanted of those loads (``as_cold``), so the next load finds its room at once instead of waiting
-        for a busy model's drain (the room wait was 0.41 s of a swap's 0.94 s p50 on the H200,
-        docs/perf.md 2026-12-07). One at a time, and only on a status that has seen every load
-        and unload since (a second eviction on stale figures would free room twice). The model
-        evicted, or None."""
-        if not self.settings.server.spare_room or not self._short_need or self._closing:
-            return None
-        room = self.worker.room()
-        if (time.monotonic() - self._short_at > SPARE_PRESSURE_S or room is None or self._room.locked()
-                or any(e.op in _UNLOADS and e.busy for e in self.models.values())):
-            return None
-        v = self._planner.to_spare(room, self._short_need, as_cold(self._short_claim))
-        if v is not None:
-            why = "evicted to keep room for the next load"
-            self._log.info("evict", model=v.name, reason=why, room=room, need=self._short_need)
-            self._run(v, "evict", self._unload, v, None, why, state=State.DRAINING, reason=why)
-        return v
 
     async def _evict(self, v: ModelEntry, why: str) -> None:
         """Unload an idle model as its own operation (so the admin API sees it busy)."""
@@ -819,7 +779,6 @@ class ModelManager:
                                keep_alive_s=e.settings.keep_alive)
                 why = "idle past keep_alive"
                 self._run(e, "idle", self._unload, e, None, why, state=State.DRAINING, reason=why)
-            self.keep_spare_room()
 
     async def preload(self) -> None:
         """Load every ``preload`` model; returns when each is ready or failed."""

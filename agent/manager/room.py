@@ -83,16 +83,6 @@ class RoomPlanner:
                and (most is None or e.wanted(now) <= most)]
         return [e.name for e in sorted(out, key=lambda e: (e.wanted(now), e.last_used_mono))]
 
-    def to_spare(self, room: int, need: int, most: float) -> ModelEntry | None:
-        """The model to evict so that ``need`` bytes are free for the next load (``room``: the
-        engine's free bytes and vacancies): the first of :meth:`evictable` wanted no more than
-        ``most``; None when the room is there or no idle model is that cold (a model more wanted
-        than the loads that ran short stays: its next request would be the swap)."""
-        if room >= need:
-            return None
-        names = self.evictable(most=most)
-        return self._models[names[0]] if names else None
-
     def colder_coming(self, load: ModelEntry, promised: Mapping[str, str]) -> list[ModelEntry]:
         """Models no more wanted than ``load`` asks for (``ModelEntry.claim``) that hold room, or
         are about to, and will soon be free to go: ready with requests (in flight or waiting for

@@ -452,13 +452,6 @@ class WorkerClient:
         st = self.state
         return {n: s.tokens_to_go for n, s in st.models.items() if n not in st.stale_models}
 
-    def room(self) -> int | None:
-        """The bytes a load could take now by the engine's last status: free beside the books, and
-        the vacancies (a load claims or drops them); None without a status, or when a model was
-        loaded or unloaded since it (its figures describe the books before)."""
-        st = self.state
-        return None if st.memory is None or st.stale_models else st.memory.free + st.memory.vacant
-
     def add(self, req_id: str, model: str, prompt_token_ids: list[int], sampling: SamplingParams,
             queue: OutputSink | None = None, grammar: str = "", output_token_ids: list[int] | None = None,
             resumable: bool = False) -> EngineRequest:

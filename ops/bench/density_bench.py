@@ -434,8 +434,7 @@ def write_config(a: argparse.Namespace, root: Path, store_url: str, port: int, n
                  extra: dict[str, tuple[str, str]]) -> Path:
     """The daemon's TOML: the d models, then ``extra`` (the drills' models) with autoload off."""
     lines = ["[server]", f"port = {port}", f'runtime_dir = "{root / "run"}"', f'admin_token = "{ADMIN_TOKEN}"',
-             "autoload = true", f"preempt_for_room = {'true' if a.preempt else 'false'}",
-             f"spare_room = {'true' if a.spare_room else 'false'}"]
+             "autoload = true", f"preempt_for_room = {'true' if a.preempt else 'false'}"]
     if a.worker_hang_timeout is not None:
         lines.append(f"worker_hang_timeout = {a.worker_hang_timeout}")
     lines += ["", "[store]", f'url = "{store_url}"', "", "[cache]", f'dir = "{root / "cache"}"',
@@ -860,8 +859,6 @@ def main(argv: list[str] | None = None) -> int:
                          "not with --quantization fp8 (each name would write its own FP8 checkpoint)")
     ap.add_argument("--preempt", action="store_true", help="server.preempt_for_room on (off by default, as "
                     "the daemon's): a load preempts a busy model whose requests can resume instead of draining it")
-    ap.add_argument("--spare-room", action="store_true", help="server.spare_room on (off by default, as the "
-                    "daemon's): while loads find their room short, the least wanted idle model leaves ahead of the next")
     ap.add_argument("--warm-tier-wait", type=float, default=180.0,
                     help="with a warm tier, seconds at most to wait before the window for it to be ready whole")
     ap.add_argument("--quantization", choices=["none", "fp8"], default="none")
@@ -1042,7 +1039,7 @@ def main(argv: list[str] | None = None) -> int:
         "distinct_bytes": len(set(model_dirs)), "distinct_files": a.distinct, "quantization": a.quantization,
         "kv_cache_dtype": a.kv_cache_dtype,
         "warm_tier_bytes": a.warm_tier_bytes, "budget_setting": a.budget or "default",
-        "preempt_for_room": a.preempt, "spare_room": a.spare_room,
+        "preempt_for_room": a.preempt,
         # seconds waited before the window for the tier to be ready whole, and its stats then
         "warm_tier_wait_s": tier_wait, "warm_tier_at_start": tier,
         "workload": a.workload if a.workload == "sharegpt" else f"fixed {a.prompt_len} in / {a.gen_len} out",

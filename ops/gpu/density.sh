@@ -8,9 +8,7 @@
 # cycles of an FP8 and a plain model, a load that fails in the engine, a load under a neighbour's
 # device-memory grab, a SIGSTOPped worker), gputests (tests/gpu); bf16preempt / warmpreempt: the
 # bf16 / warm phase with server.preempt_for_room on (busy models preempted for room when their
-# requests can resume, not drained: the A/B of preemption in one device run); bf16spare / warmspare:
-# the same with server.spare_room on (the least wanted idle model leaves ahead of the next load
-# while loads find their room short); warmdistinct: the warm
+# requests can resume, not drained: the A/B of preemption in one device run); warmdistinct: the warm
 # phase with each name a model of its own files (density_bench --distinct: the tier keeps a copy per
 # name, as for twelve different 8Bs, where one set of bytes shares one copy); bf16old / warmold: the bf16 / warm phase in the
 # tree at $OLD (made here with `git archive C | tar -x -C .old/C && echo C > .old/C/COMMIT`,
@@ -52,9 +50,6 @@ for phase in "$@"; do
     warm) bench warm $WARM ;;
     warmpreempt) bench warmpreempt $WARM --preempt ;;
     warmdistinct) bench warmdistinct $WARM --distinct ;;
-    bf16spare) bench bf16spare $BF16 --spare-room ;;
-    warmspare) bench warmspare $WARM --spare-room ;;
-    warmdistinctspare) bench warmdistinctspare $WARM --distinct --spare-room ;;
     drills) bench drills --models 4 --quantization fp8 --kv-cache-dtype fp8 --rate-per-model 1 --duration 130 \
               --prompt-len 256 --gen-len 128 --worker-hang-timeout 10 --drill-cycles 20 --drill-cycles-at 2 \
               --drill-load-fail-at 70 --drill-oom-at 80 --drill-sigstop-at 100 ;;

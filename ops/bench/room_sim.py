@@ -1,0 +1,230 @@
+"""Room policy on the CPU: the manager's own code (ModelManager, RoomPlanner) against a simulated
+engine, to screen room policies (spare room, sparing the more wanted, ...) before a GPU run.
+
+The density bench (ops/bench/density_bench.py) is the measure: the daemon on the GPU. A policy
+change there costs a device run per variant, and a run per card: the H100 holds four bf16 8Bs,
+the H200 seven, and the two regimes answer differently (docs/perf.md 2026-12-07: spare room did
+nothing at four). This replays the same open-loop arrivals (Poisson, Zipf popularity) through the
+real manager in real time, with an engine reduced to what the room decisions see: ``slots``
+models fit (a load beyond that is refused at once, naming the least recently used idle models it
+was offered, as the engine does); a load takes ``load_s``; a request's first token comes
+``ttft_ms`` after its admission and its last ``gen_len`` x ``tpot_ms`` later; each model's
+status row says its running requests and the tokens they still have to go. What it leaves out:
+the GPU's own contention (a drained model's requests stepped first, loads beside steps, TPOT
+rising with the batch), so its figures are the policy's share of a swap, not the swap.
+
+    python -m ops.bench.room_sim --slots 7 --tpot-ms 32 --duration 70 --out sim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from agent.config import load_settings
+from agent.manager.entries import State
+from agent.manager.manager import ModelManager
+from agent.metrics import Metrics
+from agent.worker.client import WorkerError
+from engine.model_info import ModelInfo
+from engine.stats import ModelStats
+from ops.bench.density_bench import arrivals, figures, zipf_weights
+
+MODEL_BYTES = 16 << 30  # one bf16 8B, as the refusals name it (the figures only: nothing is allocated)
+
+
+class SimEngine:
+    """What the manager asks of the worker, answered by a model count and request timers."""
+
+    def __init__(self, slots: int, load_s: float, tpot_s: float) -> None:
+        self.slots, self.load_s, self.tpot_s = slots, load_s, tpot_s
+        self.alive = True
+        self.loaded: list[str] = []
+        self.loading: set[str] = set()
+        self.ends: dict[str, list[float]] = {}  # per model, when each running request produces its last token
+        self.state = SimpleNamespace(engine_error="", stale_models=set(), memory=None)
+        self.loads = 0
+
+    @property
+    def models(self) -> dict[str, ModelStats]:
+        now = time.monotonic()
+        return {n: _stats(len(ends), max((int((t - now) / self.tpot_s) for t in ends), default=0))
+                for n, ends in self.ends.items() if n in self.loaded}
+
+    async def load(self, spec: Any, evictable: list[str] | None = None) -> Any:
+        held = len(self.loaded) + len(self.loading)
+        if held >= self.slots:  # refused at once, before any allocation, as the engine does
+            short = held - self.slots + 1
+            offer = list(evictable or [])
+            raise WorkerError("no room", "no_room", {
+                "needed": MODEL_BYTES, "free": 0, "budget": self.slots * MODEL_BYTES, "short": short * MODEL_BYTES,
+                "evictable": len(offer) * MODEL_BYTES, "evict": offer[:short] if len(offer) >= short else []})
+        self.loading.add(spec.name)
+        try:
+            await asyncio.sleep(self.load_s)
+        finally:
+            self.loading.discard(spec.name)
+        self.loaded.append(spec.name)
+        self.ends.setdefault(spec.name, [])
+        self.loads += 1
+        return SimpleNamespace(info=ModelInfo(spec.name, 32000, spec.max_model_len or 4096, [2], MODEL_BYTES, 0, 16),
+                               timings={"total_s": self.load_s})
+
+    async def unload(self, name: str, timeout: float | None = None) -> None:
+        await asyncio.sleep(0.005)
+        self.loaded.remove(name)
+
+    def room(self) -> int | None:
+        return (self.slots - len(self.loaded) - len(self.loading)) * MODEL_BYTES
+
+    def tokens_to_go(self) -> dict[str, int]:
+        return {n: s.tokens_to_go for n, s in self.models.items()}
+
+    def broken_models(self) -> dict[str, str]:
+        return {}
+
+    def expedite(self, name: str, on: bool = True) -> None: ...
+
+    def preemptible(self, name: str, min_tokens_left: int = 0) -> int:
+        return 0
+
+    def preempt(self, name: str) -> int:
+        return 0
+
+
+def _stats(running: int, tokens_to_go: int) -> ModelStats:
+    zero = {f: 0 for f in ModelStats.__dataclass_fields__}
+    zero.update(prefix_caching=False, cascade=False, constrained=False, broken="", yield_wait_s=0.0,
+                grammar_compile_s=0.0, grammar_mask_s=0.0, host_s=0.0, wait_s=0.0)
+    return ModelStats(**{**zero, "running": running, "tokens_to_go": tokens_to_go})
+
+
+class SimSource:
+    """Every model cached (the page cache or the warm tier: ``load_s`` says which)."""
+
+    def __init__(self, root: Path, names: list[str]) -> None:
+        self.root = root
+        for n in names:
+            (root / n).mkdir(parents=True, exist_ok=True)
+        self.names = names
+
+    def snapshot(self, name: str) -> Path | None:
+        return self.root / name
+
+    def cached_names(self) -> list[str]:
+        return list(self.names)
+
+    def version(self, name: str) -> str | None:
+        return "v1"
+
+    async def pull(self, name: str, verify: bool = False) -> Path:
+        return self.root / name
+
+    def pull_progress(self, name: str) -> None:
+        return None
+
+    async def check(self, name: str, rehash: bool = False) -> list[str]:
+        return []
+
+    async def pin(self, name: str) -> None: ...
+
+    def unpin(self, name: str) -> None: ...
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def derived(self, name: str, scheme: str) -> Path | None:
+        return None
+
+    def want_derived(self, name: str, scheme: str) -> None: ...
+
+
+async def _request(mgr: ModelManager, eng: SimEngine, name: str, gen_len: int, ttft_s: float) -> dict:
+    sent = time.monotonic()
+    ready = mgr.get(name).state is State.READY
+    try:
+        adm = await mgr.admit_wait(name)
+    except Exception as e:  # noqa: BLE001 - a refusal is the request's error, as the API answers it
+        return {"model": name, "error": type(e).__name__, "ready_at_send": ready}
+    with adm:
+        await asyncio.sleep(ttft_s)
+        first = time.monotonic()
+        end = first + gen_len * eng.tpot_s
+        eng.ends[name].append(end)
+        await asyncio.sleep(end - first)
+        eng.ends[name].remove(end)
+    return {"model": name, "ttft": first - sent, "tpot": eng.tpot_s, "ready_at_send": ready, "sent_s": sent,
+            "out": gen_len}
+
+
+async def simulate(a: argparse.Namespace) -> dict:
+    names = [f"d{i:02d}" for i in range(a.models)]
+    os.environ["INFIRE_MODELS"] = json.dumps([{"name": n, "keep_alive": -1} for n in names])
+    eng = SimEngine(a.slots, a.load_s, a.tpot_ms / 1e3)
+    drains: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        mgr = ModelManager(load_settings(), eng, SimSource(Path(tmp), names), Metrics(), lambda p: object())
+        drain_for = mgr._drain_for
+
+        def counted(v: Any, load: str) -> None:
+            drains.append(v.name)
+            drain_for(v, load)
+        mgr._drain_for = counted
+        mgr.start()
+        for n in names:  # the warm-up: every model loaded once, the last ones resident
+            await asyncio.wait_for(mgr.admit_wait(n), 60)
+        t0 = time.monotonic()
+        loads0, drains0 = eng.loads, len(drains)
+        resident = 0
+        tasks = []
+        rates = [a.rate * w for w in zipf_weights(a.models, a.zipf)]
+        for at, m in arrivals(rates, a.duration, a.seed):
+            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+            resident = max(resident, len(eng.loaded))
+            tasks.append(asyncio.ensure_future(_request(mgr, eng, names[m], a.gen_len, a.ttft_ms / 1e3)))
+        recs = await asyncio.gather(*tasks)
+        await mgr.close()
+    per = {n: figures([r for r in recs if r["model"] == n]) for n in names}
+    return {"args": vars(a), "overall": {**figures(list(recs)), "loads": eng.loads - loads0,
+                                         "drains": len(drains) - drains0, "max_resident": resident},
+            "per_model": {n: {k: v for k, v in f.items() if k in ("requests", "ttft_ms_p50", "slo_ttft_2s")}
+                          for n, f in per.items()},
+            "drained": {n: drains[drains0:].count(n) for n in names},
+            "records": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in recs]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", type=int, default=12)
+    ap.add_argument("--slots", type=int, default=7, help="models that fit at once (H200: 7 bf16 8Bs, H100: 4)")
+    ap.add_argument("--rate", type=float, default=4.0, help="requests a second, all models")
+    ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--duration", type=float, default=70.0)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--tpot-ms", type=float, default=32.0)
+    ap.add_argument("--ttft-ms", type=float, default=60.0, help="admission to first token of a resident model")
+    ap.add_argument("--load-s", type=float, default=0.31, help="an engine load (0.31: from the warm tier)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="JSON here")
+    a = ap.parse_args(argv)
+    res = asyncio.run(simulate(a))
+    o = res["overall"]
+    print(json.dumps({k: o.get(k) for k in ("requests", "errors", "ttft_ms_p50", "ttft_ms_p99", "slo_ttft_2s",
+                                             "swap_ttft_ms_p50", "swap_ttft_ms_p99", "loads", "drains",
+                                             "max_resident")}))
+    print("drained:", res["drained"], file=sys.stderr)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
