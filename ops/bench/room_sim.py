@@ -1,19 +1,20 @@
 """Room policy on the CPU: the manager's own code (ModelManager, RoomPlanner) against a simulated
-engine, to screen room policies (spare room, sparing the more wanted, ...) before a GPU run.
+engine, to screen room and drain policies before a GPU run.
 
 The density bench (ops/bench/density_bench.py) is the measure: the daemon on the GPU. A policy
 change there costs a device run per variant, and a run per card: the H100 holds four bf16 8Bs,
-the H200 seven, and the two regimes answer differently (docs/perf.md 2026-12-07: spare room did
-nothing at four). This replays the same open-loop arrivals (Poisson, Zipf popularity) through the
-real manager in real time, with an engine reduced to what the room decisions see: ``slots``
-models fit (a load beyond that is refused at once, naming the least recently used idle models it
-was offered, as the engine does); a load takes ``load_s``; a request's first token comes
-``ttft_ms`` after its admission and its last ``gen_len`` x ``tpot_ms`` later; each model's
-status row says its running requests and the tokens they still have to go. What it leaves out:
-the GPU's own contention (a drained model's requests stepped first, loads beside steps, TPOT
-rising with the batch), so its figures are the policy's share of a swap, not the swap.
+the H200 seven, and the two regimes answer differently. This replays the same open-loop arrivals
+(Poisson, Zipf popularity) through the real manager in real time, with an engine reduced to what
+the room decisions see and what they cost the steps: ``slots`` models fit (a load beyond that is
+refused at once, naming the least recently used idle models it was offered, as the engine
+does); a load takes ``load_s``; one model's batch is stepped at a time (``step_ms``, plus
+``seq_us`` a request and ``prefill_ms`` a new one), the least recently stepped model with work
+first, a drained (expedited) one ahead of the rest (``--expedite first``, the engine's rule) or
+every other step (``share``); each model's status row says its running requests and the tokens
+they still have to go. Left out: the device's own contention (a load beside steps, larger
+batches' step times), so its figures are the policy's share of a swap, not the swap.
 
-    python -m ops.bench.room_sim --slots 7 --tpot-ms 32 --duration 70 --out sim.json
+    python -m ops.bench.room_sim --slots 7 --step-ms 4.6 --duration 70 --out sim.json
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,23 +43,84 @@ from ops.bench.density_bench import arrivals, figures, zipf_weights
 MODEL_BYTES = 16 << 30  # one bf16 8B, as the refusals name it (the figures only: nothing is allocated)
 
 
-class SimEngine:
-    """What the manager asks of the worker, answered by a model count and request timers."""
+@dataclass
+class SimRequest:
+    left: int  # tokens still to produce (the first one included)
+    first: asyncio.Future[float]
+    done: asyncio.Future[float]
+    first_at: float | None = None
 
-    def __init__(self, slots: int, load_s: float, tpot_s: float) -> None:
-        self.slots, self.load_s, self.tpot_s = slots, load_s, tpot_s
+
+class SimEngine:
+    """What the manager asks of the worker, answered by a model count and a step loop: each step
+    is one model's batch (every running request of it: new ones get their first token, the rest
+    one more), ``step_s`` + ``seq_s`` a request + ``prefill_s`` a new one; the model stepped is the
+    least recently stepped of those with work, an expedited one first (``expedite``: "first",
+    as the engine does, or "share": every other step while others have work)."""
+
+    def __init__(self, slots: int, load_s: float, step_s: float, seq_s: float, prefill_s: float,
+                 expedite: str) -> None:
+        self.slots, self.load_s, self.step_s, self.seq_s, self.prefill_s = slots, load_s, step_s, seq_s, prefill_s
+        self.expedite_mode = expedite
         self.alive = True
         self.loaded: list[str] = []
         self.loading: set[str] = set()
-        self.ends: dict[str, list[float]] = {}  # per model, when each running request produces its last token
+        self.reqs: dict[str, list[SimRequest]] = {}
+        self.expedited: set[str] = set()
+        self.last_step: dict[str, float] = {}
         self.state = SimpleNamespace(engine_error="", stale_models=set(), memory=None)
         self.loads = 0
+        self.steps = 0
+        self._wake = asyncio.Event()
+        self._last_urgent = False
 
     @property
     def models(self) -> dict[str, ModelStats]:
-        now = time.monotonic()
-        return {n: _stats(len(ends), max((int((t - now) / self.tpot_s) for t in ends), default=0))
-                for n, ends in self.ends.items() if n in self.loaded}
+        return {n: _stats(len(rs), max((r.left for r in rs), default=0)) for n, rs in self.reqs.items()
+                if n in self.loaded}
+
+    def add(self, model: str, gen_len: int) -> SimRequest:
+        loop = asyncio.get_running_loop()
+        r = SimRequest(gen_len, loop.create_future(), loop.create_future())
+        self.reqs[model].append(r)
+        self._wake.set()
+        return r
+
+    def _pick(self) -> str | None:
+        busy = [m for m in self.loaded if self.reqs.get(m)]
+        if not busy:
+            return None
+        self.expedited &= set(busy)
+        urgent = [m for m in busy if m in self.expedited]
+        rest = [m for m in busy if m not in self.expedited]
+        if urgent and not (self.expedite_mode == "share" and self._last_urgent and rest):
+            pool = urgent
+        else:
+            pool = rest or urgent
+        self._last_urgent = pool is urgent
+        return min(pool, key=lambda m: self.last_step.get(m, 0.0))
+
+    async def run(self) -> None:
+        while True:
+            m = self._pick()
+            if m is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = list(self.reqs[m])
+            new = sum(r.first_at is None for r in batch)
+            await asyncio.sleep(self.step_s + self.seq_s * len(batch) + self.prefill_s * new)
+            now = time.monotonic()
+            self.steps += 1
+            self.last_step[m] = now
+            for r in batch:
+                if r.first_at is None:
+                    r.first_at = now
+                    r.first.set_result(now)
+                r.left -= 1
+                if r.left <= 0:
+                    self.reqs[m].remove(r)
+                    r.done.set_result(now)
 
     async def load(self, spec: Any, evictable: list[str] | None = None) -> Any:
         held = len(self.loaded) + len(self.loading)
@@ -73,7 +136,7 @@ class SimEngine:
         finally:
             self.loading.discard(spec.name)
         self.loaded.append(spec.name)
-        self.ends.setdefault(spec.name, [])
+        self.reqs.setdefault(spec.name, [])
         self.loads += 1
         return SimpleNamespace(info=ModelInfo(spec.name, 32000, spec.max_model_len or 4096, [2], MODEL_BYTES, 0, 16),
                                timings={"total_s": self.load_s})
@@ -81,9 +144,7 @@ class SimEngine:
     async def unload(self, name: str, timeout: float | None = None) -> None:
         await asyncio.sleep(0.005)
         self.loaded.remove(name)
-
-    def room(self) -> int | None:
-        return (self.slots - len(self.loaded) - len(self.loading)) * MODEL_BYTES
+        self.expedited.discard(name)
 
     def tokens_to_go(self) -> dict[str, int]:
         return {n: s.tokens_to_go for n, s in self.models.items()}
@@ -91,7 +152,11 @@ class SimEngine:
     def broken_models(self) -> dict[str, str]:
         return {}
 
-    def expedite(self, name: str, on: bool = True) -> None: ...
+    def expedite(self, name: str, on: bool = True) -> None:
+        if on:
+            self.expedited.add(name)
+        else:
+            self.expedited.discard(name)
 
     def preemptible(self, name: str, min_tokens_left: int = 0) -> int:
         return 0
@@ -147,7 +212,7 @@ class SimSource:
     def want_derived(self, name: str, scheme: str) -> None: ...
 
 
-async def _request(mgr: ModelManager, eng: SimEngine, name: str, gen_len: int, ttft_s: float) -> dict:
+async def _request(mgr: ModelManager, eng: SimEngine, name: str, gen_len: int) -> dict:
     sent = time.monotonic()
     ready = mgr.get(name).state is State.READY
     try:
@@ -155,20 +220,18 @@ async def _request(mgr: ModelManager, eng: SimEngine, name: str, gen_len: int, t
     except Exception as e:  # noqa: BLE001 - a refusal is the request's error, as the API answers it
         return {"model": name, "error": type(e).__name__, "ready_at_send": ready}
     with adm:
-        await asyncio.sleep(ttft_s)
-        first = time.monotonic()
-        end = first + gen_len * eng.tpot_s
-        eng.ends[name].append(end)
-        await asyncio.sleep(end - first)
-        eng.ends[name].remove(end)
-    return {"model": name, "ttft": first - sent, "tpot": eng.tpot_s, "ready_at_send": ready, "sent_s": sent,
-            "out": gen_len}
+        r = eng.add(name, gen_len)
+        first = await r.first
+        last = await r.done
+    return {"model": name, "ttft": first - sent, "tpot": (last - first) / max(gen_len - 1, 1), "ready_at_send": ready,
+            "sent_s": sent, "out": gen_len}
 
 
 async def simulate(a: argparse.Namespace) -> dict:
     names = [f"d{i:02d}" for i in range(a.models)]
     os.environ["INFIRE_MODELS"] = json.dumps([{"name": n, "keep_alive": -1} for n in names])
-    eng = SimEngine(a.slots, a.load_s, a.tpot_ms / 1e3)
+    eng = SimEngine(a.slots, a.load_s, a.step_ms / 1e3, a.seq_us / 1e6, a.prefill_ms / 1e3, a.expedite)
+    stepping = asyncio.ensure_future(eng.run())
     drains: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         mgr = ModelManager(load_settings(), eng, SimSource(Path(tmp), names), Metrics(), lambda p: object())
@@ -189,9 +252,10 @@ async def simulate(a: argparse.Namespace) -> dict:
         for at, m in arrivals(rates, a.duration, a.seed):
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
             resident = max(resident, len(eng.loaded))
-            tasks.append(asyncio.ensure_future(_request(mgr, eng, names[m], a.gen_len, a.ttft_ms / 1e3)))
+            tasks.append(asyncio.ensure_future(_request(mgr, eng, names[m], a.gen_len)))
         recs = await asyncio.gather(*tasks)
         await mgr.close()
+        stepping.cancel()
     per = {n: figures([r for r in recs if r["model"] == n]) for n in names}
     return {"args": vars(a), "overall": {**figures(list(recs)), "loads": eng.loads - loads0,
                                          "drains": len(drains) - drains0, "max_resident": resident},
@@ -209,8 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--duration", type=float, default=70.0)
     ap.add_argument("--gen-len", type=int, default=128)
-    ap.add_argument("--tpot-ms", type=float, default=32.0)
-    ap.add_argument("--ttft-ms", type=float, default=60.0, help="admission to first token of a resident model")
+    ap.add_argument("--step-ms", type=float, default=6.0, help="a step of one model's batch, before its requests")
+    ap.add_argument("--seq-us", type=float, default=100.0, help="a step's time for each request in its batch")
+    ap.add_argument("--prefill-ms", type=float, default=10.0, help="a step's time for each new request's prompt")
+    ap.add_argument("--expedite", choices=["first", "share"], default="first",
+                    help="a drained model's steps: ahead of every other model's (the engine's), or every other step")
     ap.add_argument("--load-s", type=float, default=0.31, help="an engine load (0.31: from the warm tier)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON here")

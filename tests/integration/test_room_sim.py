@@ -12,7 +12,7 @@ import sys
 def test_the_room_simulator_serves_and_swaps_within_its_slots(tmp_path) -> None:
     out = tmp_path / "sim.json"
     r = subprocess.run([sys.executable, "-m", "ops.bench.room_sim", "--models", "5", "--slots", "2", "--rate", "6",
-                        "--zipf", "0.5", "--duration", "4", "--gen-len", "16", "--tpot-ms", "20", "--load-s", "0.05",
+                        "--zipf", "0.5", "--duration", "4", "--gen-len", "16", "--step-ms", "5", "--load-s", "0.05",
                         "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
