@@ -63,7 +63,7 @@ from agent.manager.entries import (
     State,
     UnknownModel,
 )
-from agent.manager.room import Eviction, RoomPlanner, as_cold
+from agent.manager.room import Eviction, RoomPlanner
 from agent.metrics import Metrics
 from agent.worker.client import WorkerClient, WorkerError
 from cache.errors import CacheError, ModelNotInStore
@@ -423,7 +423,7 @@ class ModelManager:
                     # While a colder model is on its way to being free, spare the more wanted.
                     now = time.monotonic()
                     colder = self._planner.colder_coming(e, self._drains) if now < spare_until else []
-                    most = as_cold(e.claim(now)) if colder else None
+                    most = e.claim(now) if colder else None
                     # Each model's next change, taken before any await: one that happens while
                     # the Load below is in the worker wakes the wait at once instead of being missed.
                     changed = {m.name: m.next_change() for m in self.models.values()}
@@ -950,8 +950,10 @@ class ModelManager:
                           from_load: bool = False) -> None:
         """``admit_wait``'s wait: until ``e`` is ready (loading it as needed), the deadline, or a
         state ``admit`` refuses with its reason; ``ShuttingDown`` once comebacks end
-        (:meth:`end_comebacks`). ``from_load``: the deadline moves to ``limit`` after the model's
-        load is first seen under way, if that is later (a comeback waits as long as its load may)."""
+        (:meth:`end_comebacks`). ``from_load`` (a comeback): the deadline moves to ``limit`` after
+        the model's load is first seen under way, if that is later (the load's room wait counts
+        from its own start), and a load past its room (its engine load or first decode under
+        way, each bounded on its own) is waited for whatever the deadline."""
         load_seen = False
         while e.state is not State.READY:
             if self._no_comebacks:
@@ -974,7 +976,9 @@ class ModelManager:
                 load_seen = True  # its load began (this wait's or another's), at most now
                 deadline = max(deadline, time.monotonic() + limit)
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 and from_load and e.state is State.LOADING and (e.in_worker or e.info is not None):
+                left = 1.0  # past its room, in its engine load or first decode: those are bounded on their own
+            elif left <= 0:
                 why = f" ({e.reason})" if e.reason else ""
                 raise ModelNotReady(f"the model {name!r} did not become ready within {limit:g} s "
                                     f"(it is {e.state.value}){why}", retry_after=max(1.0, limit / 4))

@@ -26,16 +26,6 @@ REFUSAL_FIGURES = ("needed", "free", "evictable", "budget", "short")
 DRAIN_TOKENS_MAX = 1024
 
 
-def as_cold(claim: float) -> float:
-    """The most wanted a model may be and still count as no more wanted than a load that asks
-    ``claim`` (``ModelEntry.claim``): twice that, and one request more. Demand is a decayed count
-    of a few requests, so two models of one popularity read apart by that much; compared exactly,
-    the density run at c3e2d6f (H100, twelve 8Bs, 4 resident) found the cold models just loaded
-    for a request (counted with it) hotter than a cold load, saw no colder model coming, and
-    drained the most wanted model, 9 to 26 requests in flight, six times in 70 s."""
-    return 2.0 * claim + 1.0
-
-
 def refusal_reason(model: str, d: dict[str, Any]) -> str:
     """One line with the numbers of a refused load (readable and exact bytes)."""
     def b(k: str) -> str:
@@ -96,7 +86,7 @@ class RoomPlanner:
         asked-for one while three colder loads held the rest. A load of a model loading
         without its room is not counted: two such loads would wait for each other."""
         now = time.monotonic()
-        most = as_cold(load.claim(now))
+        most = load.claim(now)
         rooms = set(promised.values())
         return [e for e in self._models.values() if e is not load and not e.pin and e.claim(now) <= most and (
             (e.state is State.READY and (e.in_flight or e.load_waiters or e.busy))

@@ -122,7 +122,8 @@ class Choice:
             raise WorkerError("the request was aborted in the engine (the model was unloaded)", "aborted")
         # With logprobs each token is detokenized alone, so each knows the text it added: a byte
         # that only starts a character adds "", the one completing it the whole character.
-        pieces = [self.detok.push([i]) for i in ids] if out.logprobs else None
+        # (a final output without tokens still releases what the stop matcher held: self.pieces)
+        pieces = [self.detok.push([i]) for i in ids] if out.logprobs or self.pieces else None
         new_text = "".join(pieces) if pieces is not None else self.detok.push(ids) if ids else ""
         if finish is not None:
             tail = self.detok.flush()
@@ -318,7 +319,7 @@ class Generation:
                     c.req_id = f"{self.base_id}-{c.index}.r{c.preemptions}"
                     if len(c.prompt_ids) + len(c.token_ids) >= context:
                         self._live[c.req_id] = c
-                        self.put_nowait(P.TokenOutput(c.req_id, [], "length", None, c.num_prompt_tokens))
+                        self.put_nowait(P.TokenOutput(c.req_id, [], "length", None, c.num_prompt_tokens or len(c.prompt_ids)))
                         continue
                     # preempted once at most: its model is drained the next time (never starved)
                     self._requests.append(self.worker.add(

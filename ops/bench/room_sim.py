@@ -37,7 +37,6 @@ from agent.manager.manager import ModelManager
 from agent.metrics import Metrics
 from agent.worker.client import WorkerError
 from engine.model_info import ModelInfo
-from engine.stats import ModelStats
 from ops.bench.density_bench import arrivals, figures, zipf_weights
 
 MODEL_BYTES = 16 << 30  # one bf16 8B, as the refusals name it (the figures only: nothing is allocated)
@@ -74,10 +73,6 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._last_urgent = False
 
-    @property
-    def models(self) -> dict[str, ModelStats]:
-        return {n: _stats(len(rs), max((r.left for r in rs), default=0)) for n, rs in self.reqs.items()
-                if n in self.loaded}
 
     def add(self, model: str, gen_len: int) -> SimRequest:
         loop = asyncio.get_running_loop()
@@ -113,13 +108,14 @@ class SimEngine:
             now = time.monotonic()
             self.steps += 1
             self.last_step[m] = now
-            for r in batch:
+            running = self.reqs.get(m, [])  # (none left when it was unloaded during the step)
+            for r in [r for r in batch if r in running]:
                 if r.first_at is None:
                     r.first_at = now
                     r.first.set_result(now)
                 r.left -= 1
                 if r.left <= 0:
-                    self.reqs[m].remove(r)
+                    running.remove(r)
                     r.done.set_result(now)
 
     async def load(self, spec: Any, evictable: list[str] | None = None) -> Any:
@@ -145,9 +141,14 @@ class SimEngine:
         await asyncio.sleep(0.005)
         self.loaded.remove(name)
         self.expedited.discard(name)
+        for r in self.reqs.pop(name, []):  # what a drain's deadline left: aborted, as the engine does
+            for f in (r.first, r.done):
+                if not f.done():
+                    f.set_exception(WorkerError("the model was unloaded under the request", "aborted"))
 
     def tokens_to_go(self) -> dict[str, int]:
-        return {n: s.tokens_to_go for n, s in self.models.items()}
+        """What the engine's status rows say of each loaded model: its longest request's tokens to go."""
+        return {n: max((r.left for r in rs), default=0) for n, rs in self.reqs.items() if n in self.loaded}
 
     def broken_models(self) -> dict[str, str]:
         return {}
@@ -163,13 +164,6 @@ class SimEngine:
 
     def preempt(self, name: str) -> int:
         return 0
-
-
-def _stats(running: int, tokens_to_go: int) -> ModelStats:
-    zero = {f: 0 for f in ModelStats.__dataclass_fields__}
-    zero.update(prefix_caching=False, cascade=False, constrained=False, broken="", yield_wait_s=0.0,
-                grammar_compile_s=0.0, grammar_mask_s=0.0, host_s=0.0, wait_s=0.0)
-    return ModelStats(**{**zero, "running": running, "tokens_to_go": tokens_to_go})
 
 
 class SimSource:
@@ -221,8 +215,11 @@ async def _request(mgr: ModelManager, eng: SimEngine, name: str, gen_len: int) -
         return {"model": name, "error": type(e).__name__, "ready_at_send": ready}
     with adm:
         r = eng.add(name, gen_len)
-        first = await r.first
-        last = await r.done
+        try:
+            first = await r.first
+            last = await r.done
+        except WorkerError as e:
+            return {"model": name, "error": e.code, "ready_at_send": ready}
     return {"model": name, "ttft": first - sent, "tpot": (last - first) / max(gen_len - 1, 1), "ready_at_send": ready,
             "sent_s": sent, "out": gen_len}
 

@@ -72,3 +72,35 @@ async def test_one_whose_model_came_back_with_too_small_a_context_ends_as_length
     (choice,) = gen.choices.values()
     assert gen.over and gen.failure is None
     assert choice.finish_reason == "length" and choice.token_ids == [5, 6] and "".join(choice.text) == "<5><6>"
+
+
+async def test_a_length_ending_releases_the_tokens_a_stop_string_held_with_their_logprobs() -> None:
+    """Streamed with logprobs and a stop string "END": the output "x", "E", "N" holds back "EN"
+    (it may start the stop string) and its two tokens with it. Ended as length at the comeback,
+    the last delta gives that text and those tokens with their logprobs: the stream's tokens are
+    its text, as everywhere else."""
+    from text.detokenizer import StopMatcher
+
+    text = {7: "x", 8: "E", 9: "N"}
+
+    class Chars(Detok):
+        def push(self, ids: list[int]) -> str:
+            return "".join(text[i] for i in ids)
+
+    async def comeback(choices: int) -> int:
+        return 6  # the prompt's 3 and the output's 3: no room for a 7th token
+
+    gen = Generation(Worker(), Metrics(), "m", "cmpl-2", None, ["END"], Chars, StopMatcher, comeback=comeback)
+    deltas: list[Any] = []
+    gen.on_delta = deltas.append
+    gen.start([1, 2, 3], [SamplingParams(temperature=0, max_tokens=20, logprobs=0)])
+    gen.put_nowait(P.TokenOutput("cmpl-2-0", [7, 8, 9], None, [[-0.1, []], [-0.2, []], [-0.3, []]], 3))
+    assert "".join(d.text for d in deltas) == "x" and [t for d in deltas for t in d.token_ids] == [7]
+    gen.put_nowait(Preempted("cmpl-2-0", "m"))
+    for _ in range(100):
+        await asyncio.sleep(0)
+        if gen.over:
+            break
+    assert gen.over and deltas[-1].finish_reason == "length"
+    assert "".join(d.text for d in deltas) == "xEN" and [t for d in deltas for t in d.token_ids] == [7, 8, 9]
+    assert [lp for d in deltas for lp in (d.logprobs or [])] == [[-0.1, []], [-0.2, []], [-0.3, []]]
