@@ -319,7 +319,8 @@ class Generation:
                     c.req_id = f"{self.base_id}-{c.index}.r{c.preemptions}"
                     if len(c.prompt_ids) + len(c.token_ids) >= context:
                         self._live[c.req_id] = c
-                        self.put_nowait(P.TokenOutput(c.req_id, [], "length", None, c.num_prompt_tokens or len(c.prompt_ids)))
+                        prompt = c.num_prompt_tokens or len(c.prompt_ids)  # 0 when nothing came before
+                        self.put_nowait(P.TokenOutput(c.req_id, [], "length", None, prompt))
                         continue
                     # preempted once at most: its model is drained the next time (never starved)
                     self._requests.append(self.worker.add(
