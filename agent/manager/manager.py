@@ -950,11 +950,10 @@ class ModelManager:
                           from_load: bool = False) -> None:
         """``admit_wait``'s wait: until ``e`` is ready (loading it as needed), the deadline, or a
         state ``admit`` refuses with its reason; ``ShuttingDown`` once comebacks end
-        (:meth:`end_comebacks`). ``from_load`` (a comeback): the deadline moves to ``limit`` after
-        the model's load is first seen under way, if that is later (the load's room wait counts
-        from its own start), and a load past its room (its engine load or first decode under
-        way, each bounded on its own) is waited for whatever the deadline."""
-        load_seen = False
+        (:meth:`end_comebacks`). ``from_load`` (a comeback): once the model's load is under way the
+        deadline is the load's own (its room wait counts ``limit`` from its own start, its engine
+        load and first decode are bounded on their own): the wait ends with that load. (Loading
+        without an operation, waiting for a worker to come back, keeps the deadline.)"""
         while e.state is not State.READY:
             if self._no_comebacks:
                 raise ShuttingDown(f"the server is shutting down; the model {name!r} is {e.state.value}",
@@ -972,12 +971,9 @@ class ModelManager:
                     return  # nowhere to pull it from: admit refuses it as not ready
                 if startable:
                     self.load(name)  # pulls first when its files are not (all) in the cache
-            if from_load and e.state is State.LOADING and not load_seen:
-                load_seen = True  # its load began (this wait's or another's), at most now
-                deadline = max(deadline, time.monotonic() + limit)
             left = deadline - time.monotonic()
-            if left <= 0 and from_load and e.state is State.LOADING and (e.in_worker or e.info is not None):
-                left = 1.0  # past its room, in its engine load or first decode: those are bounded on their own
+            if from_load and e.state is State.LOADING and e.busy:
+                left = max(left, 1.0)  # its load under way: that load's deadlines hold (re-checked each second)
             elif left <= 0:
                 why = f" ({e.reason})" if e.reason else ""
                 raise ModelNotReady(f"the model {name!r} did not become ready within {limit:g} s "

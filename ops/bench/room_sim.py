@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
+import shutil
 import sys
 import tempfile
 import time
@@ -66,6 +66,7 @@ class SimEngine:
         self.loading: set[str] = set()
         self.reqs: dict[str, list[SimRequest]] = {}
         self.expedited: set[str] = set()
+        self.drained: list[str] = []  # each model expedited, in order: the manager's drains
         self.last_step: dict[str, float] = {}
         self.state = SimpleNamespace(engine_error="", stale_models=set(), memory=None)
         self.loads = 0
@@ -156,6 +157,7 @@ class SimEngine:
     def expedite(self, name: str, on: bool = True) -> None:
         if on:
             self.expedited.add(name)
+            self.drained.append(name)
         else:
             self.expedited.discard(name)
 
@@ -167,24 +169,29 @@ class SimEngine:
 
 
 class SimSource:
-    """Every model cached (the page cache or the warm tier: ``load_s`` says which)."""
+    """A model source over folders under ``root``: ``cached`` are there; a pull takes ``pull_s``
+    and makes the folder. No bytes, no hashes: what the manager's room decisions read of a
+    source, and the tests' stand-in for the disk cache too."""
 
-    def __init__(self, root: Path, names: list[str]) -> None:
-        self.root = root
-        for n in names:
+    def __init__(self, root: Path, cached: list[str], pull_s: float = 0.0) -> None:
+        self.root, self.cached, self.pull_s = root, set(cached), pull_s
+        for n in cached:
             (root / n).mkdir(parents=True, exist_ok=True)
-        self.names = names
+        self.wanted: list[tuple[str, str]] = []  # derived artifacts asked for (want_derived)
 
     def snapshot(self, name: str) -> Path | None:
-        return self.root / name
+        return self.root / name if name in self.cached else None
 
     def cached_names(self) -> list[str]:
-        return list(self.names)
+        return sorted(self.cached)
 
     def version(self, name: str) -> str | None:
-        return "v1"
+        return "v1" if name in self.cached else None
 
     async def pull(self, name: str, verify: bool = False) -> Path:
+        await asyncio.sleep(self.pull_s)
+        (self.root / name).mkdir(parents=True, exist_ok=True)
+        self.cached.add(name)
         return self.root / name
 
     def pull_progress(self, name: str) -> None:
@@ -201,9 +208,14 @@ class SimSource:
         return {}
 
     def derived(self, name: str, scheme: str) -> Path | None:
-        return None
+        d = self.root / f"{name}.{scheme}"
+        return d if d.is_dir() else None
 
-    def want_derived(self, name: str, scheme: str) -> None: ...
+    def want_derived(self, name: str, scheme: str) -> None:
+        self.wanted.append((name, scheme))
+
+    def drop_derived(self, name: str, scheme: str) -> None:
+        shutil.rmtree(self.root / f"{name}.{scheme}")
 
 
 async def _request(mgr: ModelManager, eng: SimEngine, name: str, gen_len: int) -> dict:
@@ -226,18 +238,12 @@ async def _request(mgr: ModelManager, eng: SimEngine, name: str, gen_len: int) -
 
 async def simulate(a: argparse.Namespace) -> dict:
     names = [f"d{i:02d}" for i in range(a.models)]
-    os.environ["INFIRE_MODELS"] = json.dumps([{"name": n, "keep_alive": -1} for n in names])
+    settings = load_settings(models=[{"name": n, "keep_alive": -1} for n in names])
     eng = SimEngine(a.slots, a.load_s, a.step_ms / 1e3, a.seq_us / 1e6, a.prefill_ms / 1e3, a.expedite)
     stepping = asyncio.ensure_future(eng.run())
-    drains: list[str] = []
+    drains = eng.drained  # every drain is expedited (preemption is not simulated)
     with tempfile.TemporaryDirectory() as tmp:
-        mgr = ModelManager(load_settings(), eng, SimSource(Path(tmp), names), Metrics(), lambda p: object())
-        drain_for = mgr._drain_for
-
-        def counted(v: Any, load: str) -> None:
-            drains.append(v.name)
-            drain_for(v, load)
-        mgr._drain_for = counted
+        mgr = ModelManager(settings, eng, SimSource(Path(tmp), names), Metrics(), lambda p: object())
         mgr.start()
         for n in names:  # the warm-up: every model loaded once, the last ones resident
             await asyncio.wait_for(mgr.admit_wait(n), 60)

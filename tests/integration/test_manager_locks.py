@@ -21,6 +21,7 @@ from agent.metrics import Metrics
 from agent.worker.client import WorkerError
 from engine.load_spec import LoadSpec
 from engine.model_info import ModelInfo
+from ops.bench.room_sim import SimSource
 from tests.records import model_stats
 
 
@@ -76,50 +77,11 @@ class FakeWorker:
         return {}
 
 
-class FakeSource:
+class FakeSource(SimSource):
+    """The simulator's source with a pull that takes 0.3 s by default."""
+
     def __init__(self, root: Path, cached: list[str], pull_s: float = 0.3) -> None:
-        self.root, self.cached, self.pull_s = root, set(cached), pull_s
-        for n in cached:
-            (root / n).mkdir(parents=True, exist_ok=True)
-
-    def snapshot(self, name: str) -> Path | None:
-        return self.root / name if name in self.cached else None
-
-    def cached_names(self) -> list[str]:
-        return sorted(self.cached)
-
-    def version(self, name: str) -> str | None:
-        return "v1" if name in self.cached else None
-
-    async def pull(self, name: str, verify: bool = False) -> Path:
-        await asyncio.sleep(self.pull_s)
-        (self.root / name).mkdir(parents=True, exist_ok=True)
-        self.cached.add(name)
-        return self.root / name
-
-    def pull_progress(self, name: str) -> None:
-        return None
-
-    async def check(self, name: str, rehash: bool = False) -> list[str]:
-        return []
-
-    async def pin(self, name: str) -> None: ...
-    def unpin(self, name: str) -> None: ...
-
-    def stats(self) -> dict[str, int]:
-        return {}
-
-    def derived(self, name: str, scheme: str) -> Path | None:
-        d = self.root / f"{name}.{scheme}"
-        return d if d.is_dir() else None
-
-    def want_derived(self, name: str, scheme: str) -> None:
-        self.wanted = [*getattr(self, "wanted", []), (name, scheme)]
-
-    def drop_derived(self, name: str, scheme: str) -> None:
-        import shutil
-
-        shutil.rmtree(self.root / f"{name}.{scheme}")
+        super().__init__(root, cached, pull_s)
 
 
 def _waiting(e: Any, requests: int) -> None:
