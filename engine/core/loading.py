@@ -46,7 +46,7 @@ from engine.config import ModelConfig, attention_pair_cost, load_model_config, m
 from engine.core.fair_share import FairSharePicker
 from engine.core.ledger import LoadPlan
 from engine.core.load_notes import LoadNotes
-from engine.core.memory_plan import LoadNeeds, load_needs
+from engine.core.memory_plan import LoadNeeds, load_needs, workspace_margin
 from engine.core.model_table import ModelTable
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
@@ -285,6 +285,14 @@ class ModelLoader:
                             "fit the %d bytes the budget has beside the models loaded (set max_model_len to "
                             "choose)", spec.name, capped, max_len, self._pools.room())
                 max_len, needs = capped, needs_at(capped)
+        # A workspace measured before at this shape is what this load will hold: booked in place
+        # of the estimate (which, made for any model, was 2.2x the measured 0.64 GiB of an 8B at the
+        # density bench's shape: H100, docs/perf.md, the room probe row).
+        known = self._known_workspace(weights_key(spec.model_dir, workspace_key(cfg, quantization), dtype),
+                                      workspace_key(cfg, quantization),
+                                      self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs))
+        if known is not None:
+            needs = dataclasses.replace(needs, workspace_bytes=known)
         return cfg, quantization, max_len, dtype, needs
 
     def check_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:
@@ -324,7 +332,7 @@ class ModelLoader:
         shape = self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs)
         vacancy = self._pools.claim(compute_key, shape)  # the others go in book() if it needs their room
         if vacancy is not None:  # booked as the vacancy was: its graph pools are on the device already
-            needs = dataclasses.replace(needs, workspace_bytes=max(needs.workspace_bytes, vacancy.workspace_bytes))
+            needs = dataclasses.replace(needs, workspace_bytes=vacancy.workspace_bytes)
         try:
             t_pool = self._pools.book(name, cfg, needs, evictable, vacancy)
         except BaseException:
@@ -554,11 +562,16 @@ class ModelLoader:
             self._pools.warm_up(slot)
         t3 = time.perf_counter()
         measured = self._pools.device_peak() - before if self.device.type == "cuda" else None
-        if measured is not None or known is not None:
-            # Graph pools and the warm-up's activations, measured (or measured at an earlier load
-            # of these weights at this shape); never below the estimate, because the warm-up may
-            # not have reached the largest step's peak.
-            slot.workspace_bytes = max(measured or 0, known or 0, needs.workspace_bytes)
+        if measured is not None and self.warmup and known is None:
+            # Graph pools and the activations of the largest step (every row sampled), measured,
+            # plus what steps the warm-up does not take may add (workspace_margin). Not floored
+            # by the estimate: booked per model, its excess kept an eighth 8B off the H200.
+            slot.workspace_bytes = measured + workspace_margin(cfg, spec.max_num_seqs)
+            self._pools.record_workspace(name, slot.workspace_bytes)
+        elif measured is not None or known is not None:
+            # Measured at an earlier load of this computation at this shape (this load captured
+            # its graphs at most), or no warm-up to measure: the estimate stays the floor.
+            slot.workspace_bytes = max(measured or 0, known if known is not None else needs.workspace_bytes)
             self._pools.record_workspace(name, slot.workspace_bytes)
         if self.warmup and known is None and self.notes is not None:
             self.notes.put(p.compute_key, p.shape, slot.workspace_bytes)  # the next load of its kind books it

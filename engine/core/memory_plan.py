@@ -66,6 +66,13 @@ def workspace_estimate(cfg: ModelConfig, max_num_batched_tokens: int, max_num_se
             + max_num_seqs * cfg.vocab_size * 8)
 
 
+def workspace_margin(cfg: ModelConfig, max_num_seqs: int) -> int:
+    """Added to a measured workspace: the warm-up's largest step samples every row with
+    temperature, and a step with logprobs or penalties holds up to two more float32 rows of the
+    vocabulary per sequence (the log-softmax, the penalised copy)."""
+    return 2 * max_num_seqs * cfg.vocab_size * 4
+
+
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:
     """Exact bytes of the model's weights in ``dtype`` (FP8 projections and their scales with
     ``quantization="fp8"``), without allocating them."""

@@ -326,7 +326,9 @@ class PoolKeeper:
         if self.pool is None:
             if new is None:
                 return
-            self.pool = PagePool(0, new.page_bytes, self.device)
+            # Addresses for as many pages as the whole budget holds (a GPU's pool grows and
+            # shrinks inside them: engine/kv/page_memory.py, ElasticMemory)
+            self.pool = PagePool(0, new.page_bytes, self.device, capacity=self.ledger.budget // new.page_bytes)
         pool = self.pool
         pb = pool.page_bytes
         pooled = [s for s in self._slots.values() if s.pages is not None]
@@ -345,15 +347,19 @@ class PoolKeeper:
             # every runner, and leaves the vacancies' stale (the next load of their kind would
             # capture again); the trim after unloads and the quiet growth fit it otherwise.
             return
-        idle = all(pool.num_used(n) == 0 for n in pool.models())
-        if not idle:
+        if not pool.memory_moves:
+            # The pool's memory stays where it is (a GPU's): growing touches no live page, and a
+            # shrink needs only its cut-off tail free. A load that needs the tail preempts the
+            # sequences holding pages there (lowest pages are handed out first: few do); a trim
+            # leaves a tail in use alone.
+            if target < cur and pool.holders_at_or_above(target):
+                if not (must_shrink or must_grow):
+                    return
+                self._preempt_above(pooled, target)
+        elif any(pool.num_used(n) for n in pool.models()):
             if not (must_shrink or must_grow):
                 return  # a grow (or a trim after unload) waits until the pool is idle
-            for s in pooled:
-                for seq in list(s.scheduler.running):
-                    s.scheduler.preempt(seq.req_id)
-            if any(pool.num_used(n) for n in pool.models()):
-                raise EngineError("KV pages are still held after preempting every running sequence")
+            self._preempt_above(pooled, 0)
         try:
             self._resize(target)
         except EngineError as e:
@@ -363,17 +369,34 @@ class PoolKeeper:
             # view of it still referenced), the pool keeps its size and every model serves on.
             log.warning("KV pool trim %d -> %d pages skipped: %s", cur, target, e)
 
+    def _preempt_above(self, pooled: list[ModelSlot], limit: int) -> None:
+        """Preempt the running sequences holding a page ``>= limit`` (they recompute,
+        token-identical); raises when a page there is still held after."""
+        pool = self.pool
+        for s in pooled:
+            if s.name not in pool.holders_at_or_above(limit):
+                continue
+            for seq in list(s.scheduler.running):
+                if limit == 0 or any(p >= limit for p in s.scheduler.blocks.block_table(seq.seq_id)):
+                    s.scheduler.preempt(seq.req_id)
+        if pool.holders_at_or_above(limit):
+            raise EngineError(f"KV pages at or above {limit} are still held after preempting the "
+                              "sequences that held them")
+
     def _resize(self, target: int) -> None:
-        """Re-create the (idle) pool with ``target`` pages; runners are rebuilt on the new memory.
-        Ledger order: a larger pool is booked before it is allocated, a smaller one after."""
+        """Resize the pool to ``target`` pages (its pages from ``target`` up free). Where the
+        resize moves the memory (off a GPU) the runners are rebuilt on the new memory. Ledger
+        order: a larger pool is booked before it is allocated, a smaller one after."""
         pool = self.pool
         old = pool.num_pages
         t0 = time.perf_counter()
         self.resizes += 1
-        pooled = [s for s in self._slots.values() if s.pages is not None]
+        moves = pool.memory_moves
+        pooled = [s for s in self._slots.values() if s.pages is not None] if moves else []
         for s in pooled:  # views (and captured graphs) of the old memory must go first
             s.runner = s.kv = None
-        self._stale_vacancies()  # theirs too: a claim then builds a runner on the kept weights
+        if moves:
+            self._stale_vacancies()  # theirs too: a claim then builds a runner on the kept weights
         try:
             if target > old:
                 self.ledger.set_kv_pool(target * pool.page_bytes)

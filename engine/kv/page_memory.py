@@ -1,8 +1,17 @@
-"""The device memory behind a PagePool: one ``uint8`` tensor ``[num_pages, page_bytes]``, the
-per-model K/V views over it, and the resize that keeps live pages.
+"""The device memory behind a PagePool and the per-model K/V views over it.
+
+Two kinds, one interface (``views``, ``flat``, ``forget``, ``resize``, ``num_pages``, ``moves``):
+
+- :class:`ElasticMemory`, on CUDA: the pages live in a :class:`~engine.kv.vmm.VirtualRange` of
+  ``capacity`` pages' addresses, of which the first ``num_pages`` are backed. A resize maps or
+  unmaps the tail; nothing moves, so views, runners and their captured graphs stay valid, and a
+  load takes the pool's free tail while every model serves (``moves`` False).
+- :class:`PoolMemory`, elsewhere: one ``uint8`` tensor ``[num_pages, page_bytes]``, re-created by
+  a resize that copies the live pages through host memory (``moves`` True: views must be dropped
+  and fetched again).
 
 Kept apart from the page accounting in ``engine/kv/page_pool.py`` so that module stays importable
-without torch; the pool creates a ``PoolMemory`` only when it is given a device.
+without torch; the pool creates its memory only when it is given a device.
 """
 
 from __future__ import annotations
@@ -17,8 +26,102 @@ from engine.kv.layout import KVLayout, PagePoolError, PoolBusyError
 KVViews = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def pool_memory(num_pages: int, page_bytes: int, device: Any, capacity: int | None) -> PoolMemory | ElasticMemory:
+    """The memory of a pool of ``num_pages`` on ``device``: elastic on CUDA (``capacity``: the
+    most pages it may ever back, required there), a plain tensor elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if capacity is None:
+            raise PagePoolError("a pool on a GPU needs its capacity (the most pages the budget holds)")
+        return ElasticMemory(num_pages, page_bytes, device, capacity)
+    return PoolMemory(num_pages, page_bytes, device)
+
+
+def _layer_views(flat: torch.Tensor, num_pages: int, page_bytes: int, lay: KVLayout) -> KVViews:
+    """Per layer ``(k, v)`` of shape ``[num_pages, tokens_per_page, kv_heads, head_dim]`` over
+    ``flat`` (``[num_pages, page_elems]`` of the model's dtype).
+
+    Inside a page the model's data is ``[layers, 2, tokens_per_page, kv_heads, head_dim]`` from
+    byte 0; the page stride is the whole page (``page_bytes // itemsize`` elements), whatever
+    part of the page the model fills.
+    """
+    block = lay.tokens_per_page * lay.num_kv_heads * lay.head_dim
+    size = (num_pages, lay.tokens_per_page, lay.num_kv_heads, lay.head_dim)
+    stride = (page_bytes // lay.itemsize, lay.num_kv_heads * lay.head_dim, lay.head_dim, 1)
+    base = flat.storage_offset()
+    return [(torch.as_strided(flat, size, stride, base + 2 * layer * block),
+             torch.as_strided(flat, size, stride, base + (2 * layer + 1) * block))
+            for layer in range(lay.num_layers)]
+
+
+class ElasticMemory:
+    """The pool's pages in a virtual range of ``capacity`` pages, the first ``num_pages`` backed.
+
+    Views span all ``capacity`` pages (their addresses never change); the pool hands out only
+    pages below ``num_pages``, so nothing touches the unbacked rest. Growing zeroes the new pages
+    (a kernel reading a masked, never-written slot must see no NaN bit patterns); shrinking waits
+    for the device (a queued step may still read a page being cut) and gives the memory back to
+    the driver at once."""
+
+    moves = False
+
+    def __init__(self, num_pages: int, page_bytes: int, device: torch.device, capacity: int) -> None:
+        from engine.kv.vmm import VirtualRange
+
+        if capacity < num_pages:
+            raise PagePoolError(f"a pool of {num_pages} pages does not fit its capacity of {capacity}")
+        self.page_bytes = page_bytes
+        self.device = device
+        self.capacity = capacity
+        self._range = VirtualRange(device, capacity * page_bytes)
+        self._pages = 0
+        self._tensor: torch.Tensor | None = None  # [capacity, page_bytes], made at the first backing
+        self._views: dict[str, KVViews] = {}
+        self.resize(num_pages, [])
+
+    @property
+    def num_pages(self) -> int:
+        return self._pages
+
+    def views(self, model: str, lay: KVLayout) -> KVViews:
+        cached = self._views.get(model)
+        if cached is None:
+            cached = self._views[model] = _layer_views(self._require().view(getattr(torch, lay.dtype)),
+                                                       self.capacity, self.page_bytes, lay)
+        return cached
+
+    def flat(self, lay: KVLayout) -> torch.Tensor:
+        return self._require().view(getattr(torch, lay.dtype)).view(-1)
+
+    def forget(self, model: str) -> None:
+        self._views.pop(model, None)
+
+    def resize(self, num_pages: int, live: list[int]) -> None:
+        """Back exactly the first ``num_pages`` pages (the chunks they touch). ``live`` pages are
+        all below it (the pool's precondition) and stay where they are."""
+        from engine.kv.vmm import VmmError
+
+        if num_pages > self.capacity:
+            raise PagePoolError(f"{num_pages} pages is past the pool's capacity of {self.capacity}")
+        try:
+            self._range.map_to(num_pages * self.page_bytes)
+        except VmmError as e:
+            raise PagePoolError(f"could not back {num_pages} pages ({e}); the pool keeps its "
+                                f"{self._pages} pages") from e
+        self._pages = num_pages
+        if self._tensor is None and self._range.mapped:
+            self._tensor = self._range.tensor()[:self.capacity * self.page_bytes].view(self.capacity, self.page_bytes)
+
+    def _require(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise PoolBusyError("the pool has no backed page yet")
+        return self._tensor
+
+
 class PoolMemory:
     """The pool's bytes on ``device``; views are cached per model until the next resize."""
+
+    moves = True
 
     def __init__(self, num_pages: int, page_bytes: int, device: Any) -> None:
         self.page_bytes = page_bytes
@@ -42,18 +145,10 @@ class PoolMemory:
         whatever part of the page the model fills.
         """
         cached = self._views.get(model)
-        if cached is not None:
-            return cached
-        flat = self._require().view(getattr(torch, lay.dtype))  # [num_pages, page_elems]
-        block = lay.tokens_per_page * lay.num_kv_heads * lay.head_dim
-        size = (self.num_pages, lay.tokens_per_page, lay.num_kv_heads, lay.head_dim)
-        stride = (self.page_bytes // lay.itemsize, lay.num_kv_heads * lay.head_dim, lay.head_dim, 1)
-        base = flat.storage_offset()
-        views = [(torch.as_strided(flat, size, stride, base + 2 * layer * block),
-                  torch.as_strided(flat, size, stride, base + (2 * layer + 1) * block))
-                 for layer in range(lay.num_layers)]
-        self._views[model] = views
-        return views
+        if cached is None:
+            cached = self._views[model] = _layer_views(self._require().view(getattr(torch, lay.dtype)),
+                                                       self.num_pages, self.page_bytes, lay)
+        return cached
 
     def flat(self, lay: KVLayout) -> torch.Tensor:
         return self._require().view(getattr(torch, lay.dtype)).view(-1)

@@ -23,10 +23,15 @@ one back for its model (a cache hit), under the same minimums and caps as an all
 or a resize evicts the cached-free pages it cuts off; a resize keeps the others' contents;
 unregistering a model makes its cached-free pages plain free ones.
 
+Free pages are handed out lowest id first, so live pages gather at the bottom and a shrink
+finds its tail free.
+
 Resizing (see docs/multi-model.md): ``fence(limit)`` stops handing out pages ``>= limit`` so they
-drain as sequences finish; ``resize(n)`` then re-creates the memory, copying the live pages
-through host memory so page ids and contents survive and device peak is max(old, new), never
-old + new. ``generation`` changes on every resize and cached views are invalidated.
+drain as sequences finish; ``resize(n)`` then changes the memory with page ids and contents kept.
+On a GPU (``ElasticMemory``) the tail is mapped or unmapped in place: views stay valid and
+``generation`` stays. Elsewhere the memory is re-created, the live pages copied through host
+memory (device peak max(old, new), never old + new); ``generation`` changes and cached views are
+invalidated.
 
 The module imports no torch at import time, so torch-free code (block manager, scheduler tests)
 may use it; a pool built with ``device=None`` does the accounting only.
@@ -34,6 +39,7 @@ may use it; a pool built with ``device=None`` does the accounting only.
 
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING, Any
 
 from engine.sched.block_manager import OutOfPages
@@ -52,7 +58,7 @@ from engine.kv.layout import (
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from engine.kv.page_memory import PoolMemory
+    from engine.kv.page_memory import ElasticMemory, PoolMemory
 
 __all__ = ["PagePool"]
 
@@ -140,9 +146,11 @@ class _ModelAllocator:
 
 
 class PagePool:
-    """The shared KV page pool. ``device=None``: accounting only, no memory, no views."""
+    """The shared KV page pool. ``device=None``: accounting only, no memory, no views.
+    ``capacity``: the most pages it may ever have (required on a GPU, where its addresses are
+    reserved for that many at once)."""
 
-    def __init__(self, num_pages: int, page_bytes: int, device: Any = None) -> None:
+    def __init__(self, num_pages: int, page_bytes: int, device: Any = None, capacity: int | None = None) -> None:
         self.page_bytes = _positive_int("page_bytes", page_bytes)
         if page_bytes % PAGE_ALIGN:
             raise PagePoolError(f"page_bytes must be a multiple of {PAGE_ALIGN}, got {page_bytes}")
@@ -150,16 +158,16 @@ class PagePool:
         self.device = device
         self.generation = 0
         self._limit = num_pages  # pages >= limit are fenced: never handed out
-        self._free_ids: list[int] = list(range(num_pages - 1, -1, -1))  # stack, low ids first
+        self._free_ids: list[int] = list(range(num_pages))  # a heap: the lowest id first
         self._cached_free: dict[int, _Slot] = {}  # free pages still indexed, least recently freed first
         self._owner: list[_Slot | None] = [None] * num_pages
         self._slots: dict[str, _Slot] = {}
         self._reserve = 0  # sum of slot.reserve(): free pages held back for minimums
-        self._memory: PoolMemory | None = None
+        self._memory: PoolMemory | ElasticMemory | None = None
         if device is not None:
-            from engine.kv.page_memory import PoolMemory
+            from engine.kv.page_memory import pool_memory
 
-            self._memory = PoolMemory(num_pages, page_bytes, device)
+            self._memory = pool_memory(num_pages, page_bytes, device, capacity)
 
     # -- models -----------------------------------------------------------------------------------
     def register(self, model: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -224,7 +232,7 @@ class PagePool:
         if self._available(slot) < 1:
             return None
         if self._free_ids:
-            page_id = self._free_ids.pop()
+            page_id = heapq.heappop(self._free_ids)
         else:
             page_id = next(iter(self._cached_free))
             self._evict(page_id)
@@ -242,7 +250,7 @@ class PagePool:
         """Make ``slot``'s cached-free pages plain free ones (its index is gone); no hook is called."""
         for page_id in [p for p, owner in self._cached_free.items() if owner is slot]:
             del self._cached_free[page_id]
-            self._free_ids.append(page_id)
+            heapq.heappush(self._free_ids, page_id)
 
     def _evict(self, page_id: int) -> None:
         owner = self._cached_free.pop(page_id)
@@ -274,7 +282,7 @@ class PagePool:
             if cached:
                 self._cached_free[page_id] = slot
             else:
-                self._free_ids.append(page_id)
+                heapq.heappush(self._free_ids, page_id)
         elif cached and slot.on_evict is not None:
             slot.on_evict(page_id)  # fenced: it drains and is not kept, so it leaves the index now
         # A fenced page just drains: it is not handed out again before the resize.
@@ -299,8 +307,7 @@ class PagePool:
         self._reserve = reserve
         for page_id in [p for p in self._cached_free if p >= limit]:
             self._evict(page_id)
-        self._free_ids = [p for p in range(limit - 1, -1, -1)
-                          if self._owner[p] is None and p not in self._cached_free]
+        self._free_ids = [p for p in range(limit) if self._owner[p] is None and p not in self._cached_free]
         return self.num_fenced_in_use()
 
     def num_fenced_in_use(self) -> int:
@@ -335,11 +342,21 @@ class PagePool:
         for s in self._slots.values():
             s.counted = s.used
         self._reserve = reserve
-        self._free_ids = [p for p in range(num_pages - 1, -1, -1)
-                          if self._owner[p] is None and p not in self._cached_free]
-        self.generation += 1
+        self._free_ids = [p for p in range(num_pages) if self._owner[p] is None and p not in self._cached_free]
+        if self.memory_moves:
+            self.generation += 1
 
     # -- memory and views -----------------------------------------------------------------------
+    @property
+    def memory_moves(self) -> bool:
+        """Whether a resize moves the memory (views, and runners built on them, must be rebuilt):
+        not on a GPU, where the tail is mapped and unmapped in place."""
+        return self._memory is None or self._memory.moves
+
+    def holders_at_or_above(self, limit: int) -> set[str]:
+        """Models holding a page ``>= limit`` (a shrink to ``limit`` waits for or preempts them)."""
+        return {owner.name for owner in self._owner[limit:] if owner is not None}
+
     @property
     def nbytes(self) -> int:
         return self.num_pages * self.page_bytes
