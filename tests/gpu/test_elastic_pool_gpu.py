@@ -43,7 +43,9 @@ def test_a_virtual_range_backs_zeroed_memory_and_gives_it_back_under_a_captured_
     t = r.tensor()
     assert t.data_ptr() == r.base and t.numel() == r.reserved
     assert _driver_used() - base >= 120 * MiB
-    assert bool((t[:128 * MiB] == 0).all())
+    assert int(t[:128 * MiB].count_nonzero()) == 0
+    torch.cuda.empty_cache()  # the check's temporaries are not the range's
+    base = _driver_used() - r.mapped
     t[:4096].fill_(3)
     t[64 * MiB:64 * MiB + 16].fill_(5)
     g = torch.cuda.CUDAGraph()
