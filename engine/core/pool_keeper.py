@@ -8,10 +8,12 @@ its slots' ``kv``/``runner``. The loader books and releases a load through its v
 ``book``, ``pages_for``, ``record_workspace``, ``release``, ``trim``), never through the ledger
 or the pool directly.
 
-Policy (docs/multi-model.md): the pool is re-created only when no sequence holds a page, so a
-resize never copies KV data; a load that must shrink it (its weights need the room) or grow it
-(its guaranteed minimum needs pages) while sequences are live preempts them first (they
-recompute, token-identical); any other resize waits for an idle pool.
+Policy (docs/multi-model.md, "Resizing"): on a GPU the pool grows and shrinks in place (its
+memory is a virtual range: views, runners and graphs stay valid); a load that must shrink it (its
+weights need the room) preempts only the running sequences holding its cut-off tail (they
+recompute, token-identical), and a trim waits while the tail is in use. Off a GPU the pool is
+re-created, only when no sequence holds a page (a load that must resize it while sequences are
+live preempts them all first), and the runners are rebuilt on the new memory.
 """
 
 from __future__ import annotations
@@ -218,7 +220,7 @@ class PoolKeeper:
             self.pool.unregister(name)
         if name in self.ledger:
             self.ledger.release(name)
-        self.return_device_memory()  # before the trim: the pool's segment stays cached
+        self.return_device_memory()  # the models' memory back before the pool is fitted
         if trim:
             self.trim()
 
@@ -301,8 +303,8 @@ class PoolKeeper:
 
     def grow_when_quiet(self, quiet_s: float) -> bool:
         """Fit the pool to its target, growing it into the room unloads left, once no load was
-        booked and no model released for ``quiet_s`` seconds and no page is live; True when it
-        was re-created."""
+        booked and no model released for ``quiet_s`` seconds (off a GPU also only while no page is
+        live); True when it was resized."""
         if self.pool is None or time.monotonic() - self._changed_at < quiet_s:
             return False
         self.drop_vacancies()  # nobody loaded into them while it was quiet: the room is the pool's
@@ -311,10 +313,11 @@ class PoolKeeper:
         return self.resizes != before
 
     def fit(self, new: LoadNeeds | None, kv_after: int | None, grow: bool = True) -> None:
-        """Resize the pool to its target when that is cheap (no live page) or required by a load
-        (``new``): the weights need room the pool holds, or its minimum needs pages the pool lacks.
-        A required resize with live pages preempts every running sequence first. ``grow`` False:
-        only a smaller target is taken."""
+        """Resize the pool to its target when that is cheap or required by a load (``new``): the
+        weights need room the pool holds, or its minimum needs pages the pool lacks. Cheap: on a
+        GPU any grow, and a shrink whose cut-off tail is free; off it, any resize with no live page.
+        A required resize preempts the running sequences in its way first (on a GPU those holding
+        the tail, off it all). ``grow`` False: only a smaller target is taken."""
         # No model on the pool: it goes now (a load makes one of its own page size), unless a
         # vacancy's runner is built on it and no load of another page size asks.
         kept_for = any(v.runner is not None for v in self.vacancies)
@@ -511,18 +514,13 @@ class PoolKeeper:
         return torch.cuda.max_memory_allocated(self.device)
 
     def return_device_memory(self) -> None:
-        """After a model's tensors are dropped: hand their device memory back to the driver,
-        except the KV pool's segment, which is still alive here and stays cached when the pool
-        is trimmed or dropped after this.
+        """After a model's tensors are dropped: hand their device memory back to the driver (the
+        KV pool's is not the allocator's: it shrinks in place on a GPU).
 
-        Memory handed back must be scrubbed by the driver before it is handed out again, which a
-        reload right after an unload waits for: a 90 GB allocation takes 0.04 s fresh and 0.28 s
-        right after a free (H200, docs/perf.md: the pool fit probe row), while a cached segment of the
-        same or a larger size is taken back at once. The weights and the graphs' private pools
-        are released (a reload of 16 GB of weights waits little, and stale graph pools would
-        otherwise pile up until an allocation fails). The cycle collector runs first: a reference
-        cycle may still hold the model's tensors (a full collection costs ~70 ms on a loaded
-        worker; an unload is rare). It runs on CPU too: the model's objects were frozen at its
+        The weights and the graphs' private pools are released (a reload of 16 GB of weights
+        waits little, and stale graph pools would otherwise pile up until an allocation fails).
+        The cycle collector runs first: a reference cycle may still hold the model's tensors (a
+        full collection costs ~70 ms on a loaded worker; an unload is rare). It runs on CPU too: the model's objects were frozen at its
         load (engine/core/heap.py), and only this collection can free a frozen cycle.
         """
         heap.collect()

@@ -406,7 +406,7 @@ class Worker:
             return
         try:
             if self.core.grow_idle_pool():
-                self._graphs_left = True  # the runners were rebuilt: their deferred graphs again
+                self._graphs_left = True  # (off a GPU the runners were rebuilt: their deferred graphs again)
                 return
             self._graphs_left = self.core.capture_idle_graph()
         except Exception as e:

@@ -437,3 +437,23 @@ def test_unregistering_frees_a_models_cached_free_pages():
     pool.unregister("a")
     assert pool.num_cached_free == 0 and pool.num_free == 6 and evicted["a"] == []
     pool.audit()
+
+
+def test_the_lowest_free_page_goes_first_so_live_pages_gather_at_the_bottom():
+    """A shrink needs its tail free (on a GPU the tail is unmapped in place): pages are handed
+    out lowest id first whatever order they were freed in, and the pool names who holds the tail."""
+    pool = PagePool(16, 1024, device=None)
+    pool.register("a", **BIG)
+    pool.register("b", **BIG)
+    a, b = pool.allocator_for("a"), pool.allocator_for("b")
+    held = [a.allocate() for _ in range(6)] + [b.allocate() for _ in range(4)]
+    assert held == list(range(10))
+    for p in (7, 2, 9, 4):  # freed out of order, by both models
+        (b if p >= 6 else a).free(p)
+    assert [a.allocate() for _ in range(3)] == [2, 4, 7]
+    assert pool.holders_at_or_above(8) == {"b"} and pool.holders_at_or_above(6) == {"a", "b"}
+    assert pool.holders_at_or_above(10) == set()
+    pool.resize(10)  # the tail is free: the pool shrinks with every live page kept
+    assert pool.num_pages == 10 and pool.num_free == 1
+    assert pool.memory_moves  # accounting only (device None): nothing stays put
+    pool.audit()
