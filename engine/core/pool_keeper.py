@@ -352,17 +352,18 @@ class PoolKeeper:
             return
         if not pool.memory_moves:
             # The pool's memory stays where it is (a GPU's): growing touches no live page, and a
-            # shrink needs only its cut-off tail free. A load that needs the tail preempts the
-            # sequences holding pages there (lowest pages are handed out first: few do); a trim
-            # leaves a tail in use alone.
-            if target < cur and pool.holders_at_or_above(target):
+            # shrink needs only its cut-off tail free and, for a load, its minimum's pages below.
+            # A load preempts the sequences in the way (lowest pages are handed out first: few
+            # hold the tail); a trim leaves a tail in use alone.
+            need = new.min_pages if new is not None else 0
+            if target < cur and (pool.holders_at_or_above(target) or pool.room_below(target) < need):
                 if not (must_shrink or must_grow):
                     return
-                self._preempt_above(pooled, target)
+                self._make_room(pooled, target, need)
         elif any(pool.num_used(n) for n in pool.models()):
             if not (must_shrink or must_grow):
                 return  # a grow (or a trim after unload) waits until the pool is idle
-            self._preempt_above(pooled, 0)
+            self._make_room(pooled, 0, 0)
         try:
             self._resize(target)
         except EngineError as e:
@@ -372,19 +373,28 @@ class PoolKeeper:
             # view of it still referenced), the pool keeps its size and every model serves on.
             log.warning("KV pool trim %d -> %d pages skipped: %s", cur, target, e)
 
-    def _preempt_above(self, pooled: list[ModelSlot], limit: int) -> None:
-        """Preempt the running sequences holding a page ``>= limit`` (they recompute,
-        token-identical); raises when a page there is still held after."""
+    def _make_room(self, pooled: list[ModelSlot], limit: int, need: int) -> None:
+        """Preempt running sequences (they recompute, token-identical) until no page ``>= limit``
+        is held and the pages below it leave ``need`` beyond what the models hold and are
+        guaranteed: first those holding a page of the cut-off tail, then, newest first, those of
+        models above their minimum (other models' pages beyond their minimums sit low, where
+        the room is). Raises when that is not reached."""
         pool = self.pool
+        holders = pool.holders_at_or_above(limit)
         for s in pooled:
-            if s.name not in pool.holders_at_or_above(limit):
-                continue
-            for seq in list(s.scheduler.running):
-                if limit == 0 or any(p >= limit for p in s.scheduler.blocks.block_table(seq.seq_id)):
+            if s.name in holders:
+                for seq in list(s.scheduler.running):
+                    if limit == 0 or any(p >= limit for p in s.scheduler.blocks.block_table(seq.seq_id)):
+                        s.scheduler.preempt(seq.req_id)
+        for s in pooled if need else ():
+            for seq in reversed(list(s.scheduler.running)):
+                if pool.room_below(limit) >= need:
+                    break
+                if pool.num_used(s.name) > s.needs.min_pages:
                     s.scheduler.preempt(seq.req_id)
-        if pool.holders_at_or_above(limit):
-            raise EngineError(f"KV pages at or above {limit} are still held after preempting the "
-                              "sequences that held them")
+        if pool.holders_at_or_above(limit) or (need and pool.room_below(limit) < need):
+            raise EngineError(f"the KV pool cannot be cut to {limit} pages with {need} free: pages are "
+                              "still held after preempting the sequences in the way")
 
     def _resize(self, target: int) -> None:
         """Resize the pool to ``target`` pages (its pages from ``target`` up free). Where the
@@ -393,7 +403,6 @@ class PoolKeeper:
         pool = self.pool
         old = pool.num_pages
         t0 = time.perf_counter()
-        self.resizes += 1
         moves = pool.memory_moves
         pooled = [s for s in self._slots.values() if s.pages is not None] if moves else []
         for s in pooled:  # views (and captured graphs) of the old memory must go first
@@ -409,6 +418,7 @@ class PoolKeeper:
                 except PoolBusyError:
                     heap.collect()  # a reference cycle may still hold the old views; then retry once
                     pool.resize(target)
+                self.resizes += 1
             except Exception:
                 if target > old:
                     self.ledger.set_kv_pool(old * pool.page_bytes)

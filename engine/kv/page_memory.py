@@ -58,10 +58,11 @@ class ElasticMemory:
     """The pool's pages in a virtual range of ``capacity`` pages, the first ``num_pages`` backed.
 
     Views span all ``capacity`` pages (their addresses never change); the pool hands out only
-    pages below ``num_pages``, so nothing touches the unbacked rest. Growing zeroes the new pages
-    (a kernel reading a masked, never-written slot must see no NaN bit patterns); shrinking waits
-    for the device (a queued step may still read a page being cut) and gives the memory back to
-    the driver at once."""
+    pages below ``num_pages``, so nothing touches the unbacked rest. Newly mapped chunks are
+    zeroed (a kernel reading a masked, never-written slot must see no NaN bit patterns; a page
+    handed out again keeps its old bytes, as any reused page does); shrinking waits for the
+    device (a queued step may still read a page being cut) and gives the memory back to the
+    driver at once."""
 
     moves = False
 
@@ -104,7 +105,16 @@ class ElasticMemory:
         if num_pages > self.capacity:
             raise PagePoolError(f"{num_pages} pages is past the pool's capacity of {self.capacity}")
         try:
-            self._range.map_to(num_pages * self.page_bytes)
+            try:
+                self._range.map_to(num_pages * self.page_bytes)
+            except VmmError as e:
+                if not e.out_of_memory:
+                    raise
+                # The caching allocator's free blocks are room the books count as free (the
+                # reconcile calls them reclaimable), but only torch hands them back: once, then
+                # the mapping again.
+                torch.cuda.empty_cache()
+                self._range.map_to(num_pages * self.page_bytes)
         except VmmError as e:
             raise PagePoolError(f"could not back {num_pages} pages ({e}); the pool keeps its "
                                 f"{self._pages} pages") from e

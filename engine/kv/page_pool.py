@@ -1,9 +1,10 @@
 """PagePool: one pool of fixed-size byte pages holding the KV cache of every loaded model.
 
-Memory is one ``uint8`` tensor ``[num_pages, page_bytes]``. A model registers with its KV shape
-and gets ``tokens_per_page = page_bytes // bytes_per_token`` (bytes_per_token = layers × 2 ×
-kv_heads × head_dim × dtype size) and, per layer, K and V views ``[num_pages, tokens_per_page,
-kv_heads, head_dim]`` whose page stride is the whole page: inside a page the model's data is laid
+Memory is ``[pages, page_bytes]`` bytes (engine/kv/page_memory.py: on a GPU a virtual range of
+``capacity`` pages, the first ``num_pages`` backed; elsewhere one tensor of ``num_pages``). A model
+registers with its KV shape and gets ``tokens_per_page = page_bytes // bytes_per_token``
+(bytes_per_token = layers × 2 × kv_heads × head_dim × dtype size) and, per layer, K and V views
+``[pages, tokens_per_page, kv_heads, head_dim]`` whose page stride is the whole page: inside a page the model's data is laid
 out ``[layers, 2, tokens_per_page, kv_heads, head_dim]``. Page ids are global, so the same page
 serves a big model or a small one as load shifts.
 
@@ -314,11 +315,12 @@ class PagePool:
         return sum(1 for p in range(self._limit, self.num_pages) if self._owner[p] is not None)
 
     def resize(self, num_pages: int) -> None:
-        """Re-create the pool with ``num_pages`` pages, keeping page ids and live contents.
+        """Give the pool ``num_pages`` pages, keeping page ids and live contents.
 
-        Pages ``>= num_pages`` must be free (``fence`` first and let them drain). Live pages are
-        copied through host memory and the old memory is released before the new is allocated,
-        so the device never holds both. Views from before must have been dropped: if any is still
+        Pages ``>= num_pages`` must be free (``fence`` first and let them drain). On a GPU the
+        tail is mapped or unmapped in place (views stay valid). Elsewhere live pages are copied
+        through host memory and the old memory is released before the new is allocated, so the
+        device never holds both; views from before must have been dropped: if any is still
         referenced, nothing changes and ``PoolBusyError`` is raised (the old memory could not be
         released). Book a larger size in the ledger before growing; shrink the ledger after.
         """
@@ -353,6 +355,12 @@ class PagePool:
         not on a GPU, where the tail is mapped and unmapped in place."""
         return self._memory is None or self._memory.moves
 
+    def room_below(self, limit: int) -> int:
+        """Free pages below ``limit`` beyond every model's guaranteed minimum, once no page at or
+        above it is held: what a shrink to ``limit`` leaves a new model's minimum."""
+        slots = self._slots.values()
+        return limit - sum(s.used for s in slots) - sum(max(0, s.min_pages - s.used) for s in slots)
+
     def holders_at_or_above(self, limit: int) -> set[str]:
         """Models holding a page ``>= limit`` (a shrink to ``limit`` waits for or preempts them)."""
         return {owner.name for owner in self._owner[limit:] if owner is not None}
@@ -362,9 +370,10 @@ class PagePool:
         return self.num_pages * self.page_bytes
 
     def kv_views(self, model: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer ``(k_cache, v_cache)``, each ``[num_pages, tokens_per_page, kv_heads,
-        head_dim]`` over the shared memory; page stride = ``page_bytes // itemsize`` elements.
-        Valid until the next ``resize`` (``generation`` changes): do not keep them across one."""
+        """Per layer ``(k_cache, v_cache)``, each ``[pages, tokens_per_page, kv_heads, head_dim]``
+        over the shared memory (on a GPU ``capacity`` pages, of which only those below
+        ``num_pages`` may be touched); page stride = ``page_bytes // itemsize`` elements. Valid
+        until ``generation`` changes (a resize off a GPU): do not keep them across one."""
         slot = self._slot(model)
         return self._require_memory().views(model, slot.layout)
 

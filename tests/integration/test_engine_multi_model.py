@@ -269,6 +269,96 @@ def test_load_next_to_a_busy_model_shrinks_the_pool_by_preempting_it(dirs, needs
     core.pools.pool.audit()
 
 
+class InPlaceMemory:
+    """A GPU pool's memory contract (engine/kv/page_memory.py, ElasticMemory) on the CPU: views
+    over ``capacity`` pages that never move, a resize that only changes how many may be used.
+    Pages cut off are filled with 0xFF (NaN in bf16 and fp32) so a read past the pool's end
+    would change tokens."""
+
+    moves = False
+
+    def __init__(self, num_pages, page_bytes, device, capacity):
+        import torch
+
+        self.page_bytes, self.capacity, self._pages = page_bytes, capacity, 0
+        self.tensor = torch.full((capacity, page_bytes), 0xFF, dtype=torch.uint8)
+        self._views = {}
+        self.resize(num_pages, [])
+
+    @property
+    def num_pages(self):
+        return self._pages
+
+    def views(self, model, lay):
+        import torch
+
+        from engine.kv.page_memory import _layer_views
+
+        if model not in self._views:
+            self._views[model] = _layer_views(self.tensor.view(getattr(torch, lay.dtype)), self.capacity,
+                                              self.page_bytes, lay)
+        return self._views[model]
+
+    def flat(self, lay):
+        import torch
+
+        return self.tensor.view(getattr(torch, lay.dtype)).view(-1)
+
+    def forget(self, model):
+        self._views.pop(model, None)
+
+    def resize(self, num_pages, live):
+        assert num_pages <= self.capacity and all(p < num_pages for p in live)
+        if num_pages > self._pages:
+            self.tensor[self._pages:num_pages].zero_()
+        else:
+            self.tensor[num_pages:self._pages].fill_(0xFF)
+        self._pages = num_pages
+
+
+def test_load_next_to_a_busy_model_takes_the_tail_of_a_pool_that_stays_in_place(dirs, needs, solo, monkeypatch):
+    """As on a GPU: the pool shrinks without moving, so the busy model's runner is not rebuilt and
+    only the sequences in the way are preempted: those holding the cut-off tail, then, newest
+    first, enough of the busy model's beyond its minimum for b's minimum to fit below the cut
+    (the busy model's pages sit low, where the room is)."""
+    monkeypatch.setattr("engine.kv.page_memory.pool_memory",
+                        lambda n, pb, device, capacity: InPlaceMemory(n, pb, device, capacity))
+    need_a = core_for(1 << 30).check_load(LoadSpec("a", dirs["a"], MAX_LEN, 64)).needed
+    budget = need_a + needs["b"]
+    core = core_for(budget)
+    core.load_model(LoadSpec("a", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=64))
+    before = core.memory()
+    longer = [list(range(50, 50 + n)) for n in (45, 41, 38)]  # 3 pages each: a goes past its minimum
+
+    def submit_longer(c: EngineCore) -> None:
+        for i, p in enumerate(longer):
+            c.add_request(f"a-long{i}", "a", p, GREEDY)
+
+    want = dict(solo)
+    alone = core_for()
+    load(alone, "a", dirs["a"])
+    submit_longer(alone)
+    drain(alone, want)
+    submit(core, "a")
+    submit_longer(core)
+    toks: dict[str, list[int]] = {}
+    for _ in range(4):
+        for o in core.step():
+            toks.setdefault(o.req_id, []).extend(o.new_token_ids)
+    a_slot = core.slots.get("a")
+    used, runner = core.stats()["a"].kv_pages_used, a_slot.runner
+    assert used > a_slot.needs.min_pages  # beyond its minimum: b's minimum needs some of them
+    generation = core.pools.pool.generation
+    load(core, "b", dirs["b"])
+    assert core.pools.pool.generation == generation and core.memory().kv < before.kv
+    assert core.slots.get("a").runner is runner  # nothing rebuilt
+    assert core.memory().used <= budget
+    submit(core, "b")
+    drain(core, toks)
+    assert toks == {k: v for k, v in want.items() if k[0] in "ab"}  # the preempted ones recomputed
+    core.pools.pool.audit()
+
+
 def test_a_load_that_fails_after_booking_leaves_the_books_as_they_were(dirs, tmp_path):
     import shutil
 
