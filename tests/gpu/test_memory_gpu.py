@@ -108,7 +108,12 @@ def test_unload_gives_back_every_live_byte_and_the_pool_goes_with_its_last_model
         # Quiet, the vacancy goes: every live byte back, the pool's memory back to the driver.
         core.unload_model("m")
         core.pools.grow_when_quiet(0)
-        assert core.pools.ledger.snapshot().used == 0, core.pools.ledger.snapshot()
+        snap = core.pools.ledger.snapshot()
+        assert not snap.weights and not snap.workspace and snap.kv_pool_bytes == 0, snap
+        # What the device held beyond the books at the last reconcile: the cuBLAS workspaces of
+        # the lent streams (32 MiB each, kept with the stream pool for the next runner), which
+        # a workspace measured on one stream does not include.
+        assert snap.used == snap.untracked <= 32 * MiB * core.streams.created + 8 * MiB, (snap, core.streams.created)
         assert core.pools.pool is None
         live, reserved = _live_since(0), torch.cuda.memory_reserved()
         seen = dict(base_live=base_live, live=live, reserved=reserved, pool=core_pool_bytes)
