@@ -276,7 +276,17 @@ class ModelLoader:
                               explicit_block_size=spec.block_size is not None, num_kv_pages=spec.num_kv_pages,
                               quantization=quantization, kv_dtype=kv_dtype)
 
-        needs = needs_at(max_len)
+        compute_key = workspace_key(cfg, quantization)
+        key = weights_key(spec.model_dir, compute_key, dtype)
+
+        def with_known(n: LoadNeeds, length: int) -> LoadNeeds:
+            # A workspace measured before at this shape is what this load will hold: booked in
+            # place of the estimate (which, made for any model, was 2.4x the measured 0.61 GiB of
+            # an 8B at the density bench's shape: H100, docs/perf.md, the room probe rows).
+            known = self._known_workspace(key, compute_key, self._workspace_shape(spec.max_num_seqs, length, dtype, n))
+            return n if known is None else dataclasses.replace(n, workspace_bytes=known)
+
+        needs = with_known(needs_at(max_len), max_len)
         if spec.max_model_len is None and spec.num_kv_pages is None:
             capped = context_cap(max_len, self._pools.room() - needs.weight_bytes - needs.workspace_bytes,
                                  needs.page_bytes, needs.tokens_per_page)
@@ -284,15 +294,7 @@ class ModelLoader:
                 log.warning("model %s: max_model_len %d, not its context of %d: one sequence of that does not "
                             "fit the %d bytes the budget has beside the models loaded (set max_model_len to "
                             "choose)", spec.name, capped, max_len, self._pools.room())
-                max_len, needs = capped, needs_at(capped)
-        # A workspace measured before at this shape is what this load will hold: booked in place
-        # of the estimate (which, made for any model, was 2.2x the measured 0.64 GiB of an 8B at the
-        # density bench's shape: H100, docs/perf.md, the room probe row).
-        known = self._known_workspace(weights_key(spec.model_dir, workspace_key(cfg, quantization), dtype),
-                                      workspace_key(cfg, quantization),
-                                      self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs))
-        if known is not None:
-            needs = dataclasses.replace(needs, workspace_bytes=known)
+                max_len, needs = capped, with_known(needs_at(capped), capped)
         return cfg, quantization, max_len, dtype, needs
 
     def check_load(self, spec: LoadSpec, evictable: tuple[str, ...] | list[str] = ()) -> LoadPlan:

@@ -175,3 +175,33 @@ def test_a_load_is_decided_against_what_the_device_holds_not_only_the_books(smal
     torch.cuda.empty_cache()
     core.check_load(spec_b)
     assert core.memory().untracked <= untracked0 + 64 * MiB  # given back: charged no more
+
+
+def test_the_booked_workspace_covers_steps_the_warm_up_does_not_take(small_model):
+    """A workspace is booked as the warm-up measured it (its largest step, every row sampled
+    with temperature) plus ``workspace_margin``, no longer floored by the coarse estimate: the
+    largest steps with logprobs, every penalty and prompt logprobs (each prompt position's
+    logits, eagerly) must stay within what was booked."""
+    from engine.core.engine_core import EngineCore
+    from engine.sampling import SamplingParams
+
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0), device="cuda",
+                      budget=2 << 30)
+    try:
+        core.load_model(LoadSpec("m", small_model, max_model_len=1024, max_num_seqs=16))
+        booked = core.slots.get("m").workspace_bytes
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        every = SamplingParams(temperature=0.7, top_k=40, logprobs=20, prompt_logprobs=5, presence_penalty=0.5,
+                               frequency_penalty=0.3, repetition_penalty=1.2, max_tokens=6, ignore_eos=True)
+        for i in range(16):  # 16 prompts of 32 tokens: one step of 512 tokens, every row sampled
+            core.add_request(f"r{i}", "m", [(7 * i + j) % 1000 + 10 for j in range(32)], every)
+        while core.has_unfinished_requests():
+            core.step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        assert 0 < peak <= booked, (peak, booked)
+    finally:
+        for name in list(core.models()):
+            core.unload_model(name)

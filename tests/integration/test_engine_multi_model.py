@@ -529,3 +529,30 @@ def test_an_expedited_model_is_stepped_ahead_of_the_others_until_its_work_is_don
     load(core, "b", dirs["b"])
     assert first_pick_after_submitting("b", "c") == ["b", "c"]  # not b alone
     drain(core, toks)
+
+
+def test_a_workspace_measured_before_is_booked_in_place_of_the_estimate(dirs, tmp_path):
+    """A load books the workspace a load of the same computation measured at the same shape (the
+    load notes here; a vacancy or the warm tier's note likewise), not the estimate for any model:
+    the estimate floored it once and booked an 8B 2.4x what it holds."""
+    import json
+
+    notes = tmp_path / "notes.json"
+    spec = LoadSpec("a", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=SEQS)
+    first = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=3, warmup=True, load_notes_path=str(notes)),
+                       device="cpu", budget=1 << 30)
+    estimate = first.check_load(spec)
+    first.load_model(spec)  # off CUDA nothing is measured: the note keeps the estimate
+    doc = json.loads(notes.read_text())
+    assert list(doc["notes"].values()) == [estimate.workspace_bytes]
+    doc["notes"] = {k: 4096 for k in doc["notes"]}  # as if a GPU had measured 4 KiB
+    notes.write_text(json.dumps(doc))
+    second = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=3, warmup=True, load_notes_path=str(notes)),
+                        device="cpu", budget=1 << 30)
+    plan = second.check_load(spec)
+    assert plan.workspace_bytes == 4096 and plan.needed == estimate.needed - estimate.workspace_bytes + 4096
+    second.load_model(spec)
+    assert second.memory().models["a"].workspace == 4096
+    # another shape has no note: the estimate again
+    assert second.check_load(LoadSpec("b", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=SEQS + 1)).workspace_bytes \
+        > 4096
