@@ -54,7 +54,32 @@ def _layer_views(flat: torch.Tensor, num_pages: int, page_bytes: int, lay: KVLay
             for layer in range(lay.num_layers)]
 
 
-class ElasticMemory:
+class _ModelViews:
+    """Each model's K/V views over the memory's ``[pages, page_bytes]`` byte tensor
+    (``_require``), cached until ``forget`` (or, where the memory moves, its resize)."""
+
+    page_bytes: int
+    _views: dict[str, KVViews]
+
+    def _require(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def views(self, model: str, lay: KVLayout) -> KVViews:
+        cached = self._views.get(model)
+        if cached is None:
+            raw = self._require()
+            cached = self._views[model] = _layer_views(raw.view(getattr(torch, lay.dtype)), raw.shape[0],
+                                                       self.page_bytes, lay)
+        return cached
+
+    def flat(self, lay: KVLayout) -> torch.Tensor:
+        return self._require().view(getattr(torch, lay.dtype)).view(-1)
+
+    def forget(self, model: str) -> None:
+        self._views.pop(model, None)
+
+
+class ElasticMemory(_ModelViews):
     """The pool's pages in a virtual range of ``capacity`` pages, the first ``num_pages`` backed.
 
     Views span all ``capacity`` pages (their addresses never change); the pool hands out only
@@ -83,19 +108,6 @@ class ElasticMemory:
     @property
     def num_pages(self) -> int:
         return self._pages
-
-    def views(self, model: str, lay: KVLayout) -> KVViews:
-        cached = self._views.get(model)
-        if cached is None:
-            cached = self._views[model] = _layer_views(self._require().view(getattr(torch, lay.dtype)),
-                                                       self.capacity, self.page_bytes, lay)
-        return cached
-
-    def flat(self, lay: KVLayout) -> torch.Tensor:
-        return self._require().view(getattr(torch, lay.dtype)).view(-1)
-
-    def forget(self, model: str) -> None:
-        self._views.pop(model, None)
 
     def resize(self, num_pages: int, live: list[int]) -> None:
         """Back exactly the first ``num_pages`` pages (the chunks they touch). ``live`` pages are
@@ -128,7 +140,7 @@ class ElasticMemory:
         return self._tensor
 
 
-class PoolMemory:
+class PoolMemory(_ModelViews):
     """The pool's bytes on ``device``; views are cached per model until the next resize."""
 
     moves = True
@@ -146,25 +158,6 @@ class PoolMemory:
     @property
     def num_pages(self) -> int:
         return 0 if self.tensor is None else self.tensor.shape[0]
-
-    def views(self, model: str, lay: KVLayout) -> KVViews:
-        """Per layer ``(k, v)`` of shape ``[num_pages, tokens_per_page, kv_heads, head_dim]``.
-
-        Inside a page the model's data is ``[layers, 2, tokens_per_page, kv_heads, head_dim]``
-        from byte 0; the page stride is the whole page (``page_bytes // itemsize`` elements),
-        whatever part of the page the model fills.
-        """
-        cached = self._views.get(model)
-        if cached is None:
-            cached = self._views[model] = _layer_views(self._require().view(getattr(torch, lay.dtype)),
-                                                       self.num_pages, self.page_bytes, lay)
-        return cached
-
-    def flat(self, lay: KVLayout) -> torch.Tensor:
-        return self._require().view(getattr(torch, lay.dtype)).view(-1)
-
-    def forget(self, model: str) -> None:
-        self._views.pop(model, None)
 
     def resize(self, num_pages: int, live: list[int]) -> None:
         """Re-create the memory with ``num_pages`` pages; pages in ``live`` (all below

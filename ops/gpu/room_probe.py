@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
 
 import torch
+
+from ops.gpu.warm_probe import segments
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -30,16 +31,6 @@ def driver_used() -> int:
     torch.cuda.synchronize()
     f, t = torch.cuda.mem_get_info()
     return t - f
-
-
-def segments() -> dict[str, list[float]]:
-    by: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
-    for s in torch.cuda.memory_snapshot():
-        key = f"stream={s.get('stream')} pool={s.get('segment_pool_id')}"
-        by[key][0] += s["total_size"] / GIB
-        by[key][1] += s["allocated_size"] / GIB
-        by[key][2] += 1
-    return {k: [round(v[0], 3), round(v[1], 3), v[2]] for k, v in by.items()}
 
 
 def probe_vmm() -> dict:
