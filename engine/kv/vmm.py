@@ -155,6 +155,7 @@ class VirtualRange:
         # Everything goes back when the range is collected (the last view of it gone) or closed.
         self._release = weakref.finalize(self, _release, self.index, self.base, self.reserved, self.chunk,
                                          self._handles)
+        self._release.atexit = False  # at exit the driver takes it all back with the context
 
     @property
     def mapped(self) -> int:
