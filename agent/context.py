@@ -53,6 +53,10 @@ class AgentContext:
                                "device_bytes": mem.device if mem is not None else None,
                                "pool_resizes": mem.pool_resizes if mem is not None else None,
                                "pool_resize_s": mem.pool_resize_s if mem is not None else None}
+        # Who holds ``used`` (engine/stats.py, MemoryStats): what decides how many models fit
+        for key, field in (("weights_bytes", "weights"), ("workspace_bytes", "workspace"),
+                           ("vacant_bytes", "vacant"), ("kv_pool_bytes", "kv"), ("untracked_bytes", "untracked")):
+            out[key] = getattr(mem, field) if mem is not None else None
         if isinstance(g.memory_budget, float):
             out["fraction"] = g.memory_budget
         return out

@@ -93,6 +93,9 @@ time.sleep(float(sys.argv[1]))
 """
 POLL_S = 0.5
 RESIDENT = ("ready", "draining")  # serving or finishing its streams: its weights are on the device
+# The status's budget parts kept at the window's highest residency (agent/context.py, budget)
+BUDGET_PARTS = ("total_bytes", "used_bytes", "weights_bytes", "workspace_bytes", "vacant_bytes", "kv_pool_bytes",
+                "untracked_bytes", "device_bytes")
 
 
 # --- traffic ----------------------------------------------------------------------------------
@@ -514,6 +517,7 @@ class Monitor(threading.Thread):
         self.worker_pids: set[int] = set()
         self.max_resident = 0
         self.max_resident_models: list[str] = []
+        self.max_resident_budget: dict[str, Any] = {}
         self.nvml_peak = 0 if nvml else None  # the agent's processes (worker pids as status named them)
         self.nvml_peak_all = 0  # every compute process on the device (pids of another namespace included)
         self.ledger_peak = self.ledger_now = self.device_now = 0
@@ -540,7 +544,7 @@ class Monitor(threading.Thread):
 
     def window_start(self, t0: float) -> None:
         self.t0 = t0
-        self.max_resident, self.max_resident_models = 0, []
+        self.max_resident, self.max_resident_models, self.max_resident_budget = 0, [], {}
         self.nvml_peak = 0 if self.nvml else None
         self.nvml_peak_all = 0
         self.ledger_peak = 0
@@ -567,15 +571,17 @@ class Monitor(threading.Thread):
             self.changes.extend([at, n, self.states.get(n), s] for n, s in states.items() if self.states.get(n) != s)
         self.states = states
         resident = sorted(n for n, s in self.states.items() if s in RESIDENT)
+        b = st.get("budget") or {}
         if len(resident) > self.max_resident:
             self.max_resident, self.max_resident_models = len(resident), resident
+            # who held the budget then: why no more fit
+            self.max_resident_budget = {k: b.get(k) for k in BUDGET_PARTS}
         w = st.get("worker") or {}
         if w.get("pid"):
             self.worker_pids.add(int(w["pid"]))
         self.restarts_last = int(w.get("restarts") or 0)
         if self.restarts_first is None:
             self.restarts_first = self.restarts_last
-        b = st.get("budget") or {}
         if b.get("total_bytes"):
             self.budget_bytes = int(b["total_bytes"])
         self.ledger_now = int(b.get("used_bytes") or 0)
@@ -1049,7 +1055,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       for n, r in warmup.items()} or None,
         "requests": overall["requests"], "errors": overall["errors"], "errors_by_kind": overall["errors_by_kind"],
         "worker_restarts": restarts, "max_resident": monitor.max_resident,
-        "max_resident_models": monitor.max_resident_models, "status_samples": monitor.samples,
+        "max_resident_models": monitor.max_resident_models, "max_resident_budget": monitor.max_resident_budget,
+        "status_samples": monitor.samples,
         # nvidia-smi's pids are the host's: in a container they match none of the agent's, and
         # then the peak is every compute process's on the device (scope says which).
         **nv,
