@@ -17,6 +17,7 @@ from engine.errors import EngineError
 from engine.core.ledger import LedgerError, MemoryLedger
 from engine.models.llama import LlamaModel
 from engine.kv.layout import PAGE_ALIGN, PagePoolError, kv_layout
+from engine.runner.prompt_logprobs import ROWS_PER_SLICE
 
 DEFAULT_CPU_BUDGET = 4 << 30
 GPU_BUDGET_FRACTION = 0.9
@@ -68,9 +69,11 @@ def workspace_estimate(cfg: ModelConfig, max_num_batched_tokens: int, max_num_se
 
 def workspace_margin(cfg: ModelConfig, max_num_seqs: int) -> int:
     """Added to a measured workspace: the warm-up's largest step samples every row with
-    temperature, and a step with logprobs or penalties holds up to two more float32 rows of the
-    vocabulary per sequence (the log-softmax, the penalised copy)."""
-    return 2 * max_num_seqs * cfg.vocab_size * 4
+    temperature; steps it does not take hold more after the forward, the larger of: up to two
+    float32 vocabulary rows per sequence (logprobs' log-softmax, the penalised copy), or a
+    prompt-logprobs slice (its logits in the model's dtype, at most 2 bytes, and two float32
+    copies: engine/runner/prompt_logprobs.py)."""
+    return max(2 * max_num_seqs * cfg.vocab_size * 4, ROWS_PER_SLICE * cfg.vocab_size * (2 + 4 + 4))
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> int:

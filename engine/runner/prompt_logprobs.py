@@ -5,7 +5,9 @@ completions API's ``echo`` with ``logprobs``, lm-eval's loglikelihood).
 A chunk covering prompt positions ``start .. start + n - 1`` gives the logprobs of the prompt
 tokens ``start + 1 .. start + n`` (the token after each position), the last chunk stopping at the
 prompt's last token (its position's logits are the first sample's). The rows go through the LM
-head in slices of ``ROWS_PER_SLICE`` (a [rows, vocab] float32 block: 256 × 128k is 128 MiB), each
+head in slices of ``ROWS_PER_SLICE`` (the slice's logits and their float32 log-softmax: 32 rows of
+a 128k vocabulary hold 41 MB at once, within what a model's booked workspace adds to its
+warm-up's measurement, ``engine.core.memory_plan.workspace_margin``; 256 rows held 328 MB), each
 slice's chosen and top-N values reaching the host in one transfer. Such a step runs eagerly
 (``ModelRunner.step_plan``): no graph computes logits at every position.
 """
@@ -17,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ROWS_PER_SLICE = 256
+ROWS_PER_SLICE = 32
 
 
 @torch.inference_mode()
