@@ -254,6 +254,7 @@ class Worker:
         heap.freeze()  # the model's objects live until its unload (whose collection thaws them)
         timings = {str(k): float(v) for k, v in P.plain(self.core.loader.last_load_timings).items()
                    if isinstance(v, (int, float)) and v >= 0}  # figures only: the agent refuses the rest
+        self._status_now()
         self.conn.send(P.Loaded(model=msg.model, info=info, seconds=time.monotonic() - t0,
                                 timings=timings))
 
@@ -301,6 +302,7 @@ class Worker:
         # agent is not left waiting on a model that is gone.
         if self.core.has_unfinished_requests():
             self._step()
+        self._status_now()
         self.conn.send(P.Unloaded(model=msg.model))
 
     # --- loop -------------------------------------------------------------------------------
@@ -341,6 +343,13 @@ class Worker:
 
     def _busy(self) -> bool:
         return self.core is not None and self.core.has_unfinished_requests()
+
+    def _status_now(self) -> None:
+        """A status ahead of a load's or an unload's answer, so the agent's view of the budget
+        is the new one when it answers (with the periodic status alone it lagged by up to
+        ``STATUS_INTERVAL_S``)."""
+        self._last_status = 0.0
+        self._maybe_status(self._busy())
 
     def _maybe_status(self, busy: bool) -> None:
         now = time.monotonic()

@@ -60,12 +60,16 @@ def test_pull_load_unload_cycle(daemon) -> None:
         time.sleep(0.05)
     code, body = daemon.post(f"/admin/v1/models/{MODEL}/load?wait=true", headers=TOKEN, timeout=120)
     assert code == 200 and body["model"]["state"] == "ready", body
+    budget = daemon.status()["budget"]  # the worker's figures came ahead of its answer: no lag
+    assert budget["weights_bytes"] > 0 and budget["kv_pool_bytes"] > 0, budget
     # "ready" includes one decode, so the model's probe is green at once.
     assert daemon.get(f"/readyz/{MODEL}")[0] == 200
     code, body = daemon.post(f"/admin/v1/models/{MODEL}/load", headers=TOKEN)
     assert code == 200 and body["model"]["state"] == "ready"  # idempotent
     code, body = daemon.post(f"/admin/v1/models/{MODEL}/unload?wait=true", headers=TOKEN, timeout=60)
     assert code == 200 and body["model"]["state"] == "cached"
+    budget = daemon.status()["budget"]
+    assert budget["weights_bytes"] == 0 and budget["vacant_bytes"] > 0, budget  # kept for the next load of its kind
     assert daemon.get(f"/readyz/{MODEL}")[0] == 503
     # autoload (the default): a request for a model that is not loaded brings it back
     code, body = daemon.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}, headers=KEY)
