@@ -7,9 +7,12 @@ One EngineCore in this process (budget 0.9 of the device, a warm tier of --tier-
 start), models a, b, c of the same files under three names; after every step a sample: the
 driver's use (mem_get_info), nvidia-smi's figure for this process, the caching allocator's
 reserved / allocated bytes, its segments grouped by (stream, pool) with their live bytes, and the
-ledger's use. The step sequence is a swap chain: load a, b; unload a (put); load c; unload b;
-load a (restore); unload c ... With ``--traffic`` the loaded models serve while a load's weights
-stream in the load thread (begin_load / finish_load), as in the daemon.
+ledger's use. The step sequence is a swap chain: load a, b; unload a; load c; unload b; load a;
+unload c ... The tier is keyed by the device bytes, not the name, so the three names share one
+copy: the first unload puts it, later unloads keep it (``WarmTier.keep``), and every load after
+the first unload restores from it (c's first load included); each sample's ``tier_models`` says
+what the tier holds. With ``--traffic`` the loaded models serve while a load's weights stream in
+the load thread (begin_load / finish_load), as in the daemon.
 """
 
 from __future__ import annotations
