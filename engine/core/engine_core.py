@@ -58,9 +58,12 @@ from engine.weights.warm_tier import WarmTier
 
 __all__ = ["EngineCore", "InFlight"]
 
-# Loads and unloads quiet this long before the KV pool grows into the room unloads left (a grow
-# rebuilds every loaded model's runner: under churn the next load would shrink it straight back).
+# Loads and unloads quiet this long before the KV pool grows into the room unloads left (under
+# churn the next load would shrink it straight back; off a GPU a grow rebuilds every runner).
 POOL_GROW_QUIET_S = 10.0
+# How often a busy engine looks whether its models waited for KV pages (then the pool grows, where
+# it grows in place: EngineCore._grow_under_pressure).
+POOL_PRESSURE_CHECK_S = 1.0
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
@@ -155,6 +158,8 @@ class EngineCore:
         self._inflight: InFlight | None = None
         self._yielded_at: float | None = None  # when the last step() returned with a yielding model's step in flight
         self._last_done = 0.0
+        self._pressure_at = 0.0  # the last look for page waits (_grow_under_pressure), and their count then
+        self._page_waits = 0
         self.pools = PoolKeeper(make_ledger(budget, self.device), self.device, self.slots, options, self.streams)
         # Host copies of unloaded models' weights, so a reload is one device copy (the loader's).
         warm_tier = WarmTier(options.warm_tier_bytes) if options.warm_tier_bytes else None
@@ -347,6 +352,23 @@ class EngineCore:
             return False
         return self.pools.grow_when_quiet(POOL_GROW_QUIET_S)
 
+    def _grow_under_pressure(self) -> None:
+        """While busy, at most every :data:`POOL_PRESSURE_CHECK_S`: when a model waited for KV
+        pages since the last look (an admission held back, a sequence preempted for room) and
+        loads and unloads have been quiet for :data:`POOL_GROW_QUIET_S`, grow the pool into the
+        room unloads left (``PoolKeeper.grow_under_pressure``: only a pool that grows in place,
+        on a GPU, and is below what its models could use). An idle engine grows it anyway
+        (:meth:`grow_idle_pool`); a busy one never did, so a pool left small by churn stayed
+        small while its models queued for pages."""
+        now = time.monotonic()
+        if now - self._pressure_at < POOL_PRESSURE_CHECK_S:
+            return
+        self._pressure_at = now
+        waits = sum(s.scheduler.page_waits for s in self.slots.values())
+        starved, self._page_waits = waits > self._page_waits, waits
+        if starved and self.loader.pending is None:
+            self.pools.grow_under_pressure(POOL_GROW_QUIET_S)
+
     def capture_idle_graph(self) -> bool:
         """While no request is in the engine: capture one CUDA graph a runner still defers to
         its first use; False when there was nothing to do (busy, or every graph captured). A
@@ -370,6 +392,7 @@ class EngineCore:
         when a model yields (:meth:`yielded`), when a batch must not be queued behind the step in
         flight, and how a batch is launched.
         """
+        self._grow_under_pressure()
         outs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
         if self._yielded_at is not None and prev is not None:  # how long the caller slept on it

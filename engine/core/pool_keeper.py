@@ -312,6 +312,18 @@ class PoolKeeper:
         self.fit(None, None)
         return self.resizes != before
 
+    def grow_under_pressure(self, quiet_s: float) -> bool:
+        """:meth:`grow_when_quiet` for a busy engine whose models wait for pages: only a pool that
+        grows in place (a GPU's: no live page moves, no runner is rebuilt) and is below what its
+        models could use together (else the vacancies would go for nothing)."""
+        pool = self.pool
+        if pool is None or pool.memory_moves:
+            return False
+        wants = sum(s.needs.want_pages for s in self._slots.values() if s.pages is not None and s.needs is not None)
+        if pool.num_pages >= wants:
+            return False
+        return self.grow_when_quiet(quiet_s)
+
     def fit(self, new: LoadNeeds | None, kv_after: int | None, grow: bool = True) -> None:
         """Resize the pool to its target when that is cheap or required by a load (``new``): the
         weights need room the pool holds, or its minimum needs pages the pool lacks. Cheap: on a

@@ -162,6 +162,9 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival, oldest first
+        # Times a step found too few KV pages: an admission stopped, or a running sequence was
+        # preempted to give another room (the engine grows a pool that can grow: EngineCore).
+        self.page_waits = 0
 
     # -- requests --------------------------------------------------------------------------
     def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -257,6 +260,7 @@ class Scheduler:
             """Pages for n more tokens of a running seq, preempting newer ones; False: seq itself went."""
             nonlocal budget
             while not self.blocks.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n):
+                self.page_waits += 1
                 victim = self.running[-1]
                 if victim.seq_id in planned:
                     budget += planned.pop(victim.seq_id)[1]
@@ -350,6 +354,7 @@ class Scheduler:
             reserve_pages = self._watermark if self.running else 0
             need = blocks.pages_for_tokens(len(hits) * bs + n) - len(hits) + cached_free
             if not blocks.can_allocate(need + reserve_pages):
+                self.page_waits += 1
                 break
             if hits:
                 seq.num_computed_tokens = blocks.take_prefix(seq.seq_id, hits) * bs

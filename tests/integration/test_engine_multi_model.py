@@ -556,3 +556,48 @@ def test_a_workspace_measured_before_is_booked_in_place_of_the_estimate(dirs, tm
     # another shape has no note: the estimate again
     assert second.check_load(LoadSpec("b", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=SEQS + 1)).workspace_bytes \
         > 4096
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_busy_model_short_of_pages_grows_a_pool_that_stays_in_place(dirs, needs, solo, monkeypatch, in_place):
+    """A pool left small by churn (b loaded beside a, then unloaded: its room kept as a vacancy)
+    grows while a is busy once a's admissions wait for pages and loads have been quiet — where
+    the pool grows in place (a GPU's: nothing moves, nothing is rebuilt). Where it would be
+    re-created it waits for an idle engine, as before."""
+    if in_place:
+        monkeypatch.setattr("engine.kv.page_memory.pool_memory",
+                            lambda n, pb, device, capacity: InPlaceMemory(n, pb, device, capacity))
+    monkeypatch.setattr("engine.core.engine_core.POOL_GROW_QUIET_S", 0.0)
+    monkeypatch.setattr("engine.core.engine_core.POOL_PRESSURE_CHECK_S", 0.0)
+    longer = [list(range(50, 50 + n)) for n in (45, 41, 38, 44, 40)]
+    want = dict(solo)
+    alone = core_for()
+    load(alone, "a", dirs["a"])
+    for i, p in enumerate(longer):
+        alone.add_request(f"a-long{i}", "a", p, GREEDY)
+    drain(alone, want)
+
+    need_a = core_for(1 << 30).check_load(LoadSpec("a", dirs["a"], MAX_LEN, 64)).needed
+    core = core_for(need_a + needs["b"])  # b's load leaves the pool the two minimums
+    core.load_model(LoadSpec("a", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=64))
+    load(core, "b", dirs["b"])
+    core.unload_model("b")
+    small = core.memory()
+    assert small.vacant > 0  # b's room kept for the next load of its kind
+    submit(core, "a")
+    for i, p in enumerate(longer):
+        core.add_request(f"a-long{i}", "a", p, GREEDY)
+    toks: dict[str, list[int]] = {}
+    grew_while_busy = False
+    for _ in range(2000):
+        if not core.has_unfinished_requests():
+            break
+        for o in core.step():
+            toks.setdefault(o.req_id, []).extend(o.new_token_ids)
+        grew_while_busy |= core.has_unfinished_requests() and core.memory().kv_pages > small.kv_pages
+    assert core.slots.get("a").scheduler.page_waits > 0  # a was short of pages
+    assert toks == {k: v for k, v in want.items() if k.startswith("a")}
+    assert grew_while_busy == in_place
+    if in_place:
+        assert core.memory().vacant == 0  # the vacancy's room went to the pool
+    core.pools.pool.audit()
