@@ -312,6 +312,10 @@ class PoolKeeper:
         self.fit(None, None)
         return self.resizes != before
 
+    def _pooled(self) -> list[ModelSlot]:
+        """The loaded models on the pool (a tensor-parallel one owns its cache)."""
+        return [s for s in self._slots.values() if s.pages is not None]
+
     def grow_under_pressure(self, quiet_s: float) -> bool:
         """:meth:`grow_when_quiet` for a busy engine whose models wait for pages: only a pool that
         grows in place (a GPU's: no live page moves, no runner is rebuilt) and is below what its
@@ -319,8 +323,7 @@ class PoolKeeper:
         pool = self.pool
         if pool is None or pool.memory_moves:
             return False
-        wants = sum(s.needs.want_pages for s in self._slots.values() if s.pages is not None and s.needs is not None)
-        if pool.num_pages >= wants:
+        if pool.num_pages >= sum(s.needs.want_pages for s in self._pooled()):
             return False
         return self.grow_when_quiet(quiet_s)
 
@@ -346,7 +349,7 @@ class PoolKeeper:
             self.pool = PagePool(0, new.page_bytes, self.device, capacity=self.ledger.budget // new.page_bytes)
         pool = self.pool
         pb = pool.page_bytes
-        pooled = [s for s in self._slots.values() if s.pages is not None]
+        pooled = self._pooled()
         wants = [s.needs.want_pages for s in pooled] + ([new.want_pages] if new else [])
         if kv_after is None:
             snap = self.ledger.snapshot()
@@ -396,7 +399,7 @@ class PoolKeeper:
         for s in pooled:
             if s.name in holders:
                 for seq in list(s.scheduler.running):
-                    if limit == 0 or any(p >= limit for p in s.scheduler.blocks.block_table(seq.seq_id)):
+                    if any(p >= limit for p in s.scheduler.blocks.block_table(seq.seq_id)):
                         s.scheduler.preempt(seq.req_id)
         for s in pooled if need else ():
             for seq in reversed(list(s.scheduler.running)):
@@ -416,7 +419,7 @@ class PoolKeeper:
         old = pool.num_pages
         t0 = time.perf_counter()
         moves = pool.memory_moves
-        pooled = [s for s in self._slots.values() if s.pages is not None] if moves else []
+        pooled = self._pooled() if moves else []
         for s in pooled:  # views (and captured graphs) of the old memory must go first
             s.runner = s.kv = None
         if moves:

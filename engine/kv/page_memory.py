@@ -54,7 +54,7 @@ def _layer_views(flat: torch.Tensor, num_pages: int, page_bytes: int, lay: KVLay
             for layer in range(lay.num_layers)]
 
 
-class _ModelViews:
+class ModelViews:
     """Each model's K/V views over the memory's ``[pages, page_bytes]`` byte tensor
     (``_require``), cached until ``forget`` (or, where the memory moves, its resize)."""
 
@@ -79,7 +79,7 @@ class _ModelViews:
         self._views.pop(model, None)
 
 
-class ElasticMemory(_ModelViews):
+class ElasticMemory(ModelViews):
     """The pool's pages in a virtual range of ``capacity`` pages, the first ``num_pages`` backed.
 
     Views span all ``capacity`` pages (their addresses never change); the pool hands out only
@@ -140,7 +140,7 @@ class ElasticMemory(_ModelViews):
         return self._tensor
 
 
-class PoolMemory(_ModelViews):
+class PoolMemory(ModelViews):
     """The pool's bytes on ``device``; views are cached per model until the next resize."""
 
     moves = True

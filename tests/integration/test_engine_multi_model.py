@@ -18,6 +18,7 @@ from engine.core.vacancy import VACANT_PREFIX
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
 from engine.load_spec import LoadSpec
+from engine.kv.page_memory import ModelViews
 
 MAX_LEN = 64
 SEQS = 4
@@ -269,7 +270,7 @@ def test_load_next_to_a_busy_model_shrinks_the_pool_by_preempting_it(dirs, needs
     core.pools.pool.audit()
 
 
-class InPlaceMemory:
+class InPlaceMemory(ModelViews):
     """A GPU pool's memory contract (engine/kv/page_memory.py, ElasticMemory) on the CPU: views
     over ``capacity`` pages that never move, a resize that only changes how many may be used.
     Pages cut off are filled with 0xFF (NaN in bf16 and fp32) so a read past the pool's end
@@ -289,23 +290,8 @@ class InPlaceMemory:
     def num_pages(self):
         return self._pages
 
-    def views(self, model, lay):
-        import torch
-
-        from engine.kv.page_memory import _layer_views
-
-        if model not in self._views:
-            self._views[model] = _layer_views(self.tensor.view(getattr(torch, lay.dtype)), self.capacity,
-                                              self.page_bytes, lay)
-        return self._views[model]
-
-    def flat(self, lay):
-        import torch
-
-        return self.tensor.view(getattr(torch, lay.dtype)).view(-1)
-
-    def forget(self, model):
-        self._views.pop(model, None)
+    def _require(self):
+        return self.tensor
 
     def resize(self, num_pages, live):
         assert num_pages <= self.capacity and all(p < num_pages for p in live)
