@@ -118,7 +118,8 @@ def probe_room(model_dir: str, max_models: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     for i in range(max_models):
         name = f"n{i}"
-        alloc_before = torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+        alloc_before, reserved_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         ts = time.perf_counter()
         try:
             core.load_model(LoadSpec(name, model_dir, max_model_len=400, max_num_seqs=64))
@@ -128,7 +129,13 @@ def probe_room(model_dir: str, max_models: int) -> dict:
         load_s = time.perf_counter() - ts
         m = core.memory()
         mm = m.models[name]
+        torch.cuda.empty_cache()
+        # what stays after the load (weights, graph pools whole, live buffers) and what only its
+        # largest step needs on top (the share a step's activations take while it runs)
+        held = torch.cuda.memory_reserved() - reserved_before - mm.weights
         rows.append({
+            "held_beside_weights_gib": round(held / GIB, 3),
+            "step_transient_gib": round((peaks[-1] - torch.cuda.memory_allocated()) / GIB, 3) if peaks else None,
             "model": name, "load_s": round(load_s, 3), "weights_gib": round(mm.weights / GIB, 3),
             "workspace_gib": round(mm.workspace / GIB, 3), "kv_min_mib": round(mm.kv_min / MIB, 1),
             "measured_peak_delta_gib": round((peaks[-1] - alloc_before) / GIB, 3) if peaks else None,

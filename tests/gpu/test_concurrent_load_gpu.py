@@ -38,6 +38,11 @@ def test_loads_beside_deferred_captures_never_break_a_step(small_model):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     done: dict[str, str] = {}
     counts: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {}
+    core.add_request("ref", "a", [5, 6, 7, 8], params)  # b's request, alone on the same bytes
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
     rid = 0
     prebuilt = 0
     beside = 0  # waves sent while the load was under way
@@ -64,6 +69,7 @@ def test_loads_beside_deferred_captures_never_break_a_step(small_model):
         while core.has_unfinished_requests():
             for out in core.step():
                 counts[out.req_id] = counts.get(out.req_id, 0) + len(out.new_token_ids)
+                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
                 if out.finish_reason:
                     done[out.req_id] = out.finish_reason
         graphs = core.slots.get("a").runner.graphs
@@ -71,3 +77,7 @@ def test_loads_beside_deferred_captures_never_break_a_step(small_model):
     assert beside >= 4 and prebuilt == 0, (beside, prebuilt)
     assert set(done.values()) == {"length"} and all(n == 24 for n in counts.values()), (
         {r: f for r, f in done.items() if f != "length"})
+    # The model loaded beside the traffic computes what the same bytes computed alone: its
+    # weights and graphs were not written by the steps and captures around its load.
+    assert len(tokens["ref"]) == 24
+    assert all(tokens[f"b{c}"] == tokens["ref"] for c in range(4)), {r: t for r, t in tokens.items() if r[0] in "br"}
