@@ -54,7 +54,7 @@ class AgentContext:
                                "pool_resizes": mem.pool_resizes if mem is not None else None,
                                "pool_resize_s": mem.pool_resize_s if mem is not None else None}
         # Who holds ``used`` (engine/stats.py, MemoryStats): what decides how many models fit
-        for key, field in (("weights_bytes", "weights"), ("workspace_bytes", "workspace"),
+        for key, field in (("weights_bytes", "weights"), ("workspace_bytes", "workspace"), ("step_bytes", "step"),
                            ("vacant_bytes", "vacant"), ("kv_pool_bytes", "kv"), ("untracked_bytes", "untracked")):
             out[key] = getattr(mem, field) if mem is not None else None
         if isinstance(g.memory_budget, float):

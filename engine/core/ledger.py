@@ -3,9 +3,17 @@
 Every byte the engine puts on the device is booked here first:
 
 - **weights** of each model, exact (the sum of the tensors the loader will create);
-- **workspace** of each model: activations, sampler buffers and CUDA-graph pools, booked from an
-  estimate at load and replaced by the peak the caller measured during warm-up at the largest
-  batch. Booked as a sum over models, because each model's captured graphs keep a private pool;
+- **workspace** of each model, what it holds while loaded (its CUDA-graph pools, the runner's
+  buffers, its streams' library workspaces, room for its sampler's buffers): booked from an
+  estimate at load and replaced by what the caller measured after the warm-up. A sum over
+  models: each model's captured graphs keep a private pool;
+- **step**: what the largest eager step of any loaded model takes on top while it runs (its
+  activations, freed into the allocator's cache after). Booked once, the largest of the models'
+  figures, not summed: an eager step never runs beside another step on the device
+  (``StepPolicy.overlaps`` queues only graph replays behind a step in flight, and a graph's
+  activations live in its own pool), so one step's activations are live at a time; the blocks a
+  finished step leaves cached are handed back by the allocator before any allocation fails, and the
+  KV range empties the cache before it gives up a grow;
 - **KV**: the one shared PagePool (``kv_pool_bytes``), of which each model holds a guaranteed
   minimum (``kv_min``); the part of the pool above the sum of minimums is *elastic*: the pool may
   be shrunk to give it to a model being loaded;
@@ -97,6 +105,7 @@ class LoadPlan:
     weight_bytes: int
     workspace_bytes: int
     min_kv_bytes: int
+    step_bytes: int  # its largest step's activations (the ledger books the largest model's once)
     needed: int
     free: int
     evict: tuple[str, ...]
@@ -113,10 +122,11 @@ class LedgerSnapshot:
     workspace: dict[str, int]
     kv_min: dict[str, int]
     kv_pool_bytes: int
-    used: int  # weights + workspace + the whole KV pool + untracked: what is on the device
+    used: int  # weights + workspace + step + the whole KV pool + untracked: what is on the device
     free: int  # budget - used
     untracked: int = 0  # measured device bytes no booking explains (reconcile)
     vacant: frozenset[str] = frozenset()  # the entries that are vacancies (engine/core/vacancy.py)
+    step: int = 0  # the largest step's activations, booked once for all models
 
 
 @dataclass(frozen=True)
@@ -135,7 +145,14 @@ class _Model:
     weights: int = 0
     workspace: int = 0
     kv_min: int = 0
+    step: int = 0  # its largest step's activations (0 for a vacancy: it takes no steps)
     vacant: bool = False  # an unloaded model's memory kept for the next load (engine/core/vacancy.py)
+
+
+def _parts(weights: int, workspace: int, step: int, min_kv: int) -> dict[str, int]:
+    """A load's bytes for a refusal's message (``step``: what its largest step adds to the step
+    booking, shown when it adds anything)."""
+    return {"weights": weights, "workspace": workspace, **({"step": step} if step else {}), "min KV": min_kv}
 
 
 def _nonneg(name: str, value: int) -> int:
@@ -197,14 +214,22 @@ class MemoryLedger:
         self._lock = threading.Lock()
 
     # -- totals (call with the lock held) ---------------------------------------------------------
-    def _non_kv(self) -> int:
-        return sum(m.weights + m.workspace for m in self._models.values()) + self._untracked
+    def _step(self, without: Iterable[str] = ()) -> int:
+        """The step booking: the largest step of the models (less ``without``)."""
+        return max((m.step for n, m in self._models.items() if n not in without), default=0)
 
-    def _committed(self) -> int:
-        """Bytes nobody else may take: weights, workspace, every guaranteed KV minimum and what
-        the device holds beyond the books. Not vacancies: a load that needs their room drops
-        them before it books (engine/core/vacancy.py)."""
-        return sum(m.weights + m.workspace + m.kv_min for m in self._models.values() if not m.vacant) + self._untracked
+    def _non_kv(self, without: Iterable[str] = ()) -> int:
+        without = set(without)
+        return (sum(m.weights + m.workspace for n, m in self._models.items() if n not in without)
+                + self._step(without) + self._untracked)
+
+    def _committed(self, without: Iterable[str] = ()) -> int:
+        """Bytes nobody else may take: weights, workspace, every guaranteed KV minimum, the step
+        booking and what the device holds beyond the books. Not vacancies: a load that needs
+        their room drops them before it books (engine/core/vacancy.py)."""
+        without = set(without)
+        return (sum(m.weights + m.workspace + m.kv_min for n, m in self._models.items()
+                    if not m.vacant and n not in without) + self._step(without) + self._untracked)
 
     # -- the device's own figure ------------------------------------------------------------------
     def reconcile(self, held_bytes: int) -> int:
@@ -214,6 +239,8 @@ class MemoryLedger:
         model's bytes until the next reconcile. Returns the untracked bytes."""
         _nonneg("held_bytes", held_bytes)
         with self._lock:
+            # Not the step booking: a finished step's activations are cached free blocks, which
+            # ``held_bytes`` leaves out; counted here they would hide a workspace larger than booked.
             booked = sum(m.weights + m.workspace for m in self._models.values()) + self._kv_pool
             self._untracked = max(0, held_bytes - booked)
             return self._untracked
@@ -223,90 +250,99 @@ class MemoryLedger:
 
     # -- deciding ---------------------------------------------------------------------------------
     def check_load(self, model: str, weight_bytes: int, workspace_estimate: int, min_kv_bytes: int,
-                   evictable: Iterable[str] = ()) -> LoadPlan:
+                   evictable: Iterable[str] = (), *, step_bytes: int = 0) -> LoadPlan:
         """Decide a load without touching the GPU.
 
-        ``evictable``: idle, unpinned, loaded models the caller is willing to evict, least recently
-        used first; the plan evicts the shortest prefix that makes room. Raises ``LoadRefused``
-        when even evicting all of them is not enough, and ``LedgerError`` when ``model`` is
-        already booked.
+        ``step_bytes``: the activations of its largest step, which need room only where they
+        exceed the step booking (the largest of the models that stay). ``evictable``: idle,
+        unpinned, loaded models the caller is willing to evict, least recently used first; the
+        plan evicts the shortest prefix that makes room. Raises ``LoadRefused`` when even
+        evicting all of them is not enough, and ``LedgerError`` when ``model`` is already booked.
         """
         _nonneg("weight_bytes", weight_bytes)
         _nonneg("workspace_estimate", workspace_estimate)
         _nonneg("min_kv_bytes", min_kv_bytes)
-        needed = weight_bytes + workspace_estimate + min_kv_bytes
+        _nonneg("step_bytes", step_bytes)
         with self._lock:
             if model in self._models:
                 raise LedgerError(f"model {model!r} is already booked in the ledger")
-            free = self.budget - self._committed()
-            candidates: list[tuple[str, int]] = []
+            candidates: list[str] = []
             for name in dict.fromkeys(evictable):  # dedupe, keep LRU order
                 m = self._models.get(name)
                 if m is None or m.vacant:
                     raise LedgerError(f"evictable model {name!r} is not booked in the ledger")
-                candidates.append((name, m.weights + m.workspace + m.kv_min))
+                candidates.append(name)
+
+            def needed_free(evict: list[str]) -> tuple[int, int]:  # with ``evict`` gone
+                return (weight_bytes + workspace_estimate + min_kv_bytes + max(0, step_bytes - self._step(evict)),
+                        self.budget - self._committed(evict))
+
+            needed, free = needed_free([])
             evict: list[str] = []
-            frees = 0
-            for name, nbytes in candidates:
-                if free + frees >= needed:
-                    break
-                evict.append(name)
-                frees += nbytes
-            if free + frees < needed:
+            need_after, free_after = needed, free
+            while free_after < need_after and len(evict) < len(candidates):
+                evict.append(candidates[len(evict)])
+                need_after, free_after = needed_free(evict)
+            if free_after < need_after:
+                # what evicting them all would add, net of a step booking that then counts for more
+                evictable = (free_after - need_after) - (free - needed)
                 raise LoadRefused(
-                    model, needed=needed, free=free, evictable=sum(b for _, b in candidates),
-                    budget=self.budget, evictable_models=tuple(n for n, _ in candidates),
-                    parts={"weights": weight_bytes, "workspace": workspace_estimate,
-                           "min KV": min_kv_bytes})
-            evicted_non_kv = sum(self._models[n].weights + self._models[n].workspace for n in evict)
-            pool_after = self.budget - (self._non_kv() - evicted_non_kv) - weight_bytes - workspace_estimate
+                    model, needed=needed, free=free, evictable=evictable,
+                    budget=self.budget, evictable_models=tuple(candidates),
+                    parts=_parts(weight_bytes, workspace_estimate, needed - weight_bytes - workspace_estimate - min_kv_bytes,
+                                 min_kv_bytes))
+            pool_after = (self.budget - (self._non_kv(evict) - self._step(evict)) - weight_bytes - workspace_estimate
+                          - max(step_bytes, self._step(evict)))
             return LoadPlan(model=model, weight_bytes=weight_bytes,
-                            workspace_bytes=workspace_estimate, min_kv_bytes=min_kv_bytes,
-                            needed=needed, free=free, evict=tuple(evict), evict_frees=frees,
+                            workspace_bytes=workspace_estimate, min_kv_bytes=min_kv_bytes, step_bytes=step_bytes,
+                            needed=needed, free=free, evict=tuple(evict), evict_frees=free_after - free,
                             kv_pool_bytes_after=pool_after)
 
     # -- booking ----------------------------------------------------------------------------------
     def reserve_weights(self, model: str, nbytes: int, *, workspace_estimate: int = 0,
-                        min_kv_bytes: int = 0) -> None:
-        """Book a model's exact weight bytes (and its workspace estimate and KV minimum) before
-        the first weight is copied. Raises ``LoadRefused`` if it does not fit any more (another
-        booking happened since ``check_load``), ``LedgerError`` if the KV pool was not shrunk to
-        the plan's size first; nothing is booked then."""
+                        min_kv_bytes: int = 0, step_bytes: int = 0) -> None:
+        """Book a model's exact weight bytes (and its workspace estimate, KV minimum and largest
+        step) before the first weight is copied. Raises ``LoadRefused`` if it does not fit any more
+        (another booking happened since ``check_load``), ``LedgerError`` if the KV pool was not
+        shrunk to the plan's size first; nothing is booked then."""
         _nonneg("nbytes", nbytes)
         _nonneg("workspace_estimate", workspace_estimate)
         _nonneg("min_kv_bytes", min_kv_bytes)
+        _nonneg("step_bytes", step_bytes)
         with self._lock:
             if model in self._models:
                 raise LedgerError(f"model {model!r} is already booked in the ledger")
-            needed = nbytes + workspace_estimate + min_kv_bytes
+            step_more = max(0, step_bytes - self._step())
+            needed = nbytes + workspace_estimate + min_kv_bytes + step_more
             free = self.budget - self._committed()
             if needed > free:
                 raise LoadRefused(model, needed=needed, free=free, evictable=0,
                                   budget=self.budget, evictable_models=(),
-                                  parts={"weights": nbytes, "workspace": workspace_estimate,
-                                         "min KV": min_kv_bytes})
+                                  parts=_parts(nbytes, workspace_estimate, step_more, min_kv_bytes))
             # It fits the budget, but the weights must also fit beside the pool as it is now,
             # or the copy would run out of memory: the caller shrinks the pool first.
             beside_pool = self.budget - self._used()
-            if nbytes + workspace_estimate > beside_pool:
-                target = self._kv_pool - (nbytes + workspace_estimate - beside_pool)
+            if nbytes + workspace_estimate + step_more > beside_pool:
+                target = self._kv_pool - (nbytes + workspace_estimate + step_more - beside_pool)
                 raise LedgerError(
                     f"shrink the KV pool to {format_bytes(target)} before booking {model!r}: "
-                    f"its weights and workspace need {format_bytes(nbytes + workspace_estimate)}, "
+                    f"its weights and workspace need {format_bytes(nbytes + workspace_estimate + step_more)}, "
                     f"{format_bytes(beside_pool)} is left beside the pool")
             self._models[model] = _Model(weights=nbytes, workspace=workspace_estimate,
-                                         kv_min=min_kv_bytes)
+                                         kv_min=min_kv_bytes, step=step_bytes)
 
-    def record_workspace(self, model: str, nbytes: int) -> int:
-        """Replace the workspace estimate with the peak measured during warm-up; returns the
-        change (positive: the estimate was low). The memory is already in use, so this never
-        refuses; a low estimate shows up as a smaller ``free`` and in ``verify``."""
+    def record_workspace(self, model: str, nbytes: int, step_bytes: int = 0) -> int:
+        """Replace the workspace estimate with what was measured after the warm-up (and the
+        largest step's activations with theirs); returns the change of what is booked (positive:
+        the estimate was low). The memory is already in use, so this never refuses; a low
+        estimate shows up as a smaller ``free`` and in ``verify``."""
         _nonneg("nbytes", nbytes)
+        _nonneg("step_bytes", step_bytes)
         with self._lock:
             m = self._get(model)
-            delta = nbytes - m.workspace
-            m.workspace = nbytes
-            return delta
+            before = m.workspace + self._step()
+            m.workspace, m.step = nbytes, step_bytes
+            return m.workspace + self._step() - before
 
     def set_kv_minimum(self, model: str, nbytes: int) -> None:
         """The KV bytes guaranteed to ``model`` (its PagePool minimum × page bytes)."""
@@ -344,7 +380,7 @@ class MemoryLedger:
                 raise LedgerError(f"{as_name!r} is already booked in the ledger")
             m = self._get(model)
             del self._models[model]
-            self._models[as_name] = _Model(weights=m.weights, workspace=m.workspace, vacant=True)
+            self._models[as_name] = _Model(weights=m.weights, workspace=m.workspace, vacant=True)  # no steps
 
     def release(self, model: str) -> int:
         """Forget a model (after its weights and pages are freed); returns the bytes released
@@ -381,7 +417,8 @@ class MemoryLedger:
                 workspace={n: m.workspace for n, m in self._models.items()},
                 kv_min={n: m.kv_min for n, m in self._models.items()},
                 kv_pool_bytes=self._kv_pool, used=used, free=self.budget - used,
-                untracked=self._untracked, vacant=frozenset(n for n, m in self._models.items() if m.vacant))
+                untracked=self._untracked, vacant=frozenset(n for n, m in self._models.items() if m.vacant),
+                step=self._step())
 
     def verify_against_allocator(self, *, tolerance: int = 256 * 1024**2,
                                  reserved_bytes: int | None = None) -> AllocatorCheck:

@@ -11,8 +11,9 @@ The figures are keyed by what decides them: the computation (``engine.core.loadi
 the model's config and the weights' format on the device; neither its name nor its files), the
 load shape, and the software and hardware that measured them (:func:`setting`:
 torch, Triton, CUDA, the device, the engine's own source files). Anything else in the file is
-ignored. Bounded (``MAX_NOTES`` entries, oldest dropped; ``MAX_FILE_BYTES``); a file that does not
-parse, or whose values are not positive integers, is ignored whole with a warning and replaced at
+ignored. A figure is a :class:`~engine.core.memory_plan.Workspace`, on disk ``[held, step]``.
+Bounded (``MAX_NOTES`` entries, oldest dropped; ``MAX_FILE_BYTES``); a file that does not
+parse, or whose values are not such pairs of integers (held positive), is ignored whole with a warning and replaced at
 the next write, which is atomic (a temporary file, fsync, rename): a killed write leaves the old
 file or the new one, never half of one.
 """
@@ -30,10 +31,11 @@ from pathlib import Path
 import torch
 
 from cache.fsync import fsync_dir
+from engine.core.memory_plan import Workspace
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2  # 1: one figure a note (held and step together)
 MAX_NOTES = 256
 MAX_FILE_BYTES = 1 << 20
 MAX_VALUE = 1 << 50  # a workspace above a petabyte is not a measurement
@@ -59,20 +61,26 @@ def setting(device: torch.device, code_root: Path | None = None) -> str:
     return f"torch {torch.__version__}|triton {triton_version}|cuda {torch.version.cuda}|{name}|engine {code.hexdigest()[:16]}"
 
 
+def _valid(v: object) -> bool:
+    """``[held, step]``: ints, held positive, both below MAX_VALUE."""
+    return (isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)
+            and 0 < v[0] < MAX_VALUE and 0 <= v[1] < MAX_VALUE)
+
+
 class LoadNotes:
-    """``get(key, shape)`` / ``put(key, shape, value)`` of workspace figures in one JSON file."""
+    """``get(key, shape)`` / ``put(key, shape, workspace)`` of workspace figures in one JSON file."""
 
     def __init__(self, path: str | Path, setting: str) -> None:
         self.path = Path(path)
         self.setting = setting
         self._lock = threading.Lock()
-        self._notes: dict[str, int] = self._read()
+        self._notes: dict[str, Workspace] = self._read()
 
     @staticmethod
     def _id(key: str, shape: str) -> str:
         return hashlib.sha256(f"{key}\0{shape}".encode()).hexdigest()
 
-    def _read(self) -> dict[str, int]:
+    def _read(self) -> dict[str, Workspace]:
         try:
             if self.path.stat().st_size > MAX_FILE_BYTES:
                 raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
@@ -85,20 +93,20 @@ class LoadNotes:
         if not isinstance(doc, dict) or doc.get("version") != VERSION or doc.get("setting") != self.setting:
             return {}  # another engine, device or format: its figures are not ours
         notes = doc.get("notes")
-        if not isinstance(notes, dict) or not all(
-                isinstance(k, str) and len(k) == 64 and type(v) is int and 0 < v < MAX_VALUE for k, v in notes.items()):
+        if not isinstance(notes, dict) or not all(isinstance(k, str) and len(k) == 64 and _valid(v)
+                                                  for k, v in notes.items()):
             log.warning("load notes %s ignored: malformed entries", self.path)
             return {}
-        return dict(list(notes.items())[-MAX_NOTES:])
+        return {k: Workspace(*v) for k, v in list(notes.items())[-MAX_NOTES:]}
 
-    def get(self, key: str, shape: str) -> int | None:
+    def get(self, key: str, shape: str) -> Workspace | None:
         with self._lock:
             return self._notes.get(self._id(key, shape))
 
-    def put(self, key: str, shape: str, value: int) -> bool:
+    def put(self, key: str, shape: str, value: Workspace) -> bool:
         """Keep ``value`` for (``key``, ``shape``) and write the file; False when the value is out
         of bounds or the write failed (the figure then lives only in this process)."""
-        if type(value) is not int or not 0 < value < MAX_VALUE:
+        if not isinstance(value, Workspace) or not _valid([value.held, value.step]):
             return False
         with self._lock:
             nid = self._id(key, shape)
@@ -106,7 +114,8 @@ class LoadNotes:
             self._notes[nid] = value  # newest last: the oldest go first past MAX_NOTES
             while len(self._notes) > MAX_NOTES:
                 del self._notes[next(iter(self._notes))]
-            doc = {"version": VERSION, "setting": self.setting, "notes": self._notes}
+            doc = {"version": VERSION, "setting": self.setting,
+                   "notes": {k: [w.held, w.step] for k, w in self._notes.items()}}
             try:
                 self._write(json.dumps(doc).encode())
             except OSError as e:

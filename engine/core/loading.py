@@ -46,7 +46,7 @@ from engine.config import ModelConfig, attention_pair_cost, load_model_config, m
 from engine.core.fair_share import FairSharePicker
 from engine.core.ledger import LoadPlan
 from engine.core.load_notes import LoadNotes
-from engine.core.memory_plan import LoadNeeds, load_needs, workspace_margin
+from engine.core.memory_plan import LoadNeeds, Workspace, load_needs, workspace_margin
 from engine.core.model_table import ModelTable
 from engine.core.pool_keeper import PoolKeeper
 from engine.core.slot import ModelInfo, ModelSlot
@@ -284,11 +284,11 @@ class ModelLoader:
             # place of the estimate (which, made for any model, was 2.4x the measured 0.61 GiB of
             # an 8B at the density bench's shape: H100, docs/perf.md, the room probe rows).
             known = self._known_workspace(key, compute_key, self._workspace_shape(spec.max_num_seqs, length, dtype, n))
-            return n if known is None else dataclasses.replace(n, workspace_bytes=known)
+            return n if known is None else dataclasses.replace(n, workspace=known)
 
         needs = with_known(needs_at(max_len), max_len)
         if spec.max_model_len is None and spec.num_kv_pages is None:
-            capped = context_cap(max_len, self._pools.room() - needs.weight_bytes - needs.workspace_bytes,
+            capped = context_cap(max_len, self._pools.room() - needs.weight_bytes - needs.workspace.total,
                                  needs.page_bytes, needs.tokens_per_page)
             if capped < max_len:
                 log.warning("model %s: max_model_len %d, not its context of %d: one sequence of that does not "
@@ -334,7 +334,7 @@ class ModelLoader:
         shape = self._workspace_shape(spec.max_num_seqs, max_len, dtype, needs)
         vacancy = self._pools.claim(compute_key, shape)  # the others go in book() if it needs their room
         if vacancy is not None:  # booked as the vacancy was: its graph pools are on the device already
-            needs = dataclasses.replace(needs, workspace_bytes=vacancy.workspace_bytes)
+            needs = dataclasses.replace(needs, workspace=vacancy.workspace)
         try:
             t_pool = self._pools.book(name, cfg, needs, evictable, vacancy)
         except BaseException:
@@ -504,13 +504,15 @@ class ModelLoader:
         if self.pending is not None:
             self.pending.trim = True
 
-    def _known_workspace(self, key: str, compute_key: str, shape: str) -> int | None:
+    def _known_workspace(self, key: str, compute_key: str, shape: str) -> Workspace | None:
         """The workspace measured before at this shape: the warm tier's note of these weights,
         else the load notes of this computation (any model of the same config and quantization,
         this process or an earlier one); None without a warm-up to skip."""
         if not self.warmup:
             return None
         known = self.warm_tier.noted(key, shape) if self.warm_tier is not None else None
+        if not isinstance(known, Workspace):
+            known = None
         if known is None and self.notes is not None:
             known = self.notes.get(compute_key, shape)
         return known
@@ -541,10 +543,10 @@ class ModelLoader:
         slot = ModelSlot(name, cfg, w.model, None, None, sched, float(spec.weight), w.nbytes,
                          ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids), 0, 0, 0),
                          pages=pages, needs=needs, max_num_seqs=spec.max_num_seqs,
-                         workspace_bytes=needs.workspace_bytes, warm_key=w.key, model_dir=spec.model_dir)
+                         workspace=needs.workspace, warm_key=w.key, model_dir=spec.model_dir)
         self._slots.add(slot)
         # A vacancy's workspace was measured (or booked) for this computation at this shape.
-        known = p.vacancy.workspace_bytes if p.vacancy is not None else self._known_workspace(
+        known = p.vacancy.workspace if p.vacancy is not None else self._known_workspace(
             p.key, p.compute_key, p.shape)
         # A runner built beside the weights (or a vacancy's) serves when nothing is to be measured
         # and the pool's memory is the one it was built on; otherwise it is dropped before the
@@ -552,6 +554,8 @@ class ModelLoader:
         pre, w.runner = w.runner, None
         if pre is not None and (known is None or pre[0] != self._pools.generation):
             pre = None
+        measure = self.warmup and known is None and self.device.type == "cuda"
+        held_before = self._pools.device_reserved() if measure else 0
         before = self._pools.device_allocated()
         t1 = time.perf_counter()
         if pre is not None:
@@ -563,23 +567,29 @@ class ModelLoader:
         if self.warmup and known is None:
             self._pools.warm_up(slot)
         t3 = time.perf_counter()
-        measured = self._pools.device_peak() - before if self.device.type == "cuda" else None
-        if measured is not None and self.warmup and known is None:
-            # Graph pools and the activations of the largest step (every row sampled), measured,
-            # plus what steps the warm-up does not take may add (workspace_margin). Not floored
-            # by the estimate: booked per model, its excess kept an eighth 8B off the H200.
-            slot.workspace_bytes = measured + workspace_margin(cfg, spec.max_num_seqs)
-            self._pools.record_workspace(name, slot.workspace_bytes)
-        elif measured is not None or known is not None:
-            # Measured at an earlier load of this computation at this shape (this load captured
-            # its graphs at most), or no warm-up to measure: the estimate stays the floor.
-            slot.workspace_bytes = max(measured or 0, known if known is not None else needs.workspace_bytes)
-            self._pools.record_workspace(name, slot.workspace_bytes)
+        if measure:
+            # What stays (graph pools whole, the runner's buffers, its streams' cuBLAS workspaces:
+            # the allocator's segments once its cache is handed back) plus what steps the warm-up
+            # does not take may add beside another model's step (workspace_margin), and what the
+            # largest step (every row sampled) took on top while it ran: booked once for all
+            # models, the largest (engine/core/ledger.py). Not floored by the estimate, which
+            # booked 2.4x an 8B's measured figure (H100, docs/perf.md, the room probe rows).
+            peak = self._pools.device_peak()
+            step = max(0, peak - self._pools.device_allocated())
+            held = max(0, self._pools.device_reserved() - held_before)
+            slot.workspace = Workspace(held + workspace_margin(cfg, spec.max_num_seqs), step)
+        else:
+            # Carried over (a vacancy, the warm tier's or the load notes' figure: this load
+            # captured its graphs at most), or no warm-up to measure: the estimate stays the floor.
+            measured = self._pools.device_peak() - before if self.device.type == "cuda" else 0
+            base = known if known is not None else needs.workspace
+            slot.workspace = Workspace(max(measured, base.held), base.step)
+        self._pools.record_workspace(name, slot.workspace)
         if self.warmup and known is None and self.notes is not None:
-            self.notes.put(p.compute_key, p.shape, slot.workspace_bytes)  # the next load of its kind books it
+            self.notes.put(p.compute_key, p.shape, slot.workspace)  # the next load of its kind books it
         self._picker.add_model(name, float(spec.weight))
         slot.info = ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids),
-                              w.nbytes + slot.workspace_bytes + needs.min_kv_bytes, pages.num_total,
+                              w.nbytes + slot.workspace.total + needs.min_kv_bytes, pages.num_total,
                               needs.tokens_per_page, quantization=p.quantization, kv_cache_dtype=spec.kv_cache_dtype)
         p.timings.update(install_s=t1 - t0, runner_s=t2 - t1, warmup_s=t3 - t2,
                          warmup_skipped=1.0 if self.warmup and known is not None else 0.0,
@@ -599,7 +609,7 @@ class ModelLoader:
             # books the same figure and skips the warm-up step.
             shape = self._workspace_shape(slot.max_num_seqs, slot.scheduler.config.max_model_len,
                                           slot.model.dtype, slot.needs)
-            self.warm_tier.note(slot.warm_key, shape, slot.workspace_bytes)
+            self.warm_tier.note(slot.warm_key, shape, slot.workspace)
         self._slots.remove(name)
         if name in self._picker:
             self._picker.remove_model(name)

@@ -24,13 +24,36 @@ GPU_BUDGET_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
+class Workspace:
+    """What a model takes on the device beside its weights and KV pages, in bytes.
+
+    ``held``: what stays while it is loaded (its graph pools, the runner's buffers, its streams'
+    library workspaces, room for its sampler's buffers): booked per model. ``step``: what its
+    largest eager step takes on top while it runs, freed after: the ledger books the largest of
+    the loaded models' once (engine/core/ledger.py says why that is safe). A figure not yet
+    measured is the estimate whole in ``held``."""
+
+    held: int
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        for v in (self.held, self.step):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"a workspace is non-negative ints of bytes, got {self!r}")
+
+    @property
+    def total(self) -> int:
+        return self.held + self.step
+
+
+@dataclass(frozen=True)
 class LoadNeeds:
     """What one load needs, in bytes and pages, before anything is allocated."""
 
     page_bytes: int  # of the pool (the pool is (re)created with it when no model is loaded)
     tokens_per_page: int
     weight_bytes: int
-    workspace_bytes: int
+    workspace: Workspace  # the estimate until a figure measured at this shape replaces it
     min_pages: int  # guaranteed: one longest sequence (or all of an explicit num_kv_pages)
     want_pages: int  # the most it can ever use: max_num_seqs longest sequences (or num_kv_pages)
     kv_dtype: str = "bfloat16"  # the KV cache's dtype name (the layout above is in it)
@@ -68,7 +91,8 @@ def workspace_estimate(cfg: ModelConfig, max_num_batched_tokens: int, max_num_se
 
 
 def workspace_margin(cfg: ModelConfig, max_num_seqs: int) -> int:
-    """Added to a measured workspace: the warm-up's largest step samples every row with
+    """Added to a measured workspace's held part (its sampler may run in a graph step beside
+    another model's eager step, whose activations are the step booking): the warm-up's largest step samples every row with
     temperature; steps it does not take hold more after the forward, the larger of: up to two
     float32 vocabulary rows per sequence (logprobs' log-softmax, the penalised copy), or a
     prompt-logprobs slice (its logits in the model's dtype, at most 2 bytes, and two float32
@@ -115,7 +139,7 @@ def load_needs(cfg: ModelConfig, dtype: torch.dtype, *, max_len: int, max_num_se
     else:
         min_pages, want = per_seq, per_seq * max_num_seqs
     return LoadNeeds(page_bytes, lay.tokens_per_page, weight_bytes(cfg, dtype, quantization),
-                     workspace_estimate(cfg, max_num_batched_tokens, max_num_seqs), min_pages, want, dname)
+                     Workspace(workspace_estimate(cfg, max_num_batched_tokens, max_num_seqs)), min_pages, want, dname)
 
 
 def pool_target(room_bytes: int, page_bytes: int, wants: list[int]) -> int:

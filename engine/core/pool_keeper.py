@@ -26,7 +26,7 @@ import torch
 
 from engine.core import heap
 from engine.core.ledger import LedgerError, LoadPlan, LoadRefused, MemoryLedger
-from engine.core.memory_plan import LoadNeeds, pool_target
+from engine.core.memory_plan import LoadNeeds, Workspace, pool_target
 from engine.core.model_table import ModelTable
 from engine.config import ModelConfig
 from engine.core.slot import ModelSlot
@@ -125,8 +125,8 @@ class PoolKeeper:
         device's figure (:meth:`reconcile`); raises :class:`LoadRefused` when even that is not
         enough. Books nothing."""
         self.reconcile()
-        return self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes,
-                                      evictable=list(evictable))
+        return self.ledger.check_load(name, needs.weight_bytes, needs.workspace.held, needs.min_kv_bytes,
+                                      evictable=list(evictable), step_bytes=needs.workspace.step)
 
     def book(self, name: str, cfg: ModelConfig, needs: LoadNeeds, evictable: tuple[str, ...] | list[str] = (),
              vacancy: Vacancy | None = None) -> float:
@@ -153,11 +153,12 @@ class PoolKeeper:
         # load's: kept, they would make it shrink the pool (every running sequence preempted,
         # every runner rebuilt, theirs staled).
         kept = sum(self.ledger.model_bytes(v.book) for v in self.vacancies)
-        if kept and (self.ledger.room() - kept < needs.weight_bytes + needs.workspace_bytes + needs.min_kv_bytes
-                     or self.ledger.snapshot().free < needs.weight_bytes + needs.workspace_bytes):
+        beside = needs.weight_bytes + needs.workspace.total  # the step counted whole: a bound, not the books
+        if kept and (self.ledger.room() - kept < beside + needs.min_kv_bytes or self.ledger.snapshot().free < beside):
             self.drop_vacancies()
         try:
-            plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace_bytes, needs.min_kv_bytes)
+            plan = self.ledger.check_load(name, needs.weight_bytes, needs.workspace.held, needs.min_kv_bytes,
+                                          step_bytes=needs.workspace.step)
         except LoadRefused as e:
             if vacancy is not None:  # its memory back before the refusal's figures take the device's
                 self.discard(vacancy)
@@ -167,8 +168,8 @@ class PoolKeeper:
         self.fit(needs, plan.kv_pool_bytes_after)
         t = time.perf_counter() - t
         try:
-            self.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace_bytes,
-                                        min_kv_bytes=needs.min_kv_bytes)
+            self.ledger.reserve_weights(name, needs.weight_bytes, workspace_estimate=needs.workspace.held,
+                                        min_kv_bytes=needs.min_kv_bytes, step_bytes=needs.workspace.step)
         except EngineError:
             self.trim()
             raise
@@ -206,9 +207,9 @@ class PoolKeeper:
         one is stale."""
         return self.pool.generation
 
-    def record_workspace(self, name: str, nbytes: int) -> None:
+    def record_workspace(self, name: str, workspace: Workspace) -> None:
         """The workspace measured (or carried over) for a loaded model, booked in place of its estimate."""
-        self.ledger.record_workspace(name, nbytes)
+        self.ledger.record_workspace(name, workspace.held, workspace.step)
 
     def release(self, name: str, *, trim: bool = True) -> None:
         """Everything booked for ``name``: its pages and pool registration, its ledger entry,
@@ -249,7 +250,7 @@ class PoolKeeper:
         self.pool.unregister(slot.name)
         self.ledger.vacate(slot.name, book)
         self.vacancies.append(Vacancy(book, compute_key, shape, model, kv, runner, self.pool.generation,
-                                      slot.workspace_bytes, landing))
+                                      slot.workspace, landing))
         if runner is None:
             self.ledger.record_workspace(book, 0)
         # No trim: the room stays booked for the next load, which claims the vacancy (its pool
@@ -534,6 +535,13 @@ class PoolKeeper:
         torch.cuda.reset_peak_memory_stats(self.device)
         return torch.cuda.memory_allocated(self.device)
 
+    def device_reserved(self) -> int:
+        """The allocator's segments once its cache is handed back: what live tensors and graph
+        pools hold, whole segments. Synchronizes the device (a load that measures, on the
+        stepping thread: no capture is in flight)."""
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device)
+
     def device_peak(self) -> int:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
@@ -584,7 +592,7 @@ class PoolKeeper:
         return MemoryStats(budget=snap.budget, used=snap.used, free=snap.free,
                            weights=sum(b for n, b in snap.weights.items() if n not in vacant),
                            workspace=sum(b for n, b in snap.workspace.items() if n not in vacant),
-                           vacant=sum(snap.weights[n] + snap.workspace[n] for n in vacant),
+                           vacant=sum(snap.weights[n] + snap.workspace[n] for n in vacant), step=snap.step,
                            kv=snap.kv_pool_bytes, kv_used=sum(m.kv_used for m in models.values()),
                            page_bytes=pb, kv_pages=pool.num_pages if pool is not None else 0,
                            kv_pages_free=pool.num_free if pool is not None else 0, untracked=snap.untracked,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import ModelConfig
-from engine.core.memory_plan import LoadNeeds
+from engine.core.memory_plan import LoadNeeds, Workspace
 from engine.grammar.compiler import GrammarCompiler
 from engine.kv.kv_cache import KVCache
 from engine.model_info import ModelInfo
@@ -48,7 +48,7 @@ class ModelSlot:
     pages: ModelPageSource | None = None
     needs: LoadNeeds | None = None
     max_num_seqs: int = 0
-    workspace_bytes: int = 0
+    workspace: Workspace = Workspace(0)  # booked for it: measured, carried over, or the estimate
     warm_key: str | None = None  # identity of the weight files, for the warm tier
     last_request_t: float = float("-inf")  # perf_counter of its newest request (StepPolicy)
     broken: str = ""  # why it has no runner (a rebuild after a pool resize failed): never stepped then
@@ -61,4 +61,4 @@ class ModelSlot:
     def device_bytes(self) -> int:
         if self.pages is None:
             return self.weight_bytes + (self.kv.nbytes if self.kv is not None else 0)
-        return self.weight_bytes + self.workspace_bytes + self.pages.num_used * self.needs.page_bytes
+        return self.weight_bytes + self.workspace.held + self.pages.num_used * self.needs.page_bytes

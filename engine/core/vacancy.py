@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.core.memory_plan import Workspace
+
 # A vacancy's name in the ledger: never a model's (a model name has no NUL).
 VACANT_PREFIX = "\0vacant:"
 
@@ -58,5 +60,5 @@ class Vacancy:
     kv: Any  # the KV views its runner was built on (None once stale)
     runner: Any  # the ModelRunner and its graphs (None once stale)
     generation: int  # the pool's generation the runner was built on
-    workspace_bytes: int  # measured for this computation at this shape: the claimer books it
+    workspace: Workspace  # measured for this computation at this shape: the claimer books it
     landing: Any = None  # the warm tier's copies from its weights, in flight (WarmTier.put_async)

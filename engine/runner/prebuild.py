@@ -33,7 +33,7 @@ from engine.runner.streams import StreamPool
 log = logging.getLogger(__name__)
 
 
-def prebuild_wanted(device: torch.device, known_workspace: int | None, allow_cpu: bool = False) -> bool:
+def prebuild_wanted(device: torch.device, known_workspace: object | None, allow_cpu: bool = False) -> bool:
     """Whether a load builds its runner beside the weights: when the workspace figure of these
     weights at this shape is known (the warm tier's note, or the load notes kept on disk from an
     earlier process), so the load skips its warm-up. Only on CUDA, unless ``allow_cpu`` (CPU

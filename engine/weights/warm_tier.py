@@ -68,7 +68,7 @@ class _Entry:
     slots: dict[str, _Slot]
     nbytes: int
     users: int = 0  # restores in progress: not evictable meanwhile
-    notes: dict[str, int] = field(default_factory=dict)
+    notes: dict[str, object] = field(default_factory=dict)
     arena_off: int | None = None  # where its buffer lies in the arena (None: a buffer of its own)
     dropped: bool = False  # out of the store while a restore still reads it: freed after that
     landing: torch.cuda.Event | None = None  # a put's device-to-host copies still in flight (one user)
@@ -440,16 +440,17 @@ class WarmTier:
             self._entries.move_to_end(name)
             return {n: e.buffer[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for n, s in e.slots.items()}
 
-    def note(self, name: str, tag: str, value: int) -> bool:
-        """Keep ``value`` under ``tag`` with the stored ``name`` (False: ``name`` is not stored)."""
+    def note(self, name: str, tag: str, value: object) -> bool:
+        """Keep ``value`` (a small immutable figure: the tier does not read it) under ``tag`` with
+        the stored ``name`` (False: ``name`` is not stored)."""
         with self._lock:
             e = self._entries.get(name)
             if e is None:
                 return False
-            e.notes[tag] = int(value)
+            e.notes[tag] = value
             return True
 
-    def noted(self, name: str, tag: str) -> int | None:
+    def noted(self, name: str, tag: str) -> object | None:
         """The value kept under ``tag`` with ``name``; None once the entry is gone or replaced."""
         with self._lock:
             e = self._entries.get(name)

@@ -94,7 +94,7 @@ time.sleep(float(sys.argv[1]))
 POLL_S = 0.5
 RESIDENT = ("ready", "draining")  # serving or finishing its streams: its weights are on the device
 # The status's budget parts kept at the window's highest residency (agent/context.py, budget)
-BUDGET_PARTS = ("total_bytes", "used_bytes", "weights_bytes", "workspace_bytes", "vacant_bytes", "kv_pool_bytes",
+BUDGET_PARTS = ("total_bytes", "used_bytes", "weights_bytes", "workspace_bytes", "step_bytes", "vacant_bytes", "kv_pool_bytes",
                 "untracked_bytes", "device_bytes")
 
 

@@ -101,7 +101,7 @@ def load_once(core: EngineCore, model_dir: str, max_num_seqs: int = 256) -> dict
             # the KV pool before and after (a re-creation rebuilds the runner) and the workspace
             # booked: a reload that books the workspace measured at the first load resizes once
             "pool_pages": [pages0, core.pools.pool.num_pages], "pool_resizes": core.pools.resizes - resizes0,
-            "workspace_bytes": core.slots.get("m").workspace_bytes}
+            "workspace_bytes": core.slots.get("m").workspace.held, "step_bytes": core.slots.get("m").workspace.step}
 
 
 def unload(core: EngineCore, res: dict, key: str) -> None:

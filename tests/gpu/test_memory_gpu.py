@@ -178,18 +178,22 @@ def test_a_load_is_decided_against_what_the_device_holds_not_only_the_books(smal
 
 
 def test_the_booked_workspace_covers_steps_the_warm_up_does_not_take(small_model):
-    """A workspace is booked as the warm-up measured it (its largest step, every row sampled
-    with temperature) plus ``workspace_margin``, no longer floored by the coarse estimate: the
-    largest steps with logprobs, every penalty and prompt logprobs (each prompt position's
-    logits, eagerly) must stay within what was booked."""
+    """A workspace is booked as the warm-up measured it (what stays, plus ``workspace_margin``;
+    and its largest step, every row sampled with temperature, on top while it runs), no longer
+    floored by the coarse estimate: the largest steps with logprobs, every penalty and prompt
+    logprobs (each prompt position's logits, eagerly) must add no more to the live tensors than
+    the step's figure and the margin."""
     from engine.core.engine_core import EngineCore
+    from engine.core.memory_plan import workspace_margin
     from engine.sampling import SamplingParams
 
     core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0), device="cuda",
                       budget=2 << 30)
     try:
         core.load_model(LoadSpec("m", small_model, max_model_len=1024, max_num_seqs=16))
-        booked = core.slots.get("m").workspace_bytes
+        slot = core.slots.get("m")
+        # what a step may add to the live tensors: the step booking, and the margin in the held part
+        booked = slot.workspace.step + workspace_margin(slot.config, 16)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()

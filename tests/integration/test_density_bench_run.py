@@ -63,7 +63,7 @@ def test_density_bench_runs_against_a_real_daemon(tmp_path) -> None:
     # who held the budget at the highest residency: the models' weights and workspaces, the pool
     held = rep["max_resident_budget"]
     assert held["total_bytes"] == rep["budget_bytes"] and held["weights_bytes"] > 0 and held["kv_pool_bytes"] > 0, held
-    assert held["weights_bytes"] + held["workspace_bytes"] + held["vacant_bytes"] + held["kv_pool_bytes"] \
+    assert held["weights_bytes"] + held["workspace_bytes"] + held["step_bytes"] + held["vacant_bytes"] + held["kv_pool_bytes"] \
         + held["untracked_bytes"] == held["used_bytes"], held
     assert set(rep["per_model"]) == {"d00", "d01", "d02"}
     assert sum(m["requests"] for m in rep["per_model"].values()) == rep["requests"]

@@ -530,15 +530,16 @@ def test_a_workspace_measured_before_is_booked_in_place_of_the_estimate(dirs, tm
     estimate = first.check_load(spec)
     first.load_model(spec)  # off CUDA nothing is measured: the note keeps the estimate
     doc = json.loads(notes.read_text())
-    assert list(doc["notes"].values()) == [estimate.workspace_bytes]
-    doc["notes"] = {k: 4096 for k in doc["notes"]}  # as if a GPU had measured 4 KiB
+    assert list(doc["notes"].values()) == [[estimate.workspace_bytes, 0]]
+    doc["notes"] = {k: [4096, 1024] for k in doc["notes"]}  # as if a GPU had measured 4 KiB held, 1 KiB a step
     notes.write_text(json.dumps(doc))
     second = EngineCore(EngineOptions(max_num_batched_tokens=64, seed=3, warmup=True, load_notes_path=str(notes)),
                         device="cpu", budget=1 << 30)
     plan = second.check_load(spec)
-    assert plan.workspace_bytes == 4096 and plan.needed == estimate.needed - estimate.workspace_bytes + 4096
+    assert (plan.workspace_bytes, plan.step_bytes) == (4096, 1024)
+    assert plan.needed == estimate.needed - estimate.workspace_bytes + 4096 + 1024  # no step booked yet
     second.load_model(spec)
-    assert second.memory().models["a"].workspace == 4096
+    assert second.memory().models["a"].workspace == 4096 and second.memory().step == 1024
     # another shape has no note: the estimate again
     assert second.check_load(LoadSpec("b", dirs["a"], max_model_len=MAX_LEN, max_num_seqs=SEQS + 1)).workspace_bytes \
         > 4096

@@ -43,4 +43,4 @@ def test_the_memory_split_keeps_its_keys() -> None:
         '{"budget": 100, "used": 60, "free": 40, "weights": 30, "workspace": 10, "kv": 20, "kv_used": 5, '
         '"page_bytes": 2, "kv_pages": 10, "kv_pages_free": 7, "untracked": 0, "device": 0, "models": {"a": {"weights": 1, "workspace": 2, '
         '"kv_min": 3, "kv_used": 4, "kv_pages_used": 5, "kv_pages_total": 6}}, "models_omitted": 1, '
-        '"vacant": 0, "pool_resizes": 0, "pool_resize_s": 0.0}')
+        '"vacant": 0, "step": 0, "pool_resizes": 0, "pool_resize_s": 0.0}')

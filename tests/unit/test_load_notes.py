@@ -9,46 +9,55 @@ import torch
 
 from engine.core import load_notes
 from engine.core.load_notes import MAX_NOTES, LoadNotes, setting
+from engine.core.memory_plan import Workspace
+
+W = Workspace(123, 45)
 
 
 def test_round_trip_across_instances_and_only_for_the_same_setting(tmp_path):
     path = tmp_path / "engine" / "load-notes.json"
     a = LoadNotes(path, "s1")
     assert a.get("w", "shape") is None
-    assert a.put("w", "shape", 123) and a.get("w", "shape") == 123
-    assert LoadNotes(path, "s1").get("w", "shape") == 123  # a new process reads it
+    assert a.put("w", "shape", W) and a.get("w", "shape") == W
+    assert LoadNotes(path, "s1").get("w", "shape") == W  # a new process reads it, both parts
     assert LoadNotes(path, "s1").get("w", "other shape") is None
     assert LoadNotes(path, "s2").get("w", "shape") is None  # another engine, device or version
-    assert not a.put("w", "shape", 0) and not a.put("w", "shape", -5) and not a.put("w", "shape", True)
-    assert not a.put("w", "shape", 1 << 60)
-    assert LoadNotes(path, "s1").get("w", "shape") == 123
+    assert not a.put("w", "shape", Workspace(0, 5)) and not a.put("w", "shape", 123) and not a.put("w", "shape", True)
+    assert not a.put("w", "shape", Workspace(1 << 60)) and not a.put("w", "shape", Workspace(5, 1 << 60))
+    assert LoadNotes(path, "s1").get("w", "shape") == W
     assert [p.name for p in path.parent.iterdir()] == ["load-notes.json"]  # no temporary left
 
 
 def test_a_damaged_file_is_ignored_whole_and_replaced(tmp_path, caplog):
     path = tmp_path / "load-notes.json"
-    LoadNotes(path, "s").put("w", "x", 7)
+    LoadNotes(path, "s").put("w", "x", Workspace(7, 1))
     good = json.loads(path.read_text())
     key = next(iter(good["notes"]))
+    assert good["notes"][key] == [7, 1]
     damaged = [b"{not json", b"[]", json.dumps({**good, "version": 99}).encode(),
+               json.dumps({**good, "version": 1, "notes": {key: 7}}).encode(),  # the one-figure format
                json.dumps({**good, "notes": {key: "7"}}).encode(),
-               json.dumps({**good, "notes": {key: -1}}).encode(),
-               json.dumps({**good, "notes": {"short": 7}}).encode(),
-               json.dumps({**good, "notes": {key: 7.5}}).encode(),
+               json.dumps({**good, "notes": {key: [7]}}).encode(),
+               json.dumps({**good, "notes": {key: [7, 1, 1]}}).encode(),
+               json.dumps({**good, "notes": {key: [-1, 1]}}).encode(),
+               json.dumps({**good, "notes": {key: [7, -1]}}).encode(),
+               json.dumps({**good, "notes": {key: [7, True]}}).encode(),
+               json.dumps({**good, "notes": {"short": [7, 1]}}).encode(),
+               json.dumps({**good, "notes": {key: [7.5, 1]}}).encode(),
                b" " * (load_notes.MAX_FILE_BYTES + 1)]
     for data in damaged:
         path.write_bytes(data)
         notes = LoadNotes(path, "s")
         assert notes.get("w", "x") is None, data[:40]
-        assert notes.put("w", "y", 9) and LoadNotes(path, "s").get("w", "y") == 9  # rewritten whole
+        assert notes.put("w", "y", Workspace(9)) and LoadNotes(path, "s").get("w", "y") == Workspace(9)  # rewritten whole
 
 
 def test_bounded_oldest_first(tmp_path):
     notes = LoadNotes(tmp_path / "n.json", "s")
     for i in range(MAX_NOTES + 10):
-        notes.put(f"w{i}", "x", i + 1)
+        notes.put(f"w{i}", "x", Workspace(i + 1))
     again = LoadNotes(tmp_path / "n.json", "s")
-    assert again.get("w0", "x") is None and again.get(f"w{MAX_NOTES + 9}", "x") == MAX_NOTES + 10
+    assert again.get("w0", "x") is None and again.get(f"w{MAX_NOTES + 9}", "x") == Workspace(MAX_NOTES + 10)
     assert sum(again.get(f"w{i}", "x") is not None for i in range(MAX_NOTES + 10)) == MAX_NOTES
 
 
@@ -56,8 +65,8 @@ def test_a_failed_write_keeps_the_figure_in_this_process_only(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("")
     notes = LoadNotes(blocked / "load-notes.json", "s")  # its folder cannot be made
-    assert not notes.put("w", "x", 5)
-    assert notes.get("w", "x") == 5
+    assert not notes.put("w", "x", Workspace(5))
+    assert notes.get("w", "x") == Workspace(5)
 
 
 def test_the_setting_names_the_versions_and_the_engine_code(tmp_path):

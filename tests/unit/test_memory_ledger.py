@@ -60,15 +60,16 @@ def test_fit_without_eviction_plans_the_pool():
 
 
 def load(led: MemoryLedger, name: str, weights: int, workspace: int, kv_min: int,
-         evictable=()) -> None:
+         evictable=(), step: int = 0) -> None:
     """The load sequence of docs/multi-model.md, minus the GPU."""
-    plan = led.check_load(name, weights, workspace, kv_min, evictable)
+    plan = led.check_load(name, weights, workspace, kv_min, evictable, step_bytes=step)
     for victim in plan.evict:
         led.release(victim)
     kv_min_total = sum(led.snapshot().kv_min.values())
     led.set_kv_pool(max(kv_min_total, min(led.snapshot().kv_pool_bytes, plan.kv_pool_bytes_after)))
-    led.reserve_weights(name, weights, workspace_estimate=workspace, min_kv_bytes=kv_min)
+    led.reserve_weights(name, weights, workspace_estimate=workspace, min_kv_bytes=kv_min, step_bytes=step)
     led.set_kv_pool(plan.kv_pool_bytes_after)
+    assert led.snapshot().free == 0  # the pool takes all the rest
 
 
 def test_book_measure_release_returns_to_start():
@@ -275,3 +276,53 @@ def test_a_vacancy_is_on_the_device_but_a_loads_to_take():
     assert led.check_load("c", 30 * GiB, 2 * GiB, 4 * GiB).kv_pool_bytes_after == 100 * GiB - 2 * 32 * GiB
     led.release("b")
     assert led.snapshot().used == 20 * GiB
+
+
+def test_the_largest_step_is_booked_once_for_all_models():
+    """Only one eager step runs at a time: the models' largest step is booked once, not summed."""
+    led = MemoryLedger(40 * GiB)
+    load(led, "a", 10 * GiB, 1 * GiB, 1 * GiB, step=2 * GiB)
+    load(led, "b", 10 * GiB, 1 * GiB, 1 * GiB, step=3 * GiB)
+    snap = led.snapshot()
+    assert snap.step == 3 * GiB and snap.workspace == {"a": 1 * GiB, "b": 1 * GiB}
+    assert snap.used == 20 * GiB + 2 * GiB + 3 * GiB + snap.kv_pool_bytes == 40 * GiB
+    # a load whose step is within the booking needs no room for it; a larger one, the difference
+    assert led.check_load("c", 1 * GiB, 0, 0, step_bytes=3 * GiB).needed == 1 * GiB
+    assert led.check_load("c", 1 * GiB, 0, 0, step_bytes=5 * GiB).needed == 3 * GiB
+    plan = led.check_load("c", 1 * GiB, 0, 0, step_bytes=5 * GiB)
+    assert plan.kv_pool_bytes_after == 40 * GiB - 22 * GiB - 1 * GiB - 5 * GiB
+    led.release("b")  # the largest step goes with its model
+    assert led.snapshot().step == 2 * GiB
+    assert led.record_workspace("a", 1 * GiB, 4 * GiB) == 2 * GiB  # measured: the booking's change
+    assert led.snapshot().step == 4 * GiB
+
+
+def test_evicting_the_model_with_the_largest_step_counts_what_the_booking_drops():
+    led = MemoryLedger(30 * GiB)
+    load(led, "big", 10 * GiB, 1 * GiB, 1 * GiB, step=6 * GiB)
+    load(led, "small", 10 * GiB, 1 * GiB, 1 * GiB, step=1 * GiB)
+    # 30 - (22 + 4 + 6) < 0 free beside the minimums: evicting "big" frees 12 GiB and 5 of its step
+    plan = led.check_load("c", 4 * GiB, 1 * GiB, 1 * GiB, ["big", "small"], step_bytes=2 * GiB)
+    assert plan.evict == ("big",)
+    assert plan.kv_pool_bytes_after == 30 * GiB - 11 * GiB - 5 * GiB - 2 * GiB
+    with pytest.raises(LoadRefused) as e:
+        led.check_load("d", 25 * GiB, 1 * GiB, 1 * GiB, ["big"], step_bytes=8 * GiB)
+    r = e.value
+    assert r.parts["step"] == 2 * GiB  # beyond the 6 GiB booked
+    assert "step " + format_bytes(2 * GiB) in str(r)
+    # evicting "big" frees its 12 GiB and 5 of the booking, but d's step then counts 7 more, not 2
+    assert r.needed == 29 * GiB and r.free == 30 * GiB - 30 * GiB and r.evictable == 12 * GiB + 5 * GiB - 5 * GiB
+    assert r.short == r.needed - r.free - r.evictable == 17 * GiB
+
+
+def test_a_vacancy_takes_no_steps_and_the_device_figure_leaves_the_step_out():
+    led = MemoryLedger(40 * GiB)
+    load(led, "a", 10 * GiB, 1 * GiB, 1 * GiB, step=3 * GiB)
+    led.vacate("a", "\0a")
+    assert led.snapshot().step == 0
+    load(led, "b", 10 * GiB, 1 * GiB, 1 * GiB, step=2 * GiB)
+    pool = led.snapshot().kv_pool_bytes
+    # the device holds weights, workspaces and the pool; a finished step's blocks are cached free
+    # (left out of the figure): nothing untracked although 2 GiB of step are booked
+    assert led.reconcile(20 * GiB + 2 * GiB + pool) == 0
+    assert led.reconcile(20 * GiB + 2 * GiB + pool + 1 * GiB) == 1 * GiB
