@@ -15,7 +15,7 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int]
-    device_bytes: int  # at its load: weights + workspace + its guaranteed KV pages
+    device_bytes: int  # at its load: weights + workspace (held) + its guaranteed KV pages: what its leaving frees
     kv_pages: int
     block_size: int  # tokens per KV page
     # what the load runs with (a pre-quantized checkpoint is "fp8" whatever was asked); None: the

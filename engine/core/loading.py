@@ -589,7 +589,7 @@ class ModelLoader:
             self.notes.put(p.compute_key, p.shape, slot.workspace)  # the next load of its kind books it
         self._picker.add_model(name, float(spec.weight))
         slot.info = ModelInfo(name, cfg.vocab_size, p.max_len, list(cfg.eos_token_ids),
-                              w.nbytes + slot.workspace.total + needs.min_kv_bytes, pages.num_total,
+                              w.nbytes + slot.workspace.held + needs.min_kv_bytes, pages.num_total,
                               needs.tokens_per_page, quantization=p.quantization, kv_cache_dtype=spec.kv_cache_dtype)
         p.timings.update(install_s=t1 - t0, runner_s=t2 - t1, warmup_s=t3 - t2,
                          warmup_skipped=1.0 if self.warmup and known is not None else 0.0,
