@@ -7,13 +7,13 @@ Every byte the engine puts on the device is booked here first:
   buffers, its streams' library workspaces, room for its sampler's buffers): booked from an
   estimate at load and replaced by what the caller measured after the warm-up. A sum over
   models: each model's captured graphs keep a private pool;
-- **step**: what the largest eager step of any loaded model takes on top while it runs (its
-  activations, freed into the allocator's cache after). Booked once, the largest of the models'
-  figures, not summed: an eager step never runs beside another step on the device
-  (``StepPolicy.overlaps`` queues only graph replays behind a step in flight, and a graph's
-  activations live in its own pool), so one step's activations are live at a time; the blocks a
-  finished step leaves cached are handed back by the allocator before any allocation fails, and the
-  KV range empties the cache before it gives up a grow;
+- **step**: what a step of a loaded model takes on top while it runs (its activations, freed into
+  the allocator's cache after), booked once for all models: room for ``STEPS_IN_FLIGHT`` steps
+  of the largest, not a sum over models. The engine has at most two steps on the device (the one
+  it launches and the one before it, which it collects next), and a step's activations are freed
+  when it has been launched; the blocks a finished step leaves cached on its model's streams are
+  handed back by the allocator before any allocation fails, and the KV range empties the cache
+  before it gives a grow up;
 - **KV**: the one shared PagePool (``kv_pool_bytes``), of which each model holds a guaranteed
   minimum (``kv_min``); the part of the pool above the sum of minimums is *elastic*: the pool may
   be shrunk to give it to a model being loaded;
@@ -39,6 +39,11 @@ from dataclasses import dataclass
 from engine.errors import EngineError
 
 GiB = 1024**3
+
+
+# Steps on the device at once: EngineCore launches a step behind the one in flight at most, and
+# collects that one before it launches another (engine/core/engine_core.py, ``step``).
+STEPS_IN_FLIGHT = 2
 
 
 class LedgerError(EngineError):
@@ -214,9 +219,22 @@ class MemoryLedger:
         self._lock = threading.Lock()
 
     # -- totals (call with the lock held) ---------------------------------------------------------
-    def _step(self, without: Iterable[str] = ()) -> int:
-        """The step booking: the largest step of the models (less ``without``)."""
+    def _largest_step(self, without: Iterable[str] = ()) -> int:
         return max((m.step for n, m in self._models.items() if n not in without), default=0)
+
+    def _step(self, without: Iterable[str] = ()) -> int:
+        """The step booking: room for the steps in flight, each the largest of the models (less
+        ``without``)."""
+        return STEPS_IN_FLIGHT * self._largest_step(without)
+
+    def _step_more(self, step_bytes: int, without: Iterable[str] = ()) -> int:
+        """What the step booking grows by when a model whose largest step is ``step_bytes`` joins."""
+        return STEPS_IN_FLIGHT * max(0, step_bytes - self._largest_step(without))
+
+    def step_more(self, step_bytes: int) -> int:
+        """:meth:`_step_more` against the models booked now (what a load's step adds to the books)."""
+        with self._lock:
+            return self._step_more(step_bytes)
 
     def _non_kv(self, without: Iterable[str] = ()) -> int:
         without = set(without)
@@ -274,7 +292,7 @@ class MemoryLedger:
                 candidates.append(name)
 
             def needed_free(evict: list[str]) -> tuple[int, int]:  # with ``evict`` gone
-                return (weight_bytes + workspace_estimate + min_kv_bytes + max(0, step_bytes - self._step(evict)),
+                return (weight_bytes + workspace_estimate + min_kv_bytes + self._step_more(step_bytes, evict),
                         self.budget - self._committed(evict))
 
             needed, free = needed_free([])
@@ -291,8 +309,8 @@ class MemoryLedger:
                     budget=self.budget, evictable_models=tuple(candidates),
                     parts=_parts(weight_bytes, workspace_estimate, needed - weight_bytes - workspace_estimate - min_kv_bytes,
                                  min_kv_bytes))
-            pool_after = (self.budget - (self._non_kv(evict) - self._step(evict)) - weight_bytes - workspace_estimate
-                          - max(step_bytes, self._step(evict)))
+            pool_after = (self.budget - self._non_kv(evict) - weight_bytes - workspace_estimate
+                          - self._step_more(step_bytes, evict))
             return LoadPlan(model=model, weight_bytes=weight_bytes,
                             workspace_bytes=workspace_estimate, min_kv_bytes=min_kv_bytes, step_bytes=step_bytes,
                             needed=needed, free=free, evict=tuple(evict), evict_frees=free_after - free,
@@ -312,7 +330,7 @@ class MemoryLedger:
         with self._lock:
             if model in self._models:
                 raise LedgerError(f"model {model!r} is already booked in the ledger")
-            step_more = max(0, step_bytes - self._step())
+            step_more = self._step_more(step_bytes)
             needed = nbytes + workspace_estimate + min_kv_bytes + step_more
             free = self.budget - self._committed()
             if needed > free:

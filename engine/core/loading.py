@@ -288,7 +288,7 @@ class ModelLoader:
 
         needs = with_known(needs_at(max_len), max_len)
         if spec.max_model_len is None and spec.num_kv_pages is None:
-            capped = context_cap(max_len, self._pools.room() - needs.weight_bytes - needs.workspace.total,
+            capped = context_cap(max_len, self._pools.room() - self._pools.beside_pool(needs),
                                  needs.page_bytes, needs.tokens_per_page)
             if capped < max_len:
                 log.warning("model %s: max_model_len %d, not its context of %d: one sequence of that does not "
@@ -554,9 +554,11 @@ class ModelLoader:
         pre, w.runner = w.runner, None
         if pre is not None and (known is None or pre[0] != self._pools.generation):
             pre = None
-        measure = self.warmup and known is None and self.device.type == "cuda"
-        held_before = self._pools.device_reserved() if measure else 0
-        before = self._pools.device_allocated()
+        cuda = self.device.type == "cuda"
+        measure = self.warmup and known is None and cuda  # the warm-up's largest step too
+        build = pre is None and cuda  # a runner built here: what it holds is measured
+        held_before = self._pools.device_reserved() if build else 0
+        self._pools.device_allocated()  # the peak counts from here
         t1 = time.perf_counter()
         if pre is not None:
             slot.kv, slot.runner = pre[1], pre[2]
@@ -567,23 +569,27 @@ class ModelLoader:
         if self.warmup and known is None:
             self._pools.warm_up(slot)
         t3 = time.perf_counter()
-        if measure:
+        if cuda:
             # What stays (graph pools whole, the runner's buffers, its streams' cuBLAS workspaces:
             # the allocator's segments once its cache is handed back) plus what steps the warm-up
-            # does not take may add beside another model's step (workspace_margin), and what the
-            # largest step (every row sampled) took on top while it ran: booked once for all
-            # models, the largest (engine/core/ledger.py). Not floored by the estimate, which
-            # booked 2.4x an 8B's measured figure (H100, docs/perf.md, the room probe rows).
-            peak = self._pools.device_peak()
-            step = max(0, peak - self._pools.device_allocated())
-            held = max(0, self._pools.device_reserved() - held_before)
-            slot.workspace = Workspace(held + workspace_margin(cfg, spec.max_num_seqs), step)
+            # does not take may add beside another model's step (workspace_margin); and what the
+            # largest step run here (the warm-up's: every row sampled) took on top while it ran,
+            # booked for all models from the largest (engine/core/ledger.py). Not floored by the
+            # estimate, which booked 2.4x an 8B's measured figure (H100, docs/perf.md, the room
+            # probe rows).
+            step = max(0, self._pools.device_peak() - self._pools.device_allocated())
+            held = (max(0, self._pools.device_reserved() - held_before) + workspace_margin(cfg, spec.max_num_seqs)
+                    if build else 0)
+            if measure:
+                slot.workspace = Workspace(held, step)
+            else:
+                # Carried over (a vacancy, the warm tier's or the load notes' figure: this load
+                # built its runner at most, whose eager runs at its largest buckets are less than
+                # the warm-up's step), or no warm-up: each part floored by what was measured here.
+                base = known if known is not None else needs.workspace
+                slot.workspace = Workspace(max(held, base.held), max(step, base.step))
         else:
-            # Carried over (a vacancy, the warm tier's or the load notes' figure: this load
-            # captured its graphs at most), or no warm-up to measure: the estimate stays the floor.
-            measured = self._pools.device_peak() - before if self.device.type == "cuda" else 0
-            base = known if known is not None else needs.workspace
-            slot.workspace = Workspace(max(measured, base.held), base.step)
+            slot.workspace = known if known is not None else needs.workspace
         self._pools.record_workspace(name, slot.workspace)
         if self.warmup and known is None and self.notes is not None:
             self.notes.put(p.compute_key, p.shape, slot.workspace)  # the next load of its kind books it

@@ -153,7 +153,7 @@ class PoolKeeper:
         # load's: kept, they would make it shrink the pool (every running sequence preempted,
         # every runner rebuilt, theirs staled).
         kept = sum(self.ledger.model_bytes(v.book) for v in self.vacancies)
-        beside = needs.weight_bytes + needs.workspace.total  # the step counted whole: a bound, not the books
+        beside = self.beside_pool(needs)
         if kept and (self.ledger.room() - kept < beside + needs.min_kv_bytes or self.ledger.snapshot().free < beside):
             self.drop_vacancies()
         try:
@@ -196,6 +196,11 @@ class PoolKeeper:
         total = sum(snap.weights[m] + snap.workspace[m] + snap.kv_min[m] for m in offered)
         return LoadRefused(name, needed=e.needed, free=e.free, evictable=total, budget=e.budget,
                            evictable_models=offered, parts=e.parts, evict=plan.evict)
+
+    def beside_pool(self, needs: LoadNeeds) -> int:
+        """What a load books beside the KV pool: its weights, its held workspace, and what its
+        step adds to the step booking (engine/core/ledger.py)."""
+        return needs.weight_bytes + needs.workspace.held + self.ledger.step_more(needs.workspace.step)
 
     def pages_for(self, name: str) -> ModelPageSource:
         """The page source of a model booked here (its block manager allocates through it)."""

@@ -9,6 +9,7 @@ import pytest
 
 from engine.errors import EngineError
 from engine.core.ledger import (
+    STEPS_IN_FLIGHT,
     GiB,
     LedgerError,
     LoadRefused,
@@ -279,40 +280,42 @@ def test_a_vacancy_is_on_the_device_but_a_loads_to_take():
 
 
 def test_the_largest_step_is_booked_once_for_all_models():
-    """Only one eager step runs at a time: the models' largest step is booked once, not summed."""
+    """At most two steps are on the device at once: the booking is room for two of the largest
+    model's step, whatever the number of models (not a sum over them)."""
     led = MemoryLedger(40 * GiB)
     load(led, "a", 10 * GiB, 1 * GiB, 1 * GiB, step=2 * GiB)
     load(led, "b", 10 * GiB, 1 * GiB, 1 * GiB, step=3 * GiB)
     snap = led.snapshot()
-    assert snap.step == 3 * GiB and snap.workspace == {"a": 1 * GiB, "b": 1 * GiB}
-    assert snap.used == 20 * GiB + 2 * GiB + 3 * GiB + snap.kv_pool_bytes == 40 * GiB
-    # a load whose step is within the booking needs no room for it; a larger one, the difference
+    assert snap.step == STEPS_IN_FLIGHT * 3 * GiB == 6 * GiB and snap.workspace == {"a": 1 * GiB, "b": 1 * GiB}
+    assert snap.used == 20 * GiB + 2 * GiB + 6 * GiB + snap.kv_pool_bytes == 40 * GiB
+    # a load whose step is within the booking needs no room for it; a larger one, twice the difference
     assert led.check_load("c", 1 * GiB, 0, 0, step_bytes=3 * GiB).needed == 1 * GiB
-    assert led.check_load("c", 1 * GiB, 0, 0, step_bytes=5 * GiB).needed == 3 * GiB
+    assert led.step_more(3 * GiB) == 0 and led.step_more(5 * GiB) == 4 * GiB
     plan = led.check_load("c", 1 * GiB, 0, 0, step_bytes=5 * GiB)
-    assert plan.kv_pool_bytes_after == 40 * GiB - 22 * GiB - 1 * GiB - 5 * GiB
+    assert plan.needed == 5 * GiB
+    assert plan.kv_pool_bytes_after == 40 * GiB - 22 * GiB - 1 * GiB - 10 * GiB
     led.release("b")  # the largest step goes with its model
-    assert led.snapshot().step == 2 * GiB
-    assert led.record_workspace("a", 1 * GiB, 4 * GiB) == 2 * GiB  # measured: the booking's change
     assert led.snapshot().step == 4 * GiB
+    assert led.record_workspace("a", 1 * GiB, 4 * GiB) == 4 * GiB  # measured: the booking's change
+    assert led.snapshot().step == 8 * GiB
 
 
 def test_evicting_the_model_with_the_largest_step_counts_what_the_booking_drops():
-    led = MemoryLedger(30 * GiB)
+    led = MemoryLedger(40 * GiB)
     load(led, "big", 10 * GiB, 1 * GiB, 1 * GiB, step=6 * GiB)
     load(led, "small", 10 * GiB, 1 * GiB, 1 * GiB, step=1 * GiB)
-    # 30 - (22 + 4 + 6) < 0 free beside the minimums: evicting "big" frees 12 GiB and 5 of its step
+    # 4 GiB free beside the minimums; evicting "big" frees its 12 GiB and 10 of the step booking
     plan = led.check_load("c", 4 * GiB, 1 * GiB, 1 * GiB, ["big", "small"], step_bytes=2 * GiB)
-    assert plan.evict == ("big",)
-    assert plan.kv_pool_bytes_after == 30 * GiB - 11 * GiB - 5 * GiB - 2 * GiB
+    assert plan.evict == ("big",) and plan.needed == 6 * GiB
+    assert plan.kv_pool_bytes_after == 40 * GiB - 11 * GiB - 2 * GiB - 5 * GiB - 2 * GiB
     with pytest.raises(LoadRefused) as e:
         led.check_load("d", 25 * GiB, 1 * GiB, 1 * GiB, ["big"], step_bytes=8 * GiB)
     r = e.value
-    assert r.parts["step"] == 2 * GiB  # beyond the 6 GiB booked
-    assert "step " + format_bytes(2 * GiB) in str(r)
-    # evicting "big" frees its 12 GiB and 5 of the booking, but d's step then counts 7 more, not 2
-    assert r.needed == 29 * GiB and r.free == 30 * GiB - 30 * GiB and r.evictable == 12 * GiB + 5 * GiB - 5 * GiB
-    assert r.short == r.needed - r.free - r.evictable == 17 * GiB
+    assert r.parts["step"] == 4 * GiB  # twice what it adds to the largest, 6 GiB
+    assert "step " + format_bytes(4 * GiB) in str(r)
+    # evicting "big" frees 22 GiB, but d's step then adds twice 7 GiB, not twice 2: 12 net
+    assert (r.needed, r.free, r.evictable) == (31 * GiB, 4 * GiB, 12 * GiB)
+    assert r.short == 15 * GiB
 
 
 def test_a_vacancy_takes_no_steps_and_the_device_figure_leaves_the_step_out():
