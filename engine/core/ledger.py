@@ -231,6 +231,19 @@ class MemoryLedger:
         """What the step booking grows by when a model whose largest step is ``step_bytes`` joins."""
         return STEPS_IN_FLIGHT * max(0, step_bytes - self._largest_step(without))
 
+    def _net_frees(self, names: Iterable[str], step_bytes: int) -> int:
+        """What evicting ``names`` adds to the room of a load whose step is ``step_bytes``: their
+        weights, workspace and KV minimums, and what the step booking drops without them, less
+        what the load's step then adds to it."""
+        names = list(names)
+        return (self._committed() - self._committed(names)
+                - (self._step_more(step_bytes, names) - self._step_more(step_bytes)))
+
+    def net_frees(self, names: Iterable[str], step_bytes: int = 0) -> int:
+        """:meth:`_net_frees`: a refusal's ``evictable``."""
+        with self._lock:
+            return self._net_frees(names, step_bytes)
+
     def step_more(self, step_bytes: int) -> int:
         """:meth:`_step_more` against the models booked now (what a load's step adds to the books)."""
         with self._lock:
@@ -302,10 +315,8 @@ class MemoryLedger:
                 evict.append(candidates[len(evict)])
                 need_after, free_after = needed_free(evict)
             if free_after < need_after:
-                # what evicting them all would add, net of a step booking that then counts for more
-                evictable = (free_after - need_after) - (free - needed)
                 raise LoadRefused(
-                    model, needed=needed, free=free, evictable=evictable,
+                    model, needed=needed, free=free, evictable=self._net_frees(candidates, step_bytes),
                     budget=self.budget, evictable_models=tuple(candidates),
                     parts=_parts(weight_bytes, workspace_estimate, needed - weight_bytes - workspace_estimate - min_kv_bytes,
                                  min_kv_bytes))

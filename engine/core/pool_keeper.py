@@ -192,8 +192,7 @@ class PoolKeeper:
             plan = self.plan(name, needs, offered)
         except LoadRefused as full:
             return full
-        snap = self.ledger.snapshot()
-        total = sum(snap.weights[m] + snap.workspace[m] + snap.kv_min[m] for m in offered)
+        total = self.ledger.net_frees(offered, needs.workspace.step)
         return LoadRefused(name, needed=e.needed, free=e.free, evictable=total, budget=e.budget,
                            evictable_models=offered, parts=e.parts, evict=plan.evict)
 

@@ -316,6 +316,8 @@ def test_evicting_the_model_with_the_largest_step_counts_what_the_booking_drops(
     # evicting "big" frees 22 GiB, but d's step then adds twice 7 GiB, not twice 2: 12 net
     assert (r.needed, r.free, r.evictable) == (31 * GiB, 4 * GiB, 12 * GiB)
     assert r.short == 15 * GiB
+    assert led.net_frees(["big"], 8 * GiB) == 12 * GiB and led.net_frees(["big"]) == 22 * GiB
+    assert led.net_frees(["small"]) == 12 * GiB  # its step is not the largest: the booking stays
 
 
 def test_a_vacancy_takes_no_steps_and_the_device_figure_leaves_the_step_out():
