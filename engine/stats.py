@@ -73,7 +73,7 @@ class ModelMemory:
 @dataclass(frozen=True)
 class MemoryStats:
     """The budget and who holds it, in bytes: ``used`` is the loaded models' weights + workspace,
-    + ``step`` (the largest step's activations, booked once for all models), + ``vacant``, + the
+    + ``step`` (room for the steps on the device, two of the largest, booked once for all models), + ``vacant``, + the
     whole KV pool (``kv``), of which the models' pages hold ``kv_used``, + ``untracked``. ``models``: the models on the shared pool (a tensor-parallel model, which owns
     its cache, has no row)."""
 
@@ -101,7 +101,7 @@ class MemoryStats:
     # KV pool re-creations since the engine started and their seconds (each one rebuilds every
     # loaded model's runner, graphs included: what a swap costs the models that stay). History,
     # not books: two splits with the same books are equal whatever these say.
-    step: int = 0  # the largest eager step's activations (engine/core/ledger.py: why one, not a sum)
+    step: int = 0  # two steps of the largest (engine/core/ledger.py: why once, not a sum over models)
     pool_resizes: int = field(default=0, compare=False)
     pool_resize_s: float = field(default=0.0, compare=False)
 

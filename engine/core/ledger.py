@@ -110,7 +110,7 @@ class LoadPlan:
     weight_bytes: int
     workspace_bytes: int
     min_kv_bytes: int
-    step_bytes: int  # its largest step's activations (the ledger books the largest model's once)
+    step_bytes: int  # its largest step's activations (the step booking: STEPS_IN_FLIGHT x the largest)
     needed: int
     free: int
     evict: tuple[str, ...]
@@ -131,7 +131,7 @@ class LedgerSnapshot:
     free: int  # budget - used
     untracked: int = 0  # measured device bytes no booking explains (reconcile)
     vacant: frozenset[str] = frozenset()  # the entries that are vacancies (engine/core/vacancy.py)
-    step: int = 0  # the largest step's activations, booked once for all models
+    step: int = 0  # the step booking (STEPS_IN_FLIGHT x the largest step), once for all models
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,7 @@ class MemoryLedger:
         """Decide a load without touching the GPU.
 
         ``step_bytes``: the activations of its largest step, which need room only where they
-        exceed the step booking (the largest of the models that stay). ``evictable``: idle,
+        exceed the largest of the models that stay (the step booking grows by twice that). ``evictable``: idle,
         unpinned, loaded models the caller is willing to evict, least recently used first; the
         plan evicts the shortest prefix that makes room. Raises ``LoadRefused`` when even
         evicting all of them is not enough, and ``LedgerError`` when ``model`` is already booked.

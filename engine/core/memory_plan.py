@@ -29,8 +29,8 @@ class Workspace:
 
     ``held``: what stays while it is loaded (its graph pools, the runner's buffers, its streams'
     library workspaces, room for its sampler's buffers): booked per model. ``step``: what its
-    largest eager step takes on top while it runs, freed after: the ledger books the largest of
-    the loaded models' once (engine/core/ledger.py says why that is safe). A figure not yet
+    largest eager step takes on top while it runs, freed after: the ledger books room for two
+    steps of the largest once for all models, not one per model (engine/core/ledger.py says why). A figure not yet
     measured is the estimate whole in ``held``."""
 
     held: int
