@@ -41,8 +41,9 @@ def budget_line(st: dict[str, Any]) -> list[str]:
              f"{human_bytes(evictable)} evictable of {human_bytes(total)} {what}"]
     if mem:  # the engine's own books, as the worker last reported them
         vacant = f" + vacant {human_bytes(mem.get('vacant'))} (kept for the next load of its kind)" if mem.get("vacant") else ""
+        step = f" + step {human_bytes(mem.get('step'))} (two of the largest, for all models)" if mem.get("step") else ""
         lines.append(f"  used = weights {human_bytes(mem.get('weights'))} + workspace {human_bytes(mem.get('workspace'))}"
-                     f"{vacant} + KV pool {human_bytes(mem.get('kv'))} ({human_bytes(mem.get('kv_used'))} in use,"
+                     f"{step}{vacant} + KV pool {human_bytes(mem.get('kv'))} ({human_bytes(mem.get('kv_used'))} in use,"
                      f" {mem.get('kv_pages_free', 0)} of {mem.get('kv_pages', 0)} pages free)")
     return lines
 

@@ -35,6 +35,11 @@ def test_status_rendering() -> None:
     line = next(ln for ln in render(st).splitlines() if ln.startswith("  used = "))
     assert line == ("  used = weights 1.5 GiB + workspace 0 B + vacant 512.0 MiB (kept for the next load of its "
                     "kind) + KV pool 1.0 GiB (512.0 MiB in use, 32 of 64 pages free)"), line
+    st["engine"]["memory"].update(step=1 << 29, weights=(2 << 30) - (1 << 30))  # a GPU's step booking
+    line = next(ln for ln in render(st).splitlines() if ln.startswith("  used = "))
+    assert line == ("  used = weights 1.0 GiB + workspace 0 B + step 512.0 MiB (two of the largest, for all models)"
+                    " + vacant 512.0 MiB (kept for the next load of its kind) + KV pool 1.0 GiB (512.0 MiB in use,"
+                    " 32 of 64 pages free)"), line
 
 
 def _model(name: str, state: str, device_bytes: int, **kw) -> dict:
