@@ -30,8 +30,8 @@ class Workspace:
     ``held``: what stays while it is loaded (its graph pools, the runner's buffers, its streams'
     library workspaces, room for its sampler's buffers): booked per model. ``step``: what its
     largest eager step takes on top while it runs, freed after: the ledger books room for two
-    steps of the largest once for all models, not one per model (engine/core/ledger.py says why). A figure not yet
-    measured is the estimate whole in ``held``."""
+    steps of the largest once for all models, not one per model (engine/core/ledger.py says
+    why). A figure not yet measured is the estimate whole in ``held``."""
 
     held: int
     step: int = 0
@@ -92,11 +92,11 @@ def workspace_estimate(cfg: ModelConfig, max_num_batched_tokens: int, max_num_se
 
 def workspace_margin(cfg: ModelConfig, max_num_seqs: int) -> int:
     """Added to a measured workspace's held part (its sampler may run in a graph step beside
-    another model's eager step, whose activations are the step booking): the warm-up's largest step samples every row with
-    temperature; steps it does not take hold more after the forward, the larger of: up to two
-    float32 vocabulary rows per sequence (logprobs' log-softmax, the penalised copy), or a
-    prompt-logprobs slice (its logits in the model's dtype, at most 2 bytes, and two float32
-    copies: engine/runner/prompt_logprobs.py)."""
+    another model's eager step, whose activations are the step booking): the warm-up's largest
+    step samples every row with temperature; steps it does not take hold more after the forward,
+    the larger of: up to two float32 vocabulary rows per sequence (logprobs' log-softmax, the
+    penalised copy), or a prompt-logprobs slice (its logits in the model's dtype, at most 2
+    bytes, and two float32 copies: engine/runner/prompt_logprobs.py)."""
     return max(2 * max_num_seqs * cfg.vocab_size * 4, ROWS_PER_SLICE * cfg.vocab_size * (2 + 4 + 4))
 
 
