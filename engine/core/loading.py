@@ -510,9 +510,8 @@ class ModelLoader:
         this process or an earlier one); None without a warm-up to skip."""
         if not self.warmup:
             return None
+        # (a Workspace: the tier keeps what unload() noted there)
         known = self.warm_tier.noted(key, shape) if self.warm_tier is not None else None
-        if not isinstance(known, Workspace):
-            known = None
         if known is None and self.notes is not None:
             known = self.notes.get(compute_key, shape)
         return known

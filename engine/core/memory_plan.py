@@ -41,10 +41,6 @@ class Workspace:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"a workspace is non-negative ints of bytes, got {self!r}")
 
-    @property
-    def total(self) -> int:
-        return self.held + self.step
-
 
 @dataclass(frozen=True)
 class LoadNeeds:
