@@ -354,8 +354,8 @@ class ModelRunner:
 
     def launch(self, out: SchedulerOutput, urgent: bool = False) -> PendingStep:
         """Queue the step's work on the device; returns before the GPU is done. On CUDA it runs
-        on this runner's own streams (engine/runner/streams.py), the high-priority one if
-        ``urgent``, so steps of different models run side by side."""
+        on the device's step streams (engine/runner/streams.py), the high-priority one if
+        ``urgent``, so a quiet model's step runs beside a busy one's."""
         self.steps += 1
         if self.streams is None:
             return self._launch(out)
