@@ -556,8 +556,6 @@ class ModelLoader:
         cuda = self.device.type == "cuda"
         measure = self.warmup and known is None and cuda  # the warm-up's largest step too
         build = pre is None and cuda  # a runner built here: what it holds is measured
-        if build:
-            self._pools.streams.prime_step_streams()  # the device's, not this model's
         held_before = self._pools.device_reserved() if build else 0
         self._pools.device_allocated()  # the peak counts from here
         t1 = time.perf_counter()
@@ -572,7 +570,8 @@ class ModelLoader:
         t3 = time.perf_counter()
         if cuda:
             # What stays (graph pools whole, the runner's buffers, its graph sets' capture streams'
-            # cuBLAS workspaces: the allocator's segments once its cache is handed back) plus what steps the warm-up
+            # cuBLAS workspaces, and for the first model the step streams' own: the allocator's
+            # segments once its cache is handed back) plus what steps the warm-up
             # does not take may add beside another model's step (workspace_margin); and what the
             # largest step run here (the warm-up's: every row sampled) took on top while it ran,
             # booked for all models from the largest (engine/core/ledger.py). Not floored by the

@@ -60,7 +60,6 @@ class StreamPool:
         self._free: dict[int, list[torch.cuda.Stream]] = {}
         self.created = 0
         self._steps: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
-        self._primed: set[int] = set()  # threads whose cuBLAS handles have workspaces on them
         self._lock = threading.Lock()
         # The device's capture gate travels with the pool every runner and graph set already
         # holds (engine/runner/capture_gate.py): the loader shuts it, the graph sets read it.
@@ -87,26 +86,6 @@ class StreamPool:
                                torch.cuda.Stream(device=self.device, priority=URGENT_PRIORITY))
                 self.created += 2
             return self._steps
-
-    def prime_step_streams(self) -> None:
-        """Give the step streams, now, the cuBLAS workspaces this thread's steps will use (cuBLAS
-        keeps one per handle and stream, torch a handle per thread: 32 MiB each on Hopper), so
-        the first model measured on them does not count the device's as its own (the loader
-        measures what a runner build adds: engine/core/loading.py). A matmul of each kind the
-        models run (plain, and with a bias, which goes through cuBLASLt) on each stream, once a
-        thread."""
-        me = threading.get_ident()
-        if me in self._primed:
-            return
-        caller = torch.cuda.current_stream(self.device)
-        for s in self.step_streams():
-            s.wait_stream(caller)
-            with torch.cuda.stream(s):
-                for dtype in (torch.float32, torch.bfloat16):
-                    x = torch.ones(16, 16, device=self.device, dtype=dtype)
-                    torch.nn.functional.linear(x, x, x[0])
-                    x @ x
-        self._primed.add(me)
 
 
 class StepStreams:
