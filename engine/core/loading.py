@@ -570,7 +570,7 @@ class ModelLoader:
         t3 = time.perf_counter()
         if cuda:
             # What stays (graph pools whole, the runner's buffers, its graph sets' capture streams'
-            # cuBLAS workspaces, and for the first model the step streams' own: the allocator's
+            # cuBLAS workspaces, and for the first model the normal step stream's: the allocator's
             # segments once its cache is handed back) plus what steps the warm-up
             # does not take may add beside another model's step (workspace_margin); and what the
             # largest step run here (the warm-up's: every row sampled) took on top while it ran,

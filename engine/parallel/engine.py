@@ -37,7 +37,6 @@ from engine.options import EngineOptions
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step import StepResult
 from engine.sampling import SamplingParams
-from engine.runner.streams import StreamPool
 from engine.parallel.group import TPError, TPGroup
 from engine.parallel.loader import load_shard
 from engine.parallel.shard import TPModel, plan_shards
@@ -119,7 +118,7 @@ def build_shard(group: TPGroup, spec: dict[str, Any], used_bytes: int) -> RankSh
     # run the collectives, so NCCL's communicators exist before the capture starts.
     runner = ModelRunner(model, kv, spec["max_num_batched_tokens"], spec["max_num_seqs"], spec["max_len"],
                          decode_buckets=tuple(spec["decode_buckets"]), cuda_graphs=spec["cuda_graphs"],
-                         stream_pool=StreamPool(group.device) if group.device.type == "cuda" else None)
+                         stream_pool=group.streams)
     return RankShard(cfg, model, kv, runner, weight_bytes)
 
 

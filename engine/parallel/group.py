@@ -12,6 +12,7 @@ The collectives here take no host decisions from device data, so a CUDA graph ca
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import EngineError
+from engine.runner.streams import StreamPool
 
 DEFAULT_TIMEOUT_S = 600.0
 # [world*rows, c] ← every rank's [rows, c] (the newer name where torch has it).
@@ -44,6 +46,12 @@ class TPGroup:
     backend: str
     device_group: Any  # torch ProcessGroup for tensors on ``device``
     cpu_group: Any  # gloo ProcessGroup for host tensors (control channel, load agreement)
+
+    @functools.cached_property
+    def streams(self) -> StreamPool | None:
+        """This rank's stream pool, for every shard it builds: one pair of step streams for all
+        of them, as on one GPU (engine/runner/streams.py), not a new pair per load."""
+        return StreamPool(self.device) if self.device.type == "cuda" else None
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns it (no-op for one rank)."""

@@ -10,8 +10,8 @@ Pages come from an injectable :class:`PageSource`: a :class:`PageAllocator` (a f
 nothing here assumes ids are dense or start at 0.
 
 Prefix caching (with a :class:`~engine.sched.prefix_index.PrefixIndex`): a *full* page whose
-tokens are known and whose K/V is written (or queued to be, on the model's one stream, ahead of
-any step that could read it) is indexed by its key chain. A new sequence whose leading blocks'
+tokens are known and whose K/V is written (or queued to be, in the order of the model's steps, ahead
+of any step that could read it) is indexed by its key chain. A new sequence whose leading blocks'
 keys are indexed starts with those pages in its table (``take_prefix``) and computes only the
 rest; such pages are shared, counted by reference, and never written again (a sequence only
 writes past its shared prefix, into pages of its own). When the last table holding an indexed
@@ -263,7 +263,7 @@ class BlockManager:
 
     def index_blocks(self, seq_id: int, keys: list[bytes], start: int, stop: int) -> int:
         """Index the sequence's pages of blocks ``start .. stop - 1`` (each full, its tokens
-        known, its K/V written or queued on the model's stream) under ``keys``; returns
+        known, its K/V written or queued in the order of the model's steps) under ``keys``; returns
         ``stop``, the next block to index."""
         prefix = self.prefix
         table = self._tables.get(seq_id)

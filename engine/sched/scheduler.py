@@ -35,7 +35,7 @@ prefix index on the block manager, an admission first looks its leading full blo
 starts with the cached pages in its table: only the rest is computed (and counts against the
 budget), and at least its last prompt token always is (its logits give the first output). A
 block's page is indexed once the block is full, its tokens are known and the step that writes
-its K/V is scheduled (the model's steps run in order on its stream). When a
+its K/V is scheduled (the model's steps run in order on the device). When a
 running sequence needs a page and none is free, the *newest* running sequence is preempted by
 recompute: its pages are freed, it keeps its output tokens and goes back to the front of the
 waiting queue, to be prefilled again (prompt + output) when pages are free. A preempted

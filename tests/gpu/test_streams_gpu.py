@@ -114,6 +114,35 @@ def test_eager_steps_of_four_models_leave_what_they_cache_on_the_two_step_stream
             core.unload_model(n)
 
 
+def test_a_switch_to_the_urgent_stream_waits_for_the_runners_own_work_not_the_shared_stream():
+    # The quiet model ran a normal step, then a busy model queued a long one on the (shared) normal
+    # stream; the quiet model's urgent step waits for its own step only and is done while the
+    # busy one still runs, and it reads what its own step wrote.
+    from engine.runner.streams import StepStreams, StreamPool
+
+    dev = torch.device("cuda")
+    pool = StreamPool(dev)
+    busy, quiet = StepStreams(dev, pool), StepStreams(dev, pool)
+    x = torch.ones(2048, 2048, device=dev)
+    with torch.cuda.stream(quiet.enter(False, None)):
+        y = x @ x
+    quiet.done()
+    with torch.cuda.stream(busy.enter(False, None)):
+        torch.cuda._sleep(3_000_000_000)  # a busy model's step: about 1-2 s of the normal stream
+    busy.done()
+    urgent = quiet.enter(True, None)
+    assert urgent is quiet.urgent and busy.normal is quiet.normal
+    with torch.cuda.stream(urgent):
+        z = y + 1
+    quiet.done()
+    end = torch.cuda.Event()
+    end.record(urgent)
+    end.synchronize()
+    assert not busy.normal.query()  # the busy step still runs: the urgent step did not wait for it
+    assert torch.equal(z, torch.full_like(z, 2049.0))  # after its own step
+    torch.cuda.synchronize()
+
+
 def _cached_by_stream() -> dict[int, int]:
     """Free bytes in the allocator's segments, by the stream they belong to."""
     cached: dict[int, int] = {}
