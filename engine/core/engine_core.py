@@ -499,7 +499,9 @@ class EngineCore:
         try:
             if self.async_steps:
                 plan = self.policy.launch(slot, batch)
-                return InFlight(slot, batch, slot.runner.launch(batch, plan.urgent), None, t0, plan.holds)
+                f = InFlight(slot, batch, slot.runner.launch(batch, plan.urgent), None, t0, plan.holds)
+                slot.pages.step_launched()  # its pages freed from now on wait for it (engine/kv/page_pool.py)
+                return f
             return InFlight(slot, batch, None, slot.runner.execute(batch), t0)
         except Exception as e:
             raise self._failed(slot, batch, e) from e
@@ -513,6 +515,22 @@ class EngineCore:
 
     def _complete(self, f: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's ids, apply them to its scheduler, return the outputs."""
+        try:
+            return self._apply(f)
+        finally:
+            if f.pending is not None:
+                self._step_done(f)
+
+    def _step_done(self, f: InFlight) -> None:
+        """The step is done on the device: the pages its model freed meanwhile go back. A step
+        that samples nothing was not waited for by its collect (no ids to copy): with pages
+        held, the model's work on the device is waited for first."""
+        slot = f.slot
+        if f.pending.ready is None and slot.pages.num_held and slot.runner is not None:
+            slot.runner.wait_device()
+        slot.pages.step_done()
+
+    def _apply(self, f: InFlight) -> list[RequestOutput]:
         slot, batch = f.slot, f.out
         try:
             result = f.result if f.result is not None else slot.runner.collect(f.pending)

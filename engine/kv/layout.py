@@ -41,9 +41,11 @@ class ModelPageSource(Protocol):
     model may take right now (its held-back minimum included, its cap and other models'
     minimums respected); ``num_total`` = ``num_used + num_free``, the most it could hold now;
     ``allocate()`` returns a global page id or raises ``OutOfPages``; ``try_allocate()``
-    returns ``None`` instead; ``free(page_id)`` gives a page back at once (one the model does
-    not hold raises ``PageOwnershipError``, a ``PageError``); ``can_allocate(n)`` is
-    ``num_free >= n``; ``block_size`` is the model's tokens per page
+    returns ``None`` instead; ``free(page_id)`` gives a page back (one the model does not hold
+    raises ``PageOwnershipError``, a ``PageError``): at once, or, while a step of the model is on
+    the device and other models share the pool, once its steps there are done (the engine says
+    when: ``step_launched`` / ``step_done``; engine/kv/page_pool.py says why); ``can_allocate(n)``
+    is ``num_free >= n``; ``block_size`` is the model's tokens per page
     (``slot = page_id * block_size + offset``).
     """
 
@@ -66,6 +68,13 @@ class ModelPageSource(Protocol):
     def free(self, page_id: int) -> None: ...
 
     def can_allocate(self, n: int) -> bool: ...
+
+    def step_launched(self) -> None: ...
+
+    def step_done(self) -> None: ...
+
+    @property
+    def num_held(self) -> int: ...
 
 
 @dataclass(frozen=True)

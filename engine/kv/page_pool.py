@@ -27,6 +27,16 @@ unregistering a model makes its cached-free pages plain free ones.
 Free pages are handed out lowest id first, so live pages gather at the bottom and a shrink
 finds its tail free.
 
+A page a model frees while a step of that model is on the device (``step_launched`` ..
+``step_done``, told by the engine) may still be written by that step: a sequence that ended at the
+collect of step N has a row in step N+1, launched behind it, which writes its next token's K/V
+into the sequence's last page; an abort or a preemption frees the pages of a step in flight. The
+model's own later steps run after that step (one model's steps are ordered on the device), but
+another model's step may run beside it (the urgent stream, engine/runner/streams.py) and would
+take the page and write it at the same time. So while other models share the pool, such a free
+is *held*: the page stays the model's (owned, counted, in its cap) until its steps on the device
+are done, and only the model itself takes it back meanwhile (a prefix hit on a held cached page).
+
 Resizing (see docs/multi-model.md): ``fence(limit)`` stops handing out pages ``>= limit`` so they
 drain as sequences finish; ``resize(n)`` then changes the memory with page ids and contents kept.
 On a GPU (``ElasticMemory``) the tail is mapped or unmapped in place: views stay valid and
@@ -67,7 +77,8 @@ __all__ = ["PagePool"]
 class _Slot:
     """One registration of a model; allocators bound to an unregistered slot stop working."""
 
-    __slots__ = ("name", "layout", "min_pages", "max_pages", "used", "counted", "pages", "active", "on_evict")
+    __slots__ = ("name", "layout", "min_pages", "max_pages", "used", "counted", "pages", "active", "on_evict",
+                 "on_device", "held")
 
     def __init__(self, name: str, layout: KVLayout, min_pages: int, max_pages: int | None) -> None:
         self.name = name
@@ -79,6 +90,8 @@ class _Slot:
         self.pages: set[int] = set()
         self.active = True
         self.on_evict: Any = None  # called with a cached-free page id of this model as it is handed out
+        self.on_device = 0  # its steps launched and not yet done
+        self.held: dict[int, bool] = {}  # pages freed while a step was on the device -> freed cached
 
     def reserve(self) -> int:
         return max(0, self.min_pages - self.counted)
@@ -118,13 +131,35 @@ class _ModelAllocator:
         return self._pool._allocate(self._live())
 
     def free(self, page_id: int) -> None:
-        self._pool._free(self._live(), page_id)
+        self._pool._free_after_steps(self._live(), page_id, False)
 
     def free_cached(self, page_id: int) -> None:
-        self._pool._free(self._live(), page_id, cached=True)
+        self._pool._free_after_steps(self._live(), page_id, True)
 
     def take_cached(self, page_id: int) -> bool:
-        return self._pool._take_cached(self._live(), page_id)
+        slot = self._live()
+        if slot.held.get(page_id):  # freed cached behind a step still on the device: never left
+            del slot.held[page_id]
+            return True
+        return self._pool._take_cached(slot, page_id)
+
+    def step_launched(self) -> None:
+        """A step of this model is on the device from now (its frees are held until it is done)."""
+        self._live().on_device += 1
+
+    def step_done(self) -> None:
+        """A step of this model is done on the device; with none left, what was held is freed."""
+        slot = self._live()
+        if slot.on_device < 1:
+            raise PagePoolError(f"model {slot.name!r} has no step on the device to be done")
+        slot.on_device -= 1
+        if not slot.on_device:
+            self._pool._release_held(slot)
+
+    @property
+    def num_held(self) -> int:
+        """Pages freed but held until this model's steps on the device are done."""
+        return len(self._slot.held)
 
     def drop_cached(self) -> None:
         self._pool._drop_cached(self._live())
@@ -214,8 +249,11 @@ class PagePool:
         return self._slot(model).layout
 
     def free_all(self, model: str) -> int:
-        """Give back every page ``model`` holds (unload, abort of everything); returns how many."""
+        """Give back every page ``model`` holds (unload, abort of everything), held ones too: the
+        caller has no step of it on the device. Returns how many."""
         slot = self._slot(model)
+        slot.held.clear()
+        slot.on_device = 0
         pages = list(slot.pages)
         for page_id in pages:
             self._free(slot, page_id)
@@ -266,13 +304,32 @@ class PagePool:
         slot.pages.add(page_id)
         self._owner[page_id] = slot
 
-    def _free(self, slot: _Slot, page_id: int, cached: bool = False) -> None:
+    def _free_after_steps(self, slot: _Slot, page_id: int, cached: bool) -> None:
+        """Free now, or hold the page while ``slot`` has a step on the device and the pool is
+        shared (the module docstring says why)."""
+        if slot.on_device and len(self._slots) > 1:
+            self._check_owner(slot, page_id)
+            if page_id in slot.held:
+                raise PageOwnershipError(f"{slot.name!r} frees page {page_id} twice (held: its step is on the device)")
+            slot.held[page_id] = cached
+            return
+        self._free(slot, page_id, cached)
+
+    def _release_held(self, slot: _Slot) -> None:
+        held, slot.held = slot.held, {}
+        for page_id, cached in held.items():
+            self._free(slot, page_id, cached)
+
+    def _check_owner(self, slot: _Slot, page_id: int) -> None:
         if isinstance(page_id, bool) or not isinstance(page_id, int) or not 0 <= page_id < self.num_pages:
             raise PagePoolError(f"{page_id!r} is not a page id of this pool (0..{self.num_pages - 1})")
         if self._owner[page_id] is not slot:
             owner = self._owner[page_id]
             who = "nobody (double free)" if owner is None else repr(owner.name)
             raise PageOwnershipError(f"{slot.name!r} frees page {page_id}, held by {who}")
+
+    def _free(self, slot: _Slot, page_id: int, cached: bool = False) -> None:
+        self._check_owner(slot, page_id)
         self._owner[page_id] = None
         slot.pages.discard(page_id)
         slot.used -= 1

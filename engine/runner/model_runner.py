@@ -197,6 +197,11 @@ class ModelRunner:
                     return graphs.capture_deferred(max(graphs.deferred))
         return False
 
+    def wait_device(self) -> None:
+        """Block until every step launched here has run on the device (on CPU they ran at launch)."""
+        if self.streams is not None:
+            self.streams.wait()
+
     def _on_last(self):
         return self.streams.on_last() if self.streams is not None else contextlib.nullcontext()
 

@@ -123,6 +123,11 @@ class StepStreams:
         if self.last is not None:
             self._done.record(self.last)
 
+    def wait(self) -> None:
+        """Block until this runner's work marked by :meth:`done` has run."""
+        if self.last is not None:
+            self._done.synchronize()
+
     @contextlib.contextmanager
     def on_last(self) -> Iterator[None]:
         """Run work that belongs after the last step (a deferred capture, logprobs) on its stream."""

@@ -457,3 +457,46 @@ def test_the_lowest_free_page_goes_first_so_live_pages_gather_at_the_bottom():
     assert pool.num_pages == 10 and pool.num_free == 1
     assert pool.memory_moves  # accounting only (device None): nothing stays put
     pool.audit()
+
+
+def test_a_page_freed_while_its_models_step_is_on_the_device_goes_to_no_other_model_until_it_is_done():
+    # A's step N+1 is on the device (launched behind N) when N's collect ends a sequence: its
+    # pages are freed, but N+1 still writes its row's K/V into the last of them. B's step may run
+    # beside it (the urgent stream): B must not get those pages until A's steps there are done.
+    pool = PagePool(4, 4096, device=None)
+    pool.register("a", **BIG)
+    pool.register("b", **SMALL)
+    a, b = pool.allocator_for("a"), pool.allocator_for("b")
+    pages = [a.allocate() for _ in range(3)]
+    a.step_launched()
+    a.free(pages[0])
+    a.free_cached(pages[1])  # a prefix-indexed page, freed cached
+    assert a.num_held == 2 and a.num_used == 3  # still A's: owned, counted, under its cap
+    assert b.num_free == 1 and b.allocate() == 3 and b.try_allocate() is None
+    with pytest.raises(PageOwnershipError, match="twice"):
+        a.free(pages[0])
+    assert a.take_cached(pages[1])  # A's own prefix hit: its steps are ordered after N+1
+    a.step_launched()  # N+2, launched before N+1 is collected
+    a.step_done()  # N+1 done: N+2 is still on the device
+    assert a.num_held == 1 and b.try_allocate() is None
+    a.step_done()
+    assert a.num_held == 0 and a.num_used == 2 and b.allocate() == pages[0]
+    with pytest.raises(PagePoolError, match="no step on the device"):
+        a.step_done()
+
+
+def test_alone_in_the_pool_a_model_frees_at_once_and_free_all_takes_the_held_pages_too():
+    pool = PagePool(4, 4096, device=None)
+    pool.register("a", **BIG)
+    a = pool.allocator_for("a")
+    p = a.allocate()
+    a.step_launched()
+    a.free(p)  # no other model to take it: its own later steps run after the one in flight
+    assert a.num_held == 0 and a.num_used == 0
+    q = a.allocate()
+    pool.register("b", **SMALL)
+    a.free(q)
+    assert a.num_held == 1
+    assert pool.free_all("a") == 1  # an unload: no step of it is on the device any more
+    assert a.num_held == 0 and a.num_used == 0
+    pool.unregister("a")
