@@ -522,11 +522,11 @@ class EngineCore:
                 self._step_done(f)
 
     def _step_done(self, f: InFlight) -> None:
-        """The step is done on the device: the pages its model freed meanwhile go back. A step
-        that samples nothing was not waited for by its collect (no ids to copy): with pages
-        held, the model's work on the device is waited for first."""
+        """The step is done on the device: the pages its model freed behind it go back. A step
+        that samples nothing was not waited for by its collect (no ids to copy): when pages go
+        back, the model's work on the device is waited for first."""
         slot = f.slot
-        if f.pending.ready is None and slot.pages.num_held and slot.runner is not None:
+        if f.pending.ready is None and slot.pages.releases_on_done and slot.runner is not None:
             slot.runner.wait_device()
         slot.pages.step_done()
 

@@ -4,18 +4,16 @@ Every byte the engine puts on the device is booked here first:
 
 - **weights** of each model, exact (the sum of the tensors the loader will create);
 - **workspace** of each model, what it holds while loaded (its CUDA-graph pools, the runner's
-  buffers, its capture streams' library workspaces, room for its sampler's buffers): booked from an
+  buffers, its streams' library workspaces, room for its sampler's buffers): booked from an
   estimate at load and replaced by what the caller measured after the warm-up. A sum over
   models: each model's captured graphs keep a private pool;
 - **step**: what a step of a loaded model takes on top while it runs (its activations, freed into
   the allocator's cache after), booked once for all models: room for ``STEPS_IN_FLIGHT`` steps
-  of the largest, not a sum over models. Steps are launched one at a time, and the allocator
-  keeps a freed block for the stream it was allocated on: what steps leave cached is at most one
-  step's worth per step stream, and the device has two, shared by every runner
-  (engine/runner/streams.py); the engine has at most two steps on the device (the one it
-  launches and the one before it, which it collects next). What is cached is handed back by the
-  allocator before any allocation fails, and the KV range empties the cache before it gives a
-  grow up;
+  of the largest, not a sum over models. The engine has at most two steps on the device (the one
+  it launches and the one before it, which it collects next), and a step's activations are freed
+  when it has been launched; the blocks a finished step leaves cached on its model's streams are
+  handed back by the allocator before any allocation fails, and the KV range empties the cache
+  before it gives a grow up;
 - **KV**: the one shared PagePool (``kv_pool_bytes``), of which each model holds a guaranteed
   minimum (``kv_min``); the part of the pool above the sum of minimums is *elastic*: the pool may
   be shrunk to give it to a model being loaded;
@@ -43,9 +41,8 @@ from engine.errors import EngineError
 GiB = 1024**3
 
 
-# Steps whose activations the device may hold at once: one cached per step stream (the device's
-# two, engine/runner/streams.py), and EngineCore launches a step behind the one in flight at
-# most, collecting that one before it launches another (engine/core/engine_core.py, ``step``).
+# Steps on the device at once: EngineCore launches a step behind the one in flight at most, and
+# collects that one before it launches another (engine/core/engine_core.py, ``step``).
 STEPS_IN_FLIGHT = 2
 
 

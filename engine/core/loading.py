@@ -569,9 +569,8 @@ class ModelLoader:
             self._pools.warm_up(slot)
         t3 = time.perf_counter()
         if cuda:
-            # What stays (graph pools whole, the runner's buffers, its graph sets' capture streams'
-            # cuBLAS workspaces, and for the first model the normal step stream's: the allocator's
-            # segments once its cache is handed back) plus what steps the warm-up
+            # What stays (graph pools whole, the runner's buffers, its streams' cuBLAS workspaces:
+            # the allocator's segments once its cache is handed back) plus what steps the warm-up
             # does not take may add beside another model's step (workspace_margin); and what the
             # largest step run here (the warm-up's: every row sampled) took on top while it ran,
             # booked for all models from the largest (engine/core/ledger.py). Not floored by the

@@ -27,7 +27,7 @@ GPU_BUDGET_FRACTION = 0.9
 class Workspace:
     """What a model takes on the device beside its weights and KV pages, in bytes.
 
-    ``held``: what stays while it is loaded (its graph pools, the runner's buffers, its capture streams'
+    ``held``: what stays while it is loaded (its graph pools, the runner's buffers, its streams'
     library workspaces, room for its sampler's buffers): booked per model. ``step``: what its
     largest eager step takes on top while it runs, freed after: the ledger books room for two
     steps of the largest once for all models, not one per model (engine/core/ledger.py says

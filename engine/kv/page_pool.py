@@ -32,10 +32,14 @@ A page a model frees while a step of that model is on the device (``step_launche
 collect of step N has a row in step N+1, launched behind it, which writes its next token's K/V
 into the sequence's last page; an abort or a preemption frees the pages of a step in flight. The
 model's own later steps run after that step (one model's steps are ordered on the device), but
-another model's step may run beside it (the urgent stream, engine/runner/streams.py) and would
-take the page and write it at the same time. So while other models share the pool, such a free
-is *held*: the page stays the model's (owned, counted, in its cap) until its steps on the device
-are done, and only the model itself takes it back meanwhile (a prefix hit on a held cached page).
+another model's step runs beside it on that model's own streams (engine/runner/streams.py) and
+would take the page and write it at the same time. So while other models share the pool, such a free
+is *held*: the page stays the model's (owned, counted, in its cap) until the steps of that model
+launched before the free are done, and only the model itself takes it back meanwhile (a prefix
+hit on a held cached page). A model's steps finish in the order they were launched, so a held
+page carries the count of the model's steps launched at its free, and goes when that many are
+done (not when none is on the device: a model that launches each step behind the last always has
+one there).
 
 Resizing (see docs/multi-model.md): ``fence(limit)`` stops handing out pages ``>= limit`` so they
 drain as sequences finish; ``resize(n)`` then changes the memory with page ids and contents kept.
@@ -78,7 +82,7 @@ class _Slot:
     """One registration of a model; allocators bound to an unregistered slot stop working."""
 
     __slots__ = ("name", "layout", "min_pages", "max_pages", "used", "counted", "pages", "active", "on_evict",
-                 "on_device", "held")
+                 "launched", "done", "held")
 
     def __init__(self, name: str, layout: KVLayout, min_pages: int, max_pages: int | None) -> None:
         self.name = name
@@ -90,8 +94,9 @@ class _Slot:
         self.pages: set[int] = set()
         self.active = True
         self.on_evict: Any = None  # called with a cached-free page id of this model as it is handed out
-        self.on_device = 0  # its steps launched and not yet done
-        self.held: dict[int, bool] = {}  # pages freed while a step was on the device -> freed cached
+        self.launched = 0  # its steps launched (on the device at some time)
+        self.done = 0  # of those, the ones done, in launch order
+        self.held: dict[int, tuple[bool, int]] = {}  # page freed behind a step -> (freed cached, launched then)
 
     def reserve(self) -> int:
         return max(0, self.min_pages - self.counted)
@@ -138,23 +143,28 @@ class _ModelAllocator:
 
     def take_cached(self, page_id: int) -> bool:
         slot = self._live()
-        if slot.held.get(page_id):  # freed cached behind a step still on the device: never left
+        if slot.held.get(page_id, (False, 0))[0]:  # freed cached behind a step on the device: never left
             del slot.held[page_id]
             return True
         return self._pool._take_cached(slot, page_id)
 
     def step_launched(self) -> None:
-        """A step of this model is on the device from now (its frees are held until it is done)."""
-        self._live().on_device += 1
+        """A step of this model is on the device from now (frees are held until it is done)."""
+        self._live().launched += 1
 
     def step_done(self) -> None:
-        """A step of this model is done on the device; with none left, what was held is freed."""
+        """The oldest step of this model on the device is done: the pages held behind it go."""
         slot = self._live()
-        if slot.on_device < 1:
+        if slot.done >= slot.launched:
             raise PagePoolError(f"model {slot.name!r} has no step on the device to be done")
-        slot.on_device -= 1
-        if not slot.on_device:
-            self._pool._release_held(slot)
+        slot.done += 1
+        self._pool._release_held(slot)
+
+    @property
+    def releases_on_done(self) -> bool:
+        """Whether the next ``step_done`` frees held pages (its step must then really be done)."""
+        slot = self._slot
+        return any(tag <= slot.done + 1 for _, tag in slot.held.values())
 
     @property
     def num_held(self) -> int:
@@ -253,7 +263,7 @@ class PagePool:
         caller has no step of it on the device. Returns how many."""
         slot = self._slot(model)
         slot.held.clear()
-        slot.on_device = 0
+        slot.done = slot.launched
         pages = list(slot.pages)
         for page_id in pages:
             self._free(slot, page_id)
@@ -307,17 +317,18 @@ class PagePool:
     def _free_after_steps(self, slot: _Slot, page_id: int, cached: bool) -> None:
         """Free now, or hold the page while ``slot`` has a step on the device and the pool is
         shared (the module docstring says why)."""
-        if slot.on_device and len(self._slots) > 1:
+        if slot.launched > slot.done and len(self._slots) > 1:
             self._check_owner(slot, page_id)
             if page_id in slot.held:
                 raise PageOwnershipError(f"{slot.name!r} frees page {page_id} twice (held: its step is on the device)")
-            slot.held[page_id] = cached
+            slot.held[page_id] = (cached, slot.launched)
             return
         self._free(slot, page_id, cached)
 
     def _release_held(self, slot: _Slot) -> None:
-        held, slot.held = slot.held, {}
-        for page_id, cached in held.items():
+        due = [(p, cached) for p, (cached, tag) in slot.held.items() if tag <= slot.done]
+        for page_id, cached in due:
+            del slot.held[page_id]
             self._free(slot, page_id, cached)
 
     def _check_owner(self, slot: _Slot, page_id: int) -> None:

@@ -205,16 +205,6 @@ class ModelRunner:
     def _on_last(self):
         return self.streams.on_last() if self.streams is not None else contextlib.nullcontext()
 
-    @contextlib.contextmanager
-    def _done_after(self):
-        """Work queued here, on the stream of the step it completes (its last), is the runner's
-        own: a later switch of streams waits for it (engine/runner/streams.py)."""
-        try:
-            yield
-        finally:
-            if self.streams is not None:
-                self.streams.done()
-
     @property
     def graph_tokens(self) -> int:
         """The most tokens a step can have and still replay a graph (0: none captured)."""
@@ -369,16 +359,13 @@ class ModelRunner:
 
     def launch(self, out: SchedulerOutput, urgent: bool = False) -> PendingStep:
         """Queue the step's work on the device; returns before the GPU is done. On CUDA it runs
-        on the device's step streams (engine/runner/streams.py), the high-priority one if
-        ``urgent``, so a quiet model's step runs beside a busy one's."""
+        on this runner's own streams (engine/runner/streams.py), the high-priority one if
+        ``urgent``, so steps of different models run side by side."""
         self.steps += 1
         if self.streams is None:
             return self._launch(out)
-        try:
-            with torch.cuda.stream(self.streams.enter(urgent, self._prev_ids)):
-                return self._launch(out)
-        finally:
-            self.streams.done()
+        with torch.cuda.stream(self.streams.enter(urgent, self._prev_ids)):
+            return self._launch(out)
 
     def step_plan(self, out: SchedulerOutput) -> StepPlan:
         """How ``out`` runs, chosen once before its inputs are staged: a decode-only step whose
@@ -474,7 +461,7 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         ctx = torch.cuda.stream(m.stream) if m.stream is not None else contextlib.nullcontext()
-        with ctx, torch.inference_mode(), self._done_after():
+        with ctx, torch.inference_mode():
             apply_logit_rules(m.logits, m.ruled, self.model.cfg.eos_token_ids)
             if not m.rows:
                 pending.sampled(self._sample(m.out, m.entries, m.logits, None, m.graph, t0))

@@ -1,7 +1,5 @@
-"""Several models' steps on the device's two step streams (engine/runner/streams.py) give the tokens
-each model gives alone; the quiet model's steps take the high-priority stream; what steps leave in
-the allocator's cache stays on those two streams whatever the number of models. Skipped without
-CUDA.
+"""Several models' steps on their own CUDA streams (engine/runner/streams.py) give the tokens they
+give on one stream; the quiet model's steps take the high-priority stream. Skipped without CUDA.
 
 float32 weights: the two runs batch differently (the fair-share pick reads step times), and
 float32 keeps a batch-size-dependent rounding far below any gap between the top two logits.
@@ -61,9 +59,9 @@ def _run(dirs, window_ms: str = "0", yielded: list | None = None, only: str | No
     return tokens, urgent
 
 
-def test_models_on_the_step_streams_give_the_tokens_of_each_model_alone(two_models):
-    # The runners launch on the device's two step streams, the quiet model's steps on the urgent
-    # one; the tokens are those each model gives when it is the only one loaded.
+def test_models_on_their_own_streams_give_the_tokens_of_each_model_alone(two_models):
+    # Each runner launches on streams of its own, the quiet model's steps on the urgent one; the
+    # tokens are those each model gives when it is the only one loaded (one runner, one stream).
     both, urgent = _run(two_models)
     flood, flood_urgent = _run(two_models, only="flood")
     quiet, quiet_urgent = _run(two_models, only="quiet")
@@ -71,86 +69,6 @@ def test_models_on_the_step_streams_give_the_tokens_of_each_model_alone(two_mode
     assert both == {**flood, **quiet}
     assert urgent["quiet"] > 0 and urgent["flood"] == 0
     assert flood_urgent == {"flood": 0} and quiet_urgent == {"quiet": 0}  # alone, nothing is urgent
-
-
-def test_eager_steps_of_four_models_leave_what_they_cache_on_the_two_step_streams(two_models):
-    # The caching allocator keeps a freed block for the stream it was allocated on. Eager steps
-    # (no graphs here) of four models, quiet and busy ones mixed so both streams run: what they
-    # leave cached sits on the device's two step streams, the ledger's step booking (two steps of
-    # the largest), where streams per runner left it on up to eight.
-    from engine.core.engine_core import EngineCore
-    from engine.sampling import SamplingParams
-
-    core = EngineCore(EngineOptions(dtype="float32", max_num_batched_tokens=256, seed=0, cuda_graphs=False),
-                      device="cuda")
-    names = [f"m{i}" for i in range(4)]
-    try:
-        for i, n in enumerate(names):
-            core.load_model(LoadSpec(n, two_models[i % 2], max_model_len=256, max_num_seqs=8))
-        runners = [core.slots.get(n).runner for n in names]
-        steps = {runners[0].streams.normal, runners[0].streams.urgent}
-        assert all({r.streams.normal, r.streams.urgent} == steps for r in runners)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # what the loads left cached whole
-        before = _cached_by_stream()  # free tails of segments live tensors hold (weights, buffers)
-        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        for i in range(20):  # m0 busiest, m3 quietest: the quieter ones go urgent
-            core.add_request(f"r{i}", names[min(i // 6, 3)], list(range(10, 50 + 7 * i)), greedy)
-        while core.has_unfinished_requests():
-            core.step()
-            step = core.yielded()
-            if step is not None:
-                step.wait()
-        torch.cuda.synchronize()
-        assert sum(r.streams.urgent_steps for r in runners) > 0  # both streams ran steps
-        after = _cached_by_stream()
-        grew = {s: n - before.get(s, 0) for s, n in after.items() if n > before.get(s, 0)}
-        allowed = {s.cuda_stream for s in steps} | {torch.cuda.current_stream().cuda_stream}
-        assert sum(grew.get(s, 0) for s in allowed) > 0, (grew, allowed)
-        elsewhere = {s: n for s, n in grew.items() if s not in allowed}
-        assert sum(elsewhere.values()) <= 64 << 10, (elsewhere, allowed)  # (a stray KiB seen, no activations)
-    finally:
-        for n in core.slots.names():
-            core.unload_model(n)
-
-
-def test_a_switch_to_the_urgent_stream_waits_for_the_runners_own_work_not_the_shared_stream():
-    # The quiet model ran a normal step, then a busy model queued a long one on the (shared) normal
-    # stream; the quiet model's urgent step waits for its own step only and is done while the
-    # busy one still runs, and it reads what its own step wrote.
-    from engine.runner.streams import StepStreams, StreamPool
-
-    dev = torch.device("cuda")
-    pool = StreamPool(dev)
-    busy, quiet = StepStreams(dev, pool), StepStreams(dev, pool)
-    x = torch.ones(2048, 2048, device=dev)
-    with torch.cuda.stream(quiet.enter(False, None)):
-        y = x @ x
-    quiet.done()
-    with torch.cuda.stream(busy.enter(False, None)):
-        torch.cuda._sleep(3_000_000_000)  # a busy model's step: about 1-2 s of the normal stream
-    busy.done()
-    urgent = quiet.enter(True, None)
-    assert urgent is quiet.urgent and busy.normal is quiet.normal
-    with torch.cuda.stream(urgent):
-        z = y + 1
-    quiet.done()
-    end = torch.cuda.Event()
-    end.record(urgent)
-    end.synchronize()
-    assert not busy.normal.query()  # the busy step still runs: the urgent step did not wait for it
-    assert torch.equal(z, torch.full_like(z, 2049.0))  # after its own step
-    torch.cuda.synchronize()
-
-
-def _cached_by_stream() -> dict[int, int]:
-    """Free bytes in the allocator's segments, by the stream they belong to."""
-    cached: dict[int, int] = {}
-    for seg in torch.cuda.memory_snapshot():
-        free = seg["total_size"] - seg["allocated_size"]
-        if free:
-            cached[seg["stream"]] = cached.get(seg["stream"], 0) + free
-    return cached
 
 
 def test_a_stream_pool_lends_a_stream_again_once_its_borrower_is_gone():

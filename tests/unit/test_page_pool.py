@@ -477,10 +477,15 @@ def test_a_page_freed_while_its_models_step_is_on_the_device_goes_to_no_other_mo
         a.free(pages[0])
     assert a.take_cached(pages[1])  # A's own prefix hit: its steps are ordered after N+1
     a.step_launched()  # N+2, launched before N+1 is collected
-    a.step_done()  # N+1 done: N+2 is still on the device
-    assert a.num_held == 1 and b.try_allocate() is None
-    a.step_done()
+    assert a.releases_on_done
+    a.step_done()  # N+1 done: what was freed behind it goes, though N+2 is on the device
     assert a.num_held == 0 and a.num_used == 2 and b.allocate() == pages[0]
+    a.free(pages[2])  # behind N+2
+    assert a.num_held == 1 and b.try_allocate() is None
+    a.step_launched()  # N+3: A launches step behind step and always has one on the device
+    a.step_done()  # N+2 done
+    assert a.num_held == 0 and b.allocate() == pages[2] and not a.releases_on_done
+    a.step_done()
     with pytest.raises(PagePoolError, match="no step on the device"):
         a.step_done()
 
