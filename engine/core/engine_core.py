@@ -432,7 +432,9 @@ class EngineCore:
                     new.slot.runner.sample_masked(new.pending)
                 except Exception as e:
                     failed, new = new, None
-                    raise self._failed(failed.slot, failed.out, e) from e
+                    error = self._failed(failed.slot, failed.out, e)
+                    self._step_done(failed, wait=True)  # its forward still runs: its pages go after it
+                    raise error from e
             if new is not None and new.collect_now:
                 new, done = None, new
                 outs.extend(self._complete(done))
@@ -521,14 +523,14 @@ class EngineCore:
             if f.pending is not None:
                 self._step_done(f)
 
-    def _step_done(self, f: InFlight) -> None:
-        """The step is done on the device: the pages its model freed behind it go back. A step
-        that samples nothing was not waited for by its collect (no ids to copy): when pages go
-        back, the model's work on the device is waited for first."""
-        slot = f.slot
-        if f.pending.ready is None and slot.pages.releases_on_done and slot.runner is not None:
-            slot.runner.wait_device()
-        slot.pages.step_done()
+    def _step_done(self, f: InFlight, wait: bool = False) -> None:
+        """The step is done on the device (its collect waited for it; ``wait``: a step given up
+        before its collect, waited for here): the pages its model freed behind it go back."""
+        try:
+            if wait and f.slot.runner is not None:
+                f.slot.runner.wait_device()
+        finally:
+            f.slot.pages.step_done()
 
     def _apply(self, f: InFlight) -> list[RequestOutput]:
         slot, batch = f.slot, f.out

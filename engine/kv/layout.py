@@ -76,9 +76,6 @@ class ModelPageSource(Protocol):
     @property
     def num_held(self) -> int: ...
 
-    @property
-    def releases_on_done(self) -> bool: ...
-
 
 @dataclass(frozen=True)
 class KVLayout:

@@ -161,12 +161,6 @@ class _ModelAllocator:
         self._pool._release_held(slot)
 
     @property
-    def releases_on_done(self) -> bool:
-        """Whether the next ``step_done`` frees held pages (its step must then really be done)."""
-        slot = self._slot
-        return any(tag <= slot.done + 1 for _, tag in slot.held.values())
-
-    @property
     def num_held(self) -> int:
         """Pages freed but held until this model's steps on the device are done."""
         return len(self._slot.held)
@@ -271,17 +265,28 @@ class PagePool:
 
     # -- the O(1) core ----------------------------------------------------------------------------
     def _available(self, slot: _Slot) -> int:
-        # Below its minimum a model may also take the pages held back for it.
+        # Below its minimum a model may also take the pages held back for it; and it may take
+        # back its own held pages (below the fence), which it still counts.
         n = len(self._free_ids) + len(self._cached_free) - self._reserve + slot.reserve()
         if slot.max_pages is not None:
             n = min(n, slot.max_pages - slot.used)
-        return max(0, n)
+        return max(0, n) + self._reusable(slot)
+
+    def _reusable(self, slot: _Slot) -> int:
+        return sum(1 for p in slot.held if p < self._limit) if slot.held else 0
 
     def _allocate(self, slot: _Slot) -> int | None:
         if self._available(slot) < 1:
             return None
-        if self._free_ids:
+        if self._free_ids and self._available(slot) > self._reusable(slot):
             page_id = heapq.heappop(self._free_ids)
+        elif self._reusable(slot):
+            # Its own page freed behind its step on the device: its next steps run after that one.
+            page_id = next(p for p in slot.held if p < self._limit)
+            cached, _ = slot.held.pop(page_id)
+            if cached and slot.on_evict is not None:
+                slot.on_evict(page_id)  # handed out again: it leaves the model's index
+            return page_id
         else:
             page_id = next(iter(self._cached_free))
             self._evict(page_id)
@@ -317,10 +322,10 @@ class PagePool:
     def _free_after_steps(self, slot: _Slot, page_id: int, cached: bool) -> None:
         """Free now, or hold the page while ``slot`` has a step on the device and the pool is
         shared (the module docstring says why)."""
+        if page_id in slot.held:
+            raise PageOwnershipError(f"{slot.name!r} frees page {page_id} twice (held behind its step on the device)")
         if slot.launched > slot.done and len(self._slots) > 1:
             self._check_owner(slot, page_id)
-            if page_id in slot.held:
-                raise PageOwnershipError(f"{slot.name!r} frees page {page_id} twice (held: its step is on the device)")
             slot.held[page_id] = (cached, slot.launched)
             return
         self._free(slot, page_id, cached)
@@ -515,6 +520,10 @@ class PagePool:
             raise PagePoolError("a cached-free page belongs to a model no longer registered")
         if self._reserve != sum(s.reserve() for s in self._slots.values()) or self._reserve > len(free):
             raise PagePoolError(f"held-back pages {self._reserve} are wrong or exceed {len(free)} free")
+        for s in self._slots.values():
+            if not set(s.held) <= s.pages or not 0 <= s.done <= s.launched \
+                    or any(tag > s.launched for _, tag in s.held.values()):
+                raise PagePoolError(f"{s.name!r}: pages held behind its steps disagree with its books")
 
     def _slot(self, model: str) -> _Slot:
         try:

@@ -49,8 +49,9 @@ class TPGroup:
 
     @functools.cached_property
     def streams(self) -> StreamPool | None:
-        """This rank's stream pool, for every shard it builds: one pair of step streams for all
-        of them, as on one GPU (engine/runner/streams.py), not a new pair per load."""
+        """This rank's stream pool, for every shard it builds: a runner's streams come back to it
+        when the runner goes and the next shard's reuses them (engine/runner/streams.py); a new
+        pool per load left each load's streams, cuBLAS workspaces and all, behind."""
         return StreamPool(self.device) if self.device.type == "cuda" else None
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

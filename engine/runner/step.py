@@ -79,9 +79,11 @@ class PendingStep:
     masked: MaskedSample | None = None  # not sampled yet: its grammar masks come first
 
     @classmethod
-    def empty(cls) -> PendingStep:
-        """A step that samples nothing (prefill chunks short of their prompts' ends)."""
-        return cls(0, None, None, None, None, None)
+    def empty(cls, ready: torch.cuda.Event | None = None) -> PendingStep:
+        """A step that samples nothing (prefill chunks short of their prompts' ends); on CUDA
+        ``ready`` fires when its work is done: it still writes K/V pages, and its model's pages
+        freed meanwhile go back only then (engine/kv/page_pool.py)."""
+        return cls(0, None, ready, None, None, None)
 
     @classmethod
     def copying(cls, num_sampled: int, ids: torch.Tensor, ids_host: torch.Tensor | None = None,

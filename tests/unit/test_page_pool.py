@@ -477,14 +477,13 @@ def test_a_page_freed_while_its_models_step_is_on_the_device_goes_to_no_other_mo
         a.free(pages[0])
     assert a.take_cached(pages[1])  # A's own prefix hit: its steps are ordered after N+1
     a.step_launched()  # N+2, launched before N+1 is collected
-    assert a.releases_on_done
     a.step_done()  # N+1 done: what was freed behind it goes, though N+2 is on the device
     assert a.num_held == 0 and a.num_used == 2 and b.allocate() == pages[0]
     a.free(pages[2])  # behind N+2
     assert a.num_held == 1 and b.try_allocate() is None
     a.step_launched()  # N+3: A launches step behind step and always has one on the device
     a.step_done()  # N+2 done
-    assert a.num_held == 0 and b.allocate() == pages[2] and not a.releases_on_done
+    assert a.num_held == 0 and b.allocate() == pages[2]
     a.step_done()
     with pytest.raises(PagePoolError, match="no step on the device"):
         a.step_done()
@@ -505,3 +504,26 @@ def test_alone_in_the_pool_a_model_frees_at_once_and_free_all_takes_the_held_pag
     assert pool.free_all("a") == 1  # an unload: no step of it is on the device any more
     assert a.num_held == 0 and a.num_used == 0
     pool.unregister("a")
+
+
+def test_a_model_takes_back_its_own_held_pages_when_nothing_else_is_free():
+    # Under page pressure the model whose pages are held reuses them (its next step runs after
+    # the one that may still write them): a page short must not preempt its whole batch.
+    pool = PagePool(3, 4096, device=None)
+    pool.register("a", **BIG)
+    pool.register("b", **SMALL)
+    a, b = pool.allocator_for("a"), pool.allocator_for("b")
+    evicted = []
+    a.on_evict = evicted.append
+    p, q, r = a.allocate(), a.allocate(), a.allocate()
+    a.step_launched()
+    a.free(p)
+    a.free_cached(q)
+    assert a.num_free == 2 and b.num_free == 0 and b.try_allocate() is None
+    assert {a.allocate(), a.allocate()} == {p, q} and evicted == [q]  # the cached one leaves its index
+    assert a.num_held == 0 and a.num_used == 3 and a.try_allocate() is None
+    pool.audit()
+    a.step_done()
+    a.free(r)  # nothing of a's on the device: at once
+    assert b.allocate() == r
+    pool.audit()
