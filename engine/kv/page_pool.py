@@ -36,7 +36,8 @@ another model's step runs beside it on that model's own streams (engine/runner/s
 would take the page and write it at the same time. So while other models share the pool, such a free
 is *held*: the page stays the model's (owned, counted, in its cap) until the steps of that model
 launched before the free are done, and only the model itself takes it back meanwhile (a prefix
-hit on a held cached page). A model's steps finish in the order they were launched, so a held
+hit on a held cached page, or an allocation when no plain free page is left: its next steps run
+after the one that may still write it). A model's steps finish in the order they were launched, so a held
 page carries the count of the model's steps launched at its free, and goes when that many are
 done (not when none is on the device: a model that launches each step behind the last always has
 one there).
