@@ -392,6 +392,7 @@ class EngineCore:
         when a model yields (:meth:`yielded`), when a batch must not be queued behind the step in
         flight, and how a batch is launched.
         """
+        self._catch_up()
         self._grow_under_pressure()
         outs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
@@ -433,7 +434,7 @@ class EngineCore:
                 except Exception as e:
                     failed, new = new, None
                     error = self._failed(failed.slot, failed.out, e)
-                    self._step_done(failed, wait=True)  # its forward still runs: its pages go after it
+                    self._step_done(failed.slot, None, wait=True)  # its forward still runs: its pages go after it
                     raise error from e
             if new is not None and new.collect_now:
                 new, done = None, new
@@ -464,6 +465,7 @@ class EngineCore:
         f, self._inflight = self._inflight, None
         if f is not None:
             self._pending.extend(self._complete(f))
+        self._catch_up(wait=True)
 
     def _pick(self, exclude: ModelSlot | None) -> ModelSlot | None:
         busy = []
@@ -499,14 +501,19 @@ class EngineCore:
         """Queue the batch on the device (or run it: synchronous steps)."""
         t0 = time.perf_counter()
         try:
-            if self.async_steps:
-                plan = self.policy.launch(slot, batch)
-                f = InFlight(slot, batch, slot.runner.launch(batch, plan.urgent), None, t0, plan.holds)
-                slot.pages.step_launched()  # its pages freed from now on wait for it (engine/kv/page_pool.py)
-                return f
-            return InFlight(slot, batch, None, slot.runner.execute(batch), t0)
+            if not self.async_steps:
+                return InFlight(slot, batch, None, slot.runner.execute(batch), t0)
+            plan = self.policy.launch(slot, batch)
         except Exception as e:
             raise self._failed(slot, batch, e) from e
+        slot.pages.step_launched()  # its pages freed from now on wait for it (engine/kv/page_pool.py)
+        try:
+            pending = slot.runner.launch(batch, plan.urgent)
+        except Exception as e:  # part of it may be queued: its pages go once that has run
+            error = self._failed(slot, batch, e)
+            self._step_done(slot, None, wait=True)
+            raise error from e
+        return InFlight(slot, batch, pending, None, t0, plan.holds)
 
     def _failed(self, slot: ModelSlot, batch: SchedulerOutput, e: Exception) -> EngineError:
         """Keep the books straight after a failed step: its requests end as aborted (pages freed,
@@ -517,20 +524,38 @@ class EngineCore:
 
     def _complete(self, f: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's ids, apply them to its scheduler, return the outputs."""
+        ok = False
         try:
-            return self._apply(f)
+            outs = self._apply(f)
+            ok = True
+            return outs
         finally:
             if f.pending is not None:
-                self._step_done(f)
+                self._step_done(f.slot, f.pending.written, wait=not ok)
 
-    def _step_done(self, f: InFlight, wait: bool = False) -> None:
-        """The step is done on the device (its collect waited for it; ``wait``: a step given up
-        before its collect, waited for here): the pages its model freed behind it go back."""
+    def _step_done(self, slot: ModelSlot, written: Any, wait: bool = False) -> None:
+        """A step of ``slot`` is collected: count it done on the device with its page source, so
+        the pages its model freed behind it go back (engine/kv/page_pool.py). Its collect waited
+        for its ids; an empty step (``written``, no ids) may still run: it waits in
+        ``slot.behind`` until it has (:meth:`_catch_up`). ``wait``: a step given up (its launch
+        or collect failed), waited for here. A step done means its model's earlier ones are."""
+        if not wait and written is not None and not written.query():
+            slot.behind.append(written)
+            return
         try:
-            if wait and f.slot.runner is not None:
-                f.slot.runner.wait_device()
+            if wait and slot.runner is not None:
+                slot.runner.wait_device()
         finally:
-            f.slot.pages.step_done()
+            for _ in range(len(slot.behind) + 1):
+                slot.pages.step_done()
+            slot.behind.clear()
+
+    def _catch_up(self, wait: bool = False) -> None:
+        """Count done the empty steps left behind whose work has run (``wait``: all, waiting)."""
+        for slot in self.slots.values():
+            while slot.behind and (wait or slot.behind[0].query()):
+                slot.behind.pop(0).synchronize()
+                slot.pages.step_done()
 
     def _apply(self, f: InFlight) -> list[RequestOutput]:
         slot, batch = f.slot, f.out

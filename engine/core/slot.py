@@ -3,7 +3,7 @@ engine/model_info.py) and keeps per loaded model (:class:`ModelSlot`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import ModelConfig
 from engine.core.memory_plan import LoadNeeds, Workspace
@@ -56,6 +56,9 @@ class ModelSlot:
     yield_wait_s: float = 0.0  # the caller's time from those returns to its next step() call
     model_dir: str = ""  # where its files are (the grammar compiler reads tokenizer.json there)
     grammar: GrammarCompiler | None = None  # made at the model's first constrained request
+    # Empty steps collected before their work on the device was done (``PendingStep.written``):
+    # EngineCore counts them done with its page source once they are (engine/kv/page_pool.py).
+    behind: list = field(default_factory=list)
 
     @property
     def device_bytes(self) -> int:

@@ -83,7 +83,7 @@ class _Slot:
     """One registration of a model; allocators bound to an unregistered slot stop working."""
 
     __slots__ = ("name", "layout", "min_pages", "max_pages", "used", "counted", "pages", "active", "on_evict",
-                 "launched", "done", "held")
+                 "launched", "done", "held", "reusable")
 
     def __init__(self, name: str, layout: KVLayout, min_pages: int, max_pages: int | None) -> None:
         self.name = name
@@ -98,6 +98,7 @@ class _Slot:
         self.launched = 0  # its steps launched (on the device at some time)
         self.done = 0  # of those, the ones done, in launch order
         self.held: dict[int, tuple[bool, int]] = {}  # page freed behind a step -> (freed cached, launched then)
+        self.reusable = 0  # of those, below the fence: it may take them back
 
     def reserve(self) -> int:
         return max(0, self.min_pages - self.counted)
@@ -121,7 +122,7 @@ class _ModelAllocator:
     @property
     def num_total(self) -> int:
         slot = self._live()
-        return slot.used + self._pool._available(slot)
+        return slot.used + self._pool._available(slot) - slot.reusable  # held pages are in used
 
     @property
     def num_used(self) -> int:
@@ -145,7 +146,7 @@ class _ModelAllocator:
     def take_cached(self, page_id: int) -> bool:
         slot = self._live()
         if slot.held.get(page_id, (False, 0))[0]:  # freed cached behind a step on the device: never left
-            del slot.held[page_id]
+            self._pool._unhold(slot, page_id)
             return True
         return self._pool._take_cached(slot, page_id)
 
@@ -258,6 +259,7 @@ class PagePool:
         caller has no step of it on the device. Returns how many."""
         slot = self._slot(model)
         slot.held.clear()
+        slot.reusable = 0
         slot.done = slot.launched
         pages = list(slot.pages)
         for page_id in pages:
@@ -271,20 +273,17 @@ class PagePool:
         n = len(self._free_ids) + len(self._cached_free) - self._reserve + slot.reserve()
         if slot.max_pages is not None:
             n = min(n, slot.max_pages - slot.used)
-        return max(0, n) + self._reusable(slot)
-
-    def _reusable(self, slot: _Slot) -> int:
-        return sum(1 for p in slot.held if p < self._limit) if slot.held else 0
+        return max(0, n) + slot.reusable
 
     def _allocate(self, slot: _Slot) -> int | None:
         if self._available(slot) < 1:
             return None
-        if self._free_ids and self._available(slot) > self._reusable(slot):
+        if self._free_ids and self._available(slot) > slot.reusable:
             page_id = heapq.heappop(self._free_ids)
-        elif self._reusable(slot):
+        elif slot.reusable:
             # Its own page freed behind its step on the device: its next steps run after that one.
             page_id = next(p for p in slot.held if p < self._limit)
-            cached, _ = slot.held.pop(page_id)
+            cached = self._unhold(slot, page_id)
             if cached and slot.on_evict is not None:
                 slot.on_evict(page_id)  # handed out again: it leaves the model's index
             return page_id
@@ -327,15 +326,25 @@ class PagePool:
             raise PageOwnershipError(f"{slot.name!r} frees page {page_id} twice (held behind its step on the device)")
         if slot.launched > slot.done and len(self._slots) > 1:
             self._check_owner(slot, page_id)
+            if page_id >= self._limit and cached:
+                cached = False  # fenced: it is not kept (as _free does), so it leaves the index now
+                if slot.on_evict is not None:
+                    slot.on_evict(page_id)
             slot.held[page_id] = (cached, slot.launched)
+            slot.reusable += page_id < self._limit
             return
         self._free(slot, page_id, cached)
 
+    def _unhold(self, slot: _Slot, page_id: int) -> bool:
+        """Take ``page_id`` off ``slot``'s held pages (it stays the slot's); whether it was freed cached."""
+        cached, _ = slot.held.pop(page_id)
+        slot.reusable -= page_id < self._limit
+        return cached
+
     def _release_held(self, slot: _Slot) -> None:
-        due = [(p, cached) for p, (cached, tag) in slot.held.items() if tag <= slot.done]
-        for page_id, cached in due:
-            del slot.held[page_id]
-            self._free(slot, page_id, cached)
+        due = [p for p, (_, tag) in slot.held.items() if tag <= slot.done]
+        for page_id in due:
+            self._free(slot, page_id, self._unhold(slot, page_id))
 
     def _check_owner(self, slot: _Slot, page_id: int) -> None:
         if isinstance(page_id, bool) or not isinstance(page_id, int) or not 0 <= page_id < self.num_pages:
@@ -379,6 +388,12 @@ class PagePool:
         self._limit = limit
         for s in self._slots.values():
             s.counted = counted[s.name]
+            for p, (cached, tag) in list(s.held.items()):
+                if p >= limit and cached:  # held cached above the fence: out of the index, as a free would
+                    s.held[p] = (False, tag)
+                    if s.on_evict is not None:
+                        s.on_evict(p)
+            s.reusable = sum(1 for p in s.held if p < limit)
         self._reserve = reserve
         for page_id in [p for p in self._cached_free if p >= limit]:
             self._evict(page_id)
@@ -417,6 +432,7 @@ class PagePool:
         self.num_pages = self._limit = num_pages
         for s in self._slots.values():
             s.counted = s.used
+            s.reusable = len(s.held)  # none is above the new size: the resize checked
         self._reserve = reserve
         self._free_ids = [p for p in range(num_pages) if self._owner[p] is None and p not in self._cached_free]
         if self.memory_moves:
@@ -523,7 +539,8 @@ class PagePool:
             raise PagePoolError(f"held-back pages {self._reserve} are wrong or exceed {len(free)} free")
         for s in self._slots.values():
             if not set(s.held) <= s.pages or not 0 <= s.done <= s.launched \
-                    or any(tag > s.launched for _, tag in s.held.values()):
+                    or any(tag > s.launched for _, tag in s.held.values()) \
+                    or s.reusable != sum(1 for p in s.held if p < self._limit):
                 raise PagePoolError(f"{s.name!r}: pages held behind its steps disagree with its books")
 
     def _slot(self, model: str) -> _Slot:

@@ -395,11 +395,11 @@ class ModelRunner:
         entries = step.sample_entries
         if not entries:
             self._spent(t0, graph)
-            done = None
+            written = None
             if self._pin:
-                done = torch.cuda.Event(blocking=True)
-                done.record()
-            return PendingStep.empty(done)
+                written = torch.cuda.Event(blocking=True)
+                written.record()
+            return PendingStep.empty(written)
         if ids is not None:  # a graph's rows (or the padded forward's): the step's sampled rows lead
             s = len(entries)
             logits, ids = logits[:s], ids[:s]
@@ -532,10 +532,6 @@ class ModelRunner:
         """Wait for a launched step's ids (the step's only host sync) and return them; a step
         still waiting for its masks is sampled first."""
         if pending.num_sampled == 0:
-            if pending.ready is not None:  # it wrote K/V: done on the device when collected
-                t0 = time.perf_counter()
-                pending.ready.synchronize()
-                self.wait_seconds += time.perf_counter() - t0
             return StepResult([], [])
         self.sample_masked(pending)
         t0 = time.perf_counter()

@@ -77,13 +77,15 @@ class PendingStep:
     logits: torch.Tensor | None  # kept only when logprobs are wanted
     want_logprobs: list[int | None] | None
     masked: MaskedSample | None = None  # not sampled yet: its grammar masks come first
+    # An empty step's end on the device (CUDA): nothing to copy, so its collect does not wait, but
+    # it writes K/V pages, and its model's pages freed meanwhile go back only once it fires.
+    written: torch.cuda.Event | None = None
 
     @classmethod
-    def empty(cls, ready: torch.cuda.Event | None = None) -> PendingStep:
-        """A step that samples nothing (prefill chunks short of their prompts' ends); on CUDA
-        ``ready`` fires when its work is done: it still writes K/V pages, and its model's pages
-        freed meanwhile go back only then (engine/kv/page_pool.py)."""
-        return cls(0, None, ready, None, None, None)
+    def empty(cls, written: torch.cuda.Event | None = None) -> PendingStep:
+        """A step that samples nothing (prefill chunks short of their prompts' ends); ``written``
+        fires when its work is done (CUDA)."""
+        return cls(0, None, None, None, None, None, written=written)
 
     @classmethod
     def copying(cls, num_sampled: int, ids: torch.Tensor, ids_host: torch.Tensor | None = None,

@@ -218,3 +218,46 @@ def test_pages_a_model_frees_while_its_step_is_in_flight_reach_another_model_onl
     assert held_seen > 0 and beside > 0  # the case happened, with o allocating meanwhile
     assert {r: t for r, t in toks.items() if r != "r3"} == {r: t for r, t in lone.items() if r != "r3"}
     assert core.stats()["m"].kv_pages_used == core.stats()["o"].kv_pages_used == 0
+
+
+def test_an_empty_step_still_running_keeps_the_pages_freed_behind_it_until_it_has_run(model_dir):
+    # A prefill chunk that samples nothing is collected without waiting (no ids to copy), but it
+    # writes K/V: it counts as done with the page pool only once its event has fired (a stand-in
+    # event here, on CPU), and a settle (before a load or an unload) waits for it.
+    class Event:
+        fired = False
+
+        def query(self):
+            return self.fired
+
+        def synchronize(self):
+            self.fired = True
+
+    core = _core(model_dir, True, budget=8, chunk=4)
+    core.load_model(LoadSpec("o", model_dir, max_model_len=64, max_num_seqs=8))
+    m = core.slots.get("m")
+    events: list[Event] = []
+    launch = m.runner.launch
+
+    def spy(out, *rest):
+        pending = launch(out, *rest)
+        if pending.num_sampled == 0:
+            pending.written = Event()
+            events.append(pending.written)
+        return pending
+
+    m.runner.launch = spy
+    core.add_request("long", "m", list(range(10, 40)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    for _ in range(3):
+        core.step()
+    assert events and m.behind  # chunks collected while "still running"
+    pool = core.pools.pool._slot("m")
+    assert pool.launched - pool.done >= len(m.behind)
+    core.abort_request("long")  # its pages: held behind the chunks
+    assert m.pages.num_held > 0
+    events[0].fired = True
+    core.step()  # the first chunk has run: counted done; the others still run
+    assert m.pages.num_held > 0 and m.behind
+    core._settle()  # waits for all of them
+    assert not m.behind and m.pages.num_held == 0 and pool.launched == pool.done
+    assert core.stats()["m"].kv_pages_used == 0

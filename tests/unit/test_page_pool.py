@@ -527,3 +527,28 @@ def test_a_model_takes_back_its_own_held_pages_when_nothing_else_is_free():
     a.free(r)  # nothing of a's on the device: at once
     assert b.allocate() == r
     pool.audit()
+
+
+def test_held_pages_under_a_fence_and_a_cap_keep_the_books():
+    # A held cached page above a fence leaves the model's index at once, as a free there would,
+    # and drains when its step is done; a held page is counted once in the model's total.
+    pool = PagePool(6, 4096, device=None)
+    pool.register("a", **BIG, max_pages=4)
+    pool.register("b", **SMALL)
+    a = pool.allocator_for("a")
+    evicted = []
+    a.on_evict = evicted.append
+    pages = [a.allocate() for _ in range(4)]
+    assert a.num_total == 4
+    a.step_launched()
+    a.free_cached(pages[3])
+    a.free(pages[2])
+    assert a.num_total == 4 and a.num_free == 2  # its two held pages, under its cap
+    assert pool.fence(3) == 1  # page 3 is above: held, still in use
+    assert evicted == [3] and not a.take_cached(3)
+    assert a.num_free == 1  # page 2 only (page 3 drains)
+    pool.audit()
+    a.step_done()
+    assert pool.num_fenced_in_use() == 0 and a.num_used == 2
+    pool.resize(3)
+    pool.audit()
