@@ -26,6 +26,7 @@ unloads are returned by the next step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -542,13 +543,14 @@ class EngineCore:
         if not wait and written is not None and not written.query():
             slot.behind.append(written)
             return
-        try:
-            if wait and slot.runner is not None:
+        if wait and slot.runner is not None:
+            # A device that fails the wait is broken (device_usable says so and the worker goes):
+            # the failure being handled is the one to report, not this one.
+            with contextlib.suppress(RuntimeError):
                 slot.runner.wait_device()
-        finally:
-            for _ in range(len(slot.behind) + 1):
-                slot.pages.step_done()
-            slot.behind.clear()
+        for _ in range(len(slot.behind) + 1):
+            slot.pages.step_done()
+        slot.behind.clear()
 
     def _catch_up(self, wait: bool = False) -> None:
         """Count done the empty steps left behind whose work has run (``wait``: all, waiting)."""
