@@ -557,7 +557,7 @@ class ModelLoader:
         measure = self.warmup and known is None and cuda  # the warm-up's largest step too
         build = pre is None and cuda  # a runner built here: what it holds is measured
         held_before = self._pools.device_reserved() if build else 0
-        self._pools.device_allocated()  # the peak counts from here
+        self._pools.start_peak()
         t1 = time.perf_counter()
         if pre is not None:
             slot.kv, slot.runner = pre[1], pre[2]

@@ -532,11 +532,15 @@ class PoolKeeper:
             for page in table:
                 slot.pages.free(page)
 
+    def start_peak(self) -> None:
+        """The device's peak allocation (:meth:`device_peak`) counts from now, the device's queued
+        work done first."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def device_allocated(self) -> int:
-        if self.device.type != "cuda":
-            return 0
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        """Bytes of the live tensors (after :meth:`device_peak`, which synchronizes)."""
         return torch.cuda.memory_allocated(self.device)
 
     def device_reserved(self) -> int:
