@@ -122,7 +122,7 @@ class _ModelAllocator:
     @property
     def num_total(self) -> int:
         slot = self._live()
-        return slot.used + self._pool._available(slot) - slot.reusable  # held pages are in used
+        return slot.used + self._pool._takeable(slot)  # its held pages are in ``used`` already
 
     @property
     def num_used(self) -> int:
@@ -268,17 +268,19 @@ class PagePool:
 
     # -- the O(1) core ----------------------------------------------------------------------------
     def _available(self, slot: _Slot) -> int:
-        # Below its minimum a model may also take the pages held back for it; and it may take
-        # back its own held pages (below the fence), which it still counts.
+        # and it may take back its own held pages (below the fence), which it still counts
+        return self._takeable(slot) + slot.reusable
+
+    def _takeable(self, slot: _Slot) -> int:
+        """Free pages ``slot`` may take: below its minimum, the pages held back for it too."""
         n = len(self._free_ids) + len(self._cached_free) - self._reserve + slot.reserve()
         if slot.max_pages is not None:
             n = min(n, slot.max_pages - slot.used)
-        return max(0, n) + slot.reusable
+        return max(0, n)
 
     def _allocate(self, slot: _Slot) -> int | None:
-        if self._available(slot) < 1:
-            return None
-        if self._free_ids and self._available(slot) > slot.reusable:
+        takeable = self._takeable(slot)
+        if takeable and self._free_ids:
             page_id = heapq.heappop(self._free_ids)
         elif slot.reusable:
             # Its own page freed behind its step on the device: its next steps run after that one.
@@ -287,14 +289,16 @@ class PagePool:
             if cached and slot.on_evict is not None:
                 slot.on_evict(page_id)  # handed out again: it leaves the model's index
             return page_id
-        else:
+        elif takeable:
             page_id = next(iter(self._cached_free))
             self._evict(page_id)
+        else:
+            return None
         self._take(slot, page_id)
         return page_id
 
     def _take_cached(self, slot: _Slot, page_id: int) -> bool:
-        if self._cached_free.get(page_id) is not slot or self._available(slot) < 1:
+        if self._cached_free.get(page_id) is not slot or not self._takeable(slot):
             return False
         del self._cached_free[page_id]
         self._take(slot, page_id)

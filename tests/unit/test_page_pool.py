@@ -552,3 +552,21 @@ def test_held_pages_under_a_fence_and_a_cap_keep_the_books():
     assert pool.num_fenced_in_use() == 0 and a.num_used == 2
     pool.resize(3)
     pool.audit()
+
+
+def test_a_held_page_is_no_room_for_a_prefix_hit_past_the_cap():
+    # Its held pages let a model reuse them, not grow: a prefix hit on a cached-free page still
+    # needs room under its cap.
+    pool = PagePool(6, 4096, device=None)
+    pool.register("a", **BIG, max_pages=2)
+    pool.register("b", **SMALL)
+    a = pool.allocator_for("a")
+    p, q = a.allocate(), a.allocate()
+    a.free_cached(q)  # nothing on the device: cached-free at once
+    r = a.allocate()
+    a.step_launched()
+    a.free(p)
+    assert a.num_free == 1 and not a.take_cached(q) and a.num_used == 2
+    assert a.allocate() == p and a.try_allocate() is None
+    assert r != q  # a cached-free page goes after the plain free ones
+    pool.audit()
