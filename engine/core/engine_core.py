@@ -113,6 +113,16 @@ class InFlight:
                 or self.pending.masked is not None)
 
 
+def _fired(event: Any) -> bool:
+    """Whether a step's event has fired. A device that fails the query is broken (the worker
+    goes, ``device_usable``): nothing runs on it any more, and the failure to report is the
+    step's own, not this one."""
+    try:
+        return bool(event.query())
+    except RuntimeError:
+        return True
+
+
 def _step_figures(runner) -> dict:
     """A runner's step counters as ModelStats has them (a model without a runner keeps its zeros)."""
     return dict(steps=runner.steps, decode_graph_steps=runner.graph_steps, mixed_graph_steps=runner.mixed_graph_steps,
@@ -445,6 +455,10 @@ class EngineCore:
             self._pending[:0] = outs
             raise
         self._inflight = new
+        if new is None and not self.has_unfinished_requests():
+            # going idle: the empty steps left behind (an aborted prompt's chunks) end here, or
+            # their models' freed pages would stay held, and counted, until the next request
+            self._catch_up(wait=True)
         return outs
 
     def yielded(self) -> InFlight | None:
@@ -540,7 +554,7 @@ class EngineCore:
         for its ids; an empty step (``written``, no ids) may still run: it waits in
         ``slot.behind`` until it has (:meth:`_catch_up`). ``wait``: a step given up (its launch
         or collect failed), waited for here. A step done means its model's earlier ones are."""
-        if not wait and written is not None and not written.query():
+        if not wait and written is not None and not _fired(written):
             slot.behind.append(written)
             return
         if wait and slot.runner is not None:
@@ -556,7 +570,8 @@ class EngineCore:
         """Count done the empty steps left behind whose work has run (``wait``: all, waiting)."""
         for slot in self.slots.values():
             while slot.behind and (wait or slot.behind[0].query()):
-                slot.behind.pop(0).synchronize()
+                slot.behind[0].synchronize()  # popped once done: a failed wait leaves the count whole
+                slot.behind.pop(0)
                 slot.pages.step_done()
 
     def _apply(self, f: InFlight) -> list[RequestOutput]:

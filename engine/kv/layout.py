@@ -39,7 +39,8 @@ class ModelPageSource(Protocol):
 
     A superset of ``engine.sched.block_manager.PageSource``: ``num_free`` is how many pages this
     model may take right now (its held-back minimum included, its cap and other models'
-    minimums respected); ``num_total`` = ``num_used + num_free``, the most it could hold now;
+    minimums respected); ``num_total`` the most it could hold now (``num_used + num_free``,
+    less the pages it holds back behind a step, which both count);
     ``allocate()`` returns a global page id or raises ``OutOfPages``; ``try_allocate()``
     returns ``None`` instead; ``free(page_id)`` gives a page back (one the model does not hold
     raises ``PageOwnershipError``, a ``PageError``): at once, or, while a step of the model is on

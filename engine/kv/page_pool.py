@@ -346,7 +346,12 @@ class PagePool:
         return cached
 
     def _release_held(self, slot: _Slot) -> None:
-        due = [p for p, (_, tag) in slot.held.items() if tag <= slot.done]
+        # tags rise in insertion order (the launched count only grows): the due pages lead
+        due = []
+        for page_id, (_, tag) in slot.held.items():
+            if tag > slot.done:
+                break
+            due.append(page_id)
         for page_id in due:
             self._free(slot, page_id, self._unhold(slot, page_id))
 

@@ -547,6 +547,13 @@ class ModelRunner:
             self.wait_seconds += time.perf_counter() - t0
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run a batch to its end (synchronous steps): a step that samples nothing is waited for
+        too, since its collect returns at once, and its model's pages freed next may go to
+        another model's step at once (engine/kv/page_pool.py holds them only behind launched
+        steps)."""
         if not out.seqs:
             return StepResult([], [])
-        return self.collect(self.launch(out))
+        pending = self.launch(out)
+        if pending.written is not None:
+            pending.written.synchronize()
+        return self.collect(pending)

@@ -253,6 +253,8 @@ def test_an_empty_step_still_running_keeps_the_pages_freed_behind_it_until_it_ha
     assert events and m.behind  # chunks collected while "still running"
     pool = core.pools.pool._slot("m")
     assert pool.launched - pool.done >= len(m.behind)
+    # the other model keeps the engine busy meanwhile (an engine going idle waits: below)
+    core.add_request("busy", "o", PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     core.abort_request("long")  # its pages: held behind the chunks
     assert m.pages.num_held > 0
     events[0].fired = True
@@ -261,3 +263,65 @@ def test_an_empty_step_still_running_keeps_the_pages_freed_behind_it_until_it_ha
     core._settle()  # waits for all of them
     assert not m.behind and m.pages.num_held == 0 and pool.launched == pool.done
     assert core.stats()["m"].kv_pages_used == 0
+
+
+def test_an_engine_going_idle_waits_for_the_empty_steps_behind_it(model_dir):
+    # Nothing would call the catch-up again until the next request: the pages an aborted
+    # prompt's chunks hold would stay held, counted as used (memory stats, the idle trim), while
+    # the device had long run them. The step that leaves the engine idle waits for them instead.
+    class Event:
+        fired = False
+
+        def query(self):
+            return self.fired
+
+        def synchronize(self):
+            self.fired = True
+
+    core = _core(model_dir, True, budget=8, chunk=4)
+    core.load_model(LoadSpec("o", model_dir, max_model_len=64, max_num_seqs=8))
+    m = core.slots.get("m")
+    launch = m.runner.launch
+
+    def spy(out, *rest):
+        pending = launch(out, *rest)
+        if pending.num_sampled == 0:
+            pending.written = Event()
+        return pending
+
+    m.runner.launch = spy
+    core.add_request("long", "m", list(range(10, 40)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    core.step()
+    core.step()
+    assert m.behind
+    core.abort_request("long")
+    while core.has_unfinished_requests():
+        core.step()
+    assert not m.behind and m.pages.num_held == 0 and core.stats()["m"].kv_pages_used == 0
+
+
+def test_synchronous_steps_wait_for_a_step_that_samples_nothing(model_dir, monkeypatch):
+    # Without launch-ahead no page is held (no step is counted on the device): a step that
+    # samples nothing, whose collect returns at once, is waited for by execute itself, or its
+    # model's pages freed next would reach another model while it still writes them.
+    waited = []
+
+    class Event:
+        def synchronize(self):
+            waited.append(self)
+
+    core = _core(model_dir, False, budget=8, chunk=4)
+    runner = core.slots.get("m").runner
+    launch = runner.launch
+
+    def spy(out, *rest):
+        pending = launch(out, *rest)
+        if pending.num_sampled == 0:
+            pending.written = Event()
+        return pending
+
+    monkeypatch.setattr(runner, "launch", spy)
+    core.add_request("long", "m", list(range(10, 40)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while core.has_unfinished_requests():
+        core.step()
+    assert len(waited) >= 3  # 30 prompt tokens in chunks of 4: the first chunks sample nothing
