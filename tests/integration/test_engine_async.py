@@ -220,33 +220,43 @@ def test_pages_a_model_frees_while_its_step_is_in_flight_reach_another_model_onl
     assert core.stats()["m"].kv_pages_used == core.stats()["o"].kv_pages_used == 0
 
 
-def test_an_empty_step_still_running_keeps_the_pages_freed_behind_it_until_it_has_run(model_dir):
-    # A prefill chunk that samples nothing is collected without waiting (no ids to copy), but it
-    # writes K/V: it counts as done with the page pool only once its event has fired (a stand-in
-    # event here, on CPU), and a settle (before a load or an unload) waits for it.
-    class Event:
-        fired = False
+class _StandInEvent:
+    """A step's ``written`` event on CPU, fired by the test (the device's work "done")."""
 
-        def query(self):
-            return self.fired
+    fired = False
 
-        def synchronize(self):
-            self.fired = True
+    def query(self):
+        return self.fired
 
+    def synchronize(self):
+        self.fired = True
+
+
+def _two_models_with_events(model_dir):
+    """Models "m" and "o" in one pool; each empty step of m's carries a stand-in event: (core, m,
+    the events in launch order)."""
     core = _core(model_dir, True, budget=8, chunk=4)
     core.load_model(LoadSpec("o", model_dir, max_model_len=64, max_num_seqs=8))
     m = core.slots.get("m")
-    events: list[Event] = []
+    events = []
     launch = m.runner.launch
 
     def spy(out, *rest):
         pending = launch(out, *rest)
         if pending.num_sampled == 0:
-            pending.written = Event()
+            pending.written = _StandInEvent()
             events.append(pending.written)
         return pending
 
     m.runner.launch = spy
+    return core, m, events
+
+
+def test_an_empty_step_still_running_keeps_the_pages_freed_behind_it_until_it_has_run(model_dir):
+    # A prefill chunk that samples nothing is collected without waiting (no ids to copy), but it
+    # writes K/V: it counts as done with the page pool only once its event has fired (a stand-in
+    # event here, on CPU), and a settle (before a load or an unload) waits for it.
+    core, m, events = _two_models_with_events(model_dir)
     core.add_request("long", "m", list(range(10, 40)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     for _ in range(3):
         core.step()
@@ -269,27 +279,7 @@ def test_an_engine_going_idle_waits_for_the_empty_steps_behind_it(model_dir):
     # Nothing would call the catch-up again until the next request: the pages an aborted
     # prompt's chunks hold would stay held, counted as used (memory stats, the idle trim), while
     # the device had long run them. The step that leaves the engine idle waits for them instead.
-    class Event:
-        fired = False
-
-        def query(self):
-            return self.fired
-
-        def synchronize(self):
-            self.fired = True
-
-    core = _core(model_dir, True, budget=8, chunk=4)
-    core.load_model(LoadSpec("o", model_dir, max_model_len=64, max_num_seqs=8))
-    m = core.slots.get("m")
-    launch = m.runner.launch
-
-    def spy(out, *rest):
-        pending = launch(out, *rest)
-        if pending.num_sampled == 0:
-            pending.written = Event()
-        return pending
-
-    m.runner.launch = spy
+    core, m, _ = _two_models_with_events(model_dir)
     core.add_request("long", "m", list(range(10, 40)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     core.step()
     core.step()
