@@ -36,7 +36,9 @@ NEXT_STATES: dict[State, frozenset[State]] = {
     State.ABSENT: frozenset({State.PULLING, State.CACHED, State.FAILED}),
     State.PULLING: frozenset({State.CACHED, State.FAILED}),
     State.CACHED: frozenset({State.PULLING, State.LOADING, State.ABSENT}),
-    State.LOADING: frozenset({State.READY, State.FAILED, State.CACHED}),
+    # to pulling: a reload after a worker restart whose files were asked to be pulled while it was
+    # loaded (ModelManager.pull): it pulls first, as its next load does
+    State.LOADING: frozenset({State.READY, State.FAILED, State.CACHED, State.PULLING}),
     State.READY: frozenset({State.DRAINING, State.LOADING, State.FAILED}),
     # back to ready: a drain for a load's room called off (ModelManager._recall_drains)
     State.DRAINING: frozenset({State.UNLOADING, State.READY, State.LOADING, State.FAILED}),

@@ -312,6 +312,9 @@ class ModelManager:
         repairing = e.needs_repair  # this load verifies every sha256 and fetches what is wrong
         if e.snapshot is None or not e.snapshot.exists() or e.needs_repair or e.needs_pull:
             t = time.monotonic()
+            # (a reload pulling first is a load anew: a pull that fails leaves it failed as any
+            # load's does, cleared by an unload, not reloaded after the next restart)
+            e.want_loaded = False
             await self._pull(e)
             e.phases["pull"] = (t, time.monotonic())
             if e.state is not State.CACHED:

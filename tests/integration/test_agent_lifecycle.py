@@ -44,6 +44,10 @@ def test_worker_sigkill_mid_stream_then_recovers(make_tiny_model, tmp_path) -> N
                env={"INFIRE_SERVER__DRAIN_TIMEOUT": "0.3"}).start(timeout=120)
     try:
         pid = d.status()["worker"]["pid"]
+        # A pull asked while it is loaded marks its next load to pull first: the restart's reload
+        # is that load (it once failed it, "cannot go from loading to pulling").
+        code, body = d.post(f"/admin/v1/models/{MODEL}/pull", headers={"Authorization": "Bearer test-admin-token"})
+        assert code == 200, body
         conn, resp = _open_stream(d, CTX - 16)
         first = resp.readline()
         assert first.startswith(b"data: ")
@@ -60,6 +64,7 @@ def test_worker_sigkill_mid_stream_then_recovers(make_tiny_model, tmp_path) -> N
         d.wait_for("/readyz", 200, timeout=30)
         st = d.status()
         assert st["worker"]["pid"] != pid and st["worker"]["restarts"] == 1
+        assert "load_error" not in d.logs()
         assert next(m for m in st["models"] if m["name"] == MODEL)["state"] == "ready"
         code, body = d.post("/v1/completions", {"model": MODEL, "prompt": "again", "max_tokens": 3,
                                                 "temperature": 0, "ignore_eos": True})
