@@ -230,8 +230,8 @@ class PagePool:
         spare = self.num_free - self._reserve
         if min_pages > spare:
             raise PoolExhausted(f"cannot guarantee {min_pages} pages to {model!r}: {spare} free "
-                                f"pages are not held for other models ({len(self._free_ids)} "
-                                f"free, {self._reserve} held back)")
+                                f"pages are not held for other models ({self.num_free} free, of which "
+                                f"{len(self._cached_free)} cached; {self._reserve} held back)")
         self._slots[model] = _Slot(model, layout, min_pages, max_pages)
         self._reserve += min_pages
         return layout

@@ -588,3 +588,42 @@ def test_a_busy_model_short_of_pages_grows_a_pool_that_stays_in_place(dirs, need
     if in_place:
         assert core.memory().vacant == 0  # the vacancy's room went to the pool
     core.pools.pool.audit()
+
+
+def test_a_load_takes_back_the_pages_another_model_took_above_its_minimum(dirs):
+    # c leaves while b serves: b may then take c's pages (its cap is what the others' minimums
+    # leave). The pool is already the size the books give it, so c's load resizes nothing; it
+    # must still get its minimum, from b's pages above b's (b's sequences preempted, recomputed
+    # token for token), not fail with "cannot guarantee" (found by a churn run through the daemon).
+    def serve_b(core):
+        for i in range(16):
+            core.add_request(f"b{i}", "b", [7, 8, 9], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+
+    alone = core_for(4 << 20)
+    alone.load_model(LoadSpec("b", dirs["b"], max_model_len=512, max_num_seqs=16))
+    serve_b(alone)
+    want: dict[str, list[int]] = {}
+    drain(alone, want)
+
+    core = core_for(4 << 20)
+    for n in ("a", "b", "c"):
+        core.load_model(LoadSpec(n, dirs[n], max_model_len=512, max_num_seqs=16))
+    pool = core.pools.pool
+    serve_b(core)
+    toks: dict[str, list[int]] = {}
+    for o in core.step():
+        toks.setdefault(o.req_id, []).extend(o.new_token_ids)
+    core.unload_model("c")
+    c_min = 32
+    for _ in range(2000):  # until b holds what c's minimum would need
+        for o in core.step():
+            toks.setdefault(o.req_id, []).extend(o.new_token_ids)
+        if pool.num_free - pool.num_reserved < c_min:
+            break
+    pages = pool.num_pages
+    assert pool.num_free - pool.num_reserved < c_min and pool.num_used("b") > 64  # the case
+    core.load_model(LoadSpec("c", dirs["c"], max_model_len=512, max_num_seqs=16))
+    assert pool.num_pages == pages and pool._slot("c").min_pages == c_min
+    drain(core, toks)
+    assert toks == want
+    pool.audit()
