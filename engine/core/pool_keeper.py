@@ -361,15 +361,15 @@ class PoolKeeper:
             kv_after = snap.free + snap.kv_pool_bytes  # the budget beside weights and workspace
         target = pool_target(kv_after, pb, wants)
         cur = pool.num_pages
+        must_grow = new is not None and pool.num_free - pool.num_reserved < new.min_pages
         if target == cur or (target > cur and not grow):
-            if new is not None and pool.num_free - pool.num_reserved < new.min_pages:
+            if must_grow:
                 # The pool is the size it should be, but the others took its free pages above
                 # their minimums (one model's cap grows with the pool when another leaves): they
                 # give them back, as they would to a resize, or the load could not register.
                 self._make_room(pooled, cur, new.min_pages)
             return
         must_shrink = new is not None and cur * pb > kv_after
-        must_grow = new is not None and pool.num_free - pool.num_reserved < new.min_pages
         if new is not None and target < cur and not (must_shrink or must_grow):
             # A load shrinks the pool only when its weights need the room: a resize rebuilds
             # every runner, and leaves the vacancies' stale (the next load of their kind would
