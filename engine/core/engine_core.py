@@ -569,7 +569,7 @@ class EngineCore:
     def _catch_up(self, wait: bool = False) -> None:
         """Count done the empty steps left behind whose work has run (``wait``: all, waiting)."""
         for slot in self.slots.values():
-            while slot.behind and (wait or slot.behind[0].query()):
+            while slot.behind and (wait or _fired(slot.behind[0])):
                 slot.behind[0].synchronize()  # popped once done: a failed wait leaves the count whole
                 slot.behind.pop(0)
                 slot.pages.step_done()

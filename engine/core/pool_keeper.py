@@ -337,7 +337,17 @@ class PoolKeeper:
         weights need room the pool holds, or its minimum needs pages the pool lacks. Cheap: on a
         GPU any grow, and a shrink whose cut-off tail is free; off it, any resize with no live page.
         A required resize preempts the running sequences in its way first (on a GPU those holding
-        the tail, off it all). ``grow`` False: only a smaller target is taken."""
+        the tail, off it all). ``grow`` False: only a smaller target is taken. A load then gets
+        its minimum whatever the size: models above their own minimums give pages back (a busy
+        model takes the pages of one that left, its cap being what the others' minimums leave,
+        so a pool already the right size may lack them)."""
+        self._fit_size(new, kv_after, grow)
+        pool = self.pool
+        if new is not None and pool.num_free - pool.num_reserved < new.min_pages:
+            self._make_room(self._pooled(), pool.num_pages, new.min_pages)
+
+    def _fit_size(self, new: LoadNeeds | None, kv_after: int | None, grow: bool) -> None:
+        """:meth:`fit`'s resize."""
         # No model on the pool: it goes now (a load makes one of its own page size), unless a
         # vacancy's runner is built on it and no load of another page size asks.
         kept_for = any(v.runner is not None for v in self.vacancies)
@@ -361,15 +371,10 @@ class PoolKeeper:
             kv_after = snap.free + snap.kv_pool_bytes  # the budget beside weights and workspace
         target = pool_target(kv_after, pb, wants)
         cur = pool.num_pages
-        must_grow = new is not None and pool.num_free - pool.num_reserved < new.min_pages
         if target == cur or (target > cur and not grow):
-            if must_grow:
-                # The pool is the size it should be, but the others took its free pages above
-                # their minimums (one model's cap grows with the pool when another leaves): they
-                # give them back, as they would to a resize, or the load could not register.
-                self._make_room(pooled, cur, new.min_pages)
             return
         must_shrink = new is not None and cur * pb > kv_after
+        must_grow = new is not None and pool.num_free - pool.num_reserved < new.min_pages
         if new is not None and target < cur and not (must_shrink or must_grow):
             # A load shrinks the pool only when its weights need the room: a resize rebuilds
             # every runner, and leaves the vacancies' stale (the next load of their kind would

@@ -529,13 +529,18 @@ def test_a_model_takes_back_its_own_held_pages_when_nothing_else_is_free():
     pool.audit()
 
 
+def _capped_beside_another(max_pages: int) -> tuple[PagePool, object]:
+    """A pool of 6 pages shared by "a" (capped at ``max_pages``) and "b"; a's allocator."""
+    pool = PagePool(6, 4096, device=None)
+    pool.register("a", **BIG, max_pages=max_pages)
+    pool.register("b", **SMALL)
+    return pool, pool.allocator_for("a")
+
+
 def test_held_pages_under_a_fence_and_a_cap_keep_the_books():
     # A held cached page above a fence leaves the model's index at once, as a free there would,
     # and drains when its step is done; a held page is counted once in the model's total.
-    pool = PagePool(6, 4096, device=None)
-    pool.register("a", **BIG, max_pages=4)
-    pool.register("b", **SMALL)
-    a = pool.allocator_for("a")
+    pool, a = _capped_beside_another(4)
     evicted = []
     a.on_evict = evicted.append
     pages = [a.allocate() for _ in range(4)]
@@ -557,10 +562,7 @@ def test_held_pages_under_a_fence_and_a_cap_keep_the_books():
 def test_a_held_page_is_no_room_for_a_prefix_hit_past_the_cap():
     # Its held pages let a model reuse them, not grow: a prefix hit on a cached-free page still
     # needs room under its cap.
-    pool = PagePool(6, 4096, device=None)
-    pool.register("a", **BIG, max_pages=2)
-    pool.register("b", **SMALL)
-    a = pool.allocator_for("a")
+    pool, a = _capped_beside_another(2)
     p, q = a.allocate(), a.allocate()
     a.free_cached(q)  # nothing on the device: cached-free at once
     r = a.allocate()
