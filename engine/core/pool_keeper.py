@@ -511,12 +511,16 @@ class PoolKeeper:
     def warm_up(self, slot: ModelSlot) -> None:
         """One step at the largest batch (every row sampled, with temperature: the sampler's
         kernel and its candidate buffers are part of the peak, and its compile or cache load
-        happens here, not in the first sampled request's step) so its peak can be measured; then,
-        on a runner without mixed-step graphs (whose own warm-up at the smallest bucket does it),
-        one short prompt, whose attention takes the prefill kernel's small-step launch shape
-        (engine/kernels/attention_triton.py, prefill_shape), compiled here too. The sequences
-        share one block table of the model's own guaranteed pages: their K/V writes land only
-        there, and the pages are freed after."""
+        happens here, not in the first sampled request's step) so its peak can be measured; then
+        one short prompt run eagerly on each of the runner's two step streams: its attention
+        takes the prefill kernel's small-step launch shape (engine/kernels/attention_triton.py,
+        prefill_shape), compiled here, and its forward makes the library workspaces cuBLAS (and
+        cuBLASLt, for biased and FP8 layers) keep for good on a stream they first run on — 32 MiB
+        each on Hopper — inside the load's measurement. A warm-up whose largest step replays a
+        graph runs no matmul on the step streams, and the first eager step on one (prompt
+        logprobs, a bucket without a graph) made them unbooked, at serving time (tests/gpu,
+        test_memory_gpu). The sequences share one block table of the model's own guaranteed
+        pages: their K/V writes land only there, and the pages are freed after."""
         cfg = slot.scheduler.config
         per_seq = min(cfg.max_model_len - 1, self.max_num_batched_tokens)
         table = [slot.pages.allocate() for _ in range(-(-per_seq // slot.pages.block_size))]
@@ -529,15 +533,13 @@ class PoolKeeper:
             out.seqs.append(ScheduledSeq(-1 - i, f"warmup{i}", [0] * n, 0, table, True, 0, params))
             out.num_batched_tokens += n
             left -= n
-        short = None
-        if slot.runner.mixed is None:
-            short = SchedulerOutput()
-            short.seqs.append(ScheduledSeq(-1, "warmup-short", [0] * min(per_seq, 16), 0, table, True, 0, params))
-            short.num_batched_tokens = len(short.seqs[0].token_ids)
+        short = SchedulerOutput()
+        short.seqs.append(ScheduledSeq(-1, "warmup-short", [0] * min(per_seq, 16), 0, table, True, 0, params))
+        short.num_batched_tokens = len(short.seqs[0].token_ids)
         try:
             slot.runner.execute(out)
-            if short is not None:
-                slot.runner.execute(short)
+            for urgent in (False, True):
+                slot.runner.execute(short, urgent=urgent, eager=True)
         finally:
             for page in table:
                 slot.pages.free(page)

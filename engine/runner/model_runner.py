@@ -357,15 +357,16 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, self.kv, step.meta)
         return self.model.compute_logits(hidden.index_select(0, step.logits_rows))
 
-    def launch(self, out: SchedulerOutput, urgent: bool = False) -> PendingStep:
+    def launch(self, out: SchedulerOutput, urgent: bool = False, eager: bool = False) -> PendingStep:
         """Queue the step's work on the device; returns before the GPU is done. On CUDA it runs
         on this runner's own streams (engine/runner/streams.py), the high-priority one if
-        ``urgent``, so steps of different models run side by side."""
+        ``urgent``, so steps of different models run side by side. ``eager``: run the forward
+        eagerly whatever :meth:`step_plan` would choose (the warm-up's, on each stream)."""
         self.steps += 1
         if self.streams is None:
-            return self._launch(out)
+            return self._launch(out, eager)
         with torch.cuda.stream(self.streams.enter(urgent, self._prev_ids)):
-            return self._launch(out)
+            return self._launch(out, eager)
 
     def step_plan(self, out: SchedulerOutput) -> StepPlan:
         """How ``out`` runs, chosen once before its inputs are staged: a decode-only step whose
@@ -384,9 +385,9 @@ class ModelRunner:
         return EAGER if pad is None else StepPlan(pad_to=pad)
 
     @torch.inference_mode()
-    def _launch(self, out: SchedulerOutput) -> PendingStep:
+    def _launch(self, out: SchedulerOutput, eager: bool) -> PendingStep:
         t0 = time.perf_counter()
-        plan = self.step_plan(out)
+        plan = EAGER if eager else self.step_plan(out)
         if plan.graphs is not None:
             plan.graphs.capture_deferred(plan.bucket)  # before prepare: this capture writes padding into the inputs
         step = self.prepare(out, pad_to=plan.pad_to, pad_tokens=plan.pad_tokens)
@@ -546,14 +547,14 @@ class ModelRunner:
         finally:
             self.wait_seconds += time.perf_counter() - t0
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run a batch to its end (synchronous steps): a step that samples nothing is waited for
-        too, since its collect returns at once, and its model's pages freed next may go to
-        another model's step at once (engine/kv/page_pool.py holds them only behind launched
-        steps)."""
+    def execute(self, out: SchedulerOutput, urgent: bool = False, eager: bool = False) -> StepResult:
+        """Run a batch to its end (synchronous steps; ``urgent``, ``eager``: as :meth:`launch`
+        takes them): a step that samples nothing is waited for too, since its collect returns at
+        once, and its model's pages freed next may go to another model's step at once
+        (engine/kv/page_pool.py holds them only behind launched steps)."""
         if not out.seqs:
             return StepResult([], [])
-        pending = self.launch(out)
+        pending = self.launch(out, urgent, eager)
         if pending.written is not None:
             pending.written.synchronize()
         return self.collect(pending)
