@@ -222,13 +222,22 @@ class DiskCache:
             self._log.info("pull.progress", **{k: v for k, v in progress.snapshot().items() if k != "elapsed_s"})
 
     async def _fetch_manifest(self, store: Store, name: str, progress: Progress) -> mf.Manifest:
+        """The manifest, read in a thread of its own that a cancelled pull leaves at once: told to
+        stop retrying, it ends by itself (a read in progress within the store's read timeout) and,
+        writing nothing, holds neither the pull nor the process's exit (a hung store kept a
+        stopped agent alive for its eight retries, minutes, when the read ran in the loop's
+        executor, whose threads an exit waits for)."""
         progress.set_state("manifest")
+        abort = threading.Event()
         try:
-            raw = await asyncio.to_thread(call_with_retries,
-                                          lambda: store.get_bytes(manifest_key(name), mf.MAX_MANIFEST_BYTES),
-                                          self.download.retry, f"manifest of {name}")
+            raw = await _in_own_thread(lambda: call_with_retries(
+                lambda: store.get_bytes(manifest_key(name), mf.MAX_MANIFEST_BYTES), self.download.retry,
+                f"manifest of {name}", abort=abort), "manifest")
         except NotFoundError:
             raise ModelNotInStore(f"model {name!r} is not in the store {store.url}", status=404) from None
+        except asyncio.CancelledError:
+            abort.set()
+            raise
         return mf.parse(raw, expected_name=name)
 
     async def check(self, name: str, rehash: bool = False, blobs: bool = False) -> Report:
@@ -239,7 +248,7 @@ class DiskCache:
             raise CacheError(f"{name} is not cached")
         blobs_dir = self.layout.blobs_dir if blobs else None
         return await _in_own_thread(lambda: check_snapshot(self.layout.models_dir / name, m, rehash=rehash,
-                                                           blobs_dir=blobs_dir))
+                                                           blobs_dir=blobs_dir), "cache-check")
 
     async def _pull_locked(self, store: Store, manifest: mf.Manifest, progress: Progress, verify: bool) -> Path:
         name = manifest.name
@@ -250,7 +259,7 @@ class DiskCache:
         if current == manifest and self.snapshot_path(name) is not None:
             progress.set_state("verifying")
             report = await _in_own_thread(lambda: check_snapshot(
-                self.layout.models_dir / name, manifest, rehash=verify, blobs_dir=self.layout.blobs_dir))
+                self.layout.models_dir / name, manifest, rehash=verify, blobs_dir=self.layout.blobs_dir), "cache-check")
             if report.ok:
                 progress.add_resumed(manifest.total_size)
                 self.touch(name)
@@ -388,7 +397,8 @@ class DiskCache:
         async with FileLock(self.layout.locks_dir / f"blob-{digest}.lock"):
             abort = threading.Event()
             fut = _in_own_thread(lambda: download_blob(store, digest, size, self.layout.partial_dir, self.layout.blobs_dir,
-                                                       self.download, progress, abort, check, limiter))
+                                                       self.download, progress, abort, check, limiter),
+                                 "blob-download")
             try:
                 await asyncio.shield(fut)
             except asyncio.CancelledError:
@@ -421,14 +431,15 @@ class DiskCache:
                    on_file: Callable[[str], None] | None = None) -> dict[str, Any]:
         return await _in_own_thread(lambda: scan_cache(  # a re-hash takes minutes
             self.layout, self.max_bytes, pinned_here=self.is_pinned, pinned_anywhere=self.pinned_anywhere,
-            rehash=rehash, repair=repair, on_file=on_file))
+            rehash=rehash, repair=repair, on_file=on_file), "cache-scan")
 
 
-def _in_own_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """Run ``fn`` in a new thread, not the loop's default executor.
+def _in_own_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
+    """Run ``fn`` in a new daemon thread named ``name``, not the loop's default executor.
 
     A blob download holds its thread for minutes; on a small machine the default executor has
     only a handful of threads, and the agent's other ``to_thread`` work must not queue behind it.
+    An exit does not wait for it (the executor's threads it joins).
     """
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
@@ -451,5 +462,5 @@ def _in_own_thread(fn: Callable[[], Any]) -> asyncio.Future:
         except RuntimeError:  # the loop is gone: nobody is waiting any more
             pass
 
-    threading.Thread(target=target, name="blob-download", daemon=True).start()
+    threading.Thread(target=target, name=name, daemon=True).start()
     return fut

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from cache.errors import (CacheError, CacheFullError, ETagChangedError, IntegrityError, SafetensorsError,
+from cache.errors import (Aborted, CacheError, CacheFullError, ETagChangedError, IntegrityError, SafetensorsError,
                           StoreError)
 from cache.fsync import fsync_dir
 from cache.progress import Progress
@@ -54,10 +54,6 @@ class DownloadConfig:
             raise ValueError("need 1 <= min_concurrency <= concurrency <= max_concurrency <= 256")
         if not 1 <= self.parallel_blobs <= 64:
             raise ValueError("parallel_blobs must be in [1, 64]")
-
-
-class Aborted(CacheError):
-    """The download was cancelled by its caller."""
 
 
 class PartLimiter:
@@ -190,7 +186,7 @@ def _download_once(store: Store, digest: str, size: int, partial_dir: Path, dest
                    progress: Progress, abort: threading.Event, check: Callable[[Path], None] | None,
                    limiter: PartLimiter | None) -> Path:
     key = blob_key(digest)
-    info: ObjectInfo = call_with_retries(lambda: store.head(key), cfg.retry, f"HEAD {key}")
+    info: ObjectInfo = call_with_retries(lambda: store.head(key), cfg.retry, f"HEAD {key}", abort=abort)
     if info.size != size:
         raise IntegrityError(f"blob {digest}: the store has {info.size} bytes, the manifest says {size}")
     partial = partial_dir / f"{digest}.partial"

@@ -27,6 +27,10 @@ class CacheFullError(CacheError):
     """The cache quota or the disk has no room for the model, even after eviction."""
 
 
+class Aborted(CacheError):
+    """A store call or download given up by its caller (a cancelled pull, a stopping agent)."""
+
+
 class StoreError(CacheError):
     """The store failed an operation.
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import random
-import time
+import threading
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from cache.errors import StoreError
+from cache.errors import Aborted, StoreError
 
 T = TypeVar("T")
 
@@ -30,8 +30,11 @@ class RetryPolicy:
 
 def call_with_retries(fn: Callable[[], T], policy: RetryPolicy, what: str,
                       on_retry: Callable[[int, StoreError, float], None] | None = None,
-                      sleep: Callable[[float], None] = time.sleep) -> T:
-    """Run ``fn`` (blocking), retrying retryable StoreErrors under ``policy``."""
+                      abort: threading.Event | None = None) -> T:
+    """Run ``fn`` (blocking), retrying retryable StoreErrors under ``policy``. ``abort`` set
+    (the caller gave up: a cancelled pull, a stopping agent) ends the wait before the next try
+    with Aborted, so no thread goes on calling the store for a caller that is gone."""
+    abort = abort or threading.Event()
     attempt = 0
     while True:
         attempt += 1
@@ -43,4 +46,5 @@ def call_with_retries(fn: Callable[[], T], policy: RetryPolicy, what: str,
             d = policy.delay(attempt, e)
             if on_retry:
                 on_retry(attempt, e, d)
-            sleep(d)
+            if abort.wait(d):
+                raise Aborted(f"{what}: cancelled after {attempt} tries ({e})") from None

@@ -87,6 +87,33 @@ async def test_cancelling_the_only_waiter_stops_the_pull(tmp_path, proxy, publis
     assert proxy.total_blob_bytes() == sent  # no thread kept downloading after the cancel
 
 
+async def test_cancelling_a_pull_stops_its_manifest_retries(tmp_path, proxy, published):
+    """A store that answers the manifest with 503 (Retry-After 1 s): the pull waits to try again;
+    cancelled (a stopping agent cancels its pulls), it returns at once and no thread goes on
+    asking the store for it (one did, eight times, and the agent's exit waited for it)."""
+    from cache.retry import RetryPolicy
+
+    src, store, m = published
+    proxy.add(Fault("status", match="manifest.json", status=503, headers={"Retry-After": "1"}, times=1000))
+    retry = RetryPolicy(attempts=8, base_delay=0.5, max_delay=1.0, max_retry_after=1.0)
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download(retry=retry))
+    task = asyncio.create_task(cache.pull(store, "m"))
+
+    def asked() -> int:
+        return sum(1 for x in proxy.log if x[1].endswith("manifest.json"))
+
+    while asked() == 0:
+        await asyncio.sleep(0.02)
+    t0 = time.monotonic()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert time.monotonic() - t0 < 0.5
+    n = asked()
+    await asyncio.sleep(2.5)  # two retries' worth
+    assert asked() == n
+
+
 async def test_two_processes_download_each_byte_once(tmp_path, proxy, published, bucket):
     src, store, m = published
     proxy.add(Fault("hook", hook=lambda: time.sleep(0.5), match="/blobs/"))
