@@ -252,9 +252,24 @@ class ModelManager:
             self.metrics.pull_failures.labels(model=e.name).inc()
             e.move(State.FAILED, f"pull failed: {type(ex).__name__}: {ex}")
             return
+        finally:
+            self._forget_evicted(e)
         e.needs_repair = e.needs_pull = False
         self.metrics.pull_seconds.labels(model=e.name).observe(time.monotonic() - t0)
         e.move(State.CACHED)
+
+    def _forget_evicted(self, puller: ModelEntry) -> None:
+        """After a pull, which makes its room by evicting models the cache holds unpinned (the
+        least recently used first): those models are at rest with no files now. An idle cached
+        one is absent (the next request pulls it again); a failed one keeps its state and
+        reason without the snapshot. Status, /v1/models and the metrics said ``cached`` for a
+        folder the eviction had removed."""
+        for e in self.models.values():
+            if e is puller or e.busy or e.snapshot is None or self.source.snapshot(e.name) is not None:
+                continue
+            e.snapshot = None
+            if e.state is State.CACHED:
+                e.move(State.ABSENT)
 
     def load(self, name: str, *, quantization: str | None | EllipsisType = ...,
              kv_cache_dtype: str | None | EllipsisType = ...) -> asyncio.Task[None] | None:

@@ -940,3 +940,33 @@ async def test_a_preempted_requests_wait_lasts_as_long_as_its_comeback_load_may(
     assert mgr.get("x").state is State.READY and time.monotonic() - t >= 0.6 + load_s
     assert context == mgr.get("x").info.max_model_len
     await mgr.close()
+
+
+async def test_a_model_another_pull_evicted_from_the_disk_cache_is_absent_and_pulled_again(monkeypatch, tmp_path) -> None:
+    """The disk cache makes a pull's room by evicting idle unpinned models: the manager's view
+    follows (status, /v1/models and ``infire_model_state`` said ``cached`` for a removed
+    folder), and the evicted model's next load pulls it again."""
+    from agent.manager.model_source import CacheSource
+    from cache.disk_cache import DiskCache
+    from cache.file_store import FileStore
+    from cache.publish import publish_model
+    from tests.s3_fault_proxy import fast_download, make_model
+
+    store = FileStore(tmp_path / "store")
+    one = max(publish_model(store, make_model(tmp_path / f"src-{n}", data_bytes=1 << 20, seed=i), n).total_size
+              for i, n in enumerate("ab"))
+    cache = DiskCache(tmp_path / "cache", int(one * 1.5), download=fast_download())
+    monkeypatch.setenv("INFIRE_MODELS", '[{"name": "a"}, {"name": "b"}]')
+    metrics = Metrics()
+    mgr = ModelManager(load_settings(), FakeWorker(), CacheSource(cache, store), metrics, lambda p: object())
+    await mgr.pull("a")
+    assert mgr.get("a").state is State.CACHED
+    await mgr.pull("b")  # room for b: a goes
+    assert cache.snapshot_path("a") is None
+    a = mgr.get("a")
+    assert a.state is State.ABSENT and a.snapshot is None
+    assert model_view(mgr, a)["state"] == "absent"
+    assert 'infire_model_state{model="a",state="absent"} 1.0' in metrics.render().decode()
+    await mgr.load("a")  # pulled again (b goes), then loaded
+    assert mgr.get("a").state is State.READY and cache.snapshot_path("a") is not None
+    assert mgr.get("b").state is State.ABSENT
