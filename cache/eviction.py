@@ -3,13 +3,16 @@
 Usage is the bytes of blobs plus partial files. When a pull would bring usage above the high
 watermark, whole models are evicted, least recently used first, until usage plus the incoming
 bytes is under the low watermark. Blobs no model references (left by an interrupted pull or a
-replaced model version) go first. Pinned models, the model being pulled and blobs it needs are
-never chosen. If even evicting everything allowed cannot make room under ``max_bytes``, nothing
-is evicted and CacheFullError is raised.
+replaced model version) go first. A disk with less free than the incoming bytes (smaller than
+the quota, or shared with other data) has models evicted the same way until the shortfall is
+covered. Pinned models, the model being pulled and blobs it needs are never chosen. If even
+evicting everything allowed cannot make room under ``max_bytes`` and on the disk, nothing is
+evicted and CacheFullError is raised.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -39,15 +42,25 @@ class Plan:
 
 def plan(models: list[ModelUse], blob_sizes: dict[str, int], orphan_mtimes: dict[str, float], used: int,
          incoming: int, max_bytes: int, high: float, low: float, keep_blobs: frozenset[str] = frozenset(),
-         keep_models: frozenset[str] = frozenset(), derived_sizes: dict[str, int] | None = None) -> Plan:
+         keep_models: frozenset[str] = frozenset(), derived_sizes: dict[str, int] | None = None,
+         disk_free: int | None = None) -> Plan:
     """``derived_sizes``: bytes of derived artifacts by the content digest they were computed
-    from; evicting the last model of a content frees them too."""
+    from; evicting the last model of a content frees them too. ``disk_free``: what the cache's
+    disk has free now (None: not limiting). The quota is made room in as the module says; a
+    disk with less free than the incoming bytes (one smaller than the quota, or shared) has
+    models evicted, least recently used first, until what they free covers the shortfall too."""
     derived_sizes = derived_sizes or {}
     if incoming > max_bytes:
         raise CacheFullError(f"{incoming} bytes do not fit in a cache of {max_bytes} bytes")
-    if used + incoming <= high * max_bytes:
+    over_quota = used + incoming > high * max_bytes
+    disk_short = 0 if disk_free is None else max(0, incoming - disk_free)
+    if not over_quota and not disk_short:
         return Plan((), (), 0)
-    target = low * max_bytes
+    target = low * max_bytes if over_quota else max_bytes
+
+    def enough(freed: int) -> bool:
+        return used - freed + incoming <= target and freed >= disk_short
+
     refs: dict[str, int] = {}
     contents: dict[str, int] = {}
     for m in models:
@@ -58,14 +71,14 @@ def plan(models: list[ModelUse], blob_sizes: dict[str, int], orphan_mtimes: dict
     victims: list[str] = []
     dead: list[str] = []
     for b in sorted(orphan_mtimes, key=lambda b: orphan_mtimes[b]):
-        if used - freed + incoming <= target:
+        if enough(freed):
             break
         if b in keep_blobs or refs.get(b):
             continue
         dead.append(b)
         freed += blob_sizes.get(b, 0)
     for m in sorted(models, key=lambda m: m.last_used):
-        if used - freed + incoming <= target:
+        if enough(freed):
             break
         if m.pinned or m.name in keep_models:
             continue
@@ -78,11 +91,16 @@ def plan(models: list[ModelUse], blob_sizes: dict[str, int], orphan_mtimes: dict
             if refs[b] == 0 and b not in keep_blobs:
                 dead.append(b)
                 freed += blob_sizes.get(b, 0)
+    pinned = [m.name for m in models if m.pinned]
+    also = f" (pinned: {', '.join(pinned)})" if pinned else ""
     if used - freed + incoming > max_bytes:
-        pinned = [m.name for m in models if m.pinned]
         raise CacheFullError(
             f"need {incoming} bytes; the cache holds {used} of {max_bytes} and evicting every unpinned model "
-            f"frees only {freed}" + (f" (pinned: {', '.join(pinned)})" if pinned else ""))
+            f"frees only {freed}" + also)
+    if freed < disk_short:
+        raise CacheFullError(
+            f"need {incoming} bytes; the cache disk has {disk_free} free and evicting every unpinned model "
+            f"frees only {freed}" + also)
     return Plan(tuple(victims), tuple(dead), freed)
 
 
@@ -131,7 +149,8 @@ def evict(layout: CacheLayout, quota: Quota, incoming: int, keep: frozenset[str]
     derived = DerivedStore(layout.root)  # derived artifacts count against the quota too
     used = sum(sizes.values()) + layout.partial_bytes() + derived.used_bytes()
     p = plan(uses, sizes, orphans, used, incoming, quota.max_bytes, quota.high, quota.low,
-             keep_blobs=protected, keep_models=keep, derived_sizes=derived.sizes_by_source())
+             keep_blobs=protected, keep_models=keep, derived_sizes=derived.sizes_by_source(),
+             disk_free=shutil.disk_usage(layout.root).free)
     for name in p.models:
         lock = layout.pin_lock(name)
         if not lock.try_acquire():  # pinned meanwhile by another process: leave it

@@ -221,6 +221,37 @@ def test_planner_refuses_without_evicting_when_it_cannot_fit():
         plan(_uses(("a", 1.0, False)), sizes, {}, 20, 90, 100, 0.95, 0.85, keep_models=frozenset({"a"}))
 
 
+def test_planner_makes_room_on_a_disk_with_less_free_than_the_quota_leaves():
+    from cache.eviction import plan
+
+    sizes = {f"{n}{i}": 10 for n in "abc" for i in (1, 2)}
+    models = _uses(("a", 1.0, False), ("b", 2.0, False), ("c", 3.0, False))
+    # The quota is far from full (60 + 30 of 1000) but the disk has 15 free: the least recently
+    # used model goes, and no more than the shortfall needs.
+    p = plan(models, sizes, {}, 60, 30, 1000, 0.95, 0.85, disk_free=15)
+    assert p.models == ("a",) and p.freed == 20
+    assert plan(models, sizes, {}, 60, 30, 1000, 0.95, 0.85, disk_free=30).models == ()
+    # What the unpinned models free does not cover it: refused, naming the disk, evicting nothing.
+    pinned = _uses(("a", 1.0, True), ("b", 2.0, True), ("c", 3.0, False))
+    with pytest.raises(CacheFullError, match="the cache disk has 5 free .* frees only 20 .pinned: a, b"):
+        plan(pinned, sizes, {}, 60, 30, 1000, 0.95, 0.85, disk_free=5)
+
+
+async def test_a_pull_evicts_for_a_disk_smaller_than_the_quota(tmp_path, store):
+    """A cache whose disk fills before its quota (the default quota is 100 GiB, whatever the
+    disk): a pull evicts the least recently used unpinned models until its bytes fit the disk,
+    as it does for the quota (it failed with CacheFullError, evicting nothing)."""
+    with small_tmpfs(tmp_path, "4m") as mnt:
+        cache = DiskCache(mnt / "cache", 100 * MIB, download=fast_download(part_size=256 << 10))
+        for name in "abc":
+            await cache.pull(store, name)
+            time.sleep(0.02)
+        cache.touch("a")  # b is now the least recently used
+        await cache.pull(store, "d")
+        assert cache.snapshot_path("b") is None
+        assert sorted(cache.model_names()) == ["a", "c", "d"]
+
+
 async def test_remove_frees_blobs_only_this_model_used(tmp_path, store):
     cache = _cache(tmp_path, 100 * MIB)
     await cache.pull(store, "a")
