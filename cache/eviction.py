@@ -92,7 +92,8 @@ def plan(models: list[ModelUse], blob_sizes: dict[str, int], orphan_mtimes: dict
                 dead.append(b)
                 freed += blob_sizes.get(b, 0)
     pinned = [m.name for m in models if m.pinned]
-    also = f" (pinned: {', '.join(pinned)})" if pinned else ""
+    also = (f" (pinned: {', '.join(pinned)}: a model's files stay cached while it is loaded or loading; "
+            "unload one, or raise cache.max_bytes)") if pinned else ""
     if used - freed + incoming > max_bytes:
         raise CacheFullError(
             f"need {incoming} bytes; the cache holds {used} of {max_bytes} and evicting every unpinned model "
