@@ -259,7 +259,8 @@ class ModelManager:
         e.move(State.CACHED)
 
     def _forget_evicted(self, puller: ModelEntry) -> None:
-        """After a pull, which makes its room by evicting models the cache holds unpinned (the
+        """After a pull of this manager (``_pull``, a load's repair), which makes its room by
+        evicting models the cache holds unpinned (the
         least recently used first): those models are at rest with no files now. An idle cached
         one is absent (the next request pulls it again); a failed one keeps its state and
         reason without the snapshot. Status, /v1/models and the metrics said ``cached`` for a
@@ -635,6 +636,8 @@ class ModelManager:
         except CacheError as ex:
             raise SnapshotBroken(f"the cached files of {e.name!r} are broken and the repair failed: {ex}",
                                  retry_after=5.0) from None
+        finally:
+            self._forget_evicted(e)
         e.needs_repair = False
         await self._check_files(e)
         e.move(State.LOADING)

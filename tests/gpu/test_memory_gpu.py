@@ -188,17 +188,22 @@ def test_a_load_is_decided_against_what_the_device_holds_not_only_the_books(smal
     assert core.memory().untracked <= untracked0 + 64 * MiB  # given back: charged no more
 
 
-def test_the_booked_workspace_covers_steps_the_warm_up_does_not_take(small_model):
+@pytest.mark.parametrize("step_tokens", [512, 4096])
+def test_the_booked_workspace_covers_steps_the_warm_up_does_not_take(small_model, step_tokens):
     """A workspace is booked as the warm-up measured it (what stays, plus ``workspace_margin``;
     and its largest step, every row sampled with temperature, on top while it runs), no longer
     floored by the coarse estimate: the largest steps with logprobs, every penalty and prompt
     logprobs (each prompt position's logits, eagerly) must add no more to the live tensors than
-    the step's figure and the margin."""
+    the step's figure and the margin. At 4096 tokens (beyond the largest mixed-step graph) the
+    warm-up's largest step runs eagerly and its activations are the step's figure: the
+    workspaces the warm-up makes on the step streams come before it, or they are taken off it
+    (87 KiB booked for a 24 MiB step on an H100)."""
     from engine.core.engine_core import EngineCore
     from engine.core.memory_plan import workspace_margin
     from engine.sampling import SamplingParams
 
-    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=512, seed=0), device="cuda",
+    torch._C._cuda_clearCublasWorkspaces()  # fresh streams' workspaces, whatever ran before
+    core = EngineCore(EngineOptions(dtype="bfloat16", max_num_batched_tokens=step_tokens, seed=0), device="cuda",
                       budget=2 << 30)
     try:
         core.load_model(LoadSpec("m", small_model, max_model_len=1024, max_num_seqs=16))
@@ -210,8 +215,9 @@ def test_the_booked_workspace_covers_steps_the_warm_up_does_not_take(small_model
         torch.cuda.reset_peak_memory_stats()
         every = SamplingParams(temperature=0.7, top_k=40, logprobs=20, prompt_logprobs=5, presence_penalty=0.5,
                                frequency_penalty=0.3, repetition_penalty=1.2, max_tokens=6, ignore_eos=True)
-        for i in range(16):  # 16 prompts of 32 tokens: one step of 512 tokens, every row sampled
-            core.add_request(f"r{i}", "m", [(7 * i + j) % 1000 + 10 for j in range(32)], every)
+        n = step_tokens // 16
+        for i in range(16):  # 16 prompts filling one step, every row sampled
+            core.add_request(f"r{i}", "m", [(7 * i + j) % 1000 + 10 for j in range(n)], every)
         while core.has_unfinished_requests():
             core.step()
         torch.cuda.synchronize()

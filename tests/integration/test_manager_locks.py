@@ -970,3 +970,18 @@ async def test_a_model_another_pull_evicted_from_the_disk_cache_is_absent_and_pu
     await mgr.load("a")  # pulled again (b goes), then loaded
     assert mgr.get("a").state is State.READY and cache.snapshot_path("a") is not None
     assert mgr.get("b").state is State.ABSENT
+
+    # A load's repair of broken files is a pull too: what it evicts is absent as well.
+    await mgr.unload("a")
+    await mgr.pull("b")  # b back on disk (a goes: the quota holds one)
+    cache.max_bytes = int(one * 4)
+    await mgr.pull("a")
+    cache.max_bytes = int(one * 1.5)  # an operator lowers the quota: one model again
+    snap = cache.snapshot_path("b")
+    big = max((p for p in snap.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    big.chmod(0o644)
+    with open(big, "r+b") as f:
+        f.truncate(10)
+    await mgr.load("b")  # finds its files broken, repairs them: a goes
+    assert mgr.get("b").state is State.READY and cache.snapshot_path("a") is None
+    assert mgr.get("a").state is State.ABSENT and mgr.get("a").snapshot is None
