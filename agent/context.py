@@ -6,6 +6,7 @@ handlers in :mod:`agent.http` read it and import nothing of the app.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,9 +30,16 @@ class AgentContext:
     started: float = field(default_factory=time.monotonic)
     started_wall: float = field(default_factory=time.time)
     draining: bool = False
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``draining``: wakes waiting admin calls
     manager: ModelManager = None  # type: ignore[assignment]  # set by the manager context
     startup: StartupRecord = field(default_factory=StartupRecord)  # made first: its clock starts here
     grammars: GrammarBuilder = field(default_factory=GrammarBuilder)  # response_format → grammar, cached
+
+    def begin_draining(self) -> None:
+        """The agent is stopping: new requests get 503, and admin calls waiting for an
+        operation answer now (a load still pulling when the agent stops is called off)."""
+        self.draining = True
+        self.stopping.set()
 
     def startup_record(self, freeze: bool = False) -> dict[str, Any]:
         """The start's phases up to now (``freeze``: at ready, kept from then on)."""

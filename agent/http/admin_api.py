@@ -144,7 +144,16 @@ class AdminApi:
             return _error(ex.status, str(ex), ex.code, ex.retry_after)
         e = mgr.models.get(name)
         if task is not None and wait:  # neither cancels it nor raises when it was (a queued load an unload called off)
-            await asyncio.wait([task], timeout=timeout)
+            stopping = asyncio.ensure_future(self.ctx.stopping.wait())
+            try:
+                await asyncio.wait([task, stopping], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+            if self.ctx.draining and not task.done():
+                # Answered now, while the server still writes answers: its shutdown calls the
+                # operation off (a client waiting on a hung pull got its connection cut).
+                return _error(503, f"the agent is shutting down; the {op} of {name!r} did not finish",
+                              "shutting_down")
         if e is None or mgr.models.get(name) is not e:
             # Not in the store (nor configured or cached): forgotten, nothing left of it.
             why = (e.reason if e is not None else "") or f"the model {name!r} does not exist"

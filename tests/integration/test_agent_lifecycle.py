@@ -11,6 +11,7 @@ import threading
 import time
 
 from tests.integration.agent_harness import Daemon, publish_tiny
+from tests.s3_fault_proxy import bucket, moto_endpoint, proxy  # noqa: F401 - fixtures
 
 MODEL = "tiny"
 CTX = 256
@@ -188,3 +189,39 @@ def test_engine_less_worker_supervision_via_daemon(tmp_path) -> None:
         d.wait_for("/readyz", 200, timeout=30)
     finally:
         assert d.stop() == 0
+
+
+def test_stopping_while_a_download_stalls_answers_the_waiting_load(make_tiny_model, tmp_path, proxy, bucket) -> None:
+    """SIGTERM while an admin load waits on a pull whose blob stalls mid-body: the waiting client
+    gets 503 ``shutting_down`` at once (its connection was cut when the shutdown's grace ran out
+    while the pull's threads waited for the read's timeout), and the agent exits once the read
+    gives up."""
+    from cache.publish import publish_model
+    from tests.s3_fault_proxy import Fault, s3_store
+
+    store = s3_store(proxy.url, bucket)
+    publish_model(store, make_tiny_model("llama"), MODEL)
+    store.close()
+    proxy.add(Fault("stall", match="/blobs/", after=4096, delay=12, times=100))
+    d = Daemon(tmp_path, store_url=f"s3://{bucket}/store",
+               env={"INFIRE_STORE__ENDPOINT_URL": proxy.url, "INFIRE_STORE__PATH_STYLE": "true",
+                    "INFIRE_STORE__REGION": "us-east-1"})
+    try:
+        d.start(timeout=120)
+        answer: list = []
+        t = threading.Thread(target=lambda: answer.append(d.post(
+            f"/admin/v1/models/{MODEL}/load?wait=1&timeout=60", headers={"Authorization": "Bearer test-admin-token"},
+            timeout=60)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while not proxy.total_blob_bytes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        d.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        t.join(15)
+        assert answer and answer[0][0] == 503 and answer[0][1]["error"]["code"] == "shutting_down", answer
+        assert time.monotonic() - t0 < 3
+        assert d.proc.wait(40) == 0, d.logs()[-3000:]
+    finally:
+        d.stop()
