@@ -29,7 +29,7 @@ from cache.errors import (Aborted, CacheError, CacheFullError, ETagChangedError,
 from cache.fsync import fsync_dir
 from cache.progress import Progress
 from cache.retry import RetryPolicy, call_with_retries
-from cache.object_store import ObjectInfo, Store, blob_key
+from cache.object_store import ObjectInfo, RangeReader, Store, blob_key
 
 STATE_VERSION = 1
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -250,10 +250,13 @@ def _fetch_and_hash(store: Store, key: str, info: ObjectInfo, digest: str, size:
     queue.reverse()  # pop() from the end takes the lowest index first: the hasher follows closely
     state_fd = os.open(state.path, os.O_WRONLY | os.O_APPEND)
 
+    readers = _Readers()
+
     def watch_abort() -> None:
         while not stop.is_set():
             if abort.wait(0.1):
                 stop.set()
+                readers.interrupt_all()
                 with cond:
                     cond.notify_all()
 
@@ -271,7 +274,7 @@ def _fetch_and_hash(store: Store, key: str, info: ObjectInfo, digest: str, size:
             ok = False
             try:
                 _fetch_part(store, key, info, idx * ps, min(size, (idx + 1) * ps), fd, view, cfg, conc,
-                            progress, stop)
+                            progress, stop, readers)
                 if cfg.fsync:
                     os.fdatasync(fd)  # the part's bytes are durable before it is recorded
                 with cond:
@@ -339,8 +342,36 @@ def _hash_in_order(fd: int, h: "hashlib._Hash", finished: list[bool], cond: thre
             off += n
 
 
+class _Readers:
+    """The ranged reads of one blob in flight, so a cancel ends a read blocked on a stalled
+    connection at once: the part's thread otherwise waited for the store's read timeout (30 s),
+    and the cancel, and an agent's exit, with it."""
+
+    def __init__(self) -> None:
+        self._open: set[RangeReader] = set()
+        self._lock = threading.Lock()
+        self._interrupted = False
+
+    def add(self, reader: RangeReader) -> None:
+        with self._lock:
+            self._open.add(reader)
+            if self._interrupted:
+                reader.interrupt()
+
+    def discard(self, reader: RangeReader) -> None:
+        with self._lock:
+            self._open.discard(reader)
+
+    def interrupt_all(self) -> None:
+        with self._lock:
+            self._interrupted = True
+            for r in self._open:
+                r.interrupt()
+
+
 def _fetch_part(store: Store, key: str, info: ObjectInfo, start: int, end: int, fd: int, view: memoryview,
-                cfg: DownloadConfig, conc: PartLimiter, progress: Progress, stop: threading.Event) -> None:
+                cfg: DownloadConfig, conc: PartLimiter, progress: Progress, stop: threading.Event,
+                readers: _Readers) -> None:
     """Fetch ``[start, end)`` into the file, resuming within the part after transient errors."""
     pos = start
     attempt = 0
@@ -350,6 +381,7 @@ def _fetch_part(store: Store, key: str, info: ObjectInfo, start: int, end: int, 
         before = pos
         try:
             reader = store.open_range(key, pos, end, info.etag, info.size)
+            readers.add(reader)
             try:
                 while pos < end:
                     if stop.is_set():
@@ -363,6 +395,7 @@ def _fetch_part(store: Store, key: str, info: ObjectInfo, start: int, end: int, 
                     pos += n
                     progress.add(n)
             finally:
+                readers.discard(reader)
                 reader.close()
         except ETagChangedError:
             raise

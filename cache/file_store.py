@@ -29,6 +29,9 @@ class _FileRange:
     def close(self) -> None:
         self._f.close()
 
+    def interrupt(self) -> None:
+        """Nothing to end: a local file's read does not wait on anyone."""
+
 
 class FileStore(Store):
     """A store in a local folder (``file:///dir``): the embedded default and the test double."""

@@ -34,6 +34,8 @@ class RangeReader(Protocol):
 
     def readinto(self, buf: memoryview) -> int: ...
     def close(self) -> None: ...
+    def interrupt(self) -> None:
+        """End a read blocked in another thread (a cancelled download): it returns short or raises."""
 
 
 def blob_key(digest: str) -> str:

@@ -83,6 +83,18 @@ class _S3Range:
         except Exception:  # noqa: BLE001 - closing a broken connection may fail too; nothing to do
             pass
 
+    def interrupt(self) -> None:
+        # A socket closed by another thread does not wake a read blocked on it; a shutdown does
+        # (urllib3's HTTPResponse.shutdown, under botocore's StreamingBody).
+        raw = getattr(self._body, "_raw_stream", None)
+        try:
+            if raw is not None and hasattr(raw, "shutdown"):
+                raw.shutdown()
+            else:
+                self._body.close()
+        except Exception:  # noqa: BLE001 - a connection already gone: nothing to wake
+            pass
+
 
 class S3Store(Store):
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, region: str = "auto",

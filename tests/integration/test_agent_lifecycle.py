@@ -194,8 +194,8 @@ def test_engine_less_worker_supervision_via_daemon(tmp_path) -> None:
 def test_stopping_while_a_download_stalls_answers_the_waiting_load(make_tiny_model, tmp_path, proxy, bucket) -> None:
     """SIGTERM while an admin load waits on a pull whose blob stalls mid-body: the waiting client
     gets 503 ``shutting_down`` at once (its connection was cut when the shutdown's grace ran out
-    while the pull's threads waited for the read's timeout), and the agent exits once the read
-    gives up."""
+    while the pull's threads waited for the read's timeout), and the agent exits without waiting
+    for the stalled read (the cancel ends it: cache/downloader.py, _Readers)."""
     from cache.publish import publish_model
     from tests.s3_fault_proxy import Fault, s3_store
 
@@ -222,6 +222,7 @@ def test_stopping_while_a_download_stalls_answers_the_waiting_load(make_tiny_mod
         t.join(15)
         assert answer and answer[0][0] == 503 and answer[0][1]["error"]["code"] == "shutting_down", answer
         assert time.monotonic() - t0 < 3
-        assert d.proc.wait(40) == 0, d.logs()[-3000:]
+        assert d.proc.wait(20) == 0, d.logs()[-3000:]
+        assert time.monotonic() - t0 < 8  # the stall lasts 12 s
     finally:
         d.stop()

@@ -147,3 +147,23 @@ async def test_two_models_sharing_a_blob_fetch_it_once(tmp_path, proxy, bucket):
     assert (pa / "model.safetensors").stat().st_ino == (pb / "model.safetensors").stat().st_ino
     assert cache.stats()["used_bytes"] == sum({f.sha256: f.size for f in ma.files + mb.files}.values())
     store.close()
+
+
+async def test_cancelling_a_pull_ends_a_read_stalled_mid_body_at_once(tmp_path, proxy, published):
+    """A blob whose body stalls (the store sends a little, then nothing): cancelled, the pull
+    returns at once, its part threads gone (a blocked read used to hold the cancel, and the
+    agent's exit, until the store's read timeout)."""
+    src, store, m = published
+    proxy.add(Fault("stall", match="/blobs/", after=4096, delay=8, times=1000))
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    task = asyncio.create_task(cache.pull(store, "m"))
+    deadline = time.monotonic() + 10
+    while not proxy.total_blob_bytes() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)  # the reads now block on the stalled bodies
+    t0 = time.monotonic()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert time.monotonic() - t0 < 2.0
+    assert cache.snapshot_path("m") is None and not cache._inflight
