@@ -319,7 +319,8 @@ def _fetch_and_hash(store: Store, key: str, info: ObjectInfo, digest: str, size:
         raise Aborted(f"blob {digest}: download cancelled")
     got = h.hexdigest()
     if got != digest:
-        raise IntegrityError(f"blob {digest}: downloaded bytes hash to {got}; nothing was committed")
+        raise IntegrityError(f"blob {digest}: downloaded bytes hash to {got}; nothing was committed (the store's "
+                             "copy is not what its name says: publish the model again with --reupload)")
 
 
 def _hash_in_order(fd: int, h: "hashlib._Hash", finished: list[bool], cond: threading.Condition,

@@ -23,10 +23,12 @@ from cache.object_store import Store, blob_key, manifest_key
 
 def publish_model(store: Store, directory: str | Path, name: str, progress: Progress | None = None,
                   retry: RetryPolicy | None = None, concurrency: int = 4,
-                  also_as: tuple[str, ...] = ()) -> mf.Manifest:
+                  also_as: tuple[str, ...] = (), reupload: bool = False) -> mf.Manifest:
     """Upload ``directory`` as model ``name``; returns the manifest written. Blocking.
     ``also_as``: more names for the same files, each a manifest of its own written after the
-    first (the folder is read and hashed once: 16 GB took ~15 s a name)."""
+    first (the folder is read and hashed once: 16 GB took ~15 s a name). A blob the store holds
+    at its size is skipped, unless ``reupload``: every blob is sent again, which replaces a store
+    copy changed in place (its pulls fail their hash; a size check cannot tell)."""
     log = structlog.get_logger("publish").bind(model=name, store=store.url)
     retry = retry or RetryPolicy()
     progress = progress or Progress(name)
@@ -47,7 +49,7 @@ def publish_model(store: Store, directory: str | Path, name: str, progress: Prog
     def upload(item: tuple[str, tuple[Path, int]]) -> int:
         digest, (path, size) = item
         key = blob_key(digest)
-        have = call_with_retries(lambda: store.exists(key), retry, f"HEAD {key}")
+        have = None if reupload else call_with_retries(lambda: store.exists(key), retry, f"HEAD {key}")
         if have is not None and have.size == size:
             progress.add_resumed(size)
             return 0

@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", help="store URL, file:///dir or s3://bucket/prefix (default: settings store.url "
                                    "when set, else the running agent's store)")
     p.add_argument("--part-size", help="multipart upload part size (default 64MiB, at least 5MiB)")
+    p.add_argument("--reupload", action="store_true",
+                   help="send every file again, even those the store has at their size (replaces a store copy "
+                        "corrupted in place, which pulls refuse for its hash)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -79,10 +82,10 @@ def run(args: argparse.Namespace) -> int:
                            **(opts if url.startswith("s3://") else {}))
         try:
             if args.quiet:
-                m = publish_model(store, args.dir, args.name, progress)
+                m = publish_model(store, args.dir, args.name, progress, reupload=args.reupload)
             else:
                 with BarPrinter(progress, sys.stderr):
-                    m = publish_model(store, args.dir, args.name, progress)
+                    m = publish_model(store, args.dir, args.name, progress, reupload=args.reupload)
         finally:
             store.close()
     except (ManifestError, SafetensorsError) as e:

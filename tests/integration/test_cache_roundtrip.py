@@ -189,3 +189,26 @@ async def test_one_folder_published_under_several_names_is_read_once(tmp_path, p
         _same_tree(src, p)
     assert proxy.total_blob_bytes() == m.total_size  # one copy of the bytes for all three names
     store.close()
+
+
+async def test_a_store_blob_corrupted_in_place_is_refused_and_a_reupload_repairs_it(tmp_path, capsys):
+    """Other bytes of the same size in the store under a blob's name: every pull refuses them
+    (the hash), a plain publish skips the blob (the size matches), and ``publish --reupload``
+    sends it again, after which the pull works."""
+    from cache.errors import IntegrityError
+
+    src = make_model(tmp_path / "src", data_bytes=300_000)
+    store = FileStore(tmp_path / "store")
+    m = publish_model(store, src, "tiny")
+    big = max(m.files, key=lambda f: f.size)
+    blob = tmp_path / "store" / "blobs" / "sha256" / big.sha256
+    blob.chmod(0o644)
+    blob.write_bytes(bytes(big.size))  # same size, other bytes
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    with pytest.raises(IntegrityError, match="publish the model again with --reupload"):
+        await cache.pull(store, "tiny")
+    assert main(["publish", str(src), "--name", "tiny", "--store", store.url, "--quiet"]) == 0
+    with pytest.raises(IntegrityError):
+        await cache.pull(store, "tiny")  # skipped: the store still has the bad copy
+    assert main(["publish", str(src), "--name", "tiny", "--store", store.url, "--quiet", "--reupload"]) == 0
+    _same_tree(src, await cache.pull(store, "tiny"))
