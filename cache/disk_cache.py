@@ -64,7 +64,6 @@ class DiskCache:
         # _relink_sharers): a loaded one was read from those bytes.
         self.on_shared_repair: Callable[[list[str]], None] | None = None
         self._pins: dict[str, tuple[int, FileLock]] = {}
-        self._loaded: dict[str, FileLock] = {}  # models whose files serve no read now (mark_loaded)
         self._inflight: dict[str, tuple[asyncio.Task, list[int]]] = {}
         self._progress: dict[str, Progress] = {}
         self._active_blobs: dict[str, int] = {}  # digests needed by pulls of this process
@@ -90,8 +89,7 @@ class DiskCache:
         return self.layout.used_bytes()
 
     def stats(self) -> dict[str, Any]:
-        """``{"max_bytes", "used_bytes", "models": [{"name", "size_bytes", "last_used", "pinned", "loaded",
-        "files"}]}``."""
+        """``{"max_bytes", "used_bytes", "models": [{"name", "size_bytes", "last_used", "pinned", "files"}]}``."""
         sizes = self.layout.blob_sizes()
         models = []
         for name in self.model_names():
@@ -100,7 +98,7 @@ class DiskCache:
                 continue
             models.append({"name": name, "size_bytes": sum(m.unique_blobs().values()),
                            "last_used": snapshot.last_used(self.layout.models_dir, name),
-                           "pinned": name in self._pins, "loaded": name in self._loaded, "files": len(m.files)})
+                           "pinned": name in self._pins, "files": len(m.files)})
         return {"max_bytes": self.max_bytes, "used_bytes": self.layout.used_bytes(),
                 "models": models, "pulls": self.pulls_in_progress()}
 
@@ -139,38 +137,6 @@ class DiskCache:
     def is_pinned(self, name: str) -> bool:
         return name in self._pins
 
-    async def mark_loaded(self, name: str, timeout: float = PIN_WAIT_S) -> bool:
-        """The model's weights are in device memory: its files need not be read again while it
-        stays loaded, only by its next load. They go from pinned to *loaded* (this drops one
-        ``pin``): kept while a pull can make its room otherwise, then evicted last, least
-        recently used first — the model serves on, and its next load pulls them again. With
-        every loaded model pinned, a cache whose quota holds fewer models than the device refused
-        the next model's pull (CacheFullError) while the device had room for it. The mark is a
-        shared flock (``loaded-<name>.lock``), seen by other processes' evictions too; released
-        by :meth:`release_loaded`. False when the mark could not be taken within ``timeout``
-        (another process probing it exclusively, stuck): the pin stays, the stricter of the two."""
-        mf.validate_name(name)
-        if name not in self._loaded:
-            lock = self.layout.loaded_lock(name)
-            try:
-                await asyncio.wait_for(lock.acquire_async(shared=True), timeout)
-            except TimeoutError:
-                return False
-            self._loaded[name] = lock
-        self.unpin(name)
-        return True
-
-    def release_loaded(self, name: str) -> None:
-        """The model left the device: its files are cached as any other's."""
-        lock = self._loaded.pop(name, None)
-        if lock is not None:
-            lock.release()
-            snapshot.touch(self.layout.models_dir, name)
-
-    def loaded_anywhere(self, name: str) -> bool:
-        """Marked loaded by this process or another one."""
-        return name in self._loaded or self.layout.loaded_by_some_process(name)
-
     def touch(self, name: str) -> None:
         """Record a use (LRU)."""
         snapshot.touch(self.layout.models_dir, mf.validate_name(name))
@@ -184,8 +150,7 @@ class DiskCache:
         async with FileLock(self.layout.locks_dir / "cache.lock"):
             return await asyncio.to_thread(
                 eviction.evict, self.layout, eviction.Quota(self.max_bytes, self.high, self.low), incoming_bytes,
-                keep, keep_blobs, active_blobs=self._active_blobs, pinned=self.pinned_anywhere,
-                loaded=self.loaded_anywhere)
+                keep, keep_blobs, active_blobs=self._active_blobs, pinned=self.pinned_anywhere)
 
     def pinned_anywhere(self, name: str) -> bool:
         """Pinned by this process or by another one (its shared pin flock is held)."""
@@ -456,7 +421,7 @@ class DiskCache:
     async def remove(self, name: str) -> None:
         """Drop a model (refused while pinned); its blobs go when no other model uses them."""
         mf.validate_name(name)
-        if self.pinned_anywhere(name) or self.loaded_anywhere(name):
+        if self.pinned_anywhere(name):
             raise CacheError(f"{name} is pinned (loaded or loading)")
         async with FileLock(self.layout.locks_dir / "cache.lock"):
             await asyncio.to_thread(snapshot.remove, self.layout.models_dir, name)

@@ -5,8 +5,7 @@ watermark, whole models are evicted, least recently used first, until usage plus
 bytes is under the low watermark. Blobs no model references (left by an interrupted pull or a
 replaced model version) go first. A disk with less free than the incoming bytes (smaller than
 the quota, or shared with other data) has models evicted the same way until the shortfall is
-covered. Models marked loaded (their weights in device memory) go only after every other one.
-Pinned models, the model being pulled and blobs it needs are never chosen. If even
+covered. Pinned models, the model being pulled and blobs it needs are never chosen. If even
 evicting everything allowed cannot make room under ``max_bytes`` and on the disk, nothing is
 evicted and CacheFullError is raised.
 """
@@ -32,7 +31,6 @@ class ModelUse:
     last_used: float
     pinned: bool
     content: str = ""  # its files' digest (cache/derived.py): its derived artifacts go with the last such model
-    loaded: bool = False  # its weights are in device memory (DiskCache.mark_loaded): evicted last
 
 
 @dataclass(frozen=True)
@@ -79,8 +77,7 @@ def plan(models: list[ModelUse], blob_sizes: dict[str, int], orphan_mtimes: dict
             continue
         dead.append(b)
         freed += blob_sizes.get(b, 0)
-    # Loaded models' files last: their models serve on, and only their next load pulls again.
-    for m in sorted(models, key=lambda m: (m.loaded, m.last_used)):
+    for m in sorted(models, key=lambda m: m.last_used):
         if enough(freed):
             break
         if m.pinned or m.name in keep_models:
@@ -95,8 +92,8 @@ def plan(models: list[ModelUse], blob_sizes: dict[str, int], orphan_mtimes: dict
                 dead.append(b)
                 freed += blob_sizes.get(b, 0)
     pinned = [m.name for m in models if m.pinned]
-    also = (f" (pinned: {', '.join(pinned)}: a model's files stay cached while they are read, by a load or "
-            "an FP8 build; wait for it, or raise cache.max_bytes)") if pinned else ""
+    also = (f" (pinned: {', '.join(pinned)}: a model's files stay cached while it is loaded or loading; "
+            "unload one, or raise cache.max_bytes)") if pinned else ""
     if used - freed + incoming > max_bytes:
         raise CacheFullError(
             f"need {incoming} bytes; the cache holds {used} of {max_bytes} and evicting every unpinned model "
@@ -126,11 +123,10 @@ def live_blobs(layout: CacheLayout, active_blobs: Collection[str]) -> set[str]:
 
 
 def evict(layout: CacheLayout, quota: Quota, incoming: int, keep: frozenset[str], keep_blobs: frozenset[str], *,
-          active_blobs: Collection[str], pinned: Callable[[str], bool], loaded: Callable[[str], bool]) -> list[str]:
+          active_blobs: Collection[str], pinned: Callable[[str], bool]) -> list[str]:
     """Plan and apply an eviction; the caller holds ``cache.lock``. Returns the evicted models.
 
-    ``pinned(name)``: the model is pinned by this process or another one; ``loaded(name)``: marked
-    loaded (evicted last)."""
+    ``pinned(name)``: the model is pinned by this process or another one."""
     log = structlog.get_logger("cache").bind(cache_dir=str(layout.root))
     sizes = layout.blob_sizes()
     uses: list[ModelUse] = []
@@ -142,7 +138,7 @@ def evict(layout: CacheLayout, quota: Quota, incoming: int, keep: frozenset[str]
         blobs = frozenset(m.unique_blobs())
         referenced |= blobs
         uses.append(ModelUse(name, blobs, snapshot.last_used(layout.models_dir, name), pinned=pinned(name),
-                             content=content_digest(m), loaded=loaded(name)))
+                             content=content_digest(m)))
     protected = keep_blobs | frozenset(active_blobs)
     orphans = {}
     for d in sizes:

@@ -58,19 +58,8 @@ class CacheLayout:
         return FileLock(self.locks_dir / f"pin-{name}.lock")
 
     def pinned_by_some_process(self, name: str) -> bool:
-        return _held_by_some_process(self.pin_lock(name))
-
-    def loaded_lock(self, name: str) -> FileLock:
-        """The flock a loaded model's files hold shared (``DiskCache.mark_loaded``): evicted
-        last; probed exclusively for an instant, never held so."""
-        return FileLock(self.locks_dir / f"loaded-{name}.lock")
-
-    def loaded_by_some_process(self, name: str) -> bool:
-        return _held_by_some_process(self.loaded_lock(name))
-
-
-def _held_by_some_process(lock: FileLock) -> bool:
-    if lock.try_acquire():
-        lock.release()
-        return False
-    return True
+        lock = self.pin_lock(name)
+        if lock.try_acquire():
+            lock.release()
+            return False
+        return True

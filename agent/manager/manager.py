@@ -401,7 +401,6 @@ class ModelManager:
         e.touch()  # keep_alive and LRU count from the load, not from an older use
         e.crashed_loads = e.failed_loads = 0
         e.retry_at = 0.0
-        await self._loaded(e)
         e.move(State.READY)
 
     def _own_failure(self, e: ModelEntry, ex: Exception) -> bool:
@@ -596,22 +595,10 @@ class ModelManager:
             raise CacheBusy(str(ex), retry_after=5.0) from None
         e.pinned = True
 
-    async def _loaded(self, e: ModelEntry) -> None:
-        """Its weights are in the engine: its files need no pin, only to be evicted after every
-        other model's (``DiskCache.mark_loaded``), so a quota that holds fewer models than the
-        device still takes the next one's pull; if they go, the model serves on and its next
-        load pulls them again (``_load_steps``)."""
-        if self.source is not None and e.pinned and await self.source.mark_loaded(e.name):
-            e.pinned = False
-
     def _unpin(self, e: ModelEntry) -> None:
-        """Its files are no longer read nor served from (unloaded, failed, gone with the worker)."""
-        if self.source is None:
-            return
-        if e.pinned:
+        if self.source is not None and e.pinned:
             self.source.unpin(e.name)
             e.pinned = False
-        self.source.release_loaded(e.name)
 
     async def _check_files(self, e: ModelEntry) -> None:
         """Refuse to load files that are not the manifest's (sizes; the sha256 of any file

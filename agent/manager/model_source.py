@@ -65,14 +65,6 @@ class CacheSource:
     def unpin(self, name: str) -> None:
         self.cache.unpin(name)
 
-    async def mark_loaded(self, name: str) -> bool:
-        """Its weights are in device memory: its pin becomes a mark that lets its files be
-        evicted last (``DiskCache.mark_loaded``); False when the pin stays."""
-        return await self.cache.mark_loaded(name)
-
-    def release_loaded(self, name: str) -> None:
-        self.cache.release_loaded(name)
-
     def pull_progress(self, name: str) -> dict[str, Any] | None:
         """Bytes done/total, rate and ETA of a pull in progress in this process, else None."""
         return self.cache.pulls_in_progress().get(name)

@@ -204,11 +204,6 @@ class SimSource:
 
     def unpin(self, name: str) -> None: ...
 
-    async def mark_loaded(self, name: str) -> bool:
-        return False  # nothing pinned, nothing to mark
-
-    def release_loaded(self, name: str) -> None: ...
-
     def stats(self) -> dict[str, int]:
         return {}
 

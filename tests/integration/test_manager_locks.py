@@ -985,39 +985,3 @@ async def test_a_model_another_pull_evicted_from_the_disk_cache_is_absent_and_pu
     await mgr.load("b")  # finds its files broken, repairs them: a goes
     assert mgr.get("b").state is State.READY and cache.snapshot_path("a") is None
     assert mgr.get("a").state is State.ABSENT and mgr.get("a").snapshot is None
-
-
-async def test_a_quota_that_holds_fewer_models_than_the_device_takes_the_next_models_pull(monkeypatch, tmp_path) -> None:
-    """Loaded models' files are evicted last, not pinned: with a cache quota for two models and
-    room on the device for three, the third's pull evicts the least recently used loaded
-    model's files (it failed with CacheFullError, every cached model pinned by its load); that
-    model serves on, is absent once unloaded, and its next load pulls it again."""
-    from agent.manager.model_source import CacheSource
-    from cache.disk_cache import DiskCache
-    from cache.file_store import FileStore
-    from cache.publish import publish_model
-    from tests.s3_fault_proxy import fast_download, make_model
-
-    store = FileStore(tmp_path / "store")
-    one = max(publish_model(store, make_model(tmp_path / f"src-{n}", data_bytes=1 << 20, seed=i), n).total_size
-              for i, n in enumerate("abc"))
-    cache = DiskCache(tmp_path / "cache", int(one * 2.5), download=fast_download())
-    monkeypatch.setenv("INFIRE_MODELS", '[{"name": "a"}, {"name": "b"}, {"name": "c"}]')
-    w = FakeWorker()
-    mgr = ModelManager(load_settings(), w, CacheSource(cache, store), Metrics(), lambda p: object())
-    await mgr.load("a")
-    time.sleep(0.02)
-    await mgr.load("b")
-    assert {m["name"]: (m["pinned"], m["loaded"]) for m in cache.stats()["models"]} == {
-        "a": (False, True), "b": (False, True)}
-    await mgr.load("c")  # room on disk: a's files go (the least recently used), a serves on
-    assert [mgr.get(n).state for n in "abc"] == [State.READY] * 3
-    assert cache.snapshot_path("a") is None and mgr.get("a").snapshot is None
-    assert w.loaded == ["a", "b", "c"]
-    await mgr.unload("a")
-    assert mgr.get("a").state is State.ABSENT
-    await mgr.load("a")  # pulled again (b's files go now), loaded
-    assert mgr.get("a").state is State.READY and cache.snapshot_path("a") is not None
-    assert cache.snapshot_path("b") is None and mgr.get("b").state is State.READY
-    await mgr.unload("b")
-    assert mgr.get("b").state is State.ABSENT and not any(m["loaded"] for m in cache.stats()["models"] if m["name"] == "b")
