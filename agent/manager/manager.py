@@ -260,11 +260,10 @@ class ModelManager:
 
     def _forget_evicted(self, puller: ModelEntry) -> None:
         """After a pull of this manager (``_pull``, a load's repair), which makes its room by
-        evicting models the cache holds unpinned (the
-        least recently used first): those models are at rest with no files now. An idle cached
-        one is absent (the next request pulls it again); a failed one keeps its state and
-        reason without the snapshot. Status, /v1/models and the metrics said ``cached`` for a
-        folder the eviction had removed."""
+        evicting models the cache holds unpinned (the least recently used first): those models
+        are at rest with no files now. An idle cached one is absent (the next request pulls it
+        again); a failed one keeps its state and reason without the snapshot. Status,
+        /v1/models and the metrics said ``cached`` for a folder the eviction had removed."""
         for e in self.models.values():
             if e is puller or e.busy or e.snapshot is None or self.source.snapshot(e.name) is not None:
                 continue
