@@ -91,17 +91,14 @@ def plan(models: list[ModelUse], blob_sizes: dict[str, int], orphan_mtimes: dict
             if refs[b] == 0 and b not in keep_blobs:
                 dead.append(b)
                 freed += blob_sizes.get(b, 0)
-    pinned = [m.name for m in models if m.pinned]
-    also = (f" (pinned: {', '.join(pinned)}: a model's files stay cached while it is loaded or loading; "
-            "unload one, or raise cache.max_bytes)") if pinned else ""
-    if used - freed + incoming > max_bytes:
-        raise CacheFullError(
-            f"need {incoming} bytes; the cache holds {used} of {max_bytes} and evicting every unpinned model "
-            f"frees only {freed}" + also)
-    if freed < disk_short:
-        raise CacheFullError(
-            f"need {incoming} bytes; the cache disk has {disk_free} free and evicting every unpinned model "
-            f"frees only {freed}" + also)
+    limit = (f"the cache holds {used} of {max_bytes}" if used - freed + incoming > max_bytes
+             else f"the cache disk has {disk_free} free" if freed < disk_short else None)
+    if limit is not None:
+        pinned = [m.name for m in models if m.pinned]
+        also = (f" (pinned: {', '.join(pinned)}: a model's files stay cached while it is loaded or loading; "
+                "unload one, or raise cache.max_bytes)") if pinned else ""
+        raise CacheFullError(f"need {incoming} bytes; {limit} and evicting every unpinned model frees only {freed}"
+                             + also)
     return Plan(tuple(victims), tuple(dead), freed)
 
 
