@@ -278,7 +278,7 @@ def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | 
     app.router.add_get("/metrics", metrics_handler)
 
     async def on_shutdown(app: web.Application) -> None:
-        ctx.begin_draining()  # before in-flight handlers are awaited: new requests get 503
+        ctx.draining = True  # before in-flight handlers are awaited: new requests get 503
 
     app.on_shutdown.append(on_shutdown)
     app.cleanup_ctx.extend(LIFECYCLE)
@@ -364,7 +364,7 @@ async def serve(settings: Settings, *, engine: str = "core", stop: asyncio.Event
         log.info("listening", host=s.host, port=port, admin_socket=str(sock_path), pid=os.getpid(),
                  max_connections=cap, nofile=nofile)
         await stop.wait()
-        ctx.begin_draining()
+        ctx.draining = True
         ctx.notifier.stopping()
         ctx.notifier.extend_timeout(s.drain_timeout + 15)  # drain, then stop the worker
         await _drain(ctx, s.drain_timeout)

@@ -29,17 +29,23 @@ class AgentContext:
     engine: str = "core"
     started: float = field(default_factory=time.monotonic)
     started_wall: float = field(default_factory=time.time)
-    draining: bool = False
-    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``draining``: wakes waiting admin calls
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set when it drains: wakes waiting admin calls
     manager: ModelManager = None  # type: ignore[assignment]  # set by the manager context
     startup: StartupRecord = field(default_factory=StartupRecord)  # made first: its clock starts here
     grammars: GrammarBuilder = field(default_factory=GrammarBuilder)  # response_format → grammar, cached
 
-    def begin_draining(self) -> None:
+    @property
+    def draining(self) -> bool:
         """The agent is stopping: new requests get 503, and admin calls waiting for an
         operation answer now (a load still pulling when the agent stops is called off)."""
-        self.draining = True
-        self.stopping.set()
+        return self.stopping.is_set()
+
+    @draining.setter
+    def draining(self, on: bool) -> None:
+        if on:
+            self.stopping.set()
+        else:
+            self.stopping.clear()
 
     def startup_record(self, freeze: bool = False) -> dict[str, Any]:
         """The start's phases up to now (``freeze``: at ready, kept from then on)."""
