@@ -267,8 +267,7 @@ def build_app(settings: Settings, *, engine: str = "core", notifier: Notifier | 
             admitted = {e.name: Admitted(e.in_flight, e.load_waiters, e.info.block_size if e.info is not None else None)
                         for e in ctx.manager.models.values()}
             metrics.gateway.update(gateway_view(ctx.worker.state.models, ctx.worker.state.memory, admitted))
-        b = ctx.budget()
-        metrics.gpu_budget.set(b["total_bytes"] or 0)
+        metrics.refresh_budget(ctx.budget())
         if ctx.manager is not None and ctx.manager.source is not None:
             c = ctx.manager.source.stats()
             metrics.cache_used.set(c["used_bytes"])

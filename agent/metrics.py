@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Collection, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -126,7 +127,9 @@ class Metrics:
                                           "its load (mask seconds / steps = the mask time per step)", ["model"],
                                           registry=r)
         self.gpu_budget = Gauge("infire_gpu_budget_bytes", "Device memory budget", registry=r)
-        self.gpu_used = Gauge("infire_gpu_used_bytes", "Device memory in use by models", registry=r)
+        self.gpu_used = Gauge("infire_gpu_used_bytes", "Device memory the engine's books hold: weights, "
+                              "workspaces, the whole KV pool and what the device holds beyond them (status's "
+                              "gpu used; the per-model figures leave out the pool's free pages)", registry=r)
         self.warm_tier = Gauge("infire_warm_tier_bytes", "The warm tier's host memory: its budget, the share a "
                                "put may take now (page-locked so far) and what stored copies hold", ["kind"],
                                registry=r)
@@ -166,7 +169,6 @@ class Metrics:
         for gone in self._engine_models - live.keys():
             self.forget_model(gone)
         self._engine_models = set(live)
-        used = 0
         for model, s in live.items():
             self.queue_depth.labels(model=model).set(s.waiting)
             self.running.labels(model=model).set(s.running)
@@ -186,8 +188,11 @@ class Metrics:
                 self.grammar_masked_rows.labels(model=model).set(s.grammar_masked_rows)
                 self.grammar_masked_steps.labels(model=model).set(s.grammar_masked_steps)
             self.gpu_memory.labels(model=model).set(s.device_bytes)
-            used += s.device_bytes
-        self.gpu_used.set(used)
+
+    def refresh_budget(self, budget: Mapping[str, Any]) -> None:
+        """Mirror ``AgentContext.budget()``: the node's device figures are the ones status shows."""
+        self.gpu_budget.set(budget["total_bytes"] or 0)
+        self.gpu_used.set(budget["used_bytes"] or 0)
 
     def refresh_warm_tier(self, tier: WarmTierStats | None) -> None:
         """Mirror the worker's last ``WarmTier.stats()``; no series without a warm tier."""

@@ -240,6 +240,11 @@ def test_admin_auth(daemon) -> None:
     assert {"version", "uptime_s", "worker", "budget", "cache", "models"} <= set(st)
     assert st["worker"]["alive"] and st["worker"]["pid"]
     assert st["budget"]["total_bytes"] == 256 << 20 and 0 < st["budget"]["used_bytes"] <= 256 << 20
+    # the node's gauges are status's figures (the ledger's use, the KV pool whole), not a second sum
+    code, text = daemon.get("/metrics")
+    gauges = dict(line.split(" ") for line in text.splitlines() if line.startswith("infire_gpu_"))
+    assert float(gauges["infire_gpu_used_bytes"]) == daemon.status()["budget"]["used_bytes"]
+    assert float(gauges["infire_gpu_budget_bytes"]) == 256 << 20
     m = next(m for m in st["models"] if m["name"] == MODEL)
     assert {"name", "state", "device_bytes", "kv_pages", "in_flight", "last_used"} <= set(m)
     assert m["state"] == "ready" and m["device_bytes"] > 0

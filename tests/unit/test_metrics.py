@@ -21,7 +21,7 @@ def test_metrics_registries_are_per_instance() -> None:
                                        prefix_queried_tokens=900, prefix_hit_tokens=640, cascade=True,
                                        cascade_rows=321, cascade_steps=20)})
     text = a.render().decode()
-    assert 'infire_running_sequences{model="m"} 2.0' in text and "infire_gpu_used_bytes 10.0" in text
+    assert 'infire_running_sequences{model="m"} 2.0' in text and 'infire_gpu_memory_bytes{model="m"} 10.0' in text
     assert 'infire_parked_steps{model="m"} 4.0' in text and 'infire_parked_seconds{model="m"} 0.012' in text
     assert 'infire_prefix_queried_tokens{model="m"} 900.0' in text and 'infire_prefix_hit_tokens{model="m"} 640.0' in text
     assert 'infire_prefix_cached_pages{model="m"} 7.0' in text
@@ -35,22 +35,21 @@ def test_metrics_registries_are_per_instance() -> None:
 def test_an_unloaded_model_leaves_no_ghost_series() -> None:
     """The sequence a CPU churn pass caught: the manager forgets a model it unloaded, the next
     refresh still sees the last Status's row of it (stale: the Status came before the Unloaded),
-    later Statuses no longer list it. Its series must stay gone, and the node's bytes must be the
-    sum of what is still loaded."""
+    later Statuses no longer list it. Its series must stay gone, and the per-model bytes must be
+    what is still loaded."""
     a = Metrics()
     a.refresh_engine({"m": model_stats(device_bytes=10, kv_pages_used=3), "n": model_stats(device_bytes=5)})
     a.forget_model("m")  # the manager's unload
     a.refresh_engine({"m": model_stats(device_bytes=10, kv_pages_used=3), "n": model_stats(device_bytes=5)},
                      stale={"m"})
     text = a.render().decode()
-    assert 'model="m"' not in text and "infire_gpu_used_bytes 5.0" in text
+    assert 'model="m"' not in text and 'infire_gpu_memory_bytes{model="n"} 5.0' in text
     # and without the manager's forget_model (a model that left another way): gone at the first
     # Status that no longer lists it
     a.refresh_engine({"n": model_stats(device_bytes=5)})
     a.refresh_engine({})
     text = a.render().decode()
     assert 'infire_gpu_memory_bytes{model="n"}' not in text and 'infire_kv_pages_total{model="n"}' not in text
-    assert "infire_gpu_used_bytes 0.0" in text
 
 
 def test_feature_series_follow_the_flags_not_the_figures() -> None:
