@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -260,54 +260,76 @@ def _fetch_and_hash(store: Store, key: str, info: ObjectInfo, digest: str, size:
                 with cond:
                     cond.notify_all()
 
-    def worker() -> None:
+    closed = [False]  # the state file's descriptor closed (under cond): a late part records nothing
+
+    def worker(own_fd: int) -> None:
         buf = bytearray(cfg.buffer_size)
         view = memoryview(buf)
-        while not stop.is_set():
-            if not conc.acquire(stop):
-                return
-            with cond:
-                if not queue:
-                    conc.release(ok=False)
+        try:
+            while not stop.is_set():
+                if not conc.acquire(stop):
                     return
-                idx = queue.pop()
-            ok = False
-            try:
-                _fetch_part(store, key, info, idx * ps, min(size, (idx + 1) * ps), fd, view, cfg, conc,
-                            progress, stop, readers)
-                if cfg.fsync:
-                    os.fdatasync(fd)  # the part's bytes are durable before it is recorded
                 with cond:
-                    os.write(state_fd, f"{idx}\n".encode())
+                    if not queue:
+                        conc.release(ok=False)
+                        return
+                    idx = queue.pop()
+                ok = False
+                try:
+                    _fetch_part(store, key, info, idx * ps, min(size, (idx + 1) * ps), own_fd, view, cfg, conc,
+                                progress, stop, readers)
                     if cfg.fsync:
-                        os.fsync(state_fd)
-                    finished[idx] = True
-                    cond.notify_all()
-                ok = True
-            except BaseException as e:  # noqa: BLE001 - handed to the hashing thread, re-raised there
-                with cond:
-                    failure.append(e)
-                    stop.set()
-                    cond.notify_all()
-            finally:
-                conc.release(ok)
+                        os.fdatasync(own_fd)  # the part's bytes are durable before it is recorded
+                    with cond:
+                        if not closed[0]:
+                            os.write(state_fd, f"{idx}\n".encode())
+                            if cfg.fsync:
+                                os.fsync(state_fd)
+                            finished[idx] = True
+                        cond.notify_all()
+                    ok = True
+                except BaseException as e:  # noqa: BLE001 - handed to the hashing thread, re-raised there
+                    with cond:
+                        failure.append(e)
+                        stop.set()
+                        cond.notify_all()
+                finally:
+                    conc.release(ok)
+        finally:
+            os.close(own_fd)
 
+    # Daemon threads, each writing through a descriptor of its own, instead of a pool joined on the
+    # way out: a part whose request the store never answers (no headers: nothing to interrupt) held
+    # a cancel, and the agent's exit, for the read timeout (30 s). Cancelled, the download leaves
+    # such a part behind; it records nothing once the state file is closed, stops before its
+    # first read (its reader is interrupted as it opens), and its writes, if any, go to this
+    # partial file's inode whatever the closed descriptor's number is reused for.
     nthreads = min(cfg.max_concurrency, len(queue))
     watcher = threading.Thread(target=watch_abort, daemon=True)
     watcher.start()
     h = hashlib.sha256()
+    threads: list[threading.Thread] = []
     try:
-        with ThreadPoolExecutor(max_workers=max(1, nthreads), thread_name_prefix="blob-part") as pool:
-            for _ in range(nthreads):
-                pool.submit(worker)
+        for i in range(nthreads):
+            own_fd = os.dup(fd)
             try:
-                _hash_in_order(fd, h, finished, cond, failure, stop, nparts, ps, size)
-            finally:
-                stop.set()
-                with cond:
-                    cond.notify_all()
+                t = threading.Thread(target=worker, args=(own_fd,), name=f"blob-part-{i}", daemon=True)
+                t.start()
+            except BaseException:
+                os.close(own_fd)
+                raise
+            threads.append(t)
+        try:
+            _hash_in_order(fd, h, finished, cond, failure, stop, nparts, ps, size)
+        finally:
+            stop.set()
+            with cond:
+                cond.notify_all()
+            _join_parts(threads, abort)
     finally:
-        os.close(state_fd)
+        with cond:
+            closed[0] = True
+            os.close(state_fd)
         stop.set()
         watcher.join()
     if failure:
@@ -321,6 +343,19 @@ def _fetch_and_hash(store: Store, key: str, info: ObjectInfo, digest: str, size:
     if got != digest:
         raise IntegrityError(f"blob {digest}: downloaded bytes hash to {got}; nothing was committed (the store's "
                              "copy is not what its name says: publish the model again with --reupload)")
+
+
+# How long a cancelled download waits for its part threads to see the stop: a read in a body
+# returns as soon as its reader is interrupted; longer is a request with no answer yet.
+_CANCEL_JOIN_S = 1.0
+
+
+def _join_parts(threads: list[threading.Thread], abort: threading.Event) -> None:
+    """Wait for the part threads: all of them, unless the download was cancelled; then as long as
+    :data:`_CANCEL_JOIN_S`, leaving behind those still waiting on the store."""
+    deadline = time.monotonic() + _CANCEL_JOIN_S
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()) if abort.is_set() else None)
 
 
 def _hash_in_order(fd: int, h: "hashlib._Hash", finished: list[bool], cond: threading.Condition,

@@ -12,6 +12,7 @@ times. Kinds:
 - ``wrong_range``: shift the Content-Range the server sent by one byte;
 - ``etag``: replace the ETag the server sent (a server that ignores If-Match while the object changes);
 - ``stall``: forward ``after`` bytes, then send nothing for ``delay`` seconds;
+- ``hang``: answer nothing, not even the headers, for ``delay`` seconds, then forward;
 - ``flip``: flip the byte at body offset ``after`` (bit rot or a lying cache: the digest must catch it);
 - ``hook``: call ``hook()`` (in a thread) before forwarding, e.g. to replace the object mid-pull.
 """
@@ -122,6 +123,11 @@ class FaultProxy:
         async def _stop() -> None:
             await self._runner.cleanup()
             await self._session.close()
+            # handlers still holding a fault (a hang, a stall) end here, not as "destroyed but pending"
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -136,6 +142,8 @@ class FaultProxy:
         kind = fault.kind if fault else ""
         if kind == "hook" and fault.hook:
             await asyncio.to_thread(fault.hook)
+        if kind == "hang":
+            await asyncio.sleep(fault.delay)
         if kind == "status":
             self._record(request, fault.status)
             code = {503: "SlowDown", 429: "TooManyRequests", 403: "AccessDenied"}.get(fault.status, "InternalError")

@@ -167,3 +167,29 @@ async def test_cancelling_a_pull_ends_a_read_stalled_mid_body_at_once(tmp_path, 
         await task
     assert time.monotonic() - t0 < 2.0
     assert cache.snapshot_path("m") is None and not cache._inflight
+
+
+async def test_cancelling_a_pull_leaves_a_request_without_an_answer_behind(tmp_path, proxy, published):
+    """Every ranged GET waits for headers the store never sends (no body to interrupt): cancelled,
+    the pull returns at once instead of after the read timeout, and the next pull of the same
+    model, resuming the partial file, completes with the right bytes while the first pull's
+    requests are still unanswered."""
+    src, store, m = published
+    hang = proxy.add(Fault("hang", match="/blobs/", delay=6, times=1000))
+    cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
+    task = asyncio.create_task(cache.pull(store, "m"))
+    deadline = time.monotonic() + 10
+    while not hang.fired and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)  # the part threads now wait for headers
+    t0 = time.monotonic()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert time.monotonic() - t0 < 3.0
+    assert cache.snapshot_path("m") is None and not cache._inflight
+    hang.times = hang.fired  # the store answers again; the first pull's requests still hang
+    snap = await cache.pull(store, "m")
+    assert time.monotonic() - t0 < 6.0  # before the hung requests are answered
+    for f in m.files:
+        assert (snap / f.path).read_bytes() == (src / f.path).read_bytes()
