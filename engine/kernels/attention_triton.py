@@ -128,6 +128,24 @@ def _attend_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, koff, voff, j, jm, qpos, d, d
 
 
 @triton.jit
+def _exp2_packed(x, dt: tl.constexpr):
+    """2**x for float32 ``x``, rounded to ``dt`` (bfloat16 or float16) first and computed two at
+    a time by the special-function unit (``ex2.approx`` on a pair): half the SFU's instructions of
+    ``tl.exp2``, and no float32 registers held for the probabilities, which go to the PV dot in
+    ``dt`` anyway. The input's rounding costs about what rounding the output to ``dt`` costs
+    (``|x| * 2**-8`` relative, and ``p`` is small where ``|x|`` is not)."""
+    if dt == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            asm="{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $2, $1; ex2.approx.ftz.bf16x2 $0, t; }",
+            constraints="=r,r,r", args=[x], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        tl.static_assert(dt == tl.float16, "packed exp2 in bfloat16 or float16")
+        return tl.inline_asm_elementwise(
+            asm="{ .reg .b32 t; cvt.rn.f16x2.f32 t, $2, $1; ex2.approx.f16x2 $0, t; }",
+            constraints="=r,r,r", args=[x], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
 def _load_tile(ptr, offs, mask, MASKED: tl.constexpr):
     if MASKED:
         return tl.load(ptr + offs, mask=mask, other=0.0)
@@ -139,12 +157,13 @@ def _load_tile(ptr, offs, mask, MASKED: tl.constexpr):
 def _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, qlo, kvh,
                   s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, d, dm, qk_scale,
                   BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, CHUNKED: tl.constexpr, DOT_PREC: tl.constexpr,
-                  ASM_V: tl.constexpr):
+                  ASM_V: tl.constexpr, PACKED_EXP: tl.constexpr):
     """One K/V tile of the prefill kernel's online softmax (base 2). ``MASKED`` tiles are the
     diagonal band and the ragged end: positions past ``kv_end`` and after a row's ``qpos`` are
     masked out, with ``CHUNKED`` those before a row's ``qlo`` (its chunk's start) too. Unmasked
     tiles lie wholly before every row of the query tile (and in every row's chunk) and (head_dim
-    a power of two) load and score without a mask or a select: most of a long prompt's tiles."""
+    a power of two) load and score without a mask or a select: most of a long prompt's tiles.
+    ``PACKED_EXP``: the probabilities by :func:`_exp2_packed` (the large tiles, :func:`packed_exp`)."""
     jm = j < kv_end
     page = _table_pages(bt_ptr, b, s_bt, j, jm, BLOCK_SIZE, MASKED)  # one table read for K and V
     slot = (j % BLOCK_SIZE).to(tl.int64)
@@ -165,15 +184,20 @@ def _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, 
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_ref = m_new
-        p = tl.exp2(s - m_ref[:, None])
+        x = s - m_ref[:, None]
     else:
         # the scale folded into the exponent's operand: one multiply-add a score
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         m_ref = m_new
-        p = tl.exp2(s * qk_scale - m_new[:, None])
+        x = s * qk_scale - m_new[:, None]
     alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
     v = _widen_v(_load_tile(vc_ptr, voff[:, None] + d[None, :], jm[:, None] & dm[None, :], MASKED), q, ASM_V)
+    if PACKED_EXP:
+        p = _exp2_packed(x, v.dtype)
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), axis=1)
+    else:
+        p = tl.exp2(x)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return m_new, l_i, acc
 
@@ -185,7 +209,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
                     s_qn, s_qh, s_on, s_oh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, s_bt, qk_scale, NUM_SEQS, chunk,
                     CHUNKED: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TPT: tl.constexpr,
-                    DOT_PREC: tl.constexpr, MIN_Q: tl.constexpr, ASM_V: tl.constexpr, PDL: tl.constexpr):
+                    DOT_PREC: tl.constexpr, MIN_Q: tl.constexpr, ASM_V: tl.constexpr, PACKED_EXP: tl.constexpr,
+                    PDL: tl.constexpr):
     pdl_entry(PDL)
     # grid (Hkv, items): the KV heads of one item are neighbours in launch order. Work item i:
     # sequence b's items start at qsl[b] // TPT + b (a span of at least cdiv(q_len_b, TPT)), so b
@@ -250,19 +275,19 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, qsl_ptr, sl_ptr, bt_ptr,
                 j = start + tl.arange(0, BLOCK_N)
                 m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, qlo,
                                               kvh, s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, d, dm, qk_scale,
-                                              BLOCK_SIZE, True, CHUNKED, DOT_PREC, ASM_V)
+                                              BLOCK_SIZE, True, CHUNKED, DOT_PREC, ASM_V, PACKED_EXP)
         for start in range(full, band, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, qlo, kvh,
                                           s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, d, dm, qk_scale,
-                                          BLOCK_SIZE, False, CHUNKED, DOT_PREC, ASM_V)
+                                          BLOCK_SIZE, False, CHUNKED, DOT_PREC, ASM_V, PACKED_EXP)
         # unchunked, position `band` is visible to every row, so the running max is finite after
         # its tile; chunked, a row may see none of the first tiles (_prefill_tile guards that)
         for start in range(band, kv_end, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_ptr, b, s_bt, j, kv_end, qpos, qlo, kvh,
                                           s_kp, s_kb, s_kh, s_vp, s_vb, s_vh, d, dm, qk_scale,
-                                          BLOCK_SIZE, True, CHUNKED, DOT_PREC, ASM_V)
+                                          BLOCK_SIZE, True, CHUNKED, DOT_PREC, ASM_V, PACKED_EXP)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_safe[:, None]
         tl.store(out_ptr + tok[:, None] * s_on + head[:, None] * s_oh + d[None, :],
@@ -475,13 +500,18 @@ def _sm_count(device: torch.device) -> int:
     return 4  # interpreter runs: a few splits so the reduce path is exercised
 
 
-def prefill_shape(n: int, g: int, hkv: int, wide: bool, block_d: int, sm_count: int) -> tuple[int, int, int, int]:
+def prefill_shape(n: int, g: int, hkv: int, wide: bool, block_d: int, sm_count: int,
+                  long_keys: bool) -> tuple[int, int, int, int]:
     """The prefill kernel's launch shape for ``n`` query tokens: (BLOCK_M, BLOCK_N, warps, stages).
+    ``long_keys``: the large tile may take 128 keys (a 16-bit cache without chunked attention,
+    where it was measured; over an e4m3 cache or with chunks it spills more, 800 and 1,488 bytes
+    a thread at triton 3.9 against 608, and has not been timed: 64 keys there).
 
     Head_dim 128 in 16 bits (ops/gpu/prefill_bench.py, docs/perf.md, H100): 256 query rows (64
-    tokens x a GQA group of 4) over 64-key tiles, 8 warps, 3 stages ran a 32k prompt at 442
-    TFLOP/s causal (128 x 128: 374; torch's flash backend: 345) — while its programs fill the
-    GPU. A chunk of a few hundred tokens deep in a long context has few query tiles, each a long
+    tokens x a GQA group of 4) over 128-key tiles, 8 warps, 2 stages, the probabilities packed
+    (:func:`packed_exp`), ran a 32k prompt at 453-465 TFLOP/s causal (64-key tiles, 3 stages:
+    426-433; 128 x 128: 373; torch's flash backend: 332-338, same runs) — while its programs
+    fill the GPU. A chunk of a few hundred tokens deep in a long context has few query tiles, each a long
     walk over the keys: at 256 rows 64 programs for 132 SMs, so such chunks take 64-row tiles
     (4 warps, 3 stages), four times the programs. H200, 32k of context: 460 tokens 0.76 ms at
     64 rows against 1.33 ms at 256; 1,024 tokens (128 programs at 256 rows) 1.65 against 1.37 ms,
@@ -493,8 +523,17 @@ def prefill_shape(n: int, g: int, hkv: int, wide: bool, block_d: int, sm_count: 
     if block_d != 128:
         return 128, 64, 4 if block_d <= 64 else 8, 3
     if 4 * triton.cdiv(n, max(1, 256 // g)) * hkv >= 3 * sm_count:
-        return 256, 64, 8, 3
+        return (256, 128, 8, 2) if long_keys else (256, 64, 8, 3)
     return 64, 64, 4, 3
+
+
+def packed_exp(block_m: int, block_n: int, dtype: torch.dtype) -> bool:
+    """Whether a prefill tile computes its probabilities two at a time in 16 bits
+    (:func:`_exp2_packed`): the 256 x 128 tile's float32 scores and probabilities spilled
+    (292 TFLOP/s at 32k on the H100), and with packed ones it is the fastest shape (453-465,
+    against 426-433 for 256 x 64 tiles, packed or not; torch's flash backend 332-338, same
+    runs). Smaller tiles gain nothing (64 rows: 334 against 362 at a 512-token chunk at 32k)."""
+    return block_m * block_n >= 256 * 128 and dtype in (torch.bfloat16, torch.float16)
 
 
 def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count: int) -> int:
@@ -622,7 +661,8 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
                  cascade, chunk)
     if max_query_len <= 1:
         return out
-    shape = prefill_shape(n, g, hkv, q.dtype == torch.float32 or d > 128, block_d, _sm_count(q.device))
+    shape = prefill_shape(n, g, hkv, q.dtype == torch.float32 or d > 128, block_d, _sm_count(q.device),
+                          k_cache.dtype != FP8 and chunk == 0)
     block_m = max(cfg.get("block_m", shape[0]), triton.next_power_of_2(g))
     block_n = cfg.get("block_n", shape[1])
     tpt = block_m // g
@@ -633,7 +673,8 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     _PREFILL_LAUNCH.launch(grid,
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common, b, chunk, CHUNKED=chunk > 0,
         G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
-        DOT_PREC=dot_prec, MIN_Q=2, ASM_V=asm_v, num_warps=cfg.get("num_warps", shape[2]),
+        DOT_PREC=dot_prec, MIN_Q=2, ASM_V=asm_v,
+        PACKED_EXP=packed_exp(block_m, block_n, q.dtype) and _PREFILL_LAUNCH.compiled, num_warps=cfg.get("num_warps", shape[2]),
         num_stages=cfg.get("num_stages", shape[3]),
     )
     return out

@@ -27,6 +27,7 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -52,11 +53,13 @@ def attn_types(dt: str) -> dict:
     return t
 
 
-# The 256-row prefill tile spills (bytes a thread at triton 3.9: 176 at G = 4, 272 at G = 7, 120
-# over an e4m3 cache) and is still the fastest shape by 15 %: 442 TFLOP/s causal at 32k against
-# 374 for the spill-free 128 x 128 (H100, G = 4, docs/perf.md 2026-12-06; G = 7 not measured).
-# Each bound sits a little above what was seen, so that growth shows.
-SPILLS = {"prefill bf16 G=4 D=128 256-row": 192, "prefill bf16 G=7 D=128 256-row": 288,
+# The 256-row prefill tiles spill and are still the fastest shapes: over 128 keys with packed
+# probabilities (a 16-bit cache) 608 bytes a thread at triton 3.9 at G = 4 and 680 at G = 7,
+# 453-465 TFLOP/s causal at 32k on the H100 against 426-433 for 64 keys (176 bytes) and 373 for
+# the spill-free 128 x 128 (docs/perf.md, 2026-12-08; G = 7 not timed); over an e4m3 cache and
+# with chunks the 64-key tile (120 and 248 bytes). Each bound sits a little above what was seen,
+# so that growth shows.
+SPILLS = {"prefill bf16 G=4 D=128 256-row": 640, "prefill bf16 G=7 D=128 256-row": 704,
           "prefill fp8-kv G=4 D=128 256-row": 136, "prefill bf16 G=5 D=128 256-row chunked": 264}
 
 
@@ -80,12 +83,13 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                                  CASC=False, CHUNKED=False),
                             dict(num_warps=4, num_stages=2)))
             # the launch shapes prefill_shape picks: a big step's, and a few chunks'
-            for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, g, hq // g, dt == "*fp32", bd, 132)
+            for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, g, hq // g, dt == "*fp32", bd, 132, True)
                                                        for n in (4096, 256)):
                 pm = max(pm, triton.next_power_of_2(g))
                 out.append((f"prefill {dt[1:]} G={g} D={d} {pm}-row", att._prefill_kernel, attn_types(dt),
                             dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // g,
-                                 DOT_PREC=prec, MIN_Q=2, ASM_V=False, CHUNKED=False),
+                                 DOT_PREC=prec, MIN_Q=2, ASM_V=False, CHUNKED=False,
+                                 PACKED_EXP=att.packed_exp(pm, pn, torch.bfloat16 if dt == "*bf16" else torch.float32)),
                             dict(num_warps=warps, num_stages=stages)))
         if dt == "*fp32":
             break
@@ -94,10 +98,10 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                 dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=False,
                      DOT_PREC="tf32", ASM_V=True, CS=att.CASCADE_SPLITS, CASC=False, CHUNKED=False),
                 dict(num_warps=4, num_stages=2)))
-    for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, 4, 8, False, 128, 132) for n in (4096, 256)):
+    for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, 4, 8, False, 128, 132, False) for n in (4096, 256)):
         out.append((f"prefill fp8-kv G=4 D=128 {pm}-row", att._prefill_kernel, fp8_kv,
                     dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // 4, DOT_PREC="tf32",
-                         MIN_Q=2, ASM_V=True, CHUNKED=False),
+                         MIN_Q=2, ASM_V=True, CHUNKED=False, PACKED_EXP=att.packed_exp(pm, pn, torch.bfloat16)),
                     dict(num_warps=warps, num_stages=stages)))
     for single in (True, False):
         out.append((f"decode bf16 G=4 D=128 single={single} cascade", att._decode_kernel, attn_types("*bf16"),
@@ -119,11 +123,11 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                     dict(HQ=40, G=5, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=single,
                          DOT_PREC="tf32", ASM_V=False, CS=att.CASCADE_SPLITS, CASC=False, CHUNKED=True),
                     dict(num_warps=4, num_stages=2)))
-    for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, 5, 8, False, 128, 132) for n in (4096, 256)):
+    for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, 5, 8, False, 128, 132, False) for n in (4096, 256)):
         pm = max(pm, 8)
         out.append((f"prefill bf16 G=5 D=128 {pm}-row chunked", att._prefill_kernel, attn_types("*bf16"),
                     dict(G=5, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // 5, DOT_PREC="tf32",
-                         MIN_Q=2, ASM_V=False, CHUNKED=True),
+                         MIN_Q=2, ASM_V=False, CHUNKED=True, PACKED_EXP=att.packed_exp(pm, pn, torch.bfloat16)),
                     dict(num_warps=warps, num_stages=stages)))
     out.append(("reduce chunked", att._reduce_kernel, attn_types("*bf16"),
                 dict(HQ=40, D=128, BLOCK_D=128, BLOCK_N=64, BLOCK_S=8, CS=att.CASCADE_SPLITS, CASC=False, CHUNKED=True),

@@ -23,7 +23,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 from engine.kernels import _dispatch, activation, attention, kv_write, norm, rope  # noqa: E402
 from engine.kernels.sample import filter_ref, sample as sample_api, sample_ref  # noqa: E402
 from engine.kernels.activation_triton import silu_and_mul_triton  # noqa: E402
-from engine.kernels.attention_triton import decode_splits, paged_attention_triton, prefill_shape  # noqa: E402
+from engine.kernels.attention_triton import decode_splits, packed_exp, paged_attention_triton, prefill_shape  # noqa: E402
 from engine.kernels.kv_write_triton import write_kv_triton  # noqa: E402
 from engine.kernels.norm_triton import rms_norm_triton  # noqa: E402
 from engine.kernels.rope_triton import apply_rope_triton  # noqa: E402
@@ -223,15 +223,21 @@ def test_chunked_decode_rows_split_their_chunk_whatever_the_bound(dtype, chunk):
 
 def test_the_prefill_shape_fills_the_gpu_before_it_grows_its_tiles():
     """Head_dim 128 in 16 bits: 256-row tiles (the fastest per FLOP) while their programs fill
-    the SMs, 64-row tiles for a step of a few hundred tokens (a deep chunk's few long programs
-    would leave SMs idle); other head dims and float32 keep their one shape. It depends on the
-    token count and the device alone (a mixed graph's bucket fixes it)."""
-    assert prefill_shape(4096, 4, 8, False, 128, 132) == (256, 64, 8, 3)
-    assert prefill_shape(13 * 64, 4, 8, False, 128, 132) == (256, 64, 8, 3)  # 104 programs: 3/4 of 132 SMs
-    assert prefill_shape(12 * 64, 4, 8, False, 128, 132) == (64, 64, 4, 3)  # 96
-    assert prefill_shape(460, 4, 8, False, 128, 132) == (64, 64, 4, 3)
-    assert prefill_shape(4096, 4, 8, True, 128, 132)[0] == 32
-    assert prefill_shape(4096, 3, 3, False, 64, 132) == (128, 64, 4, 3)
+    the SMs, over 128 keys with packed probabilities where that was measured (a 16-bit cache,
+    no chunks), 64 keys otherwise; 64-row tiles for a step of a few hundred tokens (a deep
+    chunk's few long programs would leave SMs idle); other head dims and float32 keep their one
+    shape. It depends on the token count, the cache and the device alone (a mixed graph's
+    bucket fixes it)."""
+    assert prefill_shape(4096, 4, 8, False, 128, 132, True) == (256, 128, 8, 2)
+    assert prefill_shape(4096, 4, 8, False, 128, 132, False) == (256, 64, 8, 3)  # e4m3 cache, chunks
+    assert prefill_shape(13 * 64, 4, 8, False, 128, 132, True)[0] == 256  # 104 programs: 3/4 of 132 SMs
+    assert prefill_shape(12 * 64, 4, 8, False, 128, 132, True) == (64, 64, 4, 3)  # 96
+    assert prefill_shape(460, 4, 8, False, 128, 132, True) == (64, 64, 4, 3)
+    assert prefill_shape(4096, 4, 8, True, 128, 132, True)[0] == 32
+    assert prefill_shape(4096, 3, 3, False, 64, 132, True) == (128, 64, 4, 3)
+    assert packed_exp(256, 128, torch.bfloat16) and packed_exp(256, 128, torch.float16)
+    assert not packed_exp(256, 64, torch.bfloat16) and not packed_exp(64, 64, torch.bfloat16)
+    assert not packed_exp(256, 128, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
