@@ -509,9 +509,13 @@ class PoolKeeper:
                                mixed_buckets=self.mixed_buckets, stream_pool=self.streams)
 
     def warm_up(self, slot: ModelSlot) -> None:
-        """One step at the largest batch (every row sampled, with temperature: the sampler's
-        kernel and its candidate buffers are part of the peak, and its compile or cache load
-        happens here, not in the first sampled request's step) so its peak can be measured; and
+        """One step at the largest batch, eagerly (every row sampled, with temperature: the
+        sampler's kernel and its candidate buffers are part of the peak, and its compile or cache
+        load happens here, not in the first sampled request's step) so its peak can be measured:
+        eagerly, because a step of that size may run so whatever graph its bucket has (prompt
+        logprobs run every step eagerly), and a replay's activations are the graph pool's, not
+        the step's — at 512 tokens with a mixed graph the step was booked 0.25 MB against a
+        2.9 MB eager step (tests/gpu, test_memory_gpu); and
         before it one short prompt run eagerly on each of the runner's two step streams: its
         attention takes the prefill kernel's small-step launch shape
         (engine/kernels/attention_triton.py, prefill_shape), compiled here, and its forward makes
@@ -543,7 +547,7 @@ class PoolKeeper:
             # step booked 87 KiB for a 24 MiB eager step on an H100).
             for urgent in (False, True):
                 slot.runner.execute(short, urgent=urgent, eager=True)
-            slot.runner.execute(out)
+            slot.runner.execute(out, eager=True)
         finally:
             for page in table:
                 slot.pages.free(page)

@@ -157,7 +157,9 @@ def test_unload_gives_back_every_live_byte_and_the_pool_goes_with_its_last_model
             core.pools.grow_when_quiet(0)
             lives.append(_live_since(0))
         assert lives[-1] - lives[-2] <= 2 * MiB, (dict(seen, lives=lives), _live_tensors())
-        assert lives[-1] - live <= 32 * MiB * core.streams.created, (lives, core.streams.created)
+        # a workspace per lent stream, and the caller's thread's own (let go above, made again
+        # since), as after the first unload
+        assert lives[-1] - live <= 32 * MiB * (core.streams.created + 1), (lives, core.streams.created)
     finally:
         for name in list(core.models()):  # a failure must not leave a model on the device for the next test
             core.unload_model(name)
@@ -194,8 +196,9 @@ def test_the_booked_workspace_covers_steps_the_warm_up_does_not_take(small_model
     and its largest step, every row sampled with temperature, on top while it runs), no longer
     floored by the coarse estimate: the largest steps with logprobs, every penalty and prompt
     logprobs (each prompt position's logits, eagerly) must add no more to the live tensors than
-    the step's figure and the margin. At 4096 tokens (beyond the largest mixed-step graph) the
-    warm-up's largest step runs eagerly and its activations are the step's figure: the
+    the step's figure and the margin. The warm-up's largest step runs eagerly: at 512 tokens a
+    replay of the mixed graph of that bucket booked 0.25 MB for a 2.9 MB eager step (its
+    activations are the graph pool's); at 4096 (beyond the largest mixed-step graph) the
     workspaces the warm-up makes on the step streams come before it, or they are taken off it
     (87 KiB booked for a 24 MiB step on an H100)."""
     from engine.core.engine_core import EngineCore
