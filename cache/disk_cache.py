@@ -388,7 +388,16 @@ class DiskCache:
                 except Exception as e:  # noqa: BLE001 - re-raised below, after the others settle
                     errors.append(e)
 
-        await asyncio.gather(*(one(d, s) for d, s in sorted(missing.items(), key=lambda kv: kv[1])))
+        blobs = [asyncio.ensure_future(one(d, s)) for d, s in sorted(missing.items(), key=lambda kv: kv[1])]
+        try:
+            await asyncio.gather(*blobs)
+        except asyncio.CancelledError:
+            # gather ends at the first blob that finished cancelling; the others may still be
+            # stopping their threads and holding their blob locks, which a cancel promises free
+            for b in blobs:
+                b.cancel()
+            await asyncio.wait(blobs)
+            raise
         if errors:
             raise errors[0]
 

@@ -310,19 +310,22 @@ def _fetch_and_hash(store: Store, key: str, info: ObjectInfo, digest: str, size:
     h = hashlib.sha256()
     threads: list[threading.Thread] = []
     try:
-        for i in range(nthreads):
-            own_fd = os.dup(fd)
-            try:
-                t = threading.Thread(target=worker, args=(own_fd,), name=f"blob-part-{i}", daemon=True)
-                t.start()
-            except BaseException:
-                os.close(own_fd)
-                raise
-            threads.append(t)
         try:
+            for i in range(nthreads):
+                own_fd = os.dup(fd)
+                try:
+                    t = threading.Thread(target=worker, args=(own_fd,), name=f"blob-part-{i}", daemon=True)
+                    t.start()
+                except RuntimeError as e:  # "can't start new thread": the started parts stop below
+                    os.close(own_fd)
+                    raise CacheError(f"blob {digest}: {e}") from None
+                threads.append(t)
             _hash_in_order(fd, h, finished, cond, failure, stop, nparts, ps, size)
+        except OSError as e:  # no descriptor to spare, or the partial file unreadable
+            raise _disk_error(e, f"blob {digest}") from None
         finally:
             stop.set()
+            readers.interrupt_all()  # a failure's, as a cancel's: the other parts' reads end now
             with cond:
                 cond.notify_all()
             _join_parts(threads, abort)
@@ -351,11 +354,17 @@ _CANCEL_JOIN_S = 1.0
 
 
 def _join_parts(threads: list[threading.Thread], abort: threading.Event) -> None:
-    """Wait for the part threads: all of them, unless the download was cancelled; then as long as
-    :data:`_CANCEL_JOIN_S`, leaving behind those still waiting on the store."""
-    deadline = time.monotonic() + _CANCEL_JOIN_S
+    """Wait for the part threads: all of them, unless the download is cancelled (before or while
+    this waits); then for :data:`_CANCEL_JOIN_S` from the cancel at most, leaving behind those
+    still waiting on the store."""
+    deadline: float | None = None
     for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()) if abort.is_set() else None)
+        while t.is_alive():
+            if abort.is_set():
+                deadline = deadline or time.monotonic() + _CANCEL_JOIN_S
+                if time.monotonic() >= deadline:
+                    return
+            t.join(0.1)
 
 
 def _hash_in_order(fd: int, h: "hashlib._Hash", finished: list[bool], cond: threading.Condition,
@@ -436,6 +445,8 @@ def _fetch_part(store: Store, key: str, info: ObjectInfo, start: int, end: int, 
         except ETagChangedError:
             raise
         except StoreError as e:
+            if stop.is_set():  # the download is over (a part left behind by a cancel): count nothing
+                raise Aborted("stopped") from None
             if not e.retryable:
                 raise
             attempt = 1 if pos > before else attempt + 1  # progress made: the link works, start over
