@@ -44,6 +44,8 @@ head_dim. An e4m3 cache (``kv_cache_dtype="fp8"``) is widened tile by tile as it
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -494,6 +496,26 @@ def _reduce_kernel(out_ptr, po_ptr, plse_ptr, qsl_ptr, sl_ptr, lo_ptr, cpo_ptr, 
 _REDUCE_LAUNCH = CachedLauncher(_reduce_kernel, pdl=True)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA device's compute capability; None elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def long_keys(capability: tuple[int, int] | None, kv_fp8: bool, chunk: int) -> bool:
+    """Whether the large prefill tile may take 128 keys (:func:`prefill_shape`): a 16-bit cache
+    without chunked attention (where it was measured), on sm_90 or newer — its packed bfloat16
+    exp is an sm_90 instruction (``ex2.approx.ftz.bf16x2``) and its 192 KB of shared memory more
+    than an A100 has. Interpreted (``capability`` None) it is taken, so the shape is tested."""
+    return not kv_fp8 and chunk == 0 and (capability is None or capability >= (9, 0))
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -503,9 +525,10 @@ def _sm_count(device: torch.device) -> int:
 def prefill_shape(n: int, g: int, hkv: int, wide: bool, block_d: int, sm_count: int,
                   long_keys: bool) -> tuple[int, int, int, int]:
     """The prefill kernel's launch shape for ``n`` query tokens: (BLOCK_M, BLOCK_N, warps, stages).
-    ``long_keys``: the large tile may take 128 keys (a 16-bit cache without chunked attention,
-    where it was measured; over an e4m3 cache or with chunks it spills more, 800 and 1,488 bytes
-    a thread at triton 3.9 against 608, and has not been timed: 64 keys there).
+    ``long_keys``: the large tile may take 128 keys (:func:`long_keys`: a 16-bit cache without
+    chunked attention, where it was measured, on sm_90 or newer; over an e4m3 cache or with
+    chunks it spills more, 800 and 1,488 bytes a thread at triton 3.9 against 608, and has not
+    been timed: 64 keys there).
 
     Head_dim 128 in 16 bits (ops/gpu/prefill_bench.py, docs/perf.md, H100): 256 query rows (64
     tokens x a GQA group of 4) over 128-key tiles, 8 warps, 2 stages, the probabilities packed
@@ -662,7 +685,7 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     if max_query_len <= 1:
         return out
     shape = prefill_shape(n, g, hkv, q.dtype == torch.float32 or d > 128, block_d, _sm_count(q.device),
-                          k_cache.dtype != FP8 and chunk == 0)
+                          long_keys(device_capability(q.device), k_cache.dtype == FP8, chunk))
     block_m = max(cfg.get("block_m", shape[0]), triton.next_power_of_2(g))
     block_n = cfg.get("block_n", shape[1])
     tpt = block_m // g

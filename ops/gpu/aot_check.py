@@ -1,6 +1,6 @@
 """Compile every Triton kernel for sm_90 without a GPU and report its resources.
 
-Usage: ``python ops/gpu/aot_check.py [--arch 90] [--json out.json] [--ptx DIR]``. Uses triton's bundled
+Usage: ``python ops/gpu/aot_check.py [--arch 90] [--only NAME] [--json out.json] [--ptx DIR]``. Uses triton's bundled
 ptxas/cuobjdump, so it runs on a CPU-only machine (not under TRITON_INTERPRET). Arguments get the
 same 16-byte divisibility hints the JIT would derive from real tensors (pointers and the strides
 that are multiples of 16 at Llama-8B shapes), so the code is the code the GPU will run. Prints one
@@ -54,12 +54,13 @@ def attn_types(dt: str) -> dict:
 
 
 # The 256-row prefill tiles spill and are still the fastest shapes: over 128 keys with packed
-# probabilities (a 16-bit cache) 608 bytes a thread at triton 3.9 at G = 4 and 680 at G = 7,
+# probabilities (a 16-bit cache) 608 bytes a thread at triton 3.9 at G = 4, 680 at G = 7, 632 in float16,
 # 453-465 TFLOP/s causal at 32k on the H100 against 426-433 for 64 keys (176 bytes) and 373 for
 # the spill-free 128 x 128 (docs/perf.md, 2026-12-08; G = 7 not timed); over an e4m3 cache and
 # with chunks the 64-key tile (120 and 248 bytes). Each bound sits a little above what was seen,
 # so that growth shows.
 SPILLS = {"prefill bf16 G=4 D=128 256-row": 640, "prefill bf16 G=7 D=128 256-row": 704,
+          "prefill fp16 G=4 D=128 256-row": 656,
           "prefill fp8-kv G=4 D=128 256-row": 136, "prefill bf16 G=5 D=128 256-row chunked": 264}
 
 
@@ -69,9 +70,11 @@ def spill_bound(name: str) -> int:
     return SPILLS.get(name, 16)
 
 
-def specs() -> list[tuple[str, object, dict, dict, dict]]:
-    """(name, kernel, arg types, constexprs, launch options)."""
+def specs(arch: int) -> list[tuple[str, object, dict, dict, dict]]:
+    """(name, kernel, arg types, constexprs, launch options), the launch shapes as the engine
+    picks them on ``arch``."""
     out = []
+    cap = (arch // 10, arch % 10)
     for dt, prec in (("*bf16", "tf32"), ("*fp32", "ieee")):
         for g, hq, d in ((4, 32, 128), (7, 28, 128), (2, 4, 64)):
             bd = triton.next_power_of_2(d)
@@ -83,7 +86,8 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                                  CASC=False, CHUNKED=False),
                             dict(num_warps=4, num_stages=2)))
             # the launch shapes prefill_shape picks: a big step's, and a few chunks'
-            for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, g, hq // g, dt == "*fp32", bd, 132, True)
+            for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, g, hq // g, dt == "*fp32", bd, 132,
+                                                                             att.long_keys(cap, False, 0))
                                                        for n in (4096, 256)):
                 pm = max(pm, triton.next_power_of_2(g))
                 out.append((f"prefill {dt[1:]} G={g} D={d} {pm}-row", att._prefill_kernel, attn_types(dt),
@@ -93,12 +97,19 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                             dict(num_warps=warps, num_stages=stages)))
         if dt == "*fp32":
             break
+    # a float16 model's large tile: the packed exp in float16 (ex2.approx.f16x2)
+    for pm, pn, warps, stages in dict.fromkeys([att.prefill_shape(4096, 4, 8, False, 128, 132, att.long_keys(cap, False, 0))]):
+        out.append((f"prefill fp16 G=4 D=128 {pm}-row", att._prefill_kernel, attn_types("*fp16"),
+                    dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // 4, DOT_PREC="tf32",
+                         MIN_Q=2, ASM_V=False, CHUNKED=False, PACKED_EXP=att.packed_exp(pm, pn, torch.float16)),
+                    dict(num_warps=warps, num_stages=stages)))
     fp8_kv = {**attn_types("*bf16"), "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
     out.append(("decode fp8-kv G=4 D=128", att._decode_kernel, fp8_kv,
                 dict(HQ=32, G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=False,
                      DOT_PREC="tf32", ASM_V=True, CS=att.CASCADE_SPLITS, CASC=False, CHUNKED=False),
                 dict(num_warps=4, num_stages=2)))
-    for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, 4, 8, False, 128, 132, False) for n in (4096, 256)):
+    for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, 4, 8, False, 128, 132, att.long_keys(cap, True, 0))
+                                               for n in (4096, 256)):
         out.append((f"prefill fp8-kv G=4 D=128 {pm}-row", att._prefill_kernel, fp8_kv,
                     dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // 4, DOT_PREC="tf32",
                          MIN_Q=2, ASM_V=True, CHUNKED=False, PACKED_EXP=att.packed_exp(pm, pn, torch.bfloat16)),
@@ -123,7 +134,8 @@ def specs() -> list[tuple[str, object, dict, dict, dict]]:
                     dict(HQ=40, G=5, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_N=64, SINGLE=single,
                          DOT_PREC="tf32", ASM_V=False, CS=att.CASCADE_SPLITS, CASC=False, CHUNKED=True),
                     dict(num_warps=4, num_stages=2)))
-    for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, 5, 8, False, 128, 132, False) for n in (4096, 256)):
+    for pm, pn, warps, stages in dict.fromkeys(att.prefill_shape(n, 5, 8, False, 128, 132, att.long_keys(cap, False, 8192))
+                                               for n in (4096, 256)):
         pm = max(pm, 8)
         out.append((f"prefill bf16 G=5 D=128 {pm}-row chunked", att._prefill_kernel, attn_types("*bf16"),
                     dict(G=5, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // 5, DOT_PREC="tf32",
@@ -266,11 +278,14 @@ def main() -> int:
     ap.add_argument("--ptx", type=Path, help="folder: each kernel's instructions (instructions()), one file a "
                                               "spec, to diff against another tree's (a refactor that must not "
                                               "change code)")
+    ap.add_argument("--only", default="", help="compile only the specs whose name contains this")
     args = ap.parse_args()
     if args.ptx:
         args.ptx.mkdir(parents=True, exist_ok=True)
     rows, bad = [], 0
-    for name, kernel, types, consts, opts in specs():
+    for name, kernel, types, consts, opts in specs(args.arch):
+        if args.only not in name:
+            continue
         try:
             r = compile_one(kernel, types, consts, opts, args.arch)
             r["spill_bound"] = spill_bound(name)

@@ -123,6 +123,28 @@ def test_paged_attention_other_dtypes(dtype):
         assert rel_err(out, ref) < (1e-3 if dtype == torch.float16 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_large_prefill_tile_with_packed_probabilities(dtype):
+    """Enough query tokens for the 256-row, 128-key tile (attention_triton.prefill_shape), whose
+    probabilities are computed two at a time in 16 bits (packed_exp): a whole prompt and a
+    chunk over cached context, against the reference."""
+    from engine.kernels.attention_triton import packed_exp, paged_attention_triton, prefill_shape
+
+    q_lens, seq_lens = [1024, 900], [1024, 2000]
+    shape = prefill_shape(sum(q_lens), HQ // HKV, HKV, False, D,
+                          torch.cuda.get_device_properties(0).multi_processor_count,
+                          torch.cuda.get_device_capability() >= (9, 0))
+    assert shape[0] == 256 and packed_exp(shape[0], shape[1], dtype) == (shape[1] == 128), shape
+    pages = 200
+    _, kc, vc = kv_pool(pages, 16, dtype)
+    tables, qsl, sl = batch_meta(q_lens, seq_lens, 16, pages)
+    q = torch.randn(sum(q_lens), HQ, D, device=DEV, dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    paged_attention_triton(q, kc, vc, qsl, sl, tables, D ** -0.5, max(q_lens), max(seq_lens), out=out)
+    ref = attention.paged_attention_ref(q, kc, vc, qsl, sl, tables, D ** -0.5)
+    assert rel_err(out, ref) < (2e-3 if dtype == torch.float16 else 1e-2)
+
+
 @pytest.mark.parametrize("n,block", [(1, 16), (2048, 16), (777, 1)])
 def test_write_kv(n, block):
     from engine.kernels.kv_write_triton import write_kv_triton

@@ -23,7 +23,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 from engine.kernels import _dispatch, activation, attention, kv_write, norm, rope  # noqa: E402
 from engine.kernels.sample import filter_ref, sample as sample_api, sample_ref  # noqa: E402
 from engine.kernels.activation_triton import silu_and_mul_triton  # noqa: E402
-from engine.kernels.attention_triton import decode_splits, packed_exp, paged_attention_triton, prefill_shape  # noqa: E402
+from engine.kernels.attention_triton import (decode_splits, long_keys, packed_exp, paged_attention_triton,  # noqa: E402
+                                             prefill_shape)
 from engine.kernels.kv_write_triton import write_kv_triton  # noqa: E402
 from engine.kernels.norm_triton import rms_norm_triton  # noqa: E402
 from engine.kernels.rope_triton import apply_rope_triton  # noqa: E402
@@ -238,6 +239,10 @@ def test_the_prefill_shape_fills_the_gpu_before_it_grows_its_tiles():
     assert packed_exp(256, 128, torch.bfloat16) and packed_exp(256, 128, torch.float16)
     assert not packed_exp(256, 64, torch.bfloat16) and not packed_exp(64, 64, torch.bfloat16)
     assert not packed_exp(256, 128, torch.float32)
+    # 128 keys on a 16-bit, unchunked cache from sm_90 (and interpreted), not before
+    assert long_keys((9, 0), False, 0) and long_keys(None, False, 0) and long_keys((10, 0), False, 0)
+    assert not long_keys((8, 0), False, 0) and not long_keys((8, 9), False, 0)
+    assert not long_keys((9, 0), True, 0) and not long_keys((9, 0), False, 8192)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
