@@ -150,6 +150,20 @@ async def test_two_models_sharing_a_blob_fetch_it_once(tmp_path, proxy, bucket):
     store.close()
 
 
+async def _cancelled_pull(cache: DiskCache, store, started) -> float:
+    """Pull "m", cancel it 0.3 s after ``started()`` holds; the seconds the cancel took."""
+    task = asyncio.create_task(cache.pull(store, "m"))
+    deadline = time.monotonic() + 10
+    while not started() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    t0 = time.monotonic()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return time.monotonic() - t0
+
+
 async def test_cancelling_a_pull_ends_a_read_stalled_mid_body_at_once(tmp_path, proxy, published):
     """A blob whose body stalls (the store sends a little, then nothing): cancelled, the pull
     returns at once, its part threads gone (a blocked read used to hold the cancel, and the
@@ -157,16 +171,8 @@ async def test_cancelling_a_pull_ends_a_read_stalled_mid_body_at_once(tmp_path, 
     src, store, m = published
     proxy.add(Fault("stall", match="/blobs/", after=4096, delay=8, times=1000))
     cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
-    task = asyncio.create_task(cache.pull(store, "m"))
-    deadline = time.monotonic() + 10
-    while not proxy.total_blob_bytes() and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.3)  # the reads now block on the stalled bodies
-    t0 = time.monotonic()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert time.monotonic() - t0 < 2.0
+    # once the reads block on the stalled bodies
+    assert await _cancelled_pull(cache, store, lambda: proxy.total_blob_bytes() > 0) < 2.0
     assert cache.snapshot_path("m") is None and not cache._inflight
 
 
@@ -180,16 +186,7 @@ async def test_cancelling_a_pull_leaves_a_request_without_an_answer_behind(tmp_p
     src, store, m = published
     hang = proxy.add(Fault("hang", match="/blobs/", skip=6, delay=20, times=1000))
     cache = DiskCache(tmp_path / "cache", 1 << 30, download=fast_download())
-    task = asyncio.create_task(cache.pull(store, "m"))
-    deadline = time.monotonic() + 10
-    while not hang.fired and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.3)  # the part threads now wait for headers
-    t0 = time.monotonic()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert time.monotonic() - t0 < 3.0
+    assert await _cancelled_pull(cache, store, lambda: hang.fired > 0) < 3.0  # once parts wait for headers
     assert cache.snapshot_path("m") is None and not cache._inflight
     hang.times = hang.fired  # the store answers again; the first pull's requests still hang
     progress = Progress("m")
