@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from engine.sampling import SamplingParams
-from ops.bench.density_bench import arrivals, main, unexpected_errors, zipf_weights
+from ops.bench.density_bench import arrivals, main, unavailable_during_replacement, unexpected_errors, zipf_weights
 from tests.integration.agent_harness import REPO
 
 
@@ -44,10 +44,17 @@ def test_only_the_errors_a_drill_causes_by_design_are_forgiven() -> None:
     arriving while it is replaced gets 503 engine_unavailable: that is what it checks, so a run
     with it exits 0 on those alone; any other error, or those without the drill, still fails
     the run."""
-    died = {"stream:worker_died": 43, "http_503:engine_unavailable": 1}
-    assert unexpected_errors({"errors_by_kind": died, "drill_sigstop": {"at_s": 100}}) == 0
-    assert unexpected_errors({"errors_by_kind": died, "drill_sigstop": None}) == 44
-    assert unexpected_errors({"errors_by_kind": {**died, "http_503:no_room": 2}, "drill_sigstop": {"at_s": 1}}) == 2
+    died = {"stream:worker_died": 43, "http_503:engine_unavailable": 2}
+    drill = {"at_s": 100.0, "replaced_after_s": 13.0}
+    sent = [{"error": "http_503:engine_unavailable", "sent_s": 105.0}, {"error": "http_503:engine_unavailable",
+                                                                        "sent_s": 20.0}, {"sent_s": 106.0}]
+    during = unavailable_during_replacement(sent, drill)
+    assert during == 1  # the one sent at 20 s was not the drill's
+    assert unexpected_errors({"errors_by_kind": died, "drill_sigstop": drill, "unavailable_during_replacement": 2}) == 0
+    assert unexpected_errors({"errors_by_kind": died, "drill_sigstop": drill, "unavailable_during_replacement": during}) == 1
+    assert unexpected_errors({"errors_by_kind": died, "drill_sigstop": None}) == 45
+    assert unexpected_errors({"errors_by_kind": {**died, "http_503:no_room": 2}, "drill_sigstop": drill,
+                              "unavailable_during_replacement": 2}) == 2
 
 
 def test_density_bench_runs_against_a_real_daemon(tmp_path) -> None:
