@@ -684,8 +684,9 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
                  cascade, chunk)
     if max_query_len <= 1:
         return out
+    cap = device_capability(q.device)
     shape = prefill_shape(n, g, hkv, q.dtype == torch.float32 or d > 128, block_d, _sm_count(q.device),
-                          long_keys(device_capability(q.device), k_cache.dtype == FP8, chunk))
+                          long_keys(cap, k_cache.dtype == FP8, chunk))
     block_m = max(cfg.get("block_m", shape[0]), triton.next_power_of_2(g))
     block_n = cfg.get("block_n", shape[1])
     tpt = block_m // g
@@ -697,7 +698,10 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common, b, chunk, CHUNKED=chunk > 0,
         G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
         DOT_PREC=dot_prec, MIN_Q=2, ASM_V=asm_v,
-        PACKED_EXP=packed_exp(block_m, block_n, q.dtype) and _PREFILL_LAUNCH.compiled, num_warps=cfg.get("num_warps", shape[2]),
+        # compiled (inline assembly) for sm_90 or newer only (a benchmark's ``config`` may ask any tile)
+        PACKED_EXP=packed_exp(block_m, block_n, q.dtype) and _PREFILL_LAUNCH.compiled and cap is not None
+        and cap >= (9, 0),
+        num_warps=cfg.get("num_warps", shape[2]),
         num_stages=cfg.get("num_stages", shape[3]),
     )
     return out
