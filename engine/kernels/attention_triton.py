@@ -508,12 +508,16 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# The packed bfloat16 exp (``ex2.approx.ftz.bf16x2``) is an sm_90 instruction, and the 128-key
+# tile it makes room for takes 192 KB of shared memory, more than an A100 has.
+SM90 = (9, 0)
+
+
 def long_keys(capability: tuple[int, int] | None, kv_fp8: bool, chunk: int) -> bool:
     """Whether the large prefill tile may take 128 keys (:func:`prefill_shape`): a 16-bit cache
-    without chunked attention (where it was measured), on sm_90 or newer — its packed bfloat16
-    exp is an sm_90 instruction (``ex2.approx.ftz.bf16x2``) and its 192 KB of shared memory more
-    than an A100 has. Interpreted (``capability`` None) it is taken, so the shape is tested."""
-    return not kv_fp8 and chunk == 0 and (capability is None or capability >= (9, 0))
+    without chunked attention (where it was measured), on :data:`SM90` or newer. Interpreted
+    (``capability`` None) it is taken, so the shape is tested."""
+    return not kv_fp8 and chunk == 0 and (capability is None or capability >= SM90)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -550,13 +554,16 @@ def prefill_shape(n: int, g: int, hkv: int, wide: bool, block_d: int, sm_count: 
     return 64, 64, 4, 3
 
 
-def packed_exp(block_m: int, block_n: int, dtype: torch.dtype) -> bool:
+def packed_exp(block_m: int, block_n: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
     """Whether a prefill tile computes its probabilities two at a time in 16 bits
     (:func:`_exp2_packed`): the 256 x 128 tile's float32 scores and probabilities spilled
     (292 TFLOP/s at 32k on the H100), and with packed ones it is the fastest shape (453-465,
     against 426-433 for 256 x 64 tiles, packed or not; torch's flash backend 332-338, same
-    runs). Smaller tiles gain nothing (64 rows: 334 against 362 at a 512-token chunk at 32k)."""
-    return block_m * block_n >= 256 * 128 and dtype in (torch.bfloat16, torch.float16)
+    runs). Smaller tiles gain nothing (64 rows: 334 against 362 at a 512-token chunk at 32k).
+    Compiled for :data:`SM90` or newer only (``capability`` None, the interpreter: never), whatever
+    tile a benchmark's ``config`` asks."""
+    return (block_m * block_n >= 256 * 128 and dtype in (torch.bfloat16, torch.float16)
+            and capability is not None and capability >= SM90)
 
 
 def decode_splits(batch: int, hkv: int, max_seq_len: int, block_n: int, sm_count: int) -> int:
@@ -698,9 +705,7 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, *common, b, chunk, CHUNKED=chunk > 0,
         G=g, D=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, TPT=tpt,
         DOT_PREC=dot_prec, MIN_Q=2, ASM_V=asm_v,
-        # compiled (inline assembly) for sm_90 or newer only (a benchmark's ``config`` may ask any tile)
-        PACKED_EXP=packed_exp(block_m, block_n, q.dtype) and _PREFILL_LAUNCH.compiled and cap is not None
-        and cap >= (9, 0),
+        PACKED_EXP=packed_exp(block_m, block_n, q.dtype, cap) and _PREFILL_LAUNCH.compiled,  # inline assembly
         num_warps=cfg.get("num_warps", shape[2]),
         num_stages=cfg.get("num_stages", shape[3]),
     )

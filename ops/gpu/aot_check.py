@@ -93,7 +93,7 @@ def specs(arch: int) -> list[tuple[str, object, dict, dict, dict]]:
                 out.append((f"prefill {dt[1:]} G={g} D={d} {pm}-row", att._prefill_kernel, attn_types(dt),
                             dict(G=g, D=d, BLOCK_D=bd, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // g,
                                  DOT_PREC=prec, MIN_Q=2, ASM_V=False, CHUNKED=False,
-                                 PACKED_EXP=att.packed_exp(pm, pn, torch.bfloat16 if dt == "*bf16" else torch.float32)),
+                                 PACKED_EXP=att.packed_exp(pm, pn, torch.bfloat16 if dt == "*bf16" else torch.float32, cap)),
                             dict(num_warps=warps, num_stages=stages)))
         if dt == "*fp32":
             break
@@ -101,7 +101,7 @@ def specs(arch: int) -> list[tuple[str, object, dict, dict, dict]]:
     for pm, pn, warps, stages in dict.fromkeys([att.prefill_shape(4096, 4, 8, False, 128, 132, att.long_keys(cap, False, 0))]):
         out.append((f"prefill fp16 G=4 D=128 {pm}-row", att._prefill_kernel, attn_types("*fp16"),
                     dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // 4, DOT_PREC="tf32",
-                         MIN_Q=2, ASM_V=False, CHUNKED=False, PACKED_EXP=att.packed_exp(pm, pn, torch.float16)),
+                         MIN_Q=2, ASM_V=False, CHUNKED=False, PACKED_EXP=att.packed_exp(pm, pn, torch.float16, cap)),
                     dict(num_warps=warps, num_stages=stages)))
     fp8_kv = {**attn_types("*bf16"), "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"}
     out.append(("decode fp8-kv G=4 D=128", att._decode_kernel, fp8_kv,
@@ -112,7 +112,7 @@ def specs(arch: int) -> list[tuple[str, object, dict, dict, dict]]:
                                                for n in (4096, 256)):
         out.append((f"prefill fp8-kv G=4 D=128 {pm}-row", att._prefill_kernel, fp8_kv,
                     dict(G=4, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // 4, DOT_PREC="tf32",
-                         MIN_Q=2, ASM_V=True, CHUNKED=False, PACKED_EXP=att.packed_exp(pm, pn, torch.bfloat16)),
+                         MIN_Q=2, ASM_V=True, CHUNKED=False, PACKED_EXP=att.packed_exp(pm, pn, torch.bfloat16, cap)),
                     dict(num_warps=warps, num_stages=stages)))
     for single in (True, False):
         out.append((f"decode bf16 G=4 D=128 single={single} cascade", att._decode_kernel, attn_types("*bf16"),
@@ -139,7 +139,7 @@ def specs(arch: int) -> list[tuple[str, object, dict, dict, dict]]:
         pm = max(pm, 8)
         out.append((f"prefill bf16 G=5 D=128 {pm}-row chunked", att._prefill_kernel, attn_types("*bf16"),
                     dict(G=5, D=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pm, BLOCK_N=pn, TPT=pm // 5, DOT_PREC="tf32",
-                         MIN_Q=2, ASM_V=False, CHUNKED=True, PACKED_EXP=att.packed_exp(pm, pn, torch.bfloat16)),
+                         MIN_Q=2, ASM_V=False, CHUNKED=True, PACKED_EXP=att.packed_exp(pm, pn, torch.bfloat16, cap)),
                     dict(num_warps=warps, num_stages=stages)))
     out.append(("reduce chunked", att._reduce_kernel, attn_types("*bf16"),
                 dict(HQ=40, D=128, BLOCK_D=128, BLOCK_N=64, BLOCK_S=8, CS=att.CASCADE_SPLITS, CASC=False, CHUNKED=True),

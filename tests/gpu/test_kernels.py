@@ -128,13 +128,13 @@ def test_the_large_prefill_tile_with_packed_probabilities(dtype):
     """Enough query tokens for the 256-row, 128-key tile (attention_triton.prefill_shape), whose
     probabilities are computed two at a time in 16 bits (packed_exp): a whole prompt and a
     chunk over cached context, against the reference."""
-    from engine.kernels.attention_triton import packed_exp, paged_attention_triton, prefill_shape
+    from engine.kernels.attention_triton import long_keys, packed_exp, paged_attention_triton, prefill_shape
 
     q_lens, seq_lens = [1024, 900], [1024, 2000]
+    cap = torch.cuda.get_device_capability()
     shape = prefill_shape(sum(q_lens), HQ // HKV, HKV, False, D,
-                          torch.cuda.get_device_properties(0).multi_processor_count,
-                          torch.cuda.get_device_capability() >= (9, 0))
-    assert shape[0] == 256 and packed_exp(shape[0], shape[1], dtype) == (shape[1] == 128), shape
+                          torch.cuda.get_device_properties(0).multi_processor_count, long_keys(cap, False, 0))
+    assert shape[0] == 256 and packed_exp(shape[0], shape[1], dtype, cap) == (shape[1] == 128), shape
     pages = 200
     _, kc, vc = kv_pool(pages, 16, dtype)
     tables, qsl, sl = batch_meta(q_lens, seq_lens, 16, pages)

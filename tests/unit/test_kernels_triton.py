@@ -236,9 +236,9 @@ def test_the_prefill_shape_fills_the_gpu_before_it_grows_its_tiles():
     assert prefill_shape(460, 4, 8, False, 128, 132, True) == (64, 64, 4, 3)
     assert prefill_shape(4096, 4, 8, True, 128, 132, True)[0] == 32
     assert prefill_shape(4096, 3, 3, False, 64, 132, True) == (128, 64, 4, 3)
-    assert packed_exp(256, 128, torch.bfloat16) and packed_exp(256, 128, torch.float16)
-    assert not packed_exp(256, 64, torch.bfloat16) and not packed_exp(64, 64, torch.bfloat16)
-    assert not packed_exp(256, 128, torch.float32)
+    assert packed_exp(256, 128, torch.bfloat16, (9, 0)) and packed_exp(256, 128, torch.float16, (9, 0))
+    assert not packed_exp(256, 64, torch.bfloat16, (9, 0)) and not packed_exp(64, 64, torch.bfloat16, (9, 0))
+    assert not packed_exp(256, 128, torch.float32, (9, 0))
     # 128 keys on a 16-bit, unchunked cache from sm_90 (and interpreted), not before
     assert long_keys((9, 0), False, 0) and long_keys(None, False, 0) and long_keys((10, 0), False, 0)
     assert not long_keys((8, 0), False, 0) and not long_keys((8, 9), False, 0)
