@@ -17,14 +17,21 @@ ROOT = Path(__file__).resolve().parents[2]
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-@pytest.mark.skipif(not PTXAS.exists(), reason="triton without the bundled NVIDIA toolchain")
-def test_kernels_compile_for_sm90_without_spills(tmp_path):
+def _aot_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+    """ops/gpu/aot_check.py run compiled (not under the interpreter the unit tests set), with a
+    Triton cache of its own: its process and its rows by kernel name."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    proc = subprocess.run([sys.executable, str(ROOT / "ops" / "gpu" / "aot_check.py"), "--json", str(tmp_path / "r.json")],
+    proc = subprocess.run([sys.executable, str(ROOT / "ops" / "gpu" / "aot_check.py"), *args,
+                           "--json", str(tmp_path / "r.json")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return proc, {r["kernel"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="triton without the bundled NVIDIA toolchain")
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    proc, rows = _aot_check(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {r["kernel"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
     assert len(rows) >= 20 and all(r["ok"] for r in rows.values())
     # the e4m3 KV tiles reach the dots widened in registers, not a byte at a time from shared memory
     for name in ("decode fp8-kv G=4 D=128", "prefill fp8-kv G=4 D=128 256-row", "prefill fp8-kv G=4 D=128 64-row",
@@ -44,12 +51,7 @@ def test_the_16_bit_prefill_tiles_compile_before_hopper(tmp_path):
     """On sm_80 the large prefill tile keeps 64 keys and float32 probabilities: the packed
     bfloat16 exp is an sm_90 instruction (ptxas refuses it for sm_80) and the 128-key tile's
     192 KB of shared memory is more than an A100 has."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    proc = subprocess.run([sys.executable, str(ROOT / "ops" / "gpu" / "aot_check.py"), "--arch", "80",
-                           "--only", "prefill bf16 G=4", "--json", str(tmp_path / "r.json")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    rows = {r["kernel"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+    proc, rows = _aot_check(tmp_path, "--arch", "80", "--only", "prefill bf16 G=4")
     assert set(rows) == {"prefill bf16 G=4 D=128 256-row", "prefill bf16 G=4 D=128 64-row"}, proc.stdout + proc.stderr
     # compiled (the spill bounds are sm_90's: not checked here), within an A100's shared memory
     assert all("error" not in r and r["shared"] <= 164 * 1024 for r in rows.values()), rows
